@@ -1,0 +1,283 @@
+//! Dense tensor layout: chunking and the chunk → shard partition.
+//!
+//! Every dense tensor of `len` elements is cut into chunks of `chunk_elems` elements (the last chunk may be
+//! shorter). Chunks are numbered globally in tensor order; chunk `g` lives on shard `g % num_shards`. The
+//! rule is stable and documented so that workers compute routes locally from the cluster map.
+
+use bincode::{Decode, Encode};
+use std::ops::Range;
+
+/// One dense tensor of the model.
+#[derive(Debug, Clone, PartialEq, Eq, Encode, Decode)]
+pub struct TensorSpec {
+    /// Human-readable name, e.g. `logreg.w`.
+    pub name: String,
+    /// Number of f32 elements.
+    pub len: u64,
+}
+
+/// Identifies one chunk of one tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Encode, Decode)]
+pub struct ChunkId {
+    /// Index of the tensor in [`Layout::tensors`].
+    pub tensor: u32,
+    /// Index of the chunk inside the tensor.
+    pub chunk: u32,
+}
+
+/// Errors about a layout or a chunk reference.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LayoutError {
+    /// The layout itself is unusable.
+    #[error("invalid layout: {0}")]
+    Invalid(String),
+    /// A chunk reference names a tensor or chunk that does not exist.
+    #[error("unknown chunk {tensor}/{chunk}")]
+    UnknownChunk {
+        /// Tensor index.
+        tensor: u32,
+        /// Chunk index.
+        chunk: u32,
+    },
+}
+
+/// The model's dense tensors and the chunk size. Identical on every process of a cluster (checked by
+/// [`Layout::fingerprint`]).
+#[derive(Debug, Clone, PartialEq, Eq, Encode, Decode)]
+pub struct Layout {
+    /// The dense tensors, in order.
+    pub tensors: Vec<TensorSpec>,
+    /// Elements per chunk (the last chunk of a tensor may be shorter).
+    pub chunk_elems: u32,
+}
+
+/// Upper bound on the number of elements of one tensor (2^34 floats = 64 GiB), so sizes never overflow.
+pub const MAX_TENSOR_ELEMS: u64 = 1 << 34;
+/// Upper bound on the number of tensors in a layout.
+pub const MAX_TENSORS: usize = 1 << 16;
+
+impl Layout {
+    /// Builds and validates a layout.
+    pub fn new(tensors: Vec<TensorSpec>, chunk_elems: u32) -> Result<Self, LayoutError> {
+        let layout = Layout {
+            tensors,
+            chunk_elems,
+        };
+        layout.validate()?;
+        Ok(layout)
+    }
+
+    /// Checks every bound; a layout received from the network goes through this before use.
+    pub fn validate(&self) -> Result<(), LayoutError> {
+        if self.chunk_elems == 0 {
+            return Err(LayoutError::Invalid(
+                "chunk_elems must be at least 1".into(),
+            ));
+        }
+        if self.tensors.is_empty() {
+            return Err(LayoutError::Invalid("the model has no tensors".into()));
+        }
+        if self.tensors.len() > MAX_TENSORS {
+            return Err(LayoutError::Invalid(format!(
+                "more than {MAX_TENSORS} tensors"
+            )));
+        }
+        let mut total_chunks: u64 = 0;
+        for t in &self.tensors {
+            if t.len == 0 || t.len > MAX_TENSOR_ELEMS {
+                return Err(LayoutError::Invalid(format!(
+                    "tensor {:?} has {} elements (must be 1..={MAX_TENSOR_ELEMS})",
+                    t.name, t.len
+                )));
+            }
+            total_chunks += t.len.div_ceil(u64::from(self.chunk_elems));
+        }
+        if total_chunks > u64::from(u32::MAX) {
+            return Err(LayoutError::Invalid("more than 2^32 chunks".into()));
+        }
+        Ok(())
+    }
+
+    /// Number of chunks of tensor `tensor` (0 when the tensor does not exist).
+    pub fn num_chunks(&self, tensor: u32) -> u32 {
+        self.tensors
+            .get(tensor as usize)
+            .map_or(0, |t| t.len.div_ceil(u64::from(self.chunk_elems)) as u32)
+    }
+
+    /// Total number of chunks over all tensors.
+    pub fn total_chunks(&self) -> u64 {
+        (0..self.tensors.len() as u32)
+            .map(|t| u64::from(self.num_chunks(t)))
+            .sum()
+    }
+
+    /// Total number of elements over all tensors.
+    pub fn total_elems(&self) -> u64 {
+        self.tensors.iter().map(|t| t.len).sum()
+    }
+
+    /// Element range of a chunk inside its tensor.
+    pub fn chunk_range(&self, id: ChunkId) -> Result<Range<usize>, LayoutError> {
+        let t = self
+            .tensors
+            .get(id.tensor as usize)
+            .ok_or(LayoutError::UnknownChunk {
+                tensor: id.tensor,
+                chunk: id.chunk,
+            })?;
+        let start = u64::from(id.chunk) * u64::from(self.chunk_elems);
+        if start >= t.len {
+            return Err(LayoutError::UnknownChunk {
+                tensor: id.tensor,
+                chunk: id.chunk,
+            });
+        }
+        let end = (start + u64::from(self.chunk_elems)).min(t.len);
+        Ok(start as usize..end as usize)
+    }
+
+    /// Number of elements of a chunk.
+    pub fn chunk_len(&self, id: ChunkId) -> Result<usize, LayoutError> {
+        self.chunk_range(id).map(|r| r.len())
+    }
+
+    /// Global index of a chunk (tensor order, then chunk order).
+    pub fn global_index(&self, id: ChunkId) -> Result<u64, LayoutError> {
+        self.chunk_range(id)?;
+        let before: u64 = (0..id.tensor).map(|t| u64::from(self.num_chunks(t))).sum();
+        Ok(before + u64::from(id.chunk))
+    }
+
+    /// The shard that owns a chunk: `global_index % num_shards`.
+    pub fn owner(&self, id: ChunkId, num_shards: u32) -> Result<u32, LayoutError> {
+        Ok((self.global_index(id)? % u64::from(num_shards.max(1))) as u32)
+    }
+
+    /// Every chunk of the model, in global order.
+    pub fn chunks(&self) -> impl Iterator<Item = ChunkId> + '_ {
+        (0..self.tensors.len() as u32).flat_map(move |tensor| {
+            (0..self.num_chunks(tensor)).map(move |chunk| ChunkId { tensor, chunk })
+        })
+    }
+
+    /// The chunks owned by `shard`, in global order.
+    pub fn chunks_of_shard(&self, shard: u32, num_shards: u32) -> Vec<ChunkId> {
+        let n = u64::from(num_shards.max(1));
+        self.chunks()
+            .enumerate()
+            .filter(|(g, _)| *g as u64 % n == u64::from(shard))
+            .map(|(_, id)| id)
+            .collect()
+    }
+
+    /// A stable 64-bit fingerprint (FNV-1a) of the layout, used to detect processes configured with
+    /// different models.
+    pub fn fingerprint(&self) -> u64 {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        let mut eat = |bytes: &[u8]| {
+            for b in bytes {
+                h ^= u64::from(*b);
+                h = h.wrapping_mul(0x0000_0100_0000_01b3);
+            }
+        };
+        eat(&self.chunk_elems.to_le_bytes());
+        for t in &self.tensors {
+            eat(&(t.name.len() as u64).to_le_bytes());
+            eat(t.name.as_bytes());
+            eat(&t.len.to_le_bytes());
+        }
+        h
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout() -> Layout {
+        Layout::new(
+            vec![
+                TensorSpec {
+                    name: "a".into(),
+                    len: 10,
+                },
+                TensorSpec {
+                    name: "b".into(),
+                    len: 1,
+                },
+                TensorSpec {
+                    name: "c".into(),
+                    len: 8,
+                },
+            ],
+            4,
+        )
+        .expect("valid layout")
+    }
+
+    #[test]
+    fn chunks_cover_every_element_once_and_spread_over_shards() {
+        let l = layout();
+        assert_eq!(l.total_chunks(), 3 + 1 + 2);
+        let mut covered = [vec![0u8; 10], vec![0u8; 1], vec![0u8; 8]];
+        for id in l.chunks() {
+            for i in l.chunk_range(id).expect("chunk exists") {
+                covered[id.tensor as usize][i] += 1;
+            }
+        }
+        assert!(covered.iter().flatten().all(|c| *c == 1));
+        let s0 = l.chunks_of_shard(0, 2);
+        let s1 = l.chunks_of_shard(1, 2);
+        assert_eq!(s0.len() + s1.len(), 6);
+        assert_eq!(s0.len(), 3);
+        for id in &s1 {
+            assert_eq!(l.owner(*id, 2).expect("owner"), 1);
+        }
+        assert_eq!(
+            l.chunk_len(ChunkId {
+                tensor: 0,
+                chunk: 2
+            })
+            .expect("len"),
+            2
+        );
+    }
+
+    #[test]
+    fn bad_references_and_layouts_are_errors() {
+        let l = layout();
+        assert!(l
+            .chunk_range(ChunkId {
+                tensor: 0,
+                chunk: 3
+            })
+            .is_err());
+        assert!(l
+            .chunk_range(ChunkId {
+                tensor: 9,
+                chunk: 0
+            })
+            .is_err());
+        assert!(Layout::new(vec![], 4).is_err());
+        assert!(Layout::new(
+            vec![TensorSpec {
+                name: "x".into(),
+                len: 0
+            }],
+            4
+        )
+        .is_err());
+        assert!(Layout::new(
+            vec![TensorSpec {
+                name: "x".into(),
+                len: 3
+            }],
+            0
+        )
+        .is_err());
+        let mut other = l.clone();
+        other.tensors[2].len = 9;
+        assert_ne!(l.fingerprint(), other.fingerprint());
+    }
+}

@@ -1,0 +1,831 @@
+//! The gaps wire protocol.
+//!
+//! One RPC is one QUIC bidirectional stream: the client writes one request frame and finishes the stream;
+//! the server answers with one reply frame and finishes. A frame is
+//!
+//! ```text
+//! [kind: u8][header_len: u32 LE][header: bincode-2, header_len bytes][payload: f32 little-endian]
+//! ```
+//!
+//! The header is the only part encoded with bincode; tensors travel as raw little-endian `f32` bytes whose
+//! element count is implied by the header (see [`Message::payload_elems`]). Every length is checked against
+//! [`Limits`] before anything is allocated, and a header must be consumed exactly.
+//!
+//! This module holds the only types of the project that derive bincode's `Encode`/`Decode`.
+
+use crate::layout::{ChunkId, Layout};
+use bincode::{Decode, Encode};
+
+/// Protocol version carried by registrations; a peer with another version is refused.
+pub const PROTOCOL_VERSION: u16 = 1;
+/// Bytes before the header: the kind byte and the header length.
+pub const FRAME_PREFIX_LEN: usize = 5;
+/// Hard upper bound on an encoded header (also the bincode decode limit).
+pub const MAX_HEADER_BYTES: u32 = 1 << 20;
+/// Default upper bound on a frame's tensor payload (1 GiB).
+pub const DEFAULT_MAX_PAYLOAD_BYTES: u64 = 1 << 30;
+
+/// Bounds applied to every incoming frame before allocation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Largest accepted header, in bytes (at most [`MAX_HEADER_BYTES`]).
+    pub max_header_bytes: u32,
+    /// Largest accepted tensor payload, in bytes.
+    pub max_payload_bytes: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_header_bytes: MAX_HEADER_BYTES,
+            max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
+        }
+    }
+}
+
+/// Everything that can be wrong with a frame.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WireError {
+    /// The frame ended before the declared length.
+    #[error("truncated frame: needed {needed} bytes, got {got}")]
+    Truncated {
+        /// Bytes the frame declared.
+        needed: u64,
+        /// Bytes that arrived.
+        got: u64,
+    },
+    /// The header length exceeds the limit.
+    #[error("header of {len} bytes exceeds the limit of {max}")]
+    HeaderTooLarge {
+        /// Declared length.
+        len: u64,
+        /// Limit.
+        max: u64,
+    },
+    /// The payload length implied by the header exceeds the limit.
+    #[error("payload of {len} bytes exceeds the limit of {max}")]
+    PayloadTooLarge {
+        /// Implied length.
+        len: u64,
+        /// Limit.
+        max: u64,
+    },
+    /// The kind byte names no message.
+    #[error("unknown message kind {0}")]
+    UnknownKind(u8),
+    /// The header does not decode as the message its kind names.
+    #[error("malformed header: {0}")]
+    BadHeader(String),
+    /// The number of payload elements differs from what the header declares.
+    #[error("payload has {got} elements, header declares {expected}")]
+    ElementCountMismatch {
+        /// Declared by the header.
+        expected: u64,
+        /// Present.
+        got: u64,
+    },
+    /// Bytes follow the end of the frame.
+    #[error("{0} unexpected bytes after the end of the frame")]
+    TrailingBytes(u64),
+    /// The transport failed while reading or writing.
+    #[error("transport error: {0}")]
+    Io(String),
+}
+
+/// Why a request was refused; carried by [`ErrorReply`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Encode, Decode)]
+pub enum ErrorCode {
+    /// The frame could not be decoded.
+    Malformed,
+    /// The frame's kind is unknown or not valid as a request.
+    UnknownKind,
+    /// A length exceeded a limit.
+    TooLarge,
+    /// A tensor/chunk reference or element count does not match the layout.
+    WrongShape,
+    /// A gradient holds NaN or ±Inf.
+    NonFinite,
+    /// The chunk belongs to another shard.
+    NotOwner,
+    /// The request carries an out-of-date cluster epoch.
+    StaleEpoch,
+    /// Not every shard has joined the cluster yet.
+    ClusterIncomplete,
+    /// The peer's configuration contradicts the cluster's (layout, shard count, protocol).
+    Misconfigured,
+    /// The worker id is unknown to this coordinator, or the request needs the coordinator.
+    NotRegistered,
+    /// The sequence number is too far ahead of what was applied.
+    SequenceWindow,
+    /// The server is shutting down.
+    ShuttingDown,
+    /// An internal failure; the message says what.
+    Internal,
+}
+
+/// The role a registering client asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Encode, Decode)]
+pub enum Role {
+    /// A training worker: gets a worker id and a lease.
+    Worker,
+    /// A read-only client (evaluation, `gaps local`, benches): gets the map, no id, no lease.
+    Observer,
+}
+
+/// A client asks the coordinator to join.
+#[derive(Debug, Clone, PartialEq, Eq, Encode, Decode)]
+pub struct Register {
+    /// The client's [`PROTOCOL_VERSION`].
+    pub protocol: u16,
+    /// Worker or observer.
+    pub role: Role,
+    /// Free-form name for logs.
+    pub name: String,
+}
+
+/// A non-coordinator shard announces itself to the coordinator.
+#[derive(Debug, Clone, PartialEq, Eq, Encode, Decode)]
+pub struct RegisterShard {
+    /// The shard's [`PROTOCOL_VERSION`].
+    pub protocol: u16,
+    /// The shard's index.
+    pub shard: u32,
+    /// The cluster size the shard was configured with.
+    pub num_shards: u32,
+    /// Address clients should use to reach the shard.
+    pub addr: String,
+    /// [`Layout::fingerprint`] of the shard's model.
+    pub layout_fingerprint: u64,
+}
+
+/// One shard's address.
+#[derive(Debug, Clone, PartialEq, Eq, Encode, Decode)]
+pub struct ShardAddr {
+    /// Shard index.
+    pub index: u32,
+    /// `host:port`.
+    pub addr: String,
+}
+
+/// The coordinator's answer to a registration: everything needed to route.
+#[derive(Debug, Clone, PartialEq, Eq, Encode, Decode)]
+pub struct ClusterMap {
+    /// Identifies this incarnation of the cluster; requests with another epoch are refused.
+    pub epoch: u64,
+    /// The id given to a registering worker (None for observers and shards).
+    pub worker_id: Option<u32>,
+    /// Number of shards.
+    pub num_shards: u32,
+    /// Every shard's address, index order.
+    pub shards: Vec<ShardAddr>,
+    /// The model's dense tensors.
+    pub layout: Layout,
+    /// A worker that sends no heartbeat for this long is considered gone (milliseconds).
+    pub lease_ms: u32,
+}
+
+/// Read a set of chunks.
+#[derive(Debug, Clone, PartialEq, Eq, Encode, Decode)]
+pub struct Pull {
+    /// Cluster epoch of the client's map.
+    pub epoch: u64,
+    /// Chunks to read (all must belong to the addressed shard).
+    pub chunks: Vec<ChunkId>,
+}
+
+/// One chunk in a reply: its version and length; its values follow in the payload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Encode, Decode)]
+pub struct ChunkVersion {
+    /// Which chunk.
+    pub id: ChunkId,
+    /// Number of updates applied to this chunk so far.
+    pub version: u64,
+    /// Elements of this chunk in the payload.
+    pub len: u32,
+}
+
+/// Answer to [`Pull`]; payload = the chunks' values, in order.
+#[derive(Debug, Clone, PartialEq, Eq, Encode, Decode)]
+pub struct PullReply {
+    /// Chunks in payload order.
+    pub chunks: Vec<ChunkVersion>,
+}
+
+/// One chunk of a gradient push.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Encode, Decode)]
+pub struct PushChunk {
+    /// Which chunk.
+    pub id: ChunkId,
+    /// The chunk version the gradient was computed on (from the pull).
+    pub read_version: u64,
+    /// Elements of this chunk in the payload.
+    pub len: u32,
+}
+
+/// A gradient; payload = the chunks' gradients, in order. Applied exactly once per `(worker, seq)`.
+#[derive(Debug, Clone, PartialEq, Eq, Encode, Decode)]
+pub struct Push {
+    /// Cluster epoch of the client's map.
+    pub epoch: u64,
+    /// Worker id from the cluster map.
+    pub worker: u32,
+    /// Per (worker, shard) sequence number, starting at 1 and increasing by one per push.
+    pub seq: u64,
+    /// The chunks, in payload order.
+    pub chunks: Vec<PushChunk>,
+}
+
+/// Acknowledges a push.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Encode, Decode)]
+pub struct Ack {
+    /// The acknowledged sequence number.
+    pub seq: u64,
+    /// True when this `(worker, seq)` had been applied before and was not applied again.
+    pub duplicate: bool,
+    /// Largest staleness τ over the push's chunks (0 for duplicates).
+    pub max_staleness: u64,
+}
+
+/// A typed refusal, answered on the request's stream.
+#[derive(Debug, Clone, PartialEq, Eq, Encode, Decode)]
+pub struct ErrorReply {
+    /// Machine-readable reason.
+    pub code: ErrorCode,
+    /// Human-readable explanation.
+    pub message: String,
+}
+
+/// A worker renews its lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Encode, Decode)]
+pub struct Heartbeat {
+    /// The worker id.
+    pub worker: u32,
+}
+
+/// A worker leaves the job for good.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Encode, Decode)]
+pub struct Leave {
+    /// The worker id.
+    pub worker: u32,
+}
+
+/// Answer to [`Heartbeat`] and [`Leave`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Encode, Decode)]
+pub struct HeartbeatAck {
+    /// Cluster epoch.
+    pub epoch: u64,
+    /// Workers holding a lease.
+    pub live_workers: u32,
+}
+
+/// Ask a shard for its counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Encode, Decode)]
+pub struct StatsRequest;
+
+/// A shard's counters since it started.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Encode, Decode)]
+pub struct Stats {
+    /// Shard index.
+    pub shard: u32,
+    /// Cluster epoch as the shard knows it (0 before it joined).
+    pub epoch: u64,
+    /// Pushes applied (each `(worker, seq)` once).
+    pub pushes_applied: u64,
+    /// Retried pushes acknowledged without applying them again.
+    pub pushes_duplicate: u64,
+    /// Pushes refused with an error (nothing applied).
+    pub pushes_rejected: u64,
+    /// Pulls served.
+    pub pulls: u64,
+    /// Tensor payload bytes received.
+    pub payload_bytes_in: u64,
+    /// Tensor payload bytes sent.
+    pub payload_bytes_out: u64,
+    /// Sum of staleness τ over applied chunk updates.
+    pub staleness_sum: u64,
+    /// Number of applied chunk updates (the denominator of the mean staleness).
+    pub staleness_count: u64,
+    /// Largest staleness seen.
+    pub staleness_max: u64,
+    /// Workers holding a lease (coordinator only; 0 elsewhere).
+    pub live_workers: u32,
+    /// Workers ever registered (coordinator only).
+    pub registered_workers: u32,
+}
+
+/// Every message of the protocol. The kind byte on the wire is [`Message::kind`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Message {
+    /// Kind 1.
+    Register(Register),
+    /// Kind 2.
+    RegisterShard(RegisterShard),
+    /// Kind 3.
+    ClusterMap(ClusterMap),
+    /// Kind 4.
+    Pull(Pull),
+    /// Kind 5 (carries a payload).
+    PullReply(PullReply),
+    /// Kind 6 (carries a payload).
+    Push(Push),
+    /// Kind 7.
+    Ack(Ack),
+    /// Kind 8.
+    Error(ErrorReply),
+    /// Kind 9.
+    Heartbeat(Heartbeat),
+    /// Kind 10.
+    HeartbeatAck(HeartbeatAck),
+    /// Kind 11.
+    StatsRequest(StatsRequest),
+    /// Kind 12.
+    Stats(Stats),
+    /// Kind 13.
+    Leave(Leave),
+}
+
+/// Defines `kind()`, header encoding and kind-directed decoding for every variant in one place.
+macro_rules! message_kinds {
+    ($($kind:literal => $variant:ident),* $(,)?) => {
+        impl Message {
+            /// The kind byte of this message on the wire.
+            pub fn kind(&self) -> u8 {
+                match self { $(Message::$variant(_) => $kind,)* }
+            }
+
+            fn encode_body(&self, out: &mut Vec<u8>) -> Result<usize, bincode::error::EncodeError> {
+                match self { $(Message::$variant(m) => bincode::encode_into_std_write(m, out, config()),)* }
+            }
+
+            fn decode_body(kind: u8, bytes: &[u8]) -> Result<(Message, usize), WireError> {
+                let bad = |e: bincode::error::DecodeError| WireError::BadHeader(e.to_string());
+                match kind {
+                    $($kind => {
+                        let (m, used) = bincode::decode_from_slice(bytes, config()).map_err(bad)?;
+                        Ok((Message::$variant(m), used))
+                    })*
+                    other => Err(WireError::UnknownKind(other)),
+                }
+            }
+        }
+    };
+}
+
+message_kinds! {
+    1 => Register, 2 => RegisterShard, 3 => ClusterMap, 4 => Pull, 5 => PullReply, 6 => Push, 7 => Ack,
+    8 => Error, 9 => Heartbeat, 10 => HeartbeatAck, 11 => StatsRequest, 12 => Stats, 13 => Leave,
+}
+
+fn config() -> impl bincode::config::Config {
+    bincode::config::standard()
+        .with_little_endian()
+        .with_variable_int_encoding()
+        .with_limit::<{ MAX_HEADER_BYTES as usize }>()
+}
+
+impl Message {
+    /// Number of f32 payload elements this header declares (sum of the chunk lengths).
+    pub fn payload_elems(&self) -> u64 {
+        match self {
+            Message::PullReply(r) => r.chunks.iter().map(|c| u64::from(c.len)).sum(),
+            Message::Push(p) => p.chunks.iter().map(|c| u64::from(c.len)).sum(),
+            _ => 0,
+        }
+    }
+
+    /// Shorthand for an [`ErrorReply`].
+    pub fn error(code: ErrorCode, message: impl Into<String>) -> Message {
+        Message::Error(ErrorReply {
+            code,
+            message: message.into(),
+        })
+    }
+}
+
+/// A decoded frame: header message plus tensor payload.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Frame {
+    /// The header.
+    pub msg: Message,
+    /// The tensor payload (empty for messages without one).
+    pub payload: Vec<f32>,
+}
+
+impl Frame {
+    /// A frame without payload.
+    pub fn new(msg: Message) -> Frame {
+        Frame {
+            msg,
+            payload: Vec::new(),
+        }
+    }
+}
+
+/// Encodes the prefix and header of a frame whose payload has `payload_elems` elements.
+pub fn encode_header(msg: &Message, payload_elems: usize) -> Result<Vec<u8>, WireError> {
+    let declared = msg.payload_elems();
+    if declared != payload_elems as u64 {
+        return Err(WireError::ElementCountMismatch {
+            expected: declared,
+            got: payload_elems as u64,
+        });
+    }
+    let mut out = vec![msg.kind(), 0, 0, 0, 0];
+    let len = msg
+        .encode_body(&mut out)
+        .map_err(|e| WireError::BadHeader(e.to_string()))?;
+    if len as u64 > u64::from(MAX_HEADER_BYTES) {
+        return Err(WireError::HeaderTooLarge {
+            len: len as u64,
+            max: u64::from(MAX_HEADER_BYTES),
+        });
+    }
+    out[1..5].copy_from_slice(&(len as u32).to_le_bytes());
+    Ok(out)
+}
+
+/// Encodes a whole frame into one buffer (prefix, header, payload).
+pub fn encode_frame(frame: &Frame) -> Result<Vec<u8>, WireError> {
+    let mut out = encode_header(&frame.msg, frame.payload.len())?;
+    out.extend_from_slice(&f32s_to_le_bytes(&frame.payload));
+    Ok(out)
+}
+
+/// Checks a frame prefix and returns `(kind, header_len)`; the header length is bounded here.
+pub fn parse_prefix(
+    prefix: &[u8; FRAME_PREFIX_LEN],
+    limits: &Limits,
+) -> Result<(u8, usize), WireError> {
+    let kind = prefix[0];
+    if !(1..=13).contains(&kind) {
+        return Err(WireError::UnknownKind(kind));
+    }
+    let len = u32::from_le_bytes([prefix[1], prefix[2], prefix[3], prefix[4]]);
+    let max = limits.max_header_bytes.min(MAX_HEADER_BYTES);
+    if len > max {
+        return Err(WireError::HeaderTooLarge {
+            len: u64::from(len),
+            max: u64::from(max),
+        });
+    }
+    Ok((kind, len as usize))
+}
+
+/// Decodes a header of the given kind, which must be consumed exactly, and bounds the payload it implies.
+pub fn decode_header(kind: u8, header: &[u8], limits: &Limits) -> Result<Message, WireError> {
+    let (msg, used) = Message::decode_body(kind, header)?;
+    if used != header.len() {
+        return Err(WireError::BadHeader(format!(
+            "{} unused bytes in the header",
+            header.len() - used
+        )));
+    }
+    let bytes = msg.payload_elems().saturating_mul(4);
+    if bytes > limits.max_payload_bytes {
+        return Err(WireError::PayloadTooLarge {
+            len: bytes,
+            max: limits.max_payload_bytes,
+        });
+    }
+    Ok(msg)
+}
+
+/// Decodes one complete frame from a buffer that must hold exactly one frame.
+pub fn decode_frame(buf: &[u8], limits: &Limits) -> Result<Frame, WireError> {
+    let truncated = |needed: usize| WireError::Truncated {
+        needed: needed as u64,
+        got: buf.len() as u64,
+    };
+    let prefix: &[u8; FRAME_PREFIX_LEN] = buf
+        .get(..FRAME_PREFIX_LEN)
+        .and_then(|p| p.try_into().ok())
+        .ok_or(truncated(FRAME_PREFIX_LEN))?;
+    let (kind, header_len) = parse_prefix(prefix, limits)?;
+    let header_end = FRAME_PREFIX_LEN + header_len;
+    let header = buf
+        .get(FRAME_PREFIX_LEN..header_end)
+        .ok_or(truncated(header_end))?;
+    let msg = decode_header(kind, header, limits)?;
+    let payload_bytes = msg.payload_elems() as usize * 4;
+    let rest = &buf[header_end..];
+    if rest.len() < payload_bytes {
+        return Err(truncated(header_end + payload_bytes));
+    }
+    if rest.len() > payload_bytes {
+        return Err(WireError::TrailingBytes(
+            (rest.len() - payload_bytes) as u64,
+        ));
+    }
+    Ok(Frame {
+        msg,
+        payload: le_bytes_to_f32s(rest),
+    })
+}
+
+/// Reads one frame through `read_exact`, an async function that fills the whole buffer or fails (the
+/// transport maps its own errors into [`WireError`]). Lengths are bounded before each allocation.
+pub async fn read_frame<R>(mut read_exact: R, limits: &Limits) -> Result<Frame, WireError>
+where
+    R: AsyncFnMut(&mut [u8]) -> Result<(), WireError>,
+{
+    let mut prefix = [0u8; FRAME_PREFIX_LEN];
+    read_exact(&mut prefix).await?;
+    let (kind, header_len) = parse_prefix(&prefix, limits)?;
+    let mut header = vec![0u8; header_len];
+    read_exact(&mut header).await?;
+    let msg = decode_header(kind, &header, limits)?;
+    let mut payload = vec![0f32; msg.payload_elems() as usize];
+    read_exact(bytemuck::cast_slice_mut(&mut payload)).await?;
+    from_le_in_place(&mut payload);
+    Ok(Frame { msg, payload })
+}
+
+/// The little-endian bytes of a slice of f32 (a plain view on little-endian hosts).
+pub fn f32s_to_le_bytes(values: &[f32]) -> std::borrow::Cow<'_, [u8]> {
+    if cfg!(target_endian = "little") {
+        std::borrow::Cow::Borrowed(bytemuck::cast_slice(values))
+    } else {
+        std::borrow::Cow::Owned(values.iter().flat_map(|v| v.to_le_bytes()).collect())
+    }
+}
+
+/// f32 values from little-endian bytes (length must be a multiple of 4; extra bytes are ignored).
+pub fn le_bytes_to_f32s(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+/// Converts values just read as raw little-endian bytes into native order (a no-op on little-endian hosts).
+pub fn from_le_in_place(values: &mut [f32]) {
+    if cfg!(target_endian = "big") {
+        for v in values.iter_mut() {
+            *v = f32::from_bits(u32::from_le(v.to_bits()));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::TensorSpec;
+
+    fn samples() -> Vec<Frame> {
+        let id = ChunkId {
+            tensor: 1,
+            chunk: 2,
+        };
+        let layout = Layout::new(
+            vec![TensorSpec {
+                name: "w".into(),
+                len: 10,
+            }],
+            4,
+        )
+        .expect("layout");
+        vec![
+            Frame::new(Message::Register(Register {
+                protocol: 1,
+                role: Role::Worker,
+                name: "w0".into(),
+            })),
+            Frame::new(Message::RegisterShard(RegisterShard {
+                protocol: 1,
+                shard: 1,
+                num_shards: 2,
+                addr: "127.0.0.1:4000".into(),
+                layout_fingerprint: 42,
+            })),
+            Frame::new(Message::ClusterMap(ClusterMap {
+                epoch: 9,
+                worker_id: Some(3),
+                num_shards: 1,
+                shards: vec![ShardAddr {
+                    index: 0,
+                    addr: "127.0.0.1:1".into(),
+                }],
+                layout,
+                lease_ms: 5000,
+            })),
+            Frame::new(Message::Pull(Pull {
+                epoch: 9,
+                chunks: vec![id],
+            })),
+            Frame {
+                msg: Message::PullReply(PullReply {
+                    chunks: vec![ChunkVersion {
+                        id,
+                        version: 5,
+                        len: 3,
+                    }],
+                }),
+                payload: vec![1.0, -2.5, 3.25],
+            },
+            Frame {
+                msg: Message::Push(Push {
+                    epoch: 9,
+                    worker: 3,
+                    seq: 17,
+                    chunks: vec![PushChunk {
+                        id,
+                        read_version: 4,
+                        len: 2,
+                    }],
+                }),
+                payload: vec![0.5, f32::MIN_POSITIVE],
+            },
+            Frame::new(Message::Ack(Ack {
+                seq: 17,
+                duplicate: true,
+                max_staleness: 3,
+            })),
+            Frame::new(Message::error(ErrorCode::NonFinite, "NaN at 3")),
+            Frame::new(Message::Heartbeat(Heartbeat { worker: 3 })),
+            Frame::new(Message::HeartbeatAck(HeartbeatAck {
+                epoch: 9,
+                live_workers: 4,
+            })),
+            Frame::new(Message::StatsRequest(StatsRequest)),
+            Frame::new(Message::Stats(Stats {
+                shard: 1,
+                pushes_applied: 10,
+                staleness_max: 7,
+                ..Stats::default()
+            })),
+            Frame::new(Message::Leave(Leave { worker: 3 })),
+        ]
+    }
+
+    #[test]
+    fn every_message_round_trips() {
+        let frames = samples();
+        let kinds: std::collections::BTreeSet<u8> = frames.iter().map(|f| f.msg.kind()).collect();
+        assert_eq!(kinds.len(), 13, "one sample per kind");
+        for f in frames {
+            let bytes = encode_frame(&f).expect("encode");
+            let back = decode_frame(&bytes, &Limits::default()).expect("decode");
+            assert_eq!(back, f);
+        }
+    }
+
+    #[test]
+    fn every_truncation_is_a_typed_error() {
+        for f in samples() {
+            let bytes = encode_frame(&f).expect("encode");
+            for cut in 0..bytes.len() {
+                let err = decode_frame(&bytes[..cut], &Limits::default())
+                    .expect_err("truncated frame must fail");
+                assert!(
+                    matches!(err, WireError::Truncated { .. } | WireError::BadHeader(_)),
+                    "cut at {cut}: {err:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn over_limit_lengths_are_refused_before_allocation() {
+        let mut prefix = [6u8, 0, 0, 0, 0];
+        prefix[1..5].copy_from_slice(&(MAX_HEADER_BYTES + 1).to_le_bytes());
+        assert!(matches!(
+            parse_prefix(&prefix, &Limits::default()),
+            Err(WireError::HeaderTooLarge { .. })
+        ));
+        // A push header that declares 2^31 elements in one chunk group: refused by the payload limit.
+        let id = ChunkId {
+            tensor: 0,
+            chunk: 0,
+        };
+        let push = Message::Push(Push {
+            epoch: 1,
+            worker: 0,
+            seq: 1,
+            chunks: vec![
+                PushChunk {
+                    id,
+                    read_version: 0,
+                    len: u32::MAX
+                };
+                2
+            ],
+        });
+        let mut bytes = vec![push.kind(), 0, 0, 0, 0];
+        let len = push.encode_body(&mut bytes).expect("encode body");
+        bytes[1..5].copy_from_slice(&(len as u32).to_le_bytes());
+        let limits = Limits {
+            max_header_bytes: MAX_HEADER_BYTES,
+            max_payload_bytes: 1 << 20,
+        };
+        assert!(matches!(
+            decode_frame(&bytes, &limits),
+            Err(WireError::PayloadTooLarge { .. })
+        ));
+        // A string length prefix far beyond the header limit is a decode error, not an allocation.
+        let mut hostile = vec![1u8, 0, 0, 0, 0];
+        let body = [
+            1u8, 0, 0, 253, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x7f,
+        ];
+        hostile.extend_from_slice(&body);
+        hostile[1..5].copy_from_slice(&(body.len() as u32).to_le_bytes());
+        assert!(matches!(
+            decode_frame(&hostile, &Limits::default()),
+            Err(WireError::BadHeader(_))
+        ));
+    }
+
+    #[test]
+    fn unknown_kind_wrong_count_and_trailing_bytes_are_typed_errors() {
+        let mut bytes =
+            encode_frame(&Frame::new(Message::Heartbeat(Heartbeat { worker: 1 }))).expect("encode");
+        bytes[0] = 200;
+        assert_eq!(
+            decode_frame(&bytes, &Limits::default()),
+            Err(WireError::UnknownKind(200))
+        );
+        bytes[0] = 0;
+        assert_eq!(
+            decode_frame(&bytes, &Limits::default()),
+            Err(WireError::UnknownKind(0))
+        );
+
+        let id = ChunkId {
+            tensor: 0,
+            chunk: 0,
+        };
+        let push = Message::Push(Push {
+            epoch: 1,
+            worker: 0,
+            seq: 1,
+            chunks: vec![PushChunk {
+                id,
+                read_version: 0,
+                len: 3,
+            }],
+        });
+        assert!(matches!(
+            encode_frame(&Frame {
+                msg: push.clone(),
+                payload: vec![1.0; 2]
+            }),
+            Err(WireError::ElementCountMismatch {
+                expected: 3,
+                got: 2
+            })
+        ));
+        let mut ok = encode_frame(&Frame {
+            msg: push,
+            payload: vec![1.0; 3],
+        })
+        .expect("encode");
+        ok.extend_from_slice(&[0, 0, 0, 0]);
+        assert_eq!(
+            decode_frame(&ok, &Limits::default()),
+            Err(WireError::TrailingBytes(4))
+        );
+        // A header with garbage after the message is refused.
+        let mut hb =
+            encode_frame(&Frame::new(Message::Heartbeat(Heartbeat { worker: 1 }))).expect("encode");
+        hb.push(7);
+        let len = u32::from_le_bytes([hb[1], hb[2], hb[3], hb[4]]) + 1;
+        hb[1..5].copy_from_slice(&len.to_le_bytes());
+        assert!(matches!(
+            decode_frame(&hb, &Limits::default()),
+            Err(WireError::BadHeader(_))
+        ));
+    }
+
+    #[test]
+    fn read_frame_reads_what_decode_frame_reads() {
+        let f = samples().swap_remove(5);
+        let bytes = encode_frame(&f).expect("encode");
+        let mut pos = 0usize;
+        let limits = Limits::default();
+        let fut = read_frame(
+            async |buf: &mut [u8]| {
+                let end = pos + buf.len();
+                let src = bytes.get(pos..end).ok_or(WireError::Truncated {
+                    needed: end as u64,
+                    got: bytes.len() as u64,
+                })?;
+                buf.copy_from_slice(src);
+                pos = end;
+                Ok(())
+            },
+            &limits,
+        );
+        let got = block_on(fut).expect("read");
+        assert_eq!(got, f);
+    }
+
+    /// Minimal executor for futures that never wait (the reader above completes synchronously).
+    fn block_on<F: std::future::Future>(fut: F) -> F::Output {
+        let mut fut = std::pin::pin!(fut);
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        loop {
+            if let std::task::Poll::Ready(v) = fut.as_mut().poll(&mut cx) {
+                return v;
+            }
+        }
+    }
+}

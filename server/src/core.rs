@@ -1,0 +1,570 @@
+//! The shard core: a sans-IO state machine that owns one shard's chunks, optimizer state, versions,
+//! exactly-once bookkeeping and (on shard 0) the coordinator's membership.
+//!
+//! It is driven only by [`ShardCore::handle`] (one request frame in, one reply frame out) and
+//! [`ShardCore::tick`]; time is an argument (`now`, any monotonic origin), never read from a clock.
+//! The QUIC service, the simulator and the tests all drive this same type.
+
+use gaps_common::layout::{ChunkId, Layout};
+use gaps_common::rng::{mix, Rng};
+use gaps_common::wire::{
+    Ack, ChunkVersion, ClusterMap, ErrorCode, Frame, Heartbeat, HeartbeatAck, Leave, Message, Pull, PullReply, Push,
+    Register, RegisterShard, Role, ShardAddr, Stats, PROTOCOL_VERSION,
+};
+use gaps_kernels::{Hyper, Rule};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::time::Duration;
+
+/// How far ahead of the last contiguous applied sequence number a push may be.
+pub const SEQ_WINDOW: u64 = 4096;
+
+/// How the shard initialises its parameters.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Init {
+    /// Seed of the initializer (each chunk draws from its own stream, so the value of a parameter does
+    /// not depend on the number of shards).
+    pub seed: u64,
+    /// Standard deviation of the normal initializer; 0 gives zeros.
+    pub std: f32,
+}
+
+/// Static configuration of one shard.
+#[derive(Debug, Clone)]
+pub struct ShardConfig {
+    /// This shard's index.
+    pub shard: u32,
+    /// Number of shards in the cluster.
+    pub num_shards: u32,
+    /// The model's dense tensors.
+    pub layout: Layout,
+    /// The update rule.
+    pub rule: Rule,
+    /// Its hyper-parameters.
+    pub hyper: Hyper,
+    /// Parameter initializer.
+    pub init: Init,
+    /// Worker lease (coordinator only): a worker silent this long is dropped from the live set.
+    pub lease: Duration,
+    /// This shard's address as clients should use it (reported in the cluster map).
+    pub advertise: String,
+    /// Cluster epoch (coordinator only; other shards learn it when they join).
+    pub epoch: u64,
+}
+
+/// Why the core refused a request. Each maps to an [`ErrorCode`] on the wire.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ShardError {
+    /// See [`ErrorCode::WrongShape`].
+    #[error("{0}")]
+    WrongShape(String),
+    /// See [`ErrorCode::NonFinite`].
+    #[error("gradient for chunk {tensor}/{chunk} holds a non-finite value ({value}) at element {index}")]
+    NonFinite {
+        /// Tensor index.
+        tensor: u32,
+        /// Chunk index.
+        chunk: u32,
+        /// Element inside the chunk.
+        index: usize,
+        /// The offending value, printed.
+        value: String,
+    },
+    /// See [`ErrorCode::NotOwner`].
+    #[error("chunk {tensor}/{chunk} belongs to shard {owner}, not to shard {me}")]
+    NotOwner {
+        /// Tensor index.
+        tensor: u32,
+        /// Chunk index.
+        chunk: u32,
+        /// Its owner.
+        owner: u32,
+        /// This shard.
+        me: u32,
+    },
+    /// See [`ErrorCode::StaleEpoch`].
+    #[error("request carries cluster epoch {got}, the cluster is at epoch {current}: fetch a new cluster map")]
+    StaleEpoch {
+        /// Epoch in the request.
+        got: u64,
+        /// This shard's epoch.
+        current: u64,
+    },
+    /// See [`ErrorCode::ClusterIncomplete`].
+    #[error("{0}")]
+    ClusterIncomplete(String),
+    /// See [`ErrorCode::Misconfigured`].
+    #[error("{0}")]
+    Misconfigured(String),
+    /// See [`ErrorCode::NotRegistered`].
+    #[error("{0}")]
+    NotRegistered(String),
+    /// See [`ErrorCode::SequenceWindow`].
+    #[error("{0}")]
+    SequenceWindow(String),
+    /// See [`ErrorCode::UnknownKind`].
+    #[error("a {0} message is not a request")]
+    NotARequest(&'static str),
+}
+
+impl ShardError {
+    /// The wire code of this error.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            ShardError::WrongShape(_) => ErrorCode::WrongShape,
+            ShardError::NonFinite { .. } => ErrorCode::NonFinite,
+            ShardError::NotOwner { .. } => ErrorCode::NotOwner,
+            ShardError::StaleEpoch { .. } => ErrorCode::StaleEpoch,
+            ShardError::ClusterIncomplete(_) => ErrorCode::ClusterIncomplete,
+            ShardError::Misconfigured(_) => ErrorCode::Misconfigured,
+            ShardError::NotRegistered(_) => ErrorCode::NotRegistered,
+            ShardError::SequenceWindow(_) => ErrorCode::SequenceWindow,
+            ShardError::NotARequest(_) => ErrorCode::UnknownKind,
+        }
+    }
+}
+
+/// Something the core wants the embedding service to log or export.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CoreEvent {
+    /// A worker registered.
+    WorkerJoined(u32),
+    /// A worker left on its own.
+    WorkerLeft(u32),
+    /// A worker's lease expired.
+    WorkerExpired(u32),
+    /// A shard joined the cluster.
+    ShardJoined(u32),
+}
+
+/// One owned chunk: its parameters, optimizer state (planes of `len` floats) and update count.
+#[derive(Debug)]
+struct ChunkSlot {
+    params: Vec<f32>,
+    state: Vec<f32>,
+    /// Number of updates applied to this chunk: the per-parameter last-update version (every element of a
+    /// dense chunk is updated by the same pushes, so one counter per chunk is exact for all of them).
+    version: u64,
+}
+
+/// Exactly-once bookkeeping for one worker: every seq ≤ `contiguous` was applied, plus those in `above`.
+#[derive(Debug, Default)]
+struct SeqWindow {
+    contiguous: u64,
+    above: BTreeSet<u64>,
+}
+
+impl SeqWindow {
+    fn applied(&self, seq: u64) -> bool {
+        seq <= self.contiguous || self.above.contains(&seq)
+    }
+
+    fn insert(&mut self, seq: u64) {
+        self.above.insert(seq);
+        while self.above.remove(&(self.contiguous + 1)) {
+            self.contiguous += 1;
+        }
+    }
+}
+
+/// Coordinator state (shard 0 only): shard addresses and worker leases.
+#[derive(Debug, Default)]
+struct Coordinator {
+    shard_addrs: BTreeMap<u32, String>,
+    next_worker: u32,
+    /// Live workers and the time their lease ends.
+    leases: BTreeMap<u32, Duration>,
+    /// Every worker id ever handed out.
+    registered: u32,
+}
+
+/// The state machine of one shard.
+#[derive(Debug)]
+pub struct ShardCore {
+    cfg: ShardConfig,
+    epoch: u64,
+    /// First global chunk index of each tensor.
+    chunk_base: Vec<u64>,
+    /// Owned chunks; the chunk with global index g is at `slots[g / num_shards]`.
+    slots: Vec<ChunkSlot>,
+    /// Pushes applied per tensor on this shard (the tensor's global version).
+    tensor_versions: Vec<u64>,
+    seqs: HashMap<u32, SeqWindow>,
+    coordinator: Option<Coordinator>,
+    stats: Stats,
+}
+
+impl ShardCore {
+    /// Builds a shard and initialises its chunks. Shard 0 is the coordinator.
+    pub fn new(cfg: ShardConfig) -> Result<Self, ShardError> {
+        cfg.layout.validate().map_err(|e| ShardError::Misconfigured(e.to_string()))?;
+        cfg.hyper.validate().map_err(|e| ShardError::Misconfigured(e.to_string()))?;
+        if cfg.num_shards == 0 || cfg.shard >= cfg.num_shards {
+            return Err(ShardError::Misconfigured(format!(
+                "shard index {} is outside 0..{} shards",
+                cfg.shard, cfg.num_shards
+            )));
+        }
+        let mut chunk_base = Vec::with_capacity(cfg.layout.tensors.len());
+        let mut base = 0u64;
+        for t in 0..cfg.layout.tensors.len() as u32 {
+            chunk_base.push(base);
+            base += u64::from(cfg.layout.num_chunks(t));
+        }
+        let state_floats = cfg.rule.state_floats();
+        let mut slots = Vec::new();
+        for id in cfg.layout.chunks_of_shard(cfg.shard, cfg.num_shards) {
+            let range = cfg.layout.chunk_range(id).map_err(|e| ShardError::Misconfigured(e.to_string()))?;
+            let global = chunk_base[id.tensor as usize] + u64::from(id.chunk);
+            let params = if cfg.init.std == 0.0 {
+                vec![0.0; range.len()]
+            } else {
+                let mut rng = Rng::new(mix(cfg.init.seed, global));
+                (0..range.len()).map(|_| (rng.normal() * f64::from(cfg.init.std)) as f32).collect()
+            };
+            slots.push(ChunkSlot { state: vec![0.0; params.len() * state_floats], params, version: 0 });
+        }
+        let is_coordinator = cfg.shard == 0;
+        let mut coordinator = is_coordinator.then(Coordinator::default);
+        if let Some(c) = coordinator.as_mut() {
+            c.shard_addrs.insert(0, cfg.advertise.clone());
+        }
+        let epoch = if is_coordinator { cfg.epoch } else { 0 };
+        let stats = Stats { shard: cfg.shard, epoch, ..Stats::default() };
+        let tensor_versions = vec![0; cfg.layout.tensors.len()];
+        Ok(ShardCore { cfg, epoch, chunk_base, slots, tensor_versions, seqs: HashMap::new(), coordinator, stats })
+    }
+
+    /// This shard's configuration.
+    pub fn config(&self) -> &ShardConfig {
+        &self.cfg
+    }
+
+    /// The cluster epoch this shard serves (0 until a non-coordinator shard joined).
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Counters since start.
+    pub fn stats(&self) -> Stats {
+        let mut s = self.stats.clone();
+        s.epoch = self.epoch;
+        if let Some(c) = &self.coordinator {
+            s.live_workers = c.leases.len() as u32;
+            s.registered_workers = c.registered;
+        }
+        s
+    }
+
+    /// Pushes applied per tensor on this shard.
+    pub fn tensor_versions(&self) -> &[u64] {
+        &self.tensor_versions
+    }
+
+    /// The registration a non-coordinator shard sends to the coordinator.
+    pub fn join_request(&self) -> Message {
+        Message::RegisterShard(RegisterShard {
+            protocol: PROTOCOL_VERSION,
+            shard: self.cfg.shard,
+            num_shards: self.cfg.num_shards,
+            addr: self.cfg.advertise.clone(),
+            layout_fingerprint: self.cfg.layout.fingerprint(),
+        })
+    }
+
+    /// Adopts the coordinator's answer to [`ShardCore::join_request`].
+    pub fn joined(&mut self, map: &ClusterMap) -> Result<(), ShardError> {
+        if map.num_shards != self.cfg.num_shards || map.layout != self.cfg.layout {
+            return Err(ShardError::Misconfigured("the coordinator's cluster map disagrees with this shard's configuration".into()));
+        }
+        self.epoch = map.epoch;
+        Ok(())
+    }
+
+    /// Handles one request and returns the reply frame (an error reply when the request is refused; a
+    /// refused request changes nothing).
+    pub fn handle(&mut self, req: Frame, now: Duration) -> (Frame, Vec<CoreEvent>) {
+        let mut events = Vec::new();
+        let payload_in = req.payload.len() as u64 * 4;
+        self.stats.payload_bytes_in += payload_in;
+        let is_push = matches!(req.msg, Message::Push(_));
+        let result = match req.msg {
+            Message::Pull(p) => self.pull(&p),
+            Message::Push(p) => self.push(&p, &req.payload),
+            Message::Register(r) => self.register(&r, now, &mut events),
+            Message::RegisterShard(r) => self.register_shard(&r, &mut events),
+            Message::Heartbeat(h) => self.heartbeat(h, now),
+            Message::Leave(l) => self.leave(l, &mut events),
+            Message::StatsRequest(_) => Ok(Frame::new(Message::Stats(self.stats()))),
+            Message::ClusterMap(_) => Err(ShardError::NotARequest("cluster map")),
+            Message::PullReply(_) => Err(ShardError::NotARequest("pull reply")),
+            Message::Ack(_) => Err(ShardError::NotARequest("ack")),
+            Message::Error(_) => Err(ShardError::NotARequest("error")),
+            Message::HeartbeatAck(_) => Err(ShardError::NotARequest("heartbeat ack")),
+            Message::Stats(_) => Err(ShardError::NotARequest("stats")),
+        };
+        let reply = match result {
+            Ok(frame) => frame,
+            Err(e) => {
+                if is_push {
+                    self.stats.pushes_rejected += 1;
+                }
+                Frame::new(Message::error(e.code(), e.to_string()))
+            }
+        };
+        self.stats.payload_bytes_out += reply.payload.len() as u64 * 4;
+        (reply, events)
+    }
+
+    /// Expires worker leases. Returns what changed.
+    pub fn tick(&mut self, now: Duration) -> Vec<CoreEvent> {
+        let Some(c) = self.coordinator.as_mut() else { return Vec::new() };
+        let expired: Vec<u32> = c.leases.iter().filter(|(_, until)| **until <= now).map(|(w, _)| *w).collect();
+        for w in &expired {
+            c.leases.remove(w);
+        }
+        expired.into_iter().map(CoreEvent::WorkerExpired).collect()
+    }
+
+    /// Values of an owned chunk (for tests, checkpoints and evaluation inside the process).
+    pub fn chunk_values(&self, id: ChunkId) -> Result<&[f32], ShardError> {
+        let slot = self.slot_index(id)?;
+        Ok(&self.slots[slot].params)
+    }
+
+    fn check_epoch(&self, got: u64) -> Result<(), ShardError> {
+        if self.epoch == 0 {
+            return Err(ShardError::ClusterIncomplete(format!(
+                "shard {} has not joined the cluster yet",
+                self.cfg.shard
+            )));
+        }
+        if got != self.epoch {
+            return Err(ShardError::StaleEpoch { got, current: self.epoch });
+        }
+        Ok(())
+    }
+
+    fn slot_index(&self, id: ChunkId) -> Result<usize, ShardError> {
+        let base = self.chunk_base.get(id.tensor as usize).copied();
+        let (Some(base), true) = (base, id.chunk < self.cfg.layout.num_chunks(id.tensor)) else {
+            return Err(ShardError::WrongShape(format!("unknown chunk {}/{}", id.tensor, id.chunk)));
+        };
+        let global = base + u64::from(id.chunk);
+        let n = u64::from(self.cfg.num_shards);
+        let owner = (global % n) as u32;
+        if owner != self.cfg.shard {
+            return Err(ShardError::NotOwner { tensor: id.tensor, chunk: id.chunk, owner, me: self.cfg.shard });
+        }
+        Ok((global / n) as usize)
+    }
+
+    fn pull(&mut self, req: &Pull) -> Result<Frame, ShardError> {
+        self.check_epoch(req.epoch)?;
+        let mut metas = Vec::with_capacity(req.chunks.len());
+        let mut total = 0usize;
+        for id in &req.chunks {
+            let slot = &self.slots[self.slot_index(*id)?];
+            total += slot.params.len();
+            metas.push(ChunkVersion { id: *id, version: slot.version, len: slot.params.len() as u32 });
+        }
+        // A pull may name a chunk several times; keep the reply within what one model copy is.
+        let owned_elems: usize = self.slots.iter().map(|s| s.params.len()).sum();
+        if total > owned_elems.max(1) * 4 {
+            return Err(ShardError::WrongShape(format!(
+                "pull asks for {total} elements, more than four copies of this shard's {owned_elems}"
+            )));
+        }
+        let mut payload = Vec::with_capacity(total);
+        for id in &req.chunks {
+            payload.extend_from_slice(&self.slots[self.slot_index(*id)?].params);
+        }
+        self.stats.pulls += 1;
+        Ok(Frame { msg: Message::PullReply(PullReply { chunks: metas }), payload })
+    }
+
+    fn push(&mut self, req: &Push, payload: &[f32]) -> Result<Frame, ShardError> {
+        self.check_epoch(req.epoch)?;
+        if req.seq == 0 {
+            return Err(ShardError::SequenceWindow("sequence numbers start at 1".into()));
+        }
+        let window = self.seqs.entry(req.worker).or_default();
+        if window.applied(req.seq) {
+            self.stats.pushes_duplicate += 1;
+            return Ok(Frame::new(Message::Ack(Ack { seq: req.seq, duplicate: true, max_staleness: 0 })));
+        }
+        if req.seq > window.contiguous + SEQ_WINDOW {
+            return Err(ShardError::SequenceWindow(format!(
+                "sequence number {} is more than {SEQ_WINDOW} ahead of {} (worker {})",
+                req.seq, window.contiguous, req.worker
+            )));
+        }
+        // Validate everything before touching any state, so a refused push changes nothing.
+        let declared: u64 = req.chunks.iter().map(|c| u64::from(c.len)).sum();
+        if declared != payload.len() as u64 {
+            return Err(ShardError::WrongShape(format!(
+                "push declares {declared} elements but carries {}",
+                payload.len()
+            )));
+        }
+        let mut plan = Vec::with_capacity(req.chunks.len());
+        let mut seen = BTreeSet::new();
+        let mut offset = 0usize;
+        for c in &req.chunks {
+            let slot = self.slot_index(c.id)?;
+            if !seen.insert(slot) {
+                return Err(ShardError::WrongShape(format!("chunk {}/{} appears twice in one push", c.id.tensor, c.id.chunk)));
+            }
+            let expected = self.slots[slot].params.len();
+            if c.len as usize != expected {
+                return Err(ShardError::WrongShape(format!(
+                    "chunk {}/{} has {expected} elements, the push carries {}",
+                    c.id.tensor, c.id.chunk, c.len
+                )));
+            }
+            let grad = &payload[offset..offset + expected];
+            if let Some((index, value)) = grad.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+                return Err(ShardError::NonFinite { tensor: c.id.tensor, chunk: c.id.chunk, index, value: value.to_string() });
+            }
+            let version = self.slots[slot].version;
+            if c.read_version > version {
+                return Err(ShardError::WrongShape(format!(
+                    "chunk {}/{} was read at version {} but is only at version {version}",
+                    c.id.tensor, c.id.chunk, c.read_version
+                )));
+            }
+            plan.push((slot, c.id.tensor, offset, version - c.read_version));
+            offset += expected;
+        }
+        let mut max_staleness = 0;
+        let mut touched = BTreeSet::new();
+        for (slot, tensor, offset, staleness) in plan {
+            let s = &mut self.slots[slot];
+            let n = s.params.len();
+            gaps_kernels::apply(self.cfg.rule, &self.cfg.hyper, &mut s.params, &mut s.state, &payload[offset..offset + n])
+                .map_err(|e| ShardError::WrongShape(e.to_string()))?;
+            s.version += 1;
+            touched.insert(tensor);
+            max_staleness = max_staleness.max(staleness);
+            self.stats.staleness_sum += staleness;
+            self.stats.staleness_count += 1;
+        }
+        for t in touched {
+            self.tensor_versions[t as usize] += 1;
+        }
+        self.stats.staleness_max = self.stats.staleness_max.max(max_staleness);
+        self.stats.pushes_applied += 1;
+        if let Some(window) = self.seqs.get_mut(&req.worker) {
+            window.insert(req.seq);
+        }
+        Ok(Frame::new(Message::Ack(Ack { seq: req.seq, duplicate: false, max_staleness })))
+    }
+
+    fn coordinator(&mut self) -> Result<&mut Coordinator, ShardError> {
+        let shard = self.cfg.shard;
+        self.coordinator
+            .as_mut()
+            .ok_or_else(|| ShardError::Misconfigured(format!("shard {shard} is not the coordinator; register with shard 0")))
+    }
+
+    fn cluster_map(&self, worker_id: Option<u32>) -> Result<ClusterMap, ShardError> {
+        let c = self.coordinator.as_ref().ok_or_else(|| ShardError::Misconfigured("not the coordinator".into()))?;
+        let missing: Vec<String> =
+            (0..self.cfg.num_shards).filter(|s| !c.shard_addrs.contains_key(s)).map(|s| s.to_string()).collect();
+        if !missing.is_empty() {
+            return Err(ShardError::ClusterIncomplete(format!(
+                "cluster incomplete: shard(s) {} of {} have not registered with the coordinator",
+                missing.join(", "),
+                self.cfg.num_shards
+            )));
+        }
+        Ok(ClusterMap {
+            epoch: self.epoch,
+            worker_id,
+            num_shards: self.cfg.num_shards,
+            shards: c.shard_addrs.iter().map(|(i, a)| ShardAddr { index: *i, addr: a.clone() }).collect(),
+            layout: self.cfg.layout.clone(),
+            lease_ms: self.cfg.lease.as_millis().min(u128::from(u32::MAX)) as u32,
+        })
+    }
+
+    fn register(&mut self, req: &Register, now: Duration, events: &mut Vec<CoreEvent>) -> Result<Frame, ShardError> {
+        self.coordinator()?;
+        if req.protocol != PROTOCOL_VERSION {
+            return Err(ShardError::Misconfigured(format!(
+                "client speaks protocol {}, this cluster speaks {PROTOCOL_VERSION}",
+                req.protocol
+            )));
+        }
+        // Check completeness before handing out an id, so a refused registration changes nothing.
+        self.cluster_map(None)?;
+        let lease = self.cfg.lease;
+        let worker_id = match req.role {
+            Role::Observer => None,
+            Role::Worker => {
+                let c = self.coordinator()?;
+                let id = c.next_worker;
+                c.next_worker += 1;
+                c.registered += 1;
+                c.leases.insert(id, now + lease);
+                events.push(CoreEvent::WorkerJoined(id));
+                Some(id)
+            }
+        };
+        Ok(Frame::new(Message::ClusterMap(self.cluster_map(worker_id)?)))
+    }
+
+    fn register_shard(&mut self, req: &RegisterShard, events: &mut Vec<CoreEvent>) -> Result<Frame, ShardError> {
+        let num_shards = self.cfg.num_shards;
+        let fingerprint = self.cfg.layout.fingerprint();
+        let c = self.coordinator()?;
+        if req.protocol != PROTOCOL_VERSION {
+            return Err(ShardError::Misconfigured(format!("shard {} speaks protocol {}, the coordinator {PROTOCOL_VERSION}", req.shard, req.protocol)));
+        }
+        if req.num_shards != num_shards {
+            return Err(ShardError::Misconfigured(format!(
+                "shard {} was started with --num-shards {}, the coordinator with {num_shards}",
+                req.shard, req.num_shards
+            )));
+        }
+        if req.shard == 0 || req.shard >= num_shards {
+            return Err(ShardError::Misconfigured(format!("shard index {} is not in 1..{num_shards}", req.shard)));
+        }
+        if req.layout_fingerprint != fingerprint {
+            return Err(ShardError::Misconfigured(format!(
+                "shard {} has a different model layout (fingerprint {:016x}, coordinator {fingerprint:016x}): start every shard with the same model flags",
+                req.shard, req.layout_fingerprint
+            )));
+        }
+        c.shard_addrs.insert(req.shard, req.addr.clone());
+        events.push(CoreEvent::ShardJoined(req.shard));
+        // The joining shard needs the epoch and layout even while other shards are still missing.
+        Ok(Frame::new(Message::ClusterMap(ClusterMap {
+            epoch: self.epoch,
+            worker_id: None,
+            num_shards,
+            shards: Vec::new(),
+            layout: self.cfg.layout.clone(),
+            lease_ms: self.cfg.lease.as_millis().min(u128::from(u32::MAX)) as u32,
+        })))
+    }
+
+    fn heartbeat(&mut self, h: Heartbeat, now: Duration) -> Result<Frame, ShardError> {
+        let lease = self.cfg.lease;
+        let epoch = self.epoch;
+        let c = self.coordinator()?;
+        if h.worker >= c.next_worker {
+            return Err(ShardError::NotRegistered(format!("worker {} never registered", h.worker)));
+        }
+        c.leases.insert(h.worker, now + lease);
+        Ok(Frame::new(Message::HeartbeatAck(HeartbeatAck { epoch, live_workers: c.leases.len() as u32 })))
+    }
+
+    fn leave(&mut self, l: Leave, events: &mut Vec<CoreEvent>) -> Result<Frame, ShardError> {
+        let epoch = self.epoch;
+        let c = self.coordinator()?;
+        if c.leases.remove(&l.worker).is_some() {
+            events.push(CoreEvent::WorkerLeft(l.worker));
+        }
+        Ok(Frame::new(Message::HeartbeatAck(HeartbeatAck { epoch, live_workers: c.leases.len() as u32 })))
+    }
+}
