@@ -9,6 +9,7 @@
 //! Architecture invariant: this crate has no async runtime and no networking; `cargo tree -p gaps-common`
 //! shows neither tokio nor quinn.
 
+pub mod config;
 pub mod layout;
 pub mod rng;
 pub mod tls;

@@ -522,20 +522,24 @@ pub fn decode_frame(buf: &[u8], limits: &Limits) -> Result<Frame, WireError> {
     })
 }
 
-/// Reads one frame through `read_exact`, an async function that fills the whole buffer or fails (the
-/// transport maps its own errors into [`WireError`]). Lengths are bounded before each allocation.
-pub async fn read_frame<R>(mut read_exact: R, limits: &Limits) -> Result<Frame, WireError>
-where
-    R: AsyncFnMut(&mut [u8]) -> Result<(), WireError>,
-{
+/// A source of bytes that can fill a whole buffer or fail; implemented by the transports (the QUIC
+/// receive stream) and by in-memory readers in tests. The transport maps its own errors into [`WireError`]
+/// (an early end of stream is [`WireError::Truncated`]).
+pub trait ReadExact {
+    /// Fills `buf` completely.
+    fn read_exact(&mut self, buf: &mut [u8]) -> impl std::future::Future<Output = Result<(), WireError>> + Send;
+}
+
+/// Reads one frame; lengths are bounded by `limits` before each allocation.
+pub async fn read_frame<R: ReadExact>(source: &mut R, limits: &Limits) -> Result<Frame, WireError> {
     let mut prefix = [0u8; FRAME_PREFIX_LEN];
-    read_exact(&mut prefix).await?;
+    source.read_exact(&mut prefix).await?;
     let (kind, header_len) = parse_prefix(&prefix, limits)?;
     let mut header = vec![0u8; header_len];
-    read_exact(&mut header).await?;
+    source.read_exact(&mut header).await?;
     let msg = decode_header(kind, &header, limits)?;
     let mut payload = vec![0f32; msg.payload_elems() as usize];
-    read_exact(bytemuck::cast_slice_mut(&mut payload)).await?;
+    source.read_exact(bytemuck::cast_slice_mut(&mut payload)).await?;
     from_le_in_place(&mut payload);
     Ok(Frame { msg, payload })
 }
@@ -795,27 +799,33 @@ mod tests {
         ));
     }
 
+    struct SliceReader<'a> {
+        bytes: &'a [u8],
+        pos: usize,
+    }
+
+    impl ReadExact for SliceReader<'_> {
+        async fn read_exact(&mut self, buf: &mut [u8]) -> Result<(), WireError> {
+            let end = self.pos + buf.len();
+            let src = self
+                .bytes
+                .get(self.pos..end)
+                .ok_or(WireError::Truncated { needed: end as u64, got: self.bytes.len() as u64 })?;
+            buf.copy_from_slice(src);
+            self.pos = end;
+            Ok(())
+        }
+    }
+
     #[test]
     fn read_frame_reads_what_decode_frame_reads() {
         let f = samples().swap_remove(5);
         let bytes = encode_frame(&f).expect("encode");
-        let mut pos = 0usize;
-        let limits = Limits::default();
-        let fut = read_frame(
-            async |buf: &mut [u8]| {
-                let end = pos + buf.len();
-                let src = bytes.get(pos..end).ok_or(WireError::Truncated {
-                    needed: end as u64,
-                    got: bytes.len() as u64,
-                })?;
-                buf.copy_from_slice(src);
-                pos = end;
-                Ok(())
-            },
-            &limits,
-        );
-        let got = block_on(fut).expect("read");
+        let mut reader = SliceReader { bytes: &bytes, pos: 0 };
+        let got = block_on(read_frame(&mut reader, &Limits::default())).expect("read");
         assert_eq!(got, f);
+        let mut short = SliceReader { bytes: &bytes[..bytes.len() - 1], pos: 0 };
+        assert!(matches!(block_on(read_frame(&mut short, &Limits::default())), Err(WireError::Truncated { .. })));
     }
 
     /// Minimal executor for futures that never wait (the reader above completes synchronously).

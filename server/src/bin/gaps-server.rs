@@ -1,0 +1,19 @@
+//! `gaps-server`: one shard of a gaps parameter server.
+
+use clap::Parser;
+
+/// One shard of a gaps parameter server. Shard 0 is also the coordinator; every other shard joins it at
+/// start-up. Clients must present a certificate signed by the cluster CA (`gaps certs` makes them).
+#[derive(Debug, Parser)]
+#[command(name = "gaps-server", version)]
+struct Cli {
+    #[command(flatten)]
+    args: gaps_server::cli::ServerArgs,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    gaps_worker::init_logging();
+    let cli = Cli::parse();
+    gaps_server::cli::run(&cli.args).await
+}

@@ -1,0 +1,153 @@
+//! Flags of `gaps-server` (and of `gaps server`) and the process entry point.
+
+use crate::core::{Init, ShardConfig};
+use crate::service::{self, ServiceConfig};
+use anyhow::{Context, Result};
+use gaps_common::config::parse_duration;
+use gaps_common::tls::TlsMaterial;
+use gaps_kernels::{Hyper, Rule};
+use gaps_worker::model::ModelKind;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+use tracing::info;
+
+/// Flags of one shard. Every flag also reads a `GAPS_*` environment variable, so the binary runs under any
+/// cluster manager.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServerArgs {
+    /// This shard's index (0 is the coordinator).
+    #[arg(long, env = "GAPS_SHARD_INDEX", default_value_t = 0)]
+    pub shard_index: u32,
+    /// Number of shards in the cluster.
+    #[arg(long, env = "GAPS_NUM_SHARDS", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub num_shards: u32,
+    /// UDP address to listen on.
+    #[arg(long, env = "GAPS_LISTEN", default_value = "0.0.0.0:7070")]
+    pub listen: SocketAddr,
+    /// Address clients should use to reach this shard (default: the listen address; required with 0.0.0.0).
+    #[arg(long, env = "GAPS_ADVERTISE")]
+    pub advertise: Option<String>,
+    /// Address of the coordinator, shard 0 (required for every other shard).
+    #[arg(long, env = "GAPS_COORDINATOR")]
+    pub coordinator: Option<String>,
+    /// The cluster CA certificate (PEM).
+    #[arg(long, env = "GAPS_CA")]
+    pub ca: PathBuf,
+    /// This server's certificate (PEM), signed by the cluster CA.
+    #[arg(long, env = "GAPS_CERT")]
+    pub cert: PathBuf,
+    /// This server's private key (PEM).
+    #[arg(long, env = "GAPS_KEY")]
+    pub key: PathBuf,
+    /// The model whose dense tensors the cluster holds.
+    #[arg(long, env = "GAPS_MODEL", default_value = "logreg")]
+    pub model: ModelKind,
+    /// Feature dimension of the model.
+    #[arg(long, env = "GAPS_DIM", default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..=(1u64 << 34)))]
+    pub dim: u64,
+    /// Elements per chunk (the unit of partitioning over shards).
+    #[arg(long, env = "GAPS_CHUNK_ELEMS", default_value_t = 65536, value_parser = clap::value_parser!(u32).range(1..))]
+    pub chunk_elems: u32,
+    /// Update rule.
+    #[arg(long, env = "GAPS_RULE", default_value = "momentum")]
+    pub rule: Rule,
+    /// Learning rate η.
+    #[arg(long, env = "GAPS_LR", default_value_t = 0.1)]
+    pub lr: f32,
+    /// Momentum γ.
+    #[arg(long, env = "GAPS_MOMENTUM", default_value_t = 0.9)]
+    pub momentum: f32,
+    /// L2 weight decay.
+    #[arg(long, env = "GAPS_WEIGHT_DECAY", default_value_t = 0.0)]
+    pub weight_decay: f32,
+    /// Seed of the parameter initializer.
+    #[arg(long, env = "GAPS_SEED", default_value_t = 1)]
+    pub seed: u64,
+    /// Standard deviation of the normal initializer (0: zeros).
+    #[arg(long, env = "GAPS_INIT_STD", default_value_t = 0.0)]
+    pub init_std: f32,
+    /// A worker that sends no heartbeat for this long is dropped from the live set.
+    #[arg(long, env = "GAPS_LEASE", default_value = "10s", value_parser = parse_duration)]
+    pub lease: Duration,
+    /// How long a shard ≥ 1 keeps trying to reach the coordinator at start-up.
+    #[arg(long, env = "GAPS_JOIN_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
+    pub join_timeout: Duration,
+    /// Serve Prometheus metrics on http://ADDR/metrics.
+    #[arg(long, env = "GAPS_METRICS_ADDR")]
+    pub metrics_addr: Option<SocketAddr>,
+}
+
+impl ServerArgs {
+    /// The service configuration these flags describe.
+    pub fn service_config(&self) -> Result<ServiceConfig> {
+        let tls = TlsMaterial::load(&self.ca, &self.cert, &self.key).context("loading the server's TLS material")?;
+        let layout = self.model.layout(self.dim, self.chunk_elems).context("building the model layout")?;
+        let hyper = Hyper { lr: self.lr, momentum: self.momentum, weight_decay: self.weight_decay };
+        hyper.validate()?;
+        let epoch = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1)
+            ^ u64::from(std::process::id());
+        Ok(ServiceConfig {
+            listen: self.listen,
+            advertise: self.advertise.clone(),
+            coordinator: self.coordinator.clone(),
+            tls,
+            core: ShardConfig {
+                shard: self.shard_index,
+                num_shards: self.num_shards,
+                layout,
+                rule: self.rule,
+                hyper,
+                init: Init { seed: self.seed, std: self.init_std },
+                lease: self.lease,
+                advertise: String::new(),
+                epoch: epoch.max(1),
+            },
+            join_timeout: self.join_timeout,
+            tick_interval: Duration::from_millis(250),
+        })
+    }
+}
+
+/// Runs one shard until SIGINT or SIGTERM. Prints one JSON line on stdout once it serves:
+/// `{"event":"listening","shard":…,"addr":…,"metrics_addr":…}`.
+pub async fn run(args: &ServerArgs) -> Result<()> {
+    if args.shard_index >= args.num_shards {
+        anyhow::bail!("--shard-index {} must be below --num-shards {}", args.shard_index, args.num_shards);
+    }
+    let cfg = args.service_config()?;
+    let metrics_addr = match args.metrics_addr {
+        Some(addr) => {
+            let handle = crate::metrics::install_recorder().context("installing the metrics recorder")?;
+            let (bound, _task) = crate::metrics::serve(addr, handle).await.with_context(|| format!("serving metrics on {addr}"))?;
+            Some(bound.to_string())
+        }
+        None => None,
+    };
+    let server = service::start(cfg).await?;
+    println!(
+        "{}",
+        serde_json::json!({"event": "listening", "shard": args.shard_index, "addr": server.advertise, "metrics_addr": metrics_addr})
+    );
+    shutdown_signal().await;
+    info!("shutting down");
+    server.shutdown().await
+}
+
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        if let Ok(mut term) = signal(SignalKind::terminate()) {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            return;
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
+}

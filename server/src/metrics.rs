@@ -1,0 +1,130 @@
+//! Prometheus metrics of a shard: handles registered once at start-up, served as text on `/metrics` by a
+//! minimal HTTP/1.1 responder (no web framework in the dependency tree).
+
+use metrics::{Counter, Gauge, Histogram};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use std::net::SocketAddr;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tracing::{debug, warn};
+
+/// Upper bounds of the RPC latency histogram, seconds.
+pub const RPC_SECONDS_BUCKETS: [f64; 14] =
+    [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0];
+/// Upper bounds of the staleness histogram, in updates.
+pub const STALENESS_BUCKETS: [f64; 13] = [0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 4096.0];
+
+/// The shard's metric handles.
+#[derive(Debug, Clone)]
+pub struct ShardMetrics {
+    /// Pushes applied.
+    pub pushes: Counter,
+    /// Retried pushes acknowledged without applying.
+    pub push_duplicates: Counter,
+    /// Pushes refused with an error.
+    pub push_rejected: Counter,
+    /// Pulls served.
+    pub pulls: Counter,
+    /// Frame bytes received (header and payload).
+    pub bytes_in: Counter,
+    /// Frame bytes sent.
+    pub bytes_out: Counter,
+    /// Latency of push RPCs, seconds (from the first byte read to the reply written).
+    pub rpc_push_seconds: Histogram,
+    /// Latency of pull RPCs, seconds.
+    pub rpc_pull_seconds: Histogram,
+    /// Latency of every other RPC, seconds.
+    pub rpc_other_seconds: Histogram,
+    /// Staleness τ of each applied push (largest over its chunks).
+    pub staleness: Histogram,
+    /// Workers holding a lease (coordinator).
+    pub live_workers: Gauge,
+}
+
+impl ShardMetrics {
+    /// Registers the handles with the installed recorder (no-ops when none is installed).
+    pub fn register(shard: u32) -> Self {
+        let shard = shard.to_string();
+        let rpc = |kind: &'static str| metrics::histogram!("gaps_rpc_seconds", "shard" => shard.clone(), "kind" => kind);
+        ShardMetrics {
+            pushes: metrics::counter!("gaps_pushes_applied_total", "shard" => shard.clone()),
+            push_duplicates: metrics::counter!("gaps_push_duplicates_total", "shard" => shard.clone()),
+            push_rejected: metrics::counter!("gaps_push_rejected_total", "shard" => shard.clone()),
+            pulls: metrics::counter!("gaps_pulls_total", "shard" => shard.clone()),
+            bytes_in: metrics::counter!("gaps_bytes_in_total", "shard" => shard.clone()),
+            bytes_out: metrics::counter!("gaps_bytes_out_total", "shard" => shard.clone()),
+            rpc_push_seconds: rpc("push"),
+            rpc_pull_seconds: rpc("pull"),
+            rpc_other_seconds: rpc("other"),
+            staleness: metrics::histogram!("gaps_staleness_updates", "shard" => shard.clone()),
+            live_workers: metrics::gauge!("gaps_live_workers", "shard" => shard),
+        }
+    }
+}
+
+/// Installs the global Prometheus recorder with explicit buckets. Call once per process, before
+/// [`ShardMetrics::register`].
+pub fn install_recorder() -> anyhow::Result<PrometheusHandle> {
+    let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Full("gaps_rpc_seconds".into()), &RPC_SECONDS_BUCKETS)?
+        .set_buckets_for_metric(Matcher::Full("gaps_staleness_updates".into()), &STALENESS_BUCKETS)?
+        .install_recorder()?;
+    metrics::describe_counter!("gaps_pushes_applied_total", "Gradient pushes applied (each (worker, seq) once).");
+    metrics::describe_counter!("gaps_push_duplicates_total", "Retried pushes acknowledged without applying them again.");
+    metrics::describe_counter!("gaps_push_rejected_total", "Pushes refused with a typed error (nothing applied).");
+    metrics::describe_counter!("gaps_pulls_total", "Parameter pulls served.");
+    metrics::describe_counter!("gaps_bytes_in_total", "Frame bytes received.");
+    metrics::describe_counter!("gaps_bytes_out_total", "Frame bytes sent.");
+    metrics::describe_histogram!("gaps_rpc_seconds", "RPC service time in seconds, by kind.");
+    metrics::describe_histogram!("gaps_staleness_updates", "Staleness of applied pushes, in updates since the read.");
+    metrics::describe_gauge!("gaps_live_workers", "Workers holding a lease.");
+    Ok(handle)
+}
+
+/// Serves `GET /metrics` on `addr` until the task is aborted. Returns the bound address.
+pub async fn serve(addr: SocketAddr, handle: PrometheusHandle) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let bound = listener.local_addr()?;
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok((mut sock, peer)) = listener.accept().await else { continue };
+            let handle = handle.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 8192];
+                let mut len = 0;
+                // Read until the end of the request head (or 8 KiB, or 5 s).
+                let read = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+                    while len < buf.len() {
+                        match sock.read(&mut buf[len..]).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => len += n,
+                        }
+                        if buf[..len].windows(4).any(|w| w == b"\r\n\r\n") {
+                            break;
+                        }
+                    }
+                })
+                .await;
+                if read.is_err() {
+                    debug!(%peer, "metrics request timed out");
+                    return;
+                }
+                let head = String::from_utf8_lossy(&buf[..len]);
+                let path = head.split_whitespace().nth(1).unwrap_or("");
+                let (status, body) = if head.starts_with("GET ") && (path == "/metrics" || path.starts_with("/metrics?")) {
+                    ("200 OK", handle.render())
+                } else {
+                    ("404 Not Found", "only GET /metrics is served here\n".to_string())
+                };
+                let reply = format!(
+                    "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                if let Err(e) = sock.write_all(reply.as_bytes()).await {
+                    warn!(%peer, error = %e, "writing the metrics reply");
+                }
+                let _ = sock.shutdown().await;
+            });
+        }
+    });
+    Ok((bound, task))
+}

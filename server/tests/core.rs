@@ -1,0 +1,231 @@
+//! ShardCore driven directly with virtual time: validation, exactly-once, staleness, coordinator.
+
+use gaps_common::layout::{ChunkId, Layout, TensorSpec};
+use gaps_common::wire::{
+    ErrorCode, Frame, Heartbeat, Message, Pull, Push, PushChunk, Register, RegisterShard, Role, StatsRequest,
+    PROTOCOL_VERSION,
+};
+use gaps_kernels::{Hyper, Rule};
+use gaps_server::{Init, ShardConfig, ShardCore};
+use std::time::Duration;
+
+const EPOCH: u64 = 77;
+
+fn layout() -> Layout {
+    Layout::new(vec![TensorSpec { name: "w".into(), len: 10 }, TensorSpec { name: "b".into(), len: 1 }], 4)
+        .expect("layout")
+}
+
+fn config(shard: u32, num_shards: u32, rule: Rule) -> ShardConfig {
+    ShardConfig {
+        shard,
+        num_shards,
+        layout: layout(),
+        rule,
+        hyper: Hyper { lr: 0.5, momentum: 0.9, weight_decay: 0.0 },
+        init: Init { seed: 3, std: 0.1 },
+        lease: Duration::from_secs(5),
+        advertise: format!("127.0.0.1:{}", 4000 + shard),
+        epoch: EPOCH,
+    }
+}
+
+fn at(ms: u64) -> Duration {
+    Duration::from_millis(ms)
+}
+
+fn call(core: &mut ShardCore, msg: Message, payload: Vec<f32>) -> Frame {
+    core.handle(Frame { msg, payload }, at(0)).0
+}
+
+fn error_code(frame: &Frame) -> Option<ErrorCode> {
+    match &frame.msg {
+        Message::Error(e) => Some(e.code),
+        _ => None,
+    }
+}
+
+/// Pulls every chunk the single-shard core owns; returns (values, versions).
+fn pull_all(core: &mut ShardCore) -> (Vec<f32>, Vec<u64>) {
+    let chunks: Vec<ChunkId> = layout().chunks().collect();
+    let reply = call(core, Message::Pull(Pull { epoch: EPOCH, chunks }), vec![]);
+    let Message::PullReply(r) = reply.msg else { panic!("expected a pull reply, got {:?}", reply.msg) };
+    (reply.payload, r.chunks.iter().map(|c| c.version).collect())
+}
+
+fn full_push(worker: u32, seq: u64, versions: &[u64], grad: &[f32]) -> (Message, Vec<f32>) {
+    let l = layout();
+    let chunks = l
+        .chunks()
+        .zip(versions)
+        .map(|(id, v)| PushChunk { id, read_version: *v, len: l.chunk_len(id).expect("len") as u32 })
+        .collect();
+    (Message::Push(Push { epoch: EPOCH, worker, seq, chunks }), grad.to_vec())
+}
+
+fn grad(seed: u32) -> Vec<f32> {
+    (0..11).map(|i| ((i * 7 + seed * 13) % 11) as f32 / 10.0 - 0.5).collect()
+}
+
+#[test]
+fn push_applies_the_rule_once_per_sequence_number_and_reports_staleness() {
+    let mut core = ShardCore::new(config(0, 1, Rule::Sgd)).expect("core");
+    let (before, v0) = pull_all(&mut core);
+    assert!(before.iter().any(|x| *x != 0.0), "initializer ran");
+    let g = grad(1);
+    let (msg, payload) = full_push(0, 1, &v0, &g);
+    let ack = call(&mut core, msg.clone(), payload.clone());
+    assert!(matches!(ack.msg, Message::Ack(a) if !a.duplicate && a.max_staleness == 0));
+    let (after, v1) = pull_all(&mut core);
+    for i in 0..11 {
+        assert_eq!(after[i], before[i] - 0.5 * g[i], "element {i}");
+    }
+    assert!(v1.iter().all(|v| *v == 1));
+    // The same (worker, seq) again: acknowledged as a duplicate, not applied.
+    let dup = call(&mut core, msg, payload);
+    assert!(matches!(dup.msg, Message::Ack(a) if a.duplicate));
+    assert_eq!(pull_all(&mut core).0, after);
+    // A push computed on version 0 after two more updates has staleness 2.
+    for seq in 2..=3 {
+        let (m, p) = full_push(1, seq - 1, &v1, &grad(seq as u32));
+        let _ = call(&mut core, m, p);
+    }
+    let (m, p) = full_push(0, 2, &v1, &g);
+    let ack = call(&mut core, m, p);
+    assert!(matches!(ack.msg, Message::Ack(a) if a.max_staleness == 2), "{:?}", ack.msg);
+    let stats = core.stats();
+    assert_eq!((stats.pushes_applied, stats.pushes_duplicate), (4, 1));
+    assert_eq!(stats.staleness_max, 2);
+    assert_eq!(core.tensor_versions(), &[4, 4]);
+}
+
+#[test]
+fn bad_pushes_get_typed_errors_and_leave_the_shard_unchanged() {
+    let mut core = ShardCore::new(config(0, 1, Rule::Momentum)).expect("core");
+    let (before, v0) = pull_all(&mut core);
+    let mut cases: Vec<(&str, Message, Vec<f32>, ErrorCode)> = Vec::new();
+    let mut nan = grad(2);
+    nan[9] = f32::NAN;
+    let (m, p) = full_push(0, 1, &v0, &nan);
+    cases.push(("NaN gradient", m, p, ErrorCode::NonFinite));
+    let mut inf = grad(2);
+    inf[0] = f32::INFINITY;
+    let (m, p) = full_push(0, 1, &v0, &inf);
+    cases.push(("Inf gradient", m, p, ErrorCode::NonFinite));
+    let (m, mut p) = full_push(0, 1, &v0, &grad(2));
+    p.pop();
+    cases.push(("wrong element count", m, p, ErrorCode::WrongShape));
+    let (Message::Push(mut push), p) = full_push(0, 1, &v0, &grad(2)) else { unreachable!() };
+    push.chunks[1].len = 3;
+    push.chunks[2].len = 3;
+    cases.push(("wrong chunk length", Message::Push(push.clone()), p.clone(), ErrorCode::WrongShape));
+    push.chunks[1].len = 4;
+    push.chunks[2].len = 2;
+    push.chunks[3].id = ChunkId { tensor: 7, chunk: 0 };
+    cases.push(("unknown tensor", Message::Push(push.clone()), p.clone(), ErrorCode::WrongShape));
+    let (Message::Push(mut stale), p) = full_push(0, 1, &v0, &grad(2)) else { unreachable!() };
+    stale.epoch = EPOCH + 1;
+    cases.push(("wrong epoch", Message::Push(stale), p, ErrorCode::StaleEpoch));
+    let (Message::Push(mut zero), p) = full_push(0, 0, &v0, &grad(2)) else { unreachable!() };
+    zero.seq = 0;
+    cases.push(("sequence 0", Message::Push(zero), p, ErrorCode::SequenceWindow));
+    let (m, p) = full_push(0, 1_000_000, &v0, &grad(2));
+    cases.push(("sequence far ahead", m, p, ErrorCode::SequenceWindow));
+    let (m, p) = full_push(0, 1, &[5, 0, 0, 0], &grad(2));
+    cases.push(("read version from the future", m, p, ErrorCode::WrongShape));
+    cases.push(("a reply sent as a request", Message::error(ErrorCode::Internal, "x"), vec![], ErrorCode::UnknownKind));
+    for (name, msg, payload, code) in cases {
+        let reply = call(&mut core, msg, payload);
+        assert_eq!(error_code(&reply), Some(code), "{name}: {:?}", reply.msg);
+        assert_eq!(pull_all(&mut core), (before.clone(), v0.clone()), "{name} changed the shard");
+    }
+    // The refused seq 1 can still be used: nothing was recorded for it.
+    let (m, p) = full_push(0, 1, &v0, &grad(2));
+    assert!(matches!(call(&mut core, m, p).msg, Message::Ack(a) if !a.duplicate));
+    assert_eq!(core.stats().pushes_rejected, 9);
+}
+
+#[test]
+fn out_of_order_sequence_numbers_are_each_applied_once() {
+    let mut core = ShardCore::new(config(0, 1, Rule::Sgd)).expect("core");
+    let (_, v0) = pull_all(&mut core);
+    for seq in [3u64, 1, 2, 3, 1, 5, 4, 5] {
+        let (m, p) = full_push(9, seq, &v0, &grad(seq as u32));
+        let _ = call(&mut core, m, p);
+    }
+    let s = core.stats();
+    assert_eq!((s.pushes_applied, s.pushes_duplicate), (5, 3));
+}
+
+#[test]
+fn chunks_route_to_their_owner_and_others_are_refused() {
+    let mut s0 = ShardCore::new(config(0, 2, Rule::Sgd)).expect("s0");
+    let mut s1 = ShardCore::new(config(1, 2, Rule::Sgd)).expect("s1");
+    // Shard 1 serves nothing before it joined.
+    let pull = Message::Pull(Pull { epoch: EPOCH, chunks: vec![ChunkId { tensor: 0, chunk: 1 }] });
+    assert_eq!(error_code(&call(&mut s1, pull.clone(), vec![])), Some(ErrorCode::ClusterIncomplete));
+    // A worker cannot register while shard 1 is missing; the error names the shard.
+    let reg = Message::Register(Register { protocol: PROTOCOL_VERSION, role: Role::Worker, name: "w".into() });
+    let reply = call(&mut s0, reg.clone(), vec![]);
+    match &reply.msg {
+        Message::Error(e) => {
+            assert_eq!(e.code, ErrorCode::ClusterIncomplete);
+            assert!(e.message.contains("shard(s) 1 of 2"), "{}", e.message);
+        }
+        other => panic!("expected an error, got {other:?}"),
+    }
+    let join = s1.join_request();
+    let map = call(&mut s0, join, vec![]);
+    let Message::ClusterMap(map) = map.msg else { panic!("join refused: {:?}", map.msg) };
+    s1.joined(&map).expect("joined");
+    assert_eq!(s1.epoch(), EPOCH);
+    assert!(matches!(call(&mut s1, pull, vec![]).msg, Message::PullReply(_)));
+    let wrong = Message::Pull(Pull { epoch: EPOCH, chunks: vec![ChunkId { tensor: 0, chunk: 0 }] });
+    assert_eq!(error_code(&call(&mut s1, wrong, vec![])), Some(ErrorCode::NotOwner));
+    let reply = call(&mut s0, reg, vec![]);
+    let Message::ClusterMap(m) = reply.msg else { panic!("register refused: {:?}", reply.msg) };
+    assert_eq!(m.worker_id, Some(0));
+    assert_eq!(m.shards.len(), 2);
+    assert_eq!(m.shards[1].addr, "127.0.0.1:4001");
+}
+
+#[test]
+fn misconfigured_shards_are_refused_by_name() {
+    let mut s0 = ShardCore::new(config(0, 2, Rule::Sgd)).expect("s0");
+    let mut bad = config(1, 2, Rule::Sgd);
+    bad.layout = Layout::new(vec![TensorSpec { name: "w".into(), len: 11 }], 4).expect("layout");
+    let other = ShardCore::new(bad).expect("core");
+    let reply = call(&mut s0, other.join_request(), vec![]);
+    assert_eq!(error_code(&reply), Some(ErrorCode::Misconfigured));
+    let wrong_count = Message::RegisterShard(RegisterShard {
+        protocol: PROTOCOL_VERSION,
+        shard: 1,
+        num_shards: 3,
+        addr: "x:1".into(),
+        layout_fingerprint: layout().fingerprint(),
+    });
+    let reply = call(&mut s0, wrong_count, vec![]);
+    assert!(matches!(&reply.msg, Message::Error(e) if e.message.contains("--num-shards 3")), "{:?}", reply.msg);
+    assert!(ShardCore::new(config(2, 2, Rule::Sgd)).is_err());
+}
+
+#[test]
+fn leases_expire_without_heartbeats_and_heartbeats_renew_them() {
+    let mut core = ShardCore::new(config(0, 1, Rule::Sgd)).expect("core");
+    let reg = Message::Register(Register { protocol: PROTOCOL_VERSION, role: Role::Worker, name: "w".into() });
+    for _ in 0..2 {
+        let _ = core.handle(Frame::new(reg.clone()), at(0));
+    }
+    let obs = Message::Register(Register { protocol: PROTOCOL_VERSION, role: Role::Observer, name: "o".into() });
+    let (reply, _) = core.handle(Frame::new(obs), at(0));
+    assert!(matches!(reply.msg, Message::ClusterMap(m) if m.worker_id.is_none()));
+    assert_eq!(core.stats().live_workers, 2);
+    let _ = core.handle(Frame::new(Message::Heartbeat(Heartbeat { worker: 1 })), at(4000));
+    let events = core.tick(at(6000));
+    assert_eq!(events, vec![gaps_server::CoreEvent::WorkerExpired(0)]);
+    assert_eq!(core.stats().live_workers, 1);
+    let (reply, _) = core.handle(Frame::new(Message::Heartbeat(Heartbeat { worker: 99 })), at(6000));
+    assert_eq!(error_code(&reply), Some(ErrorCode::NotRegistered));
+    let (stats, _) = core.handle(Frame::new(Message::StatsRequest(StatsRequest)), at(6000));
+    assert!(matches!(stats.msg, Message::Stats(s) if s.registered_workers == 2 && s.live_workers == 1));
+}

@@ -1,0 +1,441 @@
+//! The worker's client library: registers with the coordinator, keeps one connection per shard, routes
+//! chunks by the cluster map, and runs pulls and pushes against all shards concurrently. A push that meets a
+//! broken connection is sent again, on a new connection, with the same sequence number, so the shard applies
+//! it exactly once.
+
+use crate::net::{self, RpcError};
+use gaps_common::layout::{ChunkId, Layout};
+use gaps_common::tls::TlsMaterial;
+use gaps_common::wire::{
+    ClusterMap, ErrorCode, Frame, Heartbeat, Leave, Limits, Message, Pull, Push, PushChunk, Register, Role, Stats,
+    StatsRequest, PROTOCOL_VERSION,
+};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tracing::{debug, warn};
+
+/// How to reach and talk to a cluster.
+#[derive(Debug, Clone)]
+pub struct ClientOptions {
+    /// The coordinator's (shard 0's) `host:port`.
+    pub coordinator: String,
+    /// CA and this client's certificate.
+    pub tls: TlsMaterial,
+    /// Worker (gets an id and a lease) or observer.
+    pub role: Role,
+    /// Name for logs.
+    pub name: String,
+    /// How long to wait for the coordinator and for a complete cluster before giving up.
+    pub connect_timeout: Duration,
+    /// How long one RPC may take.
+    pub rpc_timeout: Duration,
+    /// How many times a request is sent again after a transport failure.
+    pub max_retries: u32,
+    /// Frame limits for replies.
+    pub limits: Limits,
+}
+
+impl ClientOptions {
+    /// Options with the defaults used by the binaries.
+    pub fn new(coordinator: impl Into<String>, tls: TlsMaterial, role: Role, name: impl Into<String>) -> Self {
+        ClientOptions {
+            coordinator: coordinator.into(),
+            tls,
+            role,
+            name: name.into(),
+            connect_timeout: Duration::from_secs(30),
+            rpc_timeout: Duration::from_secs(30),
+            max_retries: 5,
+            limits: Limits::default(),
+        }
+    }
+}
+
+/// A client-side failure, with what was being done.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The cluster could not be joined in time; the message names what is missing.
+    #[error("could not join the cluster via {coordinator} within {waited:?}: {last}")]
+    JoinTimeout {
+        /// Coordinator address.
+        coordinator: String,
+        /// Time waited.
+        waited: Duration,
+        /// The last reason.
+        last: String,
+    },
+    /// The cluster map is inconsistent.
+    #[error("invalid cluster map: {0}")]
+    BadMap(String),
+    /// An RPC failed (after retries where retrying is safe).
+    #[error(transparent)]
+    Rpc(#[from] RpcError),
+    /// The caller passed tensors that do not match the layout.
+    #[error("{0}")]
+    Shape(String),
+}
+
+/// A model snapshot as pulled: one vector per tensor plus the version of every chunk (global order).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Snapshot {
+    /// Tensor values, layout order.
+    pub tensors: Vec<Vec<f32>>,
+    /// Version of each chunk, indexed by global chunk index.
+    pub versions: Vec<u64>,
+}
+
+/// What one push did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PushSummary {
+    /// Shard pushes acknowledged as newly applied.
+    pub applied: u32,
+    /// Shard pushes acknowledged as duplicates of an earlier delivery.
+    pub duplicates: u32,
+    /// Times a shard push was sent again after a transport failure.
+    pub retries: u32,
+    /// Largest staleness reported by any shard.
+    pub max_staleness: u64,
+}
+
+#[derive(Debug)]
+struct ShardLink {
+    index: u32,
+    addr: SocketAddr,
+    conn: Mutex<Option<quinn::Connection>>,
+    /// Next push sequence number for this shard (starts at 1).
+    next_seq: AtomicU64,
+    /// Chunks this shard owns, global order, with their global indices.
+    chunks: Vec<(ChunkId, u64)>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    opts: ClientOptions,
+    endpoint: quinn::Endpoint,
+    map: ClusterMap,
+    shards: Vec<ShardLink>,
+    /// Test and chaos hook: close the connection after this many requests were written, before their reply.
+    drop_after_send: AtomicU32,
+    pushes_sent: AtomicU64,
+    retries: AtomicU64,
+}
+
+/// A connected client. Cheap to clone; clones share connections and counters.
+#[derive(Debug, Clone)]
+pub struct Client {
+    inner: Arc<Inner>,
+}
+
+impl Client {
+    /// Registers with the coordinator (waiting, up to `connect_timeout`, for it to come up and for every
+    /// shard to join) and connects to every shard.
+    pub async fn connect(opts: ClientOptions) -> Result<Client, ClientError> {
+        let started = Instant::now();
+        let deadline = started + opts.connect_timeout;
+        let coordinator = net::resolve(&opts.coordinator).await?;
+        let endpoint = net::client_endpoint(&opts.tls, coordinator)?;
+        let register = Message::Register(Register { protocol: PROTOCOL_VERSION, role: opts.role, name: opts.name.clone() });
+        let map = loop {
+            let attempt = async {
+                let conn = net::connect(&endpoint, coordinator, opts.rpc_timeout).await?;
+                let reply = net::call(&conn, &register, &[], &opts.limits, opts.rpc_timeout).await;
+                conn.close(0u32.into(), b"registered");
+                reply
+            };
+            let last = match attempt.await {
+                Ok(Frame { msg: Message::ClusterMap(map), .. }) => break map,
+                Ok(other) => {
+                    return Err(RpcError::Unexpected { addr: coordinator.to_string(), kind: net::kind_name(&other.msg).into() }.into())
+                }
+                Err(RpcError::Remote { code: ErrorCode::ClusterIncomplete, message, .. }) => message,
+                Err(e) if e.is_retryable() => e.to_string(),
+                Err(e) => return Err(e.into()),
+            };
+            if Instant::now() >= deadline {
+                return Err(ClientError::JoinTimeout { coordinator: opts.coordinator.clone(), waited: started.elapsed(), last });
+            }
+            debug!(%last, "cluster not ready, retrying");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        map.layout.validate().map_err(|e| ClientError::BadMap(e.to_string()))?;
+        if map.shards.len() != map.num_shards as usize || map.shards.iter().enumerate().any(|(i, s)| s.index as usize != i) {
+            return Err(ClientError::BadMap(format!("expected {} shards in index order", map.num_shards)));
+        }
+        let mut owned: Vec<Vec<(ChunkId, u64)>> = vec![Vec::new(); map.num_shards as usize];
+        for (g, id) in map.layout.chunks().enumerate() {
+            owned[g % map.num_shards as usize].push((id, g as u64));
+        }
+        let mut shards = Vec::with_capacity(map.shards.len());
+        for (s, chunks) in map.shards.iter().zip(owned) {
+            let addr = net::resolve(&s.addr).await?;
+            shards.push(ShardLink { index: s.index, addr, conn: Mutex::new(None), next_seq: AtomicU64::new(1), chunks });
+        }
+        let client = Client {
+            inner: Arc::new(Inner {
+                opts,
+                endpoint,
+                map,
+                shards,
+                drop_after_send: AtomicU32::new(0),
+                pushes_sent: AtomicU64::new(0),
+                retries: AtomicU64::new(0),
+            }),
+        };
+        // Connect to every shard now, so a missing or unreachable shard fails fast and by name.
+        for s in 0..client.inner.shards.len() {
+            let remaining = deadline.saturating_duration_since(Instant::now()).max(Duration::from_secs(1));
+            client.connection(s, remaining).await.map_err(|e| ClientError::JoinTimeout {
+                coordinator: client.inner.opts.coordinator.clone(),
+                waited: started.elapsed(),
+                last: format!("shard {} at {} is unreachable: {e}", s, client.inner.shards[s].addr),
+            })?;
+        }
+        Ok(client)
+    }
+
+    /// The cluster map received at registration.
+    pub fn map(&self) -> &ClusterMap {
+        &self.inner.map
+    }
+
+    /// The model layout.
+    pub fn layout(&self) -> &Layout {
+        &self.inner.map.layout
+    }
+
+    /// This worker's id (None for observers).
+    pub fn worker_id(&self) -> Option<u32> {
+        self.inner.map.worker_id
+    }
+
+    /// Shard pushes sent (each `(shard, seq)` once, however often it was retried).
+    pub fn pushes_sent(&self) -> u64 {
+        self.inner.pushes_sent.load(Ordering::Relaxed)
+    }
+
+    /// Requests sent again after a transport failure.
+    pub fn retries(&self) -> u64 {
+        self.inner.retries.load(Ordering::Relaxed)
+    }
+
+    /// Test and chaos hook: the next `n` requests are written completely and then their connection is
+    /// closed before the reply is read, as if the network failed at the worst moment.
+    pub fn inject_connection_drops(&self, n: u32) {
+        self.inner.drop_after_send.store(n, Ordering::SeqCst);
+    }
+
+    async fn connection(&self, shard: usize, timeout: Duration) -> Result<quinn::Connection, RpcError> {
+        let link = &self.inner.shards[shard];
+        let existing = link.conn.lock().map_err(|_| RpcError::Setup("connection lock poisoned".into()))?.clone();
+        if let Some(conn) = existing {
+            if conn.close_reason().is_none() {
+                return Ok(conn);
+            }
+        }
+        let conn = net::connect(&self.inner.endpoint, link.addr, timeout).await?;
+        *link.conn.lock().map_err(|_| RpcError::Setup("connection lock poisoned".into()))? = Some(conn.clone());
+        Ok(conn)
+    }
+
+    /// One request to one shard, sent again on a new connection after a transport failure (at most
+    /// `max_retries` times). Callers only use it for idempotent requests (pushes are made idempotent by
+    /// their sequence number).
+    async fn request(&self, shard: usize, msg: &Message, payload: &[&[f32]]) -> Result<(Frame, u32), RpcError> {
+        let opts = &self.inner.opts;
+        let mut attempt = 0u32;
+        loop {
+            let result = async {
+                let conn = self.connection(shard, opts.rpc_timeout).await?;
+                if self.take_injected_drop() {
+                    let (mut send, _recv) =
+                        conn.open_bi().await.map_err(|e| RpcError::Connection { addr: conn.remote_address().to_string(), message: e.to_string() })?;
+                    let _ = net::write_frame(&mut send, msg, payload).await;
+                    let _ = send.finish();
+                    // Give the request time to reach the shard, then cut the connection before the reply.
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    conn.close(1u32.into(), b"injected failure");
+                    return Err(RpcError::Connection { addr: conn.remote_address().to_string(), message: "injected connection drop".into() });
+                }
+                net::call(&conn, msg, payload, &opts.limits, opts.rpc_timeout).await
+            }
+            .await;
+            match result {
+                Ok(frame) => return Ok((frame, attempt)),
+                Err(e) if e.is_retryable() && attempt < opts.max_retries => {
+                    attempt += 1;
+                    self.inner.retries.fetch_add(1, Ordering::Relaxed);
+                    warn!(shard, attempt, error = %e, "request failed, retrying on a new connection");
+                    if let Ok(mut guard) = self.inner.shards[shard].conn.lock() {
+                        *guard = None;
+                    }
+                    tokio::time::sleep(Duration::from_millis(50 * u64::from(attempt))).await;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    fn take_injected_drop(&self) -> bool {
+        self.inner.drop_after_send.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok()
+    }
+
+    /// Pulls the whole model from all shards concurrently.
+    pub async fn pull(&self) -> Result<Snapshot, ClientError> {
+        let layout = &self.inner.map.layout;
+        let mut tasks = tokio::task::JoinSet::new();
+        for s in 0..self.inner.shards.len() {
+            let client = self.clone();
+            tasks.spawn(async move {
+                let link = &client.inner.shards[s];
+                let msg = Message::Pull(Pull { epoch: client.inner.map.epoch, chunks: link.chunks.iter().map(|(id, _)| *id).collect() });
+                client.request(s, &msg, &[]).await.map(|(frame, _)| (s, frame))
+            });
+        }
+        let mut tensors: Vec<Vec<f32>> = layout.tensors.iter().map(|t| vec![0.0; t.len as usize]).collect();
+        let mut versions = vec![0u64; layout.total_chunks() as usize];
+        while let Some(joined) = tasks.join_next().await {
+            let (s, frame) = joined.map_err(|e| ClientError::Shape(format!("pull task failed: {e}")))??;
+            let link = &self.inner.shards[s];
+            let Message::PullReply(reply) = &frame.msg else {
+                return Err(RpcError::Unexpected { addr: link.addr.to_string(), kind: net::kind_name(&frame.msg).into() }.into());
+            };
+            if reply.chunks.len() != link.chunks.len() {
+                return Err(ClientError::BadMap(format!("shard {} returned {} chunks, asked for {}", s, reply.chunks.len(), link.chunks.len())));
+            }
+            let mut offset = 0usize;
+            for (meta, (id, global)) in reply.chunks.iter().zip(&link.chunks) {
+                let range = layout.chunk_range(*id).map_err(|e| ClientError::BadMap(e.to_string()))?;
+                if meta.id != *id || meta.len as usize != range.len() {
+                    return Err(ClientError::BadMap(format!("shard {s} answered chunk {:?} for {:?}", meta.id, id)));
+                }
+                let n = range.len();
+                tensors[id.tensor as usize][range].copy_from_slice(&frame.payload[offset..offset + n]);
+                versions[*global as usize] = meta.version;
+                offset += n;
+            }
+        }
+        Ok(Snapshot { tensors, versions })
+    }
+
+    /// Pushes a gradient (one vector per tensor) computed on the parameters of `read_versions` to all
+    /// shards concurrently. Each shard push gets the next sequence number of that shard and is retried with
+    /// the same number after a transport failure.
+    pub async fn push(&self, grads: Arc<Vec<Vec<f32>>>, read_versions: &[u64]) -> Result<PushSummary, ClientError> {
+        let worker = self.inner.map.worker_id.ok_or_else(|| ClientError::Shape("observers cannot push".into()))?;
+        let layout = &self.inner.map.layout;
+        if grads.len() != layout.tensors.len() || grads.iter().zip(&layout.tensors).any(|(g, t)| g.len() as u64 != t.len) {
+            return Err(ClientError::Shape("gradient tensors do not match the model layout".into()));
+        }
+        if read_versions.len() as u64 != layout.total_chunks() {
+            return Err(ClientError::Shape("read versions do not match the model layout".into()));
+        }
+        let mut tasks = tokio::task::JoinSet::new();
+        for s in 0..self.inner.shards.len() {
+            let link = &self.inner.shards[s];
+            if link.chunks.is_empty() {
+                continue;
+            }
+            let seq = link.next_seq.fetch_add(1, Ordering::SeqCst);
+            let chunks: Vec<PushChunk> = link
+                .chunks
+                .iter()
+                .map(|(id, g)| PushChunk { id: *id, read_version: read_versions[*g as usize], len: layout.chunk_len(*id).unwrap_or(0) as u32 })
+                .collect();
+            let msg = Message::Push(Push { epoch: self.inner.map.epoch, worker, seq, chunks });
+            self.inner.pushes_sent.fetch_add(1, Ordering::Relaxed);
+            let client = self.clone();
+            let grads = grads.clone();
+            tasks.spawn(async move {
+                let link = &client.inner.shards[s];
+                let layout = &client.inner.map.layout;
+                let parts: Vec<&[f32]> = link
+                    .chunks
+                    .iter()
+                    .filter_map(|(id, _)| layout.chunk_range(*id).ok().map(|r| &grads[id.tensor as usize][r]))
+                    .collect();
+                client.request(s, &msg, &parts).await
+            });
+        }
+        let mut summary = PushSummary::default();
+        while let Some(joined) = tasks.join_next().await {
+            let (frame, retries) = joined.map_err(|e| ClientError::Shape(format!("push task failed: {e}")))??;
+            summary.retries += retries;
+            match frame.msg {
+                Message::Ack(ack) => {
+                    if ack.duplicate {
+                        summary.duplicates += 1;
+                    } else {
+                        summary.applied += 1;
+                    }
+                    summary.max_staleness = summary.max_staleness.max(ack.max_staleness);
+                }
+                other => return Err(RpcError::Unexpected { addr: "shard".into(), kind: net::kind_name(&other).into() }.into()),
+            }
+        }
+        Ok(summary)
+    }
+
+    /// Counters of every shard, index order.
+    pub async fn stats(&self) -> Result<Vec<Stats>, ClientError> {
+        let mut out = Vec::with_capacity(self.inner.shards.len());
+        for s in 0..self.inner.shards.len() {
+            let (frame, _) = self.request(s, &Message::StatsRequest(StatsRequest), &[]).await?;
+            match frame.msg {
+                Message::Stats(st) => out.push(st),
+                other => {
+                    return Err(RpcError::Unexpected { addr: self.inner.shards[s].addr.to_string(), kind: net::kind_name(&other).into() }.into())
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Renews this worker's lease with the coordinator.
+    pub async fn heartbeat(&self) -> Result<(), ClientError> {
+        let Some(worker) = self.inner.map.worker_id else { return Ok(()) };
+        self.request(0, &Message::Heartbeat(Heartbeat { worker }), &[]).await?;
+        Ok(())
+    }
+
+    /// Sends heartbeats every `interval` until the returned handle is aborted or dropped with the runtime.
+    pub fn spawn_heartbeats(&self, interval: Duration) -> tokio::task::JoinHandle<()> {
+        let client = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(interval);
+            loop {
+                tick.tick().await;
+                if let Err(e) = client.heartbeat().await {
+                    warn!(error = %e, "heartbeat failed");
+                }
+            }
+        })
+    }
+
+    /// Leaves the job (the coordinator drops the lease at once) and closes every connection.
+    pub async fn leave(&self) -> Result<(), ClientError> {
+        if let Some(worker) = self.inner.map.worker_id {
+            self.request(0, &Message::Leave(Leave { worker }), &[]).await?;
+        }
+        self.close().await;
+        Ok(())
+    }
+
+    /// Closes every connection and waits (briefly) for the peers to learn of it.
+    pub async fn close(&self) {
+        for link in &self.inner.shards {
+            if let Ok(mut guard) = link.conn.lock() {
+                if let Some(conn) = guard.take() {
+                    conn.close(0u32.into(), b"done");
+                }
+            }
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.inner.endpoint.wait_idle()).await;
+    }
+
+    /// Index of each shard, for logs.
+    pub fn shard_addrs(&self) -> Vec<(u32, SocketAddr)> {
+        self.inner.shards.iter().map(|s| (s.index, s.addr)).collect()
+    }
+}

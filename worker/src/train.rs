@@ -1,0 +1,127 @@
+//! The training loop of one worker: pull, compute the gradient on the next batch, push, repeat.
+
+use crate::client::{Client, ClientOptions};
+use crate::data::SyntheticLogreg;
+use crate::model::{logreg_loss_and_grad, ModelKind};
+use anyhow::{Context, Result};
+use gaps_common::config::parse_duration;
+use gaps_common::tls::TlsMaterial;
+use gaps_common::wire::Role;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tracing::info;
+
+/// Flags of `gaps-worker` (and of `gaps worker`). Every flag also reads a `GAPS_*` environment variable.
+#[derive(Debug, Clone, clap::Args)]
+pub struct WorkerArgs {
+    /// Address (`host:port`) of the coordinator, shard 0.
+    #[arg(long, env = "GAPS_COORDINATOR")]
+    pub coordinator: String,
+    /// The cluster CA certificate (PEM).
+    #[arg(long, env = "GAPS_CA")]
+    pub ca: PathBuf,
+    /// This worker's certificate (PEM), signed by the cluster CA.
+    #[arg(long, env = "GAPS_CERT")]
+    pub cert: PathBuf,
+    /// This worker's private key (PEM).
+    #[arg(long, env = "GAPS_KEY")]
+    pub key: PathBuf,
+    /// The model to train; must match what the servers hold.
+    #[arg(long, env = "GAPS_MODEL", default_value = "logreg")]
+    pub model: ModelKind,
+    /// Training steps (one pull, one gradient, one push each).
+    #[arg(long, env = "GAPS_STEPS", default_value_t = 200)]
+    pub steps: u64,
+    /// Samples per step.
+    #[arg(long, env = "GAPS_BATCH", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub batch: u32,
+    /// Seed of the synthetic dataset (same on every worker and the servers' evaluator).
+    #[arg(long, env = "GAPS_DATA_SEED", default_value_t = 1)]
+    pub data_seed: u64,
+    /// How long to wait for the coordinator and a complete cluster.
+    #[arg(long, env = "GAPS_CONNECT_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub connect_timeout: Duration,
+    /// Name in logs.
+    #[arg(long, env = "GAPS_NAME", default_value = "worker")]
+    pub name: String,
+    /// Print a one-line JSON summary on stdout at the end.
+    #[arg(long, env = "GAPS_JSON")]
+    pub json: bool,
+}
+
+/// What a worker did, printed as JSON with `--json`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkerSummary {
+    /// Worker id given by the coordinator.
+    pub worker: u32,
+    /// Steps completed.
+    pub steps: u64,
+    /// Shard pushes sent (each once, retries not counted).
+    pub pushes_sent: u64,
+    /// Requests resent after transport failures.
+    pub retries: u64,
+    /// Mean training loss of the first step.
+    pub first_loss: f32,
+    /// Mean training loss over the last (up to) 10 steps.
+    pub last_loss: f32,
+    /// Wall-clock seconds from connecting to leaving.
+    pub wall_s: f64,
+}
+
+impl WorkerSummary {
+    /// The JSON line.
+    pub fn to_json(&self) -> String {
+        serde_json::json!({
+            "event": "worker_done",
+            "worker": self.worker,
+            "steps": self.steps,
+            "pushes_sent": self.pushes_sent,
+            "retries": self.retries,
+            "first_loss": self.first_loss,
+            "last_loss": self.last_loss,
+            "wall_s": self.wall_s,
+        })
+        .to_string()
+    }
+}
+
+/// Runs one worker to completion.
+pub async fn run(args: &WorkerArgs) -> Result<WorkerSummary> {
+    let tls = TlsMaterial::load(&args.ca, &args.cert, &args.key).context("loading the worker's TLS material")?;
+    let mut opts = ClientOptions::new(&args.coordinator, tls, Role::Worker, &args.name);
+    opts.connect_timeout = args.connect_timeout;
+    let client = Client::connect(opts).await.context("joining the cluster")?;
+    let worker = client.worker_id().context("the coordinator gave no worker id")?;
+    let dim = args.model.dim_from_layout(client.layout()).map_err(anyhow::Error::msg)?;
+    info!(worker, dim, shards = client.map().num_shards, "joined the cluster");
+    let data = SyntheticLogreg::new(dim as usize, args.data_seed);
+    let lease = Duration::from_millis(u64::from(client.map().lease_ms));
+    let heartbeats = client.spawn_heartbeats((lease / 3).max(Duration::from_millis(100)));
+    let started = Instant::now();
+    let mut losses = Vec::with_capacity(args.steps as usize);
+    let batch = args.batch as usize;
+    for step in 0..args.steps {
+        let snapshot = client.pull().await.with_context(|| format!("pulling parameters at step {step}"))?;
+        let first = (u64::from(worker) << 40) + step * batch as u64;
+        let (xs, ys) = data.batch(first, batch);
+        let (loss, grads) = logreg_loss_and_grad(&snapshot.tensors, &xs, &ys);
+        losses.push(loss);
+        client.push(Arc::new(grads), &snapshot.versions).await.with_context(|| format!("pushing the gradient of step {step}"))?;
+        if args.steps >= 10 && (step + 1) % (args.steps / 10) == 0 {
+            info!(worker, step = step + 1, loss, "progress");
+        }
+    }
+    heartbeats.abort();
+    client.leave().await.context("leaving the cluster")?;
+    let tail = &losses[losses.len().saturating_sub(10)..];
+    Ok(WorkerSummary {
+        worker,
+        steps: args.steps,
+        pushes_sent: client.pushes_sent(),
+        retries: client.retries(),
+        first_loss: losses.first().copied().unwrap_or(f32::NAN),
+        last_loss: tail.iter().sum::<f32>() / tail.len().max(1) as f32,
+        wall_s: started.elapsed().as_secs_f64(),
+    })
+}
