@@ -59,10 +59,7 @@ pub const MAX_TENSORS: usize = 1 << 16;
 impl Layout {
     /// Builds and validates a layout.
     pub fn new(tensors: Vec<TensorSpec>, chunk_elems: u32) -> Result<Self, LayoutError> {
-        let layout = Layout {
-            tensors,
-            chunk_elems,
-        };
+        let layout = Layout { tensors, chunk_elems };
         layout.validate()?;
         Ok(layout)
     }
@@ -70,17 +67,13 @@ impl Layout {
     /// Checks every bound; a layout received from the network goes through this before use.
     pub fn validate(&self) -> Result<(), LayoutError> {
         if self.chunk_elems == 0 {
-            return Err(LayoutError::Invalid(
-                "chunk_elems must be at least 1".into(),
-            ));
+            return Err(LayoutError::Invalid("chunk_elems must be at least 1".into()));
         }
         if self.tensors.is_empty() {
             return Err(LayoutError::Invalid("the model has no tensors".into()));
         }
         if self.tensors.len() > MAX_TENSORS {
-            return Err(LayoutError::Invalid(format!(
-                "more than {MAX_TENSORS} tensors"
-            )));
+            return Err(LayoutError::Invalid(format!("more than {MAX_TENSORS} tensors")));
         }
         let mut total_chunks: u64 = 0;
         for t in &self.tensors {
@@ -100,16 +93,12 @@ impl Layout {
 
     /// Number of chunks of tensor `tensor` (0 when the tensor does not exist).
     pub fn num_chunks(&self, tensor: u32) -> u32 {
-        self.tensors
-            .get(tensor as usize)
-            .map_or(0, |t| t.len.div_ceil(u64::from(self.chunk_elems)) as u32)
+        self.tensors.get(tensor as usize).map_or(0, |t| t.len.div_ceil(u64::from(self.chunk_elems)) as u32)
     }
 
     /// Total number of chunks over all tensors.
     pub fn total_chunks(&self) -> u64 {
-        (0..self.tensors.len() as u32)
-            .map(|t| u64::from(self.num_chunks(t)))
-            .sum()
+        (0..self.tensors.len() as u32).map(|t| u64::from(self.num_chunks(t))).sum()
     }
 
     /// Total number of elements over all tensors.
@@ -122,16 +111,10 @@ impl Layout {
         let t = self
             .tensors
             .get(id.tensor as usize)
-            .ok_or(LayoutError::UnknownChunk {
-                tensor: id.tensor,
-                chunk: id.chunk,
-            })?;
+            .ok_or(LayoutError::UnknownChunk { tensor: id.tensor, chunk: id.chunk })?;
         let start = u64::from(id.chunk) * u64::from(self.chunk_elems);
         if start >= t.len {
-            return Err(LayoutError::UnknownChunk {
-                tensor: id.tensor,
-                chunk: id.chunk,
-            });
+            return Err(LayoutError::UnknownChunk { tensor: id.tensor, chunk: id.chunk });
         }
         let end = (start + u64::from(self.chunk_elems)).min(t.len);
         Ok(start as usize..end as usize)
@@ -156,19 +139,14 @@ impl Layout {
 
     /// Every chunk of the model, in global order.
     pub fn chunks(&self) -> impl Iterator<Item = ChunkId> + '_ {
-        (0..self.tensors.len() as u32).flat_map(move |tensor| {
-            (0..self.num_chunks(tensor)).map(move |chunk| ChunkId { tensor, chunk })
-        })
+        (0..self.tensors.len() as u32)
+            .flat_map(move |tensor| (0..self.num_chunks(tensor)).map(move |chunk| ChunkId { tensor, chunk }))
     }
 
     /// The chunks owned by `shard`, in global order.
     pub fn chunks_of_shard(&self, shard: u32, num_shards: u32) -> Vec<ChunkId> {
         let n = u64::from(num_shards.max(1));
-        self.chunks()
-            .enumerate()
-            .filter(|(g, _)| *g as u64 % n == u64::from(shard))
-            .map(|(_, id)| id)
-            .collect()
+        self.chunks().enumerate().filter(|(g, _)| *g as u64 % n == u64::from(shard)).map(|(_, id)| id).collect()
     }
 
     /// A stable 64-bit fingerprint (FNV-1a) of the layout, used to detect processes configured with
@@ -198,18 +176,9 @@ mod tests {
     fn layout() -> Layout {
         Layout::new(
             vec![
-                TensorSpec {
-                    name: "a".into(),
-                    len: 10,
-                },
-                TensorSpec {
-                    name: "b".into(),
-                    len: 1,
-                },
-                TensorSpec {
-                    name: "c".into(),
-                    len: 8,
-                },
+                TensorSpec { name: "a".into(), len: 10 },
+                TensorSpec { name: "b".into(), len: 1 },
+                TensorSpec { name: "c".into(), len: 8 },
             ],
             4,
         )
@@ -234,48 +203,17 @@ mod tests {
         for id in &s1 {
             assert_eq!(l.owner(*id, 2).expect("owner"), 1);
         }
-        assert_eq!(
-            l.chunk_len(ChunkId {
-                tensor: 0,
-                chunk: 2
-            })
-            .expect("len"),
-            2
-        );
+        assert_eq!(l.chunk_len(ChunkId { tensor: 0, chunk: 2 }).expect("len"), 2);
     }
 
     #[test]
     fn bad_references_and_layouts_are_errors() {
         let l = layout();
-        assert!(l
-            .chunk_range(ChunkId {
-                tensor: 0,
-                chunk: 3
-            })
-            .is_err());
-        assert!(l
-            .chunk_range(ChunkId {
-                tensor: 9,
-                chunk: 0
-            })
-            .is_err());
+        assert!(l.chunk_range(ChunkId { tensor: 0, chunk: 3 }).is_err());
+        assert!(l.chunk_range(ChunkId { tensor: 9, chunk: 0 }).is_err());
         assert!(Layout::new(vec![], 4).is_err());
-        assert!(Layout::new(
-            vec![TensorSpec {
-                name: "x".into(),
-                len: 0
-            }],
-            4
-        )
-        .is_err());
-        assert!(Layout::new(
-            vec![TensorSpec {
-                name: "x".into(),
-                len: 3
-            }],
-            0
-        )
-        .is_err());
+        assert!(Layout::new(vec![TensorSpec { name: "x".into(), len: 0 }], 4).is_err());
+        assert!(Layout::new(vec![TensorSpec { name: "x".into(), len: 3 }], 0).is_err());
         let mut other = l.clone();
         other.tensors[2].len = 9;
         assert_ne!(l.fingerprint(), other.fingerprint());

@@ -56,10 +56,7 @@ pub struct Identity {
 
 impl Clone for Identity {
     fn clone(&self) -> Self {
-        Identity {
-            chain: self.chain.clone(),
-            key: self.key.clone_key(),
-        }
+        Identity { chain: self.chain.clone(), key: self.key.clone_key() }
     }
 }
 
@@ -97,51 +94,30 @@ impl ClusterCerts {
     /// plus `extra_sans`) and a worker certificate.
     pub fn generate(extra_sans: &[String]) -> Result<Self, TlsError> {
         use rcgen::{
-            BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair,
-            KeyUsagePurpose,
+            BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair, KeyUsagePurpose,
         };
         let ca_key = KeyPair::generate()?;
         let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
         ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        ca_params
-            .distinguished_name
-            .push(DnType::CommonName, "gaps cluster CA");
-        ca_params.key_usages = vec![
-            KeyUsagePurpose::KeyCertSign,
-            KeyUsagePurpose::CrlSign,
-            KeyUsagePurpose::DigitalSignature,
-        ];
+        ca_params.distinguished_name.push(DnType::CommonName, "gaps cluster CA");
+        ca_params.key_usages =
+            vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
         let ca_cert = ca_params.self_signed(&ca_key)?;
 
         let leaf = |common_name: &str, sans: Vec<String>| -> Result<PemPair, TlsError> {
             let key = KeyPair::generate()?;
             let mut params = CertificateParams::new(sans)?;
-            params
-                .distinguished_name
-                .push(DnType::CommonName, common_name);
+            params.distinguished_name.push(DnType::CommonName, common_name);
             params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
             // Shards also connect to the coordinator as clients, so both usages are allowed.
-            params.extended_key_usages = vec![
-                ExtendedKeyUsagePurpose::ServerAuth,
-                ExtendedKeyUsagePurpose::ClientAuth,
-            ];
+            params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
             let cert = params.signed_by(&key, &ca_cert, &ca_key)?;
-            Ok(PemPair {
-                cert: cert.pem(),
-                key: key.serialize_pem(),
-            })
+            Ok(PemPair { cert: cert.pem(), key: key.serialize_pem() })
         };
-        let mut server_sans = vec![
-            SERVER_NAME.to_string(),
-            "localhost".to_string(),
-            "127.0.0.1".to_string(),
-        ];
+        let mut server_sans = vec![SERVER_NAME.to_string(), "localhost".to_string(), "127.0.0.1".to_string()];
         server_sans.extend(extra_sans.iter().cloned());
         Ok(ClusterCerts {
-            ca: PemPair {
-                cert: ca_cert.pem(),
-                key: ca_key.serialize_pem(),
-            },
+            ca: PemPair { cert: ca_cert.pem(), key: ca_key.serialize_pem() },
             server: leaf("gaps server", server_sans)?,
             worker: leaf("gaps worker", vec!["gaps-worker".to_string()])?,
         })
@@ -150,10 +126,7 @@ impl ClusterCerts {
     /// Writes `ca.pem`, `ca.key`, `server.pem`, `server.key`, `worker.pem`, `worker.key` into `dir`
     /// (keys readable by the owner only).
     pub fn write_to(&self, dir: &Path) -> Result<(), TlsError> {
-        std::fs::create_dir_all(dir).map_err(|source| TlsError::Write {
-            path: dir.to_path_buf(),
-            source,
-        })?;
+        std::fs::create_dir_all(dir).map_err(|source| TlsError::Write { path: dir.to_path_buf(), source })?;
         for (name, text, secret) in [
             ("ca.pem", &self.ca.cert, false),
             ("ca.key", &self.ca.key, true),
@@ -163,8 +136,7 @@ impl ClusterCerts {
             ("worker.key", &self.worker.key, true),
         ] {
             let path = dir.join(name);
-            write_file(&path, text.as_bytes(), secret)
-                .map_err(|source| TlsError::Write { path, source })?;
+            write_file(&path, text.as_bytes(), secret).map_err(|source| TlsError::Write { path, source })?;
         }
         Ok(())
     }
@@ -205,12 +177,8 @@ fn material_from_pem(ca_pem: &str, pair: &PemPair) -> Result<TlsMaterial, TlsErr
     let chain = CertificateDer::pem_slice_iter(pair.cert.as_bytes())
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| pem_err("<cert>", e))?;
-    let key =
-        PrivateKeyDer::from_pem_slice(pair.key.as_bytes()).map_err(|e| pem_err("<key>", e))?;
-    Ok(TlsMaterial {
-        ca,
-        identity: Identity { chain, key },
-    })
+    let key = PrivateKeyDer::from_pem_slice(pair.key.as_bytes()).map_err(|e| pem_err("<key>", e))?;
+    Ok(TlsMaterial { ca, identity: Identity { chain, key } })
 }
 
 impl TlsMaterial {
@@ -226,20 +194,14 @@ impl TlsMaterial {
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| pem_err(path, e))?;
             if list.is_empty() {
-                return Err(TlsError::Pem {
-                    path: path.to_path_buf(),
-                    message: "no certificate in the file".into(),
-                });
+                return Err(TlsError::Pem { path: path.to_path_buf(), message: "no certificate in the file".into() });
             }
             Ok(list)
         };
         let ca_certs = certs(ca)?;
         let chain = certs(cert)?;
         let key = PrivateKeyDer::from_pem_file(key).map_err(|e| pem_err(key, e))?;
-        Ok(TlsMaterial {
-            ca: ca_certs,
-            identity: Identity { chain, key },
-        })
+        Ok(TlsMaterial { ca: ca_certs, identity: Identity { chain, key } })
     }
 
     fn roots(&self) -> Result<rustls::RootCertStore, TlsError> {
@@ -253,12 +215,10 @@ impl TlsMaterial {
     /// A TLS 1.3 server configuration that requires a client certificate signed by the cluster CA.
     pub fn server_config(&self) -> Result<rustls::ServerConfig, TlsError> {
         let provider = provider();
-        let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
-            Arc::new(self.roots()?),
-            provider.clone(),
-        )
-        .build()
-        .map_err(|e| TlsError::Verifier(e.to_string()))?;
+        let verifier =
+            rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(self.roots()?), provider.clone())
+                .build()
+                .map_err(|e| TlsError::Verifier(e.to_string()))?;
         let mut config = rustls::ServerConfig::builder_with_provider(provider)
             .with_protocol_versions(&[&rustls::version::TLS13])?
             .with_client_cert_verifier(verifier)
@@ -290,32 +250,15 @@ mod tests {
 
     #[test]
     fn generated_material_builds_both_configs_and_files_round_trip() {
-        let certs = ClusterCerts::generate(&["10.0.0.7".to_string(), "ps0.example".to_string()])
-            .expect("generate");
-        certs
-            .server_material()
-            .expect("server material")
-            .server_config()
-            .expect("server config");
-        certs
-            .worker_material()
-            .expect("worker material")
-            .client_config()
-            .expect("client config");
+        let certs = ClusterCerts::generate(&["10.0.0.7".to_string(), "ps0.example".to_string()]).expect("generate");
+        certs.server_material().expect("server material").server_config().expect("server config");
+        certs.worker_material().expect("worker material").client_config().expect("client config");
         let dir = std::env::temp_dir().join(format!("gaps-tls-test-{}", std::process::id()));
         certs.write_to(&dir).expect("write");
-        let loaded = TlsMaterial::load(
-            &dir.join("ca.pem"),
-            &dir.join("worker.pem"),
-            &dir.join("worker.key"),
-        )
-        .expect("load");
+        let loaded =
+            TlsMaterial::load(&dir.join("ca.pem"), &dir.join("worker.pem"), &dir.join("worker.key")).expect("load");
         assert_eq!(loaded.ca.len(), 1);
-        let missing = TlsMaterial::load(
-            &dir.join("nope.pem"),
-            &dir.join("worker.pem"),
-            &dir.join("worker.key"),
-        );
+        let missing = TlsMaterial::load(&dir.join("nope.pem"), &dir.join("worker.pem"), &dir.join("worker.key"));
         assert!(matches!(missing, Err(TlsError::Pem { .. })));
         let _ = std::fs::remove_dir_all(&dir);
     }

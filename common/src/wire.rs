@@ -36,10 +36,7 @@ pub struct Limits {
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits {
-            max_header_bytes: MAX_HEADER_BYTES,
-            max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
-        }
+        Limits { max_header_bytes: MAX_HEADER_BYTES, max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES }
     }
 }
 
@@ -395,10 +392,7 @@ impl Message {
 
     /// Shorthand for an [`ErrorReply`].
     pub fn error(code: ErrorCode, message: impl Into<String>) -> Message {
-        Message::Error(ErrorReply {
-            code,
-            message: message.into(),
-        })
+        Message::Error(ErrorReply { code, message: message.into() })
     }
 }
 
@@ -414,10 +408,7 @@ pub struct Frame {
 impl Frame {
     /// A frame without payload.
     pub fn new(msg: Message) -> Frame {
-        Frame {
-            msg,
-            payload: Vec::new(),
-        }
+        Frame { msg, payload: Vec::new() }
     }
 }
 
@@ -425,20 +416,12 @@ impl Frame {
 pub fn encode_header(msg: &Message, payload_elems: usize) -> Result<Vec<u8>, WireError> {
     let declared = msg.payload_elems();
     if declared != payload_elems as u64 {
-        return Err(WireError::ElementCountMismatch {
-            expected: declared,
-            got: payload_elems as u64,
-        });
+        return Err(WireError::ElementCountMismatch { expected: declared, got: payload_elems as u64 });
     }
     let mut out = vec![msg.kind(), 0, 0, 0, 0];
-    let len = msg
-        .encode_body(&mut out)
-        .map_err(|e| WireError::BadHeader(e.to_string()))?;
+    let len = msg.encode_body(&mut out).map_err(|e| WireError::BadHeader(e.to_string()))?;
     if len as u64 > u64::from(MAX_HEADER_BYTES) {
-        return Err(WireError::HeaderTooLarge {
-            len: len as u64,
-            max: u64::from(MAX_HEADER_BYTES),
-        });
+        return Err(WireError::HeaderTooLarge { len: len as u64, max: u64::from(MAX_HEADER_BYTES) });
     }
     out[1..5].copy_from_slice(&(len as u32).to_le_bytes());
     Ok(out)
@@ -452,10 +435,7 @@ pub fn encode_frame(frame: &Frame) -> Result<Vec<u8>, WireError> {
 }
 
 /// Checks a frame prefix and returns `(kind, header_len)`; the header length is bounded here.
-pub fn parse_prefix(
-    prefix: &[u8; FRAME_PREFIX_LEN],
-    limits: &Limits,
-) -> Result<(u8, usize), WireError> {
+pub fn parse_prefix(prefix: &[u8; FRAME_PREFIX_LEN], limits: &Limits) -> Result<(u8, usize), WireError> {
     let kind = prefix[0];
     if !(1..=13).contains(&kind) {
         return Err(WireError::UnknownKind(kind));
@@ -463,10 +443,7 @@ pub fn parse_prefix(
     let len = u32::from_le_bytes([prefix[1], prefix[2], prefix[3], prefix[4]]);
     let max = limits.max_header_bytes.min(MAX_HEADER_BYTES);
     if len > max {
-        return Err(WireError::HeaderTooLarge {
-            len: u64::from(len),
-            max: u64::from(max),
-        });
+        return Err(WireError::HeaderTooLarge { len: u64::from(len), max: u64::from(max) });
     }
     Ok((kind, len as usize))
 }
@@ -475,36 +452,23 @@ pub fn parse_prefix(
 pub fn decode_header(kind: u8, header: &[u8], limits: &Limits) -> Result<Message, WireError> {
     let (msg, used) = Message::decode_body(kind, header)?;
     if used != header.len() {
-        return Err(WireError::BadHeader(format!(
-            "{} unused bytes in the header",
-            header.len() - used
-        )));
+        return Err(WireError::BadHeader(format!("{} unused bytes in the header", header.len() - used)));
     }
     let bytes = msg.payload_elems().saturating_mul(4);
     if bytes > limits.max_payload_bytes {
-        return Err(WireError::PayloadTooLarge {
-            len: bytes,
-            max: limits.max_payload_bytes,
-        });
+        return Err(WireError::PayloadTooLarge { len: bytes, max: limits.max_payload_bytes });
     }
     Ok(msg)
 }
 
 /// Decodes one complete frame from a buffer that must hold exactly one frame.
 pub fn decode_frame(buf: &[u8], limits: &Limits) -> Result<Frame, WireError> {
-    let truncated = |needed: usize| WireError::Truncated {
-        needed: needed as u64,
-        got: buf.len() as u64,
-    };
-    let prefix: &[u8; FRAME_PREFIX_LEN] = buf
-        .get(..FRAME_PREFIX_LEN)
-        .and_then(|p| p.try_into().ok())
-        .ok_or(truncated(FRAME_PREFIX_LEN))?;
+    let truncated = |needed: usize| WireError::Truncated { needed: needed as u64, got: buf.len() as u64 };
+    let prefix: &[u8; FRAME_PREFIX_LEN] =
+        buf.get(..FRAME_PREFIX_LEN).and_then(|p| p.try_into().ok()).ok_or(truncated(FRAME_PREFIX_LEN))?;
     let (kind, header_len) = parse_prefix(prefix, limits)?;
     let header_end = FRAME_PREFIX_LEN + header_len;
-    let header = buf
-        .get(FRAME_PREFIX_LEN..header_end)
-        .ok_or(truncated(header_end))?;
+    let header = buf.get(FRAME_PREFIX_LEN..header_end).ok_or(truncated(header_end))?;
     let msg = decode_header(kind, header, limits)?;
     let payload_bytes = msg.payload_elems() as usize * 4;
     let rest = &buf[header_end..];
@@ -512,14 +476,9 @@ pub fn decode_frame(buf: &[u8], limits: &Limits) -> Result<Frame, WireError> {
         return Err(truncated(header_end + payload_bytes));
     }
     if rest.len() > payload_bytes {
-        return Err(WireError::TrailingBytes(
-            (rest.len() - payload_bytes) as u64,
-        ));
+        return Err(WireError::TrailingBytes((rest.len() - payload_bytes) as u64));
     }
-    Ok(Frame {
-        msg,
-        payload: le_bytes_to_f32s(rest),
-    })
+    Ok(Frame { msg, payload: le_bytes_to_f32s(rest) })
 }
 
 /// A source of bytes that can fill a whole buffer or fail; implemented by the transports (the QUIC
@@ -555,10 +514,7 @@ pub fn f32s_to_le_bytes(values: &[f32]) -> std::borrow::Cow<'_, [u8]> {
 
 /// f32 values from little-endian bytes (length must be a multiple of 4; extra bytes are ignored).
 pub fn le_bytes_to_f32s(bytes: &[u8]) -> Vec<f32> {
-    bytes
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect()
+    bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
 }
 
 /// Converts values just read as raw little-endian bytes into native order (a no-op on little-endian hosts).
@@ -576,24 +532,10 @@ mod tests {
     use crate::layout::TensorSpec;
 
     fn samples() -> Vec<Frame> {
-        let id = ChunkId {
-            tensor: 1,
-            chunk: 2,
-        };
-        let layout = Layout::new(
-            vec![TensorSpec {
-                name: "w".into(),
-                len: 10,
-            }],
-            4,
-        )
-        .expect("layout");
+        let id = ChunkId { tensor: 1, chunk: 2 };
+        let layout = Layout::new(vec![TensorSpec { name: "w".into(), len: 10 }], 4).expect("layout");
         vec![
-            Frame::new(Message::Register(Register {
-                protocol: 1,
-                role: Role::Worker,
-                name: "w0".into(),
-            })),
+            Frame::new(Message::Register(Register { protocol: 1, role: Role::Worker, name: "w0".into() })),
             Frame::new(Message::RegisterShard(RegisterShard {
                 protocol: 1,
                 shard: 1,
@@ -605,25 +547,13 @@ mod tests {
                 epoch: 9,
                 worker_id: Some(3),
                 num_shards: 1,
-                shards: vec![ShardAddr {
-                    index: 0,
-                    addr: "127.0.0.1:1".into(),
-                }],
+                shards: vec![ShardAddr { index: 0, addr: "127.0.0.1:1".into() }],
                 layout,
                 lease_ms: 5000,
             })),
-            Frame::new(Message::Pull(Pull {
-                epoch: 9,
-                chunks: vec![id],
-            })),
+            Frame::new(Message::Pull(Pull { epoch: 9, chunks: vec![id] })),
             Frame {
-                msg: Message::PullReply(PullReply {
-                    chunks: vec![ChunkVersion {
-                        id,
-                        version: 5,
-                        len: 3,
-                    }],
-                }),
+                msg: Message::PullReply(PullReply { chunks: vec![ChunkVersion { id, version: 5, len: 3 }] }),
                 payload: vec![1.0, -2.5, 3.25],
             },
             Frame {
@@ -631,32 +561,16 @@ mod tests {
                     epoch: 9,
                     worker: 3,
                     seq: 17,
-                    chunks: vec![PushChunk {
-                        id,
-                        read_version: 4,
-                        len: 2,
-                    }],
+                    chunks: vec![PushChunk { id, read_version: 4, len: 2 }],
                 }),
                 payload: vec![0.5, f32::MIN_POSITIVE],
             },
-            Frame::new(Message::Ack(Ack {
-                seq: 17,
-                duplicate: true,
-                max_staleness: 3,
-            })),
+            Frame::new(Message::Ack(Ack { seq: 17, duplicate: true, max_staleness: 3 })),
             Frame::new(Message::error(ErrorCode::NonFinite, "NaN at 3")),
             Frame::new(Message::Heartbeat(Heartbeat { worker: 3 })),
-            Frame::new(Message::HeartbeatAck(HeartbeatAck {
-                epoch: 9,
-                live_workers: 4,
-            })),
+            Frame::new(Message::HeartbeatAck(HeartbeatAck { epoch: 9, live_workers: 4 })),
             Frame::new(Message::StatsRequest(StatsRequest)),
-            Frame::new(Message::Stats(Stats {
-                shard: 1,
-                pushes_applied: 10,
-                staleness_max: 7,
-                ..Stats::default()
-            })),
+            Frame::new(Message::Stats(Stats { shard: 1, pushes_applied: 10, staleness_max: 7, ..Stats::default() })),
             Frame::new(Message::Leave(Leave { worker: 3 })),
         ]
     }
@@ -678,12 +592,8 @@ mod tests {
         for f in samples() {
             let bytes = encode_frame(&f).expect("encode");
             for cut in 0..bytes.len() {
-                let err = decode_frame(&bytes[..cut], &Limits::default())
-                    .expect_err("truncated frame must fail");
-                assert!(
-                    matches!(err, WireError::Truncated { .. } | WireError::BadHeader(_)),
-                    "cut at {cut}: {err:?}"
-                );
+                let err = decode_frame(&bytes[..cut], &Limits::default()).expect_err("truncated frame must fail");
+                assert!(matches!(err, WireError::Truncated { .. } | WireError::BadHeader(_)), "cut at {cut}: {err:?}");
             }
         }
     }
@@ -692,111 +602,56 @@ mod tests {
     fn over_limit_lengths_are_refused_before_allocation() {
         let mut prefix = [6u8, 0, 0, 0, 0];
         prefix[1..5].copy_from_slice(&(MAX_HEADER_BYTES + 1).to_le_bytes());
-        assert!(matches!(
-            parse_prefix(&prefix, &Limits::default()),
-            Err(WireError::HeaderTooLarge { .. })
-        ));
+        assert!(matches!(parse_prefix(&prefix, &Limits::default()), Err(WireError::HeaderTooLarge { .. })));
         // A push header that declares 2^31 elements in one chunk group: refused by the payload limit.
-        let id = ChunkId {
-            tensor: 0,
-            chunk: 0,
-        };
+        let id = ChunkId { tensor: 0, chunk: 0 };
         let push = Message::Push(Push {
             epoch: 1,
             worker: 0,
             seq: 1,
-            chunks: vec![
-                PushChunk {
-                    id,
-                    read_version: 0,
-                    len: u32::MAX
-                };
-                2
-            ],
+            chunks: vec![PushChunk { id, read_version: 0, len: u32::MAX }; 2],
         });
         let mut bytes = vec![push.kind(), 0, 0, 0, 0];
         let len = push.encode_body(&mut bytes).expect("encode body");
         bytes[1..5].copy_from_slice(&(len as u32).to_le_bytes());
-        let limits = Limits {
-            max_header_bytes: MAX_HEADER_BYTES,
-            max_payload_bytes: 1 << 20,
-        };
-        assert!(matches!(
-            decode_frame(&bytes, &limits),
-            Err(WireError::PayloadTooLarge { .. })
-        ));
+        let limits = Limits { max_header_bytes: MAX_HEADER_BYTES, max_payload_bytes: 1 << 20 };
+        assert!(matches!(decode_frame(&bytes, &limits), Err(WireError::PayloadTooLarge { .. })));
         // A string length prefix far beyond the header limit is a decode error, not an allocation.
         let mut hostile = vec![1u8, 0, 0, 0, 0];
-        let body = [
-            1u8, 0, 0, 253, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x7f,
-        ];
+        let body = [1u8, 0, 0, 253, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x7f];
         hostile.extend_from_slice(&body);
         hostile[1..5].copy_from_slice(&(body.len() as u32).to_le_bytes());
-        assert!(matches!(
-            decode_frame(&hostile, &Limits::default()),
-            Err(WireError::BadHeader(_))
-        ));
+        assert!(matches!(decode_frame(&hostile, &Limits::default()), Err(WireError::BadHeader(_))));
     }
 
     #[test]
     fn unknown_kind_wrong_count_and_trailing_bytes_are_typed_errors() {
-        let mut bytes =
-            encode_frame(&Frame::new(Message::Heartbeat(Heartbeat { worker: 1 }))).expect("encode");
+        let mut bytes = encode_frame(&Frame::new(Message::Heartbeat(Heartbeat { worker: 1 }))).expect("encode");
         bytes[0] = 200;
-        assert_eq!(
-            decode_frame(&bytes, &Limits::default()),
-            Err(WireError::UnknownKind(200))
-        );
+        assert_eq!(decode_frame(&bytes, &Limits::default()), Err(WireError::UnknownKind(200)));
         bytes[0] = 0;
-        assert_eq!(
-            decode_frame(&bytes, &Limits::default()),
-            Err(WireError::UnknownKind(0))
-        );
+        assert_eq!(decode_frame(&bytes, &Limits::default()), Err(WireError::UnknownKind(0)));
 
-        let id = ChunkId {
-            tensor: 0,
-            chunk: 0,
-        };
+        let id = ChunkId { tensor: 0, chunk: 0 };
         let push = Message::Push(Push {
             epoch: 1,
             worker: 0,
             seq: 1,
-            chunks: vec![PushChunk {
-                id,
-                read_version: 0,
-                len: 3,
-            }],
+            chunks: vec![PushChunk { id, read_version: 0, len: 3 }],
         });
         assert!(matches!(
-            encode_frame(&Frame {
-                msg: push.clone(),
-                payload: vec![1.0; 2]
-            }),
-            Err(WireError::ElementCountMismatch {
-                expected: 3,
-                got: 2
-            })
+            encode_frame(&Frame { msg: push.clone(), payload: vec![1.0; 2] }),
+            Err(WireError::ElementCountMismatch { expected: 3, got: 2 })
         ));
-        let mut ok = encode_frame(&Frame {
-            msg: push,
-            payload: vec![1.0; 3],
-        })
-        .expect("encode");
+        let mut ok = encode_frame(&Frame { msg: push, payload: vec![1.0; 3] }).expect("encode");
         ok.extend_from_slice(&[0, 0, 0, 0]);
-        assert_eq!(
-            decode_frame(&ok, &Limits::default()),
-            Err(WireError::TrailingBytes(4))
-        );
+        assert_eq!(decode_frame(&ok, &Limits::default()), Err(WireError::TrailingBytes(4)));
         // A header with garbage after the message is refused.
-        let mut hb =
-            encode_frame(&Frame::new(Message::Heartbeat(Heartbeat { worker: 1 }))).expect("encode");
+        let mut hb = encode_frame(&Frame::new(Message::Heartbeat(Heartbeat { worker: 1 }))).expect("encode");
         hb.push(7);
         let len = u32::from_le_bytes([hb[1], hb[2], hb[3], hb[4]]) + 1;
         hb[1..5].copy_from_slice(&len.to_le_bytes());
-        assert!(matches!(
-            decode_frame(&hb, &Limits::default()),
-            Err(WireError::BadHeader(_))
-        ));
+        assert!(matches!(decode_frame(&hb, &Limits::default()), Err(WireError::BadHeader(_))));
     }
 
     struct SliceReader<'a> {

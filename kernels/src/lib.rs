@@ -71,10 +71,7 @@ pub enum KernelError {
 impl FromStr for Rule {
     type Err = KernelError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Rule::ALL
-            .into_iter()
-            .find(|r| r.name() == s)
-            .ok_or_else(|| KernelError::UnknownRule(s.to_string()))
+        Rule::ALL.into_iter().find(|r| r.name() == s).ok_or_else(|| KernelError::UnknownRule(s.to_string()))
     }
 }
 
@@ -91,11 +88,7 @@ pub struct Hyper {
 
 impl Default for Hyper {
     fn default() -> Self {
-        Hyper {
-            lr: 0.1,
-            momentum: 0.9,
-            weight_decay: 0.0,
-        }
+        Hyper { lr: 0.1, momentum: 0.9, weight_decay: 0.0 }
     }
 }
 
@@ -103,22 +96,13 @@ impl Hyper {
     /// Checks ranges; a configuration from a user goes through this once at start-up.
     pub fn validate(&self) -> Result<(), KernelError> {
         if !(self.lr.is_finite() && self.lr > 0.0) {
-            return Err(KernelError::BadHyper(format!(
-                "lr must be a positive number, got {}",
-                self.lr
-            )));
+            return Err(KernelError::BadHyper(format!("lr must be a positive number, got {}", self.lr)));
         }
         if !(0.0..1.0).contains(&self.momentum) {
-            return Err(KernelError::BadHyper(format!(
-                "momentum must be in [0, 1), got {}",
-                self.momentum
-            )));
+            return Err(KernelError::BadHyper(format!("momentum must be in [0, 1), got {}", self.momentum)));
         }
         if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
-            return Err(KernelError::BadHyper(format!(
-                "weight decay must be ≥ 0, got {}",
-                self.weight_decay
-            )));
+            return Err(KernelError::BadHyper(format!("weight decay must be ≥ 0, got {}", self.weight_decay)));
         }
         Ok(())
     }
@@ -135,11 +119,7 @@ pub fn apply(
 ) -> Result<(), KernelError> {
     let n = params.len();
     if grad.len() != n || state.len() != rule.state_floats() * n {
-        return Err(KernelError::Length {
-            params: n,
-            state: state.len(),
-            grad: grad.len(),
-        });
+        return Err(KernelError::Length { params: n, state: state.len(), grad: grad.len() });
     }
     let (lr, gamma, wd) = (hyper.lr, hyper.momentum, hyper.weight_decay);
     match rule {
@@ -167,9 +147,7 @@ mod tests {
         let mut s = seed;
         (0..n)
             .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
                 ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
             })
             .collect()
@@ -177,11 +155,7 @@ mod tests {
 
     #[test]
     fn fast_path_matches_reference_on_random_inputs() {
-        let hyper = Hyper {
-            lr: 0.05,
-            momentum: 0.9,
-            weight_decay: 1e-4,
-        };
+        let hyper = Hyper { lr: 0.05, momentum: 0.9, weight_decay: 1e-4 };
         for rule in Rule::ALL {
             let n = 1003;
             let mut p_fast = random(n, 1);
@@ -194,10 +168,7 @@ mod tests {
                 reference::apply(rule, &hyper, &mut p_ref, &mut s_ref, &g);
             }
             for (a, b) in p_fast.iter().zip(&p_ref) {
-                assert!(
-                    (a - b).abs() <= 1e-6 * b.abs().max(1.0),
-                    "{rule}: {a} vs {b}"
-                );
+                assert!((a - b).abs() <= 1e-6 * b.abs().max(1.0), "{rule}: {a} vs {b}");
             }
         }
     }
@@ -207,30 +178,10 @@ mod tests {
         for rule in Rule::ALL {
             assert_eq!(rule.name().parse::<Rule>().expect("parse"), rule);
         }
-        assert!(matches!(
-            "adamw".parse::<Rule>(),
-            Err(KernelError::UnknownRule(_))
-        ));
-        assert!(Hyper {
-            lr: -1.0,
-            ..Hyper::default()
-        }
-        .validate()
-        .is_err());
-        assert!(Hyper {
-            momentum: 1.0,
-            ..Hyper::default()
-        }
-        .validate()
-        .is_err());
+        assert!(matches!("adamw".parse::<Rule>(), Err(KernelError::UnknownRule(_))));
+        assert!(Hyper { lr: -1.0, ..Hyper::default() }.validate().is_err());
+        assert!(Hyper { momentum: 1.0, ..Hyper::default() }.validate().is_err());
         let mut p = vec![0.0; 3];
-        assert!(apply(
-            Rule::Momentum,
-            &Hyper::default(),
-            &mut p,
-            &mut [],
-            &[0.0; 3]
-        )
-        .is_err());
+        assert!(apply(Rule::Momentum, &Hyper::default(), &mut p, &mut [], &[0.0; 3]).is_err());
     }
 }

@@ -122,7 +122,8 @@ pub async fn run(args: &ServerArgs) -> Result<()> {
     let metrics_addr = match args.metrics_addr {
         Some(addr) => {
             let handle = crate::metrics::install_recorder().context("installing the metrics recorder")?;
-            let (bound, _task) = crate::metrics::serve(addr, handle).await.with_context(|| format!("serving metrics on {addr}"))?;
+            let (bound, _task) =
+                crate::metrics::serve(addr, handle).await.with_context(|| format!("serving metrics on {addr}"))?;
             Some(bound.to_string())
         }
         None => None,

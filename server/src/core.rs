@@ -274,7 +274,9 @@ impl ShardCore {
     /// Adopts the coordinator's answer to [`ShardCore::join_request`].
     pub fn joined(&mut self, map: &ClusterMap) -> Result<(), ShardError> {
         if map.num_shards != self.cfg.num_shards || map.layout != self.cfg.layout {
-            return Err(ShardError::Misconfigured("the coordinator's cluster map disagrees with this shard's configuration".into()));
+            return Err(ShardError::Misconfigured(
+                "the coordinator's cluster map disagrees with this shard's configuration".into(),
+            ));
         }
         self.epoch = map.epoch;
         Ok(())
@@ -412,7 +414,10 @@ impl ShardCore {
         for c in &req.chunks {
             let slot = self.slot_index(c.id)?;
             if !seen.insert(slot) {
-                return Err(ShardError::WrongShape(format!("chunk {}/{} appears twice in one push", c.id.tensor, c.id.chunk)));
+                return Err(ShardError::WrongShape(format!(
+                    "chunk {}/{} appears twice in one push",
+                    c.id.tensor, c.id.chunk
+                )));
             }
             let expected = self.slots[slot].params.len();
             if c.len as usize != expected {
@@ -423,7 +428,12 @@ impl ShardCore {
             }
             let grad = &payload[offset..offset + expected];
             if let Some((index, value)) = grad.iter().enumerate().find(|(_, v)| !v.is_finite()) {
-                return Err(ShardError::NonFinite { tensor: c.id.tensor, chunk: c.id.chunk, index, value: value.to_string() });
+                return Err(ShardError::NonFinite {
+                    tensor: c.id.tensor,
+                    chunk: c.id.chunk,
+                    index,
+                    value: value.to_string(),
+                });
             }
             let version = self.slots[slot].version;
             if c.read_version > version {
@@ -440,8 +450,14 @@ impl ShardCore {
         for (slot, tensor, offset, staleness) in plan {
             let s = &mut self.slots[slot];
             let n = s.params.len();
-            gaps_kernels::apply(self.cfg.rule, &self.cfg.hyper, &mut s.params, &mut s.state, &payload[offset..offset + n])
-                .map_err(|e| ShardError::WrongShape(e.to_string()))?;
+            gaps_kernels::apply(
+                self.cfg.rule,
+                &self.cfg.hyper,
+                &mut s.params,
+                &mut s.state,
+                &payload[offset..offset + n],
+            )
+            .map_err(|e| ShardError::WrongShape(e.to_string()))?;
             s.version += 1;
             touched.insert(tensor);
             max_staleness = max_staleness.max(staleness);
@@ -461,9 +477,9 @@ impl ShardCore {
 
     fn coordinator(&mut self) -> Result<&mut Coordinator, ShardError> {
         let shard = self.cfg.shard;
-        self.coordinator
-            .as_mut()
-            .ok_or_else(|| ShardError::Misconfigured(format!("shard {shard} is not the coordinator; register with shard 0")))
+        self.coordinator.as_mut().ok_or_else(|| {
+            ShardError::Misconfigured(format!("shard {shard} is not the coordinator; register with shard 0"))
+        })
     }
 
     fn cluster_map(&self, worker_id: Option<u32>) -> Result<ClusterMap, ShardError> {
@@ -518,7 +534,10 @@ impl ShardCore {
         let fingerprint = self.cfg.layout.fingerprint();
         let c = self.coordinator()?;
         if req.protocol != PROTOCOL_VERSION {
-            return Err(ShardError::Misconfigured(format!("shard {} speaks protocol {}, the coordinator {PROTOCOL_VERSION}", req.shard, req.protocol)));
+            return Err(ShardError::Misconfigured(format!(
+                "shard {} speaks protocol {}, the coordinator {PROTOCOL_VERSION}",
+                req.shard, req.protocol
+            )));
         }
         if req.num_shards != num_shards {
             return Err(ShardError::Misconfigured(format!(

@@ -11,7 +11,8 @@ use tracing::{debug, warn};
 pub const RPC_SECONDS_BUCKETS: [f64; 14] =
     [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0];
 /// Upper bounds of the staleness histogram, in updates.
-pub const STALENESS_BUCKETS: [f64; 13] = [0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 4096.0];
+pub const STALENESS_BUCKETS: [f64; 13] =
+    [0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 4096.0];
 
 /// The shard's metric handles.
 #[derive(Debug, Clone)]
@@ -44,7 +45,8 @@ impl ShardMetrics {
     /// Registers the handles with the installed recorder (no-ops when none is installed).
     pub fn register(shard: u32) -> Self {
         let shard = shard.to_string();
-        let rpc = |kind: &'static str| metrics::histogram!("gaps_rpc_seconds", "shard" => shard.clone(), "kind" => kind);
+        let rpc =
+            |kind: &'static str| metrics::histogram!("gaps_rpc_seconds", "shard" => shard.clone(), "kind" => kind);
         ShardMetrics {
             pushes: metrics::counter!("gaps_pushes_applied_total", "shard" => shard.clone()),
             push_duplicates: metrics::counter!("gaps_push_duplicates_total", "shard" => shard.clone()),
@@ -69,7 +71,10 @@ pub fn install_recorder() -> anyhow::Result<PrometheusHandle> {
         .set_buckets_for_metric(Matcher::Full("gaps_staleness_updates".into()), &STALENESS_BUCKETS)?
         .install_recorder()?;
     metrics::describe_counter!("gaps_pushes_applied_total", "Gradient pushes applied (each (worker, seq) once).");
-    metrics::describe_counter!("gaps_push_duplicates_total", "Retried pushes acknowledged without applying them again.");
+    metrics::describe_counter!(
+        "gaps_push_duplicates_total",
+        "Retried pushes acknowledged without applying them again."
+    );
     metrics::describe_counter!("gaps_push_rejected_total", "Pushes refused with a typed error (nothing applied).");
     metrics::describe_counter!("gaps_pulls_total", "Parameter pulls served.");
     metrics::describe_counter!("gaps_bytes_in_total", "Frame bytes received.");
@@ -81,7 +86,10 @@ pub fn install_recorder() -> anyhow::Result<PrometheusHandle> {
 }
 
 /// Serves `GET /metrics` on `addr` until the task is aborted. Returns the bound address.
-pub async fn serve(addr: SocketAddr, handle: PrometheusHandle) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
+pub async fn serve(
+    addr: SocketAddr,
+    handle: PrometheusHandle,
+) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     let bound = listener.local_addr()?;
     let task = tokio::spawn(async move {
@@ -110,11 +118,12 @@ pub async fn serve(addr: SocketAddr, handle: PrometheusHandle) -> anyhow::Result
                 }
                 let head = String::from_utf8_lossy(&buf[..len]);
                 let path = head.split_whitespace().nth(1).unwrap_or("");
-                let (status, body) = if head.starts_with("GET ") && (path == "/metrics" || path.starts_with("/metrics?")) {
-                    ("200 OK", handle.render())
-                } else {
-                    ("404 Not Found", "only GET /metrics is served here\n".to_string())
-                };
+                let (status, body) =
+                    if head.starts_with("GET ") && (path == "/metrics" || path.starts_with("/metrics?")) {
+                        ("200 OK", handle.render())
+                    } else {
+                        ("404 Not Found", "only GET /metrics is served here\n".to_string())
+                    };
                 let reply = format!(
                     "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
                     body.len()

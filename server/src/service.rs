@@ -110,12 +110,19 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
     let shard = cfg.core.shard;
     let mut core = ShardCore::new(cfg.core.clone()).map_err(|e| anyhow!("configuring shard {shard}: {e}"))?;
     if shard != 0 {
-        let coordinator = cfg.coordinator.clone().context("shards other than 0 need --coordinator (shard 0's address)")?;
+        let coordinator =
+            cfg.coordinator.clone().context("shards other than 0 need --coordinator (shard 0's address)")?;
         join_coordinator(&endpoint, &coordinator, &mut core, cfg.join_timeout).await?;
     }
     // A push can never carry more than this shard owns; refuse bigger frames before allocating them.
-    let owned_bytes: u64 = core.config().layout.chunks_of_shard(shard, core.config().num_shards).iter().map(|id| core.config().layout.chunk_len(*id).unwrap_or(0) as u64 * 4).sum();
-    let limits = Limits { max_payload_bytes: owned_bytes.max(4) , ..Limits::default() };
+    let owned_bytes: u64 = core
+        .config()
+        .layout
+        .chunks_of_shard(shard, core.config().num_shards)
+        .iter()
+        .map(|id| core.config().layout.chunk_len(*id).unwrap_or(0) as u64 * 4)
+        .sum();
+    let limits = Limits { max_payload_bytes: owned_bytes.max(4), ..Limits::default() };
     let shared = Arc::new(Shared {
         core: Mutex::new(core),
         metrics: ShardMetrics::register(shard),
@@ -131,7 +138,12 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
     Ok(RunningServer { addr, advertise, shutdown: shutdown_tx, task, shared })
 }
 
-async fn join_coordinator(endpoint: &quinn::Endpoint, coordinator: &str, core: &mut ShardCore, timeout: Duration) -> Result<()> {
+async fn join_coordinator(
+    endpoint: &quinn::Endpoint,
+    coordinator: &str,
+    core: &mut ShardCore,
+    timeout: Duration,
+) -> Result<()> {
     let started = Instant::now();
     let request = core.join_request();
     let limits = Limits::default();
@@ -213,7 +225,12 @@ async fn serve(endpoint: quinn::Endpoint, shared: Arc<Shared>, mut shutdown: wat
     info!(shard = shared.shard, "stopped");
 }
 
-async fn serve_connection(conn: quinn::Connection, shared: Arc<Shared>, inflight: Arc<()>, mut shutdown: watch::Receiver<bool>) {
+async fn serve_connection(
+    conn: quinn::Connection,
+    shared: Arc<Shared>,
+    inflight: Arc<()>,
+    mut shutdown: watch::Receiver<bool>,
+) {
     let peer = conn.remote_address();
     debug!(%peer, "connection");
     loop {

@@ -136,7 +136,8 @@ impl Client {
         let deadline = started + opts.connect_timeout;
         let coordinator = net::resolve(&opts.coordinator).await?;
         let endpoint = net::client_endpoint(&opts.tls, coordinator)?;
-        let register = Message::Register(Register { protocol: PROTOCOL_VERSION, role: opts.role, name: opts.name.clone() });
+        let register =
+            Message::Register(Register { protocol: PROTOCOL_VERSION, role: opts.role, name: opts.name.clone() });
         let map = loop {
             let attempt = async {
                 let conn = net::connect(&endpoint, coordinator, opts.rpc_timeout).await?;
@@ -147,20 +148,30 @@ impl Client {
             let last = match attempt.await {
                 Ok(Frame { msg: Message::ClusterMap(map), .. }) => break map,
                 Ok(other) => {
-                    return Err(RpcError::Unexpected { addr: coordinator.to_string(), kind: net::kind_name(&other.msg).into() }.into())
+                    return Err(RpcError::Unexpected {
+                        addr: coordinator.to_string(),
+                        kind: net::kind_name(&other.msg).into(),
+                    }
+                    .into())
                 }
                 Err(RpcError::Remote { code: ErrorCode::ClusterIncomplete, message, .. }) => message,
                 Err(e) if e.is_retryable() => e.to_string(),
                 Err(e) => return Err(e.into()),
             };
             if Instant::now() >= deadline {
-                return Err(ClientError::JoinTimeout { coordinator: opts.coordinator.clone(), waited: started.elapsed(), last });
+                return Err(ClientError::JoinTimeout {
+                    coordinator: opts.coordinator.clone(),
+                    waited: started.elapsed(),
+                    last,
+                });
             }
             debug!(%last, "cluster not ready, retrying");
             tokio::time::sleep(Duration::from_millis(200)).await;
         };
         map.layout.validate().map_err(|e| ClientError::BadMap(e.to_string()))?;
-        if map.shards.len() != map.num_shards as usize || map.shards.iter().enumerate().any(|(i, s)| s.index as usize != i) {
+        if map.shards.len() != map.num_shards as usize
+            || map.shards.iter().enumerate().any(|(i, s)| s.index as usize != i)
+        {
             return Err(ClientError::BadMap(format!("expected {} shards in index order", map.num_shards)));
         }
         let mut owned: Vec<Vec<(ChunkId, u64)>> = vec![Vec::new(); map.num_shards as usize];
@@ -170,7 +181,13 @@ impl Client {
         let mut shards = Vec::with_capacity(map.shards.len());
         for (s, chunks) in map.shards.iter().zip(owned) {
             let addr = net::resolve(&s.addr).await?;
-            shards.push(ShardLink { index: s.index, addr, conn: Mutex::new(None), next_seq: AtomicU64::new(1), chunks });
+            shards.push(ShardLink {
+                index: s.index,
+                addr,
+                conn: Mutex::new(None),
+                next_seq: AtomicU64::new(1),
+                chunks,
+            });
         }
         let client = Client {
             inner: Arc::new(Inner {
@@ -249,14 +266,19 @@ impl Client {
             let result = async {
                 let conn = self.connection(shard, opts.rpc_timeout).await?;
                 if self.take_injected_drop() {
-                    let (mut send, _recv) =
-                        conn.open_bi().await.map_err(|e| RpcError::Connection { addr: conn.remote_address().to_string(), message: e.to_string() })?;
+                    let (mut send, _recv) = conn.open_bi().await.map_err(|e| RpcError::Connection {
+                        addr: conn.remote_address().to_string(),
+                        message: e.to_string(),
+                    })?;
                     let _ = net::write_frame(&mut send, msg, payload).await;
                     let _ = send.finish();
                     // Give the request time to reach the shard, then cut the connection before the reply.
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     conn.close(1u32.into(), b"injected failure");
-                    return Err(RpcError::Connection { addr: conn.remote_address().to_string(), message: "injected connection drop".into() });
+                    return Err(RpcError::Connection {
+                        addr: conn.remote_address().to_string(),
+                        message: "injected connection drop".into(),
+                    });
                 }
                 net::call(&conn, msg, payload, &opts.limits, opts.rpc_timeout).await
             }
@@ -289,7 +311,10 @@ impl Client {
             let client = self.clone();
             tasks.spawn(async move {
                 let link = &client.inner.shards[s];
-                let msg = Message::Pull(Pull { epoch: client.inner.map.epoch, chunks: link.chunks.iter().map(|(id, _)| *id).collect() });
+                let msg = Message::Pull(Pull {
+                    epoch: client.inner.map.epoch,
+                    chunks: link.chunks.iter().map(|(id, _)| *id).collect(),
+                });
                 client.request(s, &msg, &[]).await.map(|(frame, _)| (s, frame))
             });
         }
@@ -299,10 +324,19 @@ impl Client {
             let (s, frame) = joined.map_err(|e| ClientError::Shape(format!("pull task failed: {e}")))??;
             let link = &self.inner.shards[s];
             let Message::PullReply(reply) = &frame.msg else {
-                return Err(RpcError::Unexpected { addr: link.addr.to_string(), kind: net::kind_name(&frame.msg).into() }.into());
+                return Err(RpcError::Unexpected {
+                    addr: link.addr.to_string(),
+                    kind: net::kind_name(&frame.msg).into(),
+                }
+                .into());
             };
             if reply.chunks.len() != link.chunks.len() {
-                return Err(ClientError::BadMap(format!("shard {} returned {} chunks, asked for {}", s, reply.chunks.len(), link.chunks.len())));
+                return Err(ClientError::BadMap(format!(
+                    "shard {} returned {} chunks, asked for {}",
+                    s,
+                    reply.chunks.len(),
+                    link.chunks.len()
+                )));
             }
             let mut offset = 0usize;
             for (meta, (id, global)) in reply.chunks.iter().zip(&link.chunks) {
@@ -325,7 +359,9 @@ impl Client {
     pub async fn push(&self, grads: Arc<Vec<Vec<f32>>>, read_versions: &[u64]) -> Result<PushSummary, ClientError> {
         let worker = self.inner.map.worker_id.ok_or_else(|| ClientError::Shape("observers cannot push".into()))?;
         let layout = &self.inner.map.layout;
-        if grads.len() != layout.tensors.len() || grads.iter().zip(&layout.tensors).any(|(g, t)| g.len() as u64 != t.len) {
+        if grads.len() != layout.tensors.len()
+            || grads.iter().zip(&layout.tensors).any(|(g, t)| g.len() as u64 != t.len)
+        {
             return Err(ClientError::Shape("gradient tensors do not match the model layout".into()));
         }
         if read_versions.len() as u64 != layout.total_chunks() {
@@ -341,7 +377,11 @@ impl Client {
             let chunks: Vec<PushChunk> = link
                 .chunks
                 .iter()
-                .map(|(id, g)| PushChunk { id: *id, read_version: read_versions[*g as usize], len: layout.chunk_len(*id).unwrap_or(0) as u32 })
+                .map(|(id, g)| PushChunk {
+                    id: *id,
+                    read_version: read_versions[*g as usize],
+                    len: layout.chunk_len(*id).unwrap_or(0) as u32,
+                })
                 .collect();
             let msg = Message::Push(Push { epoch: self.inner.map.epoch, worker, seq, chunks });
             self.inner.pushes_sent.fetch_add(1, Ordering::Relaxed);
@@ -371,7 +411,11 @@ impl Client {
                     }
                     summary.max_staleness = summary.max_staleness.max(ack.max_staleness);
                 }
-                other => return Err(RpcError::Unexpected { addr: "shard".into(), kind: net::kind_name(&other).into() }.into()),
+                other => {
+                    return Err(
+                        RpcError::Unexpected { addr: "shard".into(), kind: net::kind_name(&other).into() }.into()
+                    )
+                }
             }
         }
         Ok(summary)
@@ -385,7 +429,11 @@ impl Client {
             match frame.msg {
                 Message::Stats(st) => out.push(st),
                 other => {
-                    return Err(RpcError::Unexpected { addr: self.inner.shards[s].addr.to_string(), kind: net::kind_name(&other).into() }.into())
+                    return Err(RpcError::Unexpected {
+                        addr: self.inner.shards[s].addr.to_string(),
+                        kind: net::kind_name(&other).into(),
+                    }
+                    .into())
                 }
             }
         }

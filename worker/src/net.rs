@@ -106,7 +106,8 @@ pub fn server_endpoint(listen: SocketAddr, tls: &TlsMaterial) -> Result<quinn::E
         .map_err(setup_err)?;
     let mut config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
     config.transport_config(Arc::new(transport_config()));
-    let mut endpoint = quinn::Endpoint::server(config, listen).map_err(|e| setup_err(format!("binding {listen}: {e}")))?;
+    let mut endpoint =
+        quinn::Endpoint::server(config, listen).map_err(|e| setup_err(format!("binding {listen}: {e}")))?;
     endpoint.set_default_client_config(client_config(tls)?);
     Ok(endpoint)
 }
@@ -127,7 +128,11 @@ pub async fn resolve(addr: &str) -> Result<SocketAddr, RpcError> {
 }
 
 /// Opens a mutually authenticated connection to a gaps server.
-pub async fn connect(endpoint: &quinn::Endpoint, addr: SocketAddr, timeout: Duration) -> Result<quinn::Connection, RpcError> {
+pub async fn connect(
+    endpoint: &quinn::Endpoint,
+    addr: SocketAddr,
+    timeout: Duration,
+) -> Result<quinn::Connection, RpcError> {
     let conn_err = |message: String| RpcError::Connection { addr: addr.to_string(), message };
     let connecting = endpoint.connect(addr, SERVER_NAME).map_err(|e| conn_err(e.to_string()))?;
     match tokio::time::timeout(timeout, connecting).await {

@@ -107,7 +107,10 @@ pub async fn run(args: &WorkerArgs) -> Result<WorkerSummary> {
         let (xs, ys) = data.batch(first, batch);
         let (loss, grads) = logreg_loss_and_grad(&snapshot.tensors, &xs, &ys);
         losses.push(loss);
-        client.push(Arc::new(grads), &snapshot.versions).await.with_context(|| format!("pushing the gradient of step {step}"))?;
+        client
+            .push(Arc::new(grads), &snapshot.versions)
+            .await
+            .with_context(|| format!("pushing the gradient of step {step}"))?;
         if args.steps >= 10 && (step + 1) % (args.steps / 10) == 0 {
             info!(worker, step = step + 1, loss, "progress");
         }

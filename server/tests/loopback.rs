@@ -1,0 +1,251 @@
+//! Real QUIC on 127.0.0.1 with certificates made in memory: mutual TLS, routing over two shards, exactly-once
+//! retries, typed errors for malformed frames, fail-fast on an incomplete cluster.
+
+use gaps_common::layout::{ChunkId, Layout, TensorSpec};
+use gaps_common::tls::{ClusterCerts, TlsMaterial};
+use gaps_common::wire::{self, ErrorCode, Limits, Message, Push, PushChunk, Register, Role, PROTOCOL_VERSION};
+use gaps_kernels::{Hyper, Rule};
+use gaps_server::service::{self, RunningServer, ServiceConfig};
+use gaps_server::{Init, ShardConfig};
+use gaps_worker::client::{Client, ClientError, ClientOptions};
+use gaps_worker::net;
+use std::sync::Arc;
+use std::time::Duration;
+
+const LR: f32 = 0.5;
+
+fn layout() -> Layout {
+    Layout::new(vec![TensorSpec { name: "w".into(), len: 1000 }, TensorSpec { name: "b".into(), len: 3 }], 128)
+        .expect("layout")
+}
+
+async fn start_shard(certs: &ClusterCerts, shard: u32, num_shards: u32, coordinator: Option<String>) -> RunningServer {
+    let cfg = ServiceConfig {
+        listen: "127.0.0.1:0".parse().expect("addr"),
+        advertise: None,
+        coordinator,
+        tls: certs.server_material().expect("server tls"),
+        core: ShardConfig {
+            shard,
+            num_shards,
+            layout: layout(),
+            rule: Rule::Sgd,
+            hyper: Hyper { lr: LR, momentum: 0.0, weight_decay: 0.0 },
+            init: Init { seed: 5, std: 0.1 },
+            lease: Duration::from_secs(10),
+            advertise: String::new(),
+            epoch: 1234,
+        },
+        join_timeout: Duration::from_secs(10),
+        tick_interval: Duration::from_millis(100),
+    };
+    service::start(cfg).await.expect("start shard")
+}
+
+async fn cluster(certs: &ClusterCerts, num_shards: u32) -> Vec<RunningServer> {
+    let s0 = start_shard(certs, 0, num_shards, None).await;
+    let coordinator = s0.advertise.clone();
+    let mut servers = vec![s0];
+    for s in 1..num_shards {
+        servers.push(start_shard(certs, s, num_shards, Some(coordinator.clone())).await);
+    }
+    servers
+}
+
+fn options(certs: &ClusterCerts, coordinator: &str, role: Role) -> ClientOptions {
+    let mut o = ClientOptions::new(coordinator, certs.worker_material().expect("worker tls"), role, "test");
+    o.connect_timeout = Duration::from_secs(5);
+    o.rpc_timeout = Duration::from_secs(5);
+    o
+}
+
+fn gradient(seed: u32) -> Vec<Vec<f32>> {
+    layout()
+        .tensors
+        .iter()
+        .enumerate()
+        .map(|(t, spec)| {
+            (0..spec.len as u32).map(|i| (((i + seed) * 31 + t as u32 * 7) % 17) as f32 / 17.0 - 0.5).collect()
+        })
+        .collect()
+}
+
+async fn shutdown(servers: Vec<RunningServer>) {
+    for s in servers {
+        s.shutdown().await.expect("shutdown");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_shards_route_pull_and_push_and_apply_sgd() {
+    let certs = ClusterCerts::generate(&[]).expect("certs");
+    let servers = cluster(&certs, 2).await;
+    let client = Client::connect(options(&certs, &servers[0].advertise, Role::Worker)).await.expect("connect");
+    assert_eq!(client.map().num_shards, 2);
+    let before = client.pull().await.expect("pull");
+    assert!(before.versions.iter().all(|v| *v == 0));
+    let g = gradient(1);
+    let summary = client.push(Arc::new(g.clone()), &before.versions).await.expect("push");
+    assert_eq!((summary.applied, summary.duplicates, summary.max_staleness), (2, 0, 0));
+    let after = client.pull().await.expect("pull");
+    for t in 0..2 {
+        for (i, (a, b)) in after.tensors[t].iter().zip(&before.tensors[t]).enumerate() {
+            assert_eq!(*a, b - LR * g[t][i], "tensor {t} element {i}");
+        }
+    }
+    assert!(after.versions.iter().all(|v| *v == 1));
+    // Both shards hold part of the model and each applied exactly one push.
+    let stats = client.stats().await.expect("stats");
+    assert_eq!(stats.iter().map(|s| s.pushes_applied).collect::<Vec<_>>(), vec![1, 1]);
+    assert_eq!(stats[0].live_workers, 1);
+    client.leave().await.expect("leave");
+    shutdown(servers).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_push_retried_after_a_lost_connection_is_applied_once() {
+    let certs = ClusterCerts::generate(&[]).expect("certs");
+    let servers = cluster(&certs, 2).await;
+    let client = Client::connect(options(&certs, &servers[0].advertise, Role::Worker)).await.expect("connect");
+    let before = client.pull().await.expect("pull");
+    let g = gradient(2);
+    // Both shard pushes are written in full, then their connections are cut before the acknowledgement.
+    client.inject_connection_drops(2);
+    let summary = client.push(Arc::new(g.clone()), &before.versions).await.expect("push survives the drop");
+    assert_eq!(summary.retries, 2);
+    assert_eq!(summary.applied + summary.duplicates, 2);
+    let after = client.pull().await.expect("pull");
+    for (i, (a, b)) in after.tensors[0].iter().zip(&before.tensors[0]).enumerate() {
+        assert_eq!(*a, b - LR * g[0][i], "element {i} must be updated exactly once");
+    }
+    let stats = client.stats().await.expect("stats");
+    assert_eq!(stats.iter().map(|s| s.pushes_applied).sum::<u64>(), 2);
+    assert_eq!(client.pushes_sent(), 2);
+    client.leave().await.expect("leave");
+    shutdown(servers).await;
+}
+
+/// Tries one RPC with a hand-made rustls client configuration; returns whether the server answered.
+async fn register_with(config: rustls::ClientConfig, addr: std::net::SocketAddr) -> bool {
+    let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(config).expect("quic client config");
+    let mut endpoint = quinn::Endpoint::client("127.0.0.1:0".parse().expect("addr")).expect("endpoint");
+    endpoint.set_default_client_config(quinn::ClientConfig::new(Arc::new(crypto)));
+    let Ok(conn) = net::connect(&endpoint, addr, Duration::from_secs(3)).await else { return false };
+    let reg = Message::Register(Register { protocol: PROTOCOL_VERSION, role: Role::Observer, name: "intruder".into() });
+    net::call(&conn, &reg, &[], &Limits::default(), Duration::from_secs(3)).await.is_ok()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_without_a_certificate_from_the_cluster_ca_are_refused() {
+    let certs = ClusterCerts::generate(&[]).expect("certs");
+    let servers = cluster(&certs, 1).await;
+    let addr = servers[0].addr;
+    let provider = gaps_common::tls::provider();
+    let mut roots = rustls::RootCertStore::empty();
+    for c in certs.worker_material().expect("tls").ca {
+        roots.add(c).expect("root");
+    }
+    let versions = [&rustls::version::TLS13];
+    // 1. No client certificate at all.
+    let mut anonymous = rustls::ClientConfig::builder_with_provider(provider.clone())
+        .with_protocol_versions(&versions)
+        .expect("tls13")
+        .with_root_certificates(roots.clone())
+        .with_no_client_auth();
+    anonymous.alpn_protocols = vec![gaps_common::tls::ALPN.to_vec()];
+    assert!(!register_with(anonymous, addr).await, "a client without a certificate was served");
+    // 2. A certificate signed by another CA.
+    let foreign = ClusterCerts::generate(&[]).expect("other certs").worker_material().expect("tls");
+    let impostor = TlsMaterial { ca: certs.worker_material().expect("tls").ca, identity: foreign.identity };
+    assert!(!register_with(impostor.client_config().expect("config"), addr).await, "a foreign certificate was served");
+    // 3. The legitimate certificate is served.
+    assert!(register_with(certs.worker_material().expect("tls").client_config().expect("config"), addr).await);
+    let registered = servers[0].with_core(|c| c.stats().registered_workers).expect("core");
+    assert_eq!(registered, 0, "observers only");
+    shutdown(servers).await;
+}
+
+/// Sends raw bytes as one request on its own stream and returns the decoded reply.
+async fn raw_request(conn: &quinn::Connection, bytes: &[u8]) -> Message {
+    let (mut send, mut recv) = conn.open_bi().await.expect("stream");
+    send.write_all(bytes).await.expect("write");
+    send.finish().expect("finish");
+    net::read_frame(&mut recv, &Limits::default()).await.expect("a reply frame").msg
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_frames_over_the_network_get_typed_errors_and_change_nothing() {
+    let certs = ClusterCerts::generate(&[]).expect("certs");
+    let servers = cluster(&certs, 1).await;
+    let client = Client::connect(options(&certs, &servers[0].advertise, Role::Worker)).await.expect("connect");
+    let before = client.pull().await.expect("pull");
+    let tls = certs.worker_material().expect("tls");
+    let endpoint = net::client_endpoint(&tls, servers[0].addr).expect("endpoint");
+    let conn = net::connect(&endpoint, servers[0].addr, Duration::from_secs(3)).await.expect("connect");
+    let worker = client.worker_id().expect("id");
+    let l = layout();
+    let ids: Vec<ChunkId> = l.chunks().collect();
+    let push = |payload_len: u32, value: f32| {
+        let chunks: Vec<PushChunk> = ids
+            .iter()
+            .map(|id| PushChunk { id: *id, read_version: 0, len: l.chunk_len(*id).expect("len") as u32 })
+            .collect();
+        let total: u32 = chunks.iter().map(|c| c.len).sum();
+        let msg = Message::Push(Push { epoch: client.map().epoch, worker, seq: 1, chunks });
+        let mut bytes = wire::encode_header(&msg, total as usize).expect("header");
+        bytes.extend((0..payload_len).flat_map(|i| if i == 5 { value } else { 0.25f32 }.to_le_bytes()));
+        bytes
+    };
+    let total = l.total_elems() as u32;
+    let expect = |reply: Message, code: ErrorCode, what: &str| match reply {
+        Message::Error(e) => assert_eq!(e.code, code, "{what}: {}", e.message),
+        other => panic!("{what}: expected an error, got {other:?}"),
+    };
+    expect(raw_request(&conn, &[99, 0, 0, 0, 0]).await, ErrorCode::UnknownKind, "unknown kind");
+    expect(raw_request(&conn, &push(total - 1, 0.1)).await, ErrorCode::Malformed, "truncated payload");
+    let mut trailing = push(total, 0.1);
+    trailing.extend_from_slice(&[1, 2, 3]);
+    expect(raw_request(&conn, &trailing).await, ErrorCode::Malformed, "trailing bytes");
+    expect(raw_request(&conn, &push(total, f32::NAN)).await, ErrorCode::NonFinite, "NaN gradient");
+    expect(raw_request(&conn, &push(total, f32::NEG_INFINITY)).await, ErrorCode::NonFinite, "-Inf gradient");
+    let mut huge = vec![6u8];
+    huge.extend_from_slice(&(64u32 << 20).to_le_bytes());
+    expect(raw_request(&conn, &huge).await, ErrorCode::TooLarge, "over-limit header");
+    // A push whose header declares far more payload than the shard owns is refused before allocation.
+    let big = Message::Push(Push {
+        epoch: client.map().epoch,
+        worker,
+        seq: 2,
+        chunks: vec![PushChunk { id: ids[0], read_version: 0, len: u32::MAX }],
+    });
+    let header = wire::encode_header(&big, u32::MAX as usize).expect("header");
+    expect(raw_request(&conn, &header).await, ErrorCode::TooLarge, "over-limit payload");
+    let after = client.pull().await.expect("pull");
+    assert_eq!(after, before, "refused requests changed the model");
+    // The worker's own sequence number 1 is still unused and applies normally.
+    let summary = client.push(Arc::new(gradient(3)), &before.versions).await.expect("push");
+    assert_eq!(summary.applied, 1);
+    conn.close(0u32.into(), b"done");
+    client.leave().await.expect("leave");
+    shutdown(servers).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_incomplete_cluster_fails_fast_and_names_the_missing_shard() {
+    let certs = ClusterCerts::generate(&[]).expect("certs");
+    let servers = vec![start_shard(&certs, 0, 3, None).await];
+    let mut opts = options(&certs, &servers[0].advertise, Role::Worker);
+    opts.connect_timeout = Duration::from_millis(800);
+    let started = std::time::Instant::now();
+    let err = Client::connect(opts).await.expect_err("the cluster is incomplete");
+    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+    assert!(matches!(err, ClientError::JoinTimeout { .. }), "{err}");
+    assert!(err.to_string().contains("shard(s) 1, 2 of 3"), "{err}");
+    // Nobody listens here: the error says which address was tried.
+    let mut nowhere = options(&certs, "127.0.0.1:9", Role::Worker);
+    nowhere.connect_timeout = Duration::from_millis(500);
+    nowhere.rpc_timeout = Duration::from_millis(200);
+    let err = Client::connect(nowhere).await.expect_err("no coordinator");
+    assert!(err.to_string().contains("127.0.0.1:9"), "{err}");
+    shutdown(servers).await;
+}
