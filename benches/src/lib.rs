@@ -1,1 +1,7 @@
+//! gaps-benches: the `gaps` front door and the measurement code behind it.
+//!
+//! - [`local`]: `gaps local`, a whole cluster of real processes on loopback.
+//! - [`transport`]: `gaps bench transport`.
 
+pub mod local;
+pub mod transport;

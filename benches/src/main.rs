@@ -1,1 +1,101 @@
-fn main() {}
+//! `gaps`: the front door — run a local cluster, make certificates, run benches, or act as one server or
+//! worker process.
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+
+/// gaps: a sharded, asynchronous parameter server with staleness-correcting updates, over QUIC with
+/// mutual TLS.
+#[derive(Debug, Parser)]
+#[command(name = "gaps", version, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Start a whole cluster of real server and worker processes on 127.0.0.1 with throwaway certificates,
+    /// train the built-in model, report, and stop everything.
+    Local(gaps_benches::local::LocalArgs),
+    /// Make a cluster CA plus server and worker certificates in a folder.
+    Certs(CertsArgs),
+    /// Measure performance.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+    /// Run one server shard (the same as the `gaps-server` binary).
+    Server(gaps_server::cli::ServerArgs),
+    /// Run one worker (the same as the `gaps-worker` binary).
+    Worker(gaps_worker::train::WorkerArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct CertsArgs {
+    /// Folder to write ca.pem, ca.key, server.pem, server.key, worker.pem and worker.key into.
+    #[arg(long, env = "GAPS_CERTS_OUT", default_value = "gaps-certs")]
+    out: PathBuf,
+    /// Extra DNS names or IP addresses for the server certificate (repeatable). Every server certificate
+    /// already carries `gaps-server`, `localhost` and `127.0.0.1`.
+    #[arg(long = "san", env = "GAPS_CERTS_SAN", value_delimiter = ',')]
+    sans: Vec<String>,
+}
+
+#[derive(Debug, Subcommand)]
+enum BenchCommand {
+    /// Push+pull payload throughput against one and two shards, with a plain quinn baseline.
+    Transport {
+        /// Print one JSON line per case on stdout.
+        #[arg(long, env = "GAPS_JSON")]
+        json: bool,
+        /// Seconds to time each case.
+        #[arg(long, env = "GAPS_BENCH_SECONDS", default_value_t = 3.0)]
+        seconds: f64,
+        /// One small round per case (a smoke test).
+        #[arg(long)]
+        quick: bool,
+    },
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let cli = Cli::parse();
+    // The front door's own commands report through their progress lines; their libraries log warnings only.
+    let quiet = matches!(cli.command, Command::Local(_) | Command::Bench(_) | Command::Certs(_));
+    gaps_worker::init_logging(if quiet { "warn" } else { "info" });
+    match cli.command {
+        Command::Local(args) => {
+            let report = gaps_benches::local::run(&args).await?;
+            eprintln!(
+                "[gaps local] done in {:.1}s: {} steps, {}/{} shard pushes applied, held-out loss {:.4} -> {:.4}",
+                report.wall_s,
+                report.steps,
+                report.pushes_applied,
+                report.pushes_sent,
+                report.initial_loss,
+                report.final_loss
+            );
+            if args.json {
+                println!("{}", report.to_json(&args));
+            }
+        }
+        Command::Certs(args) => {
+            let certs = gaps_common::tls::ClusterCerts::generate(&args.sans).context("making certificates")?;
+            certs.write_to(&args.out)?;
+            println!("wrote ca.pem, ca.key, server.pem, server.key, worker.pem, worker.key to {}", args.out.display());
+        }
+        Command::Bench(BenchCommand::Transport { json, seconds, quick }) => {
+            anyhow::ensure!(seconds.is_finite() && seconds > 0.0, "--seconds must be positive");
+            let results = gaps_benches::transport::run(quick, std::time::Duration::from_secs_f64(seconds)).await?;
+            gaps_benches::transport::print(&results, json);
+        }
+        Command::Server(args) => gaps_server::cli::run(&args).await?,
+        Command::Worker(args) => {
+            let summary = gaps_worker::train::run(&args).await?;
+            if args.json {
+                println!("{}", summary.to_json());
+            }
+        }
+    }
+    Ok(())
+}

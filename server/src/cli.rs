@@ -44,7 +44,7 @@ pub struct ServerArgs {
     #[arg(long, env = "GAPS_MODEL", default_value = "logreg")]
     pub model: ModelKind,
     /// Feature dimension of the model.
-    #[arg(long, env = "GAPS_DIM", default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..=(1u64 << 34)))]
+    #[arg(long, env = "GAPS_DIM", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=(1u64 << 34)))]
     pub dim: u64,
     /// Elements per chunk (the unit of partitioning over shards).
     #[arg(long, env = "GAPS_CHUNK_ELEMS", default_value_t = 65536, value_parser = clap::value_parser!(u32).range(1..))]

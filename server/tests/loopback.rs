@@ -88,9 +88,9 @@ async fn two_shards_route_pull_and_push_and_apply_sgd() {
     let summary = client.push(Arc::new(g.clone()), &before.versions).await.expect("push");
     assert_eq!((summary.applied, summary.duplicates, summary.max_staleness), (2, 0, 0));
     let after = client.pull().await.expect("pull");
-    for t in 0..2 {
+    for (t, grad) in g.iter().enumerate() {
         for (i, (a, b)) in after.tensors[t].iter().zip(&before.tensors[t]).enumerate() {
-            assert_eq!(*a, b - LR * g[t][i], "tensor {t} element {i}");
+            assert_eq!(*a, b - LR * grad[i], "tensor {t} element {i}");
         }
     }
     assert!(after.versions.iter().all(|v| *v == 1));

@@ -10,9 +10,9 @@ pub mod train;
 pub use client::{Client, ClientError, ClientOptions, PushSummary, Snapshot};
 
 /// Installs the `tracing` subscriber used by every gaps binary: human-readable lines on stderr, filtered
-/// by `GAPS_LOG` (default `info`).
-pub fn init_logging() {
+/// by `GAPS_LOG` (default: `default_level`, e.g. `info`).
+pub fn init_logging(default_level: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("GAPS_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
     let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
 }

@@ -1,0 +1,361 @@
+//! `gaps local`: a whole cluster of real OS processes on 127.0.0.1 with throwaway certificates.
+//!
+//! Starts shard 0 (the coordinator), then the other shards, evaluates the initial model as an observer,
+//! starts the workers, shows progress, evaluates the final model, stops the shards with SIGTERM and
+//! reports. Every child process is this same executable run as `gaps server …` / `gaps worker …`, so the
+//! command works straight from `cargo run`.
+
+use anyhow::{anyhow, bail, Context, Result};
+use gaps_common::config::parse_duration;
+use gaps_common::tls::ClusterCerts;
+use gaps_common::wire::Role;
+use gaps_kernels::Rule;
+use gaps_worker::client::{Client, ClientOptions};
+use gaps_worker::data::{SyntheticLogreg, EVAL_BASE};
+use gaps_worker::model::{logreg_loss, ModelKind};
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+/// Flags of `gaps local`. Every flag also reads a `GAPS_*` environment variable.
+#[derive(Debug, Clone, clap::Args)]
+pub struct LocalArgs {
+    /// Number of server shards.
+    #[arg(long, env = "GAPS_SERVERS", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub servers: u32,
+    /// Number of workers.
+    #[arg(long, env = "GAPS_WORKERS", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=256))]
+    pub workers: u32,
+    /// Model to train.
+    #[arg(long, env = "GAPS_MODEL", default_value = "logreg")]
+    pub model: ModelKind,
+    /// Feature dimension.
+    #[arg(long, env = "GAPS_DIM", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=(1u64 << 28)))]
+    pub dim: u64,
+    /// Elements per chunk (small enough here that every shard holds part of the model).
+    #[arg(long, env = "GAPS_CHUNK_ELEMS", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
+    pub chunk_elems: u32,
+    /// Steps per worker.
+    #[arg(long, env = "GAPS_STEPS", default_value_t = 150, value_parser = clap::value_parser!(u64).range(1..))]
+    pub steps: u64,
+    /// Samples per step and worker.
+    #[arg(long, env = "GAPS_BATCH", default_value_t = 64)]
+    pub batch: u32,
+    /// Update rule.
+    #[arg(long, env = "GAPS_RULE", default_value = "momentum")]
+    pub rule: Rule,
+    /// Learning rate.
+    #[arg(long, env = "GAPS_LR", default_value_t = 0.1)]
+    pub lr: f32,
+    /// Momentum.
+    #[arg(long, env = "GAPS_MOMENTUM", default_value_t = 0.9)]
+    pub momentum: f32,
+    /// L2 weight decay.
+    #[arg(long, env = "GAPS_WEIGHT_DECAY", default_value_t = 0.0)]
+    pub weight_decay: f32,
+    /// Seed of the data and of the initializer.
+    #[arg(long, env = "GAPS_SEED", default_value_t = 1)]
+    pub seed: u64,
+    /// Samples in the held-out evaluation set.
+    #[arg(long, env = "GAPS_EVAL_SAMPLES", default_value_t = 4096)]
+    pub eval_samples: u32,
+    /// Give up (and stop every process) after this long.
+    #[arg(long, env = "GAPS_TIMEOUT", default_value = "10m", value_parser = parse_duration)]
+    pub timeout: Duration,
+    /// Keep the folder with certificates and logs (it is always kept after a failure).
+    #[arg(long, env = "GAPS_KEEP_DIR")]
+    pub keep_dir: bool,
+    /// End with one JSON line on stdout.
+    #[arg(long, env = "GAPS_JSON")]
+    pub json: bool,
+}
+
+/// The final report of a local run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LocalReport {
+    /// Flags as given.
+    pub servers: u32,
+    /// Flags as given.
+    pub workers: u32,
+    /// Worker steps in total.
+    pub steps: u64,
+    /// Shard pushes sent by all workers (each once).
+    pub pushes_sent: u64,
+    /// Shard pushes applied by all shards.
+    pub pushes_applied: u64,
+    /// Retried pushes acknowledged as duplicates.
+    pub pushes_duplicate: u64,
+    /// Requests workers resent after transport failures.
+    pub retries: u64,
+    /// Held-out log-loss of the initial model.
+    pub initial_loss: f32,
+    /// Held-out log-loss of the final model.
+    pub final_loss: f32,
+    /// Mean staleness of applied chunk updates.
+    pub staleness_mean: f64,
+    /// Largest staleness.
+    pub staleness_max: u64,
+    /// Wall-clock seconds, first process started to last process stopped.
+    pub wall_s: f64,
+}
+
+impl LocalReport {
+    /// The JSON line.
+    pub fn to_json(&self, args: &LocalArgs) -> String {
+        serde_json::json!({
+            "servers": self.servers,
+            "workers": self.workers,
+            "model": args.model.name(),
+            "rule": args.rule.name(),
+            "steps": self.steps,
+            "pushes_sent": self.pushes_sent,
+            "pushes_applied": self.pushes_applied,
+            "pushes_duplicate": self.pushes_duplicate,
+            "retries": self.retries,
+            "initial_loss": self.initial_loss,
+            "final_loss": self.final_loss,
+            "staleness_mean": self.staleness_mean,
+            "staleness_max": self.staleness_max,
+            "wall_s": self.wall_s,
+        })
+        .to_string()
+    }
+}
+
+struct Proc {
+    name: String,
+    child: Child,
+    log: PathBuf,
+}
+
+impl Proc {
+    fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(15)..].join("\n")
+    }
+}
+
+fn spawn(exe: &Path, name: &str, args: &[String], dir: &Path) -> Result<Proc> {
+    let log = dir.join(format!("{name}.log"));
+    let log_file = std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+    let mut cmd = Command::new(exe);
+    cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::from(log_file)).kill_on_drop(true);
+    // The children get every setting as a flag; stray GAPS_* variables of the caller must not override them.
+    for (key, _) in std::env::vars_os() {
+        if key.to_string_lossy().starts_with("GAPS_") && key != "GAPS_LOG" {
+            cmd.env_remove(key);
+        }
+    }
+    let child = cmd.spawn().with_context(|| format!("starting {name}"))?;
+    Ok(Proc { name: name.to_string(), child, log })
+}
+
+/// Reads the `{"event":"listening",…}` line of a server and returns its address.
+async fn listening_addr(p: &mut Proc, timeout: Duration) -> Result<String> {
+    let stdout = p.child.stdout.take().context("server stdout")?;
+    let mut lines = BufReader::new(stdout).lines();
+    let line = tokio::time::timeout(timeout, lines.next_line())
+        .await
+        .map_err(|_| anyhow!("{} did not report its address within {timeout:?}", p.name))?
+        .context("reading server output")?;
+    let Some(line) = line else {
+        bail!("{} exited before serving; its log ends with:\n{}", p.name, p.log_tail());
+    };
+    let v: serde_json::Value = serde_json::from_str(&line).with_context(|| format!("parsing {:?}", line))?;
+    v["addr"].as_str().map(str::to_string).with_context(|| format!("no address in {line:?}"))
+}
+
+fn eval_loss(data: &SyntheticLogreg, tensors: &[Vec<f32>], n: u32) -> f32 {
+    let (xs, ys) = data.batch(EVAL_BASE, n as usize);
+    logreg_loss(tensors, &xs, &ys)
+}
+
+fn terminate(p: &Proc) {
+    if let Some(pid) = p.child.id() {
+        // SIGTERM lets the shard finish in-flight RPCs and close its endpoint cleanly.
+        #[allow(unsafe_code)]
+        // SAFETY: kill(2) with a pid we spawned and a valid signal number has no memory-safety effects.
+        unsafe {
+            libc::kill(pid as libc::pid_t, libc::SIGTERM);
+        }
+    }
+}
+
+/// Runs the whole local cluster and returns its report.
+pub async fn run(args: &LocalArgs) -> Result<LocalReport> {
+    let started = Instant::now();
+    let deadline = started + args.timeout;
+    let exe = std::env::current_exe().context("locating the gaps executable")?;
+    let stamp = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_micros()).unwrap_or(0);
+    let dir = std::env::temp_dir().join(format!("gaps-local-{}-{stamp}", std::process::id()));
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let result = run_in(args, &exe, &dir, started, deadline).await;
+    match &result {
+        Ok(_) if !args.keep_dir => {
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        _ => eprintln!("[gaps local] certificates and logs are in {}", dir.display()),
+    }
+    result
+}
+
+async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, deadline: Instant) -> Result<LocalReport> {
+    let certs = ClusterCerts::generate(&[]).context("making throwaway certificates")?;
+    certs.write_to(dir)?;
+    let path = |f: &str| dir.join(f).display().to_string();
+    let server_args = |shard: u32, coordinator: Option<&str>| {
+        let mut a: Vec<String> = vec![
+            "server".into(),
+            format!("--shard-index={shard}"),
+            format!("--num-shards={}", args.servers),
+            "--listen=127.0.0.1:0".into(),
+            format!("--ca={}", path("ca.pem")),
+            format!("--cert={}", path("server.pem")),
+            format!("--key={}", path("server.key")),
+            format!("--model={}", args.model.name()),
+            format!("--dim={}", args.dim),
+            format!("--chunk-elems={}", args.chunk_elems),
+            format!("--rule={}", args.rule),
+            format!("--lr={}", args.lr),
+            format!("--momentum={}", args.momentum),
+            format!("--weight-decay={}", args.weight_decay),
+            format!("--seed={}", args.seed),
+            "--lease=5s".into(),
+        ];
+        if let Some(c) = coordinator {
+            a.push(format!("--coordinator={c}"));
+        }
+        a
+    };
+    let mut servers = Vec::new();
+    let mut workers: Vec<Proc> = Vec::new();
+    let outcome = async {
+        eprintln!("[gaps local] starting {} shard(s) and {} worker(s) on 127.0.0.1", args.servers, args.workers);
+        let mut s0 = spawn(exe, "shard-0", &server_args(0, None), dir)?;
+        let coordinator = listening_addr(&mut s0, Duration::from_secs(30)).await?;
+        servers.push(s0);
+        for s in 1..args.servers {
+            let mut p = spawn(exe, &format!("shard-{s}"), &server_args(s, Some(&coordinator)), dir)?;
+            listening_addr(&mut p, Duration::from_secs(30)).await?;
+            servers.push(p);
+        }
+        let observer_tls = certs.worker_material()?;
+        let mut opts = ClientOptions::new(&coordinator, observer_tls, Role::Observer, "gaps-local");
+        opts.connect_timeout = Duration::from_secs(30);
+        let observer = Client::connect(opts).await.context("connecting to the cluster as an observer")?;
+        let data = SyntheticLogreg::new(args.dim as usize, args.seed);
+        let initial = observer.pull().await.context("pulling the initial model")?;
+        let initial_loss = eval_loss(&data, &initial.tensors, args.eval_samples);
+        eprintln!("[gaps local] cluster up in {:.1}s; initial held-out loss {initial_loss:.4}", started.elapsed().as_secs_f64());
+
+        for w in 0..args.workers {
+            let a: Vec<String> = vec![
+                "worker".into(),
+                format!("--coordinator={coordinator}"),
+                format!("--ca={}", path("ca.pem")),
+                format!("--cert={}", path("worker.pem")),
+                format!("--key={}", path("worker.key")),
+                format!("--model={}", args.model.name()),
+                format!("--steps={}", args.steps),
+                format!("--batch={}", args.batch),
+                format!("--data-seed={}", args.seed),
+                format!("--name=worker-{w}"),
+                "--json".into(),
+            ];
+            workers.push(spawn(exe, &format!("worker-{w}"), &a, dir)?);
+        }
+        let shards_with_chunks = args.servers.min(observer.layout().total_chunks() as u32);
+        let expected = u64::from(args.workers) * args.steps * u64::from(shards_with_chunks);
+        let mut outputs = Vec::new();
+        let interactive = std::io::stderr().is_terminal();
+        let mut last_decile = 0;
+        for p in workers.iter_mut() {
+            let mut stdout = p.child.stdout.take().context("worker stdout")?;
+            let mut text = String::new();
+            loop {
+                let remaining = deadline.saturating_duration_since(Instant::now());
+                tokio::select! {
+                    status = p.child.wait() => {
+                        let status = status.with_context(|| format!("waiting for {}", p.name))?;
+                        if !status.success() {
+                            bail!("{} failed ({status}); its log ends with:\n{}", p.name, p.log_tail());
+                        }
+                        stdout.read_to_string(&mut text).await.context("reading worker output")?;
+                        break;
+                    }
+                    _ = tokio::time::sleep(Duration::from_millis(500).min(remaining)) => {
+                        if remaining.is_zero() {
+                            bail!("timed out after {:?} waiting for {}", started.elapsed(), p.name);
+                        }
+                        let applied: u64 = observer.stats().await.map(|s| s.iter().map(|x| x.pushes_applied).sum()).unwrap_or(0);
+                        let pct = 100 * applied / expected.max(1);
+                        if interactive {
+                            eprint!("\r[gaps local] training: {applied}/{expected} shard pushes applied ({pct}%)   ");
+                        } else if pct / 10 > last_decile {
+                            last_decile = pct / 10;
+                            eprintln!("[gaps local] training: {applied}/{expected} shard pushes applied ({pct}%)");
+                        }
+                    }
+                }
+            }
+            outputs.push(text);
+        }
+        if interactive {
+            eprintln!();
+        }
+        let mut steps = 0;
+        let mut pushes_sent = 0;
+        let mut retries = 0;
+        for (p, text) in workers.iter().zip(&outputs) {
+            let line = text.lines().rev().find(|l| l.contains("worker_done")).with_context(|| format!("{} printed no summary", p.name))?;
+            let v: serde_json::Value = serde_json::from_str(line).with_context(|| format!("parsing {line:?}"))?;
+            steps += v["steps"].as_u64().unwrap_or(0);
+            pushes_sent += v["pushes_sent"].as_u64().unwrap_or(0);
+            retries += v["retries"].as_u64().unwrap_or(0);
+        }
+        let final_model = observer.pull().await.context("pulling the final model")?;
+        let final_loss = eval_loss(&data, &final_model.tensors, args.eval_samples);
+        let stats = observer.stats().await.context("reading shard counters")?;
+        observer.close().await;
+        let count: u64 = stats.iter().map(|s| s.staleness_count).sum();
+        Ok(LocalReport {
+            servers: args.servers,
+            workers: args.workers,
+            steps,
+            pushes_sent,
+            pushes_applied: stats.iter().map(|s| s.pushes_applied).sum(),
+            pushes_duplicate: stats.iter().map(|s| s.pushes_duplicate).sum(),
+            retries,
+            initial_loss,
+            final_loss,
+            staleness_mean: stats.iter().map(|s| s.staleness_sum).sum::<u64>() as f64 / count.max(1) as f64,
+            staleness_max: stats.iter().map(|s| s.staleness_max).max().unwrap_or(0),
+            wall_s: 0.0,
+        })
+    }
+    .await;
+    // Stop everything, successful or not: workers first (only still running after a failure), then shards.
+    for p in workers.iter_mut() {
+        let _ = p.child.start_kill();
+    }
+    for p in &servers {
+        terminate(p);
+    }
+    for p in servers.iter_mut() {
+        match tokio::time::timeout(Duration::from_secs(10), p.child.wait()).await {
+            Ok(Ok(status)) if status.success() => {}
+            Ok(Ok(status)) => eprintln!("[gaps local] {} stopped with {status}", p.name),
+            _ => {
+                eprintln!("[gaps local] {} did not stop within 10 s; killing it", p.name);
+                let _ = p.child.kill().await;
+            }
+        }
+    }
+    let mut report = outcome?;
+    report.wall_s = started.elapsed().as_secs_f64();
+    Ok(report)
+}

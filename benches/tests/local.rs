@@ -1,0 +1,41 @@
+//! `gaps local` end to end: real shard and worker processes on 127.0.0.1, the JSON summary, clean shutdown.
+
+use std::process::Command;
+
+#[test]
+fn gaps_local_trains_with_two_shards_and_four_workers_and_applies_every_push_once() {
+    let out = Command::new(env!("CARGO_BIN_EXE_gaps"))
+        .args(["local", "--servers", "2", "--workers", "4", "--steps", "100", "--json", "--timeout", "120s"])
+        .env("GAPS_LOG", "warn")
+        .output()
+        .expect("run gaps local");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "gaps local failed:\n{stderr}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout.lines().last().expect("a JSON line");
+    let v: serde_json::Value = serde_json::from_str(line).expect("valid JSON");
+    for key in ["servers", "workers", "steps", "pushes_sent", "pushes_applied", "initial_loss", "final_loss", "wall_s"]
+    {
+        assert!(!v[key].is_null(), "missing {key} in {line}");
+    }
+    assert_eq!(v["servers"], 2);
+    assert_eq!(v["workers"], 4);
+    assert_eq!(v["steps"], 400);
+    assert_eq!(v["pushes_sent"], v["pushes_applied"], "{line}");
+    assert_eq!(v["pushes_applied"], 800, "every step pushes to both shards: {line}");
+    let (initial, last) = (v["initial_loss"].as_f64().expect("number"), v["final_loss"].as_f64().expect("number"));
+    assert!(last < initial / 2.0, "loss {initial} -> {last}");
+}
+
+#[test]
+fn gaps_local_refuses_bad_flags_with_a_clear_message() {
+    let out = Command::new(env!("CARGO_BIN_EXE_gaps")).args(["local", "--servers", "0"]).output().expect("run");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--servers"));
+    let out = Command::new(env!("CARGO_BIN_EXE_gaps")).args(["local", "--rule", "adamw"]).output().expect("run");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown rule"));
+    let out =
+        Command::new(env!("CARGO_BIN_EXE_gaps")).args(["local"]).env("GAPS_WORKERS", "many").output().expect("run");
+    assert!(!out.status.success(), "environment variables are parsed like flags");
+}

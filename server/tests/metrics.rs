@@ -1,0 +1,81 @@
+//! `/metrics` serves Prometheus text with the shard's counters and explicit histogram buckets. Its own test
+//! binary, because the recorder is process-global.
+
+use gaps_common::layout::{Layout, TensorSpec};
+use gaps_common::tls::ClusterCerts;
+use gaps_common::wire::Role;
+use gaps_kernels::{Hyper, Rule};
+use gaps_server::service::{self, ServiceConfig};
+use gaps_server::{Init, ShardConfig};
+use gaps_worker::client::{Client, ClientOptions};
+use std::io::{Read, Write};
+use std::sync::Arc;
+use std::time::Duration;
+
+fn http_get(addr: std::net::SocketAddr, path: &str) -> String {
+    let mut s = std::net::TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").expect("write");
+    let mut body = String::new();
+    s.read_to_string(&mut body).expect("read");
+    body
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_endpoint_exports_pushes_pulls_bytes_latency_staleness_and_live_workers() {
+    let handle = gaps_server::metrics::install_recorder().expect("recorder");
+    let (metrics_addr, _task) =
+        gaps_server::metrics::serve("127.0.0.1:0".parse().expect("addr"), handle).await.expect("serve");
+    let certs = ClusterCerts::generate(&[]).expect("certs");
+    let layout = Layout::new(vec![TensorSpec { name: "w".into(), len: 100 }], 32).expect("layout");
+    let cfg = ServiceConfig {
+        listen: "127.0.0.1:0".parse().expect("addr"),
+        advertise: None,
+        coordinator: None,
+        tls: certs.server_material().expect("tls"),
+        core: ShardConfig {
+            shard: 0,
+            num_shards: 1,
+            layout,
+            rule: Rule::Momentum,
+            hyper: Hyper::default(),
+            init: Init { seed: 1, std: 0.0 },
+            lease: Duration::from_secs(10),
+            advertise: String::new(),
+            epoch: 5,
+        },
+        join_timeout: Duration::from_secs(5),
+        tick_interval: Duration::from_millis(50),
+    };
+    let server = service::start(cfg).await.expect("start");
+    let client = Client::connect(ClientOptions::new(
+        &server.advertise,
+        certs.worker_material().expect("tls"),
+        Role::Worker,
+        "m",
+    ))
+    .await
+    .expect("connect");
+    for _ in 0..3 {
+        let snap = client.pull().await.expect("pull");
+        client.push(Arc::new(vec![vec![0.5; 100]]), &snap.versions).await.expect("push");
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let body = tokio::task::spawn_blocking(move || http_get(metrics_addr, "/metrics")).await.expect("join");
+    assert!(body.starts_with("HTTP/1.1 200"), "{body}");
+    for needle in [
+        "gaps_pushes_applied_total{shard=\"0\"} 3",
+        "gaps_pulls_total{shard=\"0\"} 3",
+        "gaps_bytes_in_total",
+        "gaps_bytes_out_total",
+        "gaps_live_workers{shard=\"0\"} 1",
+        "gaps_staleness_updates_bucket{shard=\"0\",le=\"0\"} 3",
+        "gaps_rpc_seconds_bucket{shard=\"0\",kind=\"push\",le=\"0.001\"}",
+    ] {
+        assert!(body.contains(needle), "missing {needle:?} in:\n{body}");
+    }
+    let missing = tokio::task::spawn_blocking(move || http_get(metrics_addr, "/other")).await.expect("join");
+    assert!(missing.starts_with("HTTP/1.1 404"), "{missing}");
+    client.leave().await.expect("leave");
+    server.shutdown().await.expect("shutdown");
+}
