@@ -52,7 +52,7 @@ enum BenchCommand {
         #[arg(long, env = "GAPS_BENCH_SECONDS", default_value_t = 3.0)]
         seconds: f64,
         /// One small round per case (a smoke test).
-        #[arg(long)]
+        #[arg(long, env = "GAPS_BENCH_QUICK")]
         quick: bool,
     },
 }

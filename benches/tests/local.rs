@@ -39,3 +39,29 @@ fn gaps_local_refuses_bad_flags_with_a_clear_message() {
         Command::new(env!("CARGO_BIN_EXE_gaps")).args(["local"]).env("GAPS_WORKERS", "many").output().expect("run");
     assert!(!out.status.success(), "environment variables are parsed like flags");
 }
+
+#[test]
+fn gaps_certs_writes_a_loadable_cluster_ca_and_certificates() {
+    let dir = std::env::temp_dir().join(format!("gaps-certs-test-{}", std::process::id()));
+    let out = Command::new(env!("CARGO_BIN_EXE_gaps"))
+        .args(["certs", "--out", dir.to_str().expect("utf-8 path"), "--san", "ps0.example.net,10.1.2.3"])
+        .output()
+        .expect("run gaps certs");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let tls =
+        gaps_common::tls::TlsMaterial::load(&dir.join("ca.pem"), &dir.join("server.pem"), &dir.join("server.key"))
+            .expect("load server material");
+    tls.server_config().expect("server config");
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(dir.join("ca.key")).expect("ca.key").permissions().mode();
+        assert_eq!(mode & 0o077, 0, "private keys are readable by the owner only");
+    }
+    let bad_san = Command::new(env!("CARGO_BIN_EXE_gaps"))
+        .args(["certs", "--out", dir.to_str().expect("utf-8 path"), "--san", "not a name!"])
+        .output()
+        .expect("run gaps certs");
+    assert!(!bad_san.status.success(), "an invalid name is refused");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -35,6 +35,9 @@ pub enum TlsError {
         /// What went wrong.
         message: String,
     },
+    /// A subject alternative name is neither an IP address nor a DNS host name.
+    #[error("{0:?} is neither an IP address nor a DNS host name")]
+    BadName(String),
     /// Writing certificate files failed.
     #[error("writing {path}: {source}")]
     Write {
@@ -93,6 +96,9 @@ impl ClusterCerts {
     /// Makes a new CA and signs a server certificate (names: [`SERVER_NAME`], `localhost`, `127.0.0.1`,
     /// plus `extra_sans`) and a worker certificate.
     pub fn generate(extra_sans: &[String]) -> Result<Self, TlsError> {
+        if let Some(bad) = extra_sans.iter().find(|n| !is_valid_san(n)) {
+            return Err(TlsError::BadName(bad.clone()));
+        }
         use rcgen::{
             BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair, KeyUsagePurpose,
         };
@@ -150,6 +156,24 @@ impl ClusterCerts {
     pub fn worker_material(&self) -> Result<TlsMaterial, TlsError> {
         material_from_pem(&self.ca.cert, &self.worker)
     }
+}
+
+/// An IP address, or a DNS host name: dot-separated labels of 1–63 letters, digits and inner hyphens
+/// (a leading `*.` wildcard label is allowed), at most 253 characters.
+fn is_valid_san(name: &str) -> bool {
+    if name.parse::<std::net::IpAddr>().is_ok() {
+        return true;
+    }
+    let host = name.strip_prefix("*.").unwrap_or(name);
+    !host.is_empty()
+        && name.len() <= 253
+        && host.split('.').all(|label| {
+            !label.is_empty()
+                && label.len() <= 63
+                && label.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+        })
 }
 
 fn write_file(path: &Path, bytes: &[u8], secret: bool) -> std::io::Result<()> {
@@ -261,5 +285,16 @@ mod tests {
         let missing = TlsMaterial::load(&dir.join("nope.pem"), &dir.join("worker.pem"), &dir.join("worker.key"));
         assert!(matches!(missing, Err(TlsError::Pem { .. })));
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn only_ip_addresses_and_host_names_are_accepted_as_names() {
+        for good in ["10.0.0.1", "::1", "ps0", "ps-0.example.net", "*.ps.example.net"] {
+            assert!(is_valid_san(good), "{good}");
+        }
+        for bad in ["", "not a name!", "-x.example", "a..b", "x_y.example", "*", "é.example"] {
+            assert!(!is_valid_san(bad), "{bad}");
+        }
+        assert!(matches!(ClusterCerts::generate(&["bad name".into()]), Err(TlsError::BadName(_))));
     }
 }
