@@ -56,6 +56,9 @@ pub struct LocalArgs {
     /// L2 weight decay.
     #[arg(long, env = "GAPS_WEIGHT_DECAY", default_value_t = 0.0)]
     pub weight_decay: f32,
+    /// DC-ASGD / DANA-DC λ (λ0 for dc-asgd-adaptive).
+    #[arg(long, env = "GAPS_DC_LAMBDA", default_value_t = 2.0)]
+    pub dc_lambda: f32,
     /// Seed of the data and of the initializer.
     #[arg(long, env = "GAPS_SEED", default_value_t = 1)]
     pub seed: u64,
@@ -134,6 +137,8 @@ struct Proc {
 impl Proc {
     fn log_tail(&self) -> String {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        // The error and its causes matter here, not a backtrace after them.
+        let text = text.split("\nStack backtrace:").next().unwrap_or_default();
         let lines: Vec<&str> = text.lines().collect();
         lines[lines.len().saturating_sub(15)..].join("\n")
     }
@@ -223,6 +228,7 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             format!("--lr={}", args.lr),
             format!("--momentum={}", args.momentum),
             format!("--weight-decay={}", args.weight_decay),
+            format!("--dc-lambda={}", args.dc_lambda),
             format!("--seed={}", args.seed),
             "--lease=5s".into(),
         ];

@@ -113,11 +113,12 @@ async fn gaps_case(certs: &ClusterCerts, shards: u32, n: u64, quick: bool, min_t
                 num_shards: shards,
                 layout: layout.clone(),
                 rule: Rule::Sgd,
-                hyper: Hyper { lr: 1e-6, momentum: 0.0, weight_decay: 0.0 },
+                hyper: Hyper { lr: 1e-6, momentum: 0.0, weight_decay: 0.0, ..Hyper::default() },
                 init: Init { seed: 1, std: 0.0 },
                 lease: Duration::from_secs(60),
                 advertise: String::new(),
                 epoch: 7,
+                threads: 1,
             },
             join_timeout: Duration::from_secs(10),
             tick_interval: Duration::from_millis(250),
@@ -126,15 +127,15 @@ async fn gaps_case(certs: &ClusterCerts, shards: u32, n: u64, quick: bool, min_t
     }
     let opts = ClientOptions::new(&servers[0].advertise, certs.worker_material()?, Role::Worker, "bench");
     let client = Client::connect(opts).await?;
-    let grads = Arc::new(vec![vec![1e-3f32; n as usize]]);
+    let grads = vec![vec![1e-3f32; n as usize]];
     let mut snapshot = client.pull().await?;
     // One warm-up round, then time whole rounds until min_time has passed.
-    client.push(grads.clone(), &snapshot.versions).await?;
+    client.push(grads.clone(), &snapshot).await?;
     snapshot = client.pull().await?;
     let started = Instant::now();
     let mut rounds = 0u32;
     while rounds == 0 || (!quick && started.elapsed() < min_time) {
-        client.push(grads.clone(), &snapshot.versions).await?;
+        client.push(grads.clone(), &snapshot).await?;
         snapshot = client.pull().await?;
         rounds += 1;
     }

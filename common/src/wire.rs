@@ -164,8 +164,19 @@ pub struct ShardAddr {
     pub addr: String,
 }
 
+/// The update rule as workers need to know it (DANA-Slim's worker half, which pushes echo their reads).
+#[derive(Debug, Clone, PartialEq, Encode, Decode)]
+pub struct RuleInfo {
+    /// The rule's `--rule` name.
+    pub name: String,
+    /// Momentum γ.
+    pub momentum: f32,
+    /// Weight decay λ.
+    pub weight_decay: f32,
+}
+
 /// The coordinator's answer to a registration: everything needed to route.
-#[derive(Debug, Clone, PartialEq, Eq, Encode, Decode)]
+#[derive(Debug, Clone, PartialEq, Encode, Decode)]
 pub struct ClusterMap {
     /// Identifies this incarnation of the cluster; requests with another epoch are refused.
     pub epoch: u64,
@@ -179,6 +190,8 @@ pub struct ClusterMap {
     pub layout: Layout,
     /// A worker that sends no heartbeat for this long is considered gone (milliseconds).
     pub lease_ms: u32,
+    /// The update rule the shards apply.
+    pub rule: RuleInfo,
 }
 
 /// Read a set of chunks.
@@ -230,6 +243,9 @@ pub struct Push {
     pub seq: u64,
     /// The chunks, in payload order.
     pub chunks: Vec<PushChunk>,
+    /// The payload also carries, after all gradients, the parameter values each chunk's gradient was
+    /// computed on (same order and lengths); required by the rules that measure drift.
+    pub echo_read: bool,
 }
 
 /// Acknowledges a push.
@@ -311,7 +327,7 @@ pub struct Stats {
 }
 
 /// Every message of the protocol. The kind byte on the wire is [`Message::kind`].
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Message {
     /// Kind 1.
     Register(Register),
@@ -385,7 +401,7 @@ impl Message {
     pub fn payload_elems(&self) -> u64 {
         match self {
             Message::PullReply(r) => r.chunks.iter().map(|c| u64::from(c.len)).sum(),
-            Message::Push(p) => p.chunks.iter().map(|c| u64::from(c.len)).sum(),
+            Message::Push(p) => p.chunks.iter().map(|c| u64::from(c.len)).sum::<u64>() * (1 + u64::from(p.echo_read)),
             _ => 0,
         }
     }
@@ -550,6 +566,7 @@ mod tests {
                 shards: vec![ShardAddr { index: 0, addr: "127.0.0.1:1".into() }],
                 layout,
                 lease_ms: 5000,
+                rule: RuleInfo { name: "gap-aware".into(), momentum: 0.9, weight_decay: 1e-4 },
             })),
             Frame::new(Message::Pull(Pull { epoch: 9, chunks: vec![id] })),
             Frame {
@@ -562,8 +579,9 @@ mod tests {
                     worker: 3,
                     seq: 17,
                     chunks: vec![PushChunk { id, read_version: 4, len: 2 }],
+                    echo_read: true,
                 }),
-                payload: vec![0.5, f32::MIN_POSITIVE],
+                payload: vec![0.5, f32::MIN_POSITIVE, -1.0, 2.0],
             },
             Frame::new(Message::Ack(Ack { seq: 17, duplicate: true, max_staleness: 3 })),
             Frame::new(Message::error(ErrorCode::NonFinite, "NaN at 3")),
@@ -610,6 +628,7 @@ mod tests {
             worker: 0,
             seq: 1,
             chunks: vec![PushChunk { id, read_version: 0, len: u32::MAX }; 2],
+            echo_read: false,
         });
         let mut bytes = vec![push.kind(), 0, 0, 0, 0];
         let len = push.encode_body(&mut bytes).expect("encode body");
@@ -638,6 +657,7 @@ mod tests {
             worker: 0,
             seq: 1,
             chunks: vec![PushChunk { id, read_version: 0, len: 3 }],
+            echo_read: false,
         });
         assert!(matches!(
             encode_frame(&Frame { msg: push.clone(), payload: vec![1.0; 2] }),

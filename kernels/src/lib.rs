@@ -1,8 +1,17 @@
 //! gaps-kernels: the update rules a shard applies to its parameters.
 //!
-//! Every rule is a pure function of (hyper-parameters, parameters, optimizer state, gradient) with a
-//! documented state layout. [`reference`] holds the plain scalar implementation (the oracle for tests);
-//! [`apply`] is the fast path used by the server.
+//! Every rule is a pure elementwise function of (hyper-parameters, per-push scalars, parameters, optimizer
+//! state, gradient, and — for the rules that measure drift — the parameters the gradient was computed on).
+//! Each rule documents its state layout as *planes* of `n` floats:
+//!
+//! - **shared planes** live with the parameters (one copy per parameter);
+//! - **worker planes** are kept per pushing worker (they grow with the number of workers, only for the rules
+//!   that need them: multi-momentum, DANA-Zero/DC/GA, DC-ASGD-adaptive);
+//! - **read**: the parameters the gradient was computed on, echoed by the worker with its push (Gap-Aware,
+//!   DC-ASGD, DANA-DC, DANA-GA), so the server never keeps a snapshot per worker.
+//!
+//! [`reference`] is the plain scalar implementation (the oracle); [`apply`] the fast path (straight-line
+//! slice loops the compiler vectorises) and [`apply_par`] the same split over threads for large blocks.
 //!
 //! Architecture invariant: no I/O, no async runtime, no allocation on the update path.
 
@@ -11,33 +20,138 @@ use std::str::FromStr;
 
 pub mod reference;
 
+/// EMA decay β of Gap-Aware's running mean of squared steps (ALGORITHMS.md §3.1).
+pub const GA_BETA: f32 = 0.999;
+/// ε of Gap-Aware's C = η_max·(√v̂ + ε).
+pub const GA_EPS: f32 = 1e-8;
+/// ε of DC-ASGD-adaptive's λ = λ0/√(MS + ε).
+pub const DC_EPS: f32 = 1e-7;
+/// Adam β1.
+pub const ADAM_BETA1: f32 = 0.9;
+/// Adam β2.
+pub const ADAM_BETA2: f32 = 0.999;
+/// ε of Adam and Adagrad.
+pub const ADA_EPS: f32 = 1e-8;
+
 /// The update rules, selected by name with `--rule`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Rule {
-    /// Plain SGD: θ ← θ − η·(g + λθ). State: none.
+    /// θ ← θ − η·d with d = g + λθ.
     Sgd,
-    /// Heavy-ball momentum, PyTorch form: v ← γv + (g + λθ); θ ← θ − ηv. State: v (1 float/param).
+    /// Heavy ball (PyTorch form): v ← γv + d; θ ← θ − ηv.
     Momentum,
+    /// Nesterov (Bengio/PyTorch form): v ← γv + d; θ ← θ − η(d + γv).
+    Nesterov,
+    /// Per-worker momentum at the server: v^i ← γv^i + d; θ ← θ − ηv^i.
+    MultiMomentum,
+    /// Staleness-aware: d scaled by 1/max(τ, 1), then momentum.
+    StalenessAware,
+    /// DC-ASGD, constant λ: g̃ = g + λ·g⊙g⊙(θ − θ_read); then momentum.
+    DcAsgd,
+    /// DC-ASGD adaptive: per-worker MS ← m·MS + (1−m)g²; λ = λ0/√(MS + ε); then as DC-ASGD.
+    DcAsgdAdaptive,
+    /// Gap-Aware: g divided by G = 1 + |θ − θ_read| / (η_max(√v̂ + ε)) before momentum (γ = 0: no momentum).
+    GapAware,
+    /// DANA-Zero: per-worker momenta, S = Σv^j; pulls return the look-ahead θ − ηγS.
+    DanaZero,
+    /// DANA-Slim: the worker keeps its momentum and pushes u = γv + g; the server does θ ← θ − ηu.
+    DanaSlim,
+    /// DANA-DC: DANA-Zero with the DC-ASGD term on θ − θ̂_i (λ constant).
+    DanaDc,
+    /// DANA-GA: DANA-Zero with the Gap-Aware penalty on θ − θ̂_i (EMA of the pushing worker's momentum).
+    DanaGa,
+    /// Adagrad: A ← A + d²; θ ← θ − η·d/(√A + ε).
+    Adagrad,
+    /// Adam (β1 0.9, β2 0.999, ε 1e-8, bias-corrected by the chunk's update count).
+    Adam,
+}
+
+/// Where a rule keeps its state and what a push must carry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StateLayout {
+    /// Planes of `n` floats kept once per parameter, beside θ.
+    pub shared_planes: usize,
+    /// Planes of `n` floats kept per pushing worker.
+    pub worker_planes: usize,
+    /// The push carries the parameters the gradient was computed on (`read`).
+    pub needs_read: bool,
+    /// Pulls return the DANA look-ahead θ − ηγS (S is shared plane 0) instead of θ.
+    pub lookahead: bool,
+    /// The worker keeps one momentum plane and pushes a Nesterov step instead of its gradient (DANA-Slim).
+    pub worker_momentum: bool,
 }
 
 impl Rule {
     /// Every rule, in documentation order.
-    pub const ALL: [Rule; 2] = [Rule::Sgd, Rule::Momentum];
+    pub const ALL: [Rule; 14] = [
+        Rule::Sgd,
+        Rule::Momentum,
+        Rule::Nesterov,
+        Rule::MultiMomentum,
+        Rule::StalenessAware,
+        Rule::DcAsgd,
+        Rule::DcAsgdAdaptive,
+        Rule::GapAware,
+        Rule::DanaZero,
+        Rule::DanaSlim,
+        Rule::DanaDc,
+        Rule::DanaGa,
+        Rule::Adagrad,
+        Rule::Adam,
+    ];
 
     /// The name used by `--rule`.
     pub fn name(self) -> &'static str {
         match self {
             Rule::Sgd => "sgd",
             Rule::Momentum => "momentum",
+            Rule::Nesterov => "nesterov",
+            Rule::MultiMomentum => "multi-momentum",
+            Rule::StalenessAware => "staleness-aware",
+            Rule::DcAsgd => "dc-asgd",
+            Rule::DcAsgdAdaptive => "dc-asgd-adaptive",
+            Rule::GapAware => "gap-aware",
+            Rule::DanaZero => "dana-zero",
+            Rule::DanaSlim => "dana-slim",
+            Rule::DanaDc => "dana-dc",
+            Rule::DanaGa => "dana-ga",
+            Rule::Adagrad => "adagrad",
+            Rule::Adam => "adam",
         }
     }
 
-    /// Optimizer-state floats the server keeps per parameter.
-    pub fn state_floats(self) -> usize {
+    /// The rule's state layout.
+    pub fn layout(self) -> StateLayout {
+        let l = |shared_planes, worker_planes, needs_read, lookahead| StateLayout {
+            shared_planes,
+            worker_planes,
+            needs_read,
+            lookahead,
+            worker_momentum: false,
+        };
         match self {
-            Rule::Sgd => 0,
-            Rule::Momentum => 1,
+            Rule::Sgd => l(0, 0, false, false),
+            Rule::Momentum | Rule::Nesterov | Rule::StalenessAware => l(1, 0, false, false),
+            Rule::MultiMomentum => l(0, 1, false, false),
+            Rule::DcAsgd => l(1, 0, true, false),
+            Rule::DcAsgdAdaptive => l(1, 1, true, false),
+            Rule::GapAware => l(2, 0, true, false),
+            Rule::DanaZero => l(1, 1, false, true),
+            Rule::DanaSlim => StateLayout { worker_momentum: true, ..l(0, 0, false, false) },
+            Rule::DanaDc => l(1, 1, true, true),
+            Rule::DanaGa => l(2, 1, true, true),
+            Rule::Adagrad => l(1, 0, false, false),
+            Rule::Adam => l(2, 0, false, false),
         }
+    }
+
+    /// Floats read and written per parameter by one update (θ, gradient, read echo, every state plane),
+    /// i.e. the memory traffic the fast path cannot avoid.
+    pub fn bytes_per_param(self) -> usize {
+        let l = self.layout();
+        let planes = l.shared_planes + l.worker_planes;
+        // Read: θ, g, read echo, every plane. Written: θ, every plane.
+        4 * ((2 + usize::from(l.needs_read) + planes) + (1 + planes))
     }
 }
 
@@ -47,7 +161,7 @@ impl fmt::Display for Rule {
     }
 }
 
-/// An unknown rule name or an invalid hyper-parameter.
+/// An unknown rule name, an invalid hyper-parameter, or mismatched buffers.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum KernelError {
     /// `--rule` named no rule.
@@ -56,15 +170,16 @@ pub enum KernelError {
     /// A hyper-parameter is out of range.
     #[error("invalid hyper-parameter: {0}")]
     BadHyper(String),
-    /// Slices of different lengths were passed.
-    #[error("length mismatch: params {params}, state {state}, grad {grad}")]
+    /// A failure that is a bug, reported instead of crashing the shard.
+    #[error("internal error: {0}")]
+    Internal(String),
+    /// Buffers do not match the rule's layout.
+    #[error("buffers do not match rule {rule}: {detail}")]
     Length {
-        /// Parameter count.
-        params: usize,
-        /// State floats.
-        state: usize,
-        /// Gradient count.
-        grad: usize,
+        /// The rule.
+        rule: Rule,
+        /// What is off.
+        detail: String,
     },
 }
 
@@ -84,11 +199,15 @@ pub struct Hyper {
     pub momentum: f32,
     /// L2 weight decay λ (≥ 0), added to the gradient as λθ.
     pub weight_decay: f32,
+    /// DC-ASGD λ (constant form) or λ0 (adaptive form), ≥ 0.
+    pub dc_lambda: f32,
+    /// Decay m of DC-ASGD-adaptive's mean square, in [0, 1).
+    pub dc_ms_decay: f32,
 }
 
 impl Default for Hyper {
     fn default() -> Self {
-        Hyper { lr: 0.1, momentum: 0.9, weight_decay: 0.0 }
+        Hyper { lr: 0.1, momentum: 0.9, weight_decay: 0.0, dc_lambda: 2.0, dc_ms_decay: 0.95 }
     }
 }
 
@@ -104,84 +223,231 @@ impl Hyper {
         if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
             return Err(KernelError::BadHyper(format!("weight decay must be ≥ 0, got {}", self.weight_decay)));
         }
+        if !(self.dc_lambda.is_finite() && self.dc_lambda >= 0.0) {
+            return Err(KernelError::BadHyper(format!("dc-lambda must be ≥ 0, got {}", self.dc_lambda)));
+        }
+        if !(0.0..1.0).contains(&self.dc_ms_decay) {
+            return Err(KernelError::BadHyper(format!("dc-ms-decay must be in [0, 1), got {}", self.dc_ms_decay)));
+        }
         Ok(())
     }
 }
 
-/// Applies `rule` to one contiguous block: `params` and `grad` have the same length, `state` holds
-/// `rule.state_floats()` floats per parameter laid out as consecutive planes (`state[k*n..(k+1)*n]`).
-pub fn apply(
-    rule: Rule,
-    hyper: &Hyper,
-    params: &mut [f32],
-    state: &mut [f32],
-    grad: &[f32],
-) -> Result<(), KernelError> {
-    let n = params.len();
-    if grad.len() != n || state.len() != rule.state_floats() * n {
-        return Err(KernelError::Length { params: n, state: state.len(), grad: grad.len() });
+/// Scalars of one push, computed by the shard.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PushScalars {
+    /// Learning rate of this update (η times any schedule or multiplier).
+    pub lr: f32,
+    /// Largest learning rate used so far (Gap-Aware's η_max), ≥ `lr`.
+    pub lr_max: f32,
+    /// Staleness τ of the gradient for this block (updates since it was read).
+    pub staleness: u64,
+    /// How many updates this block has received including this one (≥ 1): the bias-correction count.
+    pub t: u64,
+}
+
+impl PushScalars {
+    /// Scalars for a fresh gradient at the configured learning rate.
+    pub fn fresh(lr: f32, t: u64) -> Self {
+        PushScalars { lr, lr_max: lr, staleness: 0, t }
     }
-    let (lr, gamma, wd) = (hyper.lr, hyper.momentum, hyper.weight_decay);
-    match rule {
-        Rule::Sgd => {
-            for (p, g) in params.iter_mut().zip(grad) {
-                *p -= lr * (*g + wd * *p);
+}
+
+/// The buffers of one block of parameters; every slice has the block's length `n` or is empty when the
+/// rule does not use it. Rules use at most two shared planes and one worker plane.
+#[derive(Debug)]
+pub struct Bufs<'a> {
+    /// θ.
+    pub params: &'a mut [f32],
+    /// Shared plane 0 (momentum v, DANA's S, Adagrad's accumulator, Adam's m).
+    pub s0: &'a mut [f32],
+    /// Shared plane 1 (Gap-Aware's EMA, Adam's v).
+    pub s1: &'a mut [f32],
+    /// The pushing worker's plane (its momentum, or DC-ASGD-adaptive's mean square).
+    pub w0: &'a mut [f32],
+    /// The gradient (DANA-Slim: the worker's Nesterov step u).
+    pub grad: &'a [f32],
+    /// The parameters the gradient was computed on (empty unless `layout().needs_read`).
+    pub read: &'a [f32],
+}
+
+impl<'a> Bufs<'a> {
+    /// Buffers from planar storage: `shared` holds `shared_planes × n` floats, `worker` holds
+    /// `worker_planes × n` (plane k at `[k·n, (k+1)·n)`).
+    pub fn from_planes(
+        params: &'a mut [f32],
+        shared: &'a mut [f32],
+        worker: &'a mut [f32],
+        grad: &'a [f32],
+        read: &'a [f32],
+    ) -> Self {
+        let n = params.len();
+        let (s0, s1) = if shared.len() >= 2 * n { shared.split_at_mut(n) } else { (shared, &mut [][..]) };
+        Bufs { params, s0, s1, w0: worker, grad, read }
+    }
+
+    fn check(&self, rule: Rule) -> Result<usize, KernelError> {
+        let n = self.params.len();
+        let l = rule.layout();
+        let bad = |detail: String| Err(KernelError::Length { rule, detail });
+        let want = |planes: usize, k: usize| if planes > k { n } else { 0 };
+        if self.grad.len() != n {
+            return bad(format!("{} gradient values for {n} parameters", self.grad.len()));
+        }
+        if self.s0.len() != want(l.shared_planes, 0) || self.s1.len() != want(l.shared_planes, 1) {
+            return bad(format!(
+                "shared planes of {} and {} floats, expected {} planes of {n}",
+                self.s0.len(),
+                self.s1.len(),
+                l.shared_planes
+            ));
+        }
+        if self.w0.len() != want(l.worker_planes, 0) {
+            return bad(format!(
+                "worker plane of {} floats, expected {} planes of {n}",
+                self.w0.len(),
+                l.worker_planes
+            ));
+        }
+        if self.read.len() != want(usize::from(l.needs_read), 0) {
+            return bad(format!(
+                "{} read parameters, expected {}",
+                self.read.len(),
+                want(usize::from(l.needs_read), 0)
+            ));
+        }
+        Ok(n)
+    }
+
+    /// Splits at element `mid` into two blocks.
+    fn split_at(self, mid: usize) -> (Bufs<'a>, Bufs<'a>) {
+        fn cut(s: &mut [f32], mid: usize) -> (&mut [f32], &mut [f32]) {
+            if s.is_empty() {
+                (&mut [], &mut [])
+            } else {
+                s.split_at_mut(mid)
             }
         }
-        Rule::Momentum => {
-            for ((p, v), g) in params.iter_mut().zip(state.iter_mut()).zip(grad) {
-                let d = *g + wd * *p;
-                *v = gamma * *v + d;
-                *p -= lr * *v;
+        fn cut_ref(s: &[f32], mid: usize) -> (&[f32], &[f32]) {
+            if s.is_empty() {
+                (&[], &[])
+            } else {
+                s.split_at(mid)
             }
         }
+        let (p0, p1) = self.params.split_at_mut(mid);
+        let (a0, a1) = cut(self.s0, mid);
+        let (b0, b1) = cut(self.s1, mid);
+        let (w0, w1) = cut(self.w0, mid);
+        let (g0, g1) = self.grad.split_at(mid);
+        let (r0, r1) = cut_ref(self.read, mid);
+        (
+            Bufs { params: p0, s0: a0, s1: b0, w0, grad: g0, read: r0 },
+            Bufs { params: p1, s0: a1, s1: b1, w0: w1, grad: g1, read: r1 },
+        )
     }
+}
+
+/// Per-push scalars derived once per block, shared by the fast path and the reference.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Derived {
+    pub lr: f32,
+    pub gamma: f32,
+    pub wd: f32,
+    pub lambda: f32,
+    pub ms_decay: f32,
+    /// 1 / max(τ, 1).
+    pub inv_staleness: f32,
+    /// Gap-Aware: 1 / (1 − β^t).
+    pub ga_bias: f32,
+    /// Gap-Aware: η_max.
+    pub lr_max: f32,
+    /// Adam: 1 / (1 − β1^t) and 1 / (1 − β2^t).
+    pub adam_bias1: f32,
+    pub adam_bias2: f32,
+}
+
+pub(crate) fn derive(hyper: &Hyper, s: &PushScalars) -> Derived {
+    let t = s.t.max(1).min(i32::MAX as u64) as i32;
+    let bias = |beta: f32| (1.0 / (1.0 - f64::from(beta).powi(t))) as f32;
+    Derived {
+        lr: s.lr,
+        gamma: hyper.momentum,
+        wd: hyper.weight_decay,
+        lambda: hyper.dc_lambda,
+        ms_decay: hyper.dc_ms_decay,
+        inv_staleness: 1.0 / s.staleness.max(1) as f32,
+        ga_bias: bias(GA_BETA),
+        lr_max: s.lr_max.max(s.lr),
+        adam_bias1: bias(ADAM_BETA1),
+        adam_bias2: bias(ADAM_BETA2),
+    }
+}
+
+/// Applies `rule` to one block (the fast path, single thread).
+pub fn apply(rule: Rule, hyper: &Hyper, scalars: &PushScalars, bufs: Bufs<'_>) -> Result<(), KernelError> {
+    let n = bufs.check(rule)?;
+    let k = derive(hyper, scalars);
+    fast::apply(rule, &k, n, bufs);
     Ok(())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+/// Below this many parameters a block is updated on the calling thread.
+pub const PAR_MIN_PARAMS: usize = 1 << 17;
 
-    fn random(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed;
-        (0..n)
-            .map(|_| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
+/// Applies `rule` to one block, split over up to `threads` scoped threads when the block is large.
+pub fn apply_par(
+    rule: Rule,
+    hyper: &Hyper,
+    scalars: &PushScalars,
+    bufs: Bufs<'_>,
+    threads: usize,
+) -> Result<(), KernelError> {
+    let n = bufs.check(rule)?;
+    let k = derive(hyper, scalars);
+    let threads = threads.clamp(1, (n / (PAR_MIN_PARAMS / 2)).max(1));
+    if threads == 1 {
+        fast::apply(rule, &k, n, bufs);
+        return Ok(());
     }
-
-    #[test]
-    fn fast_path_matches_reference_on_random_inputs() {
-        let hyper = Hyper { lr: 0.05, momentum: 0.9, weight_decay: 1e-4 };
-        for rule in Rule::ALL {
-            let n = 1003;
-            let mut p_fast = random(n, 1);
-            let mut s_fast = random(n * rule.state_floats(), 2);
-            let mut p_ref = p_fast.clone();
-            let mut s_ref = s_fast.clone();
-            for step in 0..5 {
-                let g = random(n, 10 + step);
-                apply(rule, &hyper, &mut p_fast, &mut s_fast, &g).expect("apply");
-                reference::apply(rule, &hyper, &mut p_ref, &mut s_ref, &g);
-            }
-            for (a, b) in p_fast.iter().zip(&p_ref) {
-                assert!((a - b).abs() <= 1e-6 * b.abs().max(1.0), "{rule}: {a} vs {b}");
-            }
+    // Cut at multiples of 16 elements so every part but the last stays vector-aligned.
+    let step = n.div_ceil(threads).div_ceil(16) * 16;
+    std::thread::scope(|scope| {
+        let mut rest = bufs;
+        let mut left = n;
+        while left > step {
+            let (head, tail) = rest.split_at(step);
+            scope.spawn(move || fast::apply(rule, &k, step, head));
+            rest = tail;
+            left -= step;
         }
-    }
+        fast::apply(rule, &k, left, rest);
+    });
+    Ok(())
+}
 
-    #[test]
-    fn names_parse_and_bad_input_is_refused() {
-        for rule in Rule::ALL {
-            assert_eq!(rule.name().parse::<Rule>().expect("parse"), rule);
-        }
-        assert!(matches!("adamw".parse::<Rule>(), Err(KernelError::UnknownRule(_))));
-        assert!(Hyper { lr: -1.0, ..Hyper::default() }.validate().is_err());
-        assert!(Hyper { momentum: 1.0, ..Hyper::default() }.validate().is_err());
-        let mut p = vec![0.0; 3];
-        assert!(apply(Rule::Momentum, &Hyper::default(), &mut p, &mut [], &[0.0; 3]).is_err());
+/// The parameters a pull returns: θ, or for the DANA rules the look-ahead θ − η·γ·S.
+pub fn pull_values(rule: Rule, hyper: &Hyper, lr: f32, params: &[f32], shared: &[f32], out: &mut Vec<f32>) {
+    if rule.layout().lookahead && shared.len() >= params.len() {
+        let c = lr * hyper.momentum;
+        out.extend(params.iter().zip(&shared[..params.len()]).map(|(p, s)| p - c * s));
+    } else {
+        out.extend_from_slice(params);
     }
 }
+
+/// DANA-Slim's worker half: with the pulled parameters Θ and the gradient g computed there, updates the
+/// worker's momentum v ← γv + (g + λΘ) and returns the step u = γv + (g + λΘ) to push, in place of g.
+pub fn slim_worker_step(hyper: &Hyper, pulled: &[f32], momentum: &mut [f32], grad: &mut [f32]) {
+    let (gamma, wd) = (hyper.momentum, hyper.weight_decay);
+    for ((g, v), p) in grad.iter_mut().zip(momentum.iter_mut()).zip(pulled) {
+        let d = *g + wd * p;
+        *v = gamma * *v + d;
+        *g = gamma * *v + d;
+    }
+}
+
+mod fast;
+
+#[cfg(test)]
+mod tests;

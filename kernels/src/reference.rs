@@ -1,18 +1,105 @@
-//! Plain scalar reference implementations: the oracle the fast paths are tested against. Written for
-//! clarity, one parameter at a time, exactly as ALGORITHMS.md states each rule.
+//! Plain scalar reference implementations: the oracle the fast CPU path and the CUDA kernels are tested
+//! against. One parameter at a time, each rule written out from ALGORITHMS.md, its per-push constants
+//! computed here independently (f64 powers for the bias corrections).
 
-use crate::{Hyper, Rule};
+use crate::{Hyper, PushScalars, Rule, ADAM_BETA1, ADAM_BETA2, ADA_EPS, DC_EPS, GA_BETA, GA_EPS};
 
-/// Applies `rule` parameter by parameter. Same contract as [`crate::apply`], lengths unchecked beyond
-/// indexing.
-pub fn apply(rule: Rule, hyper: &Hyper, params: &mut [f32], state: &mut [f32], grad: &[f32]) {
-    for i in 0..params.len() {
-        let d = grad[i] + hyper.weight_decay * params[i];
+/// Planar state of one block for the reference: `shared` holds `shared_planes × n`, `worker` holds
+/// `worker_planes × n` floats.
+#[derive(Debug, Clone, PartialEq)]
+pub struct State {
+    /// θ.
+    pub params: Vec<f32>,
+    /// Shared planes, plane k at `[k·n, (k+1)·n)`.
+    pub shared: Vec<f32>,
+    /// The pushing worker's planes.
+    pub worker: Vec<f32>,
+}
+
+/// Applies `rule` parameter by parameter.
+pub fn apply(rule: Rule, hyper: &Hyper, s: &PushScalars, state: &mut State, grad: &[f32], read: &[f32]) {
+    let n = state.params.len();
+    let t = s.t.max(1) as f64;
+    let ga_bias = (1.0 / (1.0 - f64::from(GA_BETA).powf(t))) as f32;
+    let adam_b1 = (1.0 / (1.0 - f64::from(ADAM_BETA1).powf(t))) as f32;
+    let adam_b2 = (1.0 / (1.0 - f64::from(ADAM_BETA2).powf(t))) as f32;
+    let lr = s.lr;
+    let lr_max = s.lr_max.max(s.lr);
+    let gamma = hyper.momentum;
+    let wd = hyper.weight_decay;
+    let lambda = hyper.dc_lambda;
+    for i in 0..n {
+        let p = state.params[i];
+        let g = grad[i];
+        let drift = if rule.layout().needs_read { p - read[i] } else { 0.0 };
+        // Gap-Aware penalty G = 1 + |Δ| / C with C = η_max (√v̂ + ε); `ema` is updated by the caller first.
+        let gap_penalty = |ema: f32| 1.0 + drift.abs() / (lr_max * ((ema * ga_bias).sqrt() + GA_EPS));
         match rule {
-            Rule::Sgd => params[i] -= hyper.lr * d,
-            Rule::Momentum => {
-                state[i] = hyper.momentum * state[i] + d;
-                params[i] -= hyper.lr * state[i];
+            Rule::Sgd => state.params[i] = p - lr * (g + wd * p),
+            Rule::DanaSlim => state.params[i] = p - lr * g,
+            Rule::Momentum | Rule::StalenessAware | Rule::Nesterov => {
+                let scale = if rule == Rule::StalenessAware { 1.0 / s.staleness.max(1) as f32 } else { 1.0 };
+                let d = (g + wd * p) * scale;
+                let v = gamma * state.shared[i] + d;
+                state.shared[i] = v;
+                state.params[i] = if rule == Rule::Nesterov { p - lr * (d + gamma * v) } else { p - lr * v };
+            }
+            Rule::MultiMomentum => {
+                let v = gamma * state.worker[i] + (g + wd * p);
+                state.worker[i] = v;
+                state.params[i] = p - lr * v;
+            }
+            Rule::DcAsgd | Rule::DcAsgdAdaptive => {
+                let lam = if rule == Rule::DcAsgdAdaptive {
+                    let ms = hyper.dc_ms_decay * state.worker[i] + (1.0 - hyper.dc_ms_decay) * g * g;
+                    state.worker[i] = ms;
+                    lambda / (ms + DC_EPS).sqrt()
+                } else {
+                    lambda
+                };
+                let compensated = g + lam * g * g * drift;
+                let v = gamma * state.shared[i] + (compensated + wd * p);
+                state.shared[i] = v;
+                state.params[i] = p - lr * v;
+            }
+            Rule::GapAware => {
+                let previous = if gamma > 0.0 { state.shared[i] } else { g };
+                let ema = GA_BETA * state.shared[n + i] + (1.0 - GA_BETA) * previous * previous;
+                state.shared[n + i] = ema;
+                let d = (g + wd * p) / gap_penalty(ema);
+                let v = gamma * state.shared[i] + d;
+                state.shared[i] = v;
+                state.params[i] = p - lr * v;
+            }
+            Rule::DanaZero | Rule::DanaDc | Rule::DanaGa => {
+                let old = state.worker[i];
+                let d = match rule {
+                    Rule::DanaDc => g + lambda * g * g * drift + wd * p,
+                    Rule::DanaGa => {
+                        let ema = GA_BETA * state.shared[n + i] + (1.0 - GA_BETA) * old * old;
+                        state.shared[n + i] = ema;
+                        (g + wd * p) / gap_penalty(ema)
+                    }
+                    _ => g + wd * p,
+                };
+                let new = gamma * old + d;
+                state.shared[i] += new - old;
+                state.worker[i] = new;
+                state.params[i] = p - lr * new;
+            }
+            Rule::Adagrad => {
+                let d = g + wd * p;
+                let acc = state.shared[i] + d * d;
+                state.shared[i] = acc;
+                state.params[i] = p - lr * d / (acc.sqrt() + ADA_EPS);
+            }
+            Rule::Adam => {
+                let d = g + wd * p;
+                let m = ADAM_BETA1 * state.shared[i] + (1.0 - ADAM_BETA1) * d;
+                let v = ADAM_BETA2 * state.shared[n + i] + (1.0 - ADAM_BETA2) * d * d;
+                state.shared[i] = m;
+                state.shared[n + i] = v;
+                state.params[i] = p - lr * (m * adam_b1) / ((v * adam_b2).sqrt() + ADA_EPS);
             }
         }
     }

@@ -61,6 +61,15 @@ pub struct ServerArgs {
     /// L2 weight decay.
     #[arg(long, env = "GAPS_WEIGHT_DECAY", default_value_t = 0.0)]
     pub weight_decay: f32,
+    /// DC-ASGD / DANA-DC λ (constant form), or λ0 of dc-asgd-adaptive.
+    #[arg(long, env = "GAPS_DC_LAMBDA", default_value_t = 2.0)]
+    pub dc_lambda: f32,
+    /// Decay m of dc-asgd-adaptive's running mean square of gradients.
+    #[arg(long, env = "GAPS_DC_MS_DECAY", default_value_t = 0.95)]
+    pub dc_ms_decay: f32,
+    /// Threads a large push may use (0: one per core).
+    #[arg(long, env = "GAPS_THREADS", default_value_t = 0)]
+    pub threads: usize,
     /// Seed of the parameter initializer.
     #[arg(long, env = "GAPS_SEED", default_value_t = 1)]
     pub seed: u64,
@@ -83,7 +92,13 @@ impl ServerArgs {
     pub fn service_config(&self) -> Result<ServiceConfig> {
         let tls = TlsMaterial::load(&self.ca, &self.cert, &self.key).context("loading the server's TLS material")?;
         let layout = self.model.layout(self.dim, self.chunk_elems).context("building the model layout")?;
-        let hyper = Hyper { lr: self.lr, momentum: self.momentum, weight_decay: self.weight_decay };
+        let hyper = Hyper {
+            lr: self.lr,
+            momentum: self.momentum,
+            weight_decay: self.weight_decay,
+            dc_lambda: self.dc_lambda,
+            dc_ms_decay: self.dc_ms_decay,
+        };
         hyper.validate()?;
         let epoch = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -105,6 +120,7 @@ impl ServerArgs {
                 lease: self.lease,
                 advertise: String::new(),
                 epoch: epoch.max(1),
+                threads: self.threads,
             },
             join_timeout: self.join_timeout,
             tick_interval: Duration::from_millis(250),

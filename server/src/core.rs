@@ -9,9 +9,9 @@ use gaps_common::layout::{ChunkId, Layout};
 use gaps_common::rng::{mix, Rng};
 use gaps_common::wire::{
     Ack, ChunkVersion, ClusterMap, ErrorCode, Frame, Heartbeat, HeartbeatAck, Leave, Message, Pull, PullReply, Push,
-    Register, RegisterShard, Role, ShardAddr, Stats, PROTOCOL_VERSION,
+    Register, RegisterShard, Role, RuleInfo, ShardAddr, Stats, PROTOCOL_VERSION,
 };
-use gaps_kernels::{Hyper, Rule};
+use gaps_kernels::{Bufs, Hyper, PushScalars, Rule};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
 
@@ -49,6 +49,8 @@ pub struct ShardConfig {
     pub advertise: String,
     /// Cluster epoch (coordinator only; other shards learn it when they join).
     pub epoch: u64,
+    /// Threads a large push may use (0: one per available core).
+    pub threads: usize,
 }
 
 /// Why the core refused a request. Each maps to an [`ErrorCode`] on the wire.
@@ -140,7 +142,10 @@ pub enum CoreEvent {
 #[derive(Debug)]
 struct ChunkSlot {
     params: Vec<f32>,
-    state: Vec<f32>,
+    /// The rule's shared planes.
+    shared: Vec<f32>,
+    /// The rule's per-worker planes, created on a worker's first push (only for rules that have them).
+    workers: HashMap<u32, Vec<f32>>,
     /// Number of updates applied to this chunk: the per-parameter last-update version (every element of a
     /// dense chunk is updated by the same pushes, so one counter per chunk is exact for all of them).
     version: u64,
@@ -191,6 +196,11 @@ pub struct ShardCore {
     seqs: HashMap<u32, SeqWindow>,
     coordinator: Option<Coordinator>,
     stats: Stats,
+    /// Multiplier of the configured learning rate (schedules, elastic ramps).
+    lr_scale: f32,
+    /// Largest learning rate used so far (Gap-Aware's η_max).
+    lr_max: f32,
+    threads: usize,
 }
 
 impl ShardCore {
@@ -210,7 +220,7 @@ impl ShardCore {
             chunk_base.push(base);
             base += u64::from(cfg.layout.num_chunks(t));
         }
-        let state_floats = cfg.rule.state_floats();
+        let shared_planes = cfg.rule.layout().shared_planes;
         let mut slots = Vec::new();
         for id in cfg.layout.chunks_of_shard(cfg.shard, cfg.num_shards) {
             let range = cfg.layout.chunk_range(id).map_err(|e| ShardError::Misconfigured(e.to_string()))?;
@@ -221,7 +231,12 @@ impl ShardCore {
                 let mut rng = Rng::new(mix(cfg.init.seed, global));
                 (0..range.len()).map(|_| (rng.normal() * f64::from(cfg.init.std)) as f32).collect()
             };
-            slots.push(ChunkSlot { state: vec![0.0; params.len() * state_floats], params, version: 0 });
+            slots.push(ChunkSlot {
+                shared: vec![0.0; params.len() * shared_planes],
+                params,
+                workers: HashMap::new(),
+                version: 0,
+            });
         }
         let is_coordinator = cfg.shard == 0;
         let mut coordinator = is_coordinator.then(Coordinator::default);
@@ -231,7 +246,45 @@ impl ShardCore {
         let epoch = if is_coordinator { cfg.epoch } else { 0 };
         let stats = Stats { shard: cfg.shard, epoch, ..Stats::default() };
         let tensor_versions = vec![0; cfg.layout.tensors.len()];
-        Ok(ShardCore { cfg, epoch, chunk_base, slots, tensor_versions, seqs: HashMap::new(), coordinator, stats })
+        let threads = match cfg.threads {
+            0 => std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+            n => n,
+        };
+        let lr_max = cfg.hyper.lr;
+        Ok(ShardCore {
+            cfg,
+            epoch,
+            chunk_base,
+            slots,
+            tensor_versions,
+            seqs: HashMap::new(),
+            coordinator,
+            stats,
+            lr_scale: 1.0,
+            lr_max,
+            threads,
+        })
+    }
+
+    /// The learning rate in force: the configured η times the current multiplier.
+    pub fn lr(&self) -> f32 {
+        self.cfg.hyper.lr * self.lr_scale
+    }
+
+    /// Sets the learning-rate multiplier (warm-up, schedules, elastic ramps). Non-finite or non-positive
+    /// values are refused.
+    pub fn set_lr_scale(&mut self, scale: f32) -> Result<(), ShardError> {
+        if !(scale.is_finite() && scale > 0.0) {
+            return Err(ShardError::Misconfigured(format!("learning-rate multiplier must be positive, got {scale}")));
+        }
+        self.lr_scale = scale;
+        Ok(())
+    }
+
+    /// Floats of optimizer state held per worker over all owned chunks (0 for rules without per-worker
+    /// state), for reporting memory.
+    pub fn worker_state_floats(&self) -> usize {
+        self.slots.iter().map(|s| s.workers.values().map(Vec::len).sum::<usize>()).sum()
     }
 
     /// This shard's configuration.
@@ -273,7 +326,7 @@ impl ShardCore {
 
     /// Adopts the coordinator's answer to [`ShardCore::join_request`].
     pub fn joined(&mut self, map: &ClusterMap) -> Result<(), ShardError> {
-        if map.num_shards != self.cfg.num_shards || map.layout != self.cfg.layout {
+        if map.num_shards != self.cfg.num_shards || map.layout != self.cfg.layout || map.rule != self.rule_info() {
             return Err(ShardError::Misconfigured(
                 "the coordinator's cluster map disagrees with this shard's configuration".into(),
             ));
@@ -377,8 +430,10 @@ impl ShardCore {
             )));
         }
         let mut payload = Vec::with_capacity(total);
+        let lr = self.lr();
         for id in &req.chunks {
-            payload.extend_from_slice(&self.slots[self.slot_index(*id)?].params);
+            let slot = &self.slots[self.slot_index(*id)?];
+            gaps_kernels::pull_values(self.cfg.rule, &self.cfg.hyper, lr, &slot.params, &slot.shared, &mut payload);
         }
         self.stats.pulls += 1;
         Ok(Frame { msg: Message::PullReply(PullReply { chunks: metas }), payload })
@@ -401,13 +456,23 @@ impl ShardCore {
             )));
         }
         // Validate everything before touching any state, so a refused push changes nothing.
-        let declared: u64 = req.chunks.iter().map(|c| u64::from(c.len)).sum();
+        let rule = self.cfg.rule;
+        if req.echo_read != rule.layout().needs_read {
+            return Err(ShardError::WrongShape(if req.echo_read {
+                format!("rule {rule} takes no echo of the read parameters")
+            } else {
+                format!("rule {rule} needs the parameters the gradient was computed on (echo_read)")
+            }));
+        }
+        let grad_total: u64 = req.chunks.iter().map(|c| u64::from(c.len)).sum();
+        let declared = grad_total * (1 + u64::from(req.echo_read));
         if declared != payload.len() as u64 {
             return Err(ShardError::WrongShape(format!(
                 "push declares {declared} elements but carries {}",
                 payload.len()
             )));
         }
+        let read_base = if req.echo_read { grad_total as usize } else { 0 };
         let mut plan = Vec::with_capacity(req.chunks.len());
         let mut seen = BTreeSet::new();
         let mut offset = 0usize;
@@ -426,14 +491,19 @@ impl ShardCore {
                     c.id.tensor, c.id.chunk, c.len
                 )));
             }
-            let grad = &payload[offset..offset + expected];
-            if let Some((index, value)) = grad.iter().enumerate().find(|(_, v)| !v.is_finite()) {
-                return Err(ShardError::NonFinite {
-                    tensor: c.id.tensor,
-                    chunk: c.id.chunk,
-                    index,
-                    value: value.to_string(),
-                });
+            let mut sections = vec![&payload[offset..offset + expected]];
+            if req.echo_read {
+                sections.push(&payload[read_base + offset..read_base + offset + expected]);
+            }
+            for values in sections {
+                if let Some((index, value)) = values.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+                    return Err(ShardError::NonFinite {
+                        tensor: c.id.tensor,
+                        chunk: c.id.chunk,
+                        index,
+                        value: value.to_string(),
+                    });
+                }
             }
             let version = self.slots[slot].version;
             if c.read_version > version {
@@ -442,26 +512,23 @@ impl ShardCore {
                     c.id.tensor, c.id.chunk, c.read_version
                 )));
             }
-            plan.push((slot, c.id.tensor, offset, version - c.read_version));
+            plan.push(Planned { slot, tensor: c.id.tensor, offset, staleness: version - c.read_version });
             offset += expected;
         }
+        let lr = self.lr();
+        self.lr_max = self.lr_max.max(lr);
+        let (lr_max, hyper, threads) = (self.lr_max, self.cfg.hyper, self.threads);
+        let reads = if req.echo_read { &payload[read_base..] } else { &[][..] };
+        let work = collect_work(&mut self.slots, &plan, req.worker, rule);
+        apply_work(work, rule, &hyper, lr, lr_max, &payload[..grad_total as usize], reads, threads)
+            .map_err(|e| ShardError::WrongShape(e.to_string()))?;
         let mut max_staleness = 0;
         let mut touched = BTreeSet::new();
-        for (slot, tensor, offset, staleness) in plan {
-            let s = &mut self.slots[slot];
-            let n = s.params.len();
-            gaps_kernels::apply(
-                self.cfg.rule,
-                &self.cfg.hyper,
-                &mut s.params,
-                &mut s.state,
-                &payload[offset..offset + n],
-            )
-            .map_err(|e| ShardError::WrongShape(e.to_string()))?;
-            s.version += 1;
-            touched.insert(tensor);
-            max_staleness = max_staleness.max(staleness);
-            self.stats.staleness_sum += staleness;
+        for p in &plan {
+            self.slots[p.slot].version += 1;
+            touched.insert(p.tensor);
+            max_staleness = max_staleness.max(p.staleness);
+            self.stats.staleness_sum += p.staleness;
             self.stats.staleness_count += 1;
         }
         for t in touched {
@@ -500,7 +567,16 @@ impl ShardCore {
             shards: c.shard_addrs.iter().map(|(i, a)| ShardAddr { index: *i, addr: a.clone() }).collect(),
             layout: self.cfg.layout.clone(),
             lease_ms: self.cfg.lease.as_millis().min(u128::from(u32::MAX)) as u32,
+            rule: self.rule_info(),
         })
+    }
+
+    fn rule_info(&self) -> RuleInfo {
+        RuleInfo {
+            name: self.cfg.rule.name().to_string(),
+            momentum: self.cfg.hyper.momentum,
+            weight_decay: self.cfg.hyper.weight_decay,
+        }
     }
 
     fn register(&mut self, req: &Register, now: Duration, events: &mut Vec<CoreEvent>) -> Result<Frame, ShardError> {
@@ -564,6 +640,7 @@ impl ShardCore {
             shards: Vec::new(),
             layout: self.cfg.layout.clone(),
             lease_ms: self.cfg.lease.as_millis().min(u128::from(u32::MAX)) as u32,
+            rule: self.rule_info(),
         })))
     }
 
@@ -586,4 +663,86 @@ impl ShardCore {
         }
         Ok(Frame::new(Message::HeartbeatAck(HeartbeatAck { epoch, live_workers: c.leases.len() as u32 })))
     }
+}
+
+/// One validated chunk update of a push.
+#[derive(Debug, Clone, Copy)]
+struct Planned {
+    slot: usize,
+    tensor: u32,
+    /// Offset of the chunk's gradient (and read echo) in its payload section.
+    offset: usize,
+    staleness: u64,
+}
+
+/// The mutable pieces of one chunk update, borrowed disjointly from the slots.
+struct Work<'a> {
+    params: &'a mut [f32],
+    shared: &'a mut [f32],
+    worker: &'a mut [f32],
+    offset: usize,
+    staleness: u64,
+    t: u64,
+}
+
+/// Borrows the planned slots disjointly (creating the pushing worker's planes where the rule has them).
+fn collect_work<'a>(slots: &'a mut [ChunkSlot], plan: &[Planned], worker: u32, rule: Rule) -> Vec<Work<'a>> {
+    let planes = rule.layout().worker_planes;
+    let wanted: HashMap<usize, Planned> = plan.iter().map(|p| (p.slot, *p)).collect();
+    let mut work = Vec::with_capacity(plan.len());
+    for (index, slot) in slots.iter_mut().enumerate() {
+        let Some(p) = wanted.get(&index) else { continue };
+        let ChunkSlot { params, shared, workers, version } = slot;
+        let worker: &mut [f32] = if planes == 0 {
+            &mut []
+        } else {
+            let n = params.len();
+            workers.entry(worker).or_insert_with(|| vec![0.0; planes * n])
+        };
+        work.push(Work { params, shared, worker, offset: p.offset, staleness: p.staleness, t: *version + 1 });
+    }
+    work
+}
+
+/// Applies every chunk update, spread over `threads` threads when the push is large.
+#[allow(clippy::too_many_arguments)]
+fn apply_work(
+    work: Vec<Work<'_>>,
+    rule: Rule,
+    hyper: &Hyper,
+    lr: f32,
+    lr_max: f32,
+    grads: &[f32],
+    reads: &[f32],
+    threads: usize,
+) -> Result<(), gaps_kernels::KernelError> {
+    let total: usize = work.iter().map(|w| w.params.len()).sum();
+    let run = |w: Work<'_>, threads: usize| {
+        let n = w.params.len();
+        let read = if reads.is_empty() { reads } else { &reads[w.offset..w.offset + n] };
+        let scalars = PushScalars { lr, lr_max, staleness: w.staleness, t: w.t };
+        let bufs = Bufs::from_planes(w.params, w.shared, w.worker, &grads[w.offset..w.offset + n], read);
+        gaps_kernels::apply_par(rule, hyper, &scalars, bufs, threads)
+    };
+    if threads <= 1 || total < gaps_kernels::PAR_MIN_PARAMS || work.len() < threads {
+        // Few chunks: each large chunk is split over the threads instead.
+        return work.into_iter().try_for_each(|w| run(w, threads));
+    }
+    // Many chunks: deal them out to the threads, largest first, each thread taking the lightest load.
+    let mut groups: Vec<(usize, Vec<Work<'_>>)> = (0..threads).map(|_| (0, Vec::new())).collect();
+    let mut work = work;
+    work.sort_by_key(|w| std::cmp::Reverse(w.params.len()));
+    for w in work {
+        if let Some(g) = groups.iter_mut().min_by_key(|g| g.0) {
+            g.0 += w.params.len();
+            g.1.push(w);
+        }
+    }
+    std::thread::scope(|scope| {
+        let handles: Vec<_> =
+            groups.into_iter().map(|(_, g)| scope.spawn(move || g.into_iter().try_for_each(|w| run(w, 1)))).collect();
+        handles.into_iter().try_for_each(|h| {
+            h.join().unwrap_or_else(|_| Err(gaps_kernels::KernelError::Internal("an update thread panicked".into())))
+        })
+    })
 }

@@ -114,7 +114,8 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
             cfg.coordinator.clone().context("shards other than 0 need --coordinator (shard 0's address)")?;
         join_coordinator(&endpoint, &coordinator, &mut core, cfg.join_timeout).await?;
     }
-    // A push can never carry more than this shard owns; refuse bigger frames before allocating them.
+    // A push can never carry more than this shard owns (twice that with the read echo); refuse bigger frames
+    // before allocating them.
     let owned_bytes: u64 = core
         .config()
         .layout
@@ -122,7 +123,8 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
         .iter()
         .map(|id| core.config().layout.chunk_len(*id).unwrap_or(0) as u64 * 4)
         .sum();
-    let limits = Limits { max_payload_bytes: owned_bytes.max(4), ..Limits::default() };
+    let echo = 1 + u64::from(core.config().rule.layout().needs_read);
+    let limits = Limits { max_payload_bytes: (owned_bytes * echo).max(4), ..Limits::default() };
     let shared = Arc::new(Shared {
         core: Mutex::new(core),
         metrics: ShardMetrics::register(shard),

@@ -22,11 +22,12 @@ fn config(shard: u32, num_shards: u32, rule: Rule) -> ShardConfig {
         num_shards,
         layout: layout(),
         rule,
-        hyper: Hyper { lr: 0.5, momentum: 0.9, weight_decay: 0.0 },
+        hyper: Hyper { lr: 0.5, momentum: 0.9, weight_decay: 0.0, ..Hyper::default() },
         init: Init { seed: 3, std: 0.1 },
         lease: Duration::from_secs(5),
         advertise: format!("127.0.0.1:{}", 4000 + shard),
         epoch: EPOCH,
+        threads: 1,
     }
 }
 
@@ -60,7 +61,7 @@ fn full_push(worker: u32, seq: u64, versions: &[u64], grad: &[f32]) -> (Message,
         .zip(versions)
         .map(|(id, v)| PushChunk { id, read_version: *v, len: l.chunk_len(id).expect("len") as u32 })
         .collect();
-    (Message::Push(Push { epoch: EPOCH, worker, seq, chunks }), grad.to_vec())
+    (Message::Push(Push { epoch: EPOCH, worker, seq, chunks, echo_read: false }), grad.to_vec())
 }
 
 fn grad(seed: u32) -> Vec<f32> {

@@ -20,6 +20,16 @@ fn layout() -> Layout {
 }
 
 async fn start_shard(certs: &ClusterCerts, shard: u32, num_shards: u32, coordinator: Option<String>) -> RunningServer {
+    start_shard_with(certs, shard, num_shards, coordinator, Rule::Sgd).await
+}
+
+async fn start_shard_with(
+    certs: &ClusterCerts,
+    shard: u32,
+    num_shards: u32,
+    coordinator: Option<String>,
+    rule: Rule,
+) -> RunningServer {
     let cfg = ServiceConfig {
         listen: "127.0.0.1:0".parse().expect("addr"),
         advertise: None,
@@ -29,12 +39,18 @@ async fn start_shard(certs: &ClusterCerts, shard: u32, num_shards: u32, coordina
             shard,
             num_shards,
             layout: layout(),
-            rule: Rule::Sgd,
-            hyper: Hyper { lr: LR, momentum: 0.0, weight_decay: 0.0 },
+            rule,
+            hyper: Hyper {
+                lr: LR,
+                momentum: if rule == Rule::Sgd { 0.0 } else { 0.9 },
+                weight_decay: 0.0,
+                ..Hyper::default()
+            },
             init: Init { seed: 5, std: 0.1 },
             lease: Duration::from_secs(10),
             advertise: String::new(),
             epoch: 1234,
+            threads: 1,
         },
         join_timeout: Duration::from_secs(10),
         tick_interval: Duration::from_millis(100),
@@ -85,7 +101,7 @@ async fn two_shards_route_pull_and_push_and_apply_sgd() {
     let before = client.pull().await.expect("pull");
     assert!(before.versions.iter().all(|v| *v == 0));
     let g = gradient(1);
-    let summary = client.push(Arc::new(g.clone()), &before.versions).await.expect("push");
+    let summary = client.push(g.clone(), &before).await.expect("push");
     assert_eq!((summary.applied, summary.duplicates, summary.max_staleness), (2, 0, 0));
     let after = client.pull().await.expect("pull");
     for (t, grad) in g.iter().enumerate() {
@@ -111,7 +127,7 @@ async fn a_push_retried_after_a_lost_connection_is_applied_once() {
     let g = gradient(2);
     // Both shard pushes are written in full, then their connections are cut before the acknowledgement.
     client.inject_connection_drops(2);
-    let summary = client.push(Arc::new(g.clone()), &before.versions).await.expect("push survives the drop");
+    let summary = client.push(g.clone(), &before).await.expect("push survives the drop");
     assert_eq!(summary.retries, 2);
     assert_eq!(summary.applied + summary.duplicates, 2);
     let after = client.pull().await.expect("pull");
@@ -191,7 +207,7 @@ async fn malformed_frames_over_the_network_get_typed_errors_and_change_nothing()
             .map(|id| PushChunk { id: *id, read_version: 0, len: l.chunk_len(*id).expect("len") as u32 })
             .collect();
         let total: u32 = chunks.iter().map(|c| c.len).sum();
-        let msg = Message::Push(Push { epoch: client.map().epoch, worker, seq: 1, chunks });
+        let msg = Message::Push(Push { epoch: client.map().epoch, worker, seq: 1, chunks, echo_read: false });
         let mut bytes = wire::encode_header(&msg, total as usize).expect("header");
         bytes.extend((0..payload_len).flat_map(|i| if i == 5 { value } else { 0.25f32 }.to_le_bytes()));
         bytes
@@ -217,13 +233,14 @@ async fn malformed_frames_over_the_network_get_typed_errors_and_change_nothing()
         worker,
         seq: 2,
         chunks: vec![PushChunk { id: ids[0], read_version: 0, len: u32::MAX }],
+        echo_read: false,
     });
     let header = wire::encode_header(&big, u32::MAX as usize).expect("header");
     expect(raw_request(&conn, &header).await, ErrorCode::TooLarge, "over-limit payload");
     let after = client.pull().await.expect("pull");
     assert_eq!(after, before, "refused requests changed the model");
     // The worker's own sequence number 1 is still unused and applies normally.
-    let summary = client.push(Arc::new(gradient(3)), &before.versions).await.expect("push");
+    let summary = client.push(gradient(3), &before).await.expect("push");
     assert_eq!(summary.applied, 1);
     conn.close(0u32.into(), b"done");
     client.leave().await.expect("leave");
@@ -248,4 +265,26 @@ async fn an_incomplete_cluster_fails_fast_and_names_the_missing_shard() {
     let err = Client::connect(nowhere).await.expect_err("no coordinator");
     assert!(err.to_string().contains("127.0.0.1:9"), "{err}");
     shutdown(servers).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rules_with_read_echo_look_ahead_or_worker_momentum_work_over_the_network() {
+    let certs = ClusterCerts::generate(&[]).expect("certs");
+    for rule in [Rule::GapAware, Rule::DanaSlim, Rule::DanaGa, Rule::DcAsgdAdaptive] {
+        let s0 = start_shard_with(&certs, 0, 2, None, rule).await;
+        let s1 = start_shard_with(&certs, 1, 2, Some(s0.advertise.clone()), rule).await;
+        let client = Client::connect(options(&certs, &s0.advertise, Role::Worker)).await.expect("connect");
+        assert_eq!(client.rule(), rule);
+        let first = client.pull().await.expect("pull");
+        let mut snap = first.clone();
+        for step in 0..3 {
+            let summary = client.push(gradient(step), &snap).await.unwrap_or_else(|e| panic!("{rule}: {e}"));
+            assert_eq!(summary.applied, 2, "{rule}");
+            snap = client.pull().await.expect("pull");
+        }
+        assert!(snap.versions.iter().all(|v| *v == 3), "{rule}");
+        assert_ne!(snap.tensors, first.tensors, "{rule} changed nothing");
+        client.leave().await.expect("leave");
+        shutdown(vec![s0, s1]).await;
+    }
 }

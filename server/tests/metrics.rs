@@ -9,7 +9,6 @@ use gaps_server::service::{self, ServiceConfig};
 use gaps_server::{Init, ShardConfig};
 use gaps_worker::client::{Client, ClientOptions};
 use std::io::{Read, Write};
-use std::sync::Arc;
 use std::time::Duration;
 
 fn http_get(addr: std::net::SocketAddr, path: &str) -> String {
@@ -43,6 +42,7 @@ async fn metrics_endpoint_exports_pushes_pulls_bytes_latency_staleness_and_live_
             lease: Duration::from_secs(10),
             advertise: String::new(),
             epoch: 5,
+            threads: 1,
         },
         join_timeout: Duration::from_secs(5),
         tick_interval: Duration::from_millis(50),
@@ -58,7 +58,7 @@ async fn metrics_endpoint_exports_pushes_pulls_bytes_latency_staleness_and_live_
     .expect("connect");
     for _ in 0..3 {
         let snap = client.pull().await.expect("pull");
-        client.push(Arc::new(vec![vec![0.5; 100]]), &snap.versions).await.expect("push");
+        client.push(vec![vec![0.5; 100]], &snap).await.expect("push");
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
     let body = tokio::task::spawn_blocking(move || http_get(metrics_addr, "/metrics")).await.expect("join");

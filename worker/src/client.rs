@@ -10,6 +10,7 @@ use gaps_common::wire::{
     ClusterMap, ErrorCode, Frame, Heartbeat, Leave, Limits, Message, Pull, Push, PushChunk, Register, Role, Stats,
     StatsRequest, PROTOCOL_VERSION,
 };
+use gaps_kernels::{Hyper, Rule};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -78,10 +79,11 @@ pub enum ClientError {
 }
 
 /// A model snapshot as pulled: one vector per tensor plus the version of every chunk (global order).
+/// For the DANA rules the values are the look-ahead the shards sent, which is where gradients are computed.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Snapshot {
-    /// Tensor values, layout order.
-    pub tensors: Vec<Vec<f32>>,
+    /// Tensor values, layout order (shared, so a push can echo them without a copy).
+    pub tensors: Arc<Vec<Vec<f32>>>,
     /// Version of each chunk, indexed by global chunk index.
     pub versions: Vec<u64>,
 }
@@ -120,6 +122,11 @@ struct Inner {
     drop_after_send: AtomicU32,
     pushes_sent: AtomicU64,
     retries: AtomicU64,
+    /// The shards' update rule and its hyper-parameters as far as the worker needs them.
+    rule: Rule,
+    hyper: Hyper,
+    /// DANA-Slim: this worker's momentum, one vector per tensor (created on the first push).
+    slim_momentum: Mutex<Vec<Vec<f32>>>,
 }
 
 /// A connected client. Cheap to clone; clones share connections and counters.
@@ -169,6 +176,10 @@ impl Client {
             tokio::time::sleep(Duration::from_millis(200)).await;
         };
         map.layout.validate().map_err(|e| ClientError::BadMap(e.to_string()))?;
+        let rule: Rule =
+            map.rule.name.parse().map_err(|e: gaps_kernels::KernelError| ClientError::BadMap(e.to_string()))?;
+        let hyper = Hyper { momentum: map.rule.momentum, weight_decay: map.rule.weight_decay, ..Hyper::default() };
+        hyper.validate().map_err(|e| ClientError::BadMap(e.to_string()))?;
         if map.shards.len() != map.num_shards as usize
             || map.shards.iter().enumerate().any(|(i, s)| s.index as usize != i)
         {
@@ -198,6 +209,9 @@ impl Client {
                 drop_after_send: AtomicU32::new(0),
                 pushes_sent: AtomicU64::new(0),
                 retries: AtomicU64::new(0),
+                rule,
+                hyper,
+                slim_momentum: Mutex::new(Vec::new()),
             }),
         };
         // Connect to every shard now, so a missing or unreachable shard fails fast and by name.
@@ -350,23 +364,45 @@ impl Client {
                 offset += n;
             }
         }
-        Ok(Snapshot { tensors, versions })
+        Ok(Snapshot { tensors: Arc::new(tensors), versions })
     }
 
-    /// Pushes a gradient (one vector per tensor) computed on the parameters of `read_versions` to all
-    /// shards concurrently. Each shard push gets the next sequence number of that shard and is retried with
-    /// the same number after a transport failure.
-    pub async fn push(&self, grads: Arc<Vec<Vec<f32>>>, read_versions: &[u64]) -> Result<PushSummary, ClientError> {
+    /// The update rule the shards apply.
+    pub fn rule(&self) -> Rule {
+        self.inner.rule
+    }
+
+    /// Pushes a gradient (one vector per tensor) computed on `snapshot` to all shards concurrently. Each
+    /// shard push gets the next sequence number of that shard and is retried with the same number after a
+    /// transport failure. Where the rule needs it, the push also carries the snapshot's values (the
+    /// parameters the gradient was computed on); under DANA-Slim the worker's momentum turns the gradient
+    /// into its Nesterov step here.
+    pub async fn push(&self, mut grads: Vec<Vec<f32>>, snapshot: &Snapshot) -> Result<PushSummary, ClientError> {
         let worker = self.inner.map.worker_id.ok_or_else(|| ClientError::Shape("observers cannot push".into()))?;
         let layout = &self.inner.map.layout;
-        if grads.len() != layout.tensors.len()
-            || grads.iter().zip(&layout.tensors).any(|(g, t)| g.len() as u64 != t.len)
-        {
-            return Err(ClientError::Shape("gradient tensors do not match the model layout".into()));
+        let matches = |t: &[Vec<f32>]| {
+            t.len() == layout.tensors.len() && t.iter().zip(&layout.tensors).all(|(g, s)| g.len() as u64 == s.len)
+        };
+        if !matches(&grads) || !matches(&snapshot.tensors) {
+            return Err(ClientError::Shape("gradient or snapshot tensors do not match the model layout".into()));
         }
+        let read_versions = &snapshot.versions;
         if read_versions.len() as u64 != layout.total_chunks() {
             return Err(ClientError::Shape("read versions do not match the model layout".into()));
         }
+        let rule_layout = self.inner.rule.layout();
+        if rule_layout.worker_momentum {
+            let mut momentum =
+                self.inner.slim_momentum.lock().map_err(|_| ClientError::Shape("momentum lock poisoned".into()))?;
+            if momentum.is_empty() {
+                *momentum = grads.iter().map(|g| vec![0.0; g.len()]).collect();
+            }
+            for ((g, v), pulled) in grads.iter_mut().zip(momentum.iter_mut()).zip(snapshot.tensors.iter()) {
+                gaps_kernels::slim_worker_step(&self.inner.hyper, pulled, v, g);
+            }
+        }
+        let grads = Arc::new(grads);
+        let echo = rule_layout.needs_read.then(|| snapshot.tensors.clone());
         let mut tasks = tokio::task::JoinSet::new();
         for s in 0..self.inner.shards.len() {
             let link = &self.inner.shards[s];
@@ -383,17 +419,22 @@ impl Client {
                     len: layout.chunk_len(*id).unwrap_or(0) as u32,
                 })
                 .collect();
-            let msg = Message::Push(Push { epoch: self.inner.map.epoch, worker, seq, chunks });
+            let msg =
+                Message::Push(Push { epoch: self.inner.map.epoch, worker, seq, chunks, echo_read: echo.is_some() });
             self.inner.pushes_sent.fetch_add(1, Ordering::Relaxed);
             let client = self.clone();
             let grads = grads.clone();
+            let echo = echo.clone();
             tasks.spawn(async move {
                 let link = &client.inner.shards[s];
                 let layout = &client.inner.map.layout;
-                let parts: Vec<&[f32]> = link
-                    .chunks
-                    .iter()
-                    .filter_map(|(id, _)| layout.chunk_range(*id).ok().map(|r| &grads[id.tensor as usize][r]))
+                let sections = std::iter::once(&grads).chain(echo.as_ref());
+                let parts: Vec<&[f32]> = sections
+                    .flat_map(|tensors| {
+                        link.chunks
+                            .iter()
+                            .filter_map(|(id, _)| layout.chunk_range(*id).ok().map(|r| &tensors[id.tensor as usize][r]))
+                    })
                     .collect();
                 client.request(s, &msg, &parts).await
             });

@@ -14,5 +14,6 @@ pub use client::{Client, ClientError, ClientOptions, PushSummary, Snapshot};
 pub fn init_logging(default_level: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("GAPS_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi).try_init();
 }

@@ -8,7 +8,6 @@ use gaps_common::config::parse_duration;
 use gaps_common::tls::TlsMaterial;
 use gaps_common::wire::Role;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tracing::info;
 
@@ -107,10 +106,7 @@ pub async fn run(args: &WorkerArgs) -> Result<WorkerSummary> {
         let (xs, ys) = data.batch(first, batch);
         let (loss, grads) = logreg_loss_and_grad(&snapshot.tensors, &xs, &ys);
         losses.push(loss);
-        client
-            .push(Arc::new(grads), &snapshot.versions)
-            .await
-            .with_context(|| format!("pushing the gradient of step {step}"))?;
+        client.push(grads, &snapshot).await.with_context(|| format!("pushing the gradient of step {step}"))?;
         if args.steps >= 10 && (step + 1) % (args.steps / 10) == 0 {
             info!(worker, step = step + 1, loss, "progress");
         }

@@ -1,0 +1,219 @@
+//! Kernel tests on fresh random inputs (never zeros): the fast path against the reference, the exact
+//! equivalences of ALGORITHMS.md E2, and the stability boundaries of E3.
+
+use super::*;
+use crate::reference::State;
+
+/// Deterministic uniform values in [lo, hi).
+fn random(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            lo + (hi - lo) * ((s >> 40) as f32 / (1u64 << 24) as f32)
+        })
+        .collect()
+}
+
+fn random_state(rule: Rule, n: usize, seed: u64) -> State {
+    let l = rule.layout();
+    let mut shared = random(l.shared_planes * n, seed + 1, -0.5, 0.5);
+    // Second-moment planes (Gap-Aware's EMA, Adam's v) and Adagrad's accumulator are non-negative.
+    match rule {
+        Rule::GapAware | Rule::DanaGa | Rule::Adam => shared[n..].iter_mut().for_each(|x| *x = x.abs()),
+        Rule::Adagrad => shared.iter_mut().for_each(|x| *x = x.abs()),
+        _ => {}
+    }
+    let mut worker = random(l.worker_planes * n, seed + 2, -0.5, 0.5);
+    if rule == Rule::DcAsgdAdaptive {
+        worker.iter_mut().for_each(|x| *x = x.abs());
+    }
+    State { params: random(n, seed, -1.0, 1.0), shared, worker }
+}
+
+fn hyper() -> Hyper {
+    Hyper { lr: 0.05, momentum: 0.9, weight_decay: 1e-3, dc_lambda: 2.0, dc_ms_decay: 0.95 }
+}
+
+fn fast_step(rule: Rule, h: &Hyper, s: &PushScalars, st: &mut State, grad: &[f32], read: &[f32], threads: usize) {
+    let read = if rule.layout().needs_read { read } else { &[] };
+    let bufs = Bufs::from_planes(&mut st.params, &mut st.shared, &mut st.worker, grad, read);
+    apply_par(rule, h, s, bufs, threads).expect("apply");
+}
+
+fn assert_close(a: &[f32], b: &[f32], what: &str) {
+    assert_eq!(a.len(), b.len());
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        let tol = 1e-6 * y.abs().max(1e-3);
+        assert!((x - y).abs() <= tol, "{what}[{i}]: fast {x} vs reference {y}");
+    }
+}
+
+fn check_against_reference(n: usize, threads: usize) {
+    for (r, rule) in Rule::ALL.into_iter().enumerate() {
+        let h = hyper();
+        let mut fast = random_state(rule, n, 10 * r as u64 + 1);
+        let mut reference = fast.clone();
+        for step in 0..4u64 {
+            let grad = random(n, 1000 + step, -1.0, 1.0);
+            // The read parameters differ from θ by a small random drift, as after a few other updates.
+            let drift = random(n, 2000 + step, -0.01, 0.01);
+            let read: Vec<f32> = reference.params.iter().zip(&drift).map(|(p, d)| p + d).collect();
+            let s = PushScalars { lr: 0.05, lr_max: 0.08, staleness: step * 3 + 1, t: step + 1 };
+            fast_step(rule, &h, &s, &mut fast, &grad, &read, threads);
+            reference::apply(rule, &h, &s, &mut reference, &grad, &read);
+        }
+        assert_close(&fast.params, &reference.params, &format!("{rule} params"));
+        assert_close(&fast.shared, &reference.shared, &format!("{rule} shared"));
+        assert_close(&fast.worker, &reference.worker, &format!("{rule} worker"));
+        assert_ne!(fast.params, random_state(rule, n, 10 * r as u64 + 1).params, "{rule} changed nothing");
+    }
+}
+
+#[test]
+fn fast_path_matches_the_reference_for_every_rule() {
+    check_against_reference(1003, 1);
+}
+
+#[test]
+fn threaded_fast_path_matches_the_reference_for_every_rule() {
+    check_against_reference(PAR_MIN_PARAMS * 2 + 13, 3);
+}
+
+#[test]
+fn gap_aware_at_zero_staleness_is_momentum_bit_for_bit() {
+    let n = 4096;
+    let h = hyper();
+    let mut ga = random_state(Rule::GapAware, n, 5);
+    let mut mom = State { params: ga.params.clone(), shared: ga.shared[..n].to_vec(), worker: vec![] };
+    let mut sa = mom.clone();
+    for step in 0..20u64 {
+        let grad = random(n, 300 + step, -1.0, 1.0);
+        let read = ga.params.clone(); // nothing moved since the read: Δ = 0, G = 1
+        let s = PushScalars { lr: 0.05, lr_max: 0.05, staleness: 0, t: step + 1 };
+        fast_step(Rule::GapAware, &h, &s, &mut ga, &grad, &read, 1);
+        fast_step(Rule::Momentum, &h, &s, &mut mom, &grad, &[], 1);
+        // Staleness-aware with τ ≤ 1 is momentum too.
+        fast_step(Rule::StalenessAware, &h, &PushScalars { staleness: 1, ..s }, &mut sa, &grad, &[], 1);
+    }
+    assert_eq!(ga.params, mom.params);
+    assert_eq!(&ga.shared[..n], &mom.shared[..]);
+    assert_eq!(sa.params, mom.params);
+}
+
+/// Gradient of ½Σ h_j x_j² plus deterministic noise, evaluated at `x`.
+fn quadratic_grad(x: &[f32], h: &[f32], step: u64) -> Vec<f32> {
+    let noise = random(x.len(), 50_000 + step, -0.01, 0.01);
+    x.iter().zip(h).zip(&noise).map(|((x, h), e)| h * x + e).collect()
+}
+
+#[test]
+fn dana_slim_equals_dana_zero_lookahead_at_constant_lr() {
+    // ALGORITHMS.md E2: N = 16 workers in round-robin order, constant η, 5 "epochs" of 64 pushes each.
+    let (n, workers) = (256usize, 16usize);
+    let h = Hyper { lr: 0.05, momentum: 0.9, weight_decay: 0.0, ..hyper() };
+    let curvature: Vec<f32> = random(n, 7, 1e-3, 1.0);
+    let theta0 = random(n, 8, -1.0, 1.0);
+    // DANA-Zero: master θ, S, per-worker momenta; each worker holds the look-ahead it was sent.
+    let mut zero = State { params: theta0.clone(), shared: vec![0.0; n], worker: vec![] };
+    let mut zero_momenta = vec![vec![0.0f32; n]; workers];
+    let mut zero_views = vec![theta0.clone(); workers];
+    // DANA-Slim: master Θ only; each worker holds its momentum and the Θ it was sent.
+    let mut slim = State { params: theta0.clone(), shared: vec![], worker: vec![] };
+    let mut slim_momenta = vec![vec![0.0f32; n]; workers];
+    let mut slim_views = vec![theta0; workers];
+    let mut worst = 0.0f32;
+    for step in 0..(5 * 64) as u64 {
+        let i = step as usize % workers;
+        let s = PushScalars::fresh(h.lr, step + 1);
+        let g = quadratic_grad(&zero_views[i], &curvature, step);
+        let bufs = Bufs {
+            params: &mut zero.params,
+            s0: &mut zero.shared,
+            s1: &mut [],
+            w0: &mut zero_momenta[i],
+            grad: &g,
+            read: &[],
+        };
+        apply(Rule::DanaZero, &h, &s, bufs).expect("zero");
+        let mut view = Vec::with_capacity(n);
+        pull_values(Rule::DanaZero, &h, h.lr, &zero.params, &zero.shared, &mut view);
+        zero_views[i] = view;
+
+        let mut u = quadratic_grad(&slim_views[i], &curvature, step);
+        slim_worker_step(&h, &slim_views[i], &mut slim_momenta[i], &mut u);
+        let bufs = Bufs { params: &mut slim.params, s0: &mut [], s1: &mut [], w0: &mut [], grad: &u, read: &[] };
+        apply(Rule::DanaSlim, &h, &s, bufs).expect("slim");
+        slim_views[i] = slim.params.clone();
+
+        let lookahead = &zero_views[i];
+        for (a, b) in slim.params.iter().zip(lookahead) {
+            worst = worst.max((a - b).abs());
+        }
+    }
+    let scale = slim.params.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+    eprintln!("E2: max abs(slim - zero look-ahead) = {worst:e}, max abs(theta) = {scale}");
+    assert!(worst <= 2e-5 * scale.max(1.0), "max |Θ_slim − θ̂_zero| = {worst} (|θ| ≤ {scale})");
+    assert!(worst > 0.0 || scale > 0.0);
+}
+
+/// Runs x_{t+1} = x_t − η·v_{t+1}, v_{t+1} = γv_t + h·x_{t−τ} (the delayed gradient) through a rule's
+/// kernel for `steps` steps from x = 1; returns |x| at the end.
+fn delayed_run(rule: Rule, gamma: f32, eta_h: f32, tau: usize, steps: usize) -> f32 {
+    let h = Hyper { lr: eta_h, momentum: gamma, weight_decay: 0.0, ..hyper() };
+    let mut x = [1.0f32];
+    let mut v = [0.0f32];
+    let mut history = std::collections::VecDeque::from(vec![1.0f32; tau + 1]);
+    for t in 0..steps {
+        let delayed = history.pop_front().unwrap_or(0.0);
+        let g = [delayed]; // curvature h = 1, so η·h = η
+        let s = PushScalars::fresh(h.lr, t as u64 + 1);
+        let shared: &mut [f32] = if rule == Rule::Sgd { &mut [] } else { &mut v };
+        apply(rule, &h, &s, Bufs { params: &mut x, s0: shared, s1: &mut [], w0: &mut [], grad: &g, read: &[] })
+            .expect("apply");
+        history.push_back(x[0]);
+        if !x[0].is_finite() || x[0].abs() > 1e6 {
+            return f32::INFINITY;
+        }
+    }
+    x[0].abs()
+}
+
+#[test]
+fn stability_boundaries_of_delayed_gd_and_heavy_ball_land_where_e3_predicts() {
+    for tau in [7usize, 15, 31] {
+        let critical = 2.0 * (std::f32::consts::PI / (2.0 * (2.0 * tau as f32 + 1.0))).sin();
+        let below = delayed_run(Rule::Sgd, 0.0, 0.95 * critical, tau, 40_000);
+        let above = delayed_run(Rule::Sgd, 0.0, 1.05 * critical, tau, 40_000);
+        assert!(below < 1e-2, "τ={tau}: plain delayed GD at 0.95× the bound should converge, |x| = {below}");
+        assert!(above > 1.0, "τ={tau}: plain delayed GD at 1.05× the bound should diverge, |x| = {above}");
+    }
+    // Heavy ball with γ = 0.9 at the master: the bound drops to ≈ 0.0159 / 0.0079 / 0.0042.
+    for (tau, critical) in [(7usize, 0.0159f32), (15, 0.0079), (31, 0.0042)] {
+        let below = delayed_run(Rule::Momentum, 0.9, 0.9 * critical, tau, 100_000);
+        let above = delayed_run(Rule::Momentum, 0.9, 1.1 * critical, tau, 100_000);
+        assert!(below < 1e-2, "τ={tau}: heavy ball at 0.9× the bound should converge, |x| = {below}");
+        assert!(above > 1.0, "τ={tau}: heavy ball at 1.1× the bound should diverge, |x| = {above}");
+    }
+}
+
+#[test]
+fn names_parse_and_bad_input_is_refused() {
+    for rule in Rule::ALL {
+        assert_eq!(rule.name().parse::<Rule>().expect("parse"), rule);
+    }
+    assert!(matches!("adamw".parse::<Rule>(), Err(KernelError::UnknownRule(_))));
+    assert!(Hyper { lr: -1.0, ..Hyper::default() }.validate().is_err());
+    assert!(Hyper { lr: f32::NAN, ..Hyper::default() }.validate().is_err());
+    assert!(Hyper { momentum: 1.0, ..Hyper::default() }.validate().is_err());
+    assert!(Hyper { dc_lambda: -2.0, ..Hyper::default() }.validate().is_err());
+    let mut p = vec![0.5; 3];
+    let s = PushScalars::fresh(0.1, 1);
+    let no_state = Bufs { params: &mut p, s0: &mut [], s1: &mut [], w0: &mut [], grad: &[0.1; 3], read: &[] };
+    assert!(matches!(apply(Rule::Momentum, &Hyper::default(), &s, no_state), Err(KernelError::Length { .. })));
+    let mut v = vec![0.0; 3];
+    let no_read = Bufs { params: &mut p, s0: &mut v, s1: &mut [], w0: &mut [], grad: &[0.1; 3], read: &[] };
+    assert!(matches!(apply(Rule::DcAsgd, &Hyper::default(), &s, no_read), Err(KernelError::Length { .. })));
+}
