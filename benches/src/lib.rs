@@ -2,6 +2,8 @@
 //!
 //! - [`local`]: `gaps local`, a whole cluster of real processes on loopback.
 //! - [`transport`]: `gaps bench transport`.
+//! - [`kernels`]: `gaps bench kernels`.
 
+pub mod kernels;
 pub mod local;
 pub mod transport;

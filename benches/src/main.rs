@@ -43,6 +43,24 @@ struct CertsArgs {
 
 #[derive(Debug, Subcommand)]
 enum BenchCommand {
+    /// Parameters per second of every update rule against a streaming loop over the same bytes.
+    Kernels {
+        /// Print one JSON line per case on stdout.
+        #[arg(long, env = "GAPS_JSON")]
+        json: bool,
+        /// Where to run: cpu, cuda, or auto (cuda when a GPU is present).
+        #[arg(long, env = "GAPS_DEVICE", default_value = "cpu")]
+        device: String,
+        /// Parameter counts to measure (suffixes Ki and Mi allowed).
+        #[arg(long, env = "GAPS_BENCH_SIZES", value_delimiter = ',', default_value = "1Mi,16Mi,64Mi", value_parser = parse_count)]
+        sizes: Vec<usize>,
+        /// Threads for the CPU path (0: one per core).
+        #[arg(long, env = "GAPS_THREADS", default_value_t = 0)]
+        threads: usize,
+        /// Seconds to time each case.
+        #[arg(long, env = "GAPS_BENCH_SECONDS", default_value_t = 0.5)]
+        seconds: f64,
+    },
     /// Push+pull payload throughput against one and two shards, with a plain quinn baseline.
     Transport {
         /// Print one JSON line per case on stdout.
@@ -55,6 +73,19 @@ enum BenchCommand {
         #[arg(long, env = "GAPS_BENCH_QUICK")]
         quick: bool,
     },
+}
+
+/// Parses a count such as `65536`, `64Ki` or `16Mi`.
+fn parse_count(text: &str) -> Result<usize, String> {
+    let (digits, shift) = match text.trim() {
+        t if t.ends_with("Mi") => (&t[..t.len() - 2], 20),
+        t if t.ends_with("Ki") => (&t[..t.len() - 2], 10),
+        t => (t, 0),
+    };
+    let n: usize = digits.parse().map_err(|_| format!("{text:?} is not a count (try 65536, 64Ki or 16Mi)"))?;
+    n.checked_shl(shift)
+        .filter(|v| *v > 0 && *v <= 1 << 31)
+        .ok_or_else(|| format!("{text:?} is out of range (1 ..= 2Gi)"))
 }
 
 #[tokio::main]
@@ -83,6 +114,17 @@ async fn main() -> Result<()> {
             let certs = gaps_common::tls::ClusterCerts::generate(&args.sans).context("making certificates")?;
             certs.write_to(&args.out)?;
             println!("wrote ca.pem, ca.key, server.pem, server.key, worker.pem, worker.key to {}", args.out.display());
+        }
+        Command::Bench(BenchCommand::Kernels { json, device, sizes, threads, seconds }) => {
+            anyhow::ensure!(seconds.is_finite() && seconds > 0.0, "--seconds must be positive");
+            let min_time = std::time::Duration::from_secs_f64(seconds);
+            let threads =
+                if threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { threads };
+            let results = match device.as_str() {
+                "cpu" => gaps_benches::kernels::run_cpu(&sizes, threads, min_time, false)?,
+                other => anyhow::bail!("unknown device {other:?} (cpu, cuda or auto)"),
+            };
+            gaps_benches::kernels::print(&results, json);
         }
         Command::Bench(BenchCommand::Transport { json, seconds, quick }) => {
             anyhow::ensure!(seconds.is_finite() && seconds > 0.0, "--seconds must be positive");

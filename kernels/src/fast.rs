@@ -4,7 +4,56 @@
 
 use crate::{Bufs, Derived, Rule, ADAM_BETA1, ADAM_BETA2, ADA_EPS, DC_EPS, GA_BETA, GA_EPS};
 
+/// Runs the loops compiled for AVX2 when the CPU has it (8 lanes instead of SSE2's 4, which matters for
+/// the rules with square roots and divisions), else the baseline build. Same operations either way: no
+/// FMA is enabled, so the results are identical.
 pub(crate) fn apply(rule: Rule, k: &Derived, n: usize, b: Bufs<'_>) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        #[allow(unsafe_code)]
+        // SAFETY: `apply_avx2` only requires AVX2, whose presence was just checked at run time.
+        unsafe {
+            return apply_avx2(rule, k, n, b);
+        }
+    }
+    apply_loops(rule, k, n, b)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx2")]
+unsafe fn apply_avx2(rule: Rule, k: &Derived, n: usize, b: Bufs<'_>) {
+    apply_loops(rule, k, n, b)
+}
+
+/// Gap-Aware's loop, with the choice of the EMA's input (momentum buffer or raw gradient) made once.
+#[inline(always)]
+fn gap_aware<const MOMENTUM: bool>(
+    k: &Derived,
+    n: usize,
+    p: &mut [f32],
+    g: &[f32],
+    v: &mut [f32],
+    ema: &mut [f32],
+    r: &[f32],
+) {
+    let (p, g, v, ema, r) = (&mut p[..n], &g[..n], &mut v[..n], &mut ema[..n], &r[..n]);
+    let (lr, gamma, wd, bias, lr_max) = (k.lr, k.gamma, k.wd, k.ga_bias, k.lr_max);
+    for i in 0..n {
+        // The EMA tracks the previous step's direction: the momentum buffer before this update, or the
+        // incoming gradient when there is no momentum.
+        let s = if MOMENTUM { v[i] } else { g[i] };
+        ema[i] = GA_BETA * ema[i] + (1.0 - GA_BETA) * s * s;
+        let c = lr_max * ((ema[i] * bias).sqrt() + GA_EPS);
+        let penalty = 1.0 + (p[i] - r[i]).abs() / c;
+        let d = (g[i] + wd * p[i]) / penalty;
+        v[i] = gamma * v[i] + d;
+        p[i] -= lr * v[i];
+    }
+}
+
+#[inline(always)]
+fn apply_loops(rule: Rule, k: &Derived, n: usize, b: Bufs<'_>) {
     let p = &mut b.params[..n];
     let g = &b.grad[..n];
     let (lr, gamma, wd) = (k.lr, k.gamma, k.wd);
@@ -76,19 +125,10 @@ pub(crate) fn apply(rule: Rule, k: &Derived, n: usize, b: Bufs<'_>) {
             }
         }
         Rule::GapAware => {
-            let (v, ema, r) = (&mut b.s0[..n], &mut b.s1[..n], &b.read[..n]);
-            let (bias, lr_max) = (k.ga_bias, k.lr_max);
-            let with_momentum = gamma > 0.0;
-            for i in 0..n {
-                // The EMA tracks the previous step's direction: the momentum buffer before this update,
-                // or the incoming gradient when there is no momentum.
-                let s = if with_momentum { v[i] } else { g[i] };
-                ema[i] = GA_BETA * ema[i] + (1.0 - GA_BETA) * s * s;
-                let c = lr_max * ((ema[i] * bias).sqrt() + GA_EPS);
-                let penalty = 1.0 + (p[i] - r[i]).abs() / c;
-                let d = (g[i] + wd * p[i]) / penalty;
-                v[i] = gamma * v[i] + d;
-                p[i] -= lr * v[i];
+            if gamma > 0.0 {
+                gap_aware::<true>(k, n, p, g, b.s0, b.s1, b.read);
+            } else {
+                gap_aware::<false>(k, n, p, g, b.s0, b.s1, b.read);
             }
         }
         Rule::DanaZero => {
@@ -145,5 +185,64 @@ pub(crate) fn apply(rule: Rule, k: &Derived, n: usize, b: Bufs<'_>) {
                 p[i] -= lr * (m[i] * b1) / ((v[i] * b2).sqrt() + ADA_EPS);
             }
         }
+    }
+}
+
+/// The streaming yardstick (see `crate::stream_baseline`), dispatched like [`apply`] so the baseline gets
+/// the same vector width as the rules it is compared with.
+pub(crate) fn stream(b: Bufs<'_>) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        #[allow(unsafe_code)]
+        // SAFETY: `stream_avx2` only requires AVX2, whose presence was just checked at run time.
+        unsafe {
+            return stream_avx2(b);
+        }
+    }
+    stream_loops(b)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx2")]
+unsafe fn stream_avx2(b: Bufs<'_>) {
+    stream_loops(b)
+}
+
+/// One fused pass: x = g (+ read); every present plane += x. Each shape has its own loop over named,
+/// re-bounded slices so the compiler vectorises it exactly like the rules.
+#[inline(always)]
+fn stream_loops(b: Bufs<'_>) {
+    let n = b.params.len();
+    let g = &b.grad[..n];
+    let r = b.read;
+    let p = &mut b.params[..n];
+    let (s0, s1, w0) = (b.s0, b.s1, b.w0);
+    macro_rules! pass {
+        ($($plane:ident),*) => {{
+            $(let $plane = &mut $plane[..n];)*
+            if r.is_empty() {
+                for i in 0..n {
+                    let x = g[i];
+                    p[i] += x;
+                    $($plane[i] += x;)*
+                }
+            } else {
+                let r = &r[..n];
+                for i in 0..n {
+                    let x = g[i] + r[i];
+                    p[i] += x;
+                    $($plane[i] += x;)*
+                }
+            }
+        }};
+    }
+    match (s0.is_empty(), s1.is_empty(), w0.is_empty()) {
+        (true, _, true) => pass!(),
+        (true, _, false) => pass!(w0),
+        (false, true, true) => pass!(s0),
+        (false, true, false) => pass!(s0, w0),
+        (false, false, true) => pass!(s0, s1),
+        (false, false, false) => pass!(s0, s1, w0),
     }
 }

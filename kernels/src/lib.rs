@@ -451,3 +451,32 @@ mod fast;
 
 #[cfg(test)]
 mod tests;
+
+/// The memory-bandwidth yardstick for a rule: one fused streaming pass that reads exactly the planes the
+/// rule reads (θ, g, the read echo, every state plane) and writes exactly the planes it writes, with one
+/// addition per element, split over `threads` like [`apply_par`]. `params_per_s(rule) / params_per_s(stream)`
+/// is how close the rule runs to the machine's bandwidth for its bytes.
+pub fn stream_baseline(bufs: Bufs<'_>, threads: usize) {
+    let n = bufs.params.len();
+    let threads = threads.clamp(1, (n / (PAR_MIN_PARAMS / 2)).max(1));
+    if threads == 1 {
+        stream_block(bufs);
+        return;
+    }
+    let step = n.div_ceil(threads).div_ceil(16) * 16;
+    std::thread::scope(|scope| {
+        let mut rest = bufs;
+        let mut left = n;
+        while left > step {
+            let (head, tail) = rest.split_at(step);
+            scope.spawn(move || stream_block(head));
+            rest = tail;
+            left -= step;
+        }
+        stream_block(rest);
+    });
+}
+
+fn stream_block(b: Bufs<'_>) {
+    fast::stream(b)
+}
