@@ -18,6 +18,7 @@
 use std::fmt;
 use std::str::FromStr;
 
+pub mod cuda;
 pub mod reference;
 
 /// EMA decay β of Gap-Aware's running mean of squared steps (ALGORITHMS.md §3.1).
@@ -170,6 +171,9 @@ pub enum KernelError {
     /// A hyper-parameter is out of range.
     #[error("invalid hyper-parameter: {0}")]
     BadHyper(String),
+    /// The GPU cannot be used, or a CUDA call failed.
+    #[error("CUDA: {0}")]
+    Device(String),
     /// A failure that is a bug, reported instead of crashing the shard.
     #[error("internal error: {0}")]
     Internal(String),
@@ -286,7 +290,7 @@ impl<'a> Bufs<'a> {
         Bufs { params, s0, s1, w0: worker, grad, read }
     }
 
-    fn check(&self, rule: Rule) -> Result<usize, KernelError> {
+    pub(crate) fn check(&self, rule: Rule) -> Result<usize, KernelError> {
         let n = self.params.len();
         let l = rule.layout();
         let bad = |detail: String| Err(KernelError::Length { rule, detail });

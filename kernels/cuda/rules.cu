@@ -1,0 +1,114 @@
+// gaps update rules on the GPU. Compiled at run time by NVRTC (see kernels/src/cuda.rs) with FMA
+// contraction off, so every rule performs the operations of kernels/src/reference.rs in the same order.
+// One grid-stride kernel; the rule is a uniform argument, so there is no divergence inside a warp.
+// Rule ids follow gaps_kernels::Rule::ALL.
+
+#define GA_BETA 0.999f
+#define GA_EPS 1e-8f
+#define DC_EPS 1e-7f
+#define ADAM_BETA1 0.9f
+#define ADAM_BETA2 0.999f
+#define ADA_EPS 1e-8f
+
+enum {
+    SGD = 0, MOMENTUM = 1, NESTEROV = 2, MULTI_MOMENTUM = 3, STALENESS_AWARE = 4, DC_ASGD = 5,
+    DC_ASGD_ADAPTIVE = 6, GAP_AWARE = 7, DANA_ZERO = 8, DANA_SLIM = 9, DANA_DC = 10, DANA_GA = 11,
+    ADAGRAD = 12, ADAM = 13
+};
+
+struct Scalars {
+    float lr, lr_max, gamma, wd, lambda, ms_decay, inv_staleness, ga_bias, adam_bias1, adam_bias2;
+};
+
+extern "C" __global__ void gaps_update(
+    int rule, unsigned long long n,
+    float* __restrict__ p, float* __restrict__ s0, float* __restrict__ s1, float* __restrict__ w0,
+    const float* __restrict__ g, const float* __restrict__ r, const Scalars k)
+{
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const float pi = p[i];
+        const float gi = g[i];
+        switch (rule) {
+        case SGD: { float d = gi + k.wd * pi; p[i] = pi - k.lr * d; break; }
+        case DANA_SLIM: { p[i] = pi - k.lr * gi; break; }
+        case MOMENTUM: case NESTEROV: case STALENESS_AWARE: {
+            float d = gi + k.wd * pi;
+            if (rule == STALENESS_AWARE) d = d * k.inv_staleness;
+            float v = k.gamma * s0[i] + d;
+            s0[i] = v;
+            p[i] = rule == NESTEROV ? pi - k.lr * (d + k.gamma * v) : pi - k.lr * v;
+            break;
+        }
+        case MULTI_MOMENTUM: {
+            float d = gi + k.wd * pi;
+            float v = k.gamma * w0[i] + d;
+            w0[i] = v;
+            p[i] = pi - k.lr * v;
+            break;
+        }
+        case DC_ASGD: case DC_ASGD_ADAPTIVE: {
+            float lambda = k.lambda;
+            if (rule == DC_ASGD_ADAPTIVE) {
+                float ms = k.ms_decay * w0[i] + (1.0f - k.ms_decay) * gi * gi;
+                w0[i] = ms;
+                lambda = k.lambda / sqrtf(ms + DC_EPS);
+            }
+            float d = gi + lambda * gi * gi * (pi - r[i]) + k.wd * pi;
+            float v = k.gamma * s0[i] + d;
+            s0[i] = v;
+            p[i] = pi - k.lr * v;
+            break;
+        }
+        case GAP_AWARE: {
+            float s = k.gamma > 0.0f ? s0[i] : gi;
+            float ema = GA_BETA * s1[i] + (1.0f - GA_BETA) * s * s;
+            s1[i] = ema;
+            float c = k.lr_max * (sqrtf(ema * k.ga_bias) + GA_EPS);
+            float penalty = 1.0f + fabsf(pi - r[i]) / c;
+            float d = (gi + k.wd * pi) / penalty;
+            float v = k.gamma * s0[i] + d;
+            s0[i] = v;
+            p[i] = pi - k.lr * v;
+            break;
+        }
+        case DANA_ZERO: case DANA_DC: case DANA_GA: {
+            float old = w0[i];
+            float d;
+            if (rule == DANA_DC) {
+                d = gi + k.lambda * gi * gi * (pi - r[i]) + k.wd * pi;
+            } else if (rule == DANA_GA) {
+                float ema = GA_BETA * s1[i] + (1.0f - GA_BETA) * old * old;
+                s1[i] = ema;
+                float c = k.lr_max * (sqrtf(ema * k.ga_bias) + GA_EPS);
+                float penalty = 1.0f + fabsf(pi - r[i]) / c;
+                d = (gi + k.wd * pi) / penalty;
+            } else {
+                d = gi + k.wd * pi;
+            }
+            float nv = k.gamma * old + d;
+            s0[i] += nv - old;
+            w0[i] = nv;
+            p[i] = pi - k.lr * nv;
+            break;
+        }
+        case ADAGRAD: {
+            float d = gi + k.wd * pi;
+            float acc = s0[i] + d * d;
+            s0[i] = acc;
+            p[i] = pi - k.lr * d / (sqrtf(acc) + ADA_EPS);
+            break;
+        }
+        case ADAM: {
+            float d = gi + k.wd * pi;
+            float m = ADAM_BETA1 * s0[i] + (1.0f - ADAM_BETA1) * d;
+            float v = ADAM_BETA2 * s1[i] + (1.0f - ADAM_BETA2) * d * d;
+            s0[i] = m;
+            s1[i] = v;
+            p[i] = pi - k.lr * (m * k.adam_bias1) / (sqrtf(v * k.adam_bias2) + ADA_EPS);
+            break;
+        }
+        default: break;
+        }
+    }
+}

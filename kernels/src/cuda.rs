@@ -1,0 +1,316 @@
+//! The update rules on an NVIDIA GPU: `cuda/rules.cu`, compiled at run time by NVRTC through cudarc with
+//! dynamic loading, so the project builds and tests on machines without CUDA. The driver and NVRTC libraries
+//! are probed before any CUDA call (cudarc panics on first use when they are absent); `--device cuda` then
+//! fails with a clear message and `--device auto` falls back to the CPU.
+
+use crate::{derive, Bufs, Hyper, KernelError, PushScalars, Rule};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
+use std::str::FromStr;
+use std::sync::Arc;
+
+/// The kernel source, compiled at run time.
+pub const SOURCE: &str = include_str!("../cuda/rules.cu");
+
+/// Where updates run, as chosen by `--device`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceChoice {
+    /// The fast CPU path.
+    Cpu,
+    /// The GPU; an error when none can be used.
+    Cuda,
+    /// The GPU when one can be used, else the CPU.
+    Auto,
+}
+
+impl FromStr for DeviceChoice {
+    type Err = KernelError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "cpu" => Ok(DeviceChoice::Cpu),
+            "cuda" => Ok(DeviceChoice::Cuda),
+            "auto" => Ok(DeviceChoice::Auto),
+            other => Err(KernelError::BadHyper(format!("unknown device {other:?}; use cpu, cuda or auto"))),
+        }
+    }
+}
+
+/// Why no GPU can be used, or a CUDA call that failed.
+fn cuda_err(what: &str, e: impl std::fmt::Display) -> KernelError {
+    KernelError::Device(format!("{what}: {e}"))
+}
+
+/// Checks that the CUDA driver and NVRTC libraries can be loaded, without touching them otherwise.
+pub fn probe() -> Result<(), KernelError> {
+    #[allow(unsafe_code)]
+    // SAFETY: both probes only try to dlopen the libraries by name and drop the handle; no CUDA call is made.
+    let (driver, nvrtc) = unsafe { (cudarc::driver::sys::is_culib_present(), cudarc::nvrtc::sys::is_culib_present()) };
+    match (driver, nvrtc) {
+        (true, true) => Ok(()),
+        (false, _) => Err(KernelError::Device("no CUDA driver library (libcuda) on this machine".into())),
+        (true, false) => Err(KernelError::Device("the CUDA driver is present but NVRTC (libnvrtc) is not".into())),
+    }
+}
+
+/// The per-push scalars as the kernel receives them (layout of `struct Scalars` in `rules.cu`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct KernelScalars {
+    lr: f32,
+    lr_max: f32,
+    gamma: f32,
+    wd: f32,
+    lambda: f32,
+    ms_decay: f32,
+    inv_staleness: f32,
+    ga_bias: f32,
+    adam_bias1: f32,
+    adam_bias2: f32,
+}
+
+#[allow(unsafe_code)]
+// SAFETY: a #[repr(C)] struct of ten f32, matching the kernel's `struct Scalars` field for field.
+unsafe impl DeviceRepr for KernelScalars {}
+
+fn rule_id(rule: Rule) -> i32 {
+    Rule::ALL.iter().position(|r| *r == rule).unwrap_or(0) as i32
+}
+
+/// A GPU with the update kernel loaded.
+#[derive(Debug)]
+pub struct CudaDevice {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    update: CudaFunction,
+    name: String,
+}
+
+/// One block of parameters resident on the GPU (planes the rule does not use hold one unused float).
+#[derive(Debug)]
+pub struct DeviceBlock {
+    n: usize,
+    params: CudaSlice<f32>,
+    s0: CudaSlice<f32>,
+    s1: CudaSlice<f32>,
+    w0: CudaSlice<f32>,
+    grad: CudaSlice<f32>,
+    read: CudaSlice<f32>,
+}
+
+impl CudaDevice {
+    /// Opens GPU `ordinal` and compiles the kernels, after probing for the libraries.
+    pub fn open(ordinal: usize) -> Result<Self, KernelError> {
+        probe()?;
+        let count = CudaContext::device_count().map_err(|e| cuda_err("counting GPUs", e))?;
+        if ordinal as i64 >= i64::from(count) {
+            return Err(KernelError::Device(format!("GPU {ordinal} requested, {count} present")));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| cuda_err("opening the GPU", e))?;
+        let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        let opts = cudarc::nvrtc::CompileOptions { fmad: Some(false), ..Default::default() };
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts).map_err(|e| cuda_err("compiling rules.cu with NVRTC", e))?;
+        let module = ctx.load_module(ptx).map_err(|e| cuda_err("loading the compiled kernels", e))?;
+        let update = module.load_function("gaps_update").map_err(|e| cuda_err("finding gaps_update", e))?;
+        let stream = ctx.default_stream();
+        Ok(CudaDevice { ctx, stream, update, name })
+    }
+
+    /// Opens a GPU as `choice` asks: `Ok(None)` means "use the CPU".
+    pub fn for_choice(choice: DeviceChoice) -> Result<Option<Self>, KernelError> {
+        match choice {
+            DeviceChoice::Cpu => Ok(None),
+            DeviceChoice::Cuda => CudaDevice::open(0).map(Some),
+            DeviceChoice::Auto => Ok(CudaDevice::open(0).ok()),
+        }
+    }
+
+    /// The GPU's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Copies a host block to the GPU.
+    pub fn upload(&self, rule: Rule, bufs: &Bufs<'_>) -> Result<DeviceBlock, KernelError> {
+        bufs.check(rule)?;
+        let up = |host: &[f32]| {
+            let data: &[f32] = if host.is_empty() { &[0.0] } else { host };
+            self.stream.clone_htod(data).map_err(|e| cuda_err("copying to the GPU", e))
+        };
+        Ok(DeviceBlock {
+            n: bufs.params.len(),
+            params: up(bufs.params)?,
+            s0: up(bufs.s0)?,
+            s1: up(bufs.s1)?,
+            w0: up(bufs.w0)?,
+            grad: up(bufs.grad)?,
+            read: up(bufs.read)?,
+        })
+    }
+
+    /// Copies a block's parameters and state planes back into the host buffers.
+    pub fn download(&self, block: &DeviceBlock, bufs: &mut Bufs<'_>) -> Result<(), KernelError> {
+        let down = |dev: &CudaSlice<f32>, host: &mut [f32]| {
+            if host.is_empty() {
+                return Ok(());
+            }
+            let view = dev.slice(0..host.len());
+            self.stream.memcpy_dtoh(&view, host).map_err(|e| cuda_err("copying from the GPU", e))
+        };
+        down(&block.params, bufs.params)?;
+        down(&block.s0, bufs.s0)?;
+        down(&block.s1, bufs.s1)?;
+        down(&block.w0, bufs.w0)?;
+        self.stream.synchronize().map_err(|e| cuda_err("waiting for the GPU", e))
+    }
+
+    /// Launches the update on a resident block (asynchronous; [`CudaDevice::synchronize`] waits).
+    pub fn apply_resident(&self, rule: Rule, hyper: &Hyper, scalars: &PushScalars, block: &mut DeviceBlock) -> Result<(), KernelError> {
+        let k = derive(hyper, scalars);
+        let ks = KernelScalars {
+            lr: k.lr,
+            lr_max: k.lr_max,
+            gamma: k.gamma,
+            wd: k.wd,
+            lambda: k.lambda,
+            ms_decay: k.ms_decay,
+            inv_staleness: k.inv_staleness,
+            ga_bias: k.ga_bias,
+            adam_bias1: k.adam_bias1,
+            adam_bias2: k.adam_bias2,
+        };
+        let id = rule_id(rule);
+        let n = block.n as u64;
+        // Enough blocks to fill the GPU several times over; the kernel strides over the rest.
+        let blocks = (block.n.div_ceil(256)).clamp(1, 65_535) as u32;
+        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let mut launch = self.stream.launch_builder(&self.update);
+        launch
+            .arg(&id)
+            .arg(&n)
+            .arg(&mut block.params)
+            .arg(&mut block.s0)
+            .arg(&mut block.s1)
+            .arg(&mut block.w0)
+            .arg(&block.grad)
+            .arg(&block.read)
+            .arg(&ks);
+        #[allow(unsafe_code)]
+        // SAFETY: the arguments match `gaps_update`'s signature in rules.cu in order and type; every plane the
+        // rule touches holds `n` floats (checked by `upload`), and the kernel never indexes past `n`.
+        unsafe { launch.launch(cfg) }.map_err(|e| cuda_err("launching gaps_update", e))?;
+        Ok(())
+    }
+
+    /// Waits for all queued GPU work.
+    pub fn synchronize(&self) -> Result<(), KernelError> {
+        self.stream.synchronize().map_err(|e| cuda_err("waiting for the GPU", e))
+    }
+
+    /// Applies `rule` to a host block on the GPU: upload, one launch, download.
+    pub fn apply(&self, rule: Rule, hyper: &Hyper, scalars: &PushScalars, mut bufs: Bufs<'_>) -> Result<(), KernelError> {
+        let mut block = self.upload(rule, &bufs)?;
+        self.apply_resident(rule, hyper, scalars, &mut block)?;
+        self.download(&block, &mut bufs)
+    }
+
+    /// Device-to-device copy bandwidth in bytes moved per second (read + write), over `bytes` bytes copied
+    /// `reps` times, timed with CUDA events.
+    pub fn copy_bandwidth(&self, bytes: usize, reps: u32) -> Result<f64, KernelError> {
+        let n = (bytes / 4).max(1);
+        let src = self.stream.alloc_zeros::<f32>(n).map_err(|e| cuda_err("allocating", e))?;
+        let mut dst = self.stream.alloc_zeros::<f32>(n).map_err(|e| cuda_err("allocating", e))?;
+        self.stream.memcpy_dtod(&src, &mut dst).map_err(|e| cuda_err("copying", e))?;
+        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = self.ctx.new_event(timing).map_err(|e| cuda_err("creating an event", e))?;
+        let end = self.ctx.new_event(timing).map_err(|e| cuda_err("creating an event", e))?;
+        start.record(&self.stream).map_err(|e| cuda_err("recording", e))?;
+        for _ in 0..reps {
+            self.stream.memcpy_dtod(&src, &mut dst).map_err(|e| cuda_err("copying", e))?;
+        }
+        end.record(&self.stream).map_err(|e| cuda_err("recording", e))?;
+        let ms = start.elapsed_ms(&end).map_err(|e| cuda_err("timing", e))?;
+        Ok(2.0 * (n * 4) as f64 * f64::from(reps) / (f64::from(ms.max(1e-6)) / 1e3))
+    }
+
+    /// Seconds per update of a resident block, averaged over `reps` launches timed with CUDA events.
+    pub fn time_update(&self, rule: Rule, hyper: &Hyper, block: &mut DeviceBlock, reps: u32) -> Result<f64, KernelError> {
+        let s = PushScalars { lr: hyper.lr, lr_max: hyper.lr, staleness: 3, t: 1 };
+        self.apply_resident(rule, hyper, &s, block)?;
+        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = self.ctx.new_event(timing).map_err(|e| cuda_err("creating an event", e))?;
+        let end = self.ctx.new_event(timing).map_err(|e| cuda_err("creating an event", e))?;
+        start.record(&self.stream).map_err(|e| cuda_err("recording", e))?;
+        for t in 0..reps {
+            let s = PushScalars { t: u64::from(t) + 2, ..s };
+            self.apply_resident(rule, hyper, &s, block)?;
+        }
+        end.record(&self.stream).map_err(|e| cuda_err("recording", e))?;
+        let ms = start.elapsed_ms(&end).map_err(|e| cuda_err("timing", e))?;
+        Ok(f64::from(ms) / 1e3 / f64::from(reps.max(1)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::reference::{self, State};
+
+    fn random(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                lo + (hi - lo) * ((s >> 40) as f32 / (1u64 << 24) as f32)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn device_choice_parses_and_missing_gpu_is_a_clear_error() {
+        assert_eq!("auto".parse::<DeviceChoice>().expect("parse"), DeviceChoice::Auto);
+        assert!("tpu".parse::<DeviceChoice>().is_err());
+        if let Err(e) = probe() {
+            // No GPU here: `cuda` must fail with the probe's message and `auto` must fall back to the CPU.
+            let err = CudaDevice::for_choice(DeviceChoice::Cuda).expect_err("no GPU");
+            assert_eq!(err.to_string(), e.to_string());
+            assert!(CudaDevice::for_choice(DeviceChoice::Auto).expect("auto").is_none());
+        }
+    }
+
+    #[test]
+    fn gpu_matches_the_reference_for_every_rule() {
+        let device = match CudaDevice::open(0) {
+            Ok(d) => d,
+            Err(e) => {
+                eprintln!("skipping the GPU comparison: {e}");
+                return;
+            }
+        };
+        let n = 100_003;
+        let h = Hyper { lr: 0.05, momentum: 0.9, weight_decay: 1e-3, dc_lambda: 2.0, dc_ms_decay: 0.95 };
+        for (r, rule) in Rule::ALL.into_iter().enumerate() {
+            let l = rule.layout();
+            let mut shared = random(l.shared_planes * n, 3 * r as u64 + 1, 0.0, 0.5);
+            shared.iter_mut().take(n).for_each(|x| *x -= 0.25);
+            let worker = random(l.worker_planes * n, 3 * r as u64 + 2, 0.0, 0.5);
+            let mut gpu = State { params: random(n, 3 * r as u64, -1.0, 1.0), shared, worker };
+            let mut cpu = gpu.clone();
+            for step in 0..3u64 {
+                let grad = random(n, 100 + step, -1.0, 1.0);
+                let read: Vec<f32> = cpu.params.iter().zip(random(n, 200 + step, -0.01, 0.01)).map(|(p, d)| p + d).collect();
+                let read_used: &[f32] = if l.needs_read { &read } else { &[] };
+                let s = PushScalars { lr: 0.05, lr_max: 0.08, staleness: step + 2, t: step + 1 };
+                let bufs = Bufs::from_planes(&mut gpu.params, &mut gpu.shared, &mut gpu.worker, &grad, read_used);
+                device.apply(rule, &h, &s, bufs).expect("gpu apply");
+                reference::apply(rule, &h, &s, &mut cpu, &grad, &read);
+            }
+            for (what, a, b) in [("params", &gpu.params, &cpu.params), ("shared", &gpu.shared, &cpu.shared), ("worker", &gpu.worker, &cpu.worker)] {
+                for (i, (x, y)) in a.iter().zip(b.iter()).enumerate() {
+                    assert!((x - y).abs() <= 1e-5 * y.abs().max(1e-3), "{rule} {what}[{i}]: gpu {x} vs reference {y}");
+                }
+            }
+        }
+        eprintln!("GPU {} matches the reference for all {} rules", device.name(), Rule::ALL.len());
+    }
+}
