@@ -158,3 +158,28 @@ pub fn print(results: &[KernelResult], json: bool) {
         }
     }
 }
+
+/// Measures every rule at every size on the GPU, against device-to-device copy bandwidth.
+pub fn run_cuda(device: &gaps_kernels::cuda::CudaDevice, sizes: &[usize], quick: bool) -> Result<Vec<KernelResult>> {
+    let hyper = Hyper { lr: 1e-3, momentum: 0.9, weight_decay: 1e-4, dc_lambda: 0.5, dc_ms_decay: 0.95 };
+    let reps = if quick { 1 } else { 20 };
+    let mut out = Vec::new();
+    for &n in sizes {
+        // Bytes moved per second by cudaMemcpy device to device (each byte read once and written once).
+        let copy_bytes_per_s = device.copy_bandwidth(n * 16, reps)?;
+        for rule in Rule::ALL {
+            let mut planes = Planes::new(rule, n);
+            let mut block = device.upload(rule, &planes.bufs())?;
+            let seconds = device.time_update(rule, &hyper, &mut block, reps)?;
+            out.push(KernelResult {
+                rule,
+                device: "cuda",
+                params: n,
+                params_per_s: n as f64 / seconds.max(1e-12),
+                bytes_per_param: rule.bytes_per_param(),
+                stream_params_per_s: copy_bytes_per_s / rule.bytes_per_param() as f64,
+            });
+        }
+    }
+    Ok(out)
+}

@@ -59,6 +59,9 @@ pub struct LocalArgs {
     /// DC-ASGD / DANA-DC λ (λ0 for dc-asgd-adaptive).
     #[arg(long, env = "GAPS_DC_LAMBDA", default_value_t = 2.0)]
     pub dc_lambda: f32,
+    /// Where the shards apply updates: cpu, cuda or auto.
+    #[arg(long, env = "GAPS_DEVICE", default_value = "cpu")]
+    pub device: String,
     /// Seed of the data and of the initializer.
     #[arg(long, env = "GAPS_SEED", default_value_t = 1)]
     pub seed: u64,
@@ -229,6 +232,7 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             format!("--momentum={}", args.momentum),
             format!("--weight-decay={}", args.weight_decay),
             format!("--dc-lambda={}", args.dc_lambda),
+            format!("--device={}", args.device),
             format!("--seed={}", args.seed),
             "--lease=5s".into(),
         ];

@@ -120,9 +120,13 @@ async fn main() -> Result<()> {
             let min_time = std::time::Duration::from_secs_f64(seconds);
             let threads =
                 if threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { threads };
-            let results = match device.as_str() {
-                "cpu" => gaps_benches::kernels::run_cpu(&sizes, threads, min_time, false)?,
-                other => anyhow::bail!("unknown device {other:?} (cpu, cuda or auto)"),
+            let choice: gaps_kernels::cuda::DeviceChoice = device.parse()?;
+            let results = match gaps_kernels::cuda::CudaDevice::for_choice(choice)? {
+                Some(gpu) => {
+                    eprintln!("[gaps bench] GPU: {}", gpu.name());
+                    gaps_benches::kernels::run_cuda(&gpu, &sizes, false)?
+                }
+                None => gaps_benches::kernels::run_cpu(&sizes, threads, min_time, false)?,
             };
             gaps_benches::kernels::print(&results, json);
         }

@@ -122,6 +122,7 @@ async fn gaps_case(certs: &ClusterCerts, shards: u32, n: u64, quick: bool, min_t
             },
             join_timeout: Duration::from_secs(10),
             tick_interval: Duration::from_millis(250),
+            device: gaps_kernels::cuda::DeviceChoice::Cpu,
         };
         servers.push(service::start(cfg).await?);
     }

@@ -107,7 +107,8 @@ impl CudaDevice {
         let ctx = CudaContext::new(ordinal).map_err(|e| cuda_err("opening the GPU", e))?;
         let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
         let opts = cudarc::nvrtc::CompileOptions { fmad: Some(false), ..Default::default() };
-        let ptx = cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts).map_err(|e| cuda_err("compiling rules.cu with NVRTC", e))?;
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts)
+            .map_err(|e| cuda_err("compiling rules.cu with NVRTC", e))?;
         let module = ctx.load_module(ptx).map_err(|e| cuda_err("loading the compiled kernels", e))?;
         let update = module.load_function("gaps_update").map_err(|e| cuda_err("finding gaps_update", e))?;
         let stream = ctx.default_stream();
@@ -163,7 +164,13 @@ impl CudaDevice {
     }
 
     /// Launches the update on a resident block (asynchronous; [`CudaDevice::synchronize`] waits).
-    pub fn apply_resident(&self, rule: Rule, hyper: &Hyper, scalars: &PushScalars, block: &mut DeviceBlock) -> Result<(), KernelError> {
+    pub fn apply_resident(
+        &self,
+        rule: Rule,
+        hyper: &Hyper,
+        scalars: &PushScalars,
+        block: &mut DeviceBlock,
+    ) -> Result<(), KernelError> {
         let k = derive(hyper, scalars);
         let ks = KernelScalars {
             lr: k.lr,
@@ -206,7 +213,13 @@ impl CudaDevice {
     }
 
     /// Applies `rule` to a host block on the GPU: upload, one launch, download.
-    pub fn apply(&self, rule: Rule, hyper: &Hyper, scalars: &PushScalars, mut bufs: Bufs<'_>) -> Result<(), KernelError> {
+    pub fn apply(
+        &self,
+        rule: Rule,
+        hyper: &Hyper,
+        scalars: &PushScalars,
+        mut bufs: Bufs<'_>,
+    ) -> Result<(), KernelError> {
         let mut block = self.upload(rule, &bufs)?;
         self.apply_resident(rule, hyper, scalars, &mut block)?;
         self.download(&block, &mut bufs)
@@ -232,7 +245,13 @@ impl CudaDevice {
     }
 
     /// Seconds per update of a resident block, averaged over `reps` launches timed with CUDA events.
-    pub fn time_update(&self, rule: Rule, hyper: &Hyper, block: &mut DeviceBlock, reps: u32) -> Result<f64, KernelError> {
+    pub fn time_update(
+        &self,
+        rule: Rule,
+        hyper: &Hyper,
+        block: &mut DeviceBlock,
+        reps: u32,
+    ) -> Result<f64, KernelError> {
         let s = PushScalars { lr: hyper.lr, lr_max: hyper.lr, staleness: 3, t: 1 };
         self.apply_resident(rule, hyper, &s, block)?;
         let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
@@ -298,14 +317,19 @@ mod tests {
             let mut cpu = gpu.clone();
             for step in 0..3u64 {
                 let grad = random(n, 100 + step, -1.0, 1.0);
-                let read: Vec<f32> = cpu.params.iter().zip(random(n, 200 + step, -0.01, 0.01)).map(|(p, d)| p + d).collect();
+                let read: Vec<f32> =
+                    cpu.params.iter().zip(random(n, 200 + step, -0.01, 0.01)).map(|(p, d)| p + d).collect();
                 let read_used: &[f32] = if l.needs_read { &read } else { &[] };
                 let s = PushScalars { lr: 0.05, lr_max: 0.08, staleness: step + 2, t: step + 1 };
                 let bufs = Bufs::from_planes(&mut gpu.params, &mut gpu.shared, &mut gpu.worker, &grad, read_used);
                 device.apply(rule, &h, &s, bufs).expect("gpu apply");
                 reference::apply(rule, &h, &s, &mut cpu, &grad, &read);
             }
-            for (what, a, b) in [("params", &gpu.params, &cpu.params), ("shared", &gpu.shared, &cpu.shared), ("worker", &gpu.worker, &cpu.worker)] {
+            for (what, a, b) in [
+                ("params", &gpu.params, &cpu.params),
+                ("shared", &gpu.shared, &cpu.shared),
+                ("worker", &gpu.worker, &cpu.worker),
+            ] {
                 for (i, (x, y)) in a.iter().zip(b.iter()).enumerate() {
                     assert!((x - y).abs() <= 1e-5 * y.abs().max(1e-3), "{rule} {what}[{i}]: gpu {x} vs reference {y}");
                 }

@@ -67,6 +67,9 @@ pub struct ServerArgs {
     /// Decay m of dc-asgd-adaptive's running mean square of gradients.
     #[arg(long, env = "GAPS_DC_MS_DECAY", default_value_t = 0.95)]
     pub dc_ms_decay: f32,
+    /// Where updates run: cpu, cuda (fails when no GPU can be used) or auto (the GPU when present).
+    #[arg(long, env = "GAPS_DEVICE", default_value = "cpu")]
+    pub device: gaps_kernels::cuda::DeviceChoice,
     /// Threads a large push may use (0: one per core).
     #[arg(long, env = "GAPS_THREADS", default_value_t = 0)]
     pub threads: usize,
@@ -124,6 +127,7 @@ impl ServerArgs {
             },
             join_timeout: self.join_timeout,
             tick_interval: Duration::from_millis(250),
+            device: self.device,
         })
     }
 }

@@ -106,6 +106,9 @@ pub enum ShardError {
     /// See [`ErrorCode::UnknownKind`].
     #[error("a {0} message is not a request")]
     NotARequest(&'static str),
+    /// The update could not be applied on the device; see [`ErrorCode::Internal`].
+    #[error("applying the update: {0}")]
+    Device(String),
 }
 
 impl ShardError {
@@ -121,6 +124,7 @@ impl ShardError {
             ShardError::NotRegistered(_) => ErrorCode::NotRegistered,
             ShardError::SequenceWindow(_) => ErrorCode::SequenceWindow,
             ShardError::NotARequest(_) => ErrorCode::UnknownKind,
+            ShardError::Device(_) => ErrorCode::Internal,
         }
     }
 }
@@ -198,6 +202,8 @@ pub struct ShardCore {
     stats: Stats,
     /// Multiplier of the configured learning rate (schedules, elastic ramps).
     lr_scale: f32,
+    /// The GPU that applies updates, when `--device` chose one.
+    device: Option<std::sync::Arc<gaps_kernels::cuda::CudaDevice>>,
     /// Largest learning rate used so far (Gap-Aware's η_max).
     lr_max: f32,
     threads: usize,
@@ -263,7 +269,14 @@ impl ShardCore {
             lr_scale: 1.0,
             lr_max,
             threads,
+            device: None,
         })
+    }
+
+    /// Applies updates on this GPU from now on (None: the CPU). Each push's chunks are copied to the GPU,
+    /// updated there and copied back; the shard's state stays in host memory.
+    pub fn set_device(&mut self, device: Option<std::sync::Arc<gaps_kernels::cuda::CudaDevice>>) {
+        self.device = device;
     }
 
     /// The learning rate in force: the configured η times the current multiplier.
@@ -520,8 +533,22 @@ impl ShardCore {
         let (lr_max, hyper, threads) = (self.lr_max, self.cfg.hyper, self.threads);
         let reads = if req.echo_read { &payload[read_base..] } else { &[][..] };
         let work = collect_work(&mut self.slots, &plan, req.worker, rule);
-        apply_work(work, rule, &hyper, lr, lr_max, &payload[..grad_total as usize], reads, threads)
-            .map_err(|e| ShardError::WrongShape(e.to_string()))?;
+        let grads = &payload[..grad_total as usize];
+        match &self.device {
+            None => apply_work(work, rule, &hyper, lr, lr_max, grads, reads, threads),
+            Some(gpu) => work.into_iter().try_for_each(|w| {
+                let n = w.params.len();
+                let read = if reads.is_empty() { reads } else { &reads[w.offset..w.offset + n] };
+                let scalars = PushScalars { lr, lr_max, staleness: w.staleness, t: w.t };
+                gpu.apply(
+                    rule,
+                    &hyper,
+                    &scalars,
+                    Bufs::from_planes(w.params, w.shared, w.worker, &grads[w.offset..w.offset + n], read),
+                )
+            }),
+        }
+        .map_err(|e| ShardError::Device(e.to_string()))?;
         let mut max_staleness = 0;
         let mut touched = BTreeSet::new();
         for p in &plan {

@@ -34,6 +34,8 @@ pub struct ServiceConfig {
     pub join_timeout: Duration,
     /// How often leases are checked.
     pub tick_interval: Duration,
+    /// Where updates run.
+    pub device: gaps_kernels::cuda::DeviceChoice,
 }
 
 struct Shared {
@@ -109,6 +111,16 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
     cfg.core.advertise = advertise.clone();
     let shard = cfg.core.shard;
     let mut core = ShardCore::new(cfg.core.clone()).map_err(|e| anyhow!("configuring shard {shard}: {e}"))?;
+    match gaps_kernels::cuda::CudaDevice::for_choice(cfg.device).context("--device")? {
+        Some(gpu) => {
+            info!(shard, gpu = gpu.name(), "updates run on the GPU");
+            core.set_device(Some(Arc::new(gpu)));
+        }
+        None if cfg.device == gaps_kernels::cuda::DeviceChoice::Auto => {
+            info!(shard, "no usable GPU; updates run on the CPU")
+        }
+        None => {}
+    }
     if shard != 0 {
         let coordinator =
             cfg.coordinator.clone().context("shards other than 0 need --coordinator (shard 0's address)")?;

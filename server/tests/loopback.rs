@@ -54,6 +54,7 @@ async fn start_shard_with(
         },
         join_timeout: Duration::from_secs(10),
         tick_interval: Duration::from_millis(100),
+        device: gaps_kernels::cuda::DeviceChoice::Cpu,
     };
     service::start(cfg).await.expect("start shard")
 }
