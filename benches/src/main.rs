@@ -19,6 +19,8 @@ enum Command {
     /// Start a whole cluster of real server and worker processes on 127.0.0.1 with throwaway certificates,
     /// train the built-in model, report, and stop everything.
     Local(gaps_benches::local::LocalArgs),
+    /// Simulate asynchronous training with N virtual workers and virtual time, deterministically.
+    Sim(SimCommand),
     /// Make a cluster CA plus server and worker certificates in a folder.
     Certs(CertsArgs),
     /// Measure performance.
@@ -28,6 +30,28 @@ enum Command {
     Server(gaps_server::cli::ServerArgs),
     /// Run one worker (the same as the `gaps-worker` binary).
     Worker(gaps_worker::train::WorkerArgs),
+}
+
+#[derive(Debug, clap::Args)]
+#[command(args_conflicts_with_subcommands = true)]
+struct SimCommand {
+    #[command(subcommand)]
+    experiments: Option<SimSub>,
+    #[command(flatten)]
+    args: gaps_benches::sim::SimArgs,
+}
+
+#[derive(Debug, Subcommand)]
+enum SimSub {
+    /// Run the reproductions E1, E2 and E3 of ALGORITHMS.md §12 and write docs/results/.
+    Experiments {
+        /// The reduced grid (one seed, η 0.05): a few minutes on 2 cores.
+        #[arg(long, env = "GAPS_SIM_QUICK")]
+        quick: bool,
+        /// Where to write experiments.md and e1.svg.
+        #[arg(long, env = "GAPS_SIM_OUT", default_value = "docs/results")]
+        out: PathBuf,
+    },
 }
 
 #[derive(Debug, clap::Args)]
@@ -92,7 +116,7 @@ fn parse_count(text: &str) -> Result<usize, String> {
 async fn main() -> Result<()> {
     let cli = Cli::parse();
     // The front door's own commands report through their progress lines; their libraries log warnings only.
-    let quiet = matches!(cli.command, Command::Local(_) | Command::Bench(_) | Command::Certs(_));
+    let quiet = matches!(cli.command, Command::Local(_) | Command::Bench(_) | Command::Certs(_) | Command::Sim(_));
     gaps_worker::init_logging(if quiet { "warn" } else { "info" });
     match cli.command {
         Command::Local(args) => {
@@ -108,6 +132,27 @@ async fn main() -> Result<()> {
             );
             if args.json {
                 println!("{}", report.to_json(&args));
+            }
+        }
+        Command::Sim(SimCommand { experiments: Some(SimSub::Experiments { quick, out }), .. }) => {
+            let grid = if quick {
+                gaps_benches::sim::experiments::Grid::quick()
+            } else {
+                gaps_benches::sim::experiments::Grid::full()
+            };
+            let command = if quick { "gaps sim experiments --quick" } else { "gaps sim experiments" };
+            let md = gaps_benches::sim::experiments::run_experiments(&grid, &out, command)?;
+            println!("{md}");
+        }
+        Command::Sim(SimCommand { experiments: None, args }) => {
+            let report = gaps_benches::sim::run(&args)?;
+            eprintln!(
+                "[gaps sim] {} {} N={} shape {}: metric {:.3}, train loss {:.4}{}, staleness mean {:.2} p99 {}, {} events in {:.0} simulated units ({:.0} events/s)",
+                report.model, report.rule, report.workers, report.shape, report.final_test_metric, report.final_train_loss,
+                if report.diverged { " (diverged)" } else { "" }, report.staleness_mean, report.staleness_p99, report.events, report.sim_wall_time, report.events_per_s
+            );
+            if args.json {
+                println!("{}", report.to_json());
             }
         }
         Command::Certs(args) => {

@@ -62,6 +62,41 @@ impl Rng {
     }
 }
 
+impl Rng {
+    /// Gamma(shape, scale) by Marsaglia–Tsang; for shape < 1, Gamma(shape + 1)·U^(1/shape). Mean
+    /// shape·scale. Both arguments must be positive and finite (callers validate user input).
+    pub fn gamma(&mut self, shape: f64, scale: f64) -> f64 {
+        if shape < 1.0 {
+            let u = 1.0 - self.uniform();
+            return self.gamma(shape + 1.0, scale) * u.powf(1.0 / shape);
+        }
+        let d = shape - 1.0 / 3.0;
+        let c = 1.0 / (9.0 * d).sqrt();
+        loop {
+            let x = self.normal();
+            let v = 1.0 + c * x;
+            if v <= 0.0 {
+                continue;
+            }
+            let v = v * v * v;
+            let u = 1.0 - self.uniform();
+            if u.ln() < 0.5 * x * x + d - d * v + d * v.ln() {
+                return d * v * scale;
+            }
+        }
+    }
+
+    /// A uniformly random permutation of 0..n (Fisher–Yates).
+    pub fn permutation(&mut self, n: usize) -> Vec<u32> {
+        let mut p: Vec<u32> = (0..n as u32).collect();
+        for i in (1..n).rev() {
+            let j = self.below(i as u64 + 1) as usize;
+            p.swap(i, j);
+        }
+        p
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -86,5 +121,22 @@ mod tests {
         assert!(mean.abs() < 0.05, "mean {mean}");
         assert!((var - 1.0).abs() < 0.05, "var {var}");
         assert_ne!(mix(1, 2), mix(1, 3));
+    }
+
+    #[test]
+    fn gamma_has_the_right_mean_and_spread() {
+        let mut r = Rng::new(3);
+        for (shape, scale) in [(100.0, 0.32), (1.0, 2.0), (0.5, 1.0)] {
+            let n = 20_000;
+            let xs: Vec<f64> = (0..n).map(|_| r.gamma(shape, scale)).collect();
+            let mean = xs.iter().sum::<f64>() / n as f64;
+            let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n as f64;
+            assert!((mean / (shape * scale) - 1.0).abs() < 0.03, "shape {shape}: mean {mean}");
+            assert!((var / (shape * scale * scale) - 1.0).abs() < 0.1, "shape {shape}: var {var}");
+        }
+        let p = r.permutation(100);
+        let mut sorted = p.clone();
+        sorted.sort_unstable();
+        assert_eq!(sorted, (0..100).collect::<Vec<u32>>());
     }
 }

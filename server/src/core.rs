@@ -393,6 +393,21 @@ impl ShardCore {
         expired.into_iter().map(CoreEvent::WorkerExpired).collect()
     }
 
+    /// Replaces the values of an owned chunk (restoring a checkpoint, or a model-specific initializer such
+    /// as the simulator's He initialisation). The chunk's version and optimizer state are kept.
+    pub fn overwrite(&mut self, id: ChunkId, values: &[f32]) -> Result<(), ShardError> {
+        let slot = self.slot_index(id)?;
+        let params = &mut self.slots[slot].params;
+        if values.len() != params.len() {
+            return Err(ShardError::WrongShape(format!("chunk has {} elements, got {}", params.len(), values.len())));
+        }
+        if values.iter().any(|v| !v.is_finite()) {
+            return Err(ShardError::WrongShape("initial values must be finite".into()));
+        }
+        params.copy_from_slice(values);
+        Ok(())
+    }
+
     /// Values of an owned chunk (for tests, checkpoints and evaluation inside the process).
     pub fn chunk_values(&self, id: ChunkId) -> Result<&[f32], ShardError> {
         let slot = self.slot_index(id)?;

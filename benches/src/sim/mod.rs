@@ -1,0 +1,446 @@
+//! `gaps sim`: the deterministic straggler simulator (ALGORITHMS.md §1, DESIGN.md §6).
+//!
+//! N virtual workers draw their time per batch from Gamma(shape, batch/shape) (times a per-worker factor:
+//! explicit straggler factors, or CVB heterogeneity); a min-heap ordered by (time, worker id) picks who
+//! finishes next. Every event takes the next batch of one global shuffled order, computes the gradient on
+//! the parameters that worker last received, pushes it through the real [`ShardCore`] (the same rule code
+//! as `gaps-server`, with the same worker-side handling: read echo, DANA-Slim's momentum), and pulls the
+//! worker's new view (θ, or the DANA look-ahead). All randomness comes from the seed, so the same flags give
+//! the same output byte for byte (except `events_per_s`, a wall-clock measurement).
+
+pub mod experiments;
+pub mod tasks;
+
+use anyhow::{anyhow, bail, Context, Result};
+use gaps_common::config::parse_duration;
+use gaps_common::layout::{ChunkId, Layout, TensorSpec};
+use gaps_common::rng::{mix, Rng};
+use gaps_common::wire::{ChunkVersion, Frame, Message, Pull, Push, PushChunk};
+use gaps_kernels::{Hyper, Rule};
+use gaps_server::{Init, ShardConfig, ShardCore};
+use std::cmp::Ordering;
+use std::collections::BinaryHeap;
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+use tasks::Task;
+
+/// The simulated model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ModelChoice {
+    /// Teacher–student MLP (ALGORITHMS.md §11).
+    Mlp,
+    /// Noisy quadratic.
+    Quadratic,
+    /// Logistic regression.
+    Logreg,
+}
+
+/// Flags of `gaps sim`. Every flag also reads a `GAPS_SIM_*` environment variable.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SimArgs {
+    /// The model to train.
+    #[arg(long, env = "GAPS_SIM_MODEL", value_enum, default_value = "mlp")]
+    pub model: ModelChoice,
+    /// Update rule (the names of `gaps-server --rule`).
+    #[arg(long, env = "GAPS_SIM_RULE", default_value = "momentum")]
+    pub rule: Rule,
+    /// Number of virtual workers.
+    #[arg(long, env = "GAPS_SIM_WORKERS", default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub workers: u32,
+    /// Gamma shape of the time per batch (100: near round-robin, the hard case; 1: exponential).
+    #[arg(long, env = "GAPS_SIM_SHAPE", default_value_t = 100.0)]
+    pub shape: f64,
+    /// Seed of everything (data, initialisation, data order, timings).
+    #[arg(long, env = "GAPS_SIM_SEED", default_value_t = 1)]
+    pub seed: u64,
+    /// Epochs over the training set (the number of gradients does not depend on --workers).
+    #[arg(long, env = "GAPS_SIM_EPOCHS", default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub epochs: u32,
+    /// Samples per gradient.
+    #[arg(long, env = "GAPS_SIM_BATCH", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    pub batch: u32,
+    /// Learning rate η.
+    #[arg(long, env = "GAPS_SIM_LR", default_value_t = 0.05)]
+    pub lr: f32,
+    /// Momentum γ.
+    #[arg(long, env = "GAPS_SIM_MOMENTUM", default_value_t = 0.9)]
+    pub momentum: f32,
+    /// Weight decay.
+    #[arg(long, env = "GAPS_SIM_WEIGHT_DECAY", default_value_t = 0.0)]
+    pub weight_decay: f32,
+    /// DC-ASGD / DANA-DC λ.
+    #[arg(long, env = "GAPS_SIM_DC_LAMBDA", default_value_t = 2.0)]
+    pub dc_lambda: f32,
+    /// Per-iteration linear warm-up from η/N to η over this many epochs.
+    #[arg(long, env = "GAPS_SIM_WARMUP_EPOCHS", default_value_t = 2.0)]
+    pub warmup_epochs: f64,
+    /// Fractions of training after which η is multiplied by 0.1 (empty: constant η).
+    #[arg(long, env = "GAPS_SIM_LR_DECAY_AT", value_delimiter = ',', default_value = "0.5,0.75")]
+    pub lr_decay_at: Vec<f64>,
+    /// A straggler: `WORKER:FACTOR` makes that worker FACTOR times slower (repeatable).
+    #[arg(long = "straggler", env = "GAPS_SIM_STRAGGLERS", value_delimiter = ',', value_parser = parse_straggler)]
+    pub stragglers: Vec<(u32, f64)>,
+    /// Machine heterogeneity V (CVB model): each worker's mean speed is drawn from Gamma(1/V², V²); 0 = homogeneous.
+    #[arg(long, env = "GAPS_SIM_HETEROGENEITY", default_value_t = 0.0)]
+    pub heterogeneity: f64,
+    /// Training samples (mlp and logreg).
+    #[arg(long, env = "GAPS_SIM_TRAIN", default_value_t = 16_384)]
+    pub train: u32,
+    /// Test samples (mlp and logreg).
+    #[arg(long, env = "GAPS_SIM_TEST", default_value_t = 4096)]
+    pub test: u32,
+    /// Write a per-event CSV log here.
+    #[arg(long, env = "GAPS_SIM_CSV")]
+    pub csv: Option<PathBuf>,
+    /// Stop after this much real time (a guard for interactive use).
+    #[arg(long, env = "GAPS_SIM_TIMEOUT", default_value = "1h", value_parser = parse_duration)]
+    pub timeout: Duration,
+    /// End with one JSON line on stdout.
+    #[arg(long, env = "GAPS_JSON")]
+    pub json: bool,
+}
+
+/// Parses `WORKER:FACTOR`.
+fn parse_straggler(text: &str) -> Result<(u32, f64), String> {
+    let (w, f) = text.split_once(':').ok_or_else(|| format!("{text:?}: expected WORKER:FACTOR, e.g. 3:4"))?;
+    let w: u32 = w.trim().parse().map_err(|_| format!("{text:?}: {w:?} is not a worker index"))?;
+    let f: f64 = f.trim().parse().map_err(|_| format!("{text:?}: {f:?} is not a factor"))?;
+    if !(f.is_finite() && f > 0.0) {
+        return Err(format!("{text:?}: the factor must be positive"));
+    }
+    Ok((w, f))
+}
+
+impl SimArgs {
+    /// Defaults of every flag (for experiments and tests).
+    pub fn defaults() -> Self {
+        SimArgs {
+            model: ModelChoice::Mlp,
+            rule: Rule::Momentum,
+            workers: 8,
+            shape: 100.0,
+            seed: 1,
+            epochs: 20,
+            batch: 32,
+            lr: 0.05,
+            momentum: 0.9,
+            weight_decay: 0.0,
+            dc_lambda: 2.0,
+            warmup_epochs: 2.0,
+            lr_decay_at: vec![0.5, 0.75],
+            stragglers: Vec::new(),
+            heterogeneity: 0.0,
+            train: 16_384,
+            test: 4096,
+            csv: None,
+            timeout: Duration::from_secs(3600),
+            json: false,
+        }
+    }
+
+    fn validate(&self) -> Result<()> {
+        if !(self.shape.is_finite() && self.shape > 0.0) {
+            bail!("--shape must be positive, got {}", self.shape);
+        }
+        if !(self.heterogeneity.is_finite() && self.heterogeneity >= 0.0) {
+            bail!("--heterogeneity must be ≥ 0, got {}", self.heterogeneity);
+        }
+        if !(self.warmup_epochs.is_finite() && self.warmup_epochs >= 0.0) {
+            bail!("--warmup-epochs must be ≥ 0");
+        }
+        if let Some(bad) = self.lr_decay_at.iter().find(|f| !(0.0..=1.0).contains(*f)) {
+            bail!("--lr-decay-at fractions must be in [0, 1], got {bad}");
+        }
+        if let Some((w, _)) = self.stragglers.iter().find(|(w, _)| *w >= self.workers) {
+            bail!("--straggler names worker {w}, but there are only {} workers", self.workers);
+        }
+        if self.batch > self.train {
+            bail!("--batch {} is larger than the training set ({})", self.batch, self.train);
+        }
+        Ok(())
+    }
+
+    fn task(&self) -> Box<dyn Task> {
+        match self.model {
+            ModelChoice::Mlp => Box::new(tasks::Mlp::new(self.seed, self.train as usize, self.test as usize)),
+            ModelChoice::Quadratic => Box::new(tasks::Quadratic::new(100, 0.5, self.seed, self.train as usize)),
+            ModelChoice::Logreg => Box::new(tasks::Logreg::new(self.seed, self.train as usize, self.test as usize)),
+        }
+    }
+}
+
+/// The outcome of one simulation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SimReport {
+    /// Rule name.
+    pub rule: String,
+    /// Model name.
+    pub model: String,
+    /// Workers.
+    pub workers: u32,
+    /// Gamma shape.
+    pub shape: f64,
+    /// Seed.
+    pub seed: u64,
+    /// Test accuracy % (mlp, logreg) or final loss (quadratic), at the master parameters.
+    pub final_test_metric: f64,
+    /// Mean training loss over the whole training set at the end.
+    pub final_train_loss: f64,
+    /// True when a loss or parameter became non-finite (the run stopped there).
+    pub diverged: bool,
+    /// Mean staleness τ over pushes.
+    pub staleness_mean: f64,
+    /// 99th percentile of τ.
+    pub staleness_p99: u64,
+    /// Mean over pushes of the mean |θ_master − θ_read| (the gap Gap-Aware penalises).
+    pub gap_mean: f64,
+    /// Simulated time at the last event (time units: one batch takes `batch` units on average).
+    pub sim_wall_time: f64,
+    /// Events (gradients applied).
+    pub events: u64,
+    /// Events per real second.
+    pub events_per_s: f64,
+    /// The master parameters at the end.
+    pub params: Vec<f32>,
+    /// What a worker would pull at the end when it differs from `params` (the DANA look-ahead).
+    pub lookahead: Option<Vec<f32>>,
+}
+
+impl SimReport {
+    /// The JSON line.
+    pub fn to_json(&self) -> String {
+        serde_json::json!({
+            "rule": self.rule,
+            "model": self.model,
+            "workers": self.workers,
+            "shape": self.shape,
+            "seed": self.seed,
+            "final_test_metric": self.final_test_metric,
+            "final_train_loss": self.final_train_loss,
+            "diverged": self.diverged,
+            "staleness_mean": self.staleness_mean,
+            "staleness_p99": self.staleness_p99,
+            "gap_mean": self.gap_mean,
+            "sim_wall_time": self.sim_wall_time,
+            "events": self.events,
+            "events_per_s": self.events_per_s.round(),
+        })
+        .to_string()
+    }
+}
+
+/// A worker's next finishing time; the heap pops the earliest, ties broken by worker id.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Due {
+    time: f64,
+    worker: u32,
+}
+
+impl Eq for Due {}
+
+impl Ord for Due {
+    fn cmp(&self, other: &Self) -> Ordering {
+        // Reversed, so that BinaryHeap (a max-heap) pops the earliest.
+        other.time.total_cmp(&self.time).then_with(|| other.worker.cmp(&self.worker))
+    }
+}
+
+impl PartialOrd for Due {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+/// What a virtual worker holds: the values it last received, their version, and (DANA-Slim) its momentum.
+struct VirtualWorker {
+    view: Vec<f32>,
+    version: u64,
+    momentum: Vec<f32>,
+    seq: u64,
+    /// Multiplies the mean time per batch.
+    slowness: f64,
+}
+
+const CHUNK: ChunkId = ChunkId { tensor: 0, chunk: 0 };
+
+fn pull(core: &mut ShardCore) -> Result<(Vec<f32>, u64)> {
+    let (reply, _) = core.handle(Frame::new(Message::Pull(Pull { epoch: 1, chunks: vec![CHUNK] })), Duration::ZERO);
+    match reply.msg {
+        Message::PullReply(r) => {
+            let version = r.chunks.first().map_or(0, |c: &ChunkVersion| c.version);
+            Ok((reply.payload, version))
+        }
+        other => Err(anyhow!("the shard refused a pull: {other:?}")),
+    }
+}
+
+/// Runs one simulation.
+pub fn run(args: &SimArgs) -> Result<SimReport> {
+    args.validate()?;
+    let task = args.task();
+    let p = task.num_params();
+    let hyper = Hyper {
+        lr: args.lr,
+        momentum: args.momentum,
+        weight_decay: args.weight_decay,
+        dc_lambda: args.dc_lambda,
+        dc_ms_decay: 0.95,
+    };
+    hyper.validate()?;
+    let layout = Layout::new(vec![TensorSpec { name: task.name().into(), len: p as u64 }], p as u32)?;
+    let mut core = ShardCore::new(ShardConfig {
+        shard: 0,
+        num_shards: 1,
+        layout,
+        rule: args.rule,
+        hyper,
+        init: Init { seed: args.seed, std: 0.0 },
+        lease: Duration::from_secs(1 << 30),
+        advertise: "simulator".into(),
+        epoch: 1,
+        threads: 1,
+    })
+    .map_err(|e| anyhow!("configuring the shard: {e}"))?;
+    core.overwrite(CHUNK, &task.init(args.seed)).map_err(|e| anyhow!("initialising: {e}"))?;
+
+    let n = args.workers as usize;
+    let mut timing = Rng::new(mix(args.seed, 0x71e));
+    let mut order_rng = Rng::new(mix(args.seed, 0x0d3));
+    let (view, version) = pull(&mut core)?;
+    let mut workers: Vec<VirtualWorker> = (0..n)
+        .map(|w| {
+            let mut slowness =
+                args.stragglers.iter().filter(|(s, _)| *s as usize == w).map(|(_, f)| *f).product::<f64>();
+            if args.heterogeneity > 0.0 {
+                let v2 = args.heterogeneity * args.heterogeneity;
+                slowness *= timing.gamma(1.0 / v2, v2);
+            }
+            VirtualWorker { view: view.clone(), version, momentum: vec![0.0; p], seq: 0, slowness }
+        })
+        .collect();
+    let scale = f64::from(args.batch) / args.shape;
+    let mut heap = BinaryHeap::with_capacity(n);
+    for (w, vw) in workers.iter().enumerate() {
+        heap.push(Due { time: timing.gamma(args.shape, scale * vw.slowness), worker: w as u32 });
+    }
+
+    let batches_per_epoch = task.train_size() / args.batch as usize;
+    let total = batches_per_epoch as u64 * u64::from(args.epochs);
+    let warmup = (args.warmup_epochs * batches_per_epoch as f64) as u64;
+    let decays: Vec<u64> = args.lr_decay_at.iter().map(|f| (f * total as f64) as u64).collect();
+    let needs_read = args.rule.layout().needs_read;
+    let worker_momentum = args.rule.layout().worker_momentum;
+    let mut csv = match &args.csv {
+        Some(path) => {
+            let file = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+            let mut w = std::io::BufWriter::new(file);
+            writeln!(w, "event,epoch,sim_time,worker,staleness,loss,lr,gap")?;
+            Some(w)
+        }
+        None => None,
+    };
+
+    let started = Instant::now();
+    let mut grad = vec![0.0f32; p];
+    let mut order = order_rng.permutation(task.train_size());
+    let mut staleness: Vec<u32> = Vec::with_capacity(total as usize);
+    let (mut gap_sum, mut now, mut diverged, mut events) = (0.0f64, 0.0f64, false, 0u64);
+    for event in 0..total {
+        if event % 256 == 0 && started.elapsed() > args.timeout {
+            bail!("the simulation ran past --timeout {:?} at event {event} of {total}", args.timeout);
+        }
+        let epoch = event / batches_per_epoch as u64;
+        let in_epoch = (event % batches_per_epoch as u64) as usize;
+        if in_epoch == 0 && event > 0 {
+            order = order_rng.permutation(task.train_size());
+        }
+        // Learning-rate multiplier: linear warm-up from 1/N to 1, then ×0.1 at each decay point.
+        let mut lr_scale =
+            if event < warmup { (1.0 + (n as f64 - 1.0) * event as f64 / warmup as f64) / n as f64 } else { 1.0 };
+        lr_scale *= 0.1f64.powi(decays.iter().filter(|d| event >= **d).count() as i32);
+        core.set_lr_scale(lr_scale as f32).map_err(|e| anyhow!("{e}"))?;
+
+        let Some(due) = heap.pop() else { bail!("no workers") };
+        now = due.time;
+        let w = due.worker as usize;
+        heap.push(Due { time: now + timing.gamma(args.shape, scale * workers[w].slowness), worker: due.worker });
+
+        let batch = &order[in_epoch * args.batch as usize..(in_epoch + 1) * args.batch as usize];
+        let vw = &mut workers[w];
+        let loss = task.loss_grad(&vw.view, batch, event, &mut grad);
+        if !loss.is_finite() || grad.iter().any(|g| !g.is_finite()) {
+            diverged = true;
+            break;
+        }
+        let master = core.chunk_values(CHUNK).map_err(|e| anyhow!("{e}"))?;
+        let gap = master.iter().zip(&vw.view).map(|(a, b)| f64::from((a - b).abs())).sum::<f64>() / p as f64;
+        gap_sum += gap;
+        if worker_momentum {
+            gaps_kernels::slim_worker_step(&hyper, &vw.view, &mut vw.momentum, &mut grad);
+        }
+        vw.seq += 1;
+        let mut payload = grad.clone();
+        if needs_read {
+            payload.extend_from_slice(&vw.view);
+        }
+        let push = Push {
+            epoch: 1,
+            worker: w as u32,
+            seq: vw.seq,
+            chunks: vec![PushChunk { id: CHUNK, read_version: vw.version, len: p as u32 }],
+            echo_read: needs_read,
+        };
+        let (reply, _) = core.handle(Frame { msg: Message::Push(push), payload }, Duration::ZERO);
+        let tau = match reply.msg {
+            Message::Ack(ack) => ack.max_staleness,
+            Message::Error(e) if e.code == gaps_common::ErrorCode::NonFinite => {
+                diverged = true;
+                break;
+            }
+            other => bail!("the shard refused a push: {other:?}"),
+        };
+        staleness.push(tau.min(u64::from(u32::MAX)) as u32);
+        let (view, version) = pull(&mut core)?;
+        let vw = &mut workers[w];
+        vw.view = view;
+        vw.version = version;
+        events += 1;
+        if vw.view.iter().any(|v| !v.is_finite()) {
+            diverged = true;
+            break;
+        }
+        if let Some(out) = csv.as_mut() {
+            writeln!(out, "{event},{epoch},{now},{w},{tau},{loss},{},{gap}", core.lr())?;
+        }
+    }
+    if let Some(mut out) = csv {
+        out.flush()?;
+    }
+    let real = started.elapsed().as_secs_f64();
+    let params = core.chunk_values(CHUNK).map_err(|e| anyhow!("{e}"))?.to_vec();
+    diverged |= params.iter().any(|v| !v.is_finite());
+    let (metric, train_loss) = if diverged { (f64::NAN, f64::NAN) } else { task.evaluate(&params) };
+    let mut sorted = staleness.clone();
+    sorted.sort_unstable();
+    let p99 =
+        sorted.get(((sorted.len() as f64 * 0.99) as usize).min(sorted.len().saturating_sub(1))).copied().unwrap_or(0);
+    Ok(SimReport {
+        rule: args.rule.name().into(),
+        model: task.name().into(),
+        workers: args.workers,
+        shape: args.shape,
+        seed: args.seed,
+        final_test_metric: metric,
+        final_train_loss: train_loss,
+        diverged,
+        staleness_mean: staleness.iter().map(|t| f64::from(*t)).sum::<f64>() / staleness.len().max(1) as f64,
+        staleness_p99: u64::from(p99),
+        gap_mean: gap_sum / events.max(1) as f64,
+        sim_wall_time: now,
+        events,
+        events_per_s: events as f64 / real.max(1e-9),
+        lookahead: if args.rule.layout().lookahead { Some(pull(&mut core)?.0) } else { None },
+        params,
+    })
+}

@@ -1,0 +1,298 @@
+//! Training tasks of the simulator, all synthetic and seeded:
+//!
+//! - `mlp`: the teacher–student task of ALGORITHMS.md §11 — x ∈ R²⁰ ~ N(0, I); a teacher 20→32 tanh→10 labels
+//!   each x by argmax, 5 % of labels replaced at random; 16,384 training and 4,096 test samples; the student
+//!   is a 20→64 ReLU→10 MLP (He initialisation) trained with softmax cross-entropy. Metric: test accuracy %.
+//! - `quadratic`: f(x) = ½ Σ h_j x_j² with h log-spaced over [1e-3, 1] and Gaussian gradient noise per
+//!   batch. Metric: the final loss f(x) (lower is better).
+//! - `logreg`: the worker's built-in logistic regression on 64 features. Metric: test accuracy %.
+
+use gaps_common::rng::{mix, Rng};
+use gaps_worker::data::SyntheticLogreg;
+
+/// A task the simulator trains. Parameters are one flat vector.
+pub trait Task: Sync {
+    /// `--model` name.
+    fn name(&self) -> &'static str;
+    /// Number of parameters.
+    fn num_params(&self) -> usize;
+    /// Initial parameters.
+    fn init(&self, seed: u64) -> Vec<f32>;
+    /// Training samples (one epoch).
+    fn train_size(&self) -> usize;
+    /// Mean loss over the batch of training indices; writes the mean gradient into `grad`.
+    fn loss_grad(&self, params: &[f32], batch: &[u32], batch_id: u64, grad: &mut [f32]) -> f32;
+    /// (test metric, training loss over the whole training set).
+    fn evaluate(&self, params: &[f32]) -> (f64, f64);
+    /// What the metric is.
+    fn metric_name(&self) -> &'static str;
+}
+
+const IN: usize = 20;
+const HIDDEN: usize = 64;
+const CLASSES: usize = 10;
+const TEACHER_HIDDEN: usize = 32;
+// Offsets of the student's tensors in the flat parameter vector.
+const W1: usize = 0;
+const B1: usize = W1 + HIDDEN * IN;
+const W2: usize = B1 + HIDDEN;
+const B2: usize = W2 + CLASSES * HIDDEN;
+const MLP_PARAMS: usize = B2 + CLASSES;
+
+/// The teacher–student MLP task.
+#[derive(Debug, Clone)]
+pub struct Mlp {
+    x_train: Vec<f32>,
+    y_train: Vec<u8>,
+    x_test: Vec<f32>,
+    y_test: Vec<u8>,
+}
+
+impl Mlp {
+    /// Generates the data of `seed` (train and test sizes as in §11 unless given).
+    pub fn new(seed: u64, train: usize, test: usize) -> Self {
+        let mut rng = Rng::new(mix(seed, 0x7eac_4e5));
+        let w1: Vec<f32> = (0..TEACHER_HIDDEN * IN).map(|_| (rng.normal() / (IN as f64).sqrt()) as f32).collect();
+        let w2: Vec<f32> =
+            (0..CLASSES * TEACHER_HIDDEN).map(|_| (rng.normal() / (TEACHER_HIDDEN as f64).sqrt()) as f32).collect();
+        let mut make = |n: usize| {
+            let mut xs = vec![0.0f32; n * IN];
+            let mut ys = vec![0u8; n];
+            for i in 0..n {
+                let x = &mut xs[i * IN..(i + 1) * IN];
+                x.iter_mut().for_each(|v| *v = rng.normal() as f32);
+                let h: Vec<f32> =
+                    (0..TEACHER_HIDDEN).map(|j| (0..IN).map(|k| w1[j * IN + k] * x[k]).sum::<f32>().tanh()).collect();
+                let mut best = (0, f32::NEG_INFINITY);
+                for c in 0..CLASSES {
+                    let z: f32 = (0..TEACHER_HIDDEN).map(|j| w2[c * TEACHER_HIDDEN + j] * h[j]).sum();
+                    if z > best.1 {
+                        best = (c, z);
+                    }
+                }
+                ys[i] = if rng.uniform() < 0.05 { rng.below(CLASSES as u64) as u8 } else { best.0 as u8 };
+            }
+            (xs, ys)
+        };
+        let (x_train, y_train) = make(train);
+        let (x_test, y_test) = make(test);
+        Mlp { x_train, y_train, x_test, y_test }
+    }
+
+    /// Forward pass of one sample: hidden activations and class probabilities.
+    fn forward(params: &[f32], x: &[f32], h: &mut [f32; HIDDEN], p: &mut [f32; CLASSES]) {
+        for j in 0..HIDDEN {
+            let row = &params[W1 + j * IN..W1 + (j + 1) * IN];
+            let z: f32 = params[B1 + j] + row.iter().zip(x).map(|(w, x)| w * x).sum::<f32>();
+            h[j] = z.max(0.0);
+        }
+        let mut max = f32::NEG_INFINITY;
+        for c in 0..CLASSES {
+            let row = &params[W2 + c * HIDDEN..W2 + (c + 1) * HIDDEN];
+            p[c] = params[B2 + c] + row.iter().zip(h.iter()).map(|(w, h)| w * h).sum::<f32>();
+            max = max.max(p[c]);
+        }
+        let mut sum = 0.0;
+        for v in p.iter_mut() {
+            *v = (*v - max).exp();
+            sum += *v;
+        }
+        p.iter_mut().for_each(|v| *v /= sum);
+    }
+
+    fn mean_loss_and_accuracy(params: &[f32], xs: &[f32], ys: &[u8]) -> (f64, f64) {
+        let (mut h, mut p) = ([0.0; HIDDEN], [0.0; CLASSES]);
+        let (mut loss, mut correct) = (0.0f64, 0usize);
+        for (i, y) in ys.iter().enumerate() {
+            Self::forward(params, &xs[i * IN..(i + 1) * IN], &mut h, &mut p);
+            loss -= f64::from(p[*y as usize].max(1e-12).ln());
+            let argmax = (0..CLASSES).fold(0, |b, c| if p[c] > p[b] { c } else { b });
+            correct += usize::from(argmax == *y as usize);
+        }
+        let n = ys.len().max(1) as f64;
+        (loss / n, 100.0 * correct as f64 / n)
+    }
+}
+
+impl Task for Mlp {
+    fn name(&self) -> &'static str {
+        "mlp"
+    }
+    fn num_params(&self) -> usize {
+        MLP_PARAMS
+    }
+    fn init(&self, seed: u64) -> Vec<f32> {
+        // He initialisation for the weights, zero biases.
+        let mut rng = Rng::new(mix(seed, 0x1417));
+        let mut p = vec![0.0f32; MLP_PARAMS];
+        let he = |fan_in: usize| (2.0 / fan_in as f64).sqrt();
+        p[W1..B1].iter_mut().for_each(|v| *v = (rng.normal() * he(IN)) as f32);
+        p[W2..B2].iter_mut().for_each(|v| *v = (rng.normal() * he(HIDDEN)) as f32);
+        p
+    }
+    fn train_size(&self) -> usize {
+        self.y_train.len()
+    }
+    fn loss_grad(&self, params: &[f32], batch: &[u32], _batch_id: u64, grad: &mut [f32]) -> f32 {
+        grad.iter_mut().for_each(|g| *g = 0.0);
+        let (mut h, mut p) = ([0.0; HIDDEN], [0.0; CLASSES]);
+        let scale = 1.0 / batch.len().max(1) as f32;
+        let mut loss = 0.0f32;
+        for &i in batch {
+            let i = i as usize;
+            let x = &self.x_train[i * IN..(i + 1) * IN];
+            let y = self.y_train[i] as usize;
+            Self::forward(params, x, &mut h, &mut p);
+            loss -= p[y].max(1e-12).ln();
+            // dL/dlogits = p − onehot(y), averaged over the batch.
+            let mut dz = p;
+            dz[y] -= 1.0;
+            dz.iter_mut().for_each(|v| *v *= scale);
+            let mut dh = [0.0f32; HIDDEN];
+            for c in 0..CLASSES {
+                grad[B2 + c] += dz[c];
+                let (w_row, g_row) = (W2 + c * HIDDEN, W2 + c * HIDDEN);
+                for j in 0..HIDDEN {
+                    grad[g_row + j] += dz[c] * h[j];
+                    dh[j] += params[w_row + j] * dz[c];
+                }
+            }
+            for j in 0..HIDDEN {
+                if h[j] <= 0.0 {
+                    continue;
+                }
+                grad[B1 + j] += dh[j];
+                let row = &mut grad[W1 + j * IN..W1 + (j + 1) * IN];
+                row.iter_mut().zip(x).for_each(|(g, x)| *g += dh[j] * x);
+            }
+        }
+        loss * scale
+    }
+    fn evaluate(&self, params: &[f32]) -> (f64, f64) {
+        let (_, accuracy) = Self::mean_loss_and_accuracy(params, &self.x_test, &self.y_test);
+        let (train_loss, _) = Self::mean_loss_and_accuracy(params, &self.x_train, &self.y_train);
+        (accuracy, train_loss)
+    }
+    fn metric_name(&self) -> &'static str {
+        "test accuracy %"
+    }
+}
+
+/// The noisy quadratic ½ Σ h_j x_j².
+#[derive(Debug, Clone)]
+pub struct Quadratic {
+    curvature: Vec<f32>,
+    noise: f32,
+    seed: u64,
+    train: usize,
+}
+
+impl Quadratic {
+    /// `dim` coordinates with curvatures log-spaced over [1e-3, 1]; gradient noise σ per batch.
+    pub fn new(dim: usize, noise: f32, seed: u64, train: usize) -> Self {
+        let curvature = (0..dim).map(|j| 10f32.powf(-3.0 + 3.0 * j as f32 / (dim.max(2) - 1) as f32)).collect();
+        Quadratic { curvature, noise, seed, train }
+    }
+}
+
+impl Task for Quadratic {
+    fn name(&self) -> &'static str {
+        "quadratic"
+    }
+    fn num_params(&self) -> usize {
+        self.curvature.len()
+    }
+    fn init(&self, _seed: u64) -> Vec<f32> {
+        vec![1.0; self.curvature.len()]
+    }
+    fn train_size(&self) -> usize {
+        self.train
+    }
+    fn loss_grad(&self, params: &[f32], batch: &[u32], batch_id: u64, grad: &mut [f32]) -> f32 {
+        let mut rng = Rng::new(mix(self.seed, batch_id));
+        let sigma = self.noise / (batch.len().max(1) as f32).sqrt();
+        let mut loss = 0.0;
+        for ((g, x), h) in grad.iter_mut().zip(params).zip(&self.curvature) {
+            *g = h * x + sigma * rng.normal() as f32;
+            loss += 0.5 * h * x * x;
+        }
+        loss
+    }
+    fn evaluate(&self, params: &[f32]) -> (f64, f64) {
+        let loss: f64 =
+            params.iter().zip(&self.curvature).map(|(x, h)| 0.5 * f64::from(*h) * f64::from(*x).powi(2)).sum();
+        (loss, loss)
+    }
+    fn metric_name(&self) -> &'static str {
+        "final loss"
+    }
+}
+
+/// Logistic regression on the worker's synthetic data (64 features plus a bias).
+#[derive(Debug, Clone)]
+pub struct Logreg {
+    data: SyntheticLogreg,
+    train: usize,
+    test: usize,
+}
+
+const LOGREG_DIM: usize = 64;
+
+impl Logreg {
+    /// The dataset of `seed`.
+    pub fn new(seed: u64, train: usize, test: usize) -> Self {
+        Logreg { data: SyntheticLogreg::new(LOGREG_DIM, seed), train, test }
+    }
+
+    fn loss_acc(&self, params: &[f32], first: u64, n: usize) -> (f64, f64) {
+        let mut x = vec![0.0f32; LOGREG_DIM];
+        let (mut loss, mut correct) = (0.0f64, 0usize);
+        for i in 0..n as u64 {
+            let y = self.data.sample(first + i, &mut x);
+            let z = params[LOGREG_DIM] + x.iter().zip(params).map(|(x, w)| x * w).sum::<f32>();
+            let p = (1.0 / (1.0 + (-f64::from(z)).exp())).clamp(1e-7, 1.0 - 1e-7);
+            loss -= if y > 0.5 { p.ln() } else { (1.0 - p).ln() };
+            correct += usize::from((p > 0.5) == (y > 0.5));
+        }
+        (loss / n.max(1) as f64, 100.0 * correct as f64 / n.max(1) as f64)
+    }
+}
+
+impl Task for Logreg {
+    fn name(&self) -> &'static str {
+        "logreg"
+    }
+    fn num_params(&self) -> usize {
+        LOGREG_DIM + 1
+    }
+    fn init(&self, _seed: u64) -> Vec<f32> {
+        vec![0.0; LOGREG_DIM + 1]
+    }
+    fn train_size(&self) -> usize {
+        self.train
+    }
+    fn loss_grad(&self, params: &[f32], batch: &[u32], _batch_id: u64, grad: &mut [f32]) -> f32 {
+        let mut x = vec![0.0f32; LOGREG_DIM];
+        grad.iter_mut().for_each(|g| *g = 0.0);
+        let scale = 1.0 / batch.len().max(1) as f32;
+        let mut loss = 0.0;
+        for &i in batch {
+            let y = self.data.sample(u64::from(i), &mut x);
+            let z = params[LOGREG_DIM] + x.iter().zip(params).map(|(x, w)| x * w).sum::<f32>();
+            let p = (1.0 / (1.0 + (-z).exp())).clamp(1e-7, 1.0 - 1e-7);
+            loss -= if y > 0.5 { p.ln() } else { (1.0 - p).ln() };
+            let r = (p - y) * scale;
+            grad[..LOGREG_DIM].iter_mut().zip(&x).for_each(|(g, x)| *g += r * x);
+            grad[LOGREG_DIM] += r;
+        }
+        loss * scale
+    }
+    fn evaluate(&self, params: &[f32]) -> (f64, f64) {
+        let (_, accuracy) = self.loss_acc(params, gaps_worker::data::EVAL_BASE, self.test);
+        let (train_loss, _) = self.loss_acc(params, 0, self.train.min(8192));
+        (accuracy, train_loss)
+    }
+    fn metric_name(&self) -> &'static str {
+        "test accuracy %"
+    }
+}
