@@ -1,6 +1,7 @@
 //! `gaps sim experiments`: the small-scale reproductions of ALGORITHMS.md §12 — E1 (momentum × staleness
-//! on the MLP, with the §12 pass criteria checked), E2 (exact equivalences), E3 (stability boundaries) — written
-//! as a markdown report and an SVG plot under `docs/results/`.
+//! on the MLP, with the §12 pass criteria checked), E2 (exact equivalences), E3 (stability boundaries), E5
+//! (elastic resize, immediate vs ramped learning rate) — written as a markdown report and an SVG plot under
+//! `docs/results/`.
 
 use super::{run, ModelChoice, SimArgs, SimReport};
 use anyhow::{Context, Result};
@@ -20,22 +21,27 @@ pub struct Method {
     pub momentum: f32,
     /// Multiplier of the base η (ASGD and GA without momentum use η/(1−γ) = 10η, the same effective step).
     pub lr_factor: f32,
+    /// Synchronous global-batch training instead of asynchronous pushes.
+    pub sync: bool,
 }
 
-/// The E1 methods (SSGD needs the synchronous mode, a later milestone).
-pub const METHODS: [Method; 12] = [
-    Method { label: "ASGD (η/(1−γ))", rule: Rule::Sgd, momentum: 0.0, lr_factor: 10.0 },
-    Method { label: "GA, no momentum (η/(1−γ))", rule: Rule::GapAware, momentum: 0.0, lr_factor: 10.0 },
-    Method { label: "ASGD+M", rule: Rule::Momentum, momentum: 0.9, lr_factor: 1.0 },
-    Method { label: "NAG-ASGD", rule: Rule::Nesterov, momentum: 0.9, lr_factor: 1.0 },
-    Method { label: "SA (+M)", rule: Rule::StalenessAware, momentum: 0.9, lr_factor: 1.0 },
-    Method { label: "GA (+M)", rule: Rule::GapAware, momentum: 0.9, lr_factor: 1.0 },
-    Method { label: "DC-ASGD-a (+M)", rule: Rule::DcAsgdAdaptive, momentum: 0.9, lr_factor: 1.0 },
-    Method { label: "Multi-ASGD", rule: Rule::MultiMomentum, momentum: 0.9, lr_factor: 1.0 },
-    Method { label: "DANA-Zero", rule: Rule::DanaZero, momentum: 0.9, lr_factor: 1.0 },
-    Method { label: "DANA-Slim", rule: Rule::DanaSlim, momentum: 0.9, lr_factor: 1.0 },
-    Method { label: "DANA-DC", rule: Rule::DanaDc, momentum: 0.9, lr_factor: 1.0 },
-    Method { label: "DANA-GA", rule: Rule::DanaGa, momentum: 0.9, lr_factor: 1.0 },
+/// The E1 methods.
+pub const METHODS: [Method; 13] = [
+    Method { label: "ASGD (η/(1−γ))", rule: Rule::Sgd, momentum: 0.0, lr_factor: 10.0, sync: false },
+    Method {
+        label: "GA, no momentum (η/(1−γ))", rule: Rule::GapAware, momentum: 0.0, lr_factor: 10.0, sync: false
+    },
+    Method { label: "ASGD+M", rule: Rule::Momentum, momentum: 0.9, lr_factor: 1.0, sync: false },
+    Method { label: "NAG-ASGD", rule: Rule::Nesterov, momentum: 0.9, lr_factor: 1.0, sync: false },
+    Method { label: "SA (+M)", rule: Rule::StalenessAware, momentum: 0.9, lr_factor: 1.0, sync: false },
+    Method { label: "GA (+M)", rule: Rule::GapAware, momentum: 0.9, lr_factor: 1.0, sync: false },
+    Method { label: "DC-ASGD-a (+M)", rule: Rule::DcAsgdAdaptive, momentum: 0.9, lr_factor: 1.0, sync: false },
+    Method { label: "Multi-ASGD", rule: Rule::MultiMomentum, momentum: 0.9, lr_factor: 1.0, sync: false },
+    Method { label: "DANA-Zero", rule: Rule::DanaZero, momentum: 0.9, lr_factor: 1.0, sync: false },
+    Method { label: "DANA-Slim", rule: Rule::DanaSlim, momentum: 0.9, lr_factor: 1.0, sync: false },
+    Method { label: "DANA-DC", rule: Rule::DanaDc, momentum: 0.9, lr_factor: 1.0, sync: false },
+    Method { label: "DANA-GA", rule: Rule::DanaGa, momentum: 0.9, lr_factor: 1.0, sync: false },
+    Method { label: "SSGD (linear scaling)", rule: Rule::Momentum, momentum: 0.9, lr_factor: 1.0, sync: true },
 ];
 
 /// Grid of an experiments run.
@@ -52,9 +58,9 @@ pub struct Grid {
 }
 
 impl Grid {
-    /// The reduced grid of `--quick` (one seed, η = 0.05).
+    /// The reduced grid of `--quick` (η = 0.05 only).
     pub fn quick() -> Self {
-        Grid { workers: vec![8, 16, 32, 64], lrs: vec![0.05], seeds: vec![1], epochs: 20 }
+        Grid { workers: vec![8, 16, 32, 64], lrs: vec![0.05], seeds: vec![1, 2, 3], epochs: 20 }
     }
 
     /// The full grid: η ∈ {0.05, 0.1}, 3 seeds.
@@ -73,6 +79,7 @@ fn args_for(m: &Method, workers: u32, lr: f32, shape: f64, seed: u64, epochs: u3
         epochs,
         lr: lr * m.lr_factor,
         momentum: m.momentum,
+        mode: if m.sync { super::SimMode::Sync } else { super::SimMode::Async },
         ..SimArgs::defaults()
     }
 }
@@ -270,7 +277,7 @@ pub fn e2(epochs: u32) -> Result<Vec<(String, String, bool)>> {
     let scale = reports[1].params.iter().fold(0.0f32, |m, x| m.max(x.abs()));
     out.push((
         format!("DANA-Slim Θ vs DANA-Zero look-ahead, N = 16, constant η, {epochs} epochs"),
-        format!("max |Θ − θ̂| = {diff:.2e} (|θ| ≤ {scale:.2})"),
+        format!("max abs(Θ − θ̂) = {diff:.2e}, max abs(θ) = {scale:.2}"),
         diff <= 1e-4 * scale.max(1.0),
     ));
     let same = |a: &SimReport, b: &SimReport| a.params.iter().zip(&b.params).all(|(x, y)| x.to_bits() == y.to_bits());
@@ -351,6 +358,39 @@ pub fn e3() -> Vec<(usize, f32, f32, f32, f32, f32)> {
             )
         })
         .collect()
+}
+
+/// E5: elastic SSGD, N alternating 8 ↔ 64 every 2 epochs, immediate linear scaling against the
+/// Dynamic-SGD ramp (T = 8k rounds on growth). Returns (η, immediate, ramp) accuracies (mean over seeds).
+pub fn e5(lrs: &[f32], seeds: &[u64]) -> Result<Vec<(f32, f64, f64)>> {
+    let mut jobs = Vec::new();
+    for lr in lrs {
+        for ramp in [0i64, -1] {
+            for seed in seeds {
+                jobs.push(SimArgs {
+                    mode: super::SimMode::Sync,
+                    workers: 8,
+                    elastic: vec![8, 64],
+                    elastic_every: 2,
+                    lr_ramp_steps: ramp,
+                    lr: *lr,
+                    seed: *seed,
+                    ..SimArgs::defaults()
+                });
+            }
+        }
+    }
+    let reports = run_all(jobs)?;
+    let s = seeds.len();
+    Ok(lrs
+        .iter()
+        .enumerate()
+        .map(|(i, lr)| {
+            let acc =
+                |k: usize| mean(&reports[k * s..(k + 1) * s].iter().map(|r| r.final_test_metric).collect::<Vec<_>>());
+            (*lr, acc(2 * i), acc(2 * i + 1))
+        })
+        .collect())
 }
 
 /// A line chart of accuracy against worker count, one line per method (SVG text).
@@ -448,7 +488,7 @@ pub fn svg_plot(e: &E1) -> String {
     s
 }
 
-/// Runs E1 (shape 100 at every η of the grid, and shape 1 at N = 32), E2 and E3, writes
+/// Runs E1 (shape 100 at every η of the grid, and shape 1 at N = 32), E2, E3 and E5, writes
 /// `experiments.md` and `e1.svg` into `out`, and returns the markdown.
 pub fn run_experiments(grid: &Grid, out: &Path, command: &str) -> Result<String> {
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
@@ -480,6 +520,11 @@ pub fn run_experiments(grid: &Grid, out: &Path, command: &str) -> Result<String>
     let _ = writeln!(md, "\n## E3: stability boundary on a quadratic (round-robin delay τ = N − 1)\n\nLargest stable η·h found by bisection (60,000 updates from x = 1, through the rules' kernels).\n\n| τ | delayed GD predicted | measured | heavy ball γ 0.9 predicted | measured | DANA-Zero γ 0.9 measured |\n|---|---|---|---|---|---|");
     for (tau, gd_p, gd_m, hb_p, hb_m, dana) in e3() {
         let _ = writeln!(md, "| {tau} | {gd_p:.4} | {gd_m:.4} | {hb_p:.4} | {hb_m:.4} | {dana:.4} |");
+    }
+    let e5_lrs: Vec<f32> = if grid.lrs.len() > 1 { vec![0.01, 0.02, 0.04, 0.06, 0.08] } else { vec![0.02, 0.08] };
+    let _ = writeln!(md, "\n## E5: elastic resize (SSGD, N alternating 8 ↔ 64 every 2 epochs)\n\nLinear learning-rate scaling applied at once, against the Dynamic mini-batch SGD ramp (the multiplier moves linearly to its new value over T = 8k rounds when the worker count grows k-fold). Test accuracy %, mean over seeds.\n\n| base η | immediate | ramp | ramp − immediate |\n|---|---|---|---|");
+    for (lr, immediate, ramp) in e5(&e5_lrs, &grid.seeds)? {
+        let _ = writeln!(md, "| {lr} | {immediate:.2} | {ramp:.2} | {:+.2} |", ramp - immediate);
     }
     let _ = writeln!(md, "\nTotal time: {:.0} s on this machine.", started.elapsed().as_secs_f64());
     std::fs::write(out.join("experiments.md"), &md).context("writing experiments.md")?;

@@ -36,6 +36,17 @@ pub enum ModelChoice {
     Logreg,
 }
 
+/// How the simulated cluster trains.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SimMode {
+    /// Every gradient is applied on arrival (the §1 event loop).
+    Async,
+    /// Global-batch synchronous SGD: each round averages one gradient per live worker, all computed on the
+    /// same parameters, and applies it with the learning rate scaled linearly by the worker count; a round
+    /// lasts as long as its slowest worker.
+    Sync,
+}
+
 /// Flags of `gaps sim`. Every flag also reads a `GAPS_SIM_*` environment variable.
 #[derive(Debug, Clone, clap::Args)]
 pub struct SimArgs {
@@ -90,6 +101,20 @@ pub struct SimArgs {
     /// Test samples (mlp and logreg).
     #[arg(long, env = "GAPS_SIM_TEST", default_value_t = 4096)]
     pub test: u32,
+    /// Training mode.
+    #[arg(long, env = "GAPS_SIM_MODE", value_enum, default_value = "async")]
+    pub mode: SimMode,
+    /// Elastic worker counts (sync mode): `A,B` alternates between A and B workers every --elastic-every epochs.
+    #[arg(long, env = "GAPS_SIM_ELASTIC", value_delimiter = ',')]
+    pub elastic: Vec<u32>,
+    /// Epochs between worker-count changes.
+    #[arg(long, env = "GAPS_SIM_ELASTIC_EVERY", default_value_t = 2)]
+    pub elastic_every: u32,
+    /// When the worker count changes by k = new/old, the learning-rate multiplier moves linearly to its new
+    /// value over this many rounds (Dynamic mini-batch SGD); -1 = 8·k rounds when growing, immediate when
+    /// shrinking; 0 = immediate.
+    #[arg(long, env = "GAPS_SIM_LR_RAMP_STEPS", default_value_t = -1, allow_negative_numbers = true)]
+    pub lr_ramp_steps: i64,
     /// Write a per-event CSV log here.
     #[arg(long, env = "GAPS_SIM_CSV")]
     pub csv: Option<PathBuf>,
@@ -133,6 +158,10 @@ impl SimArgs {
             heterogeneity: 0.0,
             train: 16_384,
             test: 4096,
+            mode: SimMode::Async,
+            elastic: Vec::new(),
+            elastic_every: 2,
+            lr_ramp_steps: -1,
             csv: None,
             timeout: Duration::from_secs(3600),
             json: false,
@@ -154,6 +183,14 @@ impl SimArgs {
         }
         if let Some((w, _)) = self.stragglers.iter().find(|(w, _)| *w >= self.workers) {
             bail!("--straggler names worker {w}, but there are only {} workers", self.workers);
+        }
+        if !self.elastic.is_empty() {
+            if self.mode != SimMode::Sync {
+                bail!("--elastic needs --mode sync");
+            }
+            if self.elastic.contains(&0) || self.elastic_every == 0 {
+                bail!("--elastic worker counts and --elastic-every must be positive");
+            }
         }
         if self.batch > self.train {
             bail!("--batch {} is larger than the training set ({})", self.batch, self.train);
@@ -278,6 +315,14 @@ fn pull(core: &mut ShardCore) -> Result<(Vec<f32>, u64)> {
 /// Runs one simulation.
 pub fn run(args: &SimArgs) -> Result<SimReport> {
     args.validate()?;
+    match args.mode {
+        SimMode::Async => run_async(args),
+        SimMode::Sync => run_sync(args),
+    }
+}
+
+/// The shard and the task of a run, initialised.
+fn setup(args: &SimArgs) -> Result<(Box<dyn Task>, ShardCore, Hyper)> {
     let task = args.task();
     let p = task.num_params();
     let hyper = Hyper {
@@ -303,7 +348,30 @@ pub fn run(args: &SimArgs) -> Result<SimReport> {
     })
     .map_err(|e| anyhow!("configuring the shard: {e}"))?;
     core.overwrite(CHUNK, &task.init(args.seed)).map_err(|e| anyhow!("initialising: {e}"))?;
+    Ok((task, core, hyper))
+}
 
+fn open_csv(args: &SimArgs) -> Result<Option<std::io::BufWriter<std::fs::File>>> {
+    match &args.csv {
+        Some(path) => {
+            let file = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+            let mut w = std::io::BufWriter::new(file);
+            writeln!(w, "event,epoch,sim_time,worker,staleness,loss,lr,gap")?;
+            Ok(Some(w))
+        }
+        None => Ok(None),
+    }
+}
+
+/// Learning-rate multiplier of the schedule: warm-up from `start` to 1 over `warmup` steps, ×0.1 at each decay.
+fn schedule(step: u64, warmup: u64, start: f64, decays: &[u64]) -> f64 {
+    let warm = if step < warmup { start + (1.0 - start) * step as f64 / warmup as f64 } else { 1.0 };
+    warm * 0.1f64.powi(decays.iter().filter(|d| step >= **d).count() as i32)
+}
+
+fn run_async(args: &SimArgs) -> Result<SimReport> {
+    let (task, mut core, hyper) = setup(args)?;
+    let p = task.num_params();
     let n = args.workers as usize;
     let mut timing = Rng::new(mix(args.seed, 0x71e));
     let mut order_rng = Rng::new(mix(args.seed, 0x0d3));
@@ -331,15 +399,7 @@ pub fn run(args: &SimArgs) -> Result<SimReport> {
     let decays: Vec<u64> = args.lr_decay_at.iter().map(|f| (f * total as f64) as u64).collect();
     let needs_read = args.rule.layout().needs_read;
     let worker_momentum = args.rule.layout().worker_momentum;
-    let mut csv = match &args.csv {
-        Some(path) => {
-            let file = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
-            let mut w = std::io::BufWriter::new(file);
-            writeln!(w, "event,epoch,sim_time,worker,staleness,loss,lr,gap")?;
-            Some(w)
-        }
-        None => None,
-    };
+    let mut csv = open_csv(args)?;
 
     let started = Instant::now();
     let mut grad = vec![0.0f32; p];
@@ -417,6 +477,21 @@ pub fn run(args: &SimArgs) -> Result<SimReport> {
     if let Some(mut out) = csv {
         out.flush()?;
     }
+    finish(args, task.as_ref(), &mut core, Outcome { staleness, gap_sum, now, diverged, events, started })
+}
+
+/// Counters of a finished event loop.
+struct Outcome {
+    staleness: Vec<u32>,
+    gap_sum: f64,
+    now: f64,
+    diverged: bool,
+    events: u64,
+    started: Instant,
+}
+
+fn finish(args: &SimArgs, task: &dyn Task, core: &mut ShardCore, o: Outcome) -> Result<SimReport> {
+    let Outcome { staleness, gap_sum, now, mut diverged, events, started } = o;
     let real = started.elapsed().as_secs_f64();
     let params = core.chunk_values(CHUNK).map_err(|e| anyhow!("{e}"))?.to_vec();
     diverged |= params.iter().any(|v| !v.is_finite());
@@ -440,7 +515,138 @@ pub fn run(args: &SimArgs) -> Result<SimReport> {
         sim_wall_time: now,
         events,
         events_per_s: events as f64 / real.max(1e-9),
-        lookahead: if args.rule.layout().lookahead { Some(pull(&mut core)?.0) } else { None },
+        lookahead: if args.rule.layout().lookahead { Some(pull(core)?.0) } else { None },
         params,
     })
+}
+
+/// Global-batch synchronous SGD (optionally elastic): every round, each of the N live workers computes one
+/// gradient on the current parameters; the average is applied once with η·N (linear scaling, warmed up from
+/// η); the round takes as long as the slowest worker. The total number of gradients equals the async run's.
+fn run_sync(args: &SimArgs) -> Result<SimReport> {
+    let (task, mut core, _hyper) = setup(args)?;
+    let p = task.num_params();
+    let mut timing = Rng::new(mix(args.seed, 0x71e));
+    let mut order_rng = Rng::new(mix(args.seed, 0x0d3));
+    let scale = f64::from(args.batch) / args.shape;
+    let max_workers = args.elastic.iter().copied().max().unwrap_or(args.workers).max(args.workers) as usize;
+    let slowness: Vec<f64> = (0..max_workers)
+        .map(|w| args.stragglers.iter().filter(|(s, _)| *s as usize == w).map(|(_, f)| *f).product::<f64>())
+        .collect();
+    let batches_per_epoch = task.train_size() / args.batch as usize;
+    let total = batches_per_epoch as u64 * u64::from(args.epochs);
+    let warmup = (args.warmup_epochs * batches_per_epoch as f64) as u64;
+    let decays: Vec<u64> = args.lr_decay_at.iter().map(|f| (f * total as f64) as u64).collect();
+    let workers_at = |gradients: u64| -> u32 {
+        if args.elastic.is_empty() {
+            return args.workers;
+        }
+        let phase = gradients / (batches_per_epoch as u64 * u64::from(args.elastic_every));
+        args.elastic[(phase % args.elastic.len() as u64) as usize]
+    };
+    let mut csv = open_csv(args)?;
+    let started = Instant::now();
+    let mut order = order_rng.permutation(task.train_size());
+    let (mut used, mut now, mut diverged, mut rounds, mut seq) = (0usize, 0.0f64, false, 0u64, 0u64);
+    let mut gradients = 0u64;
+    let mut grad = vec![0.0f32; p];
+    let mut sum = vec![0.0f32; p];
+    let mut n = workers_at(0);
+    // The multiplier follows the worker count: it ramps from `ramp_from` to n over `ramp_len` rounds.
+    let (mut ramp_from, mut ramp_start, mut ramp_len) = (f64::from(n), 0u64, 0u64);
+    while gradients < total {
+        if rounds % 64 == 0 && started.elapsed() > args.timeout {
+            bail!("the simulation ran past --timeout {:?}", args.timeout);
+        }
+        let next = workers_at(gradients);
+        if next != n {
+            let k = f64::from(next) / f64::from(n);
+            let current = ramp_from + (f64::from(n) - ramp_from) * ramp_progress(rounds, ramp_start, ramp_len);
+            ramp_len = match args.lr_ramp_steps {
+                s if s < 0 => {
+                    if k > 1.0 {
+                        (8.0 * k).round() as u64
+                    } else {
+                        0
+                    }
+                }
+                s => s as u64,
+            };
+            ramp_from = current;
+            ramp_start = rounds;
+            n = next;
+        }
+        let multiplier = ramp_from + (f64::from(n) - ramp_from) * ramp_progress(rounds, ramp_start, ramp_len);
+        // Warm-up from η to the scaled η (Goyal et al.), then the decays.
+        let warm = schedule(gradients, warmup, 1.0 / multiplier.max(1.0), &decays);
+        core.set_lr_scale((warm * multiplier) as f32).map_err(|e| anyhow!("{e}"))?;
+        let (params, version) = pull(&mut core)?;
+        sum.iter_mut().for_each(|s| *s = 0.0);
+        let mut slowest = 0.0f64;
+        let mut loss_sum = 0.0f32;
+        let live = (n as u64).min(total - gradients) as usize;
+        for w in 0..live {
+            if used + args.batch as usize > task.train_size() {
+                order = order_rng.permutation(task.train_size());
+                used = 0;
+            }
+            let batch = &order[used..used + args.batch as usize];
+            used += args.batch as usize;
+            loss_sum += task.loss_grad(&params, batch, gradients, &mut grad);
+            sum.iter_mut().zip(&grad).for_each(|(s, g)| *s += g);
+            slowest = slowest.max(timing.gamma(args.shape, scale * slowness.get(w).copied().unwrap_or(1.0)));
+            gradients += 1;
+        }
+        now += slowest;
+        let inv = 1.0 / live as f32;
+        sum.iter_mut().for_each(|s| *s *= inv);
+        if !loss_sum.is_finite() || sum.iter().any(|g| !g.is_finite()) {
+            diverged = true;
+            break;
+        }
+        seq += 1;
+        let mut payload = sum.clone();
+        let needs_read = args.rule.layout().needs_read;
+        if needs_read {
+            payload.extend_from_slice(&params);
+        }
+        let push = Push {
+            epoch: 1,
+            worker: 0,
+            seq,
+            chunks: vec![PushChunk { id: CHUNK, read_version: version, len: p as u32 }],
+            echo_read: needs_read,
+        };
+        let (reply, _) = core.handle(Frame { msg: Message::Push(push), payload }, Duration::ZERO);
+        if !matches!(reply.msg, Message::Ack(_)) {
+            bail!("the shard refused a push: {:?}", reply.msg);
+        }
+        if let Some(out) = csv.as_mut() {
+            writeln!(
+                out,
+                "{rounds},{},{now},{n},0,{},{},0",
+                gradients / batches_per_epoch as u64,
+                loss_sum * inv,
+                core.lr()
+            )?;
+        }
+        rounds += 1;
+        if core.chunk_values(CHUNK).map_err(|e| anyhow!("{e}"))?.iter().any(|v| !v.is_finite()) {
+            diverged = true;
+            break;
+        }
+    }
+    if let Some(mut out) = csv {
+        out.flush()?;
+    }
+    let staleness = vec![0u32; rounds as usize];
+    finish(args, task.as_ref(), &mut core, Outcome { staleness, gap_sum: 0.0, now, diverged, events: rounds, started })
+}
+
+fn ramp_progress(round: u64, start: u64, len: u64) -> f64 {
+    if len == 0 {
+        1.0
+    } else {
+        ((round - start) as f64 / len as f64).min(1.0)
+    }
 }
