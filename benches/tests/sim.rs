@@ -1,0 +1,121 @@
+//! The simulator on real (small) simulations: the orderings of ALGORITHMS.md §12 E1 at 32 workers with
+//! Gamma shape 100, DANA-Slim ≡ DANA-Zero, determinism, and refusal of bad flags.
+
+use gaps_benches::sim::{run, SimArgs, SimMode, SimReport};
+use gaps_kernels::Rule;
+
+/// 8 epochs over 8,192 samples (2,048 gradients), 32 workers, shape 100: a quarter of the §11 run.
+fn small(rule: Rule, workers: u32) -> SimArgs {
+    SimArgs { rule, workers, epochs: 8, train: 8192, test: 2048, ..SimArgs::defaults() }
+}
+
+fn accuracy(rule: Rule, workers: u32) -> SimReport {
+    let r = run(&small(rule, workers)).expect("simulation");
+    assert_eq!(r.events, 2048, "{rule}: every run makes the same number of gradient evaluations");
+    r
+}
+
+#[test]
+fn at_32_workers_gap_aware_beats_staleness_aware_momentum_collapses_and_dana_ga_holds() {
+    let baseline = accuracy(Rule::Momentum, 1);
+    let momentum = accuracy(Rule::Momentum, 32);
+    let ga = accuracy(Rule::GapAware, 32);
+    let sa = accuracy(Rule::StalenessAware, 32);
+    let dana_ga = accuracy(Rule::DanaGa, 32);
+    // Round-robin-like staleness: mean N − 1.
+    assert!((momentum.staleness_mean - 31.0).abs() < 0.5, "staleness {}", momentum.staleness_mean);
+    assert!(
+        ga.final_test_metric > sa.final_test_metric + 1.0,
+        "GA {} vs SA {}",
+        ga.final_test_metric,
+        sa.final_test_metric
+    );
+    assert!(
+        momentum.final_test_metric < baseline.final_test_metric - 20.0,
+        "momentum should collapse: {} vs baseline {}",
+        momentum.final_test_metric,
+        baseline.final_test_metric
+    );
+    assert!(
+        dana_ga.final_test_metric > baseline.final_test_metric - 3.0,
+        "DANA-GA {} should hold near the baseline {}",
+        dana_ga.final_test_metric,
+        baseline.final_test_metric
+    );
+    assert!(ga.gap_mean < momentum.gap_mean, "GA keeps the gap small: {} vs {}", ga.gap_mean, momentum.gap_mean);
+}
+
+#[test]
+fn dana_slim_matches_dana_zero() {
+    let zero = accuracy(Rule::DanaZero, 32);
+    let slim = accuracy(Rule::DanaSlim, 32);
+    assert!(
+        (zero.final_test_metric - slim.final_test_metric).abs() < 1.0,
+        "{} vs {}",
+        zero.final_test_metric,
+        slim.final_test_metric
+    );
+    // With a constant learning rate, Slim's master vector is Zero's look-ahead up to f32 rounding.
+    let constant = |rule| SimArgs { warmup_epochs: 0.0, lr_decay_at: vec![], epochs: 2, ..small(rule, 16) };
+    let zero = run(&constant(Rule::DanaZero)).expect("zero");
+    let slim = run(&constant(Rule::DanaSlim)).expect("slim");
+    let lookahead = zero.lookahead.expect("DANA-Zero reports its look-ahead");
+    let diff = lookahead.iter().zip(&slim.params).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(diff < 1e-4, "max |Θ_slim − θ̂_zero| = {diff}");
+}
+
+#[test]
+fn the_same_seed_gives_identical_results_and_csv_twice() {
+    let dir = std::env::temp_dir().join(format!("gaps-sim-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let args = |csv: &str, seed| SimArgs {
+        csv: Some(dir.join(csv)),
+        seed,
+        stragglers: vec![(3, 4.0)],
+        heterogeneity: 0.3,
+        epochs: 2,
+        ..small(Rule::DanaGa, 12)
+    };
+    let a = run(&args("a.csv", 7)).expect("a");
+    let b = run(&args("b.csv", 7)).expect("b");
+    let c = run(&args("c.csv", 8)).expect("c");
+    let strip = |r: &SimReport| r.to_json().split(",\"events_per_s\"").next().map(str::to_string);
+    assert_eq!(strip(&a), strip(&b));
+    assert_eq!(a.params, b.params);
+    assert_ne!(a.params, c.params, "another seed gives another run");
+    let csv = |f: &str| std::fs::read(dir.join(f)).expect("csv");
+    assert_eq!(csv("a.csv"), csv("b.csv"));
+    assert_ne!(csv("a.csv"), csv("c.csv"), "another seed gives another run");
+    let header = String::from_utf8(csv("a.csv")).expect("utf-8");
+    assert!(header.starts_with("event,epoch,sim_time,worker,staleness,loss,lr,gap\n"));
+    assert_eq!(header.lines().count(), 1 + 512);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_straggler_gets_staler_and_sync_rounds_wait_for_it() {
+    let plain = run(&SimArgs { epochs: 2, ..small(Rule::Momentum, 8) }).expect("plain");
+    let slowed = run(&SimArgs { epochs: 2, stragglers: vec![(0, 4.0)], ..small(Rule::Momentum, 8) }).expect("slowed");
+    assert!(slowed.staleness_p99 > plain.staleness_p99, "{} vs {}", slowed.staleness_p99, plain.staleness_p99);
+    let sync = |stragglers| {
+        run(&SimArgs { mode: SimMode::Sync, epochs: 2, stragglers, ..small(Rule::Momentum, 8) }).expect("sync")
+    };
+    let (fast, slow) = (sync(vec![]), sync(vec![(0, 4.0)]));
+    assert!(slow.sim_wall_time > 3.0 * fast.sim_wall_time, "{} vs {}", slow.sim_wall_time, fast.sim_wall_time);
+}
+
+#[test]
+fn bad_flags_are_refused_with_a_reason() {
+    let cases = [
+        (SimArgs { shape: 0.0, ..SimArgs::defaults() }, "--shape"),
+        (SimArgs { stragglers: vec![(9, 2.0)], workers: 4, ..SimArgs::defaults() }, "--straggler"),
+        (SimArgs { lr_decay_at: vec![1.5], ..SimArgs::defaults() }, "--lr-decay-at"),
+        (SimArgs { elastic: vec![8, 64], ..SimArgs::defaults() }, "--mode sync"),
+        (SimArgs { batch: 100_000, train: 1000, ..SimArgs::defaults() }, "--batch"),
+        (SimArgs { lr: -1.0, ..SimArgs::defaults() }, "lr"),
+    ];
+    for (args, needle) in cases {
+        let err = run(&args).expect_err(needle).to_string();
+        assert!(err.contains(needle), "{err:?} should mention {needle}");
+    }
+}
