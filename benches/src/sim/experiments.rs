@@ -125,15 +125,32 @@ pub struct E1 {
     pub workers: Vec<u32>,
     /// Sequential baseline (N = 1, SGD + momentum): accuracy, loss.
     pub baseline: (f64, f64),
-    /// Per method: (accuracy, train loss, diverged seeds, total seeds, mean staleness) per worker count.
-    pub rows: Vec<(Method, Vec<(f64, f64, usize, usize, f64)>)>,
+    /// Per method, one cell per worker count.
+    pub rows: Vec<(Method, Vec<Cell>)>,
+}
+
+/// One E1 cell: a method at one worker count, over the seeds.
+#[derive(Debug, Clone, Copy)]
+pub struct Cell {
+    /// Mean test accuracy % of the seeds that did not diverge (NaN when all diverged).
+    pub accuracy: f64,
+    /// Mean final training loss of those seeds.
+    pub loss: f64,
+    /// Seeds that diverged.
+    pub diverged: usize,
+    /// Seeds run.
+    pub total: usize,
 }
 
 impl E1 {
     /// Accuracy of a method label at N workers.
     pub fn accuracy(&self, label: &str, workers: u32) -> f64 {
         let col = self.workers.iter().position(|w| *w == workers);
-        self.rows.iter().find(|(m, _)| m.label == label).and_then(|(_, r)| col.map(|c| r[c].0)).unwrap_or(f64::NAN)
+        self.rows
+            .iter()
+            .find(|(m, _)| m.label == label)
+            .and_then(|(_, r)| col.map(|c| r[c].accuracy))
+            .unwrap_or(f64::NAN)
     }
 }
 
@@ -172,13 +189,7 @@ pub fn e1(grid: &Grid, lr: f32, shape: f64) -> Result<E1> {
             };
             let loss =
                 if ok.is_empty() { f64::NAN } else { mean(&ok.iter().map(|r| r.final_train_loss).collect::<Vec<_>>()) };
-            cells.push((
-                acc,
-                loss,
-                runs.len() - ok.len(),
-                runs.len(),
-                mean(&runs.iter().map(|r| r.staleness_mean).collect::<Vec<_>>()),
-            ));
+            cells.push(Cell { accuracy: acc, loss, diverged: runs.len() - ok.len(), total: runs.len() });
         }
         rows.push((m, cells));
     }
@@ -203,7 +214,7 @@ fn e1_table(e: &E1) -> String {
     s.push('\n');
     for (m, cells) in &e.rows {
         let _ = write!(s, "| {} |", m.label);
-        for (acc, loss, diverged, total, _) in cells {
+        for Cell { accuracy: acc, loss, diverged, total } in cells {
             if *diverged == *total {
                 let _ = write!(s, " diverged {diverged}/{total} |");
             } else if *diverged > 0 {
@@ -239,11 +250,11 @@ pub fn e1_criteria(e: &E1, shape1: Option<&E1>) -> Vec<(String, bool)> {
     if let Some(s1) = shape1 {
         for (m, cells) in &s1.rows {
             for (w, cell) in s1.workers.iter().zip(cells) {
-                let within = (s1.baseline.0 - cell.0).abs() <= 5.0;
+                let within = (s1.baseline.0 - cell.accuracy).abs() <= 5.0;
                 out.push((
                     format!(
                         "shape 1, {} at N = {w} within 5 pt of the baseline: {:.1} vs {:.1}",
-                        m.label, cell.0, s1.baseline.0
+                        m.label, cell.accuracy, s1.baseline.0
                     ),
                     within,
                 ));
@@ -456,14 +467,14 @@ pub fn svg_plot(e: &E1) -> String {
         let points: Vec<String> = xs
             .iter()
             .zip(cells)
-            .filter(|(_, c)| c.0.is_finite())
-            .map(|(xv, c)| format!("{:.1},{:.1}", x(*xv), y(c.0)))
+            .filter(|(_, c)| c.accuracy.is_finite())
+            .map(|(xv, c)| format!("{:.1},{:.1}", x(*xv), y(c.accuracy)))
             .collect();
         let _ =
             writeln!(s, r#"<polyline fill="none" stroke="{color}" stroke-width="2" points="{}"/>"#, points.join(" "));
         for (xv, c) in xs.iter().zip(cells) {
-            if c.0.is_finite() {
-                let _ = writeln!(s, r#"<circle cx="{:.1}" cy="{:.1}" r="3" fill="{color}"/>"#, x(*xv), y(c.0));
+            if c.accuracy.is_finite() {
+                let _ = writeln!(s, r#"<circle cx="{:.1}" cy="{:.1}" r="3" fill="{color}"/>"#, x(*xv), y(c.accuracy));
             } else {
                 let _ = writeln!(
                     s,
