@@ -3,9 +3,11 @@
 //! - [`local`]: `gaps local`, a whole cluster of real processes on loopback.
 //! - [`transport`]: `gaps bench transport`.
 //! - [`kernels`]: `gaps bench kernels`.
+//! - [`tables`]: `gaps bench tables`.
 //! - [`sim`]: `gaps sim`, the deterministic straggler simulator, and its experiments.
 
 pub mod kernels;
 pub mod local;
 pub mod sim;
+pub mod tables;
 pub mod transport;

@@ -67,6 +67,15 @@ struct CertsArgs {
 
 #[derive(Debug, Subcommand)]
 enum BenchCommand {
+    /// Sparse-table insert and lookup rates and bytes per row.
+    Tables {
+        /// Rows to insert.
+        #[arg(long, env = "GAPS_BENCH_ROWS", default_value = "10Mi", value_parser = parse_count)]
+        rows: usize,
+        /// Floats per row.
+        #[arg(long, env = "GAPS_BENCH_DIM", default_value_t = 16)]
+        dim: u32,
+    },
     /// Parameters per second of every update rule against a streaming loop over the same bytes.
     Kernels {
         /// Print one JSON line per case on stdout.
@@ -174,6 +183,18 @@ async fn main() -> Result<()> {
                 None => gaps_benches::kernels::run_cpu(&sizes, threads, min_time, false)?,
             };
             gaps_benches::kernels::print(&results, json);
+        }
+        Command::Bench(BenchCommand::Tables { rows, dim }) => {
+            let r = gaps_benches::tables::run(rows as u64, dim)?;
+            eprintln!(
+                "[gaps bench] {} rows of dim {dim}: {:.2} M inserts/s, {:.2} M lookups/s, {:.0} B/row data, {:.1} B/row overhead",
+                r.rows,
+                r.inserts_per_s / 1e6,
+                r.lookups_per_s / 1e6,
+                r.row_data_bytes,
+                r.overhead_bytes_per_row
+            );
+            println!("{}", r.to_json());
         }
         Command::Bench(BenchCommand::Transport { json, seconds, quick }) => {
             anyhow::ensure!(seconds.is_finite() && seconds > 0.0, "--seconds must be positive");

@@ -9,6 +9,7 @@ pub mod cli;
 pub mod core;
 pub mod metrics;
 pub mod service;
+pub mod sparse;
 
 pub use crate::core::{CoreEvent, Init, ShardConfig, ShardCore, ShardError};
 pub use service::{RunningServer, ServiceConfig};

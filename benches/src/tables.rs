@@ -1,0 +1,87 @@
+//! `gaps bench tables`: sparse-table insert and lookup rates and memory per row.
+
+use gaps_kernels::Rule;
+use gaps_server::sparse::{Eviction, SparseTable, TableConfig};
+use std::time::Instant;
+
+/// Measured figures of one table size.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TableResult {
+    /// Rows inserted.
+    pub rows: u64,
+    /// Floats per row.
+    pub dim: u32,
+    /// Rows created per second (first-touch pulls in batches of 4096 new ids).
+    pub inserts_per_s: f64,
+    /// Existing rows read per second (pulls of 4096 random held ids).
+    pub lookups_per_s: f64,
+    /// Bytes per row of row data (values + Adagrad state).
+    pub row_data_bytes: f64,
+    /// Bytes per row beyond the row data (metadata and index).
+    pub overhead_bytes_per_row: f64,
+}
+
+impl TableResult {
+    /// The JSON line.
+    pub fn to_json(&self) -> String {
+        serde_json::json!({
+            "case": "sparse_table",
+            "rows": self.rows,
+            "dim": self.dim,
+            "inserts_per_s": self.inserts_per_s.round(),
+            "lookups_per_s": self.lookups_per_s.round(),
+            "row_data_bytes": self.row_data_bytes,
+            "overhead_bytes_per_row": (self.overhead_bytes_per_row * 100.0).round() / 100.0,
+        })
+        .to_string()
+    }
+}
+
+/// Fills a table with `rows` distinct ids (scattered over u64) and reads random held rows back.
+pub fn run(rows: u64, dim: u32) -> anyhow::Result<TableResult> {
+    let cfg = TableConfig {
+        table: 0,
+        dim,
+        rule: Rule::Adagrad,
+        init_std: 0.01,
+        seed: 1,
+        admit_after: 0,
+        memory_budget: None,
+        eviction: Eviction::Lru,
+    };
+    let mut table = SparseTable::new(cfg)?;
+    let id_of = |i: u64| i.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x5555;
+    let (mut values, mut versions) = (Vec::with_capacity(4096 * dim as usize), Vec::with_capacity(4096));
+    let batch = 4096u64;
+    let started = Instant::now();
+    let mut i = 0;
+    while i < rows {
+        let ids: Vec<u64> = (i..(i + batch).min(rows)).map(id_of).collect();
+        values.clear();
+        versions.clear();
+        table.pull(&ids, 0, &mut values, &mut versions);
+        i += batch;
+    }
+    let inserts_per_s = rows as f64 / started.elapsed().as_secs_f64();
+    let mut rng = gaps_common::rng::Rng::new(7);
+    let lookups = rows.min(4_000_000);
+    let started = Instant::now();
+    let mut done = 0;
+    while done < lookups {
+        let ids: Vec<u64> = (0..batch).map(|_| id_of(rng.below(rows))).collect();
+        values.clear();
+        versions.clear();
+        table.pull(&ids, 1, &mut values, &mut versions);
+        done += batch;
+    }
+    let lookups_per_s = done as f64 / started.elapsed().as_secs_f64();
+    anyhow::ensure!(table.rows() as u64 == rows, "expected {rows} rows, the table holds {}", table.rows());
+    Ok(TableResult {
+        rows,
+        dim,
+        inserts_per_s,
+        lookups_per_s,
+        row_data_bytes: (dim as usize * 2 * 4) as f64,
+        overhead_bytes_per_row: table.overhead_per_row(),
+    })
+}

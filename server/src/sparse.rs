@@ -1,0 +1,506 @@
+//! Sparse embedding tables: u64 feature id → a row of `dim` f32 plus the rule's optimizer state and a
+//! per-row version, created on first touch by a seeded initializer, with an optional admission filter and
+//! eviction (LRU or TTL) under a memory budget.
+//!
+//! Memory layout (chosen for the index-overhead target of ≤ 32 bytes per row beyond the row data):
+//! - rows live densely in one arena (`data`, `stride` floats per row: the values, then each state plane);
+//! - per row: its id (8 bytes), version (4), last touch (4) in parallel arrays;
+//! - the index is open addressing with linear probing over `u32` row numbers only (4 bytes per slot, load ≤
+//!   0.8); keys are read from the id array, deletions shift entries back (no tombstones).
+//!
+//! Sans-IO like the rest of the core: time is an argument (`now_s`, seconds of any monotonic origin).
+
+use gaps_common::rng::{mix, Rng};
+use gaps_kernels::{Bufs, Hyper, KernelError, PushScalars, Rule};
+
+const EMPTY: u32 = u32::MAX;
+/// Bytes of per-row metadata beside the row data: id (8), version (4), last touch (4).
+pub const META_BYTES_PER_ROW: u64 = 16;
+
+/// How rows leave a table that is over its memory budget (or idle too long).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Eviction {
+    /// Approximately least recently used: the oldest of 8 sampled rows goes first.
+    Lru,
+    /// Rows untouched for `ttl_s` seconds are removed on `tick`; the budget is still enforced by LRU.
+    Ttl {
+        /// Seconds without a touch before a row expires.
+        ttl_s: u32,
+    },
+}
+
+/// Configuration of one table.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TableConfig {
+    /// Table number (part of the initializer's stream, so a row's initial value does not depend on the shard).
+    pub table: u32,
+    /// Floats per row.
+    pub dim: u32,
+    /// Update rule; must have no per-worker planes and no look-ahead.
+    pub rule: Rule,
+    /// Standard deviation of the normal initializer.
+    pub init_std: f32,
+    /// Initializer seed.
+    pub seed: u64,
+    /// A row is created only after its id was seen this many times (0 or 1: at once).
+    pub admit_after: u32,
+    /// Memory budget in bytes (row data, metadata and index); None = unbounded.
+    pub memory_budget: Option<u64>,
+    /// Eviction policy.
+    pub eviction: Eviction,
+}
+
+/// Why a table cannot be used as configured.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("sparse table: {0}")]
+pub struct TableError(pub String);
+
+/// A count-min sketch of how often ids were seen (4 rows of 2^20 saturating 8-bit counters, 4 MiB).
+#[derive(Debug, Clone)]
+struct Sightings {
+    counters: Vec<u8>,
+}
+
+impl Sightings {
+    const WIDTH_BITS: u32 = 20;
+
+    fn new() -> Self {
+        Sightings { counters: vec![0; 4 << Self::WIDTH_BITS] }
+    }
+
+    /// Counts one sighting and returns the (over-)estimate of the id's count.
+    fn see(&mut self, id: u64) -> u32 {
+        let mut least = u8::MAX;
+        for row in 0..4u64 {
+            let h = mix(id, row + 1);
+            let i = (row as usize) << Self::WIDTH_BITS | (h >> (64 - Self::WIDTH_BITS)) as usize;
+            self.counters[i] = self.counters[i].saturating_add(1);
+            least = least.min(self.counters[i]);
+        }
+        u32::from(least)
+    }
+}
+
+/// Counters of a table.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TableStats {
+    /// Rows held now.
+    pub rows: u64,
+    /// Bytes held now (row data, metadata and index).
+    pub bytes: u64,
+    /// Rows ever created.
+    pub created: u64,
+    /// Rows evicted (budget or TTL).
+    pub evicted: u64,
+    /// Looked-up ids not yet admitted (answered with initial values, not stored).
+    pub not_admitted: u64,
+    /// Pushed rows dropped because the row did not exist (never admitted, or evicted since the pull).
+    pub dropped_updates: u64,
+}
+
+/// The seeded initial values of row `id`: they depend on (seed, table, id) only, not on the shard or on
+/// when the row was created.
+fn initial_values(cfg: &TableConfig, id: u64, out: &mut [f32]) {
+    if cfg.init_std == 0.0 {
+        out.iter_mut().for_each(|v| *v = 0.0);
+        return;
+    }
+    let mut rng = Rng::new(mix(mix(cfg.seed, u64::from(cfg.table)), id));
+    out.iter_mut().for_each(|v| *v = (rng.normal() * f64::from(cfg.init_std)) as f32);
+}
+
+/// One sparse table.
+#[derive(Debug)]
+pub struct SparseTable {
+    cfg: TableConfig,
+    stride: usize,
+    index: Vec<u32>,
+    ids: Vec<u64>,
+    versions: Vec<u32>,
+    touched: Vec<u32>,
+    data: Vec<f32>,
+    sightings: Option<Sightings>,
+    sampler: Rng,
+    stats: TableStats,
+}
+
+impl SparseTable {
+    /// A new, empty table.
+    pub fn new(cfg: TableConfig) -> Result<Self, TableError> {
+        let layout = cfg.rule.layout();
+        if layout.worker_planes > 0 || layout.lookahead {
+            return Err(TableError(format!(
+                "rule {} keeps state per worker or a look-ahead, which sparse rows do not support; use sgd, momentum, nesterov, staleness-aware, dc-asgd, gap-aware, dana-slim, adagrad or adam",
+                cfg.rule
+            )));
+        }
+        if cfg.dim == 0 || cfg.dim > 4096 {
+            return Err(TableError(format!("dim must be in 1..=4096, got {}", cfg.dim)));
+        }
+        if !(cfg.init_std.is_finite() && cfg.init_std >= 0.0) {
+            return Err(TableError(format!("init std must be ≥ 0, got {}", cfg.init_std)));
+        }
+        let stride = cfg.dim as usize * (1 + layout.shared_planes);
+        let sightings = (cfg.admit_after > 1).then(Sightings::new);
+        let sampler = Rng::new(mix(cfg.seed, 0xe71c));
+        Ok(SparseTable {
+            cfg,
+            stride,
+            index: vec![EMPTY; 1024],
+            ids: Vec::new(),
+            versions: Vec::new(),
+            touched: Vec::new(),
+            data: Vec::new(),
+            sightings,
+            sampler,
+            stats: TableStats::default(),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &TableConfig {
+        &self.cfg
+    }
+
+    /// Rows held.
+    pub fn rows(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// Bytes held: row data + per-row metadata + index.
+    pub fn bytes(&self) -> u64 {
+        self.ids.len() as u64 * (self.stride as u64 * 4 + META_BYTES_PER_ROW) + self.index.len() as u64 * 4
+    }
+
+    /// Bytes per row beyond the row data (metadata and index), the figure the design bounds by 32.
+    pub fn overhead_per_row(&self) -> f64 {
+        let rows = self.ids.len().max(1) as f64;
+        (self.ids.len() as u64 * META_BYTES_PER_ROW + self.index.len() as u64 * 4) as f64 / rows
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> TableStats {
+        TableStats { rows: self.ids.len() as u64, bytes: self.bytes(), ..self.stats }
+    }
+
+    fn home(&self, id: u64) -> usize {
+        (mix(id, u64::from(self.cfg.table)) as usize) & (self.index.len() - 1)
+    }
+
+    /// The row number of `id`, if held.
+    fn find(&self, id: u64) -> Option<usize> {
+        let mask = self.index.len() - 1;
+        let mut i = self.home(id);
+        loop {
+            let r = self.index[i];
+            if r == EMPTY {
+                return None;
+            }
+            if self.ids[r as usize] == id {
+                return Some(r as usize);
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    /// Index slot holding row `row` (which must be present).
+    fn slot_of(&self, row: usize) -> usize {
+        let mask = self.index.len() - 1;
+        let mut i = self.home(self.ids[row]);
+        while self.index[i] as usize != row {
+            i = (i + 1) & mask;
+        }
+        i
+    }
+
+    fn insert_index(&mut self, row: u32) {
+        let mask = self.index.len() - 1;
+        let mut i = self.home(self.ids[row as usize]);
+        while self.index[i] != EMPTY {
+            i = (i + 1) & mask;
+        }
+        self.index[i] = row;
+    }
+
+    fn grow_index_if_needed(&mut self) {
+        if (self.ids.len() + 1) * 5 <= self.index.len() * 4 {
+            return;
+        }
+        let capacity = self.index.len() * 2;
+        self.index = vec![EMPTY; capacity];
+        for row in 0..self.ids.len() as u32 {
+            self.insert_index(row);
+        }
+    }
+
+    /// The initial value of a row (also what a not-yet-admitted id reads).
+    fn initial_row(&self, id: u64, out: &mut [f32]) {
+        initial_values(&self.cfg, id, out);
+    }
+
+    fn create(&mut self, id: u64, now_s: u32) -> usize {
+        self.grow_index_if_needed();
+        let row = self.ids.len();
+        self.ids.push(id);
+        self.versions.push(0);
+        self.touched.push(now_s);
+        self.data.resize(self.data.len() + self.stride, 0.0);
+        let dim = self.cfg.dim as usize;
+        initial_values(&self.cfg, id, &mut self.data[row * self.stride..row * self.stride + dim]);
+        self.insert_index(row as u32);
+        self.stats.created += 1;
+        row
+    }
+
+    /// Removes row `row`: backward-shift deletion in the index, then the last row moves into its place.
+    fn remove(&mut self, row: usize) {
+        let mask = self.index.len() - 1;
+        let mut hole = self.slot_of(row);
+        let mut j = (hole + 1) & mask;
+        while self.index[j] != EMPTY {
+            let home = self.home(self.ids[self.index[j] as usize]);
+            // Move the entry at j back into the hole unless its home lies cyclically in (hole, j].
+            let stays = if hole <= j { hole < home && home <= j } else { hole < home || home <= j };
+            if !stays {
+                self.index[hole] = self.index[j];
+                hole = j;
+            }
+            j = (j + 1) & mask;
+        }
+        self.index[hole] = EMPTY;
+        let last = self.ids.len() - 1;
+        if row != last {
+            let slot = self.slot_of(last);
+            self.index[slot] = row as u32;
+            self.ids.swap(row, last);
+            self.versions.swap(row, last);
+            self.touched.swap(row, last);
+            let (head, tail) = self.data.split_at_mut(last * self.stride);
+            head[row * self.stride..(row + 1) * self.stride].copy_from_slice(&tail[..self.stride]);
+        }
+        self.ids.pop();
+        self.versions.pop();
+        self.touched.pop();
+        self.data.truncate(last * self.stride);
+        self.stats.evicted += 1;
+    }
+
+    /// Evicts (approximately least recently used) rows until the table fits its budget.
+    fn enforce_budget(&mut self) {
+        let Some(budget) = self.cfg.memory_budget else { return };
+        while self.bytes() > budget && !self.ids.is_empty() {
+            let n = self.ids.len() as u64;
+            let mut victim = self.sampler.below(n) as usize;
+            for _ in 0..7 {
+                let r = self.sampler.below(n) as usize;
+                if self.touched[r] < self.touched[victim] {
+                    victim = r;
+                }
+            }
+            self.remove(victim);
+        }
+    }
+
+    /// Reads rows for a pull: writes `dim` values and the version per id. Rows are created on first touch
+    /// (once admitted); ids not admitted yet read their initial values with version 0 and are not stored.
+    pub fn pull(&mut self, ids: &[u64], now_s: u32, values: &mut Vec<f32>, versions: &mut Vec<u32>) {
+        let dim = self.cfg.dim as usize;
+        for &id in ids {
+            let row = match self.find(id) {
+                Some(r) => Some(r),
+                None => {
+                    let admitted = match self.sightings.as_mut() {
+                        Some(s) => s.see(id) >= self.cfg.admit_after,
+                        None => true,
+                    };
+                    admitted.then(|| self.create(id, now_s))
+                }
+            };
+            match row {
+                Some(r) => {
+                    self.touched[r] = now_s;
+                    values.extend_from_slice(&self.data[r * self.stride..r * self.stride + dim]);
+                    versions.push(self.versions[r]);
+                }
+                None => {
+                    self.stats.not_admitted += 1;
+                    let start = values.len();
+                    values.resize(start + dim, 0.0);
+                    self.initial_row(id, &mut values[start..]);
+                    versions.push(0);
+                }
+            }
+        }
+        self.enforce_budget();
+    }
+
+    /// Applies a push: one gradient row per id (ids must be distinct; the caller checks), `reads` holds the
+    /// rows the gradients were computed on when the rule needs them. Rows that do not exist are skipped and
+    /// counted. Returns the largest staleness.
+    #[allow(clippy::too_many_arguments)]
+    pub fn push(
+        &mut self,
+        ids: &[u64],
+        read_versions: &[u32],
+        grads: &[f32],
+        reads: &[f32],
+        hyper: &Hyper,
+        lr: f32,
+        lr_max: f32,
+        now_s: u32,
+    ) -> Result<u64, KernelError> {
+        let dim = self.cfg.dim as usize;
+        let planes = self.cfg.rule.layout().shared_planes;
+        let mut max_staleness = 0u64;
+        for (k, &id) in ids.iter().enumerate() {
+            let Some(r) = self.find(id) else {
+                self.stats.dropped_updates += 1;
+                continue;
+            };
+            let version = self.versions[r];
+            // A row evicted and re-created since the read restarts its count; treat that read as current.
+            let staleness = u64::from(version.saturating_sub(read_versions[k]));
+            max_staleness = max_staleness.max(staleness);
+            let row = &mut self.data[r * self.stride..(r + 1) * self.stride];
+            let (params, state) = row.split_at_mut(dim);
+            let (s0, s1) = state.split_at_mut(if planes >= 1 { dim } else { 0 });
+            let read = if reads.is_empty() { reads } else { &reads[k * dim..(k + 1) * dim] };
+            let bufs = Bufs { params, s0, s1, w0: &mut [], grad: &grads[k * dim..(k + 1) * dim], read };
+            let scalars = PushScalars { lr, lr_max, staleness, t: u64::from(version) + 1 };
+            gaps_kernels::apply(self.cfg.rule, hyper, &scalars, bufs)?;
+            self.versions[r] = version.wrapping_add(1);
+            self.touched[r] = now_s;
+        }
+        Ok(max_staleness)
+    }
+
+    /// Removes rows idle longer than the TTL (TTL eviction only). Returns how many.
+    pub fn tick(&mut self, now_s: u32) -> u64 {
+        let Eviction::Ttl { ttl_s } = self.cfg.eviction else { return 0 };
+        let before = self.stats.evicted;
+        let mut r = 0;
+        while r < self.ids.len() {
+            if now_s.saturating_sub(self.touched[r]) > ttl_s {
+                self.remove(r); // the last row moved into r; look at r again
+            } else {
+                r += 1;
+            }
+        }
+        self.stats.evicted - before
+    }
+
+    /// The values of a held row (tests, evaluation).
+    pub fn row(&self, id: u64) -> Option<&[f32]> {
+        self.find(id).map(|r| &self.data[r * self.stride..r * self.stride + self.cfg.dim as usize])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table(rule: Rule, admit_after: u32, budget: Option<u64>, eviction: Eviction) -> SparseTable {
+        SparseTable::new(TableConfig {
+            table: 3,
+            dim: 4,
+            rule,
+            init_std: 0.1,
+            seed: 9,
+            admit_after,
+            memory_budget: budget,
+            eviction,
+        })
+        .expect("table")
+    }
+
+    #[test]
+    fn rows_are_created_once_initialised_deterministically_and_updated() {
+        let mut t = table(Rule::Adagrad, 0, None, Eviction::Lru);
+        let (mut v, mut ver) = (Vec::new(), Vec::new());
+        t.pull(&[5, 7, 5], 0, &mut v, &mut ver);
+        assert_eq!(t.rows(), 2);
+        assert_eq!(&v[0..4], &v[8..12], "the same id reads the same row");
+        assert_ne!(&v[0..4], &v[4..8]);
+        let mut other = table(Rule::Adagrad, 0, None, Eviction::Lru);
+        let (mut v2, mut ver2) = (Vec::new(), Vec::new());
+        other.pull(&[7], 0, &mut v2, &mut ver2);
+        assert_eq!(&v[4..8], &v2[..], "initial values depend on (seed, table, id) only");
+        let h = Hyper { lr: 0.1, ..Hyper::default() };
+        let tau = t.push(&[5, 99], &[0, 0], &[1.0; 8], &[], &h, 0.1, 0.1, 1).expect("push");
+        assert_eq!(tau, 0);
+        assert_eq!(t.stats().dropped_updates, 1, "id 99 was never pulled");
+        let row = t.row(5).expect("row");
+        assert!((row[0] - (v[0] - 0.1 * 1.0 / (1.0 + 1e-8))).abs() < 1e-6);
+        let (mut v3, mut ver3) = (Vec::new(), Vec::new());
+        t.pull(&[5], 2, &mut v3, &mut ver3);
+        assert_eq!(ver3, vec![1]);
+        let tau = t.push(&[5], &[0], &[1.0; 4], &[], &h, 0.1, 0.1, 3).expect("push");
+        assert_eq!(tau, 1, "read at version 0, applied at version 1");
+    }
+
+    #[test]
+    fn admission_filter_creates_rows_only_after_enough_sightings() {
+        let mut t = table(Rule::Sgd, 3, None, Eviction::Lru);
+        let (mut v, mut ver) = (Vec::new(), Vec::new());
+        t.pull(&[42], 0, &mut v, &mut ver);
+        t.pull(&[42], 0, &mut v, &mut ver);
+        assert_eq!(t.rows(), 0);
+        assert_eq!(t.stats().not_admitted, 2);
+        assert_eq!(&v[0..4], &v[4..8], "not-admitted ids read their initial values");
+        t.pull(&[42], 0, &mut v, &mut ver);
+        assert_eq!(t.rows(), 1);
+        assert_eq!(&v[8..12], &v[0..4]);
+    }
+
+    #[test]
+    fn eviction_keeps_the_table_under_its_budget_and_the_index_consistent() {
+        let budget = 64 * 1024;
+        let mut t = table(Rule::Adam, 0, Some(budget), Eviction::Lru);
+        let (mut v, mut ver) = (Vec::new(), Vec::new());
+        for batch in 0..200u64 {
+            v.clear();
+            ver.clear();
+            let ids: Vec<u64> = (0..50).map(|i| batch * 37 + i * 1_000_003).collect();
+            t.pull(&ids, batch as u32, &mut v, &mut ver);
+            assert!(t.bytes() <= budget, "{} bytes over the budget of {budget}", t.bytes());
+        }
+        assert!(t.stats().evicted > 0);
+        // Every held row is found through the index, and absent ids are not.
+        for r in 0..t.rows() {
+            assert_eq!(t.find(t.ids[r]), Some(r));
+        }
+        assert_eq!(t.find(u64::MAX), None);
+        // Recently used rows survive better than old ones.
+        let recent = (0..50).filter(|i| t.row(199 * 37 + i * 1_000_003).is_some()).count();
+        let old = (0..50).filter(|i| t.row(i * 1_000_003).is_some()).count();
+        assert!(recent > old, "recent {recent} vs old {old}");
+    }
+
+    #[test]
+    fn ttl_eviction_removes_idle_rows() {
+        let mut t = table(Rule::Sgd, 0, None, Eviction::Ttl { ttl_s: 10 });
+        let (mut v, mut ver) = (Vec::new(), Vec::new());
+        t.pull(&[1, 2, 3], 0, &mut v, &mut ver);
+        t.pull(&[2], 8, &mut v, &mut ver);
+        assert_eq!(t.tick(15), 2);
+        assert_eq!(t.rows(), 1);
+        assert!(t.row(2).is_some());
+    }
+
+    #[test]
+    fn rules_with_per_worker_state_are_refused() {
+        let cfg = |rule| TableConfig {
+            table: 0,
+            dim: 8,
+            rule,
+            init_std: 0.0,
+            seed: 0,
+            admit_after: 0,
+            memory_budget: None,
+            eviction: Eviction::Lru,
+        };
+        assert!(SparseTable::new(cfg(Rule::DanaZero)).is_err());
+        assert!(SparseTable::new(cfg(Rule::MultiMomentum)).is_err());
+        assert!(SparseTable::new(cfg(Rule::GapAware)).is_ok());
+    }
+}
