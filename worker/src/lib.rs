@@ -2,6 +2,7 @@
 //! the QUIC plumbing shared with the servers, the built-in models and data, and the training loop.
 
 pub mod client;
+pub mod criteo;
 pub mod data;
 pub mod model;
 pub mod net;
