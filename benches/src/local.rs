@@ -11,8 +11,10 @@ use gaps_common::tls::ClusterCerts;
 use gaps_common::wire::Role;
 use gaps_kernels::Rule;
 use gaps_worker::client::{Client, ClientOptions};
+use gaps_worker::criteo::{held_out, DataSpec};
 use gaps_worker::data::{SyntheticLogreg, EVAL_BASE};
 use gaps_worker::model::{logreg_loss, ModelKind};
+use gaps_worker::recsys::{evaluate, CtrShape};
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -35,21 +37,42 @@ pub struct LocalArgs {
     /// Feature dimension.
     #[arg(long, env = "GAPS_DIM", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=(1u64 << 28)))]
     pub dim: u64,
-    /// Elements per chunk (small enough here that every shard holds part of the model).
-    #[arg(long, env = "GAPS_CHUNK_ELEMS", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
-    pub chunk_elems: u32,
-    /// Steps per worker.
-    #[arg(long, env = "GAPS_STEPS", default_value_t = 150, value_parser = clap::value_parser!(u64).range(1..))]
-    pub steps: u64,
-    /// Samples per step and worker.
-    #[arg(long, env = "GAPS_BATCH", default_value_t = 64)]
-    pub batch: u32,
-    /// Update rule.
-    #[arg(long, env = "GAPS_RULE", default_value = "momentum")]
-    pub rule: Rule,
-    /// Learning rate.
-    #[arg(long, env = "GAPS_LR", default_value_t = 0.1)]
-    pub lr: f32,
+    /// Elements per chunk (default: 64 for logreg, so every shard holds part of it; 4096 for the CTR models).
+    #[arg(long, env = "GAPS_CHUNK_ELEMS", value_parser = clap::value_parser!(u32).range(1..))]
+    pub chunk_elems: Option<u32>,
+    /// Steps per worker (default: 150 for logreg, 300 for the CTR models).
+    #[arg(long, env = "GAPS_STEPS", value_parser = clap::value_parser!(u64).range(1..))]
+    pub steps: Option<u64>,
+    /// Samples per step and worker (default: 64 for logreg, 256 for the CTR models).
+    #[arg(long, env = "GAPS_BATCH", value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub batch: Option<u32>,
+    /// Update rule of the dense tensors (default: momentum for logreg, adagrad for the CTR models).
+    #[arg(long, env = "GAPS_RULE")]
+    pub rule: Option<Rule>,
+    /// Learning rate of the dense tensors (default: 0.1 for logreg, 0.02 for the CTR models).
+    #[arg(long, env = "GAPS_LR")]
+    pub lr: Option<f32>,
+    /// Training data of the CTR models: `synthetic` or the path of a Criteo-layout TSV file.
+    #[arg(long, env = "GAPS_DATA", default_value = "synthetic")]
+    pub data: String,
+    /// Embedding dimension of the CTR models.
+    #[arg(long, env = "GAPS_EMBEDDING_DIM", default_value_t = 8)]
+    pub embedding_dim: u32,
+    /// Hidden units of dlrm.
+    #[arg(long, env = "GAPS_HIDDEN", default_value_t = 32)]
+    pub hidden: u32,
+    /// Update rule of embedding rows.
+    #[arg(long, env = "GAPS_SPARSE_RULE", default_value = "adagrad")]
+    pub sparse_rule: Rule,
+    /// Learning rate of embedding rows.
+    #[arg(long, env = "GAPS_SPARSE_LR", default_value_t = 0.05)]
+    pub sparse_lr: f32,
+    /// Create an embedding row only after its id was seen this many times.
+    #[arg(long, env = "GAPS_ADMIT_AFTER", default_value_t = 0)]
+    pub admit_after: u32,
+    /// Memory budget of each shard's embedding tables, e.g. 256MiB.
+    #[arg(long, env = "GAPS_TABLE_MEMORY")]
+    pub table_memory: Option<String>,
     /// Momentum.
     #[arg(long, env = "GAPS_MOMENTUM", default_value_t = 0.9)]
     pub momentum: f32,
@@ -66,7 +89,7 @@ pub struct LocalArgs {
     #[arg(long, env = "GAPS_SEED", default_value_t = 1)]
     pub seed: u64,
     /// Samples in the held-out evaluation set.
-    #[arg(long, env = "GAPS_EVAL_SAMPLES", default_value_t = 4096)]
+    #[arg(long, env = "GAPS_EVAL_SAMPLES", default_value_t = 20_000)]
     pub eval_samples: u32,
     /// Give up (and stop every process) after this long.
     #[arg(long, env = "GAPS_TIMEOUT", default_value = "10m", value_parser = parse_duration)]
@@ -106,16 +129,58 @@ pub struct LocalReport {
     pub staleness_max: u64,
     /// Wall-clock seconds, first process started to last process stopped.
     pub wall_s: f64,
+    /// The CTR figures (CTR models only).
+    pub ctr: Option<CtrReport>,
+}
+
+impl LocalArgs {
+    fn ctr(&self) -> bool {
+        self.model.ctr().is_some()
+    }
+    fn chunk_elems(&self) -> u32 {
+        self.chunk_elems.unwrap_or(if self.ctr() { 4096 } else { 64 })
+    }
+    fn steps(&self) -> u64 {
+        self.steps.unwrap_or(if self.ctr() { 300 } else { 150 })
+    }
+    fn batch(&self) -> u32 {
+        self.batch.unwrap_or(if self.ctr() { 256 } else { 64 })
+    }
+    fn rule(&self) -> Rule {
+        self.rule.unwrap_or(if self.ctr() { Rule::Adagrad } else { Rule::Momentum })
+    }
+    fn lr(&self) -> f32 {
+        self.lr.unwrap_or(if self.ctr() { 0.02 } else { 0.1 })
+    }
+}
+
+/// What the CTR models add to the report.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct CtrReport {
+    /// Held-out AUC.
+    pub auc: f64,
+    /// AUC of the planted teacher on the same samples (synthetic data only).
+    pub teacher_auc: Option<f64>,
+    /// Held-out log-loss.
+    pub logloss: f64,
+    /// Training samples per second over all workers.
+    pub samples_per_s: f64,
+    /// Bad lines in the data file.
+    pub bad_lines: u64,
+    /// Embedding rows held by all shards.
+    pub table_rows: u64,
+    /// Bytes held by all shards' tables.
+    pub table_bytes: u64,
 }
 
 impl LocalReport {
     /// The JSON line.
     pub fn to_json(&self, args: &LocalArgs) -> String {
-        serde_json::json!({
+        let mut v = serde_json::json!({
             "servers": self.servers,
             "workers": self.workers,
             "model": args.model.name(),
-            "rule": args.rule.name(),
+            "rule": args.rule().name(),
             "steps": self.steps,
             "pushes_sent": self.pushes_sent,
             "pushes_applied": self.pushes_applied,
@@ -126,8 +191,19 @@ impl LocalReport {
             "staleness_mean": self.staleness_mean,
             "staleness_max": self.staleness_max,
             "wall_s": self.wall_s,
-        })
-        .to_string()
+        });
+        if let (Some(c), Some(map)) = (&self.ctr, v.as_object_mut()) {
+            map.insert("sparse_rule".into(), args.sparse_rule.name().into());
+            map.insert("data".into(), args.data.clone().into());
+            map.insert("auc".into(), c.auc.into());
+            map.insert("teacher_auc".into(), c.teacher_auc.map_or(serde_json::Value::Null, Into::into));
+            map.insert("logloss".into(), c.logloss.into());
+            map.insert("samples_per_s".into(), c.samples_per_s.round().into());
+            map.insert("bad_lines".into(), c.bad_lines.into());
+            map.insert("table_rows".into(), c.table_rows.into());
+            map.insert("table_bytes".into(), c.table_bytes.into());
+        }
+        v.to_string()
     }
 }
 
@@ -226,9 +302,15 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             format!("--key={}", path("server.key")),
             format!("--model={}", args.model.name()),
             format!("--dim={}", args.dim),
-            format!("--chunk-elems={}", args.chunk_elems),
-            format!("--rule={}", args.rule),
-            format!("--lr={}", args.lr),
+            format!("--chunk-elems={}", args.chunk_elems()),
+            format!("--rule={}", args.rule()),
+            format!("--lr={}", args.lr()),
+            format!("--embedding-dim={}", args.embedding_dim),
+            format!("--hidden={}", args.hidden),
+            format!("--sparse-rule={}", args.sparse_rule),
+            format!("--sparse-lr={}", args.sparse_lr),
+            format!("--admit-after={}", args.admit_after),
+            format!("--init-std={}", if args.ctr() { 0.05 } else { 0.0 }),
             format!("--momentum={}", args.momentum),
             format!("--weight-decay={}", args.weight_decay),
             format!("--dc-lambda={}", args.dc_lambda),
@@ -238,6 +320,9 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
         ];
         if let Some(c) = coordinator {
             a.push(format!("--coordinator={c}"));
+        }
+        if let Some(m) = &args.table_memory {
+            a.push(format!("--table-memory={m}"));
         }
         a
     };
@@ -258,8 +343,22 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
         opts.connect_timeout = Duration::from_secs(30);
         let observer = Client::connect(opts).await.context("connecting to the cluster as an observer")?;
         let data = SyntheticLogreg::new(args.dim as usize, args.seed);
-        let initial = observer.pull().await.context("pulling the initial model")?;
-        let initial_loss = eval_loss(&data, &initial.tensors, args.eval_samples);
+        let data_spec: DataSpec = match args.data.parse().map_err(anyhow::Error::msg)? {
+            DataSpec::Synthetic { .. } => DataSpec::Synthetic { seed: args.seed },
+            file => file,
+        };
+        let ctr = match args.model.ctr() {
+            Some(model) => {
+                let shape = CtrShape::from_layout(model, observer.layout()).map_err(anyhow::Error::msg)?;
+                let (samples, teacher, bad) = held_out(&data_spec, args.eval_samples as usize).map_err(anyhow::Error::msg)?;
+                Some((shape, samples, teacher, bad))
+            }
+            None => None,
+        };
+        let initial_loss = match &ctr {
+            Some((shape, samples, _, _)) => evaluate(&observer, shape, samples).await.context("evaluating the initial model")?.0 as f32,
+            None => eval_loss(&data, &observer.pull().await.context("pulling the initial model")?.tensors, args.eval_samples),
+        };
         eprintln!("[gaps local] cluster up in {:.1}s; initial held-out loss {initial_loss:.4}", started.elapsed().as_secs_f64());
 
         for w in 0..args.workers {
@@ -270,16 +369,21 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
                 format!("--cert={}", path("worker.pem")),
                 format!("--key={}", path("worker.key")),
                 format!("--model={}", args.model.name()),
-                format!("--steps={}", args.steps),
-                format!("--batch={}", args.batch),
+                format!("--steps={}", args.steps()),
+                format!("--batch={}", args.batch()),
                 format!("--data-seed={}", args.seed),
+                format!("--data={}", args.data),
+                format!("--data-shard={w}/{}", args.workers),
                 format!("--name=worker-{w}"),
                 "--json".into(),
             ];
             workers.push(spawn(exe, &format!("worker-{w}"), &a, dir)?);
         }
         let shards_with_chunks = args.servers.min(observer.layout().total_chunks() as u32);
-        let expected = u64::from(args.workers) * args.steps * u64::from(shards_with_chunks);
+        // A CTR step also pushes embedding rows to every shard (rows spread over all of them).
+        let per_step = u64::from(shards_with_chunks) + if args.ctr() { u64::from(args.servers) } else { 0 };
+        let expected = u64::from(args.workers) * args.steps() * per_step;
+        let training_started = Instant::now();
         let mut outputs = Vec::new();
         let interactive = std::io::stderr().is_terminal();
         let mut last_decile = 0;
@@ -317,19 +421,42 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
         if interactive {
             eprintln!();
         }
+        let training_s = training_started.elapsed().as_secs_f64();
         let mut steps = 0;
         let mut pushes_sent = 0;
         let mut retries = 0;
+        let mut samples = 0;
+        let mut bad_lines = 0;
         for (p, text) in workers.iter().zip(&outputs) {
             let line = text.lines().rev().find(|l| l.contains("worker_done")).with_context(|| format!("{} printed no summary", p.name))?;
             let v: serde_json::Value = serde_json::from_str(line).with_context(|| format!("parsing {line:?}"))?;
             steps += v["steps"].as_u64().unwrap_or(0);
             pushes_sent += v["pushes_sent"].as_u64().unwrap_or(0);
             retries += v["retries"].as_u64().unwrap_or(0);
+            samples += v["samples"].as_u64().unwrap_or(0);
+            bad_lines = bad_lines.max(v["bad_lines"].as_u64().unwrap_or(0));
         }
-        let final_model = observer.pull().await.context("pulling the final model")?;
-        let final_loss = eval_loss(&data, &final_model.tensors, args.eval_samples);
         let stats = observer.stats().await.context("reading shard counters")?;
+        let (final_loss, ctr_report) = match &ctr {
+            Some((shape, eval, teacher, eval_bad)) => {
+                let (logloss, auc) = evaluate(&observer, shape, eval).await.context("evaluating the final model")?;
+                let labels: Vec<u8> = eval.iter().map(|s| s.label).collect();
+                let report = CtrReport {
+                    auc,
+                    teacher_auc: teacher.as_ref().map(|p| gaps_worker::criteo::auc(p, &labels)),
+                    logloss,
+                    samples_per_s: samples as f64 / training_s.max(1e-9),
+                    bad_lines: bad_lines.max(*eval_bad),
+                    table_rows: stats.iter().map(|s| s.table_rows).sum(),
+                    table_bytes: stats.iter().map(|s| s.table_bytes).sum(),
+                };
+                (logloss as f32, Some(report))
+            }
+            None => {
+                let final_model = observer.pull().await.context("pulling the final model")?;
+                (eval_loss(&data, &final_model.tensors, args.eval_samples), None)
+            }
+        };
         observer.close().await;
         let count: u64 = stats.iter().map(|s| s.staleness_count).sum();
         Ok(LocalReport {
@@ -345,6 +472,7 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             staleness_mean: stats.iter().map(|s| s.staleness_sum).sum::<u64>() as f64 / count.max(1) as f64,
             staleness_max: stats.iter().map(|s| s.staleness_max).max().unwrap_or(0),
             wall_s: 0.0,
+            ctr: ctr_report,
         })
     }
     .await;

@@ -139,6 +139,18 @@ async fn main() -> Result<()> {
                 report.initial_loss,
                 report.final_loss
             );
+            if let Some(c) = &report.ctr {
+                eprintln!(
+                    "[gaps local] held-out AUC {:.4}{}, log-loss {:.4}, {:.0} samples/s, {} embedding rows ({:.1} MiB), {} bad lines",
+                    c.auc,
+                    c.teacher_auc.map(|t| format!(" (teacher {t:.4})")).unwrap_or_default(),
+                    c.logloss,
+                    c.samples_per_s,
+                    c.table_rows,
+                    c.table_bytes as f64 / (1 << 20) as f64,
+                    c.bad_lines
+                );
+            }
             if args.json {
                 println!("{}", report.to_json(&args));
             }

@@ -119,6 +119,7 @@ async fn gaps_case(certs: &ClusterCerts, shards: u32, n: u64, quick: bool, min_t
                 advertise: String::new(),
                 epoch: 7,
                 threads: 1,
+                sparse: gaps_server::core::SparseSettings::default(),
             },
             join_timeout: Duration::from_secs(10),
             tick_interval: Duration::from_millis(250),

@@ -41,14 +41,31 @@ pub enum LayoutError {
     },
 }
 
-/// The model's dense tensors and the chunk size. Identical on every process of a cluster (checked by
-/// [`Layout::fingerprint`]).
+/// One sparse embedding table of the model: u64 feature ids → rows of `dim` floats. Row `id` of table `t`
+/// lives on shard [`sparse_owner`]`(t, id, num_shards)`.
+#[derive(Debug, Clone, PartialEq, Eq, Encode, Decode)]
+pub struct SparseSpec {
+    /// Human-readable name, e.g. `dlrm.emb`.
+    pub name: String,
+    /// Floats per row.
+    pub dim: u32,
+}
+
+/// The shard holding row `id` of table `table`: a stable 64-bit mix of (id, table) modulo the shard count.
+pub fn sparse_owner(table: u32, id: u64, num_shards: u32) -> u32 {
+    (crate::rng::mix(id, 0x5ba2_5e00 + u64::from(table)) % u64::from(num_shards.max(1))) as u32
+}
+
+/// The model's dense tensors, the chunk size and the sparse tables. Identical on every process of a
+/// cluster (checked by [`Layout::fingerprint`]).
 #[derive(Debug, Clone, PartialEq, Eq, Encode, Decode)]
 pub struct Layout {
     /// The dense tensors, in order.
     pub tensors: Vec<TensorSpec>,
     /// Elements per chunk (the last chunk of a tensor may be shorter).
     pub chunk_elems: u32,
+    /// The sparse embedding tables, in order (table index = position).
+    pub tables: Vec<SparseSpec>,
 }
 
 /// Upper bound on the number of elements of one tensor (2^34 floats = 64 GiB), so sizes never overflow.
@@ -59,7 +76,16 @@ pub const MAX_TENSORS: usize = 1 << 16;
 impl Layout {
     /// Builds and validates a layout.
     pub fn new(tensors: Vec<TensorSpec>, chunk_elems: u32) -> Result<Self, LayoutError> {
-        let layout = Layout { tensors, chunk_elems };
+        Layout::with_tables(tensors, chunk_elems, Vec::new())
+    }
+
+    /// Builds and validates a layout with sparse tables.
+    pub fn with_tables(
+        tensors: Vec<TensorSpec>,
+        chunk_elems: u32,
+        tables: Vec<SparseSpec>,
+    ) -> Result<Self, LayoutError> {
+        let layout = Layout { tensors, chunk_elems, tables };
         layout.validate()?;
         Ok(layout)
     }
@@ -87,6 +113,12 @@ impl Layout {
         }
         if total_chunks > u64::from(u32::MAX) {
             return Err(LayoutError::Invalid("more than 2^32 chunks".into()));
+        }
+        if self.tables.len() > 1024 {
+            return Err(LayoutError::Invalid("more than 1024 sparse tables".into()));
+        }
+        if let Some(t) = self.tables.iter().find(|t| t.dim == 0 || t.dim > 4096) {
+            return Err(LayoutError::Invalid(format!("table {:?} has dim {} (must be 1..=4096)", t.name, t.dim)));
         }
         Ok(())
     }
@@ -165,6 +197,12 @@ impl Layout {
             eat(t.name.as_bytes());
             eat(&t.len.to_le_bytes());
         }
+        for t in &self.tables {
+            eat(b"table");
+            eat(&(t.name.len() as u64).to_le_bytes());
+            eat(t.name.as_bytes());
+            eat(&t.dim.to_le_bytes());
+        }
         h
     }
 }
@@ -217,5 +255,15 @@ mod tests {
         let mut other = l.clone();
         other.tensors[2].len = 9;
         assert_ne!(l.fingerprint(), other.fingerprint());
+        let mut with_table = l.clone();
+        with_table.tables.push(SparseSpec { name: "emb".into(), dim: 8 });
+        assert_ne!(l.fingerprint(), with_table.fingerprint());
+        with_table.tables[0].dim = 0;
+        assert!(with_table.validate().is_err());
+        let counts = (0..10_000u64).fold([0u32; 3], |mut c, id| {
+            c[sparse_owner(1, id, 3) as usize] += 1;
+            c
+        });
+        assert!(counts.iter().all(|c| (3000..3700).contains(c)), "rows spread over shards: {counts:?}");
     }
 }

@@ -173,6 +173,66 @@ pub struct RuleInfo {
     pub momentum: f32,
     /// Weight decay λ.
     pub weight_decay: f32,
+    /// The `--sparse-rule` name applied to embedding rows.
+    pub sparse: String,
+}
+
+/// Read rows of one sparse table. Payload: the ids as u64 little-endian (two 32-bit words each).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Encode, Decode)]
+pub struct SparsePull {
+    /// Cluster epoch of the client's map.
+    pub epoch: u64,
+    /// Table index.
+    pub table: u32,
+    /// Number of ids.
+    pub count: u32,
+    /// Create missing rows (training); false reads initial values without storing (evaluation).
+    pub create: bool,
+}
+
+/// Answer to [`SparsePull`]. Payload: one u32 version word per id, then `count × dim` row values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Encode, Decode)]
+pub struct SparsePullReply {
+    /// Table index.
+    pub table: u32,
+    /// Rows.
+    pub count: u32,
+    /// Floats per row.
+    pub dim: u32,
+}
+
+/// A sparse gradient, exactly once per `(worker, seq)` like [`Push`] (the same sequence numbers). Payload:
+/// ids (two words each), the versions read (one word each), `count × dim` gradient values, and with
+/// `echo_read` the `count × dim` row values the gradients were computed on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Encode, Decode)]
+pub struct SparsePush {
+    /// Cluster epoch of the client's map.
+    pub epoch: u64,
+    /// Worker id.
+    pub worker: u32,
+    /// Sequence number (shared with dense pushes to the same shard).
+    pub seq: u64,
+    /// Table index.
+    pub table: u32,
+    /// Rows (distinct ids).
+    pub count: u32,
+    /// Floats per row.
+    pub dim: u32,
+    /// The read rows follow the gradients.
+    pub echo_read: bool,
+}
+
+/// Packs u64 ids into payload words (low word first).
+pub fn ids_to_words(ids: &[u64], out: &mut Vec<f32>) {
+    for id in ids {
+        out.push(f32::from_bits(*id as u32));
+        out.push(f32::from_bits((*id >> 32) as u32));
+    }
+}
+
+/// Unpacks u64 ids from payload words.
+pub fn words_to_ids(words: &[f32]) -> Vec<u64> {
+    words.chunks_exact(2).map(|w| u64::from(w[0].to_bits()) | u64::from(w[1].to_bits()) << 32).collect()
 }
 
 /// The coordinator's answer to a registration: everything needed to route.
@@ -324,6 +384,14 @@ pub struct Stats {
     pub live_workers: u32,
     /// Workers ever registered (coordinator only).
     pub registered_workers: u32,
+    /// Sparse rows held.
+    pub table_rows: u64,
+    /// Bytes held by sparse tables (rows, metadata, index).
+    pub table_bytes: u64,
+    /// Sparse rows evicted.
+    pub table_evicted: u64,
+    /// Sparse row updates dropped (row not admitted, or evicted since the pull).
+    pub sparse_dropped: u64,
 }
 
 /// Every message of the protocol. The kind byte on the wire is [`Message::kind`].
@@ -355,6 +423,12 @@ pub enum Message {
     Stats(Stats),
     /// Kind 13.
     Leave(Leave),
+    /// Kind 14 (carries ids).
+    SparsePull(SparsePull),
+    /// Kind 15 (carries versions and rows).
+    SparsePullReply(SparsePullReply),
+    /// Kind 16 (carries ids, versions, gradients, optionally rows).
+    SparsePush(SparsePush),
 }
 
 /// Defines `kind()`, header encoding and kind-directed decoding for every variant in one place.
@@ -387,6 +461,7 @@ macro_rules! message_kinds {
 message_kinds! {
     1 => Register, 2 => RegisterShard, 3 => ClusterMap, 4 => Pull, 5 => PullReply, 6 => Push, 7 => Ack,
     8 => Error, 9 => Heartbeat, 10 => HeartbeatAck, 11 => StatsRequest, 12 => Stats, 13 => Leave,
+    14 => SparsePull, 15 => SparsePullReply, 16 => SparsePush,
 }
 
 fn config() -> impl bincode::config::Config {
@@ -402,6 +477,9 @@ impl Message {
         match self {
             Message::PullReply(r) => r.chunks.iter().map(|c| u64::from(c.len)).sum(),
             Message::Push(p) => p.chunks.iter().map(|c| u64::from(c.len)).sum::<u64>() * (1 + u64::from(p.echo_read)),
+            Message::SparsePull(p) => 2 * u64::from(p.count),
+            Message::SparsePullReply(r) => u64::from(r.count) * (1 + u64::from(r.dim)),
+            Message::SparsePush(p) => u64::from(p.count) * (3 + u64::from(p.dim) * (1 + u64::from(p.echo_read))),
             _ => 0,
         }
     }
@@ -453,7 +531,7 @@ pub fn encode_frame(frame: &Frame) -> Result<Vec<u8>, WireError> {
 /// Checks a frame prefix and returns `(kind, header_len)`; the header length is bounded here.
 pub fn parse_prefix(prefix: &[u8; FRAME_PREFIX_LEN], limits: &Limits) -> Result<(u8, usize), WireError> {
     let kind = prefix[0];
-    if !(1..=13).contains(&kind) {
+    if !(1..=16).contains(&kind) {
         return Err(WireError::UnknownKind(kind));
     }
     let len = u32::from_le_bytes([prefix[1], prefix[2], prefix[3], prefix[4]]);
@@ -566,7 +644,12 @@ mod tests {
                 shards: vec![ShardAddr { index: 0, addr: "127.0.0.1:1".into() }],
                 layout,
                 lease_ms: 5000,
-                rule: RuleInfo { name: "gap-aware".into(), momentum: 0.9, weight_decay: 1e-4 },
+                rule: RuleInfo {
+                    name: "gap-aware".into(),
+                    momentum: 0.9,
+                    weight_decay: 1e-4,
+                    sparse: "adagrad".into(),
+                },
             })),
             Frame::new(Message::Pull(Pull { epoch: 9, chunks: vec![id] })),
             Frame {
@@ -590,6 +673,30 @@ mod tests {
             Frame::new(Message::StatsRequest(StatsRequest)),
             Frame::new(Message::Stats(Stats { shard: 1, pushes_applied: 10, staleness_max: 7, ..Stats::default() })),
             Frame::new(Message::Leave(Leave { worker: 3 })),
+            Frame {
+                msg: Message::SparsePull(SparsePull { epoch: 9, table: 1, count: 2, create: true }),
+                payload: {
+                    let mut w = Vec::new();
+                    ids_to_words(&[7, u64::MAX - 3], &mut w);
+                    w
+                },
+            },
+            Frame {
+                msg: Message::SparsePullReply(SparsePullReply { table: 1, count: 1, dim: 2 }),
+                payload: vec![f32::from_bits(5), 0.5, -0.5],
+            },
+            Frame {
+                msg: Message::SparsePush(SparsePush {
+                    epoch: 9,
+                    worker: 3,
+                    seq: 4,
+                    table: 1,
+                    count: 1,
+                    dim: 2,
+                    echo_read: true,
+                }),
+                payload: vec![f32::from_bits(7), 0.0, f32::from_bits(1), 0.1, 0.2, 0.5, -0.5],
+            },
         ]
     }
 
@@ -597,12 +704,18 @@ mod tests {
     fn every_message_round_trips() {
         let frames = samples();
         let kinds: std::collections::BTreeSet<u8> = frames.iter().map(|f| f.msg.kind()).collect();
-        assert_eq!(kinds.len(), 13, "one sample per kind");
+        assert_eq!(kinds.len(), 16, "one sample per kind");
         for f in frames {
             let bytes = encode_frame(&f).expect("encode");
             let back = decode_frame(&bytes, &Limits::default()).expect("decode");
-            assert_eq!(back, f);
+            // Compare payloads bit for bit: id and version words need not be valid floats.
+            assert_eq!(back.msg, f.msg);
+            let bits = |p: &[f32]| p.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&back.payload), bits(&f.payload));
         }
+        let mut w = Vec::new();
+        ids_to_words(&[0, 1, u64::MAX, 0x1234_5678_9abc_def0], &mut w);
+        assert_eq!(words_to_ids(&w), vec![0, 1, u64::MAX, 0x1234_5678_9abc_def0]);
     }
 
     #[test]

@@ -1,12 +1,13 @@
 //! Flags of `gaps-server` (and of `gaps server`) and the process entry point.
 
-use crate::core::{Init, ShardConfig};
+use crate::core::{Init, ShardConfig, SparseSettings};
 use crate::service::{self, ServiceConfig};
+use crate::sparse::Eviction;
 use anyhow::{Context, Result};
 use gaps_common::config::parse_duration;
 use gaps_common::tls::TlsMaterial;
 use gaps_kernels::{Hyper, Rule};
-use gaps_worker::model::ModelKind;
+use gaps_worker::model::{ModelKind, ModelSize};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -46,6 +47,30 @@ pub struct ServerArgs {
     /// Feature dimension of the model.
     #[arg(long, env = "GAPS_DIM", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=(1u64 << 34)))]
     pub dim: u64,
+    /// Embedding dimension of the CTR models (lr, fm, dlrm).
+    #[arg(long, env = "GAPS_EMBEDDING_DIM", default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub embedding_dim: u32,
+    /// Hidden units of the dlrm model.
+    #[arg(long, env = "GAPS_HIDDEN", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    pub hidden: u32,
+    /// Update rule of embedding rows (one without per-worker state).
+    #[arg(long, env = "GAPS_SPARSE_RULE", default_value = "adagrad")]
+    pub sparse_rule: Rule,
+    /// Learning rate of embedding rows.
+    #[arg(long, env = "GAPS_SPARSE_LR", default_value_t = 0.05)]
+    pub sparse_lr: f32,
+    /// Standard deviation of the embedding initializer.
+    #[arg(long, env = "GAPS_EMBEDDING_INIT_STD", default_value_t = 0.01)]
+    pub embedding_init_std: f32,
+    /// Create an embedding row only after its id was seen this many times (0: at once).
+    #[arg(long, env = "GAPS_ADMIT_AFTER", default_value_t = 0)]
+    pub admit_after: u32,
+    /// Memory budget of this shard's embedding tables, e.g. 2GiB (none: unbounded).
+    #[arg(long, env = "GAPS_TABLE_MEMORY", value_parser = parse_bytes)]
+    pub table_memory: Option<u64>,
+    /// Evict embedding rows idle this long (TTL); the budget is enforced by LRU either way.
+    #[arg(long, env = "GAPS_TABLE_TTL", value_parser = parse_duration)]
+    pub table_ttl: Option<Duration>,
     /// Elements per chunk (the unit of partitioning over shards).
     #[arg(long, env = "GAPS_CHUNK_ELEMS", default_value_t = 65536, value_parser = clap::value_parser!(u32).range(1..))]
     pub chunk_elems: u32,
@@ -94,7 +119,8 @@ impl ServerArgs {
     /// The service configuration these flags describe.
     pub fn service_config(&self) -> Result<ServiceConfig> {
         let tls = TlsMaterial::load(&self.ca, &self.cert, &self.key).context("loading the server's TLS material")?;
-        let layout = self.model.layout(self.dim, self.chunk_elems).context("building the model layout")?;
+        let size = ModelSize { dim: self.dim, embedding_dim: self.embedding_dim, hidden: self.hidden };
+        let layout = self.model.layout(&size, self.chunk_elems).context("building the model layout")?;
         let hyper = Hyper {
             lr: self.lr,
             momentum: self.momentum,
@@ -124,12 +150,44 @@ impl ServerArgs {
                 advertise: String::new(),
                 epoch: epoch.max(1),
                 threads: self.threads,
+                sparse: SparseSettings {
+                    rule: self.sparse_rule,
+                    hyper: Hyper { lr: self.sparse_lr, momentum: self.momentum, weight_decay: 0.0, ..hyper },
+                    init_std: self.embedding_init_std,
+                    admit_after: self.admit_after,
+                    memory_budget: self.table_memory,
+                    eviction: match self.table_ttl {
+                        Some(ttl) => Eviction::Ttl { ttl_s: ttl.as_secs().clamp(1, u64::from(u32::MAX)) as u32 },
+                        None => Eviction::Lru,
+                    },
+                },
             },
             join_timeout: self.join_timeout,
             tick_interval: Duration::from_millis(250),
             device: self.device,
         })
     }
+}
+
+/// Parses a byte count such as `2GiB`, `512MiB`, `64KiB`, `1G` or a plain number of bytes.
+pub fn parse_bytes(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
+    let (number, unit) = (t[..split].trim(), &t[split..]);
+    let value: f64 = number.parse().map_err(|_| format!("{text:?} is not a size (try 2GiB)"))?;
+    let scale = match unit {
+        "" | "B" => 1u64,
+        "K" | "KiB" | "KB" => 1 << 10,
+        "M" | "MiB" | "MB" => 1 << 20,
+        "G" | "GiB" | "GB" => 1 << 30,
+        "T" | "TiB" | "TB" => 1 << 40,
+        other => return Err(format!("unknown size unit {other:?} in {text:?} (use B, KiB, MiB, GiB, TiB)")),
+    };
+    let bytes = value * scale as f64;
+    if !(bytes.is_finite() && bytes >= 1.0 && bytes < 1e18) {
+        return Err(format!("size {text:?} is out of range"));
+    }
+    Ok(bytes as u64)
 }
 
 /// Runs one shard until SIGINT or SIGTERM. Prints one JSON line on stdout once it serves:

@@ -5,11 +5,14 @@
 //! [`ShardCore::tick`]; time is an argument (`now`, any monotonic origin), never read from a clock.
 //! The QUIC service, the simulator and the tests all drive this same type.
 
+use crate::sparse::{Eviction, SparseTable, TableConfig};
+use gaps_common::layout::sparse_owner;
 use gaps_common::layout::{ChunkId, Layout};
 use gaps_common::rng::{mix, Rng};
 use gaps_common::wire::{
-    Ack, ChunkVersion, ClusterMap, ErrorCode, Frame, Heartbeat, HeartbeatAck, Leave, Message, Pull, PullReply, Push,
-    Register, RegisterShard, Role, RuleInfo, ShardAddr, Stats, PROTOCOL_VERSION,
+    words_to_ids, Ack, ChunkVersion, ClusterMap, ErrorCode, Frame, Heartbeat, HeartbeatAck, Leave, Message, Pull,
+    PullReply, Push, Register, RegisterShard, Role, RuleInfo, ShardAddr, SparsePull, SparsePullReply, SparsePush,
+    Stats, PROTOCOL_VERSION,
 };
 use gaps_kernels::{Bufs, Hyper, PushScalars, Rule};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -26,6 +29,36 @@ pub struct Init {
     pub seed: u64,
     /// Standard deviation of the normal initializer; 0 gives zeros.
     pub std: f32,
+}
+
+/// How the shard keeps its sparse embedding tables.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SparseSettings {
+    /// Update rule of embedding rows (no per-worker state, no look-ahead).
+    pub rule: Rule,
+    /// Its hyper-parameters (learning rate and so on).
+    pub hyper: Hyper,
+    /// Standard deviation of the rows' normal initializer.
+    pub init_std: f32,
+    /// Create a row only after its id was seen this many times.
+    pub admit_after: u32,
+    /// Memory budget of all tables of this shard together, bytes (split evenly over the tables).
+    pub memory_budget: Option<u64>,
+    /// Eviction policy.
+    pub eviction: Eviction,
+}
+
+impl Default for SparseSettings {
+    fn default() -> Self {
+        SparseSettings {
+            rule: Rule::Adagrad,
+            hyper: Hyper { lr: 0.05, momentum: 0.0, ..Hyper::default() },
+            init_std: 0.01,
+            admit_after: 0,
+            memory_budget: None,
+            eviction: Eviction::Lru,
+        }
+    }
 }
 
 /// Static configuration of one shard.
@@ -51,6 +84,8 @@ pub struct ShardConfig {
     pub epoch: u64,
     /// Threads a large push may use (0: one per available core).
     pub threads: usize,
+    /// Sparse tables (the layout lists them).
+    pub sparse: SparseSettings,
 }
 
 /// Why the core refused a request. Each maps to an [`ErrorCode`] on the wire.
@@ -106,6 +141,18 @@ pub enum ShardError {
     /// See [`ErrorCode::UnknownKind`].
     #[error("a {0} message is not a request")]
     NotARequest(&'static str),
+    /// A sparse row belongs to another shard; see [`ErrorCode::NotOwner`].
+    #[error("row {id} of table {table} belongs to shard {owner}, not to shard {me}")]
+    RowNotOwned {
+        /// Table.
+        table: u32,
+        /// Row id.
+        id: u64,
+        /// Its owner.
+        owner: u32,
+        /// This shard.
+        me: u32,
+    },
     /// The update could not be applied on the device; see [`ErrorCode::Internal`].
     #[error("applying the update: {0}")]
     Device(String),
@@ -125,6 +172,7 @@ impl ShardError {
             ShardError::SequenceWindow(_) => ErrorCode::SequenceWindow,
             ShardError::NotARequest(_) => ErrorCode::UnknownKind,
             ShardError::Device(_) => ErrorCode::Internal,
+            ShardError::RowNotOwned { .. } => ErrorCode::NotOwner,
         }
     }
 }
@@ -202,6 +250,8 @@ pub struct ShardCore {
     stats: Stats,
     /// Multiplier of the configured learning rate (schedules, elastic ramps).
     lr_scale: f32,
+    /// Sparse tables, layout order.
+    tables: Vec<SparseTable>,
     /// The GPU that applies updates, when `--device` chose one.
     device: Option<std::sync::Arc<gaps_kernels::cuda::CudaDevice>>,
     /// Largest learning rate used so far (Gap-Aware's η_max).
@@ -257,7 +307,29 @@ impl ShardCore {
             n => n,
         };
         let lr_max = cfg.hyper.lr;
+        cfg.sparse.hyper.validate().map_err(|e| ShardError::Misconfigured(format!("sparse rule: {e}")))?;
+        let per_table_budget = cfg.sparse.memory_budget.map(|b| b / cfg.layout.tables.len().max(1) as u64);
+        let tables = cfg
+            .layout
+            .tables
+            .iter()
+            .enumerate()
+            .map(|(i, spec)| {
+                SparseTable::new(TableConfig {
+                    table: i as u32,
+                    dim: spec.dim,
+                    rule: cfg.sparse.rule,
+                    init_std: cfg.sparse.init_std,
+                    seed: cfg.init.seed,
+                    admit_after: cfg.sparse.admit_after,
+                    memory_budget: per_table_budget,
+                    eviction: cfg.sparse.eviction,
+                })
+                .map_err(|e| ShardError::Misconfigured(e.to_string()))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(ShardCore {
+            tables,
             cfg,
             epoch,
             chunk_base,
@@ -318,7 +390,19 @@ impl ShardCore {
             s.live_workers = c.leases.len() as u32;
             s.registered_workers = c.registered;
         }
+        for t in &self.tables {
+            let ts = t.stats();
+            s.table_rows += ts.rows;
+            s.table_bytes += ts.bytes;
+            s.table_evicted += ts.evicted;
+            s.sparse_dropped += ts.dropped_updates;
+        }
         s
+    }
+
+    /// A held sparse row (tests and evaluation inside the process).
+    pub fn sparse_row(&self, table: u32, id: u64) -> Option<&[f32]> {
+        self.tables.get(table as usize).and_then(|t| t.row(id))
     }
 
     /// Pushes applied per tensor on this shard.
@@ -354,10 +438,14 @@ impl ShardCore {
         let mut events = Vec::new();
         let payload_in = req.payload.len() as u64 * 4;
         self.stats.payload_bytes_in += payload_in;
-        let is_push = matches!(req.msg, Message::Push(_));
+        let is_push = matches!(req.msg, Message::Push(_) | Message::SparsePush(_));
+        let now_s = now.as_secs().min(u64::from(u32::MAX)) as u32;
         let result = match req.msg {
             Message::Pull(p) => self.pull(&p),
             Message::Push(p) => self.push(&p, &req.payload),
+            Message::SparsePull(p) => self.sparse_pull(&p, &req.payload, now_s),
+            Message::SparsePush(p) => self.sparse_push(&p, &req.payload, now_s),
+            Message::SparsePullReply(_) => Err(ShardError::NotARequest("sparse pull reply")),
             Message::Register(r) => self.register(&r, now, &mut events),
             Message::RegisterShard(r) => self.register_shard(&r, &mut events),
             Message::Heartbeat(h) => self.heartbeat(h, now),
@@ -383,8 +471,12 @@ impl ShardCore {
         (reply, events)
     }
 
-    /// Expires worker leases. Returns what changed.
+    /// Expires worker leases and idle sparse rows (TTL eviction). Returns what changed.
     pub fn tick(&mut self, now: Duration) -> Vec<CoreEvent> {
+        let now_s = now.as_secs().min(u64::from(u32::MAX)) as u32;
+        for t in &mut self.tables {
+            t.tick(now_s);
+        }
         let Some(c) = self.coordinator.as_mut() else { return Vec::new() };
         let expired: Vec<u32> = c.leases.iter().filter(|(_, until)| **until <= now).map(|(w, _)| *w).collect();
         for w in &expired {
@@ -584,6 +676,111 @@ impl ShardCore {
         Ok(Frame::new(Message::Ack(Ack { seq: req.seq, duplicate: false, max_staleness })))
     }
 
+    /// Checks a table reference and that every id is owned here; returns the ids.
+    fn sparse_ids(&self, table: u32, count: u32, words: &[f32]) -> Result<Vec<u64>, ShardError> {
+        if table as usize >= self.tables.len() {
+            return Err(ShardError::WrongShape(format!("unknown table {table} ({} tables)", self.tables.len())));
+        }
+        if words.len() < 2 * count as usize {
+            return Err(ShardError::WrongShape(format!("{count} ids declared, fewer carried")));
+        }
+        let ids = words_to_ids(&words[..2 * count as usize]);
+        let (me, n) = (self.cfg.shard, self.cfg.num_shards);
+        if let Some(id) = ids.iter().find(|id| sparse_owner(table, **id, n) != me) {
+            return Err(ShardError::RowNotOwned { table, id: *id, owner: sparse_owner(table, *id, n), me });
+        }
+        Ok(ids)
+    }
+
+    fn sparse_pull(&mut self, req: &SparsePull, payload: &[f32], now_s: u32) -> Result<Frame, ShardError> {
+        self.check_epoch(req.epoch)?;
+        let ids = self.sparse_ids(req.table, req.count, payload)?;
+        let table = &mut self.tables[req.table as usize];
+        let dim = table.config().dim;
+        let mut values = Vec::with_capacity(ids.len() * dim as usize);
+        let mut versions = Vec::with_capacity(ids.len());
+        if req.create {
+            table.pull(&ids, now_s, &mut values, &mut versions);
+        } else {
+            table.peek(&ids, &mut values, &mut versions);
+        }
+        let mut out = Vec::with_capacity(ids.len() * (1 + dim as usize));
+        out.extend(versions.iter().map(|v| f32::from_bits(*v)));
+        out.extend_from_slice(&values);
+        self.stats.pulls += 1;
+        Ok(Frame {
+            msg: Message::SparsePullReply(SparsePullReply { table: req.table, count: req.count, dim }),
+            payload: out,
+        })
+    }
+
+    fn sparse_push(&mut self, req: &SparsePush, payload: &[f32], now_s: u32) -> Result<Frame, ShardError> {
+        self.check_epoch(req.epoch)?;
+        if req.seq == 0 {
+            return Err(ShardError::SequenceWindow("sequence numbers start at 1".into()));
+        }
+        let window = self.seqs.entry(req.worker).or_default();
+        if window.applied(req.seq) {
+            self.stats.pushes_duplicate += 1;
+            return Ok(Frame::new(Message::Ack(Ack { seq: req.seq, duplicate: true, max_staleness: 0 })));
+        }
+        if req.seq > window.contiguous + SEQ_WINDOW {
+            return Err(ShardError::SequenceWindow(format!("sequence number {} is too far ahead", req.seq)));
+        }
+        let ids = self.sparse_ids(req.table, req.count, payload)?;
+        let table_rule = self.cfg.sparse.rule;
+        let dim = self.tables[req.table as usize].config().dim;
+        if req.dim != dim {
+            return Err(ShardError::WrongShape(format!(
+                "table {} has dim {dim}, the push carries rows of {}",
+                req.table, req.dim
+            )));
+        }
+        if req.echo_read != table_rule.layout().needs_read {
+            return Err(ShardError::WrongShape(format!(
+                "sparse rule {table_rule} {} an echo of the read rows",
+                if req.echo_read { "takes no" } else { "needs" }
+            )));
+        }
+        let n = ids.len();
+        let rows = n * dim as usize;
+        let expected = 3 * n + rows * (1 + usize::from(req.echo_read));
+        if payload.len() != expected {
+            return Err(ShardError::WrongShape(format!(
+                "sparse push carries {} words, expected {expected}",
+                payload.len()
+            )));
+        }
+        let mut distinct = std::collections::HashSet::with_capacity(n);
+        if let Some(id) = ids.iter().find(|id| !distinct.insert(**id)) {
+            return Err(ShardError::WrongShape(format!("id {id} appears twice in one push; aggregate per id first")));
+        }
+        let read_versions: Vec<u32> = payload[2 * n..3 * n].iter().map(|w| w.to_bits()).collect();
+        let grads = &payload[3 * n..3 * n + rows];
+        let reads = if req.echo_read { &payload[3 * n + rows..] } else { &[][..] };
+        for values in [grads, reads] {
+            if let Some(index) = values.iter().position(|v| !v.is_finite()) {
+                return Err(ShardError::NonFinite {
+                    tensor: req.table,
+                    chunk: (index / dim as usize) as u32,
+                    index: index % dim as usize,
+                    value: values[index].to_string(),
+                });
+            }
+        }
+        let hyper = self.cfg.sparse.hyper;
+        let lr = hyper.lr * self.lr_scale;
+        let max_staleness = self.tables[req.table as usize]
+            .push(&ids, &read_versions, grads, reads, &hyper, lr, lr.max(hyper.lr), now_s)
+            .map_err(|e| ShardError::WrongShape(e.to_string()))?;
+        self.stats.pushes_applied += 1;
+        self.stats.staleness_max = self.stats.staleness_max.max(max_staleness);
+        if let Some(window) = self.seqs.get_mut(&req.worker) {
+            window.insert(req.seq);
+        }
+        Ok(Frame::new(Message::Ack(Ack { seq: req.seq, duplicate: false, max_staleness })))
+    }
+
     fn coordinator(&mut self) -> Result<&mut Coordinator, ShardError> {
         let shard = self.cfg.shard;
         self.coordinator.as_mut().ok_or_else(|| {
@@ -618,6 +815,7 @@ impl ShardCore {
             name: self.cfg.rule.name().to_string(),
             momentum: self.cfg.hyper.momentum,
             weight_decay: self.cfg.hyper.weight_decay,
+            sparse: self.cfg.sparse.rule.name().to_string(),
         }
     }
 

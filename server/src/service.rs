@@ -17,6 +17,9 @@ use std::time::{Duration, Instant};
 use tokio::sync::watch;
 use tracing::{debug, info, warn, Instrument};
 
+/// Largest number of sparse rows one pull or push may carry.
+pub const MAX_SPARSE_ROWS_PER_RPC: u64 = 1 << 20;
+
 /// Everything a shard process needs.
 #[derive(Debug, Clone)]
 pub struct ServiceConfig {
@@ -136,7 +139,12 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
         .map(|id| core.config().layout.chunk_len(*id).unwrap_or(0) as u64 * 4)
         .sum();
     let echo = 1 + u64::from(core.config().rule.layout().needs_read);
-    let limits = Limits { max_payload_bytes: (owned_bytes * echo).max(4), ..Limits::default() };
+    // Sparse requests are bounded by rows per RPC: ids, versions, gradients and read rows of the widest table.
+    let widest = core.config().layout.tables.iter().map(|t| u64::from(t.dim)).max();
+    let sparse_bytes = widest.map_or(0, |dim| MAX_SPARSE_ROWS_PER_RPC * (3 + 2 * dim) * 4);
+    let max_payload_bytes =
+        (owned_bytes * echo).max(sparse_bytes).clamp(4, gaps_common::wire::DEFAULT_MAX_PAYLOAD_BYTES);
+    let limits = Limits { max_payload_bytes, ..Limits::default() };
     let shared = Arc::new(Shared {
         core: Mutex::new(core),
         metrics: ShardMetrics::register(shard),

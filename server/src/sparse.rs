@@ -334,6 +334,26 @@ impl SparseTable {
         self.enforce_budget();
     }
 
+    /// Reads rows without creating, admitting or touching anything (evaluation): held rows as they are,
+    /// others their initial values, with version 0.
+    pub fn peek(&self, ids: &[u64], values: &mut Vec<f32>, versions: &mut Vec<u32>) {
+        let dim = self.cfg.dim as usize;
+        for &id in ids {
+            let start = values.len();
+            match self.find(id) {
+                Some(r) => {
+                    values.extend_from_slice(&self.data[r * self.stride..r * self.stride + dim]);
+                    versions.push(self.versions[r]);
+                }
+                None => {
+                    values.resize(start + dim, 0.0);
+                    self.initial_row(id, &mut values[start..]);
+                    versions.push(0);
+                }
+            }
+        }
+    }
+
     /// Applies a push: one gradient row per id (ids must be distinct; the caller checks), `reads` holds the
     /// rows the gradients were computed on when the rule needs them. Rows that do not exist are skipped and
     /// counted. Returns the largest staleness.

@@ -28,6 +28,7 @@ fn config(shard: u32, num_shards: u32, rule: Rule) -> ShardConfig {
         advertise: format!("127.0.0.1:{}", 4000 + shard),
         epoch: EPOCH,
         threads: 1,
+        sparse: gaps_server::core::SparseSettings::default(),
     }
 }
 

@@ -51,6 +51,7 @@ async fn start_shard_with(
             advertise: String::new(),
             epoch: 1234,
             threads: 1,
+            sparse: gaps_server::core::SparseSettings::default(),
         },
         join_timeout: Duration::from_secs(10),
         tick_interval: Duration::from_millis(100),

@@ -26,6 +26,7 @@ fn core(rule: Rule, hyper: Hyper) -> ShardCore {
         advertise: "127.0.0.1:1".into(),
         epoch: EPOCH,
         threads: 2,
+        sparse: gaps_server::core::SparseSettings::default(),
     })
     .expect("core")
 }

@@ -4,11 +4,12 @@
 //! it exactly once.
 
 use crate::net::{self, RpcError};
+use gaps_common::layout::sparse_owner;
 use gaps_common::layout::{ChunkId, Layout};
 use gaps_common::tls::TlsMaterial;
 use gaps_common::wire::{
-    ClusterMap, ErrorCode, Frame, Heartbeat, Leave, Limits, Message, Pull, Push, PushChunk, Register, Role, Stats,
-    StatsRequest, PROTOCOL_VERSION,
+    ids_to_words, ClusterMap, ErrorCode, Frame, Heartbeat, Leave, Limits, Message, Pull, Push, PushChunk, Register,
+    Role, SparsePull, SparsePush, Stats, StatsRequest, PROTOCOL_VERSION,
 };
 use gaps_kernels::{Hyper, Rule};
 use std::net::SocketAddr;
@@ -88,6 +89,19 @@ pub struct Snapshot {
     pub versions: Vec<u64>,
 }
 
+/// Rows of one sparse table as pulled, in the order of the ids asked for.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SparseRows {
+    /// The ids, as asked.
+    pub ids: Vec<u64>,
+    /// `ids.len() × dim` values.
+    pub values: Vec<f32>,
+    /// The version of each row.
+    pub versions: Vec<u32>,
+    /// Floats per row.
+    pub dim: usize,
+}
+
 /// What one push did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PushSummary {
@@ -127,6 +141,8 @@ struct Inner {
     hyper: Hyper,
     /// DANA-Slim: this worker's momentum, one vector per tensor (created on the first push).
     slim_momentum: Mutex<Vec<Vec<f32>>>,
+    /// The rule of embedding rows.
+    sparse_rule: Rule,
 }
 
 /// A connected client. Cheap to clone; clones share connections and counters.
@@ -179,6 +195,8 @@ impl Client {
         let rule: Rule =
             map.rule.name.parse().map_err(|e: gaps_kernels::KernelError| ClientError::BadMap(e.to_string()))?;
         let hyper = Hyper { momentum: map.rule.momentum, weight_decay: map.rule.weight_decay, ..Hyper::default() };
+        let sparse_rule: Rule =
+            map.rule.sparse.parse().map_err(|e: gaps_kernels::KernelError| ClientError::BadMap(e.to_string()))?;
         hyper.validate().map_err(|e| ClientError::BadMap(e.to_string()))?;
         if map.shards.len() != map.num_shards as usize
             || map.shards.iter().enumerate().any(|(i, s)| s.index as usize != i)
@@ -212,6 +230,7 @@ impl Client {
                 rule,
                 hyper,
                 slim_momentum: Mutex::new(Vec::new()),
+                sparse_rule,
             }),
         };
         // Connect to every shard now, so a missing or unreachable shard fails fast and by name.
@@ -450,6 +469,129 @@ impl Client {
                     } else {
                         summary.applied += 1;
                     }
+                    summary.max_staleness = summary.max_staleness.max(ack.max_staleness);
+                }
+                other => {
+                    return Err(
+                        RpcError::Unexpected { addr: "shard".into(), kind: net::kind_name(&other).into() }.into()
+                    )
+                }
+            }
+        }
+        Ok(summary)
+    }
+
+    fn table_dim(&self, table: u32) -> Result<usize, ClientError> {
+        self.inner
+            .map
+            .layout
+            .tables
+            .get(table as usize)
+            .map(|t| t.dim as usize)
+            .ok_or_else(|| ClientError::Shape(format!("the model has no sparse table {table}")))
+    }
+
+    /// Groups positions of `ids` by owning shard.
+    fn by_shard(&self, table: u32, ids: &[u64]) -> Vec<Vec<usize>> {
+        let n = self.inner.map.num_shards;
+        let mut groups = vec![Vec::new(); n as usize];
+        for (k, id) in ids.iter().enumerate() {
+            groups[sparse_owner(table, *id, n) as usize].push(k);
+        }
+        groups
+    }
+
+    /// Pulls rows of a sparse table from their shards concurrently. `create` makes missing rows (training);
+    /// without it missing rows read their initial values and nothing is stored (evaluation).
+    pub async fn pull_sparse(&self, table: u32, ids: &[u64], create: bool) -> Result<SparseRows, ClientError> {
+        let dim = self.table_dim(table)?;
+        let groups = self.by_shard(table, ids);
+        let mut tasks = tokio::task::JoinSet::new();
+        for (s, positions) in groups.iter().enumerate() {
+            if positions.is_empty() {
+                continue;
+            }
+            let mut words = Vec::with_capacity(2 * positions.len());
+            ids_to_words(&positions.iter().map(|k| ids[*k]).collect::<Vec<_>>(), &mut words);
+            let msg = Message::SparsePull(SparsePull {
+                epoch: self.inner.map.epoch,
+                table,
+                count: positions.len() as u32,
+                create,
+            });
+            let client = self.clone();
+            tasks.spawn(async move { client.request(s, &msg, &[&words]).await.map(|(frame, _)| (s, frame)) });
+        }
+        let mut values = vec![0.0f32; ids.len() * dim];
+        let mut versions = vec![0u32; ids.len()];
+        while let Some(joined) = tasks.join_next().await {
+            let (s, frame) = joined.map_err(|e| ClientError::Shape(format!("sparse pull task failed: {e}")))??;
+            let positions = &groups[s];
+            let ok = matches!(&frame.msg, Message::SparsePullReply(r) if r.count as usize == positions.len() && r.dim as usize == dim);
+            if !ok || frame.payload.len() != positions.len() * (1 + dim) {
+                return Err(ClientError::BadMap(format!(
+                    "shard {s} answered a sparse pull with {:?}",
+                    net::kind_name(&frame.msg)
+                )));
+            }
+            let (vers, rows) = frame.payload.split_at(positions.len());
+            for (i, k) in positions.iter().enumerate() {
+                versions[*k] = vers[i].to_bits();
+                values[k * dim..(k + 1) * dim].copy_from_slice(&rows[i * dim..(i + 1) * dim]);
+            }
+        }
+        Ok(SparseRows { ids: ids.to_vec(), values, versions, dim })
+    }
+
+    /// Pushes gradients of distinct rows (`grads` is `rows.ids.len() × dim`, computed on `rows`) to their
+    /// shards concurrently, exactly once per shard like dense pushes.
+    pub async fn push_sparse(&self, table: u32, rows: &SparseRows, grads: &[f32]) -> Result<PushSummary, ClientError> {
+        let worker = self.inner.map.worker_id.ok_or_else(|| ClientError::Shape("observers cannot push".into()))?;
+        let dim = self.table_dim(table)?;
+        if rows.dim != dim || grads.len() != rows.ids.len() * dim || rows.values.len() != grads.len() {
+            return Err(ClientError::Shape("sparse gradients do not match the pulled rows".into()));
+        }
+        let echo = self.inner.sparse_rule.layout().needs_read;
+        let groups = self.by_shard(table, &rows.ids);
+        let mut tasks = tokio::task::JoinSet::new();
+        for (s, positions) in groups.iter().enumerate() {
+            if positions.is_empty() {
+                continue;
+            }
+            let mut payload = Vec::with_capacity(positions.len() * (3 + dim * 2));
+            ids_to_words(&positions.iter().map(|k| rows.ids[*k]).collect::<Vec<_>>(), &mut payload);
+            payload.extend(positions.iter().map(|k| f32::from_bits(rows.versions[*k])));
+            for k in positions {
+                payload.extend_from_slice(&grads[k * dim..(k + 1) * dim]);
+            }
+            if echo {
+                for k in positions {
+                    payload.extend_from_slice(&rows.values[k * dim..(k + 1) * dim]);
+                }
+            }
+            let seq = self.inner.shards[s].next_seq.fetch_add(1, Ordering::SeqCst);
+            let msg = Message::SparsePush(SparsePush {
+                epoch: self.inner.map.epoch,
+                worker,
+                seq,
+                table,
+                count: positions.len() as u32,
+                dim: dim as u32,
+                echo_read: echo,
+            });
+            self.inner.pushes_sent.fetch_add(1, Ordering::Relaxed);
+            let client = self.clone();
+            tasks.spawn(async move { client.request(s, &msg, &[&payload]).await });
+        }
+        let mut summary = PushSummary::default();
+        while let Some(joined) = tasks.join_next().await {
+            let (frame, retries) =
+                joined.map_err(|e| ClientError::Shape(format!("sparse push task failed: {e}")))??;
+            summary.retries += retries;
+            match frame.msg {
+                Message::Ack(ack) if ack.duplicate => summary.duplicates += 1,
+                Message::Ack(ack) => {
+                    summary.applied += 1;
                     summary.max_staleness = summary.max_staleness.max(ack.max_staleness);
                 }
                 other => {

@@ -389,3 +389,145 @@ mod tests {
         assert!((auc(&[0.1, 0.4, 0.35, 0.8], &[0, 0, 1, 1]) - 0.75).abs() < 1e-12);
     }
 }
+
+/// Where training samples come from: the synthetic generator, or a Criteo-layout file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DataSpec {
+    /// `SyntheticCriteo` of a seed.
+    Synthetic {
+        /// Seed.
+        seed: u64,
+    },
+    /// A TSV file.
+    File(std::path::PathBuf),
+}
+
+impl std::str::FromStr for DataSpec {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "synthetic" => Ok(DataSpec::Synthetic { seed: 1 }),
+            "" => Err("--data needs `synthetic` or a file path".into()),
+            path => Ok(DataSpec::File(path.into())),
+        }
+    }
+}
+
+/// In a file, every line whose number is a multiple of this is held out for evaluation.
+pub const HOLD_OUT_EVERY: u64 = 10;
+/// First index of the synthetic evaluation range (training streams never reach it).
+pub const SYNTHETIC_EVAL_BASE: u64 = 1 << 62;
+
+/// One worker's endless stream of training samples. A file is read line by line, again from the start at
+/// its end; the worker takes the lines whose number is `part` modulo `parts`, except held-out lines.
+#[derive(Debug)]
+pub struct TrainingStream {
+    source: StreamSource,
+    /// Bad lines met in the first pass over the file.
+    pub bad_lines: u64,
+    /// The first bad lines of the first pass, with line numbers and reasons.
+    pub first_errors: Vec<LineError>,
+    passes: u64,
+}
+
+#[derive(Debug)]
+enum StreamSource {
+    Synthetic { data: Box<SyntheticCriteo>, next: u64 },
+    File { path: std::path::PathBuf, reader: CriteoReader<std::io::BufReader<std::fs::File>>, part: u64, parts: u64 },
+}
+
+fn open(path: &std::path::Path) -> Result<CriteoReader<std::io::BufReader<std::fs::File>>, String> {
+    let file = std::fs::File::open(path).map_err(|e| format!("opening {}: {e}", path.display()))?;
+    Ok(CriteoReader::new(std::io::BufReader::with_capacity(1 << 20, file)))
+}
+
+impl TrainingStream {
+    /// The stream of worker `part` of `parts` (for synthetic data, `part` picks a disjoint index range).
+    pub fn new(spec: &DataSpec, part: u64, parts: u64) -> Result<Self, String> {
+        let source = match spec {
+            DataSpec::Synthetic { seed } => {
+                StreamSource::Synthetic { data: Box::new(SyntheticCriteo::new(*seed)), next: part << 40 }
+            }
+            DataSpec::File(path) => {
+                StreamSource::File { path: path.clone(), reader: open(path)?, part, parts: parts.max(1) }
+            }
+        };
+        Ok(TrainingStream { source, bad_lines: 0, first_errors: Vec::new(), passes: 0 })
+    }
+
+    /// The next `n` samples.
+    pub fn next_batch(&mut self, n: usize) -> Result<Vec<Sample>, String> {
+        let mut out = Vec::with_capacity(n);
+        match &mut self.source {
+            StreamSource::Synthetic { data, next } => {
+                for _ in 0..n {
+                    out.push(data.sample(*next).0);
+                    *next += 1;
+                }
+            }
+            StreamSource::File { path, reader, part, parts } => {
+                let mut empty_pass = true;
+                while out.len() < n {
+                    match reader.next_sample() {
+                        Some((line, s)) => {
+                            if line % HOLD_OUT_EVERY != 0 && line % *parts == *part {
+                                out.push(s);
+                                empty_pass = false;
+                            }
+                        }
+                        None => {
+                            if self.passes == 0 {
+                                self.bad_lines = reader.bad_lines;
+                                self.first_errors = reader.first_errors.clone();
+                            }
+                            self.passes += 1;
+                            if empty_pass && out.is_empty() {
+                                return Err(format!(
+                                    "{} has no usable training lines for worker {part} of {parts} ({} bad lines)",
+                                    path.display(),
+                                    reader.bad_lines
+                                ));
+                            }
+                            empty_pass = true;
+                            *reader = open(path)?;
+                        }
+                    }
+                }
+                if self.passes == 0 {
+                    self.bad_lines = reader.bad_lines;
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// The held-out evaluation samples (at most `n`), with the teacher's probabilities for synthetic data.
+pub fn held_out(spec: &DataSpec, n: usize) -> Result<(Vec<Sample>, Option<Vec<f32>>, u64), String> {
+    match spec {
+        DataSpec::Synthetic { seed } => {
+            let data = SyntheticCriteo::new(*seed);
+            let (samples, probs): (Vec<Sample>, Vec<f32>) =
+                (0..n as u64).map(|i| data.sample(SYNTHETIC_EVAL_BASE + i)).unzip();
+            Ok((samples, Some(probs), 0))
+        }
+        DataSpec::File(path) => {
+            let mut reader = open(path)?;
+            let mut out = Vec::new();
+            while out.len() < n {
+                match reader.next_sample() {
+                    Some((line, s)) if line % HOLD_OUT_EVERY == 0 => out.push(s),
+                    Some(_) => {}
+                    None => break,
+                }
+            }
+            if out.is_empty() {
+                return Err(format!(
+                    "{} has no held-out lines (every {HOLD_OUT_EVERY}th line is held out)",
+                    path.display()
+                ));
+            }
+            Ok((out, None, reader.bad_lines))
+        }
+    }
+}

@@ -6,6 +6,7 @@ pub mod criteo;
 pub mod data;
 pub mod model;
 pub mod net;
+pub mod recsys;
 pub mod train;
 
 pub use client::{Client, ClientError, ClientOptions, PushSummary, Snapshot};

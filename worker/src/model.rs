@@ -7,8 +7,14 @@ use std::str::FromStr;
 /// The built-in models.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ModelKind {
-    /// Logistic regression: tensors `logreg.w` (dim) and `logreg.b` (1).
+    /// Dense logistic regression on the synthetic `--dim` features: tensors `logreg.w` (dim) and `logreg.b` (1).
     Logreg,
+    /// Click-through logistic regression on Criteo-layout data (a sparse weight per feature id).
+    Lr,
+    /// Factorization machine on Criteo-layout data.
+    Fm,
+    /// DLRM-style model on Criteo-layout data.
+    Dlrm,
 }
 
 impl FromStr for ModelKind {
@@ -16,9 +22,23 @@ impl FromStr for ModelKind {
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
             "logreg" => Ok(ModelKind::Logreg),
-            other => Err(format!("unknown model {other:?}; known models: logreg")),
+            "lr" => Ok(ModelKind::Lr),
+            "fm" => Ok(ModelKind::Fm),
+            "dlrm" => Ok(ModelKind::Dlrm),
+            other => Err(format!("unknown model {other:?}; known models: logreg, lr, fm, dlrm")),
         }
     }
+}
+
+/// The sizes that pick a model's layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ModelSize {
+    /// Features of `logreg`.
+    pub dim: u64,
+    /// Embedding (FM: factor) dimension of the CTR models.
+    pub embedding_dim: u32,
+    /// Hidden units of `dlrm`.
+    pub hidden: u32,
 }
 
 impl ModelKind {
@@ -26,14 +46,32 @@ impl ModelKind {
     pub fn name(self) -> &'static str {
         match self {
             ModelKind::Logreg => "logreg",
+            ModelKind::Lr => "lr",
+            ModelKind::Fm => "fm",
+            ModelKind::Dlrm => "dlrm",
         }
     }
 
-    /// The dense layout of this model for a feature dimension.
-    pub fn layout(self, dim: u64, chunk_elems: u32) -> Result<Layout, LayoutError> {
+    /// The CTR model this is, if any.
+    pub fn ctr(self) -> Option<crate::recsys::CtrModel> {
         match self {
-            ModelKind::Logreg => Layout::new(
-                vec![TensorSpec { name: "logreg.w".into(), len: dim }, TensorSpec { name: "logreg.b".into(), len: 1 }],
+            ModelKind::Logreg => None,
+            ModelKind::Lr => Some(crate::recsys::CtrModel::Lr),
+            ModelKind::Fm => Some(crate::recsys::CtrModel::Fm),
+            ModelKind::Dlrm => Some(crate::recsys::CtrModel::Dlrm),
+        }
+    }
+
+    /// The layout (dense tensors and sparse tables) of this model.
+    pub fn layout(self, size: &ModelSize, chunk_elems: u32) -> Result<Layout, LayoutError> {
+        match self.ctr() {
+            Some(model) => crate::recsys::CtrShape { model, embedding_dim: size.embedding_dim, hidden: size.hidden }
+                .layout(chunk_elems),
+            None => Layout::new(
+                vec![
+                    TensorSpec { name: "logreg.w".into(), len: size.dim },
+                    TensorSpec { name: "logreg.b".into(), len: 1 },
+                ],
                 chunk_elems,
             ),
         }
@@ -49,6 +87,7 @@ impl ModelKind {
                     layout.tensors.iter().map(|t| t.name.as_str()).collect::<Vec<_>>().join(", ")
                 )),
             },
+            _ => Err(format!("{} is a CTR model; use recsys::CtrShape::from_layout", self.name())),
         }
     }
 }
@@ -117,7 +156,8 @@ mod tests {
             let numeric = (logreg_loss(&plus, &xs, &ys) - logreg_loss(&minus, &xs, &ys)) / (2.0 * h);
             assert!((numeric - grad[t][j]).abs() < 2e-3, "{t}/{j}: {numeric} vs {}", grad[t][j]);
         }
-        let layout = ModelKind::Logreg.layout(5, 2).expect("layout");
+        let size = ModelSize { dim: 5, embedding_dim: 4, hidden: 8 };
+        let layout = ModelKind::Logreg.layout(&size, 2).expect("layout");
         assert_eq!(ModelKind::Logreg.dim_from_layout(&layout), Ok(5));
         assert!("dlrm9".parse::<ModelKind>().is_err());
     }

@@ -229,5 +229,8 @@ pub fn kind_name(msg: &Message) -> &'static str {
         Message::StatsRequest(_) => "stats-request",
         Message::Stats(_) => "stats",
         Message::Leave(_) => "leave",
+        Message::SparsePull(_) => "sparse-pull",
+        Message::SparsePullReply(_) => "sparse-pull-reply",
+        Message::SparsePush(_) => "sparse-push",
     }
 }

@@ -35,6 +35,12 @@ pub struct WorkerArgs {
     /// Samples per step.
     #[arg(long, env = "GAPS_BATCH", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub batch: u32,
+    /// Training data of the CTR models: `synthetic` or the path of a Criteo-layout TSV file.
+    #[arg(long, env = "GAPS_DATA", default_value = "synthetic")]
+    pub data: crate::criteo::DataSpec,
+    /// This worker's share of a data file, `I/N`: lines whose number is I modulo N.
+    #[arg(long, env = "GAPS_DATA_SHARD", default_value = "0/1", value_parser = parse_shard)]
+    pub data_shard: (u64, u64),
     /// Seed of the synthetic dataset (same on every worker and the servers' evaluator).
     #[arg(long, env = "GAPS_DATA_SEED", default_value_t = 1)]
     pub data_seed: u64,
@@ -47,6 +53,18 @@ pub struct WorkerArgs {
     /// Print a one-line JSON summary on stdout at the end.
     #[arg(long, env = "GAPS_JSON")]
     pub json: bool,
+}
+
+fn parse_shard(text: &str) -> Result<(u64, u64), String> {
+    let (i, n) = text.split_once('/').ok_or_else(|| format!("{text:?}: expected I/N, e.g. 0/4"))?;
+    let (i, n): (u64, u64) = (
+        i.trim().parse().map_err(|_| format!("{text:?}: bad I"))?,
+        n.trim().parse().map_err(|_| format!("{text:?}: bad N"))?,
+    );
+    if n == 0 || i >= n {
+        return Err(format!("{text:?}: need 0 ≤ I < N"));
+    }
+    Ok((i, n))
 }
 
 /// What a worker did, printed as JSON with `--json`.
@@ -66,6 +84,10 @@ pub struct WorkerSummary {
     pub last_loss: f32,
     /// Wall-clock seconds from connecting to leaving.
     pub wall_s: f64,
+    /// Training samples processed.
+    pub samples: u64,
+    /// Bad lines in the data file (first pass; 0 for synthetic data).
+    pub bad_lines: u64,
 }
 
 impl WorkerSummary {
@@ -80,6 +102,8 @@ impl WorkerSummary {
             "first_loss": self.first_loss,
             "last_loss": self.last_loss,
             "wall_s": self.wall_s,
+            "samples": self.samples,
+            "bad_lines": self.bad_lines,
         })
         .to_string()
     }
@@ -92,6 +116,9 @@ pub async fn run(args: &WorkerArgs) -> Result<WorkerSummary> {
     opts.connect_timeout = args.connect_timeout;
     let client = Client::connect(opts).await.context("joining the cluster")?;
     let worker = client.worker_id().context("the coordinator gave no worker id")?;
+    if let Some(model) = args.model.ctr() {
+        return run_ctr(args, client, worker, model).await;
+    }
     let dim = args.model.dim_from_layout(client.layout()).map_err(anyhow::Error::msg)?;
     info!(worker, dim, shards = client.map().num_shards, "joined the cluster");
     let data = SyntheticLogreg::new(dim as usize, args.data_seed);
@@ -122,5 +149,75 @@ pub async fn run(args: &WorkerArgs) -> Result<WorkerSummary> {
         first_loss: losses.first().copied().unwrap_or(f32::NAN),
         last_loss: tail.iter().sum::<f32>() / tail.len().max(1) as f32,
         wall_s: started.elapsed().as_secs_f64(),
+        samples: args.steps * batch as u64,
+        bad_lines: 0,
+    })
+}
+
+/// The CTR training loop: per step, the next batch, its distinct ids; dense and sparse pulls together;
+/// forward/backward; dense and sparse pushes together.
+async fn run_ctr(
+    args: &WorkerArgs,
+    client: crate::Client,
+    worker: u32,
+    model: crate::recsys::CtrModel,
+) -> Result<WorkerSummary> {
+    use crate::recsys::{forward, index_batch, CtrShape};
+    let shape = CtrShape::from_layout(model, client.layout()).map_err(anyhow::Error::msg)?;
+    let data = match &args.data {
+        crate::criteo::DataSpec::Synthetic { .. } => crate::criteo::DataSpec::Synthetic { seed: args.data_seed },
+        file => file.clone(),
+    };
+    let (part, parts) = match data {
+        crate::criteo::DataSpec::Synthetic { .. } => (u64::from(worker), 1),
+        _ => args.data_shard,
+    };
+    let mut stream = crate::criteo::TrainingStream::new(&data, part, parts).map_err(anyhow::Error::msg)?;
+    info!(worker, model = args.model.name(), row_dim = shape.row_dim(), "joined the cluster");
+    let lease = Duration::from_millis(u64::from(client.map().lease_ms));
+    let heartbeats = client.spawn_heartbeats((lease / 3).max(Duration::from_millis(100)));
+    let started = Instant::now();
+    let mut losses = Vec::with_capacity(args.steps as usize);
+    let mut logits = Vec::new();
+    for step in 0..args.steps {
+        let samples = stream.next_batch(args.batch as usize).map_err(anyhow::Error::msg)?;
+        let batch = index_batch(&samples);
+        let (dense, rows) = tokio::join!(client.pull(), client.pull_sparse(0, &batch.ids, true));
+        let (dense, rows) = (dense.context("pulling dense parameters")?, rows.context("pulling embedding rows")?);
+        let mut dense_grads: Vec<Vec<f32>> = dense.tensors.iter().map(|t| vec![0.0; t.len()]).collect();
+        let mut row_grads = vec![0.0f32; rows.values.len()];
+        let loss = forward(
+            &shape,
+            &dense.tensors,
+            &rows.values,
+            &batch,
+            &samples,
+            &mut logits,
+            Some((&mut dense_grads, &mut row_grads)),
+        );
+        losses.push(loss / samples.len().max(1) as f32);
+        let (a, b) = tokio::join!(client.push(dense_grads, &dense), client.push_sparse(0, &rows, &row_grads));
+        a.with_context(|| format!("pushing dense gradients of step {step}"))?;
+        b.with_context(|| format!("pushing embedding gradients of step {step}"))?;
+        if args.steps >= 10 && (step + 1) % (args.steps / 10) == 0 {
+            info!(worker, step = step + 1, loss = losses[losses.len() - 1], "progress");
+        }
+    }
+    heartbeats.abort();
+    client.leave().await.context("leaving the cluster")?;
+    for e in &stream.first_errors {
+        tracing::warn!(%e, "skipped a bad line");
+    }
+    let tail = &losses[losses.len().saturating_sub(10)..];
+    Ok(WorkerSummary {
+        worker,
+        steps: args.steps,
+        pushes_sent: client.pushes_sent(),
+        retries: client.retries(),
+        first_loss: losses.first().copied().unwrap_or(f32::NAN),
+        last_loss: tail.iter().sum::<f32>() / tail.len().max(1) as f32,
+        wall_s: started.elapsed().as_secs_f64(),
+        samples: args.steps * u64::from(args.batch),
+        bad_lines: stream.bad_lines,
     })
 }

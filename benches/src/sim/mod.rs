@@ -345,6 +345,7 @@ fn setup(args: &SimArgs) -> Result<(Box<dyn Task>, ShardCore, Hyper)> {
         advertise: "simulator".into(),
         epoch: 1,
         threads: 1,
+        sparse: gaps_server::core::SparseSettings::default(),
     })
     .map_err(|e| anyhow!("configuring the shard: {e}"))?;
     core.overwrite(CHUNK, &task.init(args.seed)).map_err(|e| anyhow!("initialising: {e}"))?;
