@@ -350,13 +350,13 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
         let ctr = match args.model.ctr() {
             Some(model) => {
                 let shape = CtrShape::from_layout(model, observer.layout()).map_err(anyhow::Error::msg)?;
-                let (samples, teacher, bad) = held_out(&data_spec, args.eval_samples as usize).map_err(anyhow::Error::msg)?;
-                Some((shape, samples, teacher, bad))
+                let held = held_out(&data_spec, args.eval_samples as usize).map_err(anyhow::Error::msg)?;
+                Some((shape, held))
             }
             None => None,
         };
         let initial_loss = match &ctr {
-            Some((shape, samples, _, _)) => evaluate(&observer, shape, samples).await.context("evaluating the initial model")?.0 as f32,
+            Some((shape, held)) => evaluate(&observer, shape, &held.samples).await.context("evaluating the initial model")?.0 as f32,
             None => eval_loss(&data, &observer.pull().await.context("pulling the initial model")?.tensors, args.eval_samples),
         };
         eprintln!("[gaps local] cluster up in {:.1}s; initial held-out loss {initial_loss:.4}", started.elapsed().as_secs_f64());
@@ -438,9 +438,10 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
         }
         let stats = observer.stats().await.context("reading shard counters")?;
         let (final_loss, ctr_report) = match &ctr {
-            Some((shape, eval, teacher, eval_bad)) => {
-                let (logloss, auc) = evaluate(&observer, shape, eval).await.context("evaluating the final model")?;
-                let labels: Vec<u8> = eval.iter().map(|s| s.label).collect();
+            Some((shape, held)) => {
+                let (logloss, auc) = evaluate(&observer, shape, &held.samples).await.context("evaluating the final model")?;
+                let labels: Vec<u8> = held.samples.iter().map(|s| s.label).collect();
+                let (teacher, eval_bad) = (&held.teacher, &held.bad_lines);
                 let report = CtrReport {
                     auc,
                     teacher_auc: teacher.as_ref().map(|p| gaps_worker::criteo::auc(p, &labels)),

@@ -184,7 +184,7 @@ pub fn parse_bytes(text: &str) -> Result<u64, String> {
         other => return Err(format!("unknown size unit {other:?} in {text:?} (use B, KiB, MiB, GiB, TiB)")),
     };
     let bytes = value * scale as f64;
-    if !(bytes.is_finite() && bytes >= 1.0 && bytes < 1e18) {
+    if !(1.0..1e18).contains(&bytes) {
         return Err(format!("size {text:?} is out of range"));
     }
     Ok(bytes as u64)

@@ -288,108 +288,6 @@ pub fn auc(scores: &[f32], labels: &[u8]) -> f64 {
     (rank_sum - positives * (positives + 1.0) / 2.0) / (positives * negatives)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn line(fields: &[&str]) -> String {
-        fields.join("\t")
-    }
-
-    fn full() -> Vec<String> {
-        let mut f = vec!["1".to_string()];
-        f.extend((0..NUM_INT).map(|j| (j as i64 - 3).to_string()));
-        f.extend((0..NUM_CAT).map(|c| format!("{:08x}", 0x1000_0000u32 + c as u32)));
-        f
-    }
-
-    #[test]
-    fn tricky_lines_parse_or_fail_with_their_line_number() {
-        let good = full();
-        let refs: Vec<&str> = good.iter().map(String::as_str).collect();
-        let s = parse_line(&line(&refs), 1).expect("a full line");
-        assert_eq!(s.label, 1);
-        assert_eq!(s.ints[0], -3, "negative integers");
-        assert_eq!(s.cats[25], 0x1000_0019);
-        assert_eq!(s.feature_id(2), Some(2u64 << 32 | 0x1000_0002));
-        // Missing fields (empty) and a line that ends in a tab (the last categorical missing).
-        let mut missing = refs.clone();
-        missing[3] = "";
-        missing[20] = "";
-        missing[40 - 1] = "";
-        let s = parse_line(&line(&missing), 2).expect("missing fields");
-        assert_eq!(s.int_present & (1 << 2), 0);
-        assert_eq!(s.cat_present & (1 << (20 - 14)), 0);
-        assert_eq!(s.feature_id(25), None);
-        assert!(line(&missing).ends_with('\t'));
-        // An extra trailing tab after a complete line, and CRLF.
-        assert_eq!(parse_line(&format!("{}\t", line(&refs)), 3).expect("trailing tab").cats[25], 0x1000_0019);
-        assert_eq!(parse_line(&format!("{}\r", line(&refs)), 4).expect("CRLF").label, 1);
-        // Too few fields, a non-hex categorical, a bad integer, a bad label, an over-long hash.
-        let cases: Vec<(String, &str)> = vec![
-            (line(&refs[..30]), "fields"),
-            (line(&refs).replace("10000005", "1000zz05"), "hex"),
-            (line(&refs).replacen("\t-3\t", "\t3.5\t", 1), "integer"),
-            (line(&refs).replacen('1', "2", 1), "label"),
-            (line(&refs).replace("10000005", "110000005"), "hex"),
-        ];
-        for (text, needle) in cases {
-            let e = parse_line(&text, 77).expect_err(needle);
-            assert_eq!(e.line, 77);
-            assert!(e.reason.contains(needle), "{e}");
-        }
-    }
-
-    #[test]
-    fn the_reader_streams_counts_bad_lines_and_never_stops_early() {
-        let good = full().join("\t");
-        let text = format!("{good}\r\nnot a line\n\n{good}\t\n1\t2\n\u{0}\u{1}garbage\n{good}");
-        let mut reader = CriteoReader::new(std::io::Cursor::new(text.into_bytes()));
-        let mut lines = Vec::new();
-        while let Some((n, _)) = reader.next_sample() {
-            lines.push(n);
-        }
-        assert_eq!(lines, vec![1, 4, 7]);
-        assert_eq!(reader.bad_lines, 3);
-        assert_eq!(reader.first_errors.iter().map(|e| e.line).collect::<Vec<_>>(), vec![2, 5, 6]);
-        let invalid_utf8 = [good.as_bytes(), b"\n\xff\xfe\t\n", good.as_bytes()].concat();
-        let mut reader = CriteoReader::new(std::io::Cursor::new(invalid_utf8));
-        let mut n = 0;
-        while reader.next_sample().is_some() {
-            n += 1;
-        }
-        assert_eq!((n, reader.bad_lines), (2, 1));
-    }
-
-    #[test]
-    fn synthetic_samples_round_trip_through_the_reader_and_the_teacher_is_informative() {
-        let data = SyntheticCriteo::new(5);
-        let mut probs = Vec::new();
-        let mut labels = Vec::new();
-        for i in 0..20_000 {
-            let (s, p) = data.sample(i);
-            if i < 50 {
-                assert_eq!(parse_line(&SyntheticCriteo::to_line(&s), 1).expect("round trip"), s);
-            }
-            probs.push(p);
-            labels.push(s.label);
-        }
-        assert_eq!(data.sample(7), data.sample(7));
-        let ctr = labels.iter().map(|l| f64::from(*l)).sum::<f64>() / labels.len() as f64;
-        assert!((0.15..0.5).contains(&ctr), "click rate {ctr}");
-        let teacher = auc(&probs, &labels);
-        assert!((0.7..0.95).contains(&teacher), "teacher AUC {teacher}");
-    }
-
-    #[test]
-    fn auc_of_known_cases() {
-        assert_eq!(auc(&[0.1, 0.9], &[0, 1]), 1.0);
-        assert_eq!(auc(&[0.9, 0.1], &[0, 1]), 0.0);
-        assert_eq!(auc(&[0.5, 0.5], &[0, 1]), 0.5);
-        assert!((auc(&[0.1, 0.4, 0.35, 0.8], &[0, 0, 1, 1]) - 0.75).abs() < 1e-12);
-    }
-}
-
 /// Where training samples come from: the synthetic generator, or a Criteo-layout file.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DataSpec {
@@ -502,14 +400,25 @@ impl TrainingStream {
     }
 }
 
+/// The held-out evaluation set.
+#[derive(Debug, Clone)]
+pub struct HeldOut {
+    /// The samples.
+    pub samples: Vec<Sample>,
+    /// The planted teacher's click probability of each sample (synthetic data only).
+    pub teacher: Option<Vec<f32>>,
+    /// Bad lines met while reading a file.
+    pub bad_lines: u64,
+}
+
 /// The held-out evaluation samples (at most `n`), with the teacher's probabilities for synthetic data.
-pub fn held_out(spec: &DataSpec, n: usize) -> Result<(Vec<Sample>, Option<Vec<f32>>, u64), String> {
+pub fn held_out(spec: &DataSpec, n: usize) -> Result<HeldOut, String> {
     match spec {
         DataSpec::Synthetic { seed } => {
             let data = SyntheticCriteo::new(*seed);
             let (samples, probs): (Vec<Sample>, Vec<f32>) =
                 (0..n as u64).map(|i| data.sample(SYNTHETIC_EVAL_BASE + i)).unzip();
-            Ok((samples, Some(probs), 0))
+            Ok(HeldOut { samples, teacher: Some(probs), bad_lines: 0 })
         }
         DataSpec::File(path) => {
             let mut reader = open(path)?;
@@ -527,7 +436,109 @@ pub fn held_out(spec: &DataSpec, n: usize) -> Result<(Vec<Sample>, Option<Vec<f3
                     path.display()
                 ));
             }
-            Ok((out, None, reader.bad_lines))
+            Ok(HeldOut { samples: out, teacher: None, bad_lines: reader.bad_lines })
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn line(fields: &[&str]) -> String {
+        fields.join("\t")
+    }
+
+    fn full() -> Vec<String> {
+        let mut f = vec!["1".to_string()];
+        f.extend((0..NUM_INT).map(|j| (j as i64 - 3).to_string()));
+        f.extend((0..NUM_CAT).map(|c| format!("{:08x}", 0x1000_0000u32 + c as u32)));
+        f
+    }
+
+    #[test]
+    fn tricky_lines_parse_or_fail_with_their_line_number() {
+        let good = full();
+        let refs: Vec<&str> = good.iter().map(String::as_str).collect();
+        let s = parse_line(&line(&refs), 1).expect("a full line");
+        assert_eq!(s.label, 1);
+        assert_eq!(s.ints[0], -3, "negative integers");
+        assert_eq!(s.cats[25], 0x1000_0019);
+        assert_eq!(s.feature_id(2), Some(2u64 << 32 | 0x1000_0002));
+        // Missing fields (empty) and a line that ends in a tab (the last categorical missing).
+        let mut missing = refs.clone();
+        missing[3] = "";
+        missing[20] = "";
+        missing[40 - 1] = "";
+        let s = parse_line(&line(&missing), 2).expect("missing fields");
+        assert_eq!(s.int_present & (1 << 2), 0);
+        assert_eq!(s.cat_present & (1 << (20 - 14)), 0);
+        assert_eq!(s.feature_id(25), None);
+        assert!(line(&missing).ends_with('\t'));
+        // An extra trailing tab after a complete line, and CRLF.
+        assert_eq!(parse_line(&format!("{}\t", line(&refs)), 3).expect("trailing tab").cats[25], 0x1000_0019);
+        assert_eq!(parse_line(&format!("{}\r", line(&refs)), 4).expect("CRLF").label, 1);
+        // Too few fields, a non-hex categorical, a bad integer, a bad label, an over-long hash.
+        let cases: Vec<(String, &str)> = vec![
+            (line(&refs[..30]), "fields"),
+            (line(&refs).replace("10000005", "1000zz05"), "hex"),
+            (line(&refs).replacen("\t-3\t", "\t3.5\t", 1), "integer"),
+            (line(&refs).replacen('1', "2", 1), "label"),
+            (line(&refs).replace("10000005", "110000005"), "hex"),
+        ];
+        for (text, needle) in cases {
+            let e = parse_line(&text, 77).expect_err(needle);
+            assert_eq!(e.line, 77);
+            assert!(e.reason.contains(needle), "{e}");
+        }
+    }
+
+    #[test]
+    fn the_reader_streams_counts_bad_lines_and_never_stops_early() {
+        let good = full().join("\t");
+        let text = format!("{good}\r\nnot a line\n\n{good}\t\n1\t2\n\u{0}\u{1}garbage\n{good}");
+        let mut reader = CriteoReader::new(std::io::Cursor::new(text.into_bytes()));
+        let mut lines = Vec::new();
+        while let Some((n, _)) = reader.next_sample() {
+            lines.push(n);
+        }
+        assert_eq!(lines, vec![1, 4, 7]);
+        assert_eq!(reader.bad_lines, 3);
+        assert_eq!(reader.first_errors.iter().map(|e| e.line).collect::<Vec<_>>(), vec![2, 5, 6]);
+        let invalid_utf8 = [good.as_bytes(), b"\n\xff\xfe\t\n", good.as_bytes()].concat();
+        let mut reader = CriteoReader::new(std::io::Cursor::new(invalid_utf8));
+        let mut n = 0;
+        while reader.next_sample().is_some() {
+            n += 1;
+        }
+        assert_eq!((n, reader.bad_lines), (2, 1));
+    }
+
+    #[test]
+    fn synthetic_samples_round_trip_through_the_reader_and_the_teacher_is_informative() {
+        let data = SyntheticCriteo::new(5);
+        let mut probs = Vec::new();
+        let mut labels = Vec::new();
+        for i in 0..20_000 {
+            let (s, p) = data.sample(i);
+            if i < 50 {
+                assert_eq!(parse_line(&SyntheticCriteo::to_line(&s), 1).expect("round trip"), s);
+            }
+            probs.push(p);
+            labels.push(s.label);
+        }
+        assert_eq!(data.sample(7), data.sample(7));
+        let ctr = labels.iter().map(|l| f64::from(*l)).sum::<f64>() / labels.len() as f64;
+        assert!((0.15..0.5).contains(&ctr), "click rate {ctr}");
+        let teacher = auc(&probs, &labels);
+        assert!((0.7..0.95).contains(&teacher), "teacher AUC {teacher}");
+    }
+
+    #[test]
+    fn auc_of_known_cases() {
+        assert_eq!(auc(&[0.1, 0.9], &[0, 1]), 1.0);
+        assert_eq!(auc(&[0.9, 0.1], &[0, 1]), 0.0);
+        assert_eq!(auc(&[0.5, 0.5], &[0, 1]), 0.5);
+        assert!((auc(&[0.1, 0.4, 0.35, 0.8], &[0, 0, 1, 1]) - 0.75).abs() < 1e-12);
     }
 }

@@ -236,6 +236,26 @@ pub fn forward(
     loss
 }
 
+/// Log-loss and AUC of the cluster's current model on `samples` (rows are read without being created).
+pub async fn evaluate(
+    client: &crate::Client,
+    shape: &CtrShape,
+    samples: &[Sample],
+) -> Result<(f64, f64), crate::ClientError> {
+    let snapshot = client.pull().await?;
+    let mut scores = Vec::with_capacity(samples.len());
+    let mut loss = 0.0f64;
+    let mut logits = Vec::new();
+    for part in samples.chunks(4096) {
+        let batch = index_batch(part);
+        let rows = client.pull_sparse(0, &batch.ids, false).await?;
+        loss += f64::from(forward(shape, &snapshot.tensors, &rows.values, &batch, part, &mut logits, None));
+        scores.extend(logits.iter().map(|z| sigmoid(*z)));
+    }
+    let labels: Vec<u8> = samples.iter().map(|s| s.label).collect();
+    Ok((loss / samples.len().max(1) as f64, crate::criteo::auc(&scores, &labels)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -303,24 +323,4 @@ mod tests {
         assert_eq!(CtrShape::from_layout(CtrModel::Dlrm, &layout), Ok(shape));
         assert!(CtrShape::from_layout(CtrModel::Fm, &layout).is_err());
     }
-}
-
-/// Log-loss and AUC of the cluster's current model on `samples` (rows are read without being created).
-pub async fn evaluate(
-    client: &crate::Client,
-    shape: &CtrShape,
-    samples: &[Sample],
-) -> Result<(f64, f64), crate::ClientError> {
-    let snapshot = client.pull().await?;
-    let mut scores = Vec::with_capacity(samples.len());
-    let mut loss = 0.0f64;
-    let mut logits = Vec::new();
-    for part in samples.chunks(4096) {
-        let batch = index_batch(part);
-        let rows = client.pull_sparse(0, &batch.ids, false).await?;
-        loss += f64::from(forward(shape, &snapshot.tensors, &rows.values, &batch, part, &mut logits, None));
-        scores.extend(logits.iter().map(|z| sigmoid(*z)));
-    }
-    let labels: Vec<u8> = samples.iter().map(|s| s.label).collect();
-    Ok((loss / samples.len().max(1) as f64, crate::criteo::auc(&scores, &labels)))
 }
