@@ -269,15 +269,20 @@ fn terminate(p: &Proc) {
     }
 }
 
-/// Runs the whole local cluster and returns its report.
+/// Runs the whole local cluster and returns its report (children are this executable).
 pub async fn run(args: &LocalArgs) -> Result<LocalReport> {
+    let exe = std::env::current_exe().context("locating the gaps executable")?;
+    run_with(args, &exe).await
+}
+
+/// Runs the whole local cluster with `exe` (the `gaps` binary) as every child process.
+pub async fn run_with(args: &LocalArgs, exe: &Path) -> Result<LocalReport> {
     let started = Instant::now();
     let deadline = started + args.timeout;
-    let exe = std::env::current_exe().context("locating the gaps executable")?;
     let stamp = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_micros()).unwrap_or(0);
     let dir = std::env::temp_dir().join(format!("gaps-local-{}-{stamp}", std::process::id()));
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let result = run_in(args, &exe, &dir, started, deadline).await;
+    let result = run_in(args, exe, &dir, started, deadline).await;
     match &result {
         Ok(_) if !args.keep_dir => {
             let _ = std::fs::remove_dir_all(&dir);

@@ -67,6 +67,12 @@ struct CertsArgs {
 
 #[derive(Debug, Subcommand)]
 enum BenchCommand {
+    /// DLRM training samples per second through local clusters of 1×1, 2×2 and 2×4 shards × workers.
+    E2e {
+        /// Steps per worker.
+        #[arg(long, env = "GAPS_BENCH_STEPS", default_value_t = 300)]
+        steps: u64,
+    },
     /// Sparse-table insert and lookup rates and bytes per row.
     Tables {
         /// Rows to insert.
@@ -195,6 +201,15 @@ async fn main() -> Result<()> {
                 None => gaps_benches::kernels::run_cpu(&sizes, threads, min_time, false)?,
             };
             gaps_benches::kernels::print(&results, json);
+        }
+        Command::Bench(BenchCommand::E2e { steps }) => {
+            let exe = std::env::current_exe().context("locating the gaps executable")?;
+            let results = gaps_benches::e2e::run(&exe, &[(1, 1), (2, 2), (2, 4)], steps).await?;
+            eprintln!("{:<10} {:>14} {:>8}", "cluster", "samples/s", "AUC");
+            for r in &results {
+                eprintln!("{:<10} {:>14.0} {:>8.4}", format!("{}x{}", r.servers, r.workers), r.samples_per_s, r.auc);
+                println!("{}", r.to_json());
+            }
         }
         Command::Bench(BenchCommand::Tables { rows, dim }) => {
             let r = gaps_benches::tables::run(rows as u64, dim)?;

@@ -65,3 +65,66 @@ fn gaps_certs_writes_a_loadable_cluster_ca_and_certificates() {
     assert!(!bad_san.status.success(), "an invalid name is refused");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+fn run_local(args: &[&str]) -> serde_json::Value {
+    let out =
+        Command::new(env!("CARGO_BIN_EXE_gaps")).args(args).env("GAPS_LOG", "warn").output().expect("run gaps local");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "gaps local failed:\n{stderr}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(stdout.lines().last().expect("a JSON line")).expect("valid JSON")
+}
+
+#[test]
+fn dlrm_on_synthetic_data_reaches_the_teachers_auc_within_002() {
+    let v = run_local(&[
+        "local",
+        "--model",
+        "dlrm",
+        "--data",
+        "synthetic",
+        "--servers",
+        "2",
+        "--workers",
+        "4",
+        "--json",
+        "--timeout",
+        "300s",
+    ]);
+    let (auc, teacher) = (v["auc"].as_f64().expect("auc"), v["teacher_auc"].as_f64().expect("teacher_auc"));
+    assert!(auc >= teacher - 0.02, "AUC {auc} vs teacher {teacher}");
+    assert_eq!(v["pushes_sent"], v["pushes_applied"]);
+    assert!(v["table_rows"].as_u64().expect("rows") > 1000);
+    assert!(v["samples_per_s"].as_f64().expect("rate") > 0.0);
+    assert_eq!(v["bad_lines"], 0);
+}
+
+#[test]
+fn a_criteo_file_with_bad_lines_trains_and_reports_them() {
+    let data = gaps_worker::criteo::SyntheticCriteo::new(3);
+    let mut lines: Vec<String> =
+        (0..6000).map(|i| gaps_worker::criteo::SyntheticCriteo::to_line(&data.sample(i).0)).collect();
+    lines[10] = "not a sample".into();
+    lines[20] = lines[20].replacen('\t', "\t1.5", 1);
+    lines[30] = lines[30].split('\t').take(12).collect::<Vec<_>>().join("\t");
+    lines[40].push('\t'); // a trailing tab is fine
+    let path = std::env::temp_dir().join(format!("gaps-criteo-test-{}.tsv", std::process::id()));
+    std::fs::write(&path, lines.join("\r\n")).expect("write");
+    let v = run_local(&[
+        "local",
+        "--model",
+        "lr",
+        "--data",
+        path.to_str().expect("path"),
+        "--steps",
+        "30",
+        "--batch",
+        "128",
+        "--json",
+    ]);
+    let _ = std::fs::remove_file(&path);
+    assert_eq!(v["bad_lines"], 3, "{v}");
+    let auc = v["auc"].as_f64().expect("auc");
+    assert!(auc > 0.6, "AUC {auc}");
+    assert!(v["teacher_auc"].is_null());
+}

@@ -1,0 +1,13 @@
+//! `cargo bench --bench e2e`: DLRM samples per second through real local clusters of 1×1, 2×2 and 2×4
+//! shards × workers. With `--test` (as CI runs it) one tiny 1×1 run.
+
+fn main() -> anyhow::Result<()> {
+    let quick = std::env::args().any(|a| a == "--test");
+    let exe = std::path::Path::new(env!("CARGO_BIN_EXE_gaps"));
+    let (shapes, steps): (&[(u32, u32)], u64) = if quick { (&[(1, 1)], 5) } else { (&[(1, 1), (2, 2), (2, 4)], 300) };
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    for r in runtime.block_on(gaps_benches::e2e::run(exe, shapes, steps))? {
+        println!("{}", r.to_json());
+    }
+    Ok(())
+}

@@ -1,0 +1,157 @@
+//! Sparse tables through ShardCore: routing, validation, exactly-once shared with dense pushes, evaluation
+//! reads that create nothing, the memory budget.
+
+use gaps_common::layout::{sparse_owner, ChunkId, Layout, SparseSpec, TensorSpec};
+use gaps_common::wire::{ids_to_words, ErrorCode, Frame, Message, Push, PushChunk, SparsePull, SparsePush};
+use gaps_kernels::{Hyper, Rule};
+use gaps_server::core::SparseSettings;
+use gaps_server::{Init, ShardConfig, ShardCore};
+use std::time::Duration;
+
+const EPOCH: u64 = 5;
+const DIM: u32 = 4;
+
+fn core(shard: u32, num_shards: u32, budget: Option<u64>) -> ShardCore {
+    let layout = Layout::with_tables(
+        vec![TensorSpec { name: "dense".into(), len: 8 }],
+        8,
+        vec![SparseSpec { name: "emb".into(), dim: DIM }],
+    )
+    .expect("layout");
+    let mut core = ShardCore::new(ShardConfig {
+        shard,
+        num_shards,
+        layout,
+        rule: Rule::Sgd,
+        hyper: Hyper { lr: 0.1, momentum: 0.0, ..Hyper::default() },
+        init: Init { seed: 1, std: 0.0 },
+        lease: Duration::from_secs(60),
+        advertise: "x:1".into(),
+        epoch: EPOCH,
+        threads: 1,
+        sparse: SparseSettings { memory_budget: budget, init_std: 0.1, ..SparseSettings::default() },
+    })
+    .expect("core");
+    if shard != 0 {
+        // Adopt the epoch as a joined shard would.
+        let mut coordinator = ShardCore::new(ShardConfig { shard: 0, ..core.config().clone() }).expect("coordinator");
+        let (reply, _) = coordinator.handle(Frame::new(core.join_request()), Duration::ZERO);
+        let Message::ClusterMap(map) = reply.msg else { panic!("join refused") };
+        core.joined(&map).expect("joined");
+    }
+    core
+}
+
+fn owned(shard: u32, num_shards: u32, count: usize) -> Vec<u64> {
+    (0..u64::MAX).filter(|id| sparse_owner(0, *id, num_shards) == shard).take(count).collect()
+}
+
+fn sparse_pull(core: &mut ShardCore, ids: &[u64], create: bool) -> Result<(Vec<u32>, Vec<f32>), ErrorCode> {
+    let mut words = Vec::new();
+    ids_to_words(ids, &mut words);
+    let msg = Message::SparsePull(SparsePull { epoch: EPOCH, table: 0, count: ids.len() as u32, create });
+    let (reply, _) = core.handle(Frame { msg, payload: words }, Duration::ZERO);
+    match reply.msg {
+        Message::SparsePullReply(r) => {
+            let (v, rows) = reply.payload.split_at(r.count as usize);
+            Ok((v.iter().map(|w| w.to_bits()).collect(), rows.to_vec()))
+        }
+        Message::Error(e) => Err(e.code),
+        other => panic!("unexpected {other:?}"),
+    }
+}
+
+fn sparse_push(
+    core: &mut ShardCore,
+    seq: u64,
+    ids: &[u64],
+    versions: &[u32],
+    grads: &[f32],
+) -> Result<bool, ErrorCode> {
+    let mut payload = Vec::new();
+    ids_to_words(ids, &mut payload);
+    payload.extend(versions.iter().map(|v| f32::from_bits(*v)));
+    payload.extend_from_slice(grads);
+    let msg = Message::SparsePush(SparsePush {
+        epoch: EPOCH,
+        worker: 1,
+        seq,
+        table: 0,
+        count: ids.len() as u32,
+        dim: DIM,
+        echo_read: false,
+    });
+    match core.handle(Frame { msg, payload }, Duration::ZERO).0.msg {
+        Message::Ack(a) => Ok(a.duplicate),
+        Message::Error(e) => Err(e.code),
+        other => panic!("unexpected {other:?}"),
+    }
+}
+
+#[test]
+fn sparse_rows_are_created_updated_once_and_validated() {
+    let mut core = core(0, 1, None);
+    let ids = [11u64, 22, 33];
+    // An evaluation read creates nothing.
+    let (_, initial) = sparse_pull(&mut core, &ids, false).expect("peek");
+    assert_eq!(core.stats().table_rows, 0);
+    let (versions, rows) = sparse_pull(&mut core, &ids, true).expect("pull");
+    assert_eq!(rows, initial, "a row starts at its initial value");
+    assert_eq!(core.stats().table_rows, 3);
+    let grads = vec![1.0f32; 3 * DIM as usize];
+    assert_eq!(sparse_push(&mut core, 1, &ids, &versions, &grads), Ok(false));
+    assert_eq!(sparse_push(&mut core, 1, &ids, &versions, &grads), Ok(true), "same seq: acknowledged, not applied");
+    let after = core.sparse_row(0, 22).expect("row").to_vec();
+    // Adagrad with lr 0.05: the first step moves each value by about lr.
+    for (a, b) in after.iter().zip(&rows[4..8]) {
+        assert!((b - a - 0.05).abs() < 1e-4, "{b} -> {a}");
+    }
+    // A dense push from the same worker continues the same sequence: seq 1 is taken.
+    let dense = Message::Push(Push {
+        epoch: EPOCH,
+        worker: 1,
+        seq: 1,
+        chunks: vec![PushChunk { id: ChunkId { tensor: 0, chunk: 0 }, read_version: 0, len: 8 }],
+        echo_read: false,
+    });
+    assert!(
+        matches!(core.handle(Frame { msg: dense, payload: vec![0.5; 8] }, Duration::ZERO).0.msg, Message::Ack(a) if a.duplicate)
+    );
+    // Bad pushes change nothing.
+    let before = core.sparse_row(0, 11).expect("row").to_vec();
+    let mut nan = grads.clone();
+    nan[2] = f32::NAN;
+    assert_eq!(sparse_push(&mut core, 2, &ids, &versions, &nan), Err(ErrorCode::NonFinite));
+    assert_eq!(
+        sparse_push(&mut core, 2, &[11, 11, 22], &versions, &grads),
+        Err(ErrorCode::WrongShape),
+        "duplicate ids"
+    );
+    assert_eq!(sparse_push(&mut core, 2, &ids, &versions, &grads[1..]), Err(ErrorCode::WrongShape), "short payload");
+    assert_eq!(core.sparse_row(0, 11).expect("row"), &before[..]);
+    // An id that was never pulled is skipped and counted, not an error.
+    assert_eq!(sparse_push(&mut core, 2, &[999], &[0], &grads[..4]), Ok(false));
+    assert_eq!(core.stats().sparse_dropped, 1);
+}
+
+#[test]
+fn rows_of_other_shards_are_refused() {
+    let mut s1 = core(1, 2, None);
+    let theirs = owned(0, 2, 1);
+    let ours = owned(1, 2, 2);
+    assert!(sparse_pull(&mut s1, &ours, true).is_ok());
+    assert_eq!(sparse_pull(&mut s1, &[ours[0], theirs[0]], true), Err(ErrorCode::NotOwner));
+    assert_eq!(s1.stats().table_rows, 2, "a refused pull creates nothing");
+}
+
+#[test]
+fn the_memory_budget_holds_across_requests() {
+    let budget = 32 * 1024;
+    let mut core = core(0, 1, Some(budget));
+    for batch in 0..100u64 {
+        let ids: Vec<u64> = (0..64).map(|i| batch * 1000 + i).collect();
+        sparse_pull(&mut core, &ids, true).expect("pull");
+        assert!(core.stats().table_bytes <= budget, "{} > {budget}", core.stats().table_bytes);
+    }
+    assert!(core.stats().table_evicted > 0);
+}
