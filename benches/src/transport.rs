@@ -120,6 +120,7 @@ async fn gaps_case(certs: &ClusterCerts, shards: u32, n: u64, quick: bool, min_t
                 epoch: 7,
                 threads: 1,
                 sparse: gaps_server::core::SparseSettings::default(),
+                modes: gaps_server::modes::ModeConfig::default(),
             },
             join_timeout: Duration::from_secs(10),
             tick_interval: Duration::from_millis(250),

@@ -306,10 +306,12 @@ pub struct Push {
     /// The payload also carries, after all gradients, the parameter values each chunk's gradient was
     /// computed on (same order and lengths); required by the rules that measure drift.
     pub echo_read: bool,
+    /// Milliseconds the worker spent computing this gradient (0: unknown); feeds the straggler detector.
+    pub compute_ms: u32,
 }
 
 /// Acknowledges a push.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Encode, Decode)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Encode, Decode)]
 pub struct Ack {
     /// The acknowledged sequence number.
     pub seq: u64,
@@ -317,6 +319,10 @@ pub struct Ack {
     pub duplicate: bool,
     /// Largest staleness τ over the push's chunks (0 for duplicates).
     pub max_staleness: u64,
+    /// Synchronous step not complete yet: pull again only once the chunks reach this version (0: go on).
+    pub wait_for_version: u64,
+    /// Bounded staleness: go on only once the slowest live worker's clock reaches this (0: go on).
+    pub wait_for_clock: u64,
 }
 
 /// A typed refusal, answered on the request's stream.
@@ -392,6 +398,20 @@ pub struct Stats {
     pub table_evicted: u64,
     /// Sparse row updates dropped (row not admitted, or evicted since the pull).
     pub sparse_dropped: u64,
+    /// The mode in force (0 async, 1 sync, 2 gba, 3 ssp).
+    pub mode: u8,
+    /// Mode switches so far.
+    pub mode_switches: u64,
+    /// Synchronous steps applied.
+    pub steps_sync: u64,
+    /// GBA steps applied.
+    pub steps_gba: u64,
+    /// Gradients dropped as too stale (sync: computed on an earlier step; gba: beyond the threshold).
+    pub dropped_stale: u64,
+    /// The learning-rate multiplier in force, in thousandths.
+    pub lr_multiplier_milli: u32,
+    /// The smallest push count of a live worker (bounded staleness).
+    pub ssp_min_clock: u64,
 }
 
 /// Every message of the protocol. The kind byte on the wire is [`Message::kind`].
@@ -663,10 +683,17 @@ mod tests {
                     seq: 17,
                     chunks: vec![PushChunk { id, read_version: 4, len: 2 }],
                     echo_read: true,
+                    compute_ms: 12,
                 }),
                 payload: vec![0.5, f32::MIN_POSITIVE, -1.0, 2.0],
             },
-            Frame::new(Message::Ack(Ack { seq: 17, duplicate: true, max_staleness: 3 })),
+            Frame::new(Message::Ack(Ack {
+                seq: 17,
+                duplicate: true,
+                max_staleness: 3,
+                wait_for_version: 8,
+                wait_for_clock: 2,
+            })),
             Frame::new(Message::error(ErrorCode::NonFinite, "NaN at 3")),
             Frame::new(Message::Heartbeat(Heartbeat { worker: 3 })),
             Frame::new(Message::HeartbeatAck(HeartbeatAck { epoch: 9, live_workers: 4 })),
@@ -742,6 +769,7 @@ mod tests {
             seq: 1,
             chunks: vec![PushChunk { id, read_version: 0, len: u32::MAX }; 2],
             echo_read: false,
+            compute_ms: 0,
         });
         let mut bytes = vec![push.kind(), 0, 0, 0, 0];
         let len = push.encode_body(&mut bytes).expect("encode body");
@@ -771,6 +799,7 @@ mod tests {
             seq: 1,
             chunks: vec![PushChunk { id, read_version: 0, len: 3 }],
             echo_read: false,
+            compute_ms: 0,
         });
         assert!(matches!(
             encode_frame(&Frame { msg: push.clone(), payload: vec![1.0; 2] }),

@@ -98,6 +98,20 @@ pub struct ServerArgs {
     /// Threads a large push may use (0: one per core).
     #[arg(long, env = "GAPS_THREADS", default_value_t = 0)]
     pub threads: usize,
+    /// Training mode: async, sync (global-batch BSP), gba (global-batch aggregation), ssp (bounded
+    /// staleness) or auto (sync without stragglers, gba with them).
+    #[arg(long, env = "GAPS_MODE", default_value = "async")]
+    pub mode: crate::modes::Mode,
+    /// GBA: gradients more than this many global steps stale are dropped.
+    #[arg(long, env = "GAPS_GBA_THRESHOLD", default_value_t = 4)]
+    pub gba_threshold: u64,
+    /// SSP: pushes a worker may run ahead of the slowest live worker.
+    #[arg(long, env = "GAPS_SSP_BOUND", default_value_t = 3)]
+    pub ssp_bound: u64,
+    /// Steps over which the learning-rate multiplier follows a change of the worker count (default: 8 × the
+    /// count ratio when growing, at once when shrinking).
+    #[arg(long, env = "GAPS_LR_RAMP_STEPS")]
+    pub lr_ramp_steps: Option<u64>,
     /// Seed of the parameter initializer.
     #[arg(long, env = "GAPS_SEED", default_value_t = 1)]
     pub seed: u64,
@@ -150,6 +164,13 @@ impl ServerArgs {
                 advertise: String::new(),
                 epoch: epoch.max(1),
                 threads: self.threads,
+                modes: crate::modes::ModeConfig {
+                    mode: self.mode,
+                    gba_threshold: self.gba_threshold,
+                    ssp_bound: self.ssp_bound,
+                    lr_ramp_steps: self.lr_ramp_steps,
+                    ..crate::modes::ModeConfig::default()
+                },
                 sparse: SparseSettings {
                     rule: self.sparse_rule,
                     hyper: Hyper { lr: self.sparse_lr, momentum: self.momentum, weight_decay: 0.0, ..hyper },

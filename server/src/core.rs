@@ -5,6 +5,7 @@
 //! [`ShardCore::tick`]; time is an argument (`now`, any monotonic origin), never read from a clock.
 //! The QUIC service, the simulator and the tests all drive this same type.
 
+use crate::modes::{LrRamp, Mode, ModeConfig, StragglerDetector};
 use crate::sparse::{Eviction, SparseTable, TableConfig};
 use gaps_common::layout::sparse_owner;
 use gaps_common::layout::{ChunkId, Layout};
@@ -86,6 +87,8 @@ pub struct ShardConfig {
     pub threads: usize,
     /// Sparse tables (the layout lists them).
     pub sparse: SparseSettings,
+    /// Training mode and its policies.
+    pub modes: ModeConfig,
 }
 
 /// Why the core refused a request. Each maps to an [`ErrorCode`] on the wire.
@@ -178,7 +181,7 @@ impl ShardError {
 }
 
 /// Something the core wants the embedding service to log or export.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum CoreEvent {
     /// A worker registered.
     WorkerJoined(u32),
@@ -188,11 +191,29 @@ pub enum CoreEvent {
     WorkerExpired(u32),
     /// A shard joined the cluster.
     ShardJoined(u32),
+    /// The training mode changed.
+    ModeSwitch {
+        /// Mode before.
+        from: Mode,
+        /// Mode after.
+        to: Mode,
+        /// Why.
+        reason: String,
+    },
+    /// The learning-rate multiplier starts moving toward a new value because the live worker count changed.
+    LrRamp {
+        /// Live workers now.
+        workers: u32,
+        /// The multiplier it moves to.
+        target: f64,
+    },
 }
 
 /// One owned chunk: its parameters, optimizer state (planes of `len` floats) and update count.
 #[derive(Debug)]
 struct ChunkSlot {
+    /// The tensor the chunk belongs to.
+    tensor: u32,
     params: Vec<f32>,
     /// The rule's shared planes.
     shared: Vec<f32>,
@@ -228,8 +249,6 @@ impl SeqWindow {
 struct Coordinator {
     shard_addrs: BTreeMap<u32, String>,
     next_worker: u32,
-    /// Live workers and the time their lease ends.
-    leases: BTreeMap<u32, Duration>,
     /// Every worker id ever handed out.
     registered: u32,
 }
@@ -252,6 +271,22 @@ pub struct ShardCore {
     lr_scale: f32,
     /// Sparse tables, layout order.
     tables: Vec<SparseTable>,
+    /// Live workers (by heartbeat, registration or push) and the time their lease ends.
+    leases: BTreeMap<u32, Duration>,
+    /// The mode in force (never `Auto`: auto runs `Sync` or `Gba`).
+    active: Mode,
+    /// Synchronous modes: summed gradients per slot (allocated on first use) and how many were summed.
+    accum: Vec<Vec<f32>>,
+    accum_counts: Vec<u32>,
+    /// Gradients in the current step, and which workers sent them.
+    accum_pushes: u32,
+    contributors: BTreeSet<u32>,
+    /// Aggregated updates applied (sync and gba steps).
+    global_step: u64,
+    detector: StragglerDetector,
+    ramp: LrRamp,
+    /// Pushes per worker (bounded staleness).
+    clocks: BTreeMap<u32, u64>,
     /// The GPU that applies updates, when `--device` chose one.
     device: Option<std::sync::Arc<gaps_kernels::cuda::CudaDevice>>,
     /// Largest learning rate used so far (Gap-Aware's η_max).
@@ -288,6 +323,7 @@ impl ShardCore {
                 (0..range.len()).map(|_| (rng.normal() * f64::from(cfg.init.std)) as f32).collect()
             };
             slots.push(ChunkSlot {
+                tensor: id.tensor,
                 shared: vec![0.0; params.len() * shared_planes],
                 params,
                 workers: HashMap::new(),
@@ -328,8 +364,23 @@ impl ShardCore {
                 .map_err(|e| ShardError::Misconfigured(e.to_string()))
             })
             .collect::<Result<Vec<_>, _>>()?;
+        let active = match cfg.modes.mode {
+            Mode::Auto => Mode::Sync,
+            m => m,
+        };
+        let n_slots = slots.len();
         Ok(ShardCore {
             tables,
+            leases: BTreeMap::new(),
+            active,
+            accum: vec![Vec::new(); n_slots],
+            accum_counts: vec![0; n_slots],
+            accum_pushes: 0,
+            contributors: BTreeSet::new(),
+            global_step: 0,
+            detector: StragglerDetector::default(),
+            ramp: LrRamp::default(),
+            clocks: BTreeMap::new(),
             cfg,
             epoch,
             chunk_base,
@@ -351,9 +402,23 @@ impl ShardCore {
         self.device = device;
     }
 
-    /// The learning rate in force: the configured η times the current multiplier.
+    /// The learning rate in force: the configured η times the schedule's multiplier and, in the
+    /// synchronous modes, the elastic multiplier (live workers relative to the start, ramped).
     pub fn lr(&self) -> f32 {
-        self.cfg.hyper.lr * self.lr_scale
+        self.cfg.hyper.lr * self.lr_scale * self.lr_multiplier() as f32
+    }
+
+    /// The elastic learning-rate multiplier in force (1 outside the synchronous modes).
+    pub fn lr_multiplier(&self) -> f64 {
+        match self.active {
+            Mode::Sync | Mode::Gba => self.ramp.multiplier(self.global_step),
+            _ => 1.0,
+        }
+    }
+
+    /// The mode in force.
+    pub fn active_mode(&self) -> Mode {
+        self.active
     }
 
     /// Sets the learning-rate multiplier (warm-up, schedules, elastic ramps). Non-finite or non-positive
@@ -386,10 +451,13 @@ impl ShardCore {
     pub fn stats(&self) -> Stats {
         let mut s = self.stats.clone();
         s.epoch = self.epoch;
+        s.live_workers = self.leases.len() as u32;
         if let Some(c) = &self.coordinator {
-            s.live_workers = c.leases.len() as u32;
             s.registered_workers = c.registered;
         }
+        s.mode = self.active.code();
+        s.lr_multiplier_milli = (self.lr_multiplier() * 1000.0).round().clamp(0.0, f64::from(u32::MAX)) as u32;
+        s.ssp_min_clock = self.min_clock();
         for t in &self.tables {
             let ts = t.stats();
             s.table_rows += ts.rows;
@@ -442,13 +510,13 @@ impl ShardCore {
         let now_s = now.as_secs().min(u64::from(u32::MAX)) as u32;
         let result = match req.msg {
             Message::Pull(p) => self.pull(&p),
-            Message::Push(p) => self.push(&p, &req.payload),
+            Message::Push(p) => self.push(&p, &req.payload, now, &mut events),
             Message::SparsePull(p) => self.sparse_pull(&p, &req.payload, now_s),
             Message::SparsePush(p) => self.sparse_push(&p, &req.payload, now_s),
             Message::SparsePullReply(_) => Err(ShardError::NotARequest("sparse pull reply")),
             Message::Register(r) => self.register(&r, now, &mut events),
             Message::RegisterShard(r) => self.register_shard(&r, &mut events),
-            Message::Heartbeat(h) => self.heartbeat(h, now),
+            Message::Heartbeat(h) => self.heartbeat(h, now, &mut events),
             Message::Leave(l) => self.leave(l, &mut events),
             Message::StatsRequest(_) => Ok(Frame::new(Message::Stats(self.stats()))),
             Message::ClusterMap(_) => Err(ShardError::NotARequest("cluster map")),
@@ -477,12 +545,117 @@ impl ShardCore {
         for t in &mut self.tables {
             t.tick(now_s);
         }
-        let Some(c) = self.coordinator.as_mut() else { return Vec::new() };
-        let expired: Vec<u32> = c.leases.iter().filter(|(_, until)| **until <= now).map(|(w, _)| *w).collect();
+        let expired: Vec<u32> = self.leases.iter().filter(|(_, until)| **until <= now).map(|(w, _)| *w).collect();
+        let mut events: Vec<CoreEvent> = Vec::new();
         for w in &expired {
-            c.leases.remove(w);
+            self.leases.remove(w);
+            self.detector.forget(*w);
+            self.clocks.remove(w);
+            events.push(CoreEvent::WorkerExpired(*w));
         }
-        expired.into_iter().map(CoreEvent::WorkerExpired).collect()
+        if !expired.is_empty() {
+            self.membership_changed(&mut events);
+        }
+        events
+    }
+
+    /// After the live set changed: move the learning-rate multiplier, re-judge stragglers, and finish a
+    /// synchronous step that no longer waits for anyone (a dead worker never holds a step longer than its
+    /// lease).
+    fn membership_changed(&mut self, events: &mut Vec<CoreEvent>) {
+        let live = self.leases.len() as u32;
+        let ramped = self.ramp.set_workers(live, self.global_step, self.cfg.modes.lr_ramp_steps);
+        if ramped && matches!(self.active, Mode::Sync | Mode::Gba) {
+            events.push(CoreEvent::LrRamp { workers: live, target: self.ramp.target() });
+        }
+        self.judge(events);
+        if self.step_ready() {
+            // Failures here are bugs of this shard; the next push reports them.
+            let _ = self.complete_step();
+        }
+    }
+
+    /// Lets the detector judge the live workers and, in `auto`, switches between sync and gba.
+    fn judge(&mut self, events: &mut Vec<CoreEvent>) {
+        let live: BTreeSet<u32> = self.leases.keys().copied().collect();
+        let reasons = self.detector.judge(&live, &self.cfg.modes);
+        if self.cfg.modes.mode != Mode::Auto {
+            return;
+        }
+        let wanted = if self.detector.stragglers().is_empty() { Mode::Sync } else { Mode::Gba };
+        if wanted != self.active {
+            let reason = if reasons.is_empty() { "membership changed".to_string() } else { reasons.join("; ") };
+            if self.active == Mode::Gba && self.accum_pushes > 0 {
+                // The partial GBA step is applied as it is; sync starts on a fresh step.
+                let _ = self.complete_step();
+            }
+            events.push(CoreEvent::ModeSwitch { from: self.active, to: wanted, reason });
+            self.active = wanted;
+            self.stats.mode_switches += 1;
+        }
+    }
+
+    fn min_clock(&self) -> u64 {
+        self.leases.keys().map(|w| self.clocks.get(w).copied().unwrap_or(0)).min().unwrap_or(0)
+    }
+
+    /// A synchronous step is complete when every live worker contributed (sync) or K = live workers
+    /// gradients arrived (gba).
+    fn step_ready(&self) -> bool {
+        if self.accum_pushes == 0 {
+            return false;
+        }
+        match self.active {
+            Mode::Sync => self.leases.keys().all(|w| self.contributors.contains(w)),
+            Mode::Gba => self.accum_pushes as usize >= self.leases.len().max(1),
+            _ => false,
+        }
+    }
+
+    /// Applies the averaged accumulated gradients as one update of every chunk that received some.
+    fn complete_step(&mut self) -> Result<(), ShardError> {
+        let mut plan = Vec::new();
+        let mut flat = Vec::new();
+        for slot in 0..self.slots.len() {
+            let count = self.accum_counts[slot];
+            if count == 0 {
+                continue;
+            }
+            let inv = 1.0 / count as f32;
+            plan.push(Planned { slot, tensor: self.slots[slot].tensor, offset: flat.len(), staleness: 0 });
+            flat.extend(self.accum[slot].iter().map(|g| g * inv));
+            self.accum[slot].iter_mut().for_each(|g| *g = 0.0);
+            self.accum_counts[slot] = 0;
+        }
+        // Rules that measure drift see none: every gradient of the step was computed on these values.
+        let reads: Vec<f32> = if self.cfg.rule.layout().needs_read {
+            plan.iter().flat_map(|p| self.slots[p.slot].params.iter().copied()).collect()
+        } else {
+            Vec::new()
+        };
+        let mode = self.active;
+        self.apply_now(&plan, u32::MAX, &flat, &reads)?;
+        self.global_step += 1;
+        match mode {
+            Mode::Gba => self.stats.steps_gba += 1,
+            _ => self.stats.steps_sync += 1,
+        }
+        self.contributors.clear();
+        self.accum_pushes = 0;
+        Ok(())
+    }
+
+    /// A push renews its worker's lease and reports its compute time.
+    fn observe_push(&mut self, worker: u32, compute_ms: u32, now: Duration, events: &mut Vec<CoreEvent>) {
+        let joined = self.leases.insert(worker, now + self.cfg.lease).is_none();
+        if compute_ms > 0 {
+            self.detector.observe(worker, f64::from(compute_ms));
+        }
+        if joined {
+            self.membership_changed(events);
+        } else {
+            self.judge(events);
+        }
     }
 
     /// Replaces the values of an owned chunk (restoring a checkpoint, or a model-specific initializer such
@@ -559,7 +732,13 @@ impl ShardCore {
         Ok(Frame { msg: Message::PullReply(PullReply { chunks: metas }), payload })
     }
 
-    fn push(&mut self, req: &Push, payload: &[f32]) -> Result<Frame, ShardError> {
+    fn push(
+        &mut self,
+        req: &Push,
+        payload: &[f32],
+        now: Duration,
+        events: &mut Vec<CoreEvent>,
+    ) -> Result<Frame, ShardError> {
         self.check_epoch(req.epoch)?;
         if req.seq == 0 {
             return Err(ShardError::SequenceWindow("sequence numbers start at 1".into()));
@@ -567,7 +746,7 @@ impl ShardCore {
         let window = self.seqs.entry(req.worker).or_default();
         if window.applied(req.seq) {
             self.stats.pushes_duplicate += 1;
-            return Ok(Frame::new(Message::Ack(Ack { seq: req.seq, duplicate: true, max_staleness: 0 })));
+            return Ok(Frame::new(Message::Ack(Ack { seq: req.seq, duplicate: true, ..Ack::default() })));
         }
         if req.seq > window.contiguous + SEQ_WINDOW {
             return Err(ShardError::SequenceWindow(format!(
@@ -635,12 +814,65 @@ impl ShardCore {
             plan.push(Planned { slot, tensor: c.id.tensor, offset, staleness: version - c.read_version });
             offset += expected;
         }
+        let grads = &payload[..grad_total as usize];
+        let reads = if req.echo_read { &payload[read_base..] } else { &[][..] };
+        self.observe_push(req.worker, req.compute_ms, now, events);
+        let tau = plan.iter().map(|p| p.staleness).max().unwrap_or(0);
+        let mut ack = Ack { seq: req.seq, max_staleness: tau, ..Ack::default() };
+        match self.active {
+            Mode::Sync | Mode::Gba => {
+                let too_stale = match self.active {
+                    Mode::Sync => tau > 0,
+                    _ => tau > self.cfg.modes.gba_threshold,
+                };
+                if too_stale {
+                    self.stats.dropped_stale += 1;
+                } else {
+                    for p in &plan {
+                        let n = self.slots[p.slot].params.len();
+                        let acc = &mut self.accum[p.slot];
+                        if acc.is_empty() {
+                            acc.resize(n, 0.0);
+                        }
+                        acc.iter_mut().zip(&grads[p.offset..p.offset + n]).for_each(|(a, g)| *a += g);
+                        self.accum_counts[p.slot] += 1;
+                    }
+                    self.accum_pushes += 1;
+                    self.contributors.insert(req.worker);
+                    if self.step_ready() {
+                        self.complete_step()?;
+                    } else if self.active == Mode::Sync {
+                        ack.wait_for_version = plan.first().map_or(0, |p| self.slots[p.slot].version + 1);
+                    }
+                }
+            }
+            _ => {
+                self.apply_now(&plan, req.worker, grads, reads)?;
+                if self.active == Mode::Ssp {
+                    let clock = self.clocks.entry(req.worker).or_insert(0);
+                    *clock += 1;
+                    let mine = *clock;
+                    if mine > self.min_clock() + self.cfg.modes.ssp_bound {
+                        ack.wait_for_clock = mine - self.cfg.modes.ssp_bound;
+                    }
+                }
+            }
+        }
+        self.stats.pushes_applied += 1;
+        if let Some(window) = self.seqs.get_mut(&req.worker) {
+            window.insert(req.seq);
+        }
+        Ok(Frame::new(Message::Ack(ack)))
+    }
+
+    /// Applies gradients to the planned chunks now, one update each (`grads` and `reads` indexed by the
+    /// plan's offsets), and records versions and staleness.
+    fn apply_now(&mut self, plan: &[Planned], worker: u32, grads: &[f32], reads: &[f32]) -> Result<(), ShardError> {
+        let rule = self.cfg.rule;
         let lr = self.lr();
         self.lr_max = self.lr_max.max(lr);
         let (lr_max, hyper, threads) = (self.lr_max, self.cfg.hyper, self.threads);
-        let reads = if req.echo_read { &payload[read_base..] } else { &[][..] };
-        let work = collect_work(&mut self.slots, &plan, req.worker, rule);
-        let grads = &payload[..grad_total as usize];
+        let work = collect_work(&mut self.slots, plan, worker, rule);
         match &self.device {
             None => apply_work(work, rule, &hyper, lr, lr_max, grads, reads, threads),
             Some(gpu) => work.into_iter().try_for_each(|w| {
@@ -658,7 +890,7 @@ impl ShardCore {
         .map_err(|e| ShardError::Device(e.to_string()))?;
         let mut max_staleness = 0;
         let mut touched = BTreeSet::new();
-        for p in &plan {
+        for p in plan {
             self.slots[p.slot].version += 1;
             touched.insert(p.tensor);
             max_staleness = max_staleness.max(p.staleness);
@@ -669,11 +901,7 @@ impl ShardCore {
             self.tensor_versions[t as usize] += 1;
         }
         self.stats.staleness_max = self.stats.staleness_max.max(max_staleness);
-        self.stats.pushes_applied += 1;
-        if let Some(window) = self.seqs.get_mut(&req.worker) {
-            window.insert(req.seq);
-        }
-        Ok(Frame::new(Message::Ack(Ack { seq: req.seq, duplicate: false, max_staleness })))
+        Ok(())
     }
 
     /// Checks a table reference and that every id is owned here; returns the ids.
@@ -722,7 +950,7 @@ impl ShardCore {
         let window = self.seqs.entry(req.worker).or_default();
         if window.applied(req.seq) {
             self.stats.pushes_duplicate += 1;
-            return Ok(Frame::new(Message::Ack(Ack { seq: req.seq, duplicate: true, max_staleness: 0 })));
+            return Ok(Frame::new(Message::Ack(Ack { seq: req.seq, duplicate: true, ..Ack::default() })));
         }
         if req.seq > window.contiguous + SEQ_WINDOW {
             return Err(ShardError::SequenceWindow(format!("sequence number {} is too far ahead", req.seq)));
@@ -778,7 +1006,7 @@ impl ShardCore {
         if let Some(window) = self.seqs.get_mut(&req.worker) {
             window.insert(req.seq);
         }
-        Ok(Frame::new(Message::Ack(Ack { seq: req.seq, duplicate: false, max_staleness })))
+        Ok(Frame::new(Message::Ack(Ack { seq: req.seq, max_staleness, ..Ack::default() })))
     }
 
     fn coordinator(&mut self) -> Result<&mut Coordinator, ShardError> {
@@ -837,11 +1065,14 @@ impl ShardCore {
                 let id = c.next_worker;
                 c.next_worker += 1;
                 c.registered += 1;
-                c.leases.insert(id, now + lease);
                 events.push(CoreEvent::WorkerJoined(id));
                 Some(id)
             }
         };
+        if let Some(id) = worker_id {
+            self.leases.insert(id, now + lease);
+            self.membership_changed(events);
+        }
         Ok(Frame::new(Message::ClusterMap(self.cluster_map(worker_id)?)))
     }
 
@@ -884,24 +1115,33 @@ impl ShardCore {
         })))
     }
 
-    fn heartbeat(&mut self, h: Heartbeat, now: Duration) -> Result<Frame, ShardError> {
-        let lease = self.cfg.lease;
-        let epoch = self.epoch;
-        let c = self.coordinator()?;
-        if h.worker >= c.next_worker {
-            return Err(ShardError::NotRegistered(format!("worker {} never registered", h.worker)));
+    fn heartbeat(&mut self, h: Heartbeat, now: Duration, events: &mut Vec<CoreEvent>) -> Result<Frame, ShardError> {
+        // The coordinator knows every id it handed out; other shards learn workers from their heartbeats.
+        if let Some(c) = &self.coordinator {
+            if h.worker >= c.next_worker {
+                return Err(ShardError::NotRegistered(format!("worker {} never registered", h.worker)));
+            }
         }
-        c.leases.insert(h.worker, now + lease);
-        Ok(Frame::new(Message::HeartbeatAck(HeartbeatAck { epoch, live_workers: c.leases.len() as u32 })))
+        if self.leases.insert(h.worker, now + self.cfg.lease).is_none() {
+            self.membership_changed(events);
+        }
+        Ok(Frame::new(Message::HeartbeatAck(HeartbeatAck {
+            epoch: self.epoch,
+            live_workers: self.leases.len() as u32,
+        })))
     }
 
     fn leave(&mut self, l: Leave, events: &mut Vec<CoreEvent>) -> Result<Frame, ShardError> {
-        let epoch = self.epoch;
-        let c = self.coordinator()?;
-        if c.leases.remove(&l.worker).is_some() {
+        if self.leases.remove(&l.worker).is_some() {
+            self.detector.forget(l.worker);
+            self.clocks.remove(&l.worker);
             events.push(CoreEvent::WorkerLeft(l.worker));
+            self.membership_changed(events);
         }
-        Ok(Frame::new(Message::HeartbeatAck(HeartbeatAck { epoch, live_workers: c.leases.len() as u32 })))
+        Ok(Frame::new(Message::HeartbeatAck(HeartbeatAck {
+            epoch: self.epoch,
+            live_workers: self.leases.len() as u32,
+        })))
     }
 }
 
@@ -932,7 +1172,7 @@ fn collect_work<'a>(slots: &'a mut [ChunkSlot], plan: &[Planned], worker: u32, r
     let mut work = Vec::with_capacity(plan.len());
     for (index, slot) in slots.iter_mut().enumerate() {
         let Some(p) = wanted.get(&index) else { continue };
-        let ChunkSlot { params, shared, workers, version } = slot;
+        let ChunkSlot { params, shared, workers, version, .. } = slot;
         let worker: &mut [f32] = if planes == 0 {
             &mut []
         } else {

@@ -8,6 +8,7 @@
 pub mod cli;
 pub mod core;
 pub mod metrics;
+pub mod modes;
 pub mod service;
 pub mod sparse;
 

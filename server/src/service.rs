@@ -340,6 +340,10 @@ fn log_events(events: &[CoreEvent]) {
             CoreEvent::WorkerLeft(w) => info!(worker = w, "worker left"),
             CoreEvent::WorkerExpired(w) => warn!(worker = w, "worker lease expired"),
             CoreEvent::ShardJoined(s) => info!(joined = s, "shard joined"),
+            CoreEvent::ModeSwitch { from, to, reason } => warn!(%from, %to, %reason, "training mode switched"),
+            CoreEvent::LrRamp { workers, target } => {
+                info!(workers, target, "learning-rate multiplier ramps to the new worker count")
+            }
         }
     }
 }

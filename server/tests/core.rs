@@ -29,6 +29,7 @@ fn config(shard: u32, num_shards: u32, rule: Rule) -> ShardConfig {
         epoch: EPOCH,
         threads: 1,
         sparse: gaps_server::core::SparseSettings::default(),
+        modes: gaps_server::modes::ModeConfig::default(),
     }
 }
 
@@ -62,7 +63,7 @@ fn full_push(worker: u32, seq: u64, versions: &[u64], grad: &[f32]) -> (Message,
         .zip(versions)
         .map(|(id, v)| PushChunk { id, read_version: *v, len: l.chunk_len(id).expect("len") as u32 })
         .collect();
-    (Message::Push(Push { epoch: EPOCH, worker, seq, chunks, echo_read: false }), grad.to_vec())
+    (Message::Push(Push { epoch: EPOCH, worker, seq, chunks, echo_read: false, compute_ms: 0 }), grad.to_vec())
 }
 
 fn grad(seed: u32) -> Vec<f32> {

@@ -52,6 +52,7 @@ async fn start_shard_with(
             epoch: 1234,
             threads: 1,
             sparse: gaps_server::core::SparseSettings::default(),
+            modes: gaps_server::modes::ModeConfig::default(),
         },
         join_timeout: Duration::from_secs(10),
         tick_interval: Duration::from_millis(100),
@@ -209,7 +210,8 @@ async fn malformed_frames_over_the_network_get_typed_errors_and_change_nothing()
             .map(|id| PushChunk { id: *id, read_version: 0, len: l.chunk_len(*id).expect("len") as u32 })
             .collect();
         let total: u32 = chunks.iter().map(|c| c.len).sum();
-        let msg = Message::Push(Push { epoch: client.map().epoch, worker, seq: 1, chunks, echo_read: false });
+        let msg =
+            Message::Push(Push { epoch: client.map().epoch, worker, seq: 1, chunks, echo_read: false, compute_ms: 0 });
         let mut bytes = wire::encode_header(&msg, total as usize).expect("header");
         bytes.extend((0..payload_len).flat_map(|i| if i == 5 { value } else { 0.25f32 }.to_le_bytes()));
         bytes
@@ -236,6 +238,7 @@ async fn malformed_frames_over_the_network_get_typed_errors_and_change_nothing()
         seq: 2,
         chunks: vec![PushChunk { id: ids[0], read_version: 0, len: u32::MAX }],
         echo_read: false,
+        compute_ms: 0,
     });
     let header = wire::encode_header(&big, u32::MAX as usize).expect("header");
     expect(raw_request(&conn, &header).await, ErrorCode::TooLarge, "over-limit payload");

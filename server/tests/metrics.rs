@@ -44,6 +44,7 @@ async fn metrics_endpoint_exports_pushes_pulls_bytes_latency_staleness_and_live_
             epoch: 5,
             threads: 1,
             sparse: gaps_server::core::SparseSettings::default(),
+            modes: gaps_server::modes::ModeConfig::default(),
         },
         join_timeout: Duration::from_secs(5),
         tick_interval: Duration::from_millis(50),

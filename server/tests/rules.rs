@@ -27,6 +27,7 @@ fn core(rule: Rule, hyper: Hyper) -> ShardCore {
         epoch: EPOCH,
         threads: 2,
         sparse: gaps_server::core::SparseSettings::default(),
+        modes: gaps_server::modes::ModeConfig::default(),
     })
     .expect("core")
 }
@@ -57,7 +58,7 @@ fn push(core: &mut ShardCore, worker: u32, seq: u64, versions: &[u64], grad: &[f
     if let Some(r) = read {
         payload.extend_from_slice(r);
     }
-    let msg = Message::Push(Push { epoch: EPOCH, worker, seq, chunks, echo_read: read.is_some() });
+    let msg = Message::Push(Push { epoch: EPOCH, worker, seq, chunks, echo_read: read.is_some(), compute_ms: 0 });
     core.handle(Frame { msg, payload }, Duration::ZERO).0.msg
 }
 

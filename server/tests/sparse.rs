@@ -30,6 +30,7 @@ fn core(shard: u32, num_shards: u32, budget: Option<u64>) -> ShardCore {
         epoch: EPOCH,
         threads: 1,
         sparse: SparseSettings { memory_budget: budget, init_std: 0.1, ..SparseSettings::default() },
+        modes: gaps_server::modes::ModeConfig::default(),
     })
     .expect("core");
     if shard != 0 {
@@ -113,6 +114,7 @@ fn sparse_rows_are_created_updated_once_and_validated() {
         seq: 1,
         chunks: vec![PushChunk { id: ChunkId { tensor: 0, chunk: 0 }, read_version: 0, len: 8 }],
         echo_read: false,
+        compute_ms: 0,
     });
     assert!(
         matches!(core.handle(Frame { msg: dense, payload: vec![0.5; 8] }, Duration::ZERO).0.msg, Message::Ack(a) if a.duplicate)

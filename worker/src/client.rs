@@ -143,6 +143,8 @@ struct Inner {
     slim_momentum: Mutex<Vec<Vec<f32>>>,
     /// The rule of embedding rows.
     sparse_rule: Rule,
+    /// When the last dense pull finished: the next push reports the time since as its compute time.
+    last_pull: Mutex<Option<Instant>>,
 }
 
 /// A connected client. Cheap to clone; clones share connections and counters.
@@ -231,6 +233,7 @@ impl Client {
                 hyper,
                 slim_momentum: Mutex::new(Vec::new()),
                 sparse_rule,
+                last_pull: Mutex::new(None),
             }),
         };
         // Connect to every shard now, so a missing or unreachable shard fails fast and by name.
@@ -383,6 +386,9 @@ impl Client {
                 offset += n;
             }
         }
+        if let Ok(mut last) = self.inner.last_pull.lock() {
+            *last = Some(Instant::now());
+        }
         Ok(Snapshot { tensors: Arc::new(tensors), versions })
     }
 
@@ -422,6 +428,13 @@ impl Client {
         }
         let grads = Arc::new(grads);
         let echo = rule_layout.needs_read.then(|| snapshot.tensors.clone());
+        let compute_ms = self
+            .inner
+            .last_pull
+            .lock()
+            .ok()
+            .and_then(|last| last.map(|t| t.elapsed().as_millis().clamp(1, u128::from(u32::MAX)) as u32))
+            .unwrap_or(0);
         let mut tasks = tokio::task::JoinSet::new();
         for s in 0..self.inner.shards.len() {
             let link = &self.inner.shards[s];
@@ -438,8 +451,14 @@ impl Client {
                     len: layout.chunk_len(*id).unwrap_or(0) as u32,
                 })
                 .collect();
-            let msg =
-                Message::Push(Push { epoch: self.inner.map.epoch, worker, seq, chunks, echo_read: echo.is_some() });
+            let msg = Message::Push(Push {
+                epoch: self.inner.map.epoch,
+                worker,
+                seq,
+                chunks,
+                echo_read: echo.is_some(),
+                compute_ms,
+            });
             self.inner.pushes_sent.fetch_add(1, Ordering::Relaxed);
             let client = self.clone();
             let grads = grads.clone();
@@ -623,10 +642,12 @@ impl Client {
         Ok(out)
     }
 
-    /// Renews this worker's lease with the coordinator.
+    /// Renews this worker's lease with every shard (each keeps its own view of who is live).
     pub async fn heartbeat(&self) -> Result<(), ClientError> {
         let Some(worker) = self.inner.map.worker_id else { return Ok(()) };
-        self.request(0, &Message::Heartbeat(Heartbeat { worker }), &[]).await?;
+        for s in 0..self.inner.shards.len() {
+            self.request(s, &Message::Heartbeat(Heartbeat { worker }), &[]).await?;
+        }
         Ok(())
     }
 
@@ -644,10 +665,12 @@ impl Client {
         })
     }
 
-    /// Leaves the job (the coordinator drops the lease at once) and closes every connection.
+    /// Leaves the job (every shard drops the lease at once) and closes every connection.
     pub async fn leave(&self) -> Result<(), ClientError> {
         if let Some(worker) = self.inner.map.worker_id {
-            self.request(0, &Message::Leave(Leave { worker }), &[]).await?;
+            for s in 0..self.inner.shards.len() {
+                self.request(s, &Message::Leave(Leave { worker }), &[]).await?;
+            }
         }
         self.close().await;
         Ok(())

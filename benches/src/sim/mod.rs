@@ -346,6 +346,7 @@ fn setup(args: &SimArgs) -> Result<(Box<dyn Task>, ShardCore, Hyper)> {
         epoch: 1,
         threads: 1,
         sparse: gaps_server::core::SparseSettings::default(),
+        modes: gaps_server::modes::ModeConfig::default(),
     })
     .map_err(|e| anyhow!("configuring the shard: {e}"))?;
     core.overwrite(CHUNK, &task.init(args.seed)).map_err(|e| anyhow!("initialising: {e}"))?;
@@ -451,6 +452,7 @@ fn run_async(args: &SimArgs) -> Result<SimReport> {
             seq: vw.seq,
             chunks: vec![PushChunk { id: CHUNK, read_version: vw.version, len: p as u32 }],
             echo_read: needs_read,
+            compute_ms: 0,
         };
         let (reply, _) = core.handle(Frame { msg: Message::Push(push), payload }, Duration::ZERO);
         let tau = match reply.msg {
@@ -617,6 +619,7 @@ fn run_sync(args: &SimArgs) -> Result<SimReport> {
             seq,
             chunks: vec![PushChunk { id: CHUNK, read_version: version, len: p as u32 }],
             echo_read: needs_read,
+            compute_ms: 0,
         };
         let (reply, _) = core.handle(Frame { msg: Message::Push(push), payload }, Duration::ZERO);
         if !matches!(reply.msg, Message::Ack(_)) {

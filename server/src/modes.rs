@@ -1,0 +1,275 @@
+//! Training modes and the policies that steer them: the straggler detector (with hysteresis) behind
+//! `auto`, and the learning-rate multiplier that follows the number of live workers (Dynamic mini-batch
+//! SGD). Pure functions of what they are told; the shard core feeds them and applies their decisions.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::str::FromStr;
+
+/// How a shard applies dense gradients.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Mode {
+    /// Every push is applied on arrival (with the rule's staleness correction).
+    Async,
+    /// Global-batch BSP: one update per step, averaging one gradient from every live worker; workers wait
+    /// for the step before pulling again. A worker whose lease expires is dropped from the step.
+    Sync,
+    /// Global Batch Aggregation: one update per K gradients (K = live workers, the synchronous global
+    /// batch), from whichever workers send them; gradients staler than the threshold are dropped.
+    Gba,
+    /// Bounded staleness: asynchronous, but a worker more than `--ssp-bound` pushes ahead of the slowest
+    /// live worker waits.
+    Ssp,
+    /// `sync` while no worker straggles, `gba` while one does.
+    Auto,
+}
+
+impl Mode {
+    /// The `--mode` name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Async => "async",
+            Mode::Sync => "sync",
+            Mode::Gba => "gba",
+            Mode::Ssp => "ssp",
+            Mode::Auto => "auto",
+        }
+    }
+
+    /// Wire code of an active mode (reported in stats).
+    pub fn code(self) -> u8 {
+        match self {
+            Mode::Async => 0,
+            Mode::Sync => 1,
+            Mode::Gba => 2,
+            Mode::Ssp => 3,
+            Mode::Auto => 4,
+        }
+    }
+
+    /// The mode of a wire code.
+    pub fn from_code(code: u8) -> Option<Mode> {
+        [Mode::Async, Mode::Sync, Mode::Gba, Mode::Ssp, Mode::Auto].into_iter().find(|m| m.code() == code)
+    }
+}
+
+impl fmt::Display for Mode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Mode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "async" => Ok(Mode::Async),
+            "sync" => Ok(Mode::Sync),
+            "gba" => Ok(Mode::Gba),
+            "ssp" => Ok(Mode::Ssp),
+            "auto" => Ok(Mode::Auto),
+            other => Err(format!("unknown mode {other:?}; use async, sync, gba, ssp or auto")),
+        }
+    }
+}
+
+/// Settings of the modes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ModeConfig {
+    /// The configured mode.
+    pub mode: Mode,
+    /// GBA: gradients more than this many global steps stale are dropped.
+    pub gba_threshold: u64,
+    /// SSP: how many pushes a worker may run ahead of the slowest live worker.
+    pub ssp_bound: u64,
+    /// Steps over which the learning-rate multiplier moves to a new value; None = 8 × the worker-count
+    /// ratio when growing and at once when shrinking.
+    pub lr_ramp_steps: Option<u64>,
+    /// A worker straggles when its compute time exceeds this multiple of the median...
+    pub straggler_enter: f64,
+    /// ...and stops straggling when it falls below this multiple (hysteresis).
+    pub straggler_exit: f64,
+    /// Reports a worker needs before the detector judges it.
+    pub min_observations: u32,
+}
+
+impl Default for ModeConfig {
+    fn default() -> Self {
+        ModeConfig {
+            mode: Mode::Async,
+            gba_threshold: 4,
+            ssp_bound: 3,
+            lr_ramp_steps: None,
+            straggler_enter: 2.0,
+            straggler_exit: 1.3,
+            min_observations: 3,
+        }
+    }
+}
+
+/// Tracks each worker's compute time per step (an EMA of what the worker reports) and who straggles.
+#[derive(Debug, Clone, Default)]
+pub struct StragglerDetector {
+    ema_ms: BTreeMap<u32, (f64, u32)>,
+    stragglers: BTreeSet<u32>,
+}
+
+impl StragglerDetector {
+    /// Records one step's compute time of `worker`.
+    pub fn observe(&mut self, worker: u32, compute_ms: f64) {
+        let e = self.ema_ms.entry(worker).or_insert((compute_ms, 0));
+        e.0 = if e.1 == 0 { compute_ms } else { 0.7 * e.0 + 0.3 * compute_ms };
+        e.1 = e.1.saturating_add(1);
+    }
+
+    /// Forgets a worker that left.
+    pub fn forget(&mut self, worker: u32) {
+        self.ema_ms.remove(&worker);
+        self.stragglers.remove(&worker);
+    }
+
+    /// Re-judges every live worker against the median; returns the stragglers and, for each change, why.
+    pub fn judge(&mut self, live: &BTreeSet<u32>, cfg: &ModeConfig) -> Vec<String> {
+        let mut times: Vec<f64> = self
+            .ema_ms
+            .iter()
+            .filter(|(w, (_, n))| live.contains(w) && *n >= cfg.min_observations)
+            .map(|(_, (t, _))| *t)
+            .collect();
+        let mut reasons = Vec::new();
+        self.stragglers.retain(|w| live.contains(w));
+        if times.len() < 2 {
+            return reasons;
+        }
+        times.sort_by(f64::total_cmp);
+        let median = times[(times.len() - 1) / 2].max(1e-3);
+        for (w, (t, n)) in &self.ema_ms {
+            if !live.contains(w) || *n < cfg.min_observations {
+                continue;
+            }
+            let ratio = t / median;
+            if !self.stragglers.contains(w) && ratio > cfg.straggler_enter {
+                self.stragglers.insert(*w);
+                reasons.push(format!("worker {w} takes {t:.0} ms per step, {ratio:.1}x the median {median:.0} ms"));
+            } else if self.stragglers.contains(w) && ratio < cfg.straggler_exit {
+                self.stragglers.remove(w);
+                reasons
+                    .push(format!("worker {w} recovered: {t:.0} ms per step, {ratio:.1}x the median {median:.0} ms"));
+            }
+        }
+        reasons
+    }
+
+    /// The current stragglers.
+    pub fn stragglers(&self) -> &BTreeSet<u32> {
+        &self.stragglers
+    }
+}
+
+/// The learning-rate multiplier of the synchronous modes: linear scaling by the live worker count relative
+/// to the count at the start, reached by a linear ramp after every change.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LrRamp {
+    reference: Option<u32>,
+    workers: u32,
+    from: f64,
+    to: f64,
+    start: u64,
+    len: u64,
+}
+
+impl Default for LrRamp {
+    fn default() -> Self {
+        LrRamp { reference: None, workers: 0, from: 1.0, to: 1.0, start: 0, len: 0 }
+    }
+}
+
+impl LrRamp {
+    /// The multiplier at global step `step`.
+    pub fn multiplier(&self, step: u64) -> f64 {
+        if self.len == 0 || step >= self.start + self.len {
+            return self.to;
+        }
+        self.from + (self.to - self.from) * (step - self.start) as f64 / self.len as f64
+    }
+
+    /// The multiplier the ramp is heading to.
+    pub fn target(&self) -> f64 {
+        self.to
+    }
+
+    /// Tells the ramp how many workers are live at `step`. The first count is the reference (multiplier 1);
+    /// a change starts a ramp toward live / reference. Returns true when a ramp started.
+    pub fn set_workers(&mut self, live: u32, step: u64, ramp_steps: Option<u64>) -> bool {
+        if live == 0 || live == self.workers {
+            return false;
+        }
+        let Some(reference) = self.reference else {
+            self.reference = Some(live);
+            self.workers = live;
+            return false;
+        };
+        let ratio = f64::from(live) / f64::from(self.workers.max(1));
+        let current = self.multiplier(step);
+        self.from = current;
+        self.to = f64::from(live) / f64::from(reference);
+        self.start = step;
+        self.len = ramp_steps.unwrap_or(if ratio > 1.0 { (8.0 * ratio).round() as u64 } else { 0 });
+        self.workers = live;
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_detector_flags_a_slow_worker_and_clears_it_with_hysteresis() {
+        let cfg = ModeConfig::default();
+        let live: BTreeSet<u32> = (0..4).collect();
+        let mut d = StragglerDetector::default();
+        for _ in 0..3 {
+            for w in 0..4 {
+                d.observe(w, if w == 1 { 400.0 } else { 100.0 });
+            }
+        }
+        let reasons = d.judge(&live, &cfg);
+        assert_eq!(d.stragglers().iter().copied().collect::<Vec<_>>(), vec![1]);
+        assert!(reasons[0].contains("worker 1"), "{reasons:?}");
+        // Between the thresholds nothing changes (hysteresis) ...
+        for _ in 0..20 {
+            d.observe(1, 160.0);
+        }
+        assert!(d.judge(&live, &cfg).is_empty());
+        assert!(d.stragglers().contains(&1));
+        // ... and below the exit threshold it recovers.
+        for _ in 0..20 {
+            d.observe(1, 105.0);
+        }
+        assert_eq!(d.judge(&live, &cfg).len(), 1);
+        assert!(d.stragglers().is_empty());
+        // A worker that left is not judged.
+        d.observe(9, 1000.0);
+        assert!(d.judge(&live, &cfg).is_empty());
+    }
+
+    #[test]
+    fn the_multiplier_ramps_to_the_linearly_scaled_value() {
+        let mut r = LrRamp::default();
+        assert!(!r.set_workers(4, 0, None), "the first count is the reference");
+        assert_eq!(r.multiplier(10), 1.0);
+        assert!(r.set_workers(8, 100, None));
+        // Doubling: 8 × 2 = 16 steps from 1 to 2.
+        assert_eq!(r.multiplier(100), 1.0);
+        assert!((r.multiplier(108) - 1.5).abs() < 1e-12);
+        assert_eq!(r.multiplier(116), 2.0);
+        // Shrinking: at once.
+        assert!(r.set_workers(2, 200, None));
+        assert_eq!(r.multiplier(200), 0.5);
+        assert!(r.set_workers(4, 300, Some(10)));
+        assert!((r.multiplier(305) - 0.75).abs() < 1e-12);
+        assert!("gba".parse::<Mode>().is_ok() && "bsp".parse::<Mode>().is_err());
+        assert_eq!(Mode::from_code(Mode::Gba.code()), Some(Mode::Gba));
+    }
+}
