@@ -817,6 +817,7 @@ impl ShardCore {
         let grads = &payload[..grad_total as usize];
         let reads = if req.echo_read { &payload[read_base..] } else { &[][..] };
         self.observe_push(req.worker, req.compute_ms, now, events);
+        self.ramp.fix_reference();
         let tau = plan.iter().map(|p| p.staleness).max().unwrap_or(0);
         let mut ack = Ack { seq: req.seq, max_staleness: tau, ..Ack::default() };
         match self.active {

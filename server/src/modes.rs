@@ -198,14 +198,20 @@ impl LrRamp {
         self.to
     }
 
-    /// Tells the ramp how many workers are live at `step`. The first count is the reference (multiplier 1);
-    /// a change starts a ramp toward live / reference. Returns true when a ramp started.
+    /// Training starts: the live count now is the reference (multiplier 1). Later calls change nothing.
+    pub fn fix_reference(&mut self) {
+        if self.reference.is_none() && self.workers > 0 {
+            self.reference = Some(self.workers);
+        }
+    }
+
+    /// Tells the ramp how many workers are live at `step`. Before training starts this only records the
+    /// count; afterwards a change starts a ramp toward live / reference. Returns true when a ramp started.
     pub fn set_workers(&mut self, live: u32, step: u64, ramp_steps: Option<u64>) -> bool {
         if live == 0 || live == self.workers {
             return false;
         }
         let Some(reference) = self.reference else {
-            self.reference = Some(live);
             self.workers = live;
             return false;
         };
@@ -257,7 +263,9 @@ mod tests {
     #[test]
     fn the_multiplier_ramps_to_the_linearly_scaled_value() {
         let mut r = LrRamp::default();
-        assert!(!r.set_workers(4, 0, None), "the first count is the reference");
+        assert!(!r.set_workers(2, 0, None), "before training starts counts are only recorded");
+        assert!(!r.set_workers(4, 0, None));
+        r.fix_reference();
         assert_eq!(r.multiplier(10), 1.0);
         assert!(r.set_workers(8, 100, None));
         // Doubling: 8 × 2 = 16 steps from 1 to 2.

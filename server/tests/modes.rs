@@ -1,0 +1,195 @@
+//! Training modes through ShardCore with virtual time: sync steps and dead workers, GBA aggregation and
+//! staleness, automatic switching on a straggler and back, the elastic learning-rate ramp, bounded staleness.
+
+use gaps_common::layout::{ChunkId, Layout, TensorSpec};
+use gaps_common::wire::{Ack, Frame, Heartbeat, Message, Pull, Push, PushChunk, Register, Role, PROTOCOL_VERSION};
+use gaps_kernels::{Hyper, Rule};
+use gaps_server::core::SparseSettings;
+use gaps_server::modes::{Mode, ModeConfig};
+use gaps_server::{CoreEvent, Init, ShardConfig, ShardCore};
+use std::time::Duration;
+
+const EPOCH: u64 = 3;
+const LEASE_MS: u64 = 1000;
+const ID: ChunkId = ChunkId { tensor: 0, chunk: 0 };
+
+fn core(mode: Mode, workers: u32) -> ShardCore {
+    let mut core = ShardCore::new(ShardConfig {
+        shard: 0,
+        num_shards: 1,
+        layout: Layout::new(vec![TensorSpec { name: "w".into(), len: 4 }], 4).expect("layout"),
+        rule: Rule::Sgd,
+        hyper: Hyper { lr: 0.1, momentum: 0.0, ..Hyper::default() },
+        init: Init { seed: 1, std: 0.0 },
+        lease: Duration::from_millis(LEASE_MS),
+        advertise: "x:1".into(),
+        epoch: EPOCH,
+        threads: 1,
+        sparse: SparseSettings::default(),
+        modes: ModeConfig { mode, gba_threshold: 1, ssp_bound: 1, ..ModeConfig::default() },
+    })
+    .expect("core");
+    for _ in 0..workers {
+        let reg = Message::Register(Register { protocol: PROTOCOL_VERSION, role: Role::Worker, name: "w".into() });
+        core.handle(Frame::new(reg), Duration::ZERO);
+    }
+    core
+}
+
+fn ms(t: u64) -> Duration {
+    Duration::from_millis(t)
+}
+
+fn version(core: &mut ShardCore) -> u64 {
+    let (r, _) = core.handle(Frame::new(Message::Pull(Pull { epoch: EPOCH, chunks: vec![ID] })), Duration::ZERO);
+    match r.msg {
+        Message::PullReply(p) => p.chunks[0].version,
+        other => panic!("{other:?}"),
+    }
+}
+
+fn push(
+    core: &mut ShardCore,
+    worker: u32,
+    seq: u64,
+    read_version: u64,
+    grad: f32,
+    compute_ms: u32,
+    now: Duration,
+) -> (Ack, Vec<CoreEvent>) {
+    let msg = Message::Push(Push {
+        epoch: EPOCH,
+        worker,
+        seq,
+        chunks: vec![PushChunk { id: ID, read_version, len: 4 }],
+        echo_read: false,
+        compute_ms,
+    });
+    let (r, events) = core.handle(Frame { msg, payload: vec![grad; 4] }, now);
+    match r.msg {
+        Message::Ack(a) => (a, events),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_sync_step_averages_one_gradient_per_live_worker() {
+    let mut core = core(Mode::Sync, 3);
+    let (a0, _) = push(&mut core, 0, 1, 0, 1.0, 0, ms(1));
+    let (a1, _) = push(&mut core, 1, 1, 0, 2.0, 0, ms(1));
+    assert_eq!((a0.wait_for_version, a1.wait_for_version), (1, 1), "wait for step 1");
+    assert_eq!(version(&mut core), 0, "nothing applied before every live worker pushed");
+    let (a2, _) = push(&mut core, 2, 1, 0, 6.0, 0, ms(1));
+    assert_eq!(a2.wait_for_version, 0, "the last gradient completes the step");
+    assert_eq!(version(&mut core), 1);
+    let w = core.chunk_values(ID).expect("chunk")[0];
+    assert!((w + 0.1 * 3.0).abs() < 1e-6, "θ = −η·mean(1, 2, 6) = −0.3, got {w}");
+    // A gradient computed on an old step is dropped, not averaged in.
+    let (_, _) = push(&mut core, 0, 2, 0, 100.0, 0, ms(2));
+    assert_eq!(core.stats().dropped_stale, 1);
+    assert_eq!(core.stats().steps_sync, 1);
+}
+
+#[test]
+fn a_dead_worker_holds_a_sync_step_no_longer_than_its_lease() {
+    let mut core = core(Mode::Sync, 3);
+    push(&mut core, 0, 1, 0, 1.0, 0, ms(100));
+    push(&mut core, 1, 1, 0, 1.0, 0, ms(100));
+    // Workers 0 and 1 keep heartbeating; worker 2 went silent after registering at t = 0.
+    for t in [400, 800] {
+        for w in 0..2 {
+            core.handle(Frame::new(Message::Heartbeat(Heartbeat { worker: w })), ms(t));
+        }
+        assert!(core.tick(ms(t)).is_empty());
+        assert_eq!(version(&mut core), 0, "still waiting at {t} ms");
+    }
+    let events = core.tick(ms(LEASE_MS));
+    assert!(events.contains(&CoreEvent::WorkerExpired(2)), "{events:?}");
+    assert_eq!(version(&mut core), 1, "the step completed without the dead worker");
+    assert_eq!(core.stats().live_workers, 2);
+}
+
+#[test]
+fn gba_applies_one_update_per_k_gradients_and_drops_very_stale_ones() {
+    let mut core = core(Mode::Gba, 2);
+    let (a, _) = push(&mut core, 0, 1, 0, 1.0, 0, ms(1));
+    assert_eq!(a.wait_for_version, 0, "GBA never makes a worker wait");
+    push(&mut core, 0, 2, 0, 3.0, 0, ms(1));
+    assert_eq!(version(&mut core), 1, "K = 2 live workers' worth of gradients, from anyone");
+    push(&mut core, 1, 1, 1, 1.0, 0, ms(2));
+    push(&mut core, 1, 2, 1, 1.0, 0, ms(2));
+    assert_eq!(version(&mut core), 2);
+    // Read at version 0, now at 2: staleness 2 > threshold 1, dropped.
+    push(&mut core, 0, 3, 0, 1.0, 0, ms(3));
+    assert_eq!(core.stats().dropped_stale, 1);
+    assert_eq!(core.stats().steps_gba, 2);
+}
+
+#[test]
+fn auto_switches_to_gba_when_a_worker_straggles_and_back_when_it_recovers() {
+    let mut core = core(Mode::Auto, 4);
+    assert_eq!(core.active_mode(), Mode::Sync);
+    let mut seqs = [0u64; 4];
+    let mut switches = Vec::new();
+    let mut run = |core: &mut ShardCore, rounds: u32, slow: u32| {
+        for _ in 0..rounds {
+            for w in 0..4u32 {
+                seqs[w as usize] += 1;
+                let v = version(core);
+                let compute = if w == 1 { slow } else { 100 };
+                let (_, events) = push(core, w, seqs[w as usize], v, 0.1, compute, ms(10));
+                switches.extend(events.into_iter().filter(|e| matches!(e, CoreEvent::ModeSwitch { .. })));
+            }
+        }
+    };
+    run(&mut core, 4, 400);
+    assert_eq!(core.active_mode(), Mode::Gba);
+    run(&mut core, 10, 100);
+    assert_eq!(core.active_mode(), Mode::Sync);
+    assert_eq!(switches.len(), 2, "{switches:?}");
+    match &switches[0] {
+        CoreEvent::ModeSwitch { from, to, reason } => {
+            assert_eq!((*from, *to), (Mode::Sync, Mode::Gba));
+            assert!(reason.contains("worker 1"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
+    let stats = core.stats();
+    assert_eq!(stats.mode_switches, 2);
+    assert!(stats.steps_sync > 0 && stats.steps_gba > 0, "{stats:?}");
+}
+
+#[test]
+fn the_learning_rate_multiplier_ramps_when_workers_join() {
+    let mut core = core(Mode::Sync, 2);
+    assert_eq!(core.lr_multiplier(), 1.0);
+    let reg = Message::Register(Register { protocol: PROTOCOL_VERSION, role: Role::Worker, name: "late".into() });
+    let (_, events) = core.handle(Frame::new(reg), ms(5));
+    assert!(
+        events.iter().any(|e| matches!(e, CoreEvent::LrRamp { workers: 3, target } if (target - 1.5).abs() < 1e-12)),
+        "{events:?}"
+    );
+    // 8 × 1.5 = 12 steps from 1 to 1.5: after 6 steps halfway.
+    let mut seqs = [0u64; 3];
+    for _ in 0..6 {
+        let v = version(&mut core);
+        for w in 0..3u32 {
+            seqs[w as usize] += 1;
+            push(&mut core, w, seqs[w as usize], v, 0.0, 0, ms(6));
+        }
+    }
+    assert!((core.lr_multiplier() - 1.25).abs() < 1e-9, "{}", core.lr_multiplier());
+    assert!((core.lr() - 0.125).abs() < 1e-6);
+}
+
+#[test]
+fn ssp_makes_a_worker_far_ahead_wait_for_the_slowest() {
+    let mut core = core(Mode::Ssp, 2);
+    let (a1, _) = push(&mut core, 0, 1, 0, 0.1, 0, ms(1));
+    assert_eq!(a1.wait_for_clock, 0, "one push ahead is within the bound");
+    let (a2, _) = push(&mut core, 0, 2, 1, 0.1, 0, ms(1));
+    assert_eq!(a2.wait_for_clock, 1, "two ahead of a worker at clock 0: wait until it reaches 1");
+    assert_eq!(version(&mut core), 2, "updates still apply at once");
+    push(&mut core, 1, 1, 2, 0.1, 0, ms(2));
+    assert_eq!(core.stats().ssp_min_clock, 1);
+}
