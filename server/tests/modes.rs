@@ -163,6 +163,11 @@ fn auto_switches_to_gba_when_a_worker_straggles_and_back_when_it_recovers() {
 fn the_learning_rate_multiplier_ramps_when_workers_join() {
     let mut core = core(Mode::Sync, 2);
     assert_eq!(core.lr_multiplier(), 1.0);
+    // Training starts with 2 workers (the reference for linear scaling) ...
+    push(&mut core, 0, 1, 0, 0.0, 0, ms(1));
+    push(&mut core, 1, 1, 0, 0.0, 0, ms(1));
+    assert_eq!(version(&mut core), 1);
+    // ... then a third joins.
     let reg = Message::Register(Register { protocol: PROTOCOL_VERSION, role: Role::Worker, name: "late".into() });
     let (_, events) = core.handle(Frame::new(reg), ms(5));
     assert!(
@@ -170,7 +175,7 @@ fn the_learning_rate_multiplier_ramps_when_workers_join() {
         "{events:?}"
     );
     // 8 × 1.5 = 12 steps from 1 to 1.5: after 6 steps halfway.
-    let mut seqs = [0u64; 3];
+    let mut seqs = [1u64, 1, 0];
     for _ in 0..6 {
         let v = version(&mut core);
         for w in 0..3u32 {
