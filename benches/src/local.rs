@@ -85,6 +85,24 @@ pub struct LocalArgs {
     /// Where the shards apply updates: cpu, cuda or auto.
     #[arg(long, env = "GAPS_DEVICE", default_value = "cpu")]
     pub device: String,
+    /// Training mode: async, sync, gba, ssp or auto.
+    #[arg(long, env = "GAPS_MODE", default_value = "async")]
+    pub mode: gaps_server::modes::Mode,
+    /// A straggler: `W:F` makes worker W F times slower by injected delay; `W:F:T` only for the first T.
+    #[arg(long = "straggler", env = "GAPS_STRAGGLERS", value_delimiter = ',', value_parser = parse_straggler)]
+    pub stragglers: Vec<Straggler>,
+    /// Kill worker W T after training starts: `W@T`, e.g. `2@30s` (repeatable).
+    #[arg(long = "kill-worker", env = "GAPS_KILL_WORKERS", value_delimiter = ',', value_parser = parse_kill)]
+    pub kill_workers: Vec<Kill>,
+    /// Start one more worker T after training starts, e.g. `40s` (repeatable).
+    #[arg(long = "add-worker", env = "GAPS_ADD_WORKERS", value_delimiter = ',', value_parser = parse_duration)]
+    pub add_workers: Vec<Duration>,
+    /// Worker lease of the shards: a silent worker is dropped after this long.
+    #[arg(long, env = "GAPS_LEASE", default_value = "5s", value_parser = parse_duration)]
+    pub lease: Duration,
+    /// Emulated compute time per step on every worker (default: 10ms when stragglers are injected, else 0).
+    #[arg(long, env = "GAPS_COMPUTE_DELAY", value_parser = parse_duration)]
+    pub compute_delay: Option<Duration>,
     /// Seed of the data and of the initializer.
     #[arg(long, env = "GAPS_SEED", default_value_t = 1)]
     pub seed: u64,
@@ -131,9 +149,72 @@ pub struct LocalReport {
     pub wall_s: f64,
     /// The CTR figures (CTR models only).
     pub ctr: Option<CtrReport>,
+    /// Mode switches (shard 0).
+    pub mode_switches: u64,
+    /// Synchronous steps (shard 0).
+    pub steps_sync: u64,
+    /// GBA steps (shard 0).
+    pub steps_gba: u64,
+    /// Workers that finished their training (started + added − killed).
+    pub workers_final: u32,
+    /// Gradients dropped as too stale, all shards.
+    pub dropped_stale: u64,
+    /// The learning-rate multiplier at the end (shard 0).
+    pub lr_multiplier_final: f64,
+}
+
+/// An injected straggler.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Straggler {
+    /// Worker index.
+    pub worker: u32,
+    /// Slow-down factor.
+    pub factor: f64,
+    /// Only for this long after the start.
+    pub until: Option<Duration>,
+}
+
+/// An injected worker failure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Kill {
+    /// Worker index.
+    pub worker: u32,
+    /// When, after training starts.
+    pub at: Duration,
+}
+
+fn parse_straggler(text: &str) -> Result<Straggler, String> {
+    let parts: Vec<&str> = text.split(':').collect();
+    let bad = || format!("{text:?}: expected W:F or W:F:T, e.g. 1:4 or 1:4:20s");
+    if !(2..=3).contains(&parts.len()) {
+        return Err(bad());
+    }
+    let worker = parts[0].trim().parse().map_err(|_| bad())?;
+    let factor: f64 = parts[1].trim().parse().map_err(|_| bad())?;
+    if !(factor.is_finite() && factor >= 1.0) {
+        return Err(format!("{text:?}: the factor must be at least 1"));
+    }
+    let until = parts.get(2).map(|t| parse_duration(t)).transpose()?;
+    Ok(Straggler { worker, factor, until })
+}
+
+fn parse_kill(text: &str) -> Result<Kill, String> {
+    let (w, t) = text.split_once('@').ok_or_else(|| format!("{text:?}: expected W@T, e.g. 2@30s"))?;
+    Ok(Kill {
+        worker: w.trim().parse().map_err(|_| format!("{text:?}: {w:?} is not a worker index"))?,
+        at: parse_duration(t)?,
+    })
 }
 
 impl LocalArgs {
+    fn compute_delay(&self) -> Duration {
+        self.compute_delay.unwrap_or(if self.stragglers.is_empty() {
+            Duration::ZERO
+        } else {
+            Duration::from_millis(10)
+        })
+    }
+
     fn ctr(&self) -> bool {
         self.model.ctr().is_some()
     }
@@ -191,6 +272,13 @@ impl LocalReport {
             "staleness_mean": self.staleness_mean,
             "staleness_max": self.staleness_max,
             "wall_s": self.wall_s,
+            "mode": args.mode.name(),
+            "mode_switches": self.mode_switches,
+            "steps_sync": self.steps_sync,
+            "steps_gba": self.steps_gba,
+            "workers_final": self.workers_final,
+            "dropped_stale": self.dropped_stale,
+            "lr_multiplier_final": self.lr_multiplier_final,
         });
         if let (Some(c), Some(map)) = (&self.ctr, v.as_object_mut()) {
             map.insert("sparse_rule".into(), args.sparse_rule.name().into());
@@ -277,6 +365,12 @@ pub async fn run(args: &LocalArgs) -> Result<LocalReport> {
 
 /// Runs the whole local cluster with `exe` (the `gaps` binary) as every child process.
 pub async fn run_with(args: &LocalArgs, exe: &Path) -> Result<LocalReport> {
+    if let Some(st) = args.stragglers.iter().find(|st| st.worker >= args.workers) {
+        bail!("--straggler names worker {}, but only {} workers start", st.worker, args.workers);
+    }
+    if let Some(k) = args.kill_workers.iter().find(|k| k.worker >= args.workers) {
+        bail!("--kill-worker names worker {}, but only {} workers start", k.worker, args.workers);
+    }
     let started = Instant::now();
     let deadline = started + args.timeout;
     let stamp = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_micros()).unwrap_or(0);
@@ -319,9 +413,10 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             format!("--momentum={}", args.momentum),
             format!("--weight-decay={}", args.weight_decay),
             format!("--dc-lambda={}", args.dc_lambda),
+            format!("--mode={}", args.mode),
             format!("--device={}", args.device),
             format!("--seed={}", args.seed),
-            "--lease=5s".into(),
+            format!("--lease={}ms", args.lease.as_millis()),
         ];
         if let Some(c) = coordinator {
             a.push(format!("--coordinator={c}"));
@@ -361,13 +456,22 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             None => None,
         };
         let initial_loss = match &ctr {
-            Some((shape, held)) => evaluate(&observer, shape, &held.samples).await.context("evaluating the initial model")?.0 as f32,
-            None => eval_loss(&data, &observer.pull().await.context("pulling the initial model")?.tensors, args.eval_samples),
+            Some((shape, held)) => {
+                evaluate(&observer, shape, &held.samples).await.context("evaluating the initial model")?.0 as f32
+            }
+            None => eval_loss(
+                &data,
+                &observer.pull().await.context("pulling the initial model")?.tensors,
+                args.eval_samples,
+            ),
         };
-        eprintln!("[gaps local] cluster up in {:.1}s; initial held-out loss {initial_loss:.4}", started.elapsed().as_secs_f64());
+        eprintln!(
+            "[gaps local] cluster up in {:.1}s; initial held-out loss {initial_loss:.4}",
+            started.elapsed().as_secs_f64()
+        );
 
-        for w in 0..args.workers {
-            let a: Vec<String> = vec![
+        let worker_args = |w: u32| {
+            let mut a: Vec<String> = vec![
                 "worker".into(),
                 format!("--coordinator={coordinator}"),
                 format!("--ca={}", path("ca.pem")),
@@ -378,62 +482,110 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
                 format!("--batch={}", args.batch()),
                 format!("--data-seed={}", args.seed),
                 format!("--data={}", args.data),
-                format!("--data-shard={w}/{}", args.workers),
+                format!("--data-shard={}/{}", w % args.workers, args.workers),
                 format!("--name=worker-{w}"),
+                format!("--compute-delay={}ms", args.compute_delay().as_millis()),
                 "--json".into(),
             ];
-            workers.push(spawn(exe, &format!("worker-{w}"), &a, dir)?);
+            for st in args.stragglers.iter().filter(|st| st.worker == w) {
+                a.push(format!("--slowdown={}", st.factor));
+                if let Some(until) = st.until {
+                    a.push(format!("--slowdown-for={}ms", until.as_millis()));
+                }
+            }
+            a
+        };
+        for w in 0..args.workers {
+            workers.push(spawn(exe, &format!("worker-{w}"), &worker_args(w), dir)?);
         }
         let shards_with_chunks = args.servers.min(observer.layout().total_chunks() as u32);
         // A CTR step also pushes embedding rows to every shard (rows spread over all of them).
         let per_step = u64::from(shards_with_chunks) + if args.ctr() { u64::from(args.servers) } else { 0 };
-        let expected = u64::from(args.workers) * args.steps() * per_step;
+        let expected = u64::from(args.workers + args.add_workers.len() as u32) * args.steps() * per_step;
         let training_started = Instant::now();
-        let mut outputs = Vec::new();
         let interactive = std::io::stderr().is_terminal();
         let mut last_decile = 0;
-        for p in workers.iter_mut() {
-            let mut stdout = p.child.stdout.take().context("worker stdout")?;
-            let mut text = String::new();
-            loop {
-                let remaining = deadline.saturating_duration_since(Instant::now());
-                tokio::select! {
-                    status = p.child.wait() => {
-                        let status = status.with_context(|| format!("waiting for {}", p.name))?;
-                        if !status.success() {
-                            bail!("{} failed ({status}); its log ends with:\n{}", p.name, p.log_tail());
-                        }
-                        stdout.read_to_string(&mut text).await.context("reading worker output")?;
-                        break;
-                    }
-                    _ = tokio::time::sleep(Duration::from_millis(500).min(remaining)) => {
-                        if remaining.is_zero() {
-                            bail!("timed out after {:?} waiting for {}", started.elapsed(), p.name);
-                        }
-                        let applied: u64 = observer.stats().await.map(|s| s.iter().map(|x| x.pushes_applied).sum()).unwrap_or(0);
-                        let pct = 100 * applied / expected.max(1);
-                        if interactive {
-                            eprint!("\r[gaps local] training: {applied}/{expected} shard pushes applied ({pct}%)   ");
-                        } else if pct / 10 > last_decile {
-                            last_decile = pct / 10;
-                            eprintln!("[gaps local] training: {applied}/{expected} shard pushes applied ({pct}%)");
-                        }
-                    }
+        let mut kills: Vec<Kill> = args.kill_workers.clone();
+        let mut adds: Vec<Duration> = args.add_workers.clone();
+        let mut outputs: Vec<Option<String>> = Vec::new();
+        let mut killed = Vec::new();
+        loop {
+            let since = training_started.elapsed();
+            // Injected failures and arrivals.
+            for k in kills.iter().filter(|k| k.at <= since) {
+                if let Some(p) = workers.get_mut(k.worker as usize) {
+                    eprintln!("[gaps local] killing worker {} at {:.1}s", k.worker, since.as_secs_f64());
+                    let _ = p.child.start_kill();
+                    killed.push(k.worker as usize);
                 }
             }
-            outputs.push(text);
+            kills.retain(|k| k.at > since);
+            for _ in adds.iter().filter(|t| **t <= since) {
+                let w = workers.len() as u32;
+                eprintln!("[gaps local] adding worker {w} at {:.1}s", since.as_secs_f64());
+                workers.push(spawn(exe, &format!("worker-{w}"), &worker_args(w), dir)?);
+            }
+            adds.retain(|t| *t > since);
+            outputs.resize(workers.len(), None);
+            for (i, p) in workers.iter_mut().enumerate() {
+                if outputs[i].is_some() {
+                    continue;
+                }
+                if let Some(status) = p.child.try_wait().with_context(|| format!("waiting for {}", p.name))? {
+                    let mut text = String::new();
+                    if killed.contains(&i) {
+                        outputs[i] = Some(text);
+                        continue;
+                    }
+                    if !status.success() {
+                        bail!("{} failed ({status}); its log ends with:\n{}", p.name, p.log_tail());
+                    }
+                    if let Some(mut stdout) = p.child.stdout.take() {
+                        stdout.read_to_string(&mut text).await.context("reading worker output")?;
+                    }
+                    outputs[i] = Some(text);
+                }
+            }
+            if outputs.iter().all(Option::is_some) && kills.is_empty() && adds.is_empty() {
+                break;
+            }
+            if Instant::now() >= deadline {
+                bail!("timed out after {:?} waiting for the workers", started.elapsed());
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            if since.as_millis() / 500 != training_started.elapsed().as_millis() / 500 {
+                let applied: u64 =
+                    observer.stats().await.map(|s| s.iter().map(|x| x.pushes_applied).sum()).unwrap_or(0);
+                let pct = 100 * applied / expected.max(1);
+                if interactive {
+                    eprint!("\r[gaps local] training: {applied}/{expected} shard pushes applied ({pct}%)   ");
+                } else if pct / 10 > last_decile {
+                    last_decile = pct / 10;
+                    eprintln!("[gaps local] training: {applied}/{expected} shard pushes applied ({pct}%)");
+                }
+            }
         }
         if interactive {
             eprintln!();
         }
+        let outputs: Vec<String> = outputs.into_iter().map(Option::unwrap_or_default).collect();
         let training_s = training_started.elapsed().as_secs_f64();
         let mut steps = 0;
         let mut pushes_sent = 0;
         let mut retries = 0;
         let mut samples = 0;
         let mut bad_lines = 0;
-        for (p, text) in workers.iter().zip(&outputs) {
-            let line = text.lines().rev().find(|l| l.contains("worker_done")).with_context(|| format!("{} printed no summary", p.name))?;
+        let mut workers_final = 0;
+        for (i, (p, text)) in workers.iter().zip(&outputs).enumerate() {
+            if killed.contains(&i) {
+                continue;
+            }
+            workers_final += 1;
+            let line = text
+                .lines()
+                .rev()
+                .find(|l| l.contains("worker_done"))
+                .with_context(|| format!("{} printed no summary", p.name))?;
             let v: serde_json::Value = serde_json::from_str(line).with_context(|| format!("parsing {line:?}"))?;
             steps += v["steps"].as_u64().unwrap_or(0);
             pushes_sent += v["pushes_sent"].as_u64().unwrap_or(0);
@@ -444,7 +596,8 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
         let stats = observer.stats().await.context("reading shard counters")?;
         let (final_loss, ctr_report) = match &ctr {
             Some((shape, held)) => {
-                let (logloss, auc) = evaluate(&observer, shape, &held.samples).await.context("evaluating the final model")?;
+                let (logloss, auc) =
+                    evaluate(&observer, shape, &held.samples).await.context("evaluating the final model")?;
                 let labels: Vec<u8> = held.samples.iter().map(|s| s.label).collect();
                 let (teacher, eval_bad) = (&held.teacher, &held.bad_lines);
                 let report = CtrReport {
@@ -479,6 +632,12 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             staleness_max: stats.iter().map(|s| s.staleness_max).max().unwrap_or(0),
             wall_s: 0.0,
             ctr: ctr_report,
+            mode_switches: stats.first().map_or(0, |s| s.mode_switches),
+            steps_sync: stats.first().map_or(0, |s| s.steps_sync),
+            steps_gba: stats.first().map_or(0, |s| s.steps_gba),
+            workers_final,
+            dropped_stale: stats.iter().map(|s| s.dropped_stale).sum(),
+            lr_multiplier_final: stats.first().map_or(1.0, |s| f64::from(s.lr_multiplier_milli) / 1000.0),
         })
     }
     .await;

@@ -128,3 +128,43 @@ fn a_criteo_file_with_bad_lines_trains_and_reports_them() {
     assert!(auc > 0.6, "AUC {auc}");
     assert!(v["teacher_auc"].is_null());
 }
+
+#[test]
+fn auto_mode_switches_to_gba_on_an_injected_straggler_and_back_when_it_recovers() {
+    let v = run_local(&["local", "--mode", "auto", "--straggler", "1:4:1500ms", "--steps", "120", "--json"]);
+    assert!(v["mode_switches"].as_u64().expect("switches") >= 2, "{v}");
+    assert!(v["steps_sync"].as_u64().expect("sync") > 0, "{v}");
+    assert!(v["steps_gba"].as_u64().expect("gba") > 0, "{v}");
+    assert_eq!(v["pushes_sent"], v["pushes_applied"], "{v}");
+    let (initial, last) = (v["initial_loss"].as_f64().expect("loss"), v["final_loss"].as_f64().expect("loss"));
+    assert!(last < initial / 2.0, "{v}");
+}
+
+#[test]
+fn killed_and_added_workers_leave_the_right_number_at_the_end_and_sync_never_stalls() {
+    let v = run_local(&[
+        "local",
+        "--mode",
+        "sync",
+        "--lease",
+        "1s",
+        "--compute-delay",
+        "10ms",
+        "--kill-worker",
+        "2@300ms",
+        "--add-worker",
+        "600ms",
+        "--add-worker",
+        "700ms",
+        "--steps",
+        "80",
+        "--json",
+        "--timeout",
+        "120s",
+    ]);
+    assert_eq!(v["workers_final"], 5, "4 started, 1 killed, 2 added: {v}");
+    assert!(v["steps_sync"].as_u64().expect("steps") > 0);
+    // The killed worker's pushes were applied but it never reported them.
+    assert!(v["pushes_applied"].as_u64() >= v["pushes_sent"].as_u64(), "{v}");
+    assert!(v["lr_multiplier_final"].as_f64().expect("multiplier") > 0.0);
+}

@@ -408,7 +408,7 @@ pub struct Stats {
     pub steps_gba: u64,
     /// Gradients dropped as too stale (sync: computed on an earlier step; gba: beyond the threshold).
     pub dropped_stale: u64,
-    /// The learning-rate multiplier in force, in thousandths.
+    /// The learning-rate multiplier of the last applied update, in thousandths.
     pub lr_multiplier_milli: u32,
     /// The smallest push count of a live worker (bounded staleness).
     pub ssp_min_clock: u64,

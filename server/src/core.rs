@@ -287,6 +287,8 @@ pub struct ShardCore {
     ramp: LrRamp,
     /// Pushes per worker (bounded staleness).
     clocks: BTreeMap<u32, u64>,
+    /// The learning-rate multiplier of the last applied update.
+    last_multiplier: f64,
     /// The GPU that applies updates, when `--device` chose one.
     device: Option<std::sync::Arc<gaps_kernels::cuda::CudaDevice>>,
     /// Largest learning rate used so far (Gap-Aware's η_max).
@@ -381,6 +383,7 @@ impl ShardCore {
             detector: StragglerDetector::default(),
             ramp: LrRamp::default(),
             clocks: BTreeMap::new(),
+            last_multiplier: 1.0,
             cfg,
             epoch,
             chunk_base,
@@ -456,7 +459,7 @@ impl ShardCore {
             s.registered_workers = c.registered;
         }
         s.mode = self.active.code();
-        s.lr_multiplier_milli = (self.lr_multiplier() * 1000.0).round().clamp(0.0, f64::from(u32::MAX)) as u32;
+        s.lr_multiplier_milli = (self.last_multiplier * 1000.0).round().clamp(0.0, f64::from(u32::MAX)) as u32;
         s.ssp_min_clock = self.min_clock();
         for t in &self.tables {
             let ts = t.stats();
@@ -828,7 +831,11 @@ impl ShardCore {
                 };
                 if too_stale {
                     self.stats.dropped_stale += 1;
+                    tracing::debug!(worker = req.worker, tau, step = self.global_step, contributors = ?self.contributors, "dropped a stale gradient");
                 } else {
+                    self.stats.staleness_sum += tau;
+                    self.stats.staleness_count += 1;
+                    self.stats.staleness_max = self.stats.staleness_max.max(tau);
                     for p in &plan {
                         let n = self.slots[p.slot].params.len();
                         let acc = &mut self.accum[p.slot];
@@ -871,6 +878,7 @@ impl ShardCore {
     fn apply_now(&mut self, plan: &[Planned], worker: u32, grads: &[f32], reads: &[f32]) -> Result<(), ShardError> {
         let rule = self.cfg.rule;
         let lr = self.lr();
+        self.last_multiplier = self.lr_multiplier();
         self.lr_max = self.lr_max.max(lr);
         let (lr_max, hyper, threads) = (self.lr_max, self.cfg.hyper, self.threads);
         let work = collect_work(&mut self.slots, plan, worker, rule);

@@ -474,12 +474,13 @@ impl Client {
                             .filter_map(|(id, _)| layout.chunk_range(*id).ok().map(|r| &tensors[id.tensor as usize][r]))
                     })
                     .collect();
-                client.request(s, &msg, &parts).await
+                client.request(s, &msg, &parts).await.map(|r| (s, r))
             });
         }
         let mut summary = PushSummary::default();
+        let mut waits = Vec::new();
         while let Some(joined) = tasks.join_next().await {
-            let (frame, retries) = joined.map_err(|e| ClientError::Shape(format!("push task failed: {e}")))??;
+            let (s, (frame, retries)) = joined.map_err(|e| ClientError::Shape(format!("push task failed: {e}")))??;
             summary.retries += retries;
             match frame.msg {
                 Message::Ack(ack) => {
@@ -489,6 +490,9 @@ impl Client {
                         summary.applied += 1;
                     }
                     summary.max_staleness = summary.max_staleness.max(ack.max_staleness);
+                    if ack.wait_for_version > 0 || ack.wait_for_clock > 0 {
+                        waits.push((s, ack.wait_for_version, ack.wait_for_clock));
+                    }
                 }
                 other => {
                     return Err(
@@ -497,7 +501,44 @@ impl Client {
                 }
             }
         }
+        for (s, version, clock) in waits {
+            self.wait_for(s, version, clock).await?;
+        }
         Ok(summary)
+    }
+
+    /// Waits until shard `s` has completed the synchronous step (its first chunk reaches `version`) and the
+    /// slowest worker's clock reached `clock` (bounded staleness). Gives up after three leases: a step can
+    /// only be held that long by a dead worker, whose lease the shard drops.
+    async fn wait_for(&self, s: usize, version: u64, clock: u64) -> Result<(), ClientError> {
+        let limit = Duration::from_millis(3 * u64::from(self.inner.map.lease_ms)).max(Duration::from_secs(5));
+        let started = Instant::now();
+        let mut pause = Duration::from_micros(500);
+        let link = &self.inner.shards[s];
+        loop {
+            let mut done = true;
+            if version > 0 {
+                if let Some((id, _)) = link.chunks.first() {
+                    let msg = Message::Pull(Pull { epoch: self.inner.map.epoch, chunks: vec![*id] });
+                    let (frame, _) = self.request(s, &msg, &[]).await?;
+                    done &= matches!(&frame.msg, Message::PullReply(r) if r.chunks.first().is_some_and(|c| c.version >= version));
+                }
+            }
+            if clock > 0 && done {
+                let (frame, _) = self.request(s, &Message::StatsRequest(StatsRequest), &[]).await?;
+                done &= matches!(&frame.msg, Message::Stats(st) if st.ssp_min_clock >= clock);
+            }
+            if done {
+                return Ok(());
+            }
+            if started.elapsed() > limit {
+                return Err(ClientError::Shape(format!(
+                    "shard {s} did not finish the step (version {version}, clock {clock}) within {limit:?}"
+                )));
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(10));
+        }
     }
 
     fn table_dim(&self, table: u32) -> Result<usize, ClientError> {

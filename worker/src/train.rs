@@ -44,6 +44,15 @@ pub struct WorkerArgs {
     /// Seed of the synthetic dataset (same on every worker and the servers' evaluator).
     #[arg(long, env = "GAPS_DATA_SEED", default_value_t = 1)]
     pub data_seed: u64,
+    /// Emulated compute time added to every step (for demos and tests of straggler handling).
+    #[arg(long, env = "GAPS_COMPUTE_DELAY", default_value = "0ms", value_parser = parse_duration)]
+    pub compute_delay: Duration,
+    /// Make this worker a straggler: every step's compute takes this many times as long.
+    #[arg(long, env = "GAPS_SLOWDOWN", default_value_t = 1.0)]
+    pub slowdown: f64,
+    /// Straggle only for this long after training starts (default: the whole run).
+    #[arg(long, env = "GAPS_SLOWDOWN_FOR", value_parser = parse_duration)]
+    pub slowdown_for: Option<Duration>,
     /// How long to wait for the coordinator and a complete cluster.
     #[arg(long, env = "GAPS_CONNECT_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub connect_timeout: Duration,
@@ -53,6 +62,19 @@ pub struct WorkerArgs {
     /// Print a one-line JSON summary on stdout at the end.
     #[arg(long, env = "GAPS_JSON")]
     pub json: bool,
+}
+
+/// Sleeps the emulated compute time of a step that really took `took`, scaled by the injected slowdown while
+/// it lasts.
+async fn emulate_compute(args: &WorkerArgs, started: Instant, took: Duration) {
+    let slow =
+        args.slowdown > 1.0 && args.slowdown.is_finite() && args.slowdown_for.is_none_or(|d| started.elapsed() < d);
+    let base = args.compute_delay + took;
+    let total = if slow { base.mul_f64(args.slowdown) } else { base };
+    let extra = total.saturating_sub(took);
+    if !extra.is_zero() {
+        tokio::time::sleep(extra).await;
+    }
 }
 
 fn parse_shard(text: &str) -> Result<(u64, u64), String> {
@@ -130,9 +152,11 @@ pub async fn run(args: &WorkerArgs) -> Result<WorkerSummary> {
     for step in 0..args.steps {
         let snapshot = client.pull().await.with_context(|| format!("pulling parameters at step {step}"))?;
         let first = (u64::from(worker) << 40) + step * batch as u64;
+        let compute = Instant::now();
         let (xs, ys) = data.batch(first, batch);
         let (loss, grads) = logreg_loss_and_grad(&snapshot.tensors, &xs, &ys);
         losses.push(loss);
+        emulate_compute(args, started, compute.elapsed()).await;
         client.push(grads, &snapshot).await.with_context(|| format!("pushing the gradient of step {step}"))?;
         if args.steps >= 10 && (step + 1) % (args.steps / 10) == 0 {
             info!(worker, step = step + 1, loss, "progress");
