@@ -119,3 +119,69 @@ fn bad_flags_are_refused_with_a_reason() {
         assert!(err.contains(needle), "{err:?} should mention {needle}");
     }
 }
+
+#[test]
+fn gba_matches_sync_on_the_ctr_model_at_a_fraction_of_the_wall_time_with_stragglers() {
+    use gaps_benches::sim::ModelChoice;
+    let args = |mode| SimArgs {
+        model: ModelChoice::Ctr,
+        rule: Rule::Adagrad,
+        mode,
+        workers: 8,
+        lr: 0.05,
+        momentum: 0.0,
+        warmup_epochs: 0.0,
+        no_lr_decay: true,
+        linear_scaling: false,
+        epochs: 2,
+        batch: 64,
+        train: 16_384,
+        test: 4096,
+        stragglers: vec![(0, 3.0), (1, 3.0)],
+        ..SimArgs::defaults()
+    };
+    let sync = run(&args(SimMode::Sync)).expect("sync");
+    let gba = run(&args(SimMode::Gba)).expect("gba");
+    assert!(
+        (gba.final_test_metric - sync.final_test_metric).abs() < 0.005,
+        "AUC gba {} vs sync {}",
+        gba.final_test_metric,
+        sync.final_test_metric
+    );
+    assert!(
+        sync.sim_wall_time > 2.0 * gba.sim_wall_time,
+        "wall sync {} vs gba {}",
+        sync.sim_wall_time,
+        gba.sim_wall_time
+    );
+    assert!(gba.steps_gba > 0 && gba.staleness_mean > 0.0);
+}
+
+#[test]
+fn auto_mode_in_the_simulator_switches_on_a_straggler() {
+    let args = SimArgs { mode: SimMode::Auto, epochs: 2, stragglers: vec![(0, 4.0)], ..small(Rule::Momentum, 8) };
+    let r = run(&args).expect("auto");
+    assert!(r.mode_switches >= 1, "{}", r.to_json());
+    assert!(r.steps_sync > 0 && r.steps_gba > 0, "{}", r.to_json());
+    let calm = run(&SimArgs { stragglers: vec![], ..args }).expect("auto without straggler");
+    assert_eq!((calm.mode_switches, calm.steps_gba), (0, 0), "{}", calm.to_json());
+}
+
+#[test]
+fn killed_and_added_virtual_workers_keep_the_gradient_count() {
+    let args = SimArgs {
+        mode: SimMode::Gba,
+        epochs: 2,
+        kill_workers: vec![(2, 200.0), (5, 300.0)],
+        add_workers: vec![400.0],
+        ..small(Rule::Momentum, 8)
+    };
+    let r = run(&args).expect("elastic");
+    assert_eq!(r.events, 512);
+    assert_eq!(r.workers_final, 7);
+    let lonely = SimArgs { kill_workers: vec![(0, 0.0)], workers: 1, mode: SimMode::Gba, ..SimArgs::defaults() };
+    let err = run(&lonely).expect_err("killing every worker is reported, not a hang").to_string();
+    assert!(err.contains("waiting or gone"), "{err}");
+    let nobody = SimArgs { kill_workers: vec![(9, 1.0)], ..SimArgs::defaults() };
+    assert!(run(&nobody).expect_err("no such worker").to_string().contains("--kill-worker"));
+}

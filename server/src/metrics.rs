@@ -37,8 +37,33 @@ pub struct ShardMetrics {
     pub rpc_other_seconds: Histogram,
     /// Staleness τ of each applied push (largest over its chunks).
     pub staleness: Histogram,
-    /// Workers holding a lease (coordinator).
+    /// Workers holding a lease on this shard.
     pub live_workers: Gauge,
+    /// The mode in force (0 async, 1 sync, 2 gba, 3 ssp).
+    pub mode: Gauge,
+    /// Mode switches.
+    pub mode_switches: Counter,
+    /// Synchronous steps applied.
+    pub steps_sync: Counter,
+    /// GBA steps applied.
+    pub steps_gba: Counter,
+    /// Gradients dropped as too stale.
+    pub dropped_stale: Counter,
+    /// The learning-rate multiplier of the last update.
+    pub lr_multiplier: Gauge,
+}
+
+impl ShardMetrics {
+    /// Copies the core's counters of modes and membership into the exported metrics.
+    pub fn observe(&self, stats: &gaps_common::wire::Stats) {
+        self.live_workers.set(f64::from(stats.live_workers));
+        self.mode.set(f64::from(stats.mode));
+        self.mode_switches.absolute(stats.mode_switches);
+        self.steps_sync.absolute(stats.steps_sync);
+        self.steps_gba.absolute(stats.steps_gba);
+        self.dropped_stale.absolute(stats.dropped_stale);
+        self.lr_multiplier.set(f64::from(stats.lr_multiplier_milli) / 1000.0);
+    }
 }
 
 impl ShardMetrics {
@@ -58,7 +83,13 @@ impl ShardMetrics {
             rpc_pull_seconds: rpc("pull"),
             rpc_other_seconds: rpc("other"),
             staleness: metrics::histogram!("gaps_staleness_updates", "shard" => shard.clone()),
-            live_workers: metrics::gauge!("gaps_live_workers", "shard" => shard),
+            live_workers: metrics::gauge!("gaps_live_workers", "shard" => shard.clone()),
+            mode: metrics::gauge!("gaps_mode", "shard" => shard.clone()),
+            mode_switches: metrics::counter!("gaps_mode_switches_total", "shard" => shard.clone()),
+            steps_sync: metrics::counter!("gaps_steps_sync_total", "shard" => shard.clone()),
+            steps_gba: metrics::counter!("gaps_steps_gba_total", "shard" => shard.clone()),
+            dropped_stale: metrics::counter!("gaps_dropped_stale_total", "shard" => shard.clone()),
+            lr_multiplier: metrics::gauge!("gaps_lr_multiplier", "shard" => shard),
         }
     }
 }
@@ -82,6 +113,21 @@ pub fn install_recorder() -> anyhow::Result<PrometheusHandle> {
     metrics::describe_histogram!("gaps_rpc_seconds", "RPC service time in seconds, by kind.");
     metrics::describe_histogram!("gaps_staleness_updates", "Staleness of applied pushes, in updates since the read.");
     metrics::describe_gauge!("gaps_live_workers", "Workers holding a lease.");
+    metrics::describe_gauge!("gaps_mode", "Training mode in force: 0 async, 1 sync, 2 gba, 3 ssp.");
+    metrics::describe_counter!(
+        "gaps_mode_switches_total",
+        "Automatic switches between sync and gba (each logged with its reason)."
+    );
+    metrics::describe_counter!("gaps_steps_sync_total", "Synchronous global-batch steps applied.");
+    metrics::describe_counter!("gaps_steps_gba_total", "GBA steps applied.");
+    metrics::describe_counter!(
+        "gaps_dropped_stale_total",
+        "Gradients dropped as too stale (sync: an earlier step; gba: beyond the threshold)."
+    );
+    metrics::describe_gauge!(
+        "gaps_lr_multiplier",
+        "Learning-rate multiplier of the last update (linear scaling by live workers, ramped)."
+    );
     Ok(handle)
 }
 

@@ -204,12 +204,12 @@ async fn serve(endpoint: quinn::Endpoint, shared: Arc<Shared>, mut shutdown: wat
             let mut interval = tokio::time::interval(tick);
             loop {
                 interval.tick().await;
-                let (events, live) = {
+                let (events, stats) = {
                     let Ok(mut core) = shared.core.lock() else { return };
                     let events = core.tick(shared.now());
-                    (events, core.stats().live_workers)
+                    (events, core.stats())
                 };
-                shared.metrics.live_workers.set(f64::from(live));
+                shared.metrics.observe(&stats);
                 log_events(&events);
             }
         })

@@ -74,6 +74,9 @@ async fn metrics_endpoint_exports_pushes_pulls_bytes_latency_staleness_and_live_
         "gaps_live_workers{shard=\"0\"} 1",
         "gaps_staleness_updates_bucket{shard=\"0\",le=\"0\"} 3",
         "gaps_rpc_seconds_bucket{shard=\"0\",kind=\"push\",le=\"0.001\"}",
+        "gaps_mode{shard=\"0\"} 0",
+        "gaps_mode_switches_total{shard=\"0\"} 0",
+        "gaps_lr_multiplier{shard=\"0\"} 1",
     ] {
         assert!(body.contains(needle), "missing {needle:?} in:\n{body}");
     }

@@ -34,6 +34,9 @@ pub enum ModelChoice {
     Quadratic,
     /// Logistic regression.
     Logreg,
+    /// Click-through logistic regression on the synthetic Criteo data with 2^16 hashed feature buckets
+    /// (metric: AUC).
+    Ctr,
 }
 
 /// How the simulated cluster trains.
@@ -41,6 +44,12 @@ pub enum ModelChoice {
 pub enum SimMode {
     /// Every gradient is applied on arrival (the §1 event loop).
     Async,
+    /// Global Batch Aggregation in the shard: one update per N gradients, stale ones dropped.
+    Gba,
+    /// Bounded staleness: a worker more than --ssp-bound pushes ahead of the slowest waits.
+    Ssp,
+    /// The shard's automatic switching: sync while no worker straggles, gba while one does.
+    Auto,
     /// Global-batch synchronous SGD: each round averages one gradient per live worker, all computed on the
     /// same parameters, and applies it with the learning rate scaled linearly by the worker count; a round
     /// lasts as long as its slowest worker.
@@ -89,6 +98,9 @@ pub struct SimArgs {
     /// Fractions of training after which η is multiplied by 0.1 (empty: constant η).
     #[arg(long, env = "GAPS_SIM_LR_DECAY_AT", value_delimiter = ',', default_value = "0.5,0.75")]
     pub lr_decay_at: Vec<f64>,
+    /// Keep η constant after the warm-up (ignore --lr-decay-at).
+    #[arg(long, env = "GAPS_SIM_NO_LR_DECAY")]
+    pub no_lr_decay: bool,
     /// A straggler: `WORKER:FACTOR` makes that worker FACTOR times slower (repeatable).
     #[arg(long = "straggler", env = "GAPS_SIM_STRAGGLERS", value_delimiter = ',', value_parser = parse_straggler)]
     pub stragglers: Vec<(u32, f64)>,
@@ -115,6 +127,21 @@ pub struct SimArgs {
     /// shrinking; 0 = immediate.
     #[arg(long, env = "GAPS_SIM_LR_RAMP_STEPS", default_value_t = -1, allow_negative_numbers = true)]
     pub lr_ramp_steps: i64,
+    /// GBA: gradients more than this many steps stale are dropped.
+    #[arg(long, env = "GAPS_SIM_GBA_THRESHOLD", default_value_t = 4)]
+    pub gba_threshold: u64,
+    /// SSP: pushes a worker may run ahead of the slowest.
+    #[arg(long, env = "GAPS_SIM_SSP_BOUND", default_value_t = 3)]
+    pub ssp_bound: u64,
+    /// In sync, gba and auto, multiply η by the worker count (linear scaling for the global batch).
+    #[arg(long, env = "GAPS_SIM_LINEAR_SCALING", default_value_t = true, action = clap::ArgAction::Set)]
+    pub linear_scaling: bool,
+    /// Kill worker W at simulated time T: `W@T` (repeatable).
+    #[arg(long = "kill-worker", env = "GAPS_SIM_KILL_WORKERS", value_delimiter = ',', value_parser = parse_kill)]
+    pub kill_workers: Vec<(u32, f64)>,
+    /// Add one worker at simulated time T (repeatable).
+    #[arg(long = "add-worker", env = "GAPS_SIM_ADD_WORKERS", value_delimiter = ',')]
+    pub add_workers: Vec<f64>,
     /// Write a per-event CSV log here.
     #[arg(long, env = "GAPS_SIM_CSV")]
     pub csv: Option<PathBuf>,
@@ -124,6 +151,17 @@ pub struct SimArgs {
     /// End with one JSON line on stdout.
     #[arg(long, env = "GAPS_JSON")]
     pub json: bool,
+}
+
+/// Parses `W@T` (T in simulated time units).
+fn parse_kill(text: &str) -> Result<(u32, f64), String> {
+    let (w, t) = text.split_once('@').ok_or_else(|| format!("{text:?}: expected W@T, e.g. 2@5000"))?;
+    let w = w.trim().parse().map_err(|_| format!("{text:?}: {w:?} is not a worker index"))?;
+    let t: f64 = t.trim().parse().map_err(|_| format!("{text:?}: {t:?} is not a time"))?;
+    if !(t.is_finite() && t >= 0.0) {
+        return Err(format!("{text:?}: the time must be ≥ 0"));
+    }
+    Ok((w, t))
 }
 
 /// Parses `WORKER:FACTOR`.
@@ -154,11 +192,17 @@ impl SimArgs {
             dc_lambda: 2.0,
             warmup_epochs: 2.0,
             lr_decay_at: vec![0.5, 0.75],
+            no_lr_decay: false,
             stragglers: Vec::new(),
             heterogeneity: 0.0,
             train: 16_384,
             test: 4096,
             mode: SimMode::Async,
+            gba_threshold: 4,
+            ssp_bound: 3,
+            linear_scaling: true,
+            kill_workers: Vec::new(),
+            add_workers: Vec::new(),
             elastic: Vec::new(),
             elastic_every: 2,
             lr_ramp_steps: -1,
@@ -180,6 +224,18 @@ impl SimArgs {
         }
         if let Some(bad) = self.lr_decay_at.iter().find(|f| !(0.0..=1.0).contains(*f)) {
             bail!("--lr-decay-at fractions must be in [0, 1], got {bad}");
+        }
+        let all = self.workers as usize + self.add_workers.len();
+        if let Some((w, _)) = self.kill_workers.iter().find(|(w, _)| *w as usize >= all) {
+            bail!("--kill-worker names worker {w}, but only {all} workers ever run");
+        }
+        if !self.kill_workers.is_empty() || !self.add_workers.is_empty() {
+            if self.mode == SimMode::Sync {
+                bail!("--kill-worker and --add-worker need an event-driven mode (async, gba, ssp or auto); sync resizes with --elastic");
+            }
+            if let Some(t) = self.add_workers.iter().find(|t| !(t.is_finite() && **t >= 0.0)) {
+                bail!("--add-worker time must be ≥ 0, got {t}");
+            }
         }
         if let Some((w, _)) = self.stragglers.iter().find(|(w, _)| *w >= self.workers) {
             bail!("--straggler names worker {w}, but there are only {} workers", self.workers);
@@ -203,6 +259,7 @@ impl SimArgs {
             ModelChoice::Mlp => Box::new(tasks::Mlp::new(self.seed, self.train as usize, self.test as usize)),
             ModelChoice::Quadratic => Box::new(tasks::Quadratic::new(100, 0.5, self.seed, self.train as usize)),
             ModelChoice::Logreg => Box::new(tasks::Logreg::new(self.seed, self.train as usize, self.test as usize)),
+            ModelChoice::Ctr => Box::new(tasks::Ctr::new(self.seed, self.train as usize, self.test as usize)),
         }
     }
 }
@@ -242,6 +299,16 @@ pub struct SimReport {
     pub params: Vec<f32>,
     /// What a worker would pull at the end when it differs from `params` (the DANA look-ahead).
     pub lookahead: Option<Vec<f32>>,
+    /// Mode switches of the shard (auto).
+    pub mode_switches: u64,
+    /// Synchronous steps applied by the shard.
+    pub steps_sync: u64,
+    /// GBA steps applied by the shard.
+    pub steps_gba: u64,
+    /// Gradients dropped as too stale.
+    pub dropped_stale: u64,
+    /// Live workers at the end.
+    pub workers_final: u32,
 }
 
 impl SimReport {
@@ -262,6 +329,11 @@ impl SimReport {
             "sim_wall_time": self.sim_wall_time,
             "events": self.events,
             "events_per_s": self.events_per_s.round(),
+            "mode_switches": self.mode_switches,
+            "steps_sync": self.steps_sync,
+            "steps_gba": self.steps_gba,
+            "dropped_stale": self.dropped_stale,
+            "workers_final": self.workers_final,
         })
         .to_string()
     }
@@ -297,6 +369,10 @@ struct VirtualWorker {
     seq: u64,
     /// Multiplies the mean time per batch.
     slowness: f64,
+    /// The duration of the batch it is computing now.
+    duration: f64,
+    /// False once killed.
+    alive: bool,
 }
 
 const CHUNK: ChunkId = ChunkId { tensor: 0, chunk: 0 };
@@ -316,8 +392,8 @@ fn pull(core: &mut ShardCore) -> Result<(Vec<f32>, u64)> {
 pub fn run(args: &SimArgs) -> Result<SimReport> {
     args.validate()?;
     match args.mode {
-        SimMode::Async => run_async(args),
         SimMode::Sync => run_sync(args),
+        _ => run_async(args),
     }
 }
 
@@ -346,7 +422,17 @@ fn setup(args: &SimArgs) -> Result<(Box<dyn Task>, ShardCore, Hyper)> {
         epoch: 1,
         threads: 1,
         sparse: gaps_server::core::SparseSettings::default(),
-        modes: gaps_server::modes::ModeConfig::default(),
+        modes: gaps_server::modes::ModeConfig {
+            mode: match args.mode {
+                SimMode::Async | SimMode::Sync => gaps_server::modes::Mode::Async,
+                SimMode::Gba => gaps_server::modes::Mode::Gba,
+                SimMode::Ssp => gaps_server::modes::Mode::Ssp,
+                SimMode::Auto => gaps_server::modes::Mode::Auto,
+            },
+            gba_threshold: args.gba_threshold,
+            ssp_bound: args.ssp_bound,
+            ..gaps_server::modes::ModeConfig::default()
+        },
     })
     .map_err(|e| anyhow!("configuring the shard: {e}"))?;
     core.overwrite(CHUNK, &task.init(args.seed)).map_err(|e| anyhow!("initialising: {e}"))?;
@@ -371,6 +457,27 @@ fn schedule(step: u64, warmup: u64, start: f64, decays: &[u64]) -> f64 {
     warm * 0.1f64.powi(decays.iter().filter(|d| step >= **d).count() as i32)
 }
 
+/// A worker that must wait (sync step, SSP bound) before starting its next batch.
+struct Blocked {
+    worker: usize,
+    version: u64,
+    clock: u64,
+    /// The duration of its next batch, drawn when it was popped (so the draw order never depends on waits).
+    duration: f64,
+}
+
+fn register(core: &mut ShardCore) -> Result<()> {
+    let reg = gaps_common::wire::Register {
+        protocol: gaps_common::wire::PROTOCOL_VERSION,
+        role: gaps_common::wire::Role::Worker,
+        name: "sim".into(),
+    };
+    match core.handle(Frame::new(Message::Register(reg)), Duration::ZERO).0.msg {
+        Message::ClusterMap(_) => Ok(()),
+        other => Err(anyhow!("the shard refused a registration: {other:?}")),
+    }
+}
+
 fn run_async(args: &SimArgs) -> Result<SimReport> {
     let (task, mut core, hyper) = setup(args)?;
     let p = task.num_params();
@@ -378,27 +485,45 @@ fn run_async(args: &SimArgs) -> Result<SimReport> {
     let mut timing = Rng::new(mix(args.seed, 0x71e));
     let mut order_rng = Rng::new(mix(args.seed, 0x0d3));
     let (view, version) = pull(&mut core)?;
-    let mut workers: Vec<VirtualWorker> = (0..n)
-        .map(|w| {
-            let mut slowness =
-                args.stragglers.iter().filter(|(s, _)| *s as usize == w).map(|(_, f)| *f).product::<f64>();
-            if args.heterogeneity > 0.0 {
-                let v2 = args.heterogeneity * args.heterogeneity;
-                slowness *= timing.gamma(1.0 / v2, v2);
-            }
-            VirtualWorker { view: view.clone(), version, momentum: vec![0.0; p], seq: 0, slowness }
-        })
-        .collect();
+    let new_worker = |w: usize, timing: &mut Rng, view: &[f32], version: u64| {
+        let mut slowness = args.stragglers.iter().filter(|(s, _)| *s as usize == w).map(|(_, f)| *f).product::<f64>();
+        if args.heterogeneity > 0.0 {
+            let v2 = args.heterogeneity * args.heterogeneity;
+            slowness *= timing.gamma(1.0 / v2, v2);
+        }
+        VirtualWorker {
+            view: view.to_vec(),
+            version,
+            momentum: vec![0.0; p],
+            seq: 0,
+            slowness,
+            duration: 0.0,
+            alive: true,
+        }
+    };
+    let mut workers: Vec<VirtualWorker> = (0..n).map(|w| new_worker(w, &mut timing, &view, version)).collect();
+    for _ in 0..n {
+        register(&mut core)?;
+    }
     let scale = f64::from(args.batch) / args.shape;
     let mut heap = BinaryHeap::with_capacity(n);
-    for (w, vw) in workers.iter().enumerate() {
-        heap.push(Due { time: timing.gamma(args.shape, scale * vw.slowness), worker: w as u32 });
+    for (w, vw) in workers.iter_mut().enumerate() {
+        vw.duration = timing.gamma(args.shape, scale * vw.slowness);
+        heap.push(Due { time: vw.duration, worker: w as u32 });
     }
+    let mut kills = args.kill_workers.clone();
+    let mut adds = args.add_workers.clone();
+    let mut blocked: Vec<Blocked> = Vec::new();
+    let scaled = matches!(args.mode, SimMode::Gba | SimMode::Auto) && args.linear_scaling;
 
     let batches_per_epoch = task.train_size() / args.batch as usize;
     let total = batches_per_epoch as u64 * u64::from(args.epochs);
     let warmup = (args.warmup_epochs * batches_per_epoch as f64) as u64;
-    let decays: Vec<u64> = args.lr_decay_at.iter().map(|f| (f * total as f64) as u64).collect();
+    let decays: Vec<u64> = if args.no_lr_decay {
+        Vec::new()
+    } else {
+        args.lr_decay_at.iter().map(|f| (f * total as f64) as u64).collect()
+    };
     let needs_read = args.rule.layout().needs_read;
     let worker_momentum = args.rule.layout().worker_momentum;
     let mut csv = open_csv(args)?;
@@ -417,16 +542,52 @@ fn run_async(args: &SimArgs) -> Result<SimReport> {
         if in_epoch == 0 && event > 0 {
             order = order_rng.permutation(task.train_size());
         }
-        // Learning-rate multiplier: linear warm-up from 1/N to 1, then ×0.1 at each decay point.
+        // Learning-rate multiplier: linear warm-up from 1/N to 1, then ×0.1 at each decay point; the
+        // aggregating modes use the synchronous learning rate (linear scaling by N) unless told otherwise.
         let mut lr_scale =
             if event < warmup { (1.0 + (n as f64 - 1.0) * event as f64 / warmup as f64) / n as f64 } else { 1.0 };
         lr_scale *= 0.1f64.powi(decays.iter().filter(|d| event >= **d).count() as i32);
+        if scaled {
+            lr_scale *= n as f64;
+        }
         core.set_lr_scale(lr_scale as f32).map_err(|e| anyhow!("{e}"))?;
 
-        let Some(due) = heap.pop() else { bail!("no workers") };
+        // Injected failures and arrivals happen at their virtual time, before the next batch finishes.
+        let next_time = heap.peek().map_or(f64::INFINITY, |d: &Due| d.time);
+        while let Some(k) = kills.iter().position(|(_, t)| *t <= next_time) {
+            let (w, t) = kills.remove(k);
+            if let Some(vw) = workers.get_mut(w as usize) {
+                vw.alive = false;
+                now = now.max(t);
+                blocked.retain(|b| b.worker != w as usize);
+                core.handle(Frame::new(Message::Leave(gaps_common::wire::Leave { worker: w })), Duration::ZERO);
+            }
+        }
+        while let Some(a) = adds.iter().position(|t| *t <= next_time) {
+            let t = adds.remove(a);
+            register(&mut core)?;
+            let (view, version) = pull(&mut core)?;
+            let w = workers.len();
+            let mut vw = new_worker(w, &mut timing, &view, version);
+            vw.duration = timing.gamma(args.shape, scale * vw.slowness);
+            heap.push(Due { time: t + vw.duration, worker: w as u32 });
+            workers.push(vw);
+        }
+        release(&mut core, &mut workers, &mut blocked, &mut heap, now)?;
+        // Entries of killed workers are skipped, so every event is one gradient.
+        let due = loop {
+            let Some(due) = heap.pop() else {
+                bail!("every worker is waiting or gone at event {event} (mode {:?})", args.mode)
+            };
+            if workers[due.worker as usize].alive {
+                break due;
+            }
+        };
         now = due.time;
         let w = due.worker as usize;
-        heap.push(Due { time: now + timing.gamma(args.shape, scale * workers[w].slowness), worker: due.worker });
+        let compute_ms = workers[w].duration.round().clamp(1.0, f64::from(u32::MAX)) as u32;
+        let next = timing.gamma(args.shape, scale * workers[w].slowness);
+        workers[w].duration = next;
 
         let batch = &order[in_epoch * args.batch as usize..(in_epoch + 1) * args.batch as usize];
         let vw = &mut workers[w];
@@ -452,27 +613,38 @@ fn run_async(args: &SimArgs) -> Result<SimReport> {
             seq: vw.seq,
             chunks: vec![PushChunk { id: CHUNK, read_version: vw.version, len: p as u32 }],
             echo_read: needs_read,
-            compute_ms: 0,
+            compute_ms,
         };
         let (reply, _) = core.handle(Frame { msg: Message::Push(push), payload }, Duration::ZERO);
-        let tau = match reply.msg {
-            Message::Ack(ack) => ack.max_staleness,
+        let ack = match reply.msg {
+            Message::Ack(ack) => ack,
             Message::Error(e) if e.code == gaps_common::ErrorCode::NonFinite => {
                 diverged = true;
                 break;
             }
             other => bail!("the shard refused a push: {other:?}"),
         };
+        let tau = ack.max_staleness;
         staleness.push(tau.min(u64::from(u32::MAX)) as u32);
-        let (view, version) = pull(&mut core)?;
-        let vw = &mut workers[w];
-        vw.view = view;
-        vw.version = version;
-        events += 1;
-        if vw.view.iter().any(|v| !v.is_finite()) {
-            diverged = true;
-            break;
+        if ack.wait_for_version > 0 || ack.wait_for_clock > 0 {
+            blocked.push(Blocked {
+                worker: w,
+                version: ack.wait_for_version,
+                clock: ack.wait_for_clock,
+                duration: next,
+            });
+        } else {
+            heap.push(Due { time: now + next, worker: w as u32 });
+            let (view, version) = pull(&mut core)?;
+            let vw = &mut workers[w];
+            vw.view = view;
+            vw.version = version;
+            if vw.view.iter().any(|v| !v.is_finite()) {
+                diverged = true;
+                break;
+            }
         }
+        events += 1;
         if let Some(out) = csv.as_mut() {
             writeln!(out, "{event},{epoch},{now},{w},{tau},{loss},{},{gap}", core.lr())?;
         }
@@ -480,7 +652,39 @@ fn run_async(args: &SimArgs) -> Result<SimReport> {
     if let Some(mut out) = csv {
         out.flush()?;
     }
-    finish(args, task.as_ref(), &mut core, Outcome { staleness, gap_sum, now, diverged, events, started })
+    let live = workers.iter().filter(|w| w.alive).count() as u32;
+    let mut report =
+        finish(args, task.as_ref(), &mut core, Outcome { staleness, gap_sum, now, diverged, events, started })?;
+    report.workers_final = live;
+    Ok(report)
+}
+
+/// Lets every waiting worker whose condition now holds start its next batch at `now`, on fresh parameters.
+fn release(
+    core: &mut ShardCore,
+    workers: &mut [VirtualWorker],
+    blocked: &mut Vec<Blocked>,
+    heap: &mut BinaryHeap<Due>,
+    now: f64,
+) -> Result<()> {
+    if blocked.is_empty() {
+        return Ok(());
+    }
+    let (view, version) = pull(core)?;
+    let min_clock = core.stats().ssp_min_clock;
+    let mut still = Vec::new();
+    for b in blocked.drain(..) {
+        if version >= b.version && min_clock >= b.clock {
+            let vw = &mut workers[b.worker];
+            vw.view = view.clone();
+            vw.version = version;
+            heap.push(Due { time: now + b.duration, worker: b.worker as u32 });
+        } else {
+            still.push(b);
+        }
+    }
+    *blocked = still;
+    Ok(())
 }
 
 /// Counters of a finished event loop.
@@ -519,6 +723,11 @@ fn finish(args: &SimArgs, task: &dyn Task, core: &mut ShardCore, o: Outcome) -> 
         events,
         events_per_s: events as f64 / real.max(1e-9),
         lookahead: if args.rule.layout().lookahead { Some(pull(core)?.0) } else { None },
+        mode_switches: core.stats().mode_switches,
+        steps_sync: core.stats().steps_sync,
+        steps_gba: core.stats().steps_gba,
+        dropped_stale: core.stats().dropped_stale,
+        workers_final: args.workers,
         params,
     })
 }
@@ -539,7 +748,11 @@ fn run_sync(args: &SimArgs) -> Result<SimReport> {
     let batches_per_epoch = task.train_size() / args.batch as usize;
     let total = batches_per_epoch as u64 * u64::from(args.epochs);
     let warmup = (args.warmup_epochs * batches_per_epoch as f64) as u64;
-    let decays: Vec<u64> = args.lr_decay_at.iter().map(|f| (f * total as f64) as u64).collect();
+    let decays: Vec<u64> = if args.no_lr_decay {
+        Vec::new()
+    } else {
+        args.lr_decay_at.iter().map(|f| (f * total as f64) as u64).collect()
+    };
     let workers_at = |gradients: u64| -> u32 {
         if args.elastic.is_empty() {
             return args.workers;
@@ -579,7 +792,9 @@ fn run_sync(args: &SimArgs) -> Result<SimReport> {
             ramp_start = rounds;
             n = next;
         }
-        let multiplier = ramp_from + (f64::from(n) - ramp_from) * ramp_progress(rounds, ramp_start, ramp_len);
+        let ramped = ramp_from + (f64::from(n) - ramp_from) * ramp_progress(rounds, ramp_start, ramp_len);
+        // Linear scaling: η × N for the global batch (ramped on resizes); without it η stays as given.
+        let multiplier = if args.linear_scaling { ramped } else { 1.0 };
         // Warm-up from η to the scaled η (Goyal et al.), then the decays.
         let warm = schedule(gradients, warmup, 1.0 / multiplier.max(1.0), &decays);
         core.set_lr_scale((warm * multiplier) as f32).map_err(|e| anyhow!("{e}"))?;

@@ -296,3 +296,123 @@ impl Task for Logreg {
         "test accuracy %"
     }
 }
+
+/// Click-through logistic regression on the synthetic Criteo data: each (field, value) feature hashed into
+/// one of 2^16 buckets, plus the 13 log-transformed integer features and a bias. Metric: test AUC.
+#[derive(Debug, Clone)]
+pub struct Ctr {
+    train: CtrSamples,
+    test: CtrSamples,
+}
+
+const CTR_BUCKETS: usize = 1 << 16;
+const CTR_PARAMS: usize = CTR_BUCKETS + 13 + 1;
+
+#[derive(Debug, Clone)]
+struct CtrSamples {
+    buckets: Vec<u32>,
+    ints: Vec<f32>,
+    labels: Vec<u8>,
+}
+
+impl CtrSamples {
+    fn new(data: &gaps_worker::criteo::SyntheticCriteo, first: u64, n: usize) -> Self {
+        let mut out = CtrSamples {
+            buckets: Vec::with_capacity(n * 26),
+            ints: Vec::with_capacity(n * 13),
+            labels: Vec::with_capacity(n),
+        };
+        for i in 0..n as u64 {
+            let (s, _) = data.sample(first + i);
+            for f in 0..26 {
+                // Missing fields hash to a bucket of their own per field.
+                let id = s.feature_id(f).unwrap_or(u64::MAX - f as u64);
+                out.buckets.push((mix(id, 0xb0c) % CTR_BUCKETS as u64) as u32);
+            }
+            out.ints.extend((0..13).map(|j| s.log_int(j)));
+            out.labels.push(s.label);
+        }
+        out
+    }
+
+    fn logit(&self, params: &[f32], i: usize) -> f32 {
+        let mut z = params[CTR_PARAMS - 1];
+        for b in &self.buckets[i * 26..(i + 1) * 26] {
+            z += params[*b as usize];
+        }
+        for (j, x) in self.ints[i * 13..(i + 1) * 13].iter().enumerate() {
+            z += params[CTR_BUCKETS + j] * x;
+        }
+        z
+    }
+}
+
+impl Ctr {
+    /// Training samples 0.. and held-out samples from the generator's evaluation range.
+    pub fn new(seed: u64, train: usize, test: usize) -> Self {
+        let data = gaps_worker::criteo::SyntheticCriteo::new(seed);
+        Ctr {
+            train: CtrSamples::new(&data, 0, train),
+            test: CtrSamples::new(&data, gaps_worker::criteo::SYNTHETIC_EVAL_BASE, test),
+        }
+    }
+}
+
+fn sigmoid64(z: f32) -> f32 {
+    1.0 / (1.0 + (-z).exp())
+}
+
+impl Task for Ctr {
+    fn name(&self) -> &'static str {
+        "ctr"
+    }
+    fn num_params(&self) -> usize {
+        CTR_PARAMS
+    }
+    fn init(&self, _seed: u64) -> Vec<f32> {
+        vec![0.0; CTR_PARAMS]
+    }
+    fn train_size(&self) -> usize {
+        self.train.labels.len()
+    }
+    fn loss_grad(&self, params: &[f32], batch: &[u32], _batch_id: u64, grad: &mut [f32]) -> f32 {
+        grad.iter_mut().for_each(|g| *g = 0.0);
+        let scale = 1.0 / batch.len().max(1) as f32;
+        let mut loss = 0.0;
+        for &i in batch {
+            let i = i as usize;
+            let p = sigmoid64(self.train.logit(params, i)).clamp(1e-7, 1.0 - 1e-7);
+            let y = f32::from(self.train.labels[i]);
+            loss -= y * p.ln() + (1.0 - y) * (1.0 - p).ln();
+            let r = (p - y) * scale;
+            for b in &self.train.buckets[i * 26..(i + 1) * 26] {
+                grad[*b as usize] += r;
+            }
+            for (j, x) in self.train.ints[i * 13..(i + 1) * 13].iter().enumerate() {
+                grad[CTR_BUCKETS + j] += r * x;
+            }
+            grad[CTR_PARAMS - 1] += r;
+        }
+        loss * scale
+    }
+    fn evaluate(&self, params: &[f32]) -> (f64, f64) {
+        let scores: Vec<f32> = (0..self.test.labels.len()).map(|i| sigmoid64(self.test.logit(params, i))).collect();
+        let auc = gaps_worker::criteo::auc(&scores, &self.test.labels);
+        let n = self.train.labels.len().min(16_384);
+        let loss = (0..n)
+            .map(|i| {
+                let p = f64::from(sigmoid64(self.train.logit(params, i))).clamp(1e-7, 1.0 - 1e-7);
+                if self.train.labels[i] == 1 {
+                    -p.ln()
+                } else {
+                    -(1.0 - p).ln()
+                }
+            })
+            .sum::<f64>()
+            / n.max(1) as f64;
+        (auc, loss)
+    }
+    fn metric_name(&self) -> &'static str {
+        "test AUC"
+    }
+}
