@@ -309,6 +309,8 @@ pub struct SimReport {
     pub dropped_stale: u64,
     /// Live workers at the end.
     pub workers_final: u32,
+    /// The shard's learning-rate multiplier of the last update.
+    pub lr_multiplier_final: f64,
 }
 
 impl SimReport {
@@ -334,6 +336,7 @@ impl SimReport {
             "steps_gba": self.steps_gba,
             "dropped_stale": self.dropped_stale,
             "workers_final": self.workers_final,
+            "lr_multiplier_final": self.lr_multiplier_final,
         })
         .to_string()
     }
@@ -728,6 +731,7 @@ fn finish(args: &SimArgs, task: &dyn Task, core: &mut ShardCore, o: Outcome) -> 
         steps_gba: core.stats().steps_gba,
         dropped_stale: core.stats().dropped_stale,
         workers_final: args.workers,
+        lr_multiplier_final: f64::from(core.stats().lr_multiplier_milli) / 1000.0,
         params,
     })
 }
