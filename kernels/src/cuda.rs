@@ -272,18 +272,7 @@ impl CudaDevice {
 mod tests {
     use super::*;
     use crate::reference::{self, State};
-
-    fn random(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                lo + (hi - lo) * ((s >> 40) as f32 / (1u64 << 24) as f32)
-            })
-            .collect()
-    }
+    use crate::tests::random;
 
     #[test]
     fn device_choice_parses_and_missing_gpu_is_a_clear_error() {

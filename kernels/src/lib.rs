@@ -407,12 +407,19 @@ pub fn apply_par(
     bufs: Bufs<'_>,
     threads: usize,
 ) -> Result<(), KernelError> {
-    let n = bufs.check(rule)?;
+    bufs.check(rule)?;
     let k = derive(hyper, scalars);
+    in_parallel(bufs, threads, move |len, part| fast::apply(rule, &k, len, part));
+    Ok(())
+}
+
+/// Runs `f` over `bufs` cut into up to `threads` contiguous parts (at least `PAR_MIN_PARAMS / 2` elements
+/// each) on scoped threads, the last part on the calling thread.
+fn in_parallel(bufs: Bufs<'_>, threads: usize, f: impl Fn(usize, Bufs<'_>) + Copy + Send) {
+    let n = bufs.params.len();
     let threads = threads.clamp(1, (n / (PAR_MIN_PARAMS / 2)).max(1));
     if threads == 1 {
-        fast::apply(rule, &k, n, bufs);
-        return Ok(());
+        return f(n, bufs);
     }
     // Cut at multiples of 16 elements so every part but the last stays vector-aligned.
     let step = n.div_ceil(threads).div_ceil(16) * 16;
@@ -421,13 +428,12 @@ pub fn apply_par(
         let mut left = n;
         while left > step {
             let (head, tail) = rest.split_at(step);
-            scope.spawn(move || fast::apply(rule, &k, step, head));
+            scope.spawn(move || f(step, head));
             rest = tail;
             left -= step;
         }
-        fast::apply(rule, &k, left, rest);
+        f(left, rest);
     });
-    Ok(())
 }
 
 /// The parameters a pull returns: θ, or for the DANA rules the look-ahead θ − η·γ·S.
@@ -461,24 +467,7 @@ mod tests;
 /// addition per element, split over `threads` like [`apply_par`]. `params_per_s(rule) / params_per_s(stream)`
 /// is how close the rule runs to the machine's bandwidth for its bytes.
 pub fn stream_baseline(bufs: Bufs<'_>, threads: usize) {
-    let n = bufs.params.len();
-    let threads = threads.clamp(1, (n / (PAR_MIN_PARAMS / 2)).max(1));
-    if threads == 1 {
-        stream_block(bufs);
-        return;
-    }
-    let step = n.div_ceil(threads).div_ceil(16) * 16;
-    std::thread::scope(|scope| {
-        let mut rest = bufs;
-        let mut left = n;
-        while left > step {
-            let (head, tail) = rest.split_at(step);
-            scope.spawn(move || stream_block(head));
-            rest = tail;
-            left -= step;
-        }
-        stream_block(rest);
-    });
+    in_parallel(bufs, threads, |_, part| stream_block(part));
 }
 
 fn stream_block(b: Bufs<'_>) {

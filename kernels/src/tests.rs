@@ -5,7 +5,7 @@ use super::*;
 use crate::reference::State;
 
 /// Deterministic uniform values in [lo, hi).
-fn random(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
+pub(crate) fn random(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
     let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
     (0..n)
         .map(|_| {

@@ -742,20 +742,8 @@ impl ShardCore {
         now: Duration,
         events: &mut Vec<CoreEvent>,
     ) -> Result<Frame, ShardError> {
-        self.check_epoch(req.epoch)?;
-        if req.seq == 0 {
-            return Err(ShardError::SequenceWindow("sequence numbers start at 1".into()));
-        }
-        let window = self.seqs.entry(req.worker).or_default();
-        if window.applied(req.seq) {
-            self.stats.pushes_duplicate += 1;
-            return Ok(Frame::new(Message::Ack(Ack { seq: req.seq, duplicate: true, ..Ack::default() })));
-        }
-        if req.seq > window.contiguous + SEQ_WINDOW {
-            return Err(ShardError::SequenceWindow(format!(
-                "sequence number {} is more than {SEQ_WINDOW} ahead of {} (worker {})",
-                req.seq, window.contiguous, req.worker
-            )));
+        if let Some(duplicate) = self.check_push(req.epoch, req.worker, req.seq)? {
+            return Ok(duplicate);
         }
         // Validate everything before touching any state, so a refused push changes nothing.
         let rule = self.cfg.rule;
@@ -873,6 +861,27 @@ impl ShardCore {
         Ok(Frame::new(Message::Ack(ack)))
     }
 
+    /// The exactly-once gate shared by dense and sparse pushes: checks the epoch and the sequence window;
+    /// returns the acknowledgement of a push applied before (not applied again), or None for a new one.
+    fn check_push(&mut self, epoch: u64, worker: u32, seq: u64) -> Result<Option<Frame>, ShardError> {
+        self.check_epoch(epoch)?;
+        if seq == 0 {
+            return Err(ShardError::SequenceWindow("sequence numbers start at 1".into()));
+        }
+        let window = self.seqs.entry(worker).or_default();
+        if window.applied(seq) {
+            self.stats.pushes_duplicate += 1;
+            return Ok(Some(Frame::new(Message::Ack(Ack { seq, duplicate: true, ..Ack::default() }))));
+        }
+        if seq > window.contiguous + SEQ_WINDOW {
+            return Err(ShardError::SequenceWindow(format!(
+                "sequence number {seq} is more than {SEQ_WINDOW} ahead of {} (worker {worker})",
+                window.contiguous
+            )));
+        }
+        Ok(None)
+    }
+
     /// Applies gradients to the planned chunks now, one update each (`grads` and `reads` indexed by the
     /// plan's offsets), and records versions and staleness.
     fn apply_now(&mut self, plan: &[Planned], worker: u32, grads: &[f32], reads: &[f32]) -> Result<(), ShardError> {
@@ -952,17 +961,8 @@ impl ShardCore {
     }
 
     fn sparse_push(&mut self, req: &SparsePush, payload: &[f32], now_s: u32) -> Result<Frame, ShardError> {
-        self.check_epoch(req.epoch)?;
-        if req.seq == 0 {
-            return Err(ShardError::SequenceWindow("sequence numbers start at 1".into()));
-        }
-        let window = self.seqs.entry(req.worker).or_default();
-        if window.applied(req.seq) {
-            self.stats.pushes_duplicate += 1;
-            return Ok(Frame::new(Message::Ack(Ack { seq: req.seq, duplicate: true, ..Ack::default() })));
-        }
-        if req.seq > window.contiguous + SEQ_WINDOW {
-            return Err(ShardError::SequenceWindow(format!("sequence number {} is too far ahead", req.seq)));
+        if let Some(duplicate) = self.check_push(req.epoch, req.worker, req.seq)? {
+            return Ok(duplicate);
         }
         let ids = self.sparse_ids(req.table, req.count, payload)?;
         let table_rule = self.cfg.sparse.rule;

@@ -113,6 +113,29 @@ pub struct WorkerSummary {
 }
 
 impl WorkerSummary {
+    /// The summary of a finished run: losses per step (the first, and the mean of the last 10).
+    fn new(
+        args: &WorkerArgs,
+        client: &crate::Client,
+        worker: u32,
+        losses: &[f32],
+        started: Instant,
+        bad_lines: u64,
+    ) -> Self {
+        let tail = &losses[losses.len().saturating_sub(10)..];
+        WorkerSummary {
+            worker,
+            steps: args.steps,
+            pushes_sent: client.pushes_sent(),
+            retries: client.retries(),
+            first_loss: losses.first().copied().unwrap_or(f32::NAN),
+            last_loss: tail.iter().sum::<f32>() / tail.len().max(1) as f32,
+            wall_s: started.elapsed().as_secs_f64(),
+            samples: args.steps * u64::from(args.batch),
+            bad_lines,
+        }
+    }
+
     /// The JSON line.
     pub fn to_json(&self) -> String {
         serde_json::json!({
@@ -164,18 +187,7 @@ pub async fn run(args: &WorkerArgs) -> Result<WorkerSummary> {
     }
     heartbeats.abort();
     client.leave().await.context("leaving the cluster")?;
-    let tail = &losses[losses.len().saturating_sub(10)..];
-    Ok(WorkerSummary {
-        worker,
-        steps: args.steps,
-        pushes_sent: client.pushes_sent(),
-        retries: client.retries(),
-        first_loss: losses.first().copied().unwrap_or(f32::NAN),
-        last_loss: tail.iter().sum::<f32>() / tail.len().max(1) as f32,
-        wall_s: started.elapsed().as_secs_f64(),
-        samples: args.steps * batch as u64,
-        bad_lines: 0,
-    })
+    Ok(WorkerSummary::new(args, &client, worker, &losses, started, 0))
 }
 
 /// The CTR training loop: per step, the next batch, its distinct ids; dense and sparse pulls together;
@@ -232,16 +244,5 @@ async fn run_ctr(
     for e in &stream.first_errors {
         tracing::warn!(%e, "skipped a bad line");
     }
-    let tail = &losses[losses.len().saturating_sub(10)..];
-    Ok(WorkerSummary {
-        worker,
-        steps: args.steps,
-        pushes_sent: client.pushes_sent(),
-        retries: client.retries(),
-        first_loss: losses.first().copied().unwrap_or(f32::NAN),
-        last_loss: tail.iter().sum::<f32>() / tail.len().max(1) as f32,
-        wall_s: started.elapsed().as_secs_f64(),
-        samples: args.steps * u64::from(args.batch),
-        bad_lines: stream.bad_lines,
-    })
+    Ok(WorkerSummary::new(args, &client, worker, &losses, started, stream.bad_lines))
 }
