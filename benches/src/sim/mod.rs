@@ -454,6 +454,31 @@ fn open_csv(args: &SimArgs) -> Result<Option<std::io::BufWriter<std::fs::File>>>
     }
 }
 
+/// The training length and the learning-rate schedule's turning points, in gradients.
+struct Schedule {
+    batches_per_epoch: usize,
+    /// Gradients in the whole run.
+    total: u64,
+    /// Gradients of warm-up.
+    warmup: u64,
+    /// Gradients after which η is multiplied by 0.1.
+    decays: Vec<u64>,
+}
+
+impl Schedule {
+    fn new(args: &SimArgs, task: &dyn Task) -> Self {
+        let batches_per_epoch = task.train_size() / args.batch as usize;
+        let total = batches_per_epoch as u64 * u64::from(args.epochs);
+        let warmup = (args.warmup_epochs * batches_per_epoch as f64) as u64;
+        let decays = if args.no_lr_decay {
+            Vec::new()
+        } else {
+            args.lr_decay_at.iter().map(|f| (f * total as f64) as u64).collect()
+        };
+        Schedule { batches_per_epoch, total, warmup, decays }
+    }
+}
+
 /// Learning-rate multiplier of the schedule: warm-up from `start` to 1 over `warmup` steps, ×0.1 at each decay.
 fn schedule(step: u64, warmup: u64, start: f64, decays: &[u64]) -> f64 {
     let warm = if step < warmup { start + (1.0 - start) * step as f64 / warmup as f64 } else { 1.0 };
@@ -519,14 +544,7 @@ fn run_async(args: &SimArgs) -> Result<SimReport> {
     let mut blocked: Vec<Blocked> = Vec::new();
     let scaled = matches!(args.mode, SimMode::Gba | SimMode::Auto) && args.linear_scaling;
 
-    let batches_per_epoch = task.train_size() / args.batch as usize;
-    let total = batches_per_epoch as u64 * u64::from(args.epochs);
-    let warmup = (args.warmup_epochs * batches_per_epoch as f64) as u64;
-    let decays: Vec<u64> = if args.no_lr_decay {
-        Vec::new()
-    } else {
-        args.lr_decay_at.iter().map(|f| (f * total as f64) as u64).collect()
-    };
+    let Schedule { batches_per_epoch, total, warmup, decays } = Schedule::new(args, task.as_ref());
     let needs_read = args.rule.layout().needs_read;
     let worker_momentum = args.rule.layout().worker_momentum;
     let mut csv = open_csv(args)?;
@@ -749,14 +767,7 @@ fn run_sync(args: &SimArgs) -> Result<SimReport> {
     let slowness: Vec<f64> = (0..max_workers)
         .map(|w| args.stragglers.iter().filter(|(s, _)| *s as usize == w).map(|(_, f)| *f).product::<f64>())
         .collect();
-    let batches_per_epoch = task.train_size() / args.batch as usize;
-    let total = batches_per_epoch as u64 * u64::from(args.epochs);
-    let warmup = (args.warmup_epochs * batches_per_epoch as f64) as u64;
-    let decays: Vec<u64> = if args.no_lr_decay {
-        Vec::new()
-    } else {
-        args.lr_decay_at.iter().map(|f| (f * total as f64) as u64).collect()
-    };
+    let Schedule { batches_per_epoch, total, warmup, decays } = Schedule::new(args, task.as_ref());
     let workers_at = |gradients: u64| -> u32 {
         if args.elastic.is_empty() {
             return args.workers;
