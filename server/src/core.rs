@@ -262,6 +262,8 @@ pub struct ShardCore {
     chunk_base: Vec<u64>,
     /// Owned chunks; the chunk with global index g is at `slots[g / num_shards]`.
     slots: Vec<ChunkSlot>,
+    /// Elements over all owned chunks.
+    owned_elems: usize,
     /// Pushes applied per tensor on this shard (the tensor's global version).
     tensor_versions: Vec<u64>,
     seqs: HashMap<u32, SeqWindow>,
@@ -371,7 +373,9 @@ impl ShardCore {
             m => m,
         };
         let n_slots = slots.len();
+        let owned_elems = slots.iter().map(|s| s.params.len()).sum();
         Ok(ShardCore {
+            owned_elems,
             tables,
             leases: BTreeMap::new(),
             active,
@@ -403,6 +407,11 @@ impl ShardCore {
     /// updated there and copied back; the shard's state stays in host memory.
     pub fn set_device(&mut self, device: Option<std::sync::Arc<gaps_kernels::cuda::CudaDevice>>) {
         self.device = device;
+    }
+
+    /// Elements over all dense chunks this shard owns.
+    pub fn owned_elems(&self) -> usize {
+        self.owned_elems
     }
 
     /// The learning rate in force: the configured η times the schedule's multiplier and, in the
@@ -712,14 +721,17 @@ impl ShardCore {
     fn pull(&mut self, req: &Pull) -> Result<Frame, ShardError> {
         self.check_epoch(req.epoch)?;
         let mut metas = Vec::with_capacity(req.chunks.len());
+        let mut picked = Vec::with_capacity(req.chunks.len());
         let mut total = 0usize;
         for id in &req.chunks {
-            let slot = &self.slots[self.slot_index(*id)?];
+            let index = self.slot_index(*id)?;
+            let slot = &self.slots[index];
             total += slot.params.len();
             metas.push(ChunkVersion { id: *id, version: slot.version, len: slot.params.len() as u32 });
+            picked.push(index);
         }
-        // A pull may name a chunk several times; keep the reply within what one model copy is.
-        let owned_elems: usize = self.slots.iter().map(|s| s.params.len()).sum();
+        // A pull may name a chunk several times; keep the reply within four copies of what the shard owns.
+        let owned_elems = self.owned_elems;
         if total > owned_elems.max(1) * 4 {
             return Err(ShardError::WrongShape(format!(
                 "pull asks for {total} elements, more than four copies of this shard's {owned_elems}"
@@ -727,8 +739,8 @@ impl ShardCore {
         }
         let mut payload = Vec::with_capacity(total);
         let lr = self.lr();
-        for id in &req.chunks {
-            let slot = &self.slots[self.slot_index(*id)?];
+        for index in picked {
+            let slot = &self.slots[index];
             gaps_kernels::pull_values(self.cfg.rule, &self.cfg.hyper, lr, &slot.params, &slot.shared, &mut payload);
         }
         self.stats.pulls += 1;

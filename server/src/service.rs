@@ -131,13 +131,7 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
     }
     // A push can never carry more than this shard owns (twice that with the read echo); refuse bigger frames
     // before allocating them.
-    let owned_bytes: u64 = core
-        .config()
-        .layout
-        .chunks_of_shard(shard, core.config().num_shards)
-        .iter()
-        .map(|id| core.config().layout.chunk_len(*id).unwrap_or(0) as u64 * 4)
-        .sum();
+    let owned_bytes = core.owned_elems() as u64 * 4;
     let echo = 1 + u64::from(core.config().rule.layout().needs_read);
     // Sparse requests are bounded by rows per RPC: ids, versions, gradients and read rows of the widest table.
     let widest = core.config().layout.tables.iter().map(|t| u64::from(t.dim)).max();
@@ -294,12 +288,12 @@ async fn serve_stream(shared: &Shared, mut send: quinn::SendStream, mut recv: qu
         }
         Ok(frame) => {
             shared.metrics.bytes_in.increment(frame.payload.len() as u64 * 4);
-            let histogram = match &frame.msg {
-                Message::Push(_) => &shared.metrics.rpc_push_seconds,
-                Message::Pull(_) => &shared.metrics.rpc_pull_seconds,
-                _ => &shared.metrics.rpc_other_seconds,
+            let kind = RpcKind::of(&frame.msg);
+            let histogram = match kind {
+                RpcKind::Push => &shared.metrics.rpc_push_seconds,
+                RpcKind::Pull => &shared.metrics.rpc_pull_seconds,
+                RpcKind::Other => &shared.metrics.rpc_other_seconds,
             };
-            let kind = frame.msg.kind();
             let handled = shared.core.lock().map(|mut core| core.handle(frame, shared.now()));
             let Ok((reply, events)) = handled else {
                 let _ = send.reset(1u32.into());
@@ -318,17 +312,34 @@ async fn serve_stream(shared: &Shared, mut send: quinn::SendStream, mut recv: qu
     histogram.record(started.elapsed().as_secs_f64());
 }
 
-fn record(m: &ShardMetrics, request_kind: u8, reply: &Message) {
-    const PUSH: u8 = 6;
-    const PULL: u8 = 4;
-    match (request_kind, reply) {
-        (PUSH, Message::Ack(ack)) if ack.duplicate => m.push_duplicates.increment(1),
-        (PUSH, Message::Ack(ack)) => {
+/// What a request counts as in the metrics: dense and sparse pushes are pushes, dense and sparse pulls are
+/// pulls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RpcKind {
+    Push,
+    Pull,
+    Other,
+}
+
+impl RpcKind {
+    fn of(msg: &Message) -> Self {
+        match msg {
+            Message::Push(_) | Message::SparsePush(_) => RpcKind::Push,
+            Message::Pull(_) | Message::SparsePull(_) => RpcKind::Pull,
+            _ => RpcKind::Other,
+        }
+    }
+}
+
+fn record(m: &ShardMetrics, request: RpcKind, reply: &Message) {
+    match (request, reply) {
+        (RpcKind::Push, Message::Ack(ack)) if ack.duplicate => m.push_duplicates.increment(1),
+        (RpcKind::Push, Message::Ack(ack)) => {
             m.pushes.increment(1);
             m.staleness.record(ack.max_staleness as f64);
         }
-        (PUSH, _) => m.push_rejected.increment(1),
-        (PULL, Message::PullReply(_)) => m.pulls.increment(1),
+        (RpcKind::Push, _) => m.push_rejected.increment(1),
+        (RpcKind::Pull, Message::PullReply(_) | Message::SparsePullReply(_)) => m.pulls.increment(1),
         _ => {}
     }
 }

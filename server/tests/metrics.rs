@@ -26,7 +26,12 @@ async fn metrics_endpoint_exports_pushes_pulls_bytes_latency_staleness_and_live_
     let (metrics_addr, _task) =
         gaps_server::metrics::serve("127.0.0.1:0".parse().expect("addr"), handle).await.expect("serve");
     let certs = ClusterCerts::generate(&[]).expect("certs");
-    let layout = Layout::new(vec![TensorSpec { name: "w".into(), len: 100 }], 32).expect("layout");
+    let layout = Layout::with_tables(
+        vec![TensorSpec { name: "w".into(), len: 100 }],
+        32,
+        vec![gaps_common::layout::SparseSpec { name: "emb".into(), dim: 4 }],
+    )
+    .expect("layout");
     let cfg = ServiceConfig {
         listen: "127.0.0.1:0".parse().expect("addr"),
         advertise: None,
@@ -63,16 +68,19 @@ async fn metrics_endpoint_exports_pushes_pulls_bytes_latency_staleness_and_live_
         let snap = client.pull().await.expect("pull");
         client.push(vec![vec![0.5; 100]], &snap).await.expect("push");
     }
+    // Sparse requests count as pushes and pulls too.
+    let rows = client.pull_sparse(0, &[7, 9], true).await.expect("sparse pull");
+    client.push_sparse(0, &rows, &[0.1; 8]).await.expect("sparse push");
     tokio::time::sleep(Duration::from_millis(200)).await;
     let body = tokio::task::spawn_blocking(move || http_get(metrics_addr, "/metrics")).await.expect("join");
     assert!(body.starts_with("HTTP/1.1 200"), "{body}");
     for needle in [
-        "gaps_pushes_applied_total{shard=\"0\"} 3",
-        "gaps_pulls_total{shard=\"0\"} 3",
+        "gaps_pushes_applied_total{shard=\"0\"} 4",
+        "gaps_pulls_total{shard=\"0\"} 4",
         "gaps_bytes_in_total",
         "gaps_bytes_out_total",
         "gaps_live_workers{shard=\"0\"} 1",
-        "gaps_staleness_updates_bucket{shard=\"0\",le=\"0\"} 3",
+        "gaps_staleness_updates_bucket{shard=\"0\",le=\"0\"} 4",
         "gaps_rpc_seconds_bucket{shard=\"0\",kind=\"push\",le=\"0.001\"}",
         "gaps_mode{shard=\"0\"} 0",
         "gaps_mode_switches_total{shard=\"0\"} 0",
