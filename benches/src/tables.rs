@@ -1,7 +1,7 @@
 //! `gaps bench tables`: sparse-table insert and lookup rates and memory per row.
 
 use gaps_kernels::Rule;
-use gaps_server::sparse::{Eviction, SparseTable, TableConfig};
+use gaps_shard::sparse::{Eviction, SparseTable, TableConfig};
 use std::time::Instant;
 
 /// Measured figures of one table size.

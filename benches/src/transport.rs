@@ -11,13 +11,13 @@
 
 use anyhow::{Context, Result};
 use gaps_common::layout::{Layout, TensorSpec};
-use gaps_common::tls::ClusterCerts;
 use gaps_common::wire::Role;
 use gaps_kernels::{Hyper, Rule};
 use gaps_server::service::{self, RunningServer, ServiceConfig};
-use gaps_server::{Init, ShardConfig};
+use gaps_shard::{Init, ShardConfig};
+use gaps_transport::net;
+use gaps_transport::tls::ClusterCerts;
 use gaps_worker::client::{Client, ClientOptions};
-use gaps_worker::net;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -100,7 +100,7 @@ fn size_name(n: u64) -> String {
 }
 
 async fn gaps_case(certs: &ClusterCerts, shards: u32, n: u64, quick: bool, min_time: Duration) -> Result<(u32, f64)> {
-    let layout = Layout::new(vec![TensorSpec { name: "bench".into(), len: n }], 1 << 18)?;
+    let layout = Layout::new(vec![TensorSpec::new("bench", n)], 1 << 18)?;
     let mut servers: Vec<RunningServer> = Vec::new();
     for s in 0..shards {
         let cfg = ServiceConfig {
@@ -119,8 +119,8 @@ async fn gaps_case(certs: &ClusterCerts, shards: u32, n: u64, quick: bool, min_t
                 advertise: String::new(),
                 epoch: 7,
                 threads: 1,
-                sparse: gaps_server::core::SparseSettings::default(),
-                modes: gaps_server::modes::ModeConfig::default(),
+                sparse: gaps_shard::core::SparseSettings::default(),
+                modes: gaps_shard::modes::ModeConfig::default(),
             },
             join_timeout: Duration::from_secs(10),
             tick_interval: Duration::from_millis(250),

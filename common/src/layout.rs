@@ -7,13 +7,56 @@
 use bincode::{Decode, Encode};
 use std::ops::Range;
 
+/// Update-rule settings of one tensor or table that differ from the shard's flags (`--rule`, `--lr`, …
+/// for dense tensors; `--sparse-rule`, `--sparse-lr` for tables). Unset fields come from the flags. The
+/// rule is a name as `--rule` takes it; the shard checks it when it starts.
+#[derive(Debug, Clone, Default, PartialEq, Encode, Decode)]
+pub struct RuleOverride {
+    /// Update rule name, e.g. `momentum`, `adagrad`, `gap-aware`.
+    pub rule: Option<String>,
+    /// Learning rate η.
+    pub lr: Option<f32>,
+    /// Momentum γ.
+    pub momentum: Option<f32>,
+    /// L2 weight decay.
+    pub weight_decay: Option<f32>,
+    /// DC-ASGD / DANA-DC λ, or λ0 of dc-asgd-adaptive.
+    pub dc_lambda: Option<f32>,
+    /// Decay of dc-asgd-adaptive's mean square.
+    pub dc_ms_decay: Option<f32>,
+}
+
+impl RuleOverride {
+    /// True when nothing is overridden.
+    pub fn is_empty(&self) -> bool {
+        *self == RuleOverride::default()
+    }
+}
+
 /// One dense tensor of the model.
-#[derive(Debug, Clone, PartialEq, Eq, Encode, Decode)]
+#[derive(Debug, Clone, PartialEq, Encode, Decode)]
 pub struct TensorSpec {
     /// Human-readable name, e.g. `logreg.w`.
     pub name: String,
-    /// Number of f32 elements.
+    /// Number of f32 elements (the product of `shape`).
     pub len: u64,
+    /// The tensor's shape, row-major (one dimension `[len]` for a flat tensor).
+    pub shape: Vec<u64>,
+    /// How this tensor is updated, where it differs from the shard's flags.
+    pub rule: RuleOverride,
+}
+
+impl TensorSpec {
+    /// A flat tensor of `len` elements updated with the shard's rule.
+    pub fn new(name: impl Into<String>, len: u64) -> Self {
+        TensorSpec { name: name.into(), len, shape: vec![len], rule: RuleOverride::default() }
+    }
+
+    /// A tensor of the given shape updated with the shard's rule.
+    pub fn with_shape(name: impl Into<String>, shape: Vec<u64>) -> Self {
+        let len = shape.iter().try_fold(1u64, |a, d| a.checked_mul(*d)).unwrap_or(u64::MAX);
+        TensorSpec { name: name.into(), len, shape, rule: RuleOverride::default() }
+    }
 }
 
 /// Identifies one chunk of one tensor.
@@ -43,12 +86,21 @@ pub enum LayoutError {
 
 /// One sparse embedding table of the model: u64 feature ids → rows of `dim` floats. Row `id` of table `t`
 /// lives on shard [`sparse_owner`]`(t, id, num_shards)`.
-#[derive(Debug, Clone, PartialEq, Eq, Encode, Decode)]
+#[derive(Debug, Clone, PartialEq, Encode, Decode)]
 pub struct SparseSpec {
     /// Human-readable name, e.g. `dlrm.emb`.
     pub name: String,
     /// Floats per row.
     pub dim: u32,
+    /// How the rows are updated, where it differs from the shard's sparse flags.
+    pub rule: RuleOverride,
+}
+
+impl SparseSpec {
+    /// A table of rows of `dim` floats updated with the shard's sparse rule.
+    pub fn new(name: impl Into<String>, dim: u32) -> Self {
+        SparseSpec { name: name.into(), dim, rule: RuleOverride::default() }
+    }
 }
 
 /// The shard holding row `id` of table `table`: a stable 64-bit mix of (id, table) modulo the shard count.
@@ -58,7 +110,7 @@ pub fn sparse_owner(table: u32, id: u64, num_shards: u32) -> u32 {
 
 /// The model's dense tensors, the chunk size and the sparse tables. Identical on every process of a
 /// cluster (checked by [`Layout::fingerprint`]).
-#[derive(Debug, Clone, PartialEq, Eq, Encode, Decode)]
+#[derive(Debug, Clone, PartialEq, Encode, Decode)]
 pub struct Layout {
     /// The dense tensors, in order.
     pub tensors: Vec<TensorSpec>,
@@ -109,10 +161,35 @@ impl Layout {
                     t.name, t.len
                 )));
             }
+            let product = t.shape.iter().try_fold(1u64, |a, d| a.checked_mul(*d));
+            if t.shape.is_empty() || t.shape.len() > 8 || product != Some(t.len) {
+                return Err(LayoutError::Invalid(format!(
+                    "tensor {:?} has shape {:?} but {} elements (1 to 8 dimensions whose product is the length)",
+                    t.name, t.shape, t.len
+                )));
+            }
             total_chunks += t.len.div_ceil(u64::from(self.chunk_elems));
         }
         if total_chunks > u64::from(u32::MAX) {
             return Err(LayoutError::Invalid("more than 2^32 chunks".into()));
+        }
+        let names = self.tensors.iter().map(|t| &t.name).chain(self.tables.iter().map(|t| &t.name));
+        let mut seen = std::collections::HashSet::new();
+        for name in names {
+            if name.is_empty() || name.len() > 256 {
+                return Err(LayoutError::Invalid(format!("name {name:?} must have 1 to 256 bytes")));
+            }
+            if !seen.insert(name) {
+                return Err(LayoutError::Invalid(format!("two tensors or tables are named {name:?}")));
+            }
+        }
+        let overrides =
+            self.tensors.iter().map(|t| (&t.name, &t.rule)).chain(self.tables.iter().map(|t| (&t.name, &t.rule)));
+        for (name, o) in overrides {
+            let values = [o.lr, o.momentum, o.weight_decay, o.dc_lambda, o.dc_ms_decay];
+            if values.iter().flatten().any(|v| !v.is_finite()) {
+                return Err(LayoutError::Invalid(format!("{name:?} has a non-finite hyper-parameter")));
+            }
         }
         if self.tables.len() > 1024 {
             return Err(LayoutError::Invalid("more than 1024 sparse tables".into()));
@@ -181,29 +258,21 @@ impl Layout {
         self.chunks().enumerate().filter(|(g, _)| *g as u64 % n == u64::from(shard)).map(|(_, id)| id).collect()
     }
 
-    /// A stable 64-bit fingerprint (FNV-1a) of the layout, used to detect processes configured with
-    /// different models.
+    /// A stable 64-bit fingerprint (FNV-1a over the layout's wire encoding: names, shapes, chunking, tables
+    /// and rule overrides), used to detect processes configured with different models.
     pub fn fingerprint(&self) -> u64 {
-        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        let mut eat = |bytes: &[u8]| {
-            for b in bytes {
-                h ^= u64::from(*b);
-                h = h.wrapping_mul(0x0000_0100_0000_01b3);
-            }
-        };
-        eat(&self.chunk_elems.to_le_bytes());
-        for t in &self.tensors {
-            eat(&(t.name.len() as u64).to_le_bytes());
-            eat(t.name.as_bytes());
-            eat(&t.len.to_le_bytes());
-        }
-        for t in &self.tables {
-            eat(b"table");
-            eat(&(t.name.len() as u64).to_le_bytes());
-            eat(t.name.as_bytes());
-            eat(&t.dim.to_le_bytes());
-        }
-        h
+        let bytes = bincode::encode_to_vec(self, bincode::config::standard()).unwrap_or_default();
+        bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3))
+    }
+
+    /// Index of the tensor named `name`.
+    pub fn tensor_index(&self, name: &str) -> Option<u32> {
+        self.tensors.iter().position(|t| t.name == name).map(|i| i as u32)
+    }
+
+    /// Index of the table named `name`.
+    pub fn table_index(&self, name: &str) -> Option<u32> {
+        self.tables.iter().position(|t| t.name == name).map(|i| i as u32)
     }
 }
 
@@ -212,15 +281,8 @@ mod tests {
     use super::*;
 
     fn layout() -> Layout {
-        Layout::new(
-            vec![
-                TensorSpec { name: "a".into(), len: 10 },
-                TensorSpec { name: "b".into(), len: 1 },
-                TensorSpec { name: "c".into(), len: 8 },
-            ],
-            4,
-        )
-        .expect("valid layout")
+        Layout::new(vec![TensorSpec::new("a", 10), TensorSpec::new("b", 1), TensorSpec::new("c", 8)], 4)
+            .expect("valid layout")
     }
 
     #[test]
@@ -250,13 +312,13 @@ mod tests {
         assert!(l.chunk_range(ChunkId { tensor: 0, chunk: 3 }).is_err());
         assert!(l.chunk_range(ChunkId { tensor: 9, chunk: 0 }).is_err());
         assert!(Layout::new(vec![], 4).is_err());
-        assert!(Layout::new(vec![TensorSpec { name: "x".into(), len: 0 }], 4).is_err());
-        assert!(Layout::new(vec![TensorSpec { name: "x".into(), len: 3 }], 0).is_err());
+        assert!(Layout::new(vec![TensorSpec::new("x", 0)], 4).is_err());
+        assert!(Layout::new(vec![TensorSpec::new("x", 3)], 0).is_err());
         let mut other = l.clone();
         other.tensors[2].len = 9;
         assert_ne!(l.fingerprint(), other.fingerprint());
         let mut with_table = l.clone();
-        with_table.tables.push(SparseSpec { name: "emb".into(), dim: 8 });
+        with_table.tables.push(SparseSpec::new("emb", 8));
         assert_ne!(l.fingerprint(), with_table.fingerprint());
         with_table.tables[0].dim = 0;
         assert!(with_table.validate().is_err());

@@ -17,7 +17,7 @@ use crate::layout::{ChunkId, Layout};
 use bincode::{Decode, Encode};
 
 /// Protocol version carried by registrations; a peer with another version is refused.
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 /// Bytes before the header: the kind byte and the header length.
 pub const FRAME_PREFIX_LEN: usize = 5;
 /// Hard upper bound on an encoded header (also the bincode decode limit).
@@ -647,7 +647,7 @@ mod tests {
 
     fn samples() -> Vec<Frame> {
         let id = ChunkId { tensor: 1, chunk: 2 };
-        let layout = Layout::new(vec![TensorSpec { name: "w".into(), len: 10 }], 4).expect("layout");
+        let layout = Layout::new(vec![TensorSpec::new("w", 10)], 4).expect("layout");
         vec![
             Frame::new(Message::Register(Register { protocol: 1, role: Role::Worker, name: "w0".into() })),
             Frame::new(Message::RegisterShard(RegisterShard {

@@ -216,6 +216,28 @@ impl Default for Hyper {
 }
 
 impl Hyper {
+    /// The rule and hyper-parameters of one tensor or table: `default_rule` and `self` (the shard's flags)
+    /// with the layout file's overrides on top, validated.
+    pub fn resolve(
+        &self,
+        default_rule: Rule,
+        overrides: &gaps_common::layout::RuleOverride,
+    ) -> Result<(Rule, Hyper), KernelError> {
+        let rule = match &overrides.rule {
+            Some(name) => name.parse()?,
+            None => default_rule,
+        };
+        let hyper = Hyper {
+            lr: overrides.lr.unwrap_or(self.lr),
+            momentum: overrides.momentum.unwrap_or(self.momentum),
+            weight_decay: overrides.weight_decay.unwrap_or(self.weight_decay),
+            dc_lambda: overrides.dc_lambda.unwrap_or(self.dc_lambda),
+            dc_ms_decay: overrides.dc_ms_decay.unwrap_or(self.dc_ms_decay),
+        };
+        hyper.validate()?;
+        Ok((rule, hyper))
+    }
+
     /// Checks ranges; a configuration from a user goes through this once at start-up.
     pub fn validate(&self) -> Result<(), KernelError> {
         if !(self.lr.is_finite() && self.lr > 0.0) {
@@ -399,7 +421,7 @@ pub fn apply(rule: Rule, hyper: &Hyper, scalars: &PushScalars, bufs: Bufs<'_>) -
 /// Below this many parameters a block is updated on the calling thread.
 pub const PAR_MIN_PARAMS: usize = 1 << 17;
 
-/// Applies `rule` to one block, split over up to `threads` scoped threads when the block is large.
+/// Applies `rule` to one block, split over up to `threads` tasks of the rayon pool when the block is large.
 pub fn apply_par(
     rule: Rule,
     hyper: &Hyper,
@@ -414,8 +436,8 @@ pub fn apply_par(
 }
 
 /// Runs `f` over `bufs` cut into up to `threads` contiguous parts (at least `PAR_MIN_PARAMS / 2` elements
-/// each) on scoped threads, the last part on the calling thread.
-fn in_parallel(bufs: Bufs<'_>, threads: usize, f: impl Fn(usize, Bufs<'_>) + Copy + Send) {
+/// each) on the rayon pool, the last part on the calling thread.
+fn in_parallel(bufs: Bufs<'_>, threads: usize, f: impl Fn(usize, Bufs<'_>) + Copy + Send + Sync) {
     let n = bufs.params.len();
     let threads = threads.clamp(1, (n / (PAR_MIN_PARAMS / 2)).max(1));
     if threads == 1 {
@@ -423,12 +445,12 @@ fn in_parallel(bufs: Bufs<'_>, threads: usize, f: impl Fn(usize, Bufs<'_>) + Cop
     }
     // Cut at multiples of 16 elements so every part but the last stays vector-aligned.
     let step = n.div_ceil(threads).div_ceil(16) * 16;
-    std::thread::scope(|scope| {
+    rayon::scope(|scope| {
         let mut rest = bufs;
         let mut left = n;
         while left > step {
             let (head, tail) = rest.split_at(step);
-            scope.spawn(move || f(step, head));
+            scope.spawn(move |_| f(step, head));
             rest = tail;
             left -= step;
         }

@@ -1,13 +1,12 @@
 //! Flags of `gaps-server` (and of `gaps server`) and the process entry point.
 
-use crate::core::{Init, ShardConfig, SparseSettings};
 use crate::service::{self, ServiceConfig};
-use crate::sparse::Eviction;
 use anyhow::{Context, Result};
 use gaps_common::config::parse_duration;
-use gaps_common::tls::TlsMaterial;
 use gaps_kernels::{Hyper, Rule};
-use gaps_worker::model::{ModelKind, ModelSize};
+use gaps_shard::sparse::Eviction;
+use gaps_shard::{Init, ShardConfig, SparseSettings};
+use gaps_transport::tls::TlsMaterial;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -41,18 +40,11 @@ pub struct ServerArgs {
     /// This server's private key (PEM).
     #[arg(long, env = "GAPS_KEY")]
     pub key: PathBuf,
-    /// The model whose dense tensors the cluster holds.
-    #[arg(long, env = "GAPS_MODEL", default_value = "logreg")]
-    pub model: ModelKind,
-    /// Feature dimension of the model.
-    #[arg(long, env = "GAPS_DIM", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=(1u64 << 34)))]
-    pub dim: u64,
-    /// Embedding dimension of the CTR models (lr, fm, dlrm).
-    #[arg(long, env = "GAPS_EMBEDDING_DIM", default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=1024))]
-    pub embedding_dim: u32,
-    /// Hidden units of the dlrm model.
-    #[arg(long, env = "GAPS_HIDDEN", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=65_536))]
-    pub hidden: u32,
+    /// The model this cluster serves: a layout file (TOML, or JSON when it ends in `.json`) listing the dense
+    /// tensors (name, shape, optional rule and hyper-parameters) and the sparse tables (name, dim, optional
+    /// rule). `gaps layout --model NAME` prints the built-in models' layouts. Every shard gets the same file.
+    #[arg(long, env = "GAPS_LAYOUT")]
+    pub layout: PathBuf,
     /// Update rule of embedding rows (one without per-worker state).
     #[arg(long, env = "GAPS_SPARSE_RULE", default_value = "adagrad")]
     pub sparse_rule: Rule,
@@ -71,9 +63,6 @@ pub struct ServerArgs {
     /// Evict embedding rows idle this long (TTL); the budget is enforced by LRU either way.
     #[arg(long, env = "GAPS_TABLE_TTL", value_parser = parse_duration)]
     pub table_ttl: Option<Duration>,
-    /// Elements per chunk (the unit of partitioning over shards).
-    #[arg(long, env = "GAPS_CHUNK_ELEMS", default_value_t = 65536, value_parser = clap::value_parser!(u32).range(1..))]
-    pub chunk_elems: u32,
     /// Update rule.
     #[arg(long, env = "GAPS_RULE", default_value = "momentum")]
     pub rule: Rule,
@@ -101,7 +90,7 @@ pub struct ServerArgs {
     /// Training mode: async, sync (global-batch BSP), gba (global-batch aggregation), ssp (bounded
     /// staleness) or auto (sync without stragglers, gba with them).
     #[arg(long, env = "GAPS_MODE", default_value = "async")]
-    pub mode: crate::modes::Mode,
+    pub mode: gaps_shard::modes::Mode,
     /// GBA: gradients more than this many global steps stale are dropped.
     #[arg(long, env = "GAPS_GBA_THRESHOLD", default_value_t = 4)]
     pub gba_threshold: u64,
@@ -133,8 +122,7 @@ impl ServerArgs {
     /// The service configuration these flags describe.
     pub fn service_config(&self) -> Result<ServiceConfig> {
         let tls = TlsMaterial::load(&self.ca, &self.cert, &self.key).context("loading the server's TLS material")?;
-        let size = ModelSize { dim: self.dim, embedding_dim: self.embedding_dim, hidden: self.hidden };
-        let layout = self.model.layout(&size, self.chunk_elems).context("building the model layout")?;
+        let layout = load_layout(&self.layout)?;
         let hyper = Hyper {
             lr: self.lr,
             momentum: self.momentum,
@@ -164,12 +152,12 @@ impl ServerArgs {
                 advertise: String::new(),
                 epoch: epoch.max(1),
                 threads: self.threads,
-                modes: crate::modes::ModeConfig {
+                modes: gaps_shard::modes::ModeConfig {
                     mode: self.mode,
                     gba_threshold: self.gba_threshold,
                     ssp_bound: self.ssp_bound,
                     lr_ramp_steps: self.lr_ramp_steps,
-                    ..crate::modes::ModeConfig::default()
+                    ..gaps_shard::modes::ModeConfig::default()
                 },
                 sparse: SparseSettings {
                     rule: self.sparse_rule,
@@ -188,6 +176,13 @@ impl ServerArgs {
             device: self.device,
         })
     }
+}
+
+/// Reads and validates a layout file.
+pub fn load_layout(path: &std::path::Path) -> Result<gaps_common::Layout> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading the layout file {}", path.display()))?;
+    gaps_common::layout_file::parse(&text, gaps_common::layout_file::Format::of_path(path))
+        .with_context(|| format!("loading the layout file {}", path.display()))
 }
 
 /// Parses a byte count such as `2GiB`, `512MiB`, `64KiB`, `1G` or a plain number of bytes.

@@ -1,16 +1,17 @@
-//! gaps-server: one parameter-server shard.
+//! gaps-server: the service around one shard's sans-IO core ([`gaps_shard::ShardCore`]).
 //!
-//! - [`core`]: the sans-IO shard state machine (chunks, versions, staleness, exactly-once, coordinator).
-//! - [`service`]: the QUIC service around it.
-//! - [`metrics`]: Prometheus export.
-//! - [`cli`]: flags and the process entry point.
+//! - [`service`]: the QUIC service: connections and streams feed the shard's actor thread through a
+//!   bounded queue; joins the coordinator; ticks leases.
+//! - [`metrics`]: Prometheus export over a small hyper service.
+//! - [`cli`]: flags and the process entry point (bin `gaps-server`).
+//!
+//! Architecture invariant: this crate links neither the worker, nor the models, nor the data readers
+//! (`cargo tree -p gaps-server -e normal` shows no `gaps-worker` or `gaps-models`; enforced by
+//! `cli/tests/architecture.rs`). A shard's layout comes from a layout file.
 
 pub mod cli;
-pub mod core;
 pub mod metrics;
-pub mod modes;
 pub mod service;
-pub mod sparse;
 
-pub use crate::core::{CoreEvent, Init, ShardConfig, ShardCore, ShardError};
+pub use gaps_shard::{CoreEvent, Init, ShardConfig, ShardCore, ShardError};
 pub use service::{RunningServer, ServiceConfig};

@@ -5,12 +5,12 @@
 //! Architecture invariant: the service holds no training state of its own; everything lives in the core,
 //! which is locked only around `handle`/`tick` (never across an `.await`).
 
-use crate::core::{CoreEvent, ShardConfig, ShardCore};
 use crate::metrics::ShardMetrics;
 use anyhow::{anyhow, bail, Context, Result};
-use gaps_common::tls::TlsMaterial;
 use gaps_common::wire::{ErrorCode, Frame, Limits, Message, WireError};
-use gaps_worker::net::{self, RpcError};
+use gaps_shard::{CoreEvent, ShardConfig, ShardCore};
+use gaps_transport::net::{self, RpcError};
+use gaps_transport::tls::TlsMaterial;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -132,7 +132,7 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
     // A push can never carry more than this shard owns (twice that with the read echo); refuse bigger frames
     // before allocating them.
     let owned_bytes = core.owned_elems() as u64 * 4;
-    let echo = 1 + u64::from(core.config().rule.layout().needs_read);
+    let echo = 1 + u64::from(core.needs_read());
     // Sparse requests are bounded by rows per RPC: ids, versions, gradients and read rows of the widest table.
     let widest = core.config().layout.tables.iter().map(|t| u64::from(t.dim)).max();
     let sparse_bytes = widest.map_or(0, |dim| MAX_SPARSE_ROWS_PER_RPC * (3 + 2 * dim) * 4);

@@ -2,21 +2,20 @@
 //! retries, typed errors for malformed frames, fail-fast on an incomplete cluster.
 
 use gaps_common::layout::{ChunkId, Layout, TensorSpec};
-use gaps_common::tls::{ClusterCerts, TlsMaterial};
 use gaps_common::wire::{self, ErrorCode, Limits, Message, Push, PushChunk, Register, Role, PROTOCOL_VERSION};
 use gaps_kernels::{Hyper, Rule};
 use gaps_server::service::{self, RunningServer, ServiceConfig};
-use gaps_server::{Init, ShardConfig};
+use gaps_shard::{Init, ShardConfig};
+use gaps_transport::net;
+use gaps_transport::tls::{ClusterCerts, TlsMaterial};
 use gaps_worker::client::{Client, ClientError, ClientOptions};
-use gaps_worker::net;
 use std::sync::Arc;
 use std::time::Duration;
 
 const LR: f32 = 0.5;
 
 fn layout() -> Layout {
-    Layout::new(vec![TensorSpec { name: "w".into(), len: 1000 }, TensorSpec { name: "b".into(), len: 3 }], 128)
-        .expect("layout")
+    Layout::new(vec![TensorSpec::new("w", 1000), TensorSpec::new("b", 3)], 128).expect("layout")
 }
 
 async fn start_shard(certs: &ClusterCerts, shard: u32, num_shards: u32, coordinator: Option<String>) -> RunningServer {
@@ -51,8 +50,8 @@ async fn start_shard_with(
             advertise: String::new(),
             epoch: 1234,
             threads: 1,
-            sparse: gaps_server::core::SparseSettings::default(),
-            modes: gaps_server::modes::ModeConfig::default(),
+            sparse: gaps_shard::core::SparseSettings::default(),
+            modes: gaps_shard::modes::ModeConfig::default(),
         },
         join_timeout: Duration::from_secs(10),
         tick_interval: Duration::from_millis(100),
@@ -159,7 +158,7 @@ async fn clients_without_a_certificate_from_the_cluster_ca_are_refused() {
     let certs = ClusterCerts::generate(&[]).expect("certs");
     let servers = cluster(&certs, 1).await;
     let addr = servers[0].addr;
-    let provider = gaps_common::tls::provider();
+    let provider = gaps_transport::tls::provider();
     let mut roots = rustls::RootCertStore::empty();
     for c in certs.worker_material().expect("tls").ca {
         roots.add(c).expect("root");
@@ -171,7 +170,7 @@ async fn clients_without_a_certificate_from_the_cluster_ca_are_refused() {
         .expect("tls13")
         .with_root_certificates(roots.clone())
         .with_no_client_auth();
-    anonymous.alpn_protocols = vec![gaps_common::tls::ALPN.to_vec()];
+    anonymous.alpn_protocols = vec![gaps_transport::tls::ALPN.to_vec()];
     assert!(!register_with(anonymous, addr).await, "a client without a certificate was served");
     // 2. A certificate signed by another CA.
     let foreign = ClusterCerts::generate(&[]).expect("other certs").worker_material().expect("tls");

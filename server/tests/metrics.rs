@@ -2,11 +2,11 @@
 //! binary, because the recorder is process-global.
 
 use gaps_common::layout::{Layout, TensorSpec};
-use gaps_common::tls::ClusterCerts;
 use gaps_common::wire::Role;
 use gaps_kernels::{Hyper, Rule};
 use gaps_server::service::{self, ServiceConfig};
-use gaps_server::{Init, ShardConfig};
+use gaps_shard::{Init, ShardConfig};
+use gaps_transport::tls::ClusterCerts;
 use gaps_worker::client::{Client, ClientOptions};
 use std::io::{Read, Write};
 use std::time::Duration;
@@ -26,12 +26,9 @@ async fn metrics_endpoint_exports_pushes_pulls_bytes_latency_staleness_and_live_
     let (metrics_addr, _task) =
         gaps_server::metrics::serve("127.0.0.1:0".parse().expect("addr"), handle).await.expect("serve");
     let certs = ClusterCerts::generate(&[]).expect("certs");
-    let layout = Layout::with_tables(
-        vec![TensorSpec { name: "w".into(), len: 100 }],
-        32,
-        vec![gaps_common::layout::SparseSpec { name: "emb".into(), dim: 4 }],
-    )
-    .expect("layout");
+    let layout =
+        Layout::with_tables(vec![TensorSpec::new("w", 100)], 32, vec![gaps_common::layout::SparseSpec::new("emb", 4)])
+            .expect("layout");
     let cfg = ServiceConfig {
         listen: "127.0.0.1:0".parse().expect("addr"),
         advertise: None,
@@ -48,8 +45,8 @@ async fn metrics_endpoint_exports_pushes_pulls_bytes_latency_staleness_and_live_
             advertise: String::new(),
             epoch: 5,
             threads: 1,
-            sparse: gaps_server::core::SparseSettings::default(),
-            modes: gaps_server::modes::ModeConfig::default(),
+            sparse: gaps_shard::core::SparseSettings::default(),
+            modes: gaps_shard::modes::ModeConfig::default(),
         },
         join_timeout: Duration::from_secs(5),
         tick_interval: Duration::from_millis(50),

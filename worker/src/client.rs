@@ -6,12 +6,12 @@
 use crate::net::{self, RpcError};
 use gaps_common::layout::sparse_owner;
 use gaps_common::layout::{ChunkId, Layout};
-use gaps_common::tls::TlsMaterial;
 use gaps_common::wire::{
     ids_to_words, ClusterMap, ErrorCode, Frame, Heartbeat, Leave, Limits, Message, Pull, Push, PushChunk, Register,
     Role, SparsePull, SparsePush, Stats, StatsRequest, PROTOCOL_VERSION,
 };
 use gaps_kernels::{Hyper, Rule};
+use gaps_transport::tls::TlsMaterial;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -136,13 +136,15 @@ struct Inner {
     drop_after_send: AtomicU32,
     pushes_sent: AtomicU64,
     retries: AtomicU64,
-    /// The shards' update rule and its hyper-parameters as far as the worker needs them.
+    /// The shards' default update rule.
     rule: Rule,
-    hyper: Hyper,
+    /// Each tensor's rule and hyper-parameters as far as the worker needs them (the layout's overrides on
+    /// the shards' defaults).
+    tensor_rules: Vec<(Rule, Hyper)>,
     /// DANA-Slim: this worker's momentum, one vector per tensor (created on the first push).
     slim_momentum: Mutex<Vec<Vec<f32>>>,
-    /// The rule of embedding rows.
-    sparse_rule: Rule,
+    /// Each table's rule.
+    table_rules: Vec<Rule>,
     /// When the last dense pull finished: the next push reports the time since as its compute time.
     last_pull: Mutex<Option<Instant>>,
 }
@@ -199,7 +201,20 @@ impl Client {
         let hyper = Hyper { momentum: map.rule.momentum, weight_decay: map.rule.weight_decay, ..Hyper::default() };
         let sparse_rule: Rule =
             map.rule.sparse.parse().map_err(|e: gaps_kernels::KernelError| ClientError::BadMap(e.to_string()))?;
-        hyper.validate().map_err(|e| ClientError::BadMap(e.to_string()))?;
+        let tensor_rules = map
+            .layout
+            .tensors
+            .iter()
+            .map(|t| hyper.resolve(rule, &t.rule))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| ClientError::BadMap(e.to_string()))?;
+        let table_rules = map
+            .layout
+            .tables
+            .iter()
+            .map(|t| hyper.resolve(sparse_rule, &t.rule).map(|(r, _)| r))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| ClientError::BadMap(e.to_string()))?;
         if map.shards.len() != map.num_shards as usize
             || map.shards.iter().enumerate().any(|(i, s)| s.index as usize != i)
         {
@@ -230,9 +245,9 @@ impl Client {
                 pushes_sent: AtomicU64::new(0),
                 retries: AtomicU64::new(0),
                 rule,
-                hyper,
+                tensor_rules,
                 slim_momentum: Mutex::new(Vec::new()),
-                sparse_rule,
+                table_rules,
                 last_pull: Mutex::new(None),
             }),
         };
@@ -392,9 +407,14 @@ impl Client {
         Ok(Snapshot { tensors: Arc::new(tensors), versions })
     }
 
-    /// The update rule the shards apply.
+    /// The shards' default update rule (a tensor's own rule in the layout takes precedence).
     pub fn rule(&self) -> Rule {
         self.inner.rule
+    }
+
+    /// The rule tensor `tensor` is updated with.
+    pub fn tensor_rule(&self, tensor: u32) -> Option<Rule> {
+        self.inner.tensor_rules.get(tensor as usize).map(|(r, _)| *r)
     }
 
     /// Pushes a gradient (one vector per tensor) computed on `snapshot` to all shards concurrently. Each
@@ -415,19 +435,22 @@ impl Client {
         if read_versions.len() as u64 != layout.total_chunks() {
             return Err(ClientError::Shape("read versions do not match the model layout".into()));
         }
-        let rule_layout = self.inner.rule.layout();
-        if rule_layout.worker_momentum {
+        let rules = &self.inner.tensor_rules;
+        if rules.iter().any(|(r, _)| r.layout().worker_momentum) {
             let mut momentum =
                 self.inner.slim_momentum.lock().map_err(|_| ClientError::Shape("momentum lock poisoned".into()))?;
             if momentum.is_empty() {
                 *momentum = grads.iter().map(|g| vec![0.0; g.len()]).collect();
             }
-            for ((g, v), pulled) in grads.iter_mut().zip(momentum.iter_mut()).zip(snapshot.tensors.iter()) {
-                gaps_kernels::slim_worker_step(&self.inner.hyper, pulled, v, g);
+            let tensors = grads.iter_mut().zip(momentum.iter_mut()).zip(snapshot.tensors.iter()).zip(rules);
+            for (((g, v), pulled), (rule, hyper)) in tensors {
+                if rule.layout().worker_momentum {
+                    gaps_kernels::slim_worker_step(hyper, pulled, v, g);
+                }
             }
         }
         let grads = Arc::new(grads);
-        let echo = rule_layout.needs_read.then(|| snapshot.tensors.clone());
+        let needs_read = |id: &ChunkId| rules[id.tensor as usize].0.layout().needs_read;
         let compute_ms = self
             .inner
             .last_pull
@@ -456,23 +479,27 @@ impl Client {
                 worker,
                 seq,
                 chunks,
-                echo_read: echo.is_some(),
+                echo_read: link.chunks.iter().any(|(id, _)| needs_read(id)),
                 compute_ms,
             });
             self.inner.pushes_sent.fetch_add(1, Ordering::Relaxed);
             let client = self.clone();
             let grads = grads.clone();
-            let echo = echo.clone();
+            let snapshot_tensors = snapshot.tensors.clone();
             tasks.spawn(async move {
                 let link = &client.inner.shards[s];
                 let layout = &client.inner.map.layout;
-                let sections = std::iter::once(&grads).chain(echo.as_ref());
-                let parts: Vec<&[f32]> = sections
-                    .flat_map(|tensors| {
-                        link.chunks
-                            .iter()
-                            .filter_map(|(id, _)| layout.chunk_range(*id).ok().map(|r| &tensors[id.tensor as usize][r]))
-                    })
+                let rules = &client.inner.tensor_rules;
+                // Every chunk's gradient, then the read parameters of the chunks whose rule measures drift.
+                let grad_parts = link.chunks.iter().map(|(id, _)| (id, &grads));
+                let read_parts = link
+                    .chunks
+                    .iter()
+                    .filter(|(id, _)| rules[id.tensor as usize].0.layout().needs_read)
+                    .map(|(id, _)| (id, &snapshot_tensors));
+                let parts: Vec<&[f32]> = grad_parts
+                    .chain(read_parts)
+                    .filter_map(|(id, tensors)| layout.chunk_range(*id).ok().map(|r| &tensors[id.tensor as usize][r]))
                     .collect();
                 client.request(s, &msg, &parts).await.map(|r| (s, r))
             });
@@ -611,7 +638,7 @@ impl Client {
         if rows.dim != dim || grads.len() != rows.ids.len() * dim || rows.values.len() != grads.len() {
             return Err(ClientError::Shape("sparse gradients do not match the pulled rows".into()));
         }
-        let echo = self.inner.sparse_rule.layout().needs_read;
+        let echo = self.inner.table_rules.get(table as usize).is_some_and(|r| r.layout().needs_read);
         let groups = self.by_shard(table, &rows.ids);
         let mut tasks = tokio::task::JoinSet::new();
         for (s, positions) in groups.iter().enumerate() {

@@ -5,8 +5,8 @@ use crate::data::SyntheticLogreg;
 use crate::model::{logreg_loss_and_grad, ModelKind};
 use anyhow::{Context, Result};
 use gaps_common::config::parse_duration;
-use gaps_common::tls::TlsMaterial;
 use gaps_common::wire::Role;
+use gaps_transport::tls::TlsMaterial;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 use tracing::info;
@@ -245,4 +245,31 @@ async fn run_ctr(
         tracing::warn!(%e, "skipped a bad line");
     }
     Ok(WorkerSummary::new(args, &client, worker, &losses, started, stream.bad_lines))
+}
+/// Log-loss and AUC of the cluster's current model on `samples` (rows are read without being created).
+pub async fn evaluate_ctr(
+    client: &crate::Client,
+    shape: &gaps_models::recsys::CtrShape,
+    samples: &[gaps_models::criteo::Sample],
+) -> Result<(f64, f64), crate::ClientError> {
+    let snapshot = client.pull().await?;
+    let mut scores = Vec::with_capacity(samples.len());
+    let mut loss = 0.0f64;
+    let mut logits = Vec::new();
+    for part in samples.chunks(4096) {
+        let batch = gaps_models::recsys::index_batch(part);
+        let rows = client.pull_sparse(0, &batch.ids, false).await?;
+        loss += f64::from(gaps_models::recsys::forward(
+            shape,
+            &snapshot.tensors,
+            &rows.values,
+            &batch,
+            part,
+            &mut logits,
+            None,
+        ));
+        scores.extend(logits.iter().map(|z| gaps_models::recsys::sigmoid(*z)));
+    }
+    let labels: Vec<u8> = samples.iter().map(|s| s.label).collect();
+    Ok((loss / samples.len().max(1) as f64, gaps_models::criteo::auc(&scores, &labels)))
 }

@@ -13,7 +13,7 @@ struct Cli {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    gaps_worker::init_logging("info");
+    gaps_transport::init_logging("info");
     let cli = Cli::parse();
     let summary = gaps_worker::train::run(&cli.args).await?;
     if cli.args.json {

@@ -67,13 +67,9 @@ impl ModelKind {
         match self.ctr() {
             Some(model) => crate::recsys::CtrShape { model, embedding_dim: size.embedding_dim, hidden: size.hidden }
                 .layout(chunk_elems),
-            None => Layout::new(
-                vec![
-                    TensorSpec { name: "logreg.w".into(), len: size.dim },
-                    TensorSpec { name: "logreg.b".into(), len: 1 },
-                ],
-                chunk_elems,
-            ),
+            None => {
+                Layout::new(vec![TensorSpec::new("logreg.w", size.dim), TensorSpec::new("logreg.b", 1)], chunk_elems)
+            }
         }
     }
 

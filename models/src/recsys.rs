@@ -51,7 +51,7 @@ impl CtrShape {
 
     /// The model's layout: its dense tensors and its one sparse table.
     pub fn layout(&self, chunk_elems: u32) -> Result<Layout, LayoutError> {
-        let t = |name: &str, len: usize| TensorSpec { name: name.into(), len: len as u64 };
+        let t = |name: &str, len: usize| TensorSpec::new(name, len as u64);
         let (tensors, table) = match self.model {
             CtrModel::Lr => (vec![t("lr.int", NUM_INT), t("lr.bias", 1)], "lr.w"),
             CtrModel::Fm => (vec![t("fm.int", NUM_INT), t("fm.bias", 1)], "fm.v"),
@@ -63,7 +63,7 @@ impl CtrShape {
                 )
             }
         };
-        Layout::with_tables(tensors, chunk_elems, vec![SparseSpec { name: table.into(), dim: self.row_dim() as u32 }])
+        Layout::with_tables(tensors, chunk_elems, vec![SparseSpec::new(table, self.row_dim() as u32)])
     }
 
     /// Recovers the shape from a cluster's layout (checking the names), or says what the cluster serves.
@@ -115,7 +115,7 @@ pub fn index_batch(samples: &[Sample]) -> IndexedBatch {
     IndexedBatch { ids, slots }
 }
 
-fn sigmoid(z: f32) -> f32 {
+pub fn sigmoid(z: f32) -> f32 {
     1.0 / (1.0 + (-z).exp())
 }
 
@@ -234,26 +234,6 @@ pub fn forward(
         }
     }
     loss
-}
-
-/// Log-loss and AUC of the cluster's current model on `samples` (rows are read without being created).
-pub async fn evaluate(
-    client: &crate::Client,
-    shape: &CtrShape,
-    samples: &[Sample],
-) -> Result<(f64, f64), crate::ClientError> {
-    let snapshot = client.pull().await?;
-    let mut scores = Vec::with_capacity(samples.len());
-    let mut loss = 0.0f64;
-    let mut logits = Vec::new();
-    for part in samples.chunks(4096) {
-        let batch = index_batch(part);
-        let rows = client.pull_sparse(0, &batch.ids, false).await?;
-        loss += f64::from(forward(shape, &snapshot.tensors, &rows.values, &batch, part, &mut logits, None));
-        scores.extend(logits.iter().map(|z| sigmoid(*z)));
-    }
-    let labels: Vec<u8> = samples.iter().map(|s| s.label).collect();
-    Ok((loss / samples.len().max(1) as f64, crate::criteo::auc(&scores, &labels)))
 }
 
 #[cfg(test)]

@@ -18,11 +18,13 @@ struct Cli {
 enum Command {
     /// Start a whole cluster of real server and worker processes on 127.0.0.1 with throwaway certificates,
     /// train the built-in model, report, and stop everything.
-    Local(gaps_benches::local::LocalArgs),
+    Local(gaps_cli::local::LocalArgs),
     /// Simulate asynchronous training with N virtual workers and virtual time, deterministically.
     Sim(SimCommand),
     /// Make a cluster CA plus server and worker certificates in a folder.
     Certs(CertsArgs),
+    /// Print a built-in model's layout file, for `gaps-server --layout` (and as a start for your own).
+    Layout(LayoutArgs),
     /// Measure performance.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -38,7 +40,7 @@ struct SimCommand {
     #[command(subcommand)]
     experiments: Option<SimSub>,
     #[command(flatten)]
-    args: gaps_benches::sim::SimArgs,
+    args: gaps_sim::SimArgs,
 }
 
 #[derive(Debug, Subcommand)]
@@ -63,6 +65,28 @@ struct CertsArgs {
     /// already carries `gaps-server`, `localhost` and `127.0.0.1`.
     #[arg(long = "san", env = "GAPS_CERTS_SAN", value_delimiter = ',')]
     sans: Vec<String>,
+}
+
+#[derive(Debug, clap::Args)]
+struct LayoutArgs {
+    /// The built-in model.
+    #[arg(long, env = "GAPS_MODEL", default_value = "logreg")]
+    model: gaps_models::model::ModelKind,
+    /// Feature dimension of logreg.
+    #[arg(long, env = "GAPS_DIM", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=(1u64 << 34)))]
+    dim: u64,
+    /// Embedding dimension of the CTR models (lr, fm, dlrm).
+    #[arg(long, env = "GAPS_EMBEDDING_DIM", default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    embedding_dim: u32,
+    /// Hidden units of dlrm.
+    #[arg(long, env = "GAPS_HIDDEN", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    hidden: u32,
+    /// Elements per chunk (the unit of partitioning over shards).
+    #[arg(long, env = "GAPS_CHUNK_ELEMS", default_value_t = gaps_common::layout_file::DEFAULT_CHUNK_ELEMS, value_parser = clap::value_parser!(u32).range(1..))]
+    chunk_elems: u32,
+    /// Print JSON instead of TOML.
+    #[arg(long, env = "GAPS_JSON")]
+    json: bool,
 }
 
 #[derive(Debug, Subcommand)]
@@ -131,11 +155,14 @@ fn parse_count(text: &str) -> Result<usize, String> {
 async fn main() -> Result<()> {
     let cli = Cli::parse();
     // The front door's own commands report through their progress lines; their libraries log warnings only.
-    let quiet = matches!(cli.command, Command::Local(_) | Command::Bench(_) | Command::Certs(_) | Command::Sim(_));
-    gaps_worker::init_logging(if quiet { "warn" } else { "info" });
+    let quiet = matches!(
+        cli.command,
+        Command::Local(_) | Command::Bench(_) | Command::Certs(_) | Command::Sim(_) | Command::Layout(_)
+    );
+    gaps_transport::init_logging(if quiet { "warn" } else { "info" });
     match cli.command {
         Command::Local(args) => {
-            let report = gaps_benches::local::run(&args).await?;
+            let report = gaps_cli::local::run(&args).await?;
             eprintln!(
                 "[gaps local] done in {:.1}s: {} steps, {}/{} shard pushes applied, held-out loss {:.4} -> {:.4}",
                 report.wall_s,
@@ -162,17 +189,13 @@ async fn main() -> Result<()> {
             }
         }
         Command::Sim(SimCommand { experiments: Some(SimSub::Experiments { quick, out }), .. }) => {
-            let grid = if quick {
-                gaps_benches::sim::experiments::Grid::quick()
-            } else {
-                gaps_benches::sim::experiments::Grid::full()
-            };
+            let grid = if quick { gaps_sim::experiments::Grid::quick() } else { gaps_sim::experiments::Grid::full() };
             let command = if quick { "gaps sim experiments --quick" } else { "gaps sim experiments" };
-            let md = gaps_benches::sim::experiments::run_experiments(&grid, &out, command)?;
+            let md = gaps_sim::experiments::run_experiments(&grid, &out, command)?;
             println!("{md}");
         }
         Command::Sim(SimCommand { experiments: None, args }) => {
-            let report = gaps_benches::sim::run(&args)?;
+            let report = gaps_sim::run(&args)?;
             eprintln!(
                 "[gaps sim] {} {} N={} shape {}: metric {:.3}, train loss {:.4}{}, staleness mean {:.2} p99 {}, {} events in {:.0} simulated units ({:.0} events/s)",
                 report.model, report.rule, report.workers, report.shape, report.final_test_metric, report.final_train_loss,
@@ -182,8 +205,16 @@ async fn main() -> Result<()> {
                 println!("{}", report.to_json());
             }
         }
+        Command::Layout(args) => {
+            let size =
+                gaps_models::model::ModelSize { dim: args.dim, embedding_dim: args.embedding_dim, hidden: args.hidden };
+            let layout = args.model.layout(&size, args.chunk_elems).context("building the model layout")?;
+            let format =
+                if args.json { gaps_common::layout_file::Format::Json } else { gaps_common::layout_file::Format::Toml };
+            print!("{}", gaps_common::layout_file::write(&layout, format));
+        }
         Command::Certs(args) => {
-            let certs = gaps_common::tls::ClusterCerts::generate(&args.sans).context("making certificates")?;
+            let certs = gaps_transport::tls::ClusterCerts::generate(&args.sans).context("making certificates")?;
             certs.write_to(&args.out)?;
             println!("wrote ca.pem, ca.key, server.pem, server.key, worker.pem, worker.key to {}", args.out.display());
         }
@@ -204,7 +235,7 @@ async fn main() -> Result<()> {
         }
         Command::Bench(BenchCommand::E2e { steps }) => {
             let exe = std::env::current_exe().context("locating the gaps executable")?;
-            let results = gaps_benches::e2e::run(&exe, &[(1, 1), (2, 2), (2, 4)], steps).await?;
+            let results = gaps_cli::e2e::run(&exe, &[(1, 1), (2, 2), (2, 4)], steps).await?;
             eprintln!("{:<10} {:>14} {:>8}", "cluster", "samples/s", "AUC");
             for r in &results {
                 eprintln!("{:<10} {:>14.0} {:>8.4}", format!("{}x{}", r.servers, r.workers), r.samples_per_s, r.auc);

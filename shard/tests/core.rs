@@ -6,14 +6,13 @@ use gaps_common::wire::{
     PROTOCOL_VERSION,
 };
 use gaps_kernels::{Hyper, Rule};
-use gaps_server::{Init, ShardConfig, ShardCore};
+use gaps_shard::{Init, ShardConfig, ShardCore};
 use std::time::Duration;
 
 const EPOCH: u64 = 77;
 
 fn layout() -> Layout {
-    Layout::new(vec![TensorSpec { name: "w".into(), len: 10 }, TensorSpec { name: "b".into(), len: 1 }], 4)
-        .expect("layout")
+    Layout::new(vec![TensorSpec::new("w", 10), TensorSpec::new("b", 1)], 4).expect("layout")
 }
 
 fn config(shard: u32, num_shards: u32, rule: Rule) -> ShardConfig {
@@ -28,8 +27,8 @@ fn config(shard: u32, num_shards: u32, rule: Rule) -> ShardConfig {
         advertise: format!("127.0.0.1:{}", 4000 + shard),
         epoch: EPOCH,
         threads: 1,
-        sparse: gaps_server::core::SparseSettings::default(),
-        modes: gaps_server::modes::ModeConfig::default(),
+        sparse: gaps_shard::core::SparseSettings::default(),
+        modes: gaps_shard::modes::ModeConfig::default(),
     }
 }
 
@@ -196,7 +195,7 @@ fn chunks_route_to_their_owner_and_others_are_refused() {
 fn misconfigured_shards_are_refused_by_name() {
     let mut s0 = ShardCore::new(config(0, 2, Rule::Sgd)).expect("s0");
     let mut bad = config(1, 2, Rule::Sgd);
-    bad.layout = Layout::new(vec![TensorSpec { name: "w".into(), len: 11 }], 4).expect("layout");
+    bad.layout = Layout::new(vec![TensorSpec::new("w", 11)], 4).expect("layout");
     let other = ShardCore::new(bad).expect("core");
     let reply = call(&mut s0, other.join_request(), vec![]);
     assert_eq!(error_code(&reply), Some(ErrorCode::Misconfigured));
@@ -225,7 +224,7 @@ fn leases_expire_without_heartbeats_and_heartbeats_renew_them() {
     assert_eq!(core.stats().live_workers, 2);
     let _ = core.handle(Frame::new(Message::Heartbeat(Heartbeat { worker: 1 })), at(4000));
     let events = core.tick(at(6000));
-    assert_eq!(events, vec![gaps_server::CoreEvent::WorkerExpired(0)]);
+    assert_eq!(events, vec![gaps_shard::CoreEvent::WorkerExpired(0)]);
     assert_eq!(core.stats().live_workers, 1);
     let (reply, _) = core.handle(Frame::new(Message::Heartbeat(Heartbeat { worker: 99 })), at(6000));
     assert_eq!(error_code(&reply), Some(ErrorCode::NotRegistered));

@@ -1,8 +1,8 @@
 //! The simulator on real (small) simulations: the orderings of ALGORITHMS.md §12 E1 at 32 workers with
 //! Gamma shape 100, DANA-Slim ≡ DANA-Zero, determinism, and refusal of bad flags.
 
-use gaps_benches::sim::{run, SimArgs, SimMode, SimReport};
 use gaps_kernels::Rule;
+use gaps_sim::{run, SimArgs, SimMode, SimReport};
 
 /// 8 epochs over 8,192 samples (2,048 gradients), 32 workers, shape 100: a quarter of the §11 run.
 fn small(rule: Rule, workers: u32) -> SimArgs {
@@ -122,7 +122,7 @@ fn bad_flags_are_refused_with_a_reason() {
 
 #[test]
 fn gba_matches_sync_on_the_ctr_model_at_a_fraction_of_the_wall_time_with_stragglers() {
-    use gaps_benches::sim::ModelChoice;
+    use gaps_sim::ModelChoice;
     let args = |mode| SimArgs {
         model: ModelChoice::Ctr,
         rule: Rule::Adagrad,

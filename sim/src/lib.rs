@@ -17,7 +17,7 @@ use gaps_common::layout::{ChunkId, Layout, TensorSpec};
 use gaps_common::rng::{mix, Rng};
 use gaps_common::wire::{ChunkVersion, Frame, Message, Pull, Push, PushChunk};
 use gaps_kernels::{Hyper, Rule};
-use gaps_server::{Init, ShardConfig, ShardCore};
+use gaps_shard::{Init, ShardConfig, ShardCore};
 use std::cmp::Ordering;
 use std::collections::BinaryHeap;
 use std::io::Write;
@@ -412,7 +412,7 @@ fn setup(args: &SimArgs) -> Result<(Box<dyn Task>, ShardCore, Hyper)> {
         dc_ms_decay: 0.95,
     };
     hyper.validate()?;
-    let layout = Layout::new(vec![TensorSpec { name: task.name().into(), len: p as u64 }], p as u32)?;
+    let layout = Layout::new(vec![TensorSpec::new(task.name(), p as u64)], p as u32)?;
     let mut core = ShardCore::new(ShardConfig {
         shard: 0,
         num_shards: 1,
@@ -424,17 +424,17 @@ fn setup(args: &SimArgs) -> Result<(Box<dyn Task>, ShardCore, Hyper)> {
         advertise: "simulator".into(),
         epoch: 1,
         threads: 1,
-        sparse: gaps_server::core::SparseSettings::default(),
-        modes: gaps_server::modes::ModeConfig {
+        sparse: gaps_shard::core::SparseSettings::default(),
+        modes: gaps_shard::modes::ModeConfig {
             mode: match args.mode {
-                SimMode::Async | SimMode::Sync => gaps_server::modes::Mode::Async,
-                SimMode::Gba => gaps_server::modes::Mode::Gba,
-                SimMode::Ssp => gaps_server::modes::Mode::Ssp,
-                SimMode::Auto => gaps_server::modes::Mode::Auto,
+                SimMode::Async | SimMode::Sync => gaps_shard::modes::Mode::Async,
+                SimMode::Gba => gaps_shard::modes::Mode::Gba,
+                SimMode::Ssp => gaps_shard::modes::Mode::Ssp,
+                SimMode::Auto => gaps_shard::modes::Mode::Auto,
             },
             gba_threshold: args.gba_threshold,
             ssp_bound: args.ssp_bound,
-            ..gaps_server::modes::ModeConfig::default()
+            ..gaps_shard::modes::ModeConfig::default()
         },
     })
     .map_err(|e| anyhow!("configuring the shard: {e}"))?;

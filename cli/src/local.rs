@@ -7,14 +7,16 @@
 
 use anyhow::{anyhow, bail, Context, Result};
 use gaps_common::config::parse_duration;
-use gaps_common::tls::ClusterCerts;
+use gaps_common::layout_file;
 use gaps_common::wire::Role;
 use gaps_kernels::Rule;
+use gaps_models::criteo::{held_out, DataSpec};
+use gaps_models::data::{SyntheticLogreg, EVAL_BASE};
+use gaps_models::model::{logreg_loss, ModelKind, ModelSize};
+use gaps_models::recsys::CtrShape;
+use gaps_transport::tls::ClusterCerts;
 use gaps_worker::client::{Client, ClientOptions};
-use gaps_worker::criteo::{held_out, DataSpec};
-use gaps_worker::data::{SyntheticLogreg, EVAL_BASE};
-use gaps_worker::model::{logreg_loss, ModelKind};
-use gaps_worker::recsys::{evaluate, CtrShape};
+use gaps_worker::train::evaluate_ctr as evaluate;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -87,7 +89,7 @@ pub struct LocalArgs {
     pub device: String,
     /// Training mode: async, sync, gba, ssp or auto.
     #[arg(long, env = "GAPS_MODE", default_value = "async")]
-    pub mode: gaps_server::modes::Mode,
+    pub mode: gaps_shard::modes::Mode,
     /// A straggler: `W:F` makes worker W F times slower by injected delay; `W:F:T` only for the first T.
     #[arg(long = "straggler", env = "GAPS_STRAGGLERS", value_delimiter = ',', value_parser = parse_straggler)]
     pub stragglers: Vec<Straggler>,
@@ -389,6 +391,11 @@ pub async fn run_with(args: &LocalArgs, exe: &Path) -> Result<LocalReport> {
 async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, deadline: Instant) -> Result<LocalReport> {
     let certs = ClusterCerts::generate(&[]).context("making throwaway certificates")?;
     certs.write_to(dir)?;
+    // The shards serve the built-in model through the same layout file a user would write.
+    let size = ModelSize { dim: args.dim, embedding_dim: args.embedding_dim, hidden: args.hidden };
+    let layout = args.model.layout(&size, args.chunk_elems()).context("building the model layout")?;
+    std::fs::write(dir.join("layout.toml"), layout_file::write(&layout, layout_file::Format::Toml))
+        .context("writing the layout file")?;
     let path = |f: &str| dir.join(f).display().to_string();
     let server_args = |shard: u32, coordinator: Option<&str>| {
         let mut a: Vec<String> = vec![
@@ -399,13 +406,9 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             format!("--ca={}", path("ca.pem")),
             format!("--cert={}", path("server.pem")),
             format!("--key={}", path("server.key")),
-            format!("--model={}", args.model.name()),
-            format!("--dim={}", args.dim),
-            format!("--chunk-elems={}", args.chunk_elems()),
+            format!("--layout={}", path("layout.toml")),
             format!("--rule={}", args.rule()),
             format!("--lr={}", args.lr()),
-            format!("--embedding-dim={}", args.embedding_dim),
-            format!("--hidden={}", args.hidden),
             format!("--sparse-rule={}", args.sparse_rule),
             format!("--sparse-lr={}", args.sparse_lr),
             format!("--admit-after={}", args.admit_after),
@@ -602,7 +605,7 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
                 let (teacher, eval_bad) = (&held.teacher, &held.bad_lines);
                 let report = CtrReport {
                     auc,
-                    teacher_auc: teacher.as_ref().map(|p| gaps_worker::criteo::auc(p, &labels)),
+                    teacher_auc: teacher.as_ref().map(|p| gaps_models::criteo::auc(p, &labels)),
                     logloss,
                     samples_per_s: samples as f64 / training_s.max(1e-9),
                     bad_lines: bad_lines.max(*eval_bad),

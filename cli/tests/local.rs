@@ -49,7 +49,7 @@ fn gaps_certs_writes_a_loadable_cluster_ca_and_certificates() {
         .expect("run gaps certs");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let tls =
-        gaps_common::tls::TlsMaterial::load(&dir.join("ca.pem"), &dir.join("server.pem"), &dir.join("server.key"))
+        gaps_transport::tls::TlsMaterial::load(&dir.join("ca.pem"), &dir.join("server.pem"), &dir.join("server.key"))
             .expect("load server material");
     tls.server_config().expect("server config");
     #[cfg(unix)]
@@ -101,9 +101,9 @@ fn dlrm_on_synthetic_data_reaches_the_teachers_auc_within_002() {
 
 #[test]
 fn a_criteo_file_with_bad_lines_trains_and_reports_them() {
-    let data = gaps_worker::criteo::SyntheticCriteo::new(3);
+    let data = gaps_models::criteo::SyntheticCriteo::new(3);
     let mut lines: Vec<String> =
-        (0..6000).map(|i| gaps_worker::criteo::SyntheticCriteo::to_line(&data.sample(i).0)).collect();
+        (0..6000).map(|i| gaps_models::criteo::SyntheticCriteo::to_line(&data.sample(i).0)).collect();
     lines[10] = "not a sample".into();
     lines[20] = lines[20].replacen('\t', "\t1.5", 1);
     lines[30] = lines[30].split('\t').take(12).collect::<Vec<_>>().join("\t");

@@ -4,14 +4,14 @@
 use gaps_common::layout::{ChunkId, Layout, TensorSpec};
 use gaps_common::wire::{ErrorCode, Frame, Message, Pull, Push, PushChunk};
 use gaps_kernels::{Hyper, Rule};
-use gaps_server::{Init, ShardConfig, ShardCore};
+use gaps_shard::{Init, ShardConfig, ShardCore};
 use std::time::Duration;
 
 const EPOCH: u64 = 9;
 const N: u64 = 300;
 
 fn layout() -> Layout {
-    Layout::new(vec![TensorSpec { name: "x".into(), len: N }], 64).expect("layout")
+    Layout::new(vec![TensorSpec::new("x", N)], 64).expect("layout")
 }
 
 fn core(rule: Rule, hyper: Hyper) -> ShardCore {
@@ -26,8 +26,8 @@ fn core(rule: Rule, hyper: Hyper) -> ShardCore {
         advertise: "127.0.0.1:1".into(),
         epoch: EPOCH,
         threads: 2,
-        sparse: gaps_server::core::SparseSettings::default(),
-        modes: gaps_server::modes::ModeConfig::default(),
+        sparse: gaps_shard::core::SparseSettings::default(),
+        modes: gaps_shard::modes::ModeConfig::default(),
     })
     .expect("core")
 }

@@ -4,9 +4,9 @@
 use gaps_common::layout::{ChunkId, Layout, TensorSpec};
 use gaps_common::wire::{Ack, Frame, Heartbeat, Message, Pull, Push, PushChunk, Register, Role, PROTOCOL_VERSION};
 use gaps_kernels::{Hyper, Rule};
-use gaps_server::core::SparseSettings;
-use gaps_server::modes::{Mode, ModeConfig};
-use gaps_server::{CoreEvent, Init, ShardConfig, ShardCore};
+use gaps_shard::core::SparseSettings;
+use gaps_shard::modes::{Mode, ModeConfig};
+use gaps_shard::{CoreEvent, Init, ShardConfig, ShardCore};
 use std::time::Duration;
 
 const EPOCH: u64 = 3;
@@ -17,7 +17,7 @@ fn core(mode: Mode, workers: u32) -> ShardCore {
     let mut core = ShardCore::new(ShardConfig {
         shard: 0,
         num_shards: 1,
-        layout: Layout::new(vec![TensorSpec { name: "w".into(), len: 4 }], 4).expect("layout"),
+        layout: Layout::new(vec![TensorSpec::new("w", 4)], 4).expect("layout"),
         rule: Rule::Sgd,
         hyper: Hyper { lr: 0.1, momentum: 0.0, ..Hyper::default() },
         init: Init { seed: 1, std: 0.0 },

@@ -8,7 +8,7 @@
 //! - `logreg`: the worker's built-in logistic regression on 64 features. Metric: test accuracy %.
 
 use gaps_common::rng::{mix, Rng};
-use gaps_worker::data::SyntheticLogreg;
+use gaps_models::data::SyntheticLogreg;
 
 /// A task the simulator trains. Parameters are one flat vector.
 pub trait Task: Sync {
@@ -288,7 +288,7 @@ impl Task for Logreg {
         loss * scale
     }
     fn evaluate(&self, params: &[f32]) -> (f64, f64) {
-        let (_, accuracy) = self.loss_acc(params, gaps_worker::data::EVAL_BASE, self.test);
+        let (_, accuracy) = self.loss_acc(params, gaps_models::data::EVAL_BASE, self.test);
         let (train_loss, _) = self.loss_acc(params, 0, self.train.min(8192));
         (accuracy, train_loss)
     }
@@ -316,7 +316,7 @@ struct CtrSamples {
 }
 
 impl CtrSamples {
-    fn new(data: &gaps_worker::criteo::SyntheticCriteo, first: u64, n: usize) -> Self {
+    fn new(data: &gaps_models::criteo::SyntheticCriteo, first: u64, n: usize) -> Self {
         let mut out = CtrSamples {
             buckets: Vec::with_capacity(n * 26),
             ints: Vec::with_capacity(n * 13),
@@ -350,10 +350,10 @@ impl CtrSamples {
 impl Ctr {
     /// Training samples 0.. and held-out samples from the generator's evaluation range.
     pub fn new(seed: u64, train: usize, test: usize) -> Self {
-        let data = gaps_worker::criteo::SyntheticCriteo::new(seed);
+        let data = gaps_models::criteo::SyntheticCriteo::new(seed);
         Ctr {
             train: CtrSamples::new(&data, 0, train),
-            test: CtrSamples::new(&data, gaps_worker::criteo::SYNTHETIC_EVAL_BASE, test),
+            test: CtrSamples::new(&data, gaps_models::criteo::SYNTHETIC_EVAL_BASE, test),
         }
     }
 }
@@ -397,7 +397,7 @@ impl Task for Ctr {
     }
     fn evaluate(&self, params: &[f32]) -> (f64, f64) {
         let scores: Vec<f32> = (0..self.test.labels.len()).map(|i| sigmoid64(self.test.logit(params, i))).collect();
-        let auc = gaps_worker::criteo::auc(&scores, &self.test.labels);
+        let auc = gaps_models::criteo::auc(&scores, &self.test.labels);
         let n = self.train.labels.len().min(16_384);
         let loss = (0..n)
             .map(|i| {

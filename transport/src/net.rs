@@ -1,7 +1,7 @@
 //! QUIC plumbing shared by every gaps process: transport tuning, endpoints with mutual TLS, and frame
 //! I/O over one bidirectional stream per RPC.
 
-use gaps_common::tls::{TlsMaterial, SERVER_NAME};
+use crate::tls::{TlsMaterial, SERVER_NAME};
 use gaps_common::wire::{self, Frame, Limits, Message, WireError};
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -4,20 +4,16 @@
 use gaps_common::layout::{sparse_owner, ChunkId, Layout, SparseSpec, TensorSpec};
 use gaps_common::wire::{ids_to_words, ErrorCode, Frame, Message, Push, PushChunk, SparsePull, SparsePush};
 use gaps_kernels::{Hyper, Rule};
-use gaps_server::core::SparseSettings;
-use gaps_server::{Init, ShardConfig, ShardCore};
+use gaps_shard::core::SparseSettings;
+use gaps_shard::{Init, ShardConfig, ShardCore};
 use std::time::Duration;
 
 const EPOCH: u64 = 5;
 const DIM: u32 = 4;
 
 fn core(shard: u32, num_shards: u32, budget: Option<u64>) -> ShardCore {
-    let layout = Layout::with_tables(
-        vec![TensorSpec { name: "dense".into(), len: 8 }],
-        8,
-        vec![SparseSpec { name: "emb".into(), dim: DIM }],
-    )
-    .expect("layout");
+    let layout =
+        Layout::with_tables(vec![TensorSpec::new("dense", 8)], 8, vec![SparseSpec::new("emb", DIM)]).expect("layout");
     let mut core = ShardCore::new(ShardConfig {
         shard,
         num_shards,
@@ -30,7 +26,7 @@ fn core(shard: u32, num_shards: u32, budget: Option<u64>) -> ShardCore {
         epoch: EPOCH,
         threads: 1,
         sparse: SparseSettings { memory_budget: budget, init_std: 0.1, ..SparseSettings::default() },
-        modes: gaps_server::modes::ModeConfig::default(),
+        modes: gaps_shard::modes::ModeConfig::default(),
     })
     .expect("core");
     if shard != 0 {

@@ -1,0 +1,281 @@
+//! Dense pull and push: validation of a whole push before any change, staleness per chunk, per-tensor
+//! rules, and the update fan-out over the rayon pool.
+
+use super::*;
+
+/// One validated chunk update of a push.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Planned {
+    pub(super) slot: usize,
+    pub(super) tensor: u32,
+    /// Offset of the chunk's gradient in the gradient section.
+    pub(super) offset: usize,
+    /// Offset of the chunk's read echo in the read section (only for chunks whose rule needs it).
+    pub(super) read_offset: Option<usize>,
+    pub(super) staleness: u64,
+}
+
+/// The mutable pieces of one chunk update, borrowed disjointly from the slots, with the scalars of its
+/// tensor's rule.
+pub(super) struct Work<'a> {
+    pub(super) params: &'a mut [f32],
+    pub(super) shared: &'a mut [f32],
+    pub(super) worker: &'a mut [f32],
+    pub(super) grad: &'a [f32],
+    pub(super) read: &'a [f32],
+    pub(super) rule: Rule,
+    pub(super) hyper: Hyper,
+    pub(super) scalars: PushScalars,
+}
+
+impl Work<'_> {
+    fn apply(self, threads: usize) -> Result<(), gaps_kernels::KernelError> {
+        let bufs = Bufs::from_planes(self.params, self.shared, self.worker, self.grad, self.read);
+        gaps_kernels::apply_par(self.rule, &self.hyper, &self.scalars, bufs, threads)
+    }
+}
+
+/// Applies every chunk update, spread over `threads` tasks of the rayon pool when the push is large.
+pub(super) fn apply_work(work: Vec<Work<'_>>, threads: usize) -> Result<(), gaps_kernels::KernelError> {
+    let total: usize = work.iter().map(|w| w.params.len()).sum();
+    if threads <= 1 || total < gaps_kernels::PAR_MIN_PARAMS || work.len() < threads {
+        // Few chunks: each large chunk is split over the threads instead.
+        return work.into_iter().try_for_each(|w| w.apply(threads));
+    }
+    // Many chunks: deal them out to the threads, largest first, each thread taking the lightest load.
+    let mut groups: Vec<(usize, Vec<Work<'_>>)> = (0..threads).map(|_| (0, Vec::new())).collect();
+    let mut work = work;
+    work.sort_by_key(|w| std::cmp::Reverse(w.params.len()));
+    for w in work {
+        if let Some(g) = groups.iter_mut().min_by_key(|g| g.0) {
+            g.0 += w.params.len();
+            g.1.push(w);
+        }
+    }
+    let mut results: Vec<Result<(), gaps_kernels::KernelError>> = Vec::new();
+    results.resize_with(groups.len(), || Ok(()));
+    rayon::scope(|scope| {
+        for ((_, group), result) in groups.into_iter().zip(results.iter_mut()) {
+            scope.spawn(move |_| *result = group.into_iter().try_for_each(|w| w.apply(1)));
+        }
+    });
+    results.into_iter().collect()
+}
+
+impl ShardCore {
+    pub(super) fn pull(&mut self, req: &Pull) -> Result<Frame, ShardError> {
+        self.check_epoch(req.epoch)?;
+        let mut metas = Vec::with_capacity(req.chunks.len());
+        let mut picked = Vec::with_capacity(req.chunks.len());
+        let mut total = 0usize;
+        for id in &req.chunks {
+            let index = self.slot_index(*id)?;
+            let slot = &self.slots[index];
+            total += slot.params.len();
+            metas.push(ChunkVersion { id: *id, version: slot.version, len: slot.params.len() as u32 });
+            picked.push(index);
+        }
+        // A pull may name a chunk several times; keep the reply within four copies of what the shard owns.
+        let owned_elems = self.owned_elems;
+        if total > owned_elems.max(1) * 4 {
+            return Err(ShardError::WrongShape(format!(
+                "pull asks for {total} elements, more than four copies of this shard's {owned_elems}"
+            )));
+        }
+        let mut payload = Vec::with_capacity(total);
+        for index in picked {
+            let slot = &self.slots[index];
+            let (rule, hyper) = self.tensor_rules[slot.tensor as usize];
+            let lr = self.tensor_lr(slot.tensor);
+            gaps_kernels::pull_values(rule, &hyper, lr, &slot.params, &slot.shared, &mut payload);
+        }
+        self.stats.pulls += 1;
+        Ok(Frame { msg: Message::PullReply(PullReply { chunks: metas }), payload })
+    }
+
+    /// A push's payload is every chunk's gradient in the order of `chunks`, then — when `echo_read` is set —
+    /// the parameters read for the chunks whose tensor's rule measures drift, in the same order.
+    pub(super) fn push(
+        &mut self,
+        req: &Push,
+        payload: &[f32],
+        now: Duration,
+        events: &mut Vec<CoreEvent>,
+    ) -> Result<Frame, ShardError> {
+        if let Some(duplicate) = self.check_push(req.epoch, req.worker, req.seq)? {
+            return Ok(duplicate);
+        }
+        // Validate everything before touching any state, so a refused push changes nothing.
+        let mut plan = Vec::with_capacity(req.chunks.len());
+        let mut seen = BTreeSet::new();
+        let (mut grad_total, mut read_total) = (0usize, 0usize);
+        for c in &req.chunks {
+            let slot = self.slot_index(c.id)?;
+            if !seen.insert(slot) {
+                return Err(ShardError::WrongShape(format!(
+                    "chunk {}/{} appears twice in one push",
+                    c.id.tensor, c.id.chunk
+                )));
+            }
+            let expected = self.slots[slot].params.len();
+            if c.len as usize != expected {
+                return Err(ShardError::WrongShape(format!(
+                    "chunk {}/{} has {expected} elements, the push carries {}",
+                    c.id.tensor, c.id.chunk, c.len
+                )));
+            }
+            let version = self.slots[slot].version;
+            if c.read_version > version {
+                return Err(ShardError::WrongShape(format!(
+                    "chunk {}/{} was read at version {} but is only at version {version}",
+                    c.id.tensor, c.id.chunk, c.read_version
+                )));
+            }
+            let read_offset = self.tensor_rules[c.id.tensor as usize].0.layout().needs_read.then_some(read_total);
+            plan.push(Planned {
+                slot,
+                tensor: c.id.tensor,
+                offset: grad_total,
+                read_offset,
+                staleness: version - c.read_version,
+            });
+            grad_total += expected;
+            read_total += read_offset.map_or(0, |_| expected);
+        }
+        if req.echo_read != (read_total > 0) {
+            return Err(ShardError::WrongShape(if req.echo_read {
+                "no chunk of this push has a rule that takes an echo of the read parameters".to_string()
+            } else {
+                "the rules of this push's chunks need the parameters the gradient was computed on (echo_read)"
+                    .to_string()
+            }));
+        }
+        if payload.len() != grad_total + read_total {
+            return Err(ShardError::WrongShape(format!(
+                "push declares {} elements but carries {}",
+                grad_total + read_total,
+                payload.len()
+            )));
+        }
+        let (grads, reads) = payload.split_at(grad_total);
+        for (c, p) in req.chunks.iter().zip(&plan) {
+            let n = c.len as usize;
+            let sections =
+                std::iter::once(&grads[p.offset..p.offset + n]).chain(p.read_offset.map(|r| &reads[r..r + n]));
+            for values in sections {
+                if let Some((index, value)) = values.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+                    return Err(ShardError::NonFinite {
+                        tensor: c.id.tensor,
+                        chunk: c.id.chunk,
+                        index,
+                        value: value.to_string(),
+                    });
+                }
+            }
+        }
+        self.observe_push(req.worker, req.compute_ms, now, events);
+        self.ramp.fix_reference();
+        let tau = plan.iter().map(|p| p.staleness).max().unwrap_or(0);
+        let mut ack = Ack { seq: req.seq, max_staleness: tau, ..Ack::default() };
+        match self.active {
+            Mode::Sync | Mode::Gba => {
+                let too_stale = match self.active {
+                    Mode::Sync => tau > 0,
+                    _ => tau > self.cfg.modes.gba_threshold,
+                };
+                if too_stale {
+                    self.stats.dropped_stale += 1;
+                } else {
+                    self.stats.staleness_sum += tau;
+                    self.stats.staleness_count += 1;
+                    self.stats.staleness_max = self.stats.staleness_max.max(tau);
+                    for p in &plan {
+                        let n = self.slots[p.slot].params.len();
+                        let acc = &mut self.accum[p.slot];
+                        if acc.is_empty() {
+                            acc.resize(n, 0.0);
+                        }
+                        acc.iter_mut().zip(&grads[p.offset..p.offset + n]).for_each(|(a, g)| *a += g);
+                        self.accum_counts[p.slot] += 1;
+                    }
+                    self.accum_pushes += 1;
+                    self.contributors.insert(req.worker);
+                    if self.step_ready() {
+                        self.complete_step()?;
+                    } else if self.active == Mode::Sync {
+                        ack.wait_for_version = plan.first().map_or(0, |p| self.slots[p.slot].version + 1);
+                    }
+                }
+            }
+            _ => {
+                self.apply_now(&plan, req.worker, grads, reads)?;
+                if self.active == Mode::Ssp {
+                    let clock = self.clocks.entry(req.worker).or_insert(0);
+                    *clock += 1;
+                    let mine = *clock;
+                    if mine > self.min_clock() + self.cfg.modes.ssp_bound {
+                        ack.wait_for_clock = mine - self.cfg.modes.ssp_bound;
+                    }
+                }
+            }
+        }
+        self.stats.pushes_applied += 1;
+        if let Some(window) = self.seqs.get_mut(&req.worker) {
+            window.insert(req.seq);
+        }
+        Ok(Frame::new(Message::Ack(ack)))
+    }
+
+    /// Applies gradients to the planned chunks now, one update each (`grads` and `reads` indexed by the
+    /// plan's offsets), each with its tensor's rule, and records versions and staleness.
+    pub(super) fn apply_now(
+        &mut self,
+        plan: &[Planned],
+        worker: u32,
+        grads: &[f32],
+        reads: &[f32],
+    ) -> Result<(), ShardError> {
+        self.last_multiplier = self.lr_multiplier();
+        let lrs: Vec<f32> = (0..self.tensor_rules.len() as u32).map(|t| self.tensor_lr(t)).collect();
+        for (max, lr) in self.lr_max.iter_mut().zip(&lrs) {
+            *max = max.max(*lr);
+        }
+        let wanted: HashMap<usize, Planned> = plan.iter().map(|p| (p.slot, *p)).collect();
+        let mut work = Vec::with_capacity(plan.len());
+        for (index, slot) in self.slots.iter_mut().enumerate() {
+            let Some(p) = wanted.get(&index) else { continue };
+            let t = p.tensor as usize;
+            let (rule, hyper) = self.tensor_rules[t];
+            let planes = rule.layout().worker_planes;
+            let ChunkSlot { params, shared, workers, version, .. } = slot;
+            let n = params.len();
+            let worker: &mut [f32] =
+                if planes == 0 { &mut [] } else { workers.entry(worker).or_insert_with(|| vec![0.0; planes * n]) };
+            let scalars = PushScalars { lr: lrs[t], lr_max: self.lr_max[t], staleness: p.staleness, t: *version + 1 };
+            let read = p.read_offset.map_or(&[][..], |r| &reads[r..r + n]);
+            let grad = &grads[p.offset..p.offset + n];
+            work.push(Work { params, shared, worker, grad, read, rule, hyper, scalars });
+        }
+        match &self.device {
+            None => apply_work(work, self.threads),
+            Some(gpu) => work.into_iter().try_for_each(|w| {
+                gpu.apply(w.rule, &w.hyper, &w.scalars, Bufs::from_planes(w.params, w.shared, w.worker, w.grad, w.read))
+            }),
+        }
+        .map_err(|e| ShardError::Device(e.to_string()))?;
+        let mut max_staleness = 0;
+        let mut touched = BTreeSet::new();
+        for p in plan {
+            self.slots[p.slot].version += 1;
+            touched.insert(p.tensor);
+            max_staleness = max_staleness.max(p.staleness);
+            self.stats.staleness_sum += p.staleness;
+            self.stats.staleness_count += 1;
+        }
+        for t in touched {
+            self.tensor_versions[t as usize] += 1;
+        }
+        self.stats.staleness_max = self.stats.staleness_max.max(max_staleness);
+        Ok(())
+    }
+}

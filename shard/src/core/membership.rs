@@ -1,0 +1,215 @@
+//! Membership: the coordinator's shard table and worker registry (shard 0), worker leases on every shard,
+//! the cluster map, heartbeats and leaving.
+
+use super::*;
+
+/// Coordinator state (shard 0 only): shard addresses and worker leases.
+#[derive(Debug, Default)]
+pub(super) struct Coordinator {
+    pub(super) shard_addrs: BTreeMap<u32, String>,
+    pub(super) next_worker: u32,
+    /// Every worker id ever handed out.
+    pub(super) registered: u32,
+}
+
+impl ShardCore {
+    /// The registration a non-coordinator shard sends to the coordinator.
+    pub fn join_request(&self) -> Message {
+        Message::RegisterShard(RegisterShard {
+            protocol: PROTOCOL_VERSION,
+            shard: self.cfg.shard,
+            num_shards: self.cfg.num_shards,
+            addr: self.cfg.advertise.clone(),
+            layout_fingerprint: self.cfg.layout.fingerprint(),
+        })
+    }
+
+    /// Adopts the coordinator's answer to [`ShardCore::join_request`].
+    pub fn joined(&mut self, map: &ClusterMap) -> Result<(), ShardError> {
+        if map.num_shards != self.cfg.num_shards || map.layout != self.cfg.layout || map.rule != self.rule_info() {
+            return Err(ShardError::Misconfigured(
+                "the coordinator's cluster map disagrees with this shard's configuration".into(),
+            ));
+        }
+        self.epoch = map.epoch;
+        Ok(())
+    }
+
+    /// After the live set changed: move the learning-rate multiplier, re-judge stragglers, and finish a
+    /// synchronous step that no longer waits for anyone (a dead worker never holds a step longer than its
+    /// lease).
+    pub(super) fn membership_changed(&mut self, events: &mut Vec<CoreEvent>) {
+        let live = self.leases.len() as u32;
+        let ramped = self.ramp.set_workers(live, self.global_step, self.cfg.modes.lr_ramp_steps);
+        if ramped && matches!(self.active, Mode::Sync | Mode::Gba) {
+            events.push(CoreEvent::LrRamp { workers: live, target: self.ramp.target() });
+        }
+        self.judge(events);
+        if self.step_ready() {
+            // Failures here are bugs of this shard; the next push reports them.
+            let _ = self.complete_step();
+        }
+    }
+
+    /// A push renews its worker's lease and reports its compute time.
+    pub(super) fn observe_push(&mut self, worker: u32, compute_ms: u32, now: Duration, events: &mut Vec<CoreEvent>) {
+        let joined = self.leases.insert(worker, now + self.cfg.lease).is_none();
+        if compute_ms > 0 {
+            self.detector.observe(worker, f64::from(compute_ms));
+        }
+        if joined {
+            self.membership_changed(events);
+        } else {
+            self.judge(events);
+        }
+    }
+
+    pub(super) fn coordinator(&mut self) -> Result<&mut Coordinator, ShardError> {
+        let shard = self.cfg.shard;
+        self.coordinator.as_mut().ok_or_else(|| {
+            ShardError::Misconfigured(format!("shard {shard} is not the coordinator; register with shard 0"))
+        })
+    }
+
+    pub(super) fn cluster_map(&self, worker_id: Option<u32>) -> Result<ClusterMap, ShardError> {
+        let c = self.coordinator.as_ref().ok_or_else(|| ShardError::Misconfigured("not the coordinator".into()))?;
+        let missing: Vec<String> =
+            (0..self.cfg.num_shards).filter(|s| !c.shard_addrs.contains_key(s)).map(|s| s.to_string()).collect();
+        if !missing.is_empty() {
+            return Err(ShardError::ClusterIncomplete(format!(
+                "cluster incomplete: shard(s) {} of {} have not registered with the coordinator",
+                missing.join(", "),
+                self.cfg.num_shards
+            )));
+        }
+        Ok(ClusterMap {
+            epoch: self.epoch,
+            worker_id,
+            num_shards: self.cfg.num_shards,
+            shards: c.shard_addrs.iter().map(|(i, a)| ShardAddr { index: *i, addr: a.clone() }).collect(),
+            layout: self.cfg.layout.clone(),
+            lease_ms: self.cfg.lease.as_millis().min(u128::from(u32::MAX)) as u32,
+            rule: self.rule_info(),
+        })
+    }
+
+    pub(super) fn rule_info(&self) -> RuleInfo {
+        RuleInfo {
+            name: self.cfg.rule.name().to_string(),
+            momentum: self.cfg.hyper.momentum,
+            weight_decay: self.cfg.hyper.weight_decay,
+            sparse: self.cfg.sparse.rule.name().to_string(),
+        }
+    }
+
+    pub(super) fn register(
+        &mut self,
+        req: &Register,
+        now: Duration,
+        events: &mut Vec<CoreEvent>,
+    ) -> Result<Frame, ShardError> {
+        self.coordinator()?;
+        if req.protocol != PROTOCOL_VERSION {
+            return Err(ShardError::Misconfigured(format!(
+                "client speaks protocol {}, this cluster speaks {PROTOCOL_VERSION}",
+                req.protocol
+            )));
+        }
+        // Check completeness before handing out an id, so a refused registration changes nothing.
+        self.cluster_map(None)?;
+        let lease = self.cfg.lease;
+        let worker_id = match req.role {
+            Role::Observer => None,
+            Role::Worker => {
+                let c = self.coordinator()?;
+                let id = c.next_worker;
+                c.next_worker += 1;
+                c.registered += 1;
+                events.push(CoreEvent::WorkerJoined(id));
+                Some(id)
+            }
+        };
+        if let Some(id) = worker_id {
+            self.leases.insert(id, now + lease);
+            self.membership_changed(events);
+        }
+        Ok(Frame::new(Message::ClusterMap(self.cluster_map(worker_id)?)))
+    }
+
+    pub(super) fn register_shard(
+        &mut self,
+        req: &RegisterShard,
+        events: &mut Vec<CoreEvent>,
+    ) -> Result<Frame, ShardError> {
+        let num_shards = self.cfg.num_shards;
+        let fingerprint = self.cfg.layout.fingerprint();
+        let c = self.coordinator()?;
+        if req.protocol != PROTOCOL_VERSION {
+            return Err(ShardError::Misconfigured(format!(
+                "shard {} speaks protocol {}, the coordinator {PROTOCOL_VERSION}",
+                req.shard, req.protocol
+            )));
+        }
+        if req.num_shards != num_shards {
+            return Err(ShardError::Misconfigured(format!(
+                "shard {} was started with --num-shards {}, the coordinator with {num_shards}",
+                req.shard, req.num_shards
+            )));
+        }
+        if req.shard == 0 || req.shard >= num_shards {
+            return Err(ShardError::Misconfigured(format!("shard index {} is not in 1..{num_shards}", req.shard)));
+        }
+        if req.layout_fingerprint != fingerprint {
+            return Err(ShardError::Misconfigured(format!(
+                "shard {} has a different model layout (fingerprint {:016x}, coordinator {fingerprint:016x}): start every shard with the same model flags",
+                req.shard, req.layout_fingerprint
+            )));
+        }
+        c.shard_addrs.insert(req.shard, req.addr.clone());
+        events.push(CoreEvent::ShardJoined(req.shard));
+        // The joining shard needs the epoch and layout even while other shards are still missing.
+        Ok(Frame::new(Message::ClusterMap(ClusterMap {
+            epoch: self.epoch,
+            worker_id: None,
+            num_shards,
+            shards: Vec::new(),
+            layout: self.cfg.layout.clone(),
+            lease_ms: self.cfg.lease.as_millis().min(u128::from(u32::MAX)) as u32,
+            rule: self.rule_info(),
+        })))
+    }
+
+    pub(super) fn heartbeat(
+        &mut self,
+        h: Heartbeat,
+        now: Duration,
+        events: &mut Vec<CoreEvent>,
+    ) -> Result<Frame, ShardError> {
+        // The coordinator knows every id it handed out; other shards learn workers from their heartbeats.
+        if let Some(c) = &self.coordinator {
+            if h.worker >= c.next_worker {
+                return Err(ShardError::NotRegistered(format!("worker {} never registered", h.worker)));
+            }
+        }
+        if self.leases.insert(h.worker, now + self.cfg.lease).is_none() {
+            self.membership_changed(events);
+        }
+        Ok(Frame::new(Message::HeartbeatAck(HeartbeatAck {
+            epoch: self.epoch,
+            live_workers: self.leases.len() as u32,
+        })))
+    }
+
+    pub(super) fn leave(&mut self, l: Leave, events: &mut Vec<CoreEvent>) -> Result<Frame, ShardError> {
+        if self.leases.remove(&l.worker).is_some() {
+            self.detector.forget(l.worker);
+            self.clocks.remove(&l.worker);
+            events.push(CoreEvent::WorkerLeft(l.worker));
+            self.membership_changed(events);
+        }
+        Ok(Frame::new(Message::HeartbeatAck(HeartbeatAck {
+            epoch: self.epoch,
+            live_workers: self.leases.len() as u32,
+        })))
+    }
+}

@@ -1,0 +1,628 @@
+//! The shard core: a sans-IO state machine that owns one shard's chunks, optimizer state, versions,
+//! exactly-once bookkeeping and (on shard 0) the coordinator's membership.
+//!
+//! It is driven only by [`ShardCore::handle`] (one request frame in, one reply frame out) and
+//! [`ShardCore::tick`]; time is an argument (`now`, any monotonic origin), never read from a clock.
+//! The QUIC service, the simulator and the tests all drive this same type.
+
+mod dense;
+mod exactly_once;
+mod membership;
+mod sparse_rpc;
+mod steps;
+
+use crate::modes::{LrRamp, Mode, ModeConfig, StragglerDetector};
+use crate::sparse::{Eviction, SparseTable, TableConfig};
+use dense::Planned;
+use exactly_once::SeqWindow;
+pub use exactly_once::SEQ_WINDOW;
+use gaps_common::layout::sparse_owner;
+use gaps_common::layout::{ChunkId, Layout};
+use gaps_common::rng::{mix, Rng};
+use gaps_common::wire::{
+    words_to_ids, Ack, ChunkVersion, ClusterMap, ErrorCode, Frame, Heartbeat, HeartbeatAck, Leave, Message, Pull,
+    PullReply, Push, Register, RegisterShard, Role, RuleInfo, ShardAddr, SparsePull, SparsePullReply, SparsePush,
+    Stats, PROTOCOL_VERSION,
+};
+use gaps_kernels::{Bufs, Hyper, PushScalars, Rule};
+use membership::Coordinator;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::time::Duration;
+
+/// How the shard initialises its parameters.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Init {
+    /// Seed of the initializer (each chunk draws from its own stream, so the value of a parameter does
+    /// not depend on the number of shards).
+    pub seed: u64,
+    /// Standard deviation of the normal initializer; 0 gives zeros.
+    pub std: f32,
+}
+
+/// How the shard keeps its sparse embedding tables.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SparseSettings {
+    /// Update rule of embedding rows (no per-worker state, no look-ahead).
+    pub rule: Rule,
+    /// Its hyper-parameters (learning rate and so on).
+    pub hyper: Hyper,
+    /// Standard deviation of the rows' normal initializer.
+    pub init_std: f32,
+    /// Create a row only after its id was seen this many times.
+    pub admit_after: u32,
+    /// Memory budget of all tables of this shard together, bytes (split evenly over the tables).
+    pub memory_budget: Option<u64>,
+    /// Eviction policy.
+    pub eviction: Eviction,
+}
+
+impl Default for SparseSettings {
+    fn default() -> Self {
+        SparseSettings {
+            rule: Rule::Adagrad,
+            hyper: Hyper { lr: 0.05, momentum: 0.0, ..Hyper::default() },
+            init_std: 0.01,
+            admit_after: 0,
+            memory_budget: None,
+            eviction: Eviction::Lru,
+        }
+    }
+}
+
+/// Static configuration of one shard.
+#[derive(Debug, Clone)]
+pub struct ShardConfig {
+    /// This shard's index.
+    pub shard: u32,
+    /// Number of shards in the cluster.
+    pub num_shards: u32,
+    /// The model's dense tensors.
+    pub layout: Layout,
+    /// The update rule.
+    pub rule: Rule,
+    /// Its hyper-parameters.
+    pub hyper: Hyper,
+    /// Parameter initializer.
+    pub init: Init,
+    /// Worker lease (coordinator only): a worker silent this long is dropped from the live set.
+    pub lease: Duration,
+    /// This shard's address as clients should use it (reported in the cluster map).
+    pub advertise: String,
+    /// Cluster epoch (coordinator only; other shards learn it when they join).
+    pub epoch: u64,
+    /// Threads a large push may use (0: one per available core).
+    pub threads: usize,
+    /// Sparse tables (the layout lists them).
+    pub sparse: SparseSettings,
+    /// Training mode and its policies.
+    pub modes: ModeConfig,
+}
+
+/// Why the core refused a request. Each maps to an [`ErrorCode`] on the wire.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ShardError {
+    /// See [`ErrorCode::WrongShape`].
+    #[error("{0}")]
+    WrongShape(String),
+    /// See [`ErrorCode::NonFinite`].
+    #[error("gradient for chunk {tensor}/{chunk} holds a non-finite value ({value}) at element {index}")]
+    NonFinite {
+        /// Tensor index.
+        tensor: u32,
+        /// Chunk index.
+        chunk: u32,
+        /// Element inside the chunk.
+        index: usize,
+        /// The offending value, printed.
+        value: String,
+    },
+    /// See [`ErrorCode::NotOwner`].
+    #[error("chunk {tensor}/{chunk} belongs to shard {owner}, not to shard {me}")]
+    NotOwner {
+        /// Tensor index.
+        tensor: u32,
+        /// Chunk index.
+        chunk: u32,
+        /// Its owner.
+        owner: u32,
+        /// This shard.
+        me: u32,
+    },
+    /// See [`ErrorCode::StaleEpoch`].
+    #[error("request carries cluster epoch {got}, the cluster is at epoch {current}: fetch a new cluster map")]
+    StaleEpoch {
+        /// Epoch in the request.
+        got: u64,
+        /// This shard's epoch.
+        current: u64,
+    },
+    /// See [`ErrorCode::ClusterIncomplete`].
+    #[error("{0}")]
+    ClusterIncomplete(String),
+    /// See [`ErrorCode::Misconfigured`].
+    #[error("{0}")]
+    Misconfigured(String),
+    /// See [`ErrorCode::NotRegistered`].
+    #[error("{0}")]
+    NotRegistered(String),
+    /// See [`ErrorCode::SequenceWindow`].
+    #[error("{0}")]
+    SequenceWindow(String),
+    /// See [`ErrorCode::UnknownKind`].
+    #[error("a {0} message is not a request")]
+    NotARequest(&'static str),
+    /// A sparse row belongs to another shard; see [`ErrorCode::NotOwner`].
+    #[error("row {id} of table {table} belongs to shard {owner}, not to shard {me}")]
+    RowNotOwned {
+        /// Table.
+        table: u32,
+        /// Row id.
+        id: u64,
+        /// Its owner.
+        owner: u32,
+        /// This shard.
+        me: u32,
+    },
+    /// The update could not be applied on the device; see [`ErrorCode::Internal`].
+    #[error("applying the update: {0}")]
+    Device(String),
+}
+
+impl ShardError {
+    /// The wire code of this error.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            ShardError::WrongShape(_) => ErrorCode::WrongShape,
+            ShardError::NonFinite { .. } => ErrorCode::NonFinite,
+            ShardError::NotOwner { .. } => ErrorCode::NotOwner,
+            ShardError::StaleEpoch { .. } => ErrorCode::StaleEpoch,
+            ShardError::ClusterIncomplete(_) => ErrorCode::ClusterIncomplete,
+            ShardError::Misconfigured(_) => ErrorCode::Misconfigured,
+            ShardError::NotRegistered(_) => ErrorCode::NotRegistered,
+            ShardError::SequenceWindow(_) => ErrorCode::SequenceWindow,
+            ShardError::NotARequest(_) => ErrorCode::UnknownKind,
+            ShardError::Device(_) => ErrorCode::Internal,
+            ShardError::RowNotOwned { .. } => ErrorCode::NotOwner,
+        }
+    }
+}
+
+/// Something the core wants the embedding service to log or export.
+#[derive(Debug, Clone, PartialEq)]
+pub enum CoreEvent {
+    /// A worker registered.
+    WorkerJoined(u32),
+    /// A worker left on its own.
+    WorkerLeft(u32),
+    /// A worker's lease expired.
+    WorkerExpired(u32),
+    /// A shard joined the cluster.
+    ShardJoined(u32),
+    /// The training mode changed.
+    ModeSwitch {
+        /// Mode before.
+        from: Mode,
+        /// Mode after.
+        to: Mode,
+        /// Why.
+        reason: String,
+    },
+    /// The learning-rate multiplier starts moving toward a new value because the live worker count changed.
+    LrRamp {
+        /// Live workers now.
+        workers: u32,
+        /// The multiplier it moves to.
+        target: f64,
+    },
+}
+
+/// One owned chunk: its parameters, optimizer state (planes of `len` floats) and update count.
+#[derive(Debug)]
+struct ChunkSlot {
+    /// The tensor the chunk belongs to.
+    tensor: u32,
+    params: Vec<f32>,
+    /// The rule's shared planes.
+    shared: Vec<f32>,
+    /// The rule's per-worker planes, created on a worker's first push (only for rules that have them).
+    workers: HashMap<u32, Vec<f32>>,
+    /// Number of updates applied to this chunk: the per-parameter last-update version (every element of a
+    /// dense chunk is updated by the same pushes, so one counter per chunk is exact for all of them).
+    version: u64,
+}
+
+/// The state machine of one shard.
+#[derive(Debug)]
+pub struct ShardCore {
+    cfg: ShardConfig,
+    epoch: u64,
+    /// First global chunk index of each tensor.
+    chunk_base: Vec<u64>,
+    /// Owned chunks; the chunk with global index g is at `slots[g / num_shards]`.
+    slots: Vec<ChunkSlot>,
+    /// Elements over all owned chunks.
+    owned_elems: usize,
+    /// Pushes applied per tensor on this shard (the tensor's global version).
+    tensor_versions: Vec<u64>,
+    seqs: HashMap<u32, SeqWindow>,
+    coordinator: Option<Coordinator>,
+    stats: Stats,
+    /// Multiplier of the configured learning rate (schedules, elastic ramps).
+    lr_scale: f32,
+    /// Sparse tables, layout order.
+    tables: Vec<SparseTable>,
+    /// Live workers (by heartbeat, registration or push) and the time their lease ends.
+    leases: BTreeMap<u32, Duration>,
+    /// The mode in force (never `Auto`: auto runs `Sync` or `Gba`).
+    active: Mode,
+    /// Synchronous modes: summed gradients per slot (allocated on first use) and how many were summed.
+    accum: Vec<Vec<f32>>,
+    accum_counts: Vec<u32>,
+    /// Gradients in the current step, and which workers sent them.
+    accum_pushes: u32,
+    contributors: BTreeSet<u32>,
+    /// Aggregated updates applied (sync and gba steps).
+    global_step: u64,
+    detector: StragglerDetector,
+    ramp: LrRamp,
+    /// Pushes per worker (bounded staleness).
+    clocks: BTreeMap<u32, u64>,
+    /// The learning-rate multiplier of the last applied update.
+    last_multiplier: f64,
+    /// The GPU that applies updates, when `--device` chose one.
+    device: Option<std::sync::Arc<gaps_kernels::cuda::CudaDevice>>,
+    /// Each tensor's rule and hyper-parameters (the shard's flags with the layout's overrides).
+    tensor_rules: Vec<(Rule, Hyper)>,
+    /// Each table's rule and hyper-parameters.
+    table_rules: Vec<(Rule, Hyper)>,
+    /// Largest learning rate used so far per tensor (Gap-Aware's η_max).
+    lr_max: Vec<f32>,
+    threads: usize,
+}
+
+impl ShardCore {
+    /// Builds a shard and initialises its chunks. Shard 0 is the coordinator.
+    pub fn new(cfg: ShardConfig) -> Result<Self, ShardError> {
+        cfg.layout.validate().map_err(|e| ShardError::Misconfigured(e.to_string()))?;
+        cfg.hyper.validate().map_err(|e| ShardError::Misconfigured(e.to_string()))?;
+        if cfg.num_shards == 0 || cfg.shard >= cfg.num_shards {
+            return Err(ShardError::Misconfigured(format!(
+                "shard index {} is outside 0..{} shards",
+                cfg.shard, cfg.num_shards
+            )));
+        }
+        let mut chunk_base = Vec::with_capacity(cfg.layout.tensors.len());
+        let mut base = 0u64;
+        for t in 0..cfg.layout.tensors.len() as u32 {
+            chunk_base.push(base);
+            base += u64::from(cfg.layout.num_chunks(t));
+        }
+        let tensor_rules = cfg
+            .layout
+            .tensors
+            .iter()
+            .map(|t| {
+                cfg.hyper
+                    .resolve(cfg.rule, &t.rule)
+                    .map_err(|e| ShardError::Misconfigured(format!("tensor {:?}: {e}", t.name)))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let table_rules = cfg
+            .layout
+            .tables
+            .iter()
+            .map(|t| {
+                let (rule, hyper) = cfg
+                    .sparse
+                    .hyper
+                    .resolve(cfg.sparse.rule, &t.rule)
+                    .map_err(|e| ShardError::Misconfigured(format!("table {:?}: {e}", t.name)))?;
+                let l = rule.layout();
+                if l.worker_planes > 0 || l.lookahead || l.worker_momentum {
+                    return Err(ShardError::Misconfigured(format!(
+                        "table {:?}: rule {rule} keeps state per worker or a look-ahead, which embedding rows cannot have",
+                        t.name
+                    )));
+                }
+                Ok((rule, hyper))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut slots = Vec::new();
+        for id in cfg.layout.chunks_of_shard(cfg.shard, cfg.num_shards) {
+            let range = cfg.layout.chunk_range(id).map_err(|e| ShardError::Misconfigured(e.to_string()))?;
+            let global = chunk_base[id.tensor as usize] + u64::from(id.chunk);
+            let params = if cfg.init.std == 0.0 {
+                vec![0.0; range.len()]
+            } else {
+                let mut rng = Rng::new(mix(cfg.init.seed, global));
+                (0..range.len()).map(|_| (rng.normal() * f64::from(cfg.init.std)) as f32).collect()
+            };
+            slots.push(ChunkSlot {
+                tensor: id.tensor,
+                shared: vec![0.0; params.len() * tensor_rules[id.tensor as usize].0.layout().shared_planes],
+                params,
+                workers: HashMap::new(),
+                version: 0,
+            });
+        }
+        let is_coordinator = cfg.shard == 0;
+        let mut coordinator = is_coordinator.then(Coordinator::default);
+        if let Some(c) = coordinator.as_mut() {
+            c.shard_addrs.insert(0, cfg.advertise.clone());
+        }
+        let epoch = if is_coordinator { cfg.epoch } else { 0 };
+        let stats = Stats { shard: cfg.shard, epoch, ..Stats::default() };
+        let tensor_versions = vec![0; cfg.layout.tensors.len()];
+        let threads = match cfg.threads {
+            0 => std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+            n => n,
+        };
+        let lr_max = tensor_rules.iter().map(|(_, h)| h.lr).collect();
+        cfg.sparse.hyper.validate().map_err(|e| ShardError::Misconfigured(format!("sparse rule: {e}")))?;
+        let per_table_budget = cfg.sparse.memory_budget.map(|b| b / cfg.layout.tables.len().max(1) as u64);
+        let tables = cfg
+            .layout
+            .tables
+            .iter()
+            .enumerate()
+            .map(|(i, spec)| {
+                SparseTable::new(TableConfig {
+                    table: i as u32,
+                    dim: spec.dim,
+                    rule: table_rules[i].0,
+                    init_std: cfg.sparse.init_std,
+                    seed: cfg.init.seed,
+                    admit_after: cfg.sparse.admit_after,
+                    memory_budget: per_table_budget,
+                    eviction: cfg.sparse.eviction,
+                })
+                .map_err(|e| ShardError::Misconfigured(e.to_string()))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let active = match cfg.modes.mode {
+            Mode::Auto => Mode::Sync,
+            m => m,
+        };
+        let n_slots = slots.len();
+        let owned_elems = slots.iter().map(|s| s.params.len()).sum();
+        Ok(ShardCore {
+            owned_elems,
+            tables,
+            leases: BTreeMap::new(),
+            active,
+            accum: vec![Vec::new(); n_slots],
+            accum_counts: vec![0; n_slots],
+            accum_pushes: 0,
+            contributors: BTreeSet::new(),
+            global_step: 0,
+            detector: StragglerDetector::default(),
+            ramp: LrRamp::default(),
+            clocks: BTreeMap::new(),
+            last_multiplier: 1.0,
+            cfg,
+            epoch,
+            chunk_base,
+            slots,
+            tensor_versions,
+            seqs: HashMap::new(),
+            coordinator,
+            stats,
+            lr_scale: 1.0,
+            lr_max,
+            tensor_rules,
+            table_rules,
+            threads,
+            device: None,
+        })
+    }
+
+    /// Applies updates on this GPU from now on (None: the CPU). Each push's chunks are copied to the GPU,
+    /// updated there and copied back; the shard's state stays in host memory.
+    pub fn set_device(&mut self, device: Option<std::sync::Arc<gaps_kernels::cuda::CudaDevice>>) {
+        self.device = device;
+    }
+
+    /// Elements over all dense chunks this shard owns.
+    pub fn owned_elems(&self) -> usize {
+        self.owned_elems
+    }
+
+    /// The learning rate in force: the configured η times the schedule's multiplier and, in the
+    /// synchronous modes, the elastic multiplier (live workers relative to the start, ramped).
+    pub fn lr(&self) -> f32 {
+        self.cfg.hyper.lr * self.lr_scale * self.lr_multiplier() as f32
+    }
+
+    /// The learning rate in force for tensor `tensor` (its own η, or the shard's, times the multipliers).
+    pub fn tensor_lr(&self, tensor: u32) -> f32 {
+        let base = self.tensor_rules.get(tensor as usize).map_or(self.cfg.hyper.lr, |(_, h)| h.lr);
+        base * self.lr_scale * self.lr_multiplier() as f32
+    }
+
+    /// The rule and hyper-parameters tensor `tensor` is updated with.
+    pub fn tensor_rule(&self, tensor: u32) -> Option<(Rule, Hyper)> {
+        self.tensor_rules.get(tensor as usize).copied()
+    }
+
+    /// True when some tensor's rule needs the read parameters echoed with a push.
+    pub fn needs_read(&self) -> bool {
+        self.tensor_rules.iter().any(|(r, _)| r.layout().needs_read)
+    }
+
+    /// The elastic learning-rate multiplier in force (1 outside the synchronous modes).
+    pub fn lr_multiplier(&self) -> f64 {
+        match self.active {
+            Mode::Sync | Mode::Gba => self.ramp.multiplier(self.global_step),
+            _ => 1.0,
+        }
+    }
+
+    /// The mode in force.
+    pub fn active_mode(&self) -> Mode {
+        self.active
+    }
+
+    /// Sets the learning-rate multiplier (warm-up, schedules, elastic ramps). Non-finite or non-positive
+    /// values are refused.
+    pub fn set_lr_scale(&mut self, scale: f32) -> Result<(), ShardError> {
+        if !(scale.is_finite() && scale > 0.0) {
+            return Err(ShardError::Misconfigured(format!("learning-rate multiplier must be positive, got {scale}")));
+        }
+        self.lr_scale = scale;
+        Ok(())
+    }
+
+    /// Floats of optimizer state held per worker over all owned chunks (0 for rules without per-worker
+    /// state), for reporting memory.
+    pub fn worker_state_floats(&self) -> usize {
+        self.slots.iter().map(|s| s.workers.values().map(Vec::len).sum::<usize>()).sum()
+    }
+
+    /// This shard's configuration.
+    pub fn config(&self) -> &ShardConfig {
+        &self.cfg
+    }
+
+    /// The cluster epoch this shard serves (0 until a non-coordinator shard joined).
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Counters since start.
+    pub fn stats(&self) -> Stats {
+        let mut s = self.stats.clone();
+        s.epoch = self.epoch;
+        s.live_workers = self.leases.len() as u32;
+        if let Some(c) = &self.coordinator {
+            s.registered_workers = c.registered;
+        }
+        s.mode = self.active.code();
+        s.lr_multiplier_milli = (self.last_multiplier * 1000.0).round().clamp(0.0, f64::from(u32::MAX)) as u32;
+        s.ssp_min_clock = self.min_clock();
+        for t in &self.tables {
+            let ts = t.stats();
+            s.table_rows += ts.rows;
+            s.table_bytes += ts.bytes;
+            s.table_evicted += ts.evicted;
+            s.sparse_dropped += ts.dropped_updates;
+        }
+        s
+    }
+
+    /// A held sparse row (tests and evaluation inside the process).
+    pub fn sparse_row(&self, table: u32, id: u64) -> Option<&[f32]> {
+        self.tables.get(table as usize).and_then(|t| t.row(id))
+    }
+
+    /// Pushes applied per tensor on this shard.
+    pub fn tensor_versions(&self) -> &[u64] {
+        &self.tensor_versions
+    }
+
+    /// Handles one request and returns the reply frame (an error reply when the request is refused; a
+    /// refused request changes nothing).
+    pub fn handle(&mut self, req: Frame, now: Duration) -> (Frame, Vec<CoreEvent>) {
+        let mut events = Vec::new();
+        let payload_in = req.payload.len() as u64 * 4;
+        self.stats.payload_bytes_in += payload_in;
+        let is_push = matches!(req.msg, Message::Push(_) | Message::SparsePush(_));
+        let now_s = now.as_secs().min(u64::from(u32::MAX)) as u32;
+        let result = match req.msg {
+            Message::Pull(p) => self.pull(&p),
+            Message::Push(p) => self.push(&p, &req.payload, now, &mut events),
+            Message::SparsePull(p) => self.sparse_pull(&p, &req.payload, now_s),
+            Message::SparsePush(p) => self.sparse_push(&p, &req.payload, now_s),
+            Message::SparsePullReply(_) => Err(ShardError::NotARequest("sparse pull reply")),
+            Message::Register(r) => self.register(&r, now, &mut events),
+            Message::RegisterShard(r) => self.register_shard(&r, &mut events),
+            Message::Heartbeat(h) => self.heartbeat(h, now, &mut events),
+            Message::Leave(l) => self.leave(l, &mut events),
+            Message::StatsRequest(_) => Ok(Frame::new(Message::Stats(self.stats()))),
+            Message::ClusterMap(_) => Err(ShardError::NotARequest("cluster map")),
+            Message::PullReply(_) => Err(ShardError::NotARequest("pull reply")),
+            Message::Ack(_) => Err(ShardError::NotARequest("ack")),
+            Message::Error(_) => Err(ShardError::NotARequest("error")),
+            Message::HeartbeatAck(_) => Err(ShardError::NotARequest("heartbeat ack")),
+            Message::Stats(_) => Err(ShardError::NotARequest("stats")),
+        };
+        let reply = match result {
+            Ok(frame) => frame,
+            Err(e) => {
+                if is_push {
+                    self.stats.pushes_rejected += 1;
+                }
+                Frame::new(Message::error(e.code(), e.to_string()))
+            }
+        };
+        self.stats.payload_bytes_out += reply.payload.len() as u64 * 4;
+        (reply, events)
+    }
+
+    /// Expires worker leases and idle sparse rows (TTL eviction). Returns what changed.
+    pub fn tick(&mut self, now: Duration) -> Vec<CoreEvent> {
+        let now_s = now.as_secs().min(u64::from(u32::MAX)) as u32;
+        for t in &mut self.tables {
+            t.tick(now_s);
+        }
+        let expired: Vec<u32> = self.leases.iter().filter(|(_, until)| **until <= now).map(|(w, _)| *w).collect();
+        let mut events: Vec<CoreEvent> = Vec::new();
+        for w in &expired {
+            self.leases.remove(w);
+            self.detector.forget(*w);
+            self.clocks.remove(w);
+            events.push(CoreEvent::WorkerExpired(*w));
+        }
+        if !expired.is_empty() {
+            self.membership_changed(&mut events);
+        }
+        events
+    }
+
+    /// Replaces the values of an owned chunk (restoring a checkpoint, or a model-specific initializer such
+    /// as the simulator's He initialisation). The chunk's version and optimizer state are kept.
+    pub fn overwrite(&mut self, id: ChunkId, values: &[f32]) -> Result<(), ShardError> {
+        let slot = self.slot_index(id)?;
+        let params = &mut self.slots[slot].params;
+        if values.len() != params.len() {
+            return Err(ShardError::WrongShape(format!("chunk has {} elements, got {}", params.len(), values.len())));
+        }
+        if values.iter().any(|v| !v.is_finite()) {
+            return Err(ShardError::WrongShape("initial values must be finite".into()));
+        }
+        params.copy_from_slice(values);
+        Ok(())
+    }
+
+    /// Values of an owned chunk (for tests, checkpoints and evaluation inside the process).
+    pub fn chunk_values(&self, id: ChunkId) -> Result<&[f32], ShardError> {
+        let slot = self.slot_index(id)?;
+        Ok(&self.slots[slot].params)
+    }
+
+    fn check_epoch(&self, got: u64) -> Result<(), ShardError> {
+        if self.epoch == 0 {
+            return Err(ShardError::ClusterIncomplete(format!(
+                "shard {} has not joined the cluster yet",
+                self.cfg.shard
+            )));
+        }
+        if got != self.epoch {
+            return Err(ShardError::StaleEpoch { got, current: self.epoch });
+        }
+        Ok(())
+    }
+
+    fn slot_index(&self, id: ChunkId) -> Result<usize, ShardError> {
+        let base = self.chunk_base.get(id.tensor as usize).copied();
+        let (Some(base), true) = (base, id.chunk < self.cfg.layout.num_chunks(id.tensor)) else {
+            return Err(ShardError::WrongShape(format!("unknown chunk {}/{}", id.tensor, id.chunk)));
+        };
+        let global = base + u64::from(id.chunk);
+        let n = u64::from(self.cfg.num_shards);
+        let owner = (global % n) as u32;
+        if owner != self.cfg.shard {
+            return Err(ShardError::NotOwner { tensor: id.tensor, chunk: id.chunk, owner, me: self.cfg.shard });
+        }
+        Ok((global / n) as usize)
+    }
+}

@@ -1,0 +1,100 @@
+//! Sparse pulls and pushes of embedding rows (the tables themselves are [`crate::sparse`]).
+
+use super::*;
+
+impl ShardCore {
+    /// Checks a table reference and that every id is owned here; returns the ids.
+    pub(super) fn sparse_ids(&self, table: u32, count: u32, words: &[f32]) -> Result<Vec<u64>, ShardError> {
+        if table as usize >= self.tables.len() {
+            return Err(ShardError::WrongShape(format!("unknown table {table} ({} tables)", self.tables.len())));
+        }
+        if words.len() < 2 * count as usize {
+            return Err(ShardError::WrongShape(format!("{count} ids declared, fewer carried")));
+        }
+        let ids = words_to_ids(&words[..2 * count as usize]);
+        let (me, n) = (self.cfg.shard, self.cfg.num_shards);
+        if let Some(id) = ids.iter().find(|id| sparse_owner(table, **id, n) != me) {
+            return Err(ShardError::RowNotOwned { table, id: *id, owner: sparse_owner(table, *id, n), me });
+        }
+        Ok(ids)
+    }
+
+    pub(super) fn sparse_pull(&mut self, req: &SparsePull, payload: &[f32], now_s: u32) -> Result<Frame, ShardError> {
+        self.check_epoch(req.epoch)?;
+        let ids = self.sparse_ids(req.table, req.count, payload)?;
+        let table = &mut self.tables[req.table as usize];
+        let dim = table.config().dim;
+        let mut values = Vec::with_capacity(ids.len() * dim as usize);
+        let mut versions = Vec::with_capacity(ids.len());
+        if req.create {
+            table.pull(&ids, now_s, &mut values, &mut versions);
+        } else {
+            table.peek(&ids, &mut values, &mut versions);
+        }
+        let mut out = Vec::with_capacity(ids.len() * (1 + dim as usize));
+        out.extend(versions.iter().map(|v| f32::from_bits(*v)));
+        out.extend_from_slice(&values);
+        self.stats.pulls += 1;
+        Ok(Frame {
+            msg: Message::SparsePullReply(SparsePullReply { table: req.table, count: req.count, dim }),
+            payload: out,
+        })
+    }
+
+    pub(super) fn sparse_push(&mut self, req: &SparsePush, payload: &[f32], now_s: u32) -> Result<Frame, ShardError> {
+        if let Some(duplicate) = self.check_push(req.epoch, req.worker, req.seq)? {
+            return Ok(duplicate);
+        }
+        let ids = self.sparse_ids(req.table, req.count, payload)?;
+        let (table_rule, hyper) = self.table_rules[req.table as usize];
+        let dim = self.tables[req.table as usize].config().dim;
+        if req.dim != dim {
+            return Err(ShardError::WrongShape(format!(
+                "table {} has dim {dim}, the push carries rows of {}",
+                req.table, req.dim
+            )));
+        }
+        if req.echo_read != table_rule.layout().needs_read {
+            return Err(ShardError::WrongShape(format!(
+                "sparse rule {table_rule} {} an echo of the read rows",
+                if req.echo_read { "takes no" } else { "needs" }
+            )));
+        }
+        let n = ids.len();
+        let rows = n * dim as usize;
+        let expected = 3 * n + rows * (1 + usize::from(req.echo_read));
+        if payload.len() != expected {
+            return Err(ShardError::WrongShape(format!(
+                "sparse push carries {} words, expected {expected}",
+                payload.len()
+            )));
+        }
+        let mut distinct = std::collections::HashSet::with_capacity(n);
+        if let Some(id) = ids.iter().find(|id| !distinct.insert(**id)) {
+            return Err(ShardError::WrongShape(format!("id {id} appears twice in one push; aggregate per id first")));
+        }
+        let read_versions: Vec<u32> = payload[2 * n..3 * n].iter().map(|w| w.to_bits()).collect();
+        let grads = &payload[3 * n..3 * n + rows];
+        let reads = if req.echo_read { &payload[3 * n + rows..] } else { &[][..] };
+        for values in [grads, reads] {
+            if let Some(index) = values.iter().position(|v| !v.is_finite()) {
+                return Err(ShardError::NonFinite {
+                    tensor: req.table,
+                    chunk: (index / dim as usize) as u32,
+                    index: index % dim as usize,
+                    value: values[index].to_string(),
+                });
+            }
+        }
+        let lr = hyper.lr * self.lr_scale;
+        let max_staleness = self.tables[req.table as usize]
+            .push(&ids, &read_versions, grads, reads, &hyper, lr, lr.max(hyper.lr), now_s)
+            .map_err(|e| ShardError::WrongShape(e.to_string()))?;
+        self.stats.pushes_applied += 1;
+        self.stats.staleness_max = self.stats.staleness_max.max(max_staleness);
+        if let Some(window) = self.seqs.get_mut(&req.worker) {
+            window.insert(req.seq);
+        }
+        Ok(Frame::new(Message::Ack(Ack { seq: req.seq, max_staleness, ..Ack::default() })))
+    }
+}
