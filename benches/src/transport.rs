@@ -125,6 +125,8 @@ async fn gaps_case(certs: &ClusterCerts, shards: u32, n: u64, quick: bool, min_t
             join_timeout: Duration::from_secs(10),
             tick_interval: Duration::from_millis(250),
             device: gaps_kernels::cuda::DeviceChoice::Cpu,
+            queue_depth: gaps_server::service::DEFAULT_QUEUE_DEPTH,
+            inflight_bytes: gaps_server::service::DEFAULT_INFLIGHT_BYTES,
         };
         servers.push(service::start(cfg).await?);
     }

@@ -290,9 +290,13 @@ pub struct PushChunk {
     pub read_version: u64,
     /// Elements of this chunk in the payload.
     pub len: u32,
+    /// The payload also carries, after all gradients, the parameter values this chunk's gradient was
+    /// computed on; required exactly for the chunks whose tensor's rule measures drift.
+    pub echo: bool,
 }
 
-/// A gradient; payload = the chunks' gradients, in order. Applied exactly once per `(worker, seq)`.
+/// A gradient; payload = the chunks' gradients, in order, then the read echo of the chunks that carry one
+/// (in the same order). Applied exactly once per `(worker, seq)`.
 #[derive(Debug, Clone, PartialEq, Eq, Encode, Decode)]
 pub struct Push {
     /// Cluster epoch of the client's map.
@@ -303,9 +307,6 @@ pub struct Push {
     pub seq: u64,
     /// The chunks, in payload order.
     pub chunks: Vec<PushChunk>,
-    /// The payload also carries, after all gradients, the parameter values each chunk's gradient was
-    /// computed on (same order and lengths); required by the rules that measure drift.
-    pub echo_read: bool,
     /// Milliseconds the worker spent computing this gradient (0: unknown); feeds the straggler detector.
     pub compute_ms: u32,
 }
@@ -496,7 +497,7 @@ impl Message {
     pub fn payload_elems(&self) -> u64 {
         match self {
             Message::PullReply(r) => r.chunks.iter().map(|c| u64::from(c.len)).sum(),
-            Message::Push(p) => p.chunks.iter().map(|c| u64::from(c.len)).sum::<u64>() * (1 + u64::from(p.echo_read)),
+            Message::Push(p) => p.chunks.iter().map(|c| u64::from(c.len) * (1 + u64::from(c.echo))).sum(),
             Message::SparsePull(p) => 2 * u64::from(p.count),
             Message::SparsePullReply(r) => u64::from(r.count) * (1 + u64::from(r.dim)),
             Message::SparsePush(p) => u64::from(p.count) * (3 + u64::from(p.dim) * (1 + u64::from(p.echo_read))),
@@ -605,16 +606,28 @@ pub trait ReadExact {
 
 /// Reads one frame; lengths are bounded by `limits` before each allocation.
 pub async fn read_frame<R: ReadExact>(source: &mut R, limits: &Limits) -> Result<Frame, WireError> {
+    let msg = read_header(source, limits).await?;
+    let payload = read_payload(source, &msg).await?;
+    Ok(Frame { msg, payload })
+}
+
+/// Reads a frame's prefix and header; the payload it announces ([`Message::payload_elems`], bounded by
+/// `limits`) follows on the stream. A server uses the split to reserve memory before reading the payload.
+pub async fn read_header<R: ReadExact>(source: &mut R, limits: &Limits) -> Result<Message, WireError> {
     let mut prefix = [0u8; FRAME_PREFIX_LEN];
     source.read_exact(&mut prefix).await?;
     let (kind, header_len) = parse_prefix(&prefix, limits)?;
     let mut header = vec![0u8; header_len];
     source.read_exact(&mut header).await?;
-    let msg = decode_header(kind, &header, limits)?;
+    decode_header(kind, &header, limits)
+}
+
+/// Reads the payload `msg` announces.
+pub async fn read_payload<R: ReadExact>(source: &mut R, msg: &Message) -> Result<Vec<f32>, WireError> {
     let mut payload = vec![0f32; msg.payload_elems() as usize];
     source.read_exact(bytemuck::cast_slice_mut(&mut payload)).await?;
     from_le_in_place(&mut payload);
-    Ok(Frame { msg, payload })
+    Ok(payload)
 }
 
 /// The little-endian bytes of a slice of f32 (a plain view on little-endian hosts).
@@ -681,8 +694,7 @@ mod tests {
                     epoch: 9,
                     worker: 3,
                     seq: 17,
-                    chunks: vec![PushChunk { id, read_version: 4, len: 2 }],
-                    echo_read: true,
+                    chunks: vec![PushChunk { id, read_version: 4, len: 2, echo: true }],
                     compute_ms: 12,
                 }),
                 payload: vec![0.5, f32::MIN_POSITIVE, -1.0, 2.0],
@@ -767,8 +779,7 @@ mod tests {
             epoch: 1,
             worker: 0,
             seq: 1,
-            chunks: vec![PushChunk { id, read_version: 0, len: u32::MAX }; 2],
-            echo_read: false,
+            chunks: vec![PushChunk { id, read_version: 0, len: u32::MAX, echo: false }; 2],
             compute_ms: 0,
         });
         let mut bytes = vec![push.kind(), 0, 0, 0, 0];
@@ -797,8 +808,7 @@ mod tests {
             epoch: 1,
             worker: 0,
             seq: 1,
-            chunks: vec![PushChunk { id, read_version: 0, len: 3 }],
-            echo_read: false,
+            chunks: vec![PushChunk { id, read_version: 0, len: 3, echo: false }],
             compute_ms: 0,
         });
         assert!(matches!(

@@ -113,6 +113,13 @@ pub struct ServerArgs {
     /// How long a shard ≥ 1 keeps trying to reach the coordinator at start-up.
     #[arg(long, env = "GAPS_JOIN_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
     pub join_timeout: Duration,
+    /// Requests queued for the shard's core thread at most; further requests wait on their connection.
+    #[arg(long, env = "GAPS_QUEUE_DEPTH", default_value_t = crate::service::DEFAULT_QUEUE_DEPTH as u32, value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    pub queue_depth: u32,
+    /// Bytes that in-flight requests (payloads and expected replies) may hold at once, e.g. 512MiB; a
+    /// request over the budget waits, unread, until earlier ones finish.
+    #[arg(long, env = "GAPS_INFLIGHT_MEMORY", default_value = "512MiB", value_parser = parse_bytes)]
+    pub inflight_memory: u64,
     /// Serve Prometheus metrics on http://ADDR/metrics.
     #[arg(long, env = "GAPS_METRICS_ADDR")]
     pub metrics_addr: Option<SocketAddr>,
@@ -174,6 +181,8 @@ impl ServerArgs {
             join_timeout: self.join_timeout,
             tick_interval: Duration::from_millis(250),
             device: self.device,
+            queue_depth: self.queue_depth as usize,
+            inflight_bytes: self.inflight_memory,
         })
     }
 }

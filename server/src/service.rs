@@ -2,19 +2,25 @@
 //! bidirectional stream, joins the coordinator (shards ≥ 1), expires leases on a timer, exports metrics, and
 //! shuts down gracefully (refuse new connections, finish in-flight RPCs, close).
 //!
-//! Architecture invariant: the service holds no training state of its own; everything lives in the core,
-//! which is locked only around `handle`/`tick` (never across an `.await`).
+//! The core is an actor: it lives on its own OS thread and is fed by a **bounded** queue of commands, each
+//! with a reply channel. The QUIC tasks never lock it and never run an update on the async runtime. Before
+//! a stream's payload is read, its task reserves the payload's (and the expected reply's) bytes from a
+//! fixed in-flight budget; when the budget or the queue is full the task waits, QUIC flow control stops
+//! the sender, and memory stays bounded however many requests arrive.
+//!
+//! Architecture invariant: the service holds no training state of its own; everything lives in the core.
 
 use crate::metrics::ShardMetrics;
 use anyhow::{anyhow, bail, Context, Result};
-use gaps_common::wire::{ErrorCode, Frame, Limits, Message, WireError};
+use gaps_common::wire::{ErrorCode, Frame, Limits, Message, Stats, WireError};
 use gaps_shard::{CoreEvent, ShardConfig, ShardCore};
 use gaps_transport::net::{self, RpcError};
 use gaps_transport::tls::TlsMaterial;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::sync::watch;
+use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tracing::{debug, info, warn, Instrument};
 
 /// Largest number of sparse rows one pull or push may carry.
@@ -39,19 +45,77 @@ pub struct ServiceConfig {
     pub tick_interval: Duration,
     /// Where updates run.
     pub device: gaps_kernels::cuda::DeviceChoice,
+    /// Requests waiting for the core at most (the actor's queue).
+    pub queue_depth: usize,
+    /// Bytes of request payloads and expected replies held by in-flight RPCs at most.
+    pub inflight_bytes: u64,
+}
+
+/// Default of [`ServiceConfig::queue_depth`].
+pub const DEFAULT_QUEUE_DEPTH: usize = 256;
+/// Default of [`ServiceConfig::inflight_bytes`] (512 MiB).
+pub const DEFAULT_INFLIGHT_BYTES: u64 = 512 << 20;
+/// The in-flight budget is counted in units of this many bytes (the semaphore counts permits in u32).
+const BUDGET_UNIT: u64 = 1024;
+
+/// What the QUIC tasks ask of the core's thread.
+enum Command {
+    /// Handle one request frame.
+    Handle { frame: Frame, reply: oneshot::Sender<(Frame, Vec<CoreEvent>)> },
+    /// Expire leases and idle rows; report the counters.
+    Tick { reply: oneshot::Sender<(Vec<CoreEvent>, Stats)> },
+    /// Read the core (tests, reports).
+    Inspect(Box<dyn FnOnce(&ShardCore) + Send>),
+}
+
+/// Runs the core on the calling thread until every sender of `queue` is gone.
+fn run_actor(mut core: ShardCore, mut queue: mpsc::Receiver<Command>, started: Instant) {
+    while let Some(command) = queue.blocking_recv() {
+        match command {
+            Command::Handle { frame, reply } => {
+                let _ = reply.send(core.handle(frame, started.elapsed()));
+            }
+            Command::Tick { reply } => {
+                let events = core.tick(started.elapsed());
+                let _ = reply.send((events, core.stats()));
+            }
+            Command::Inspect(f) => f(&core),
+        }
+    }
 }
 
 struct Shared {
-    core: Mutex<ShardCore>,
+    queue: mpsc::Sender<Command>,
+    /// In-flight bytes, in units of [`BUDGET_UNIT`].
+    budget: Semaphore,
+    budget_units: u32,
+    /// Bytes of request payloads and replies that in-flight RPCs hold now, counted from the buffers
+    /// themselves, and the most ever held (reported for tests and benches).
+    held_bytes: AtomicU64,
+    peak_held_bytes: AtomicU64,
     metrics: ShardMetrics,
     limits: Limits,
-    started: Instant,
+    /// The model's chunk size and widest table, to bound a pull's reply before it is made.
+    chunk_elems: u64,
+    widest_table: u64,
     shard: u32,
 }
 
 impl Shared {
-    fn now(&self) -> Duration {
-        self.started.elapsed()
+    /// Sends `command` to the core, waiting while its queue is full.
+    async fn send(&self, command: Command) -> Result<()> {
+        self.queue.send(command).await.map_err(|_| anyhow!("shard {} core thread stopped", self.shard))
+    }
+
+    /// Bytes a request may hold while in flight: its payload plus the largest reply it can get.
+    fn request_bytes(&self, msg: &Message) -> u64 {
+        let payload = msg.payload_elems() * 4;
+        let reply = match msg {
+            Message::Pull(p) => p.chunks.len() as u64 * self.chunk_elems * 4,
+            Message::SparsePull(p) => u64::from(p.count) * (1 + self.widest_table) * 4,
+            _ => 0,
+        };
+        payload + reply
     }
 }
 
@@ -74,10 +138,16 @@ impl std::fmt::Debug for Shared {
 }
 
 impl RunningServer {
-    /// Runs `f` with the core locked (never across an await).
-    pub fn with_core<T>(&self, f: impl FnOnce(&ShardCore) -> T) -> Result<T> {
-        let core = self.shared.core.lock().map_err(|_| anyhow!("shard core lock poisoned"))?;
-        Ok(f(&core))
+    /// Runs `f` on the core's thread, between two requests, and returns its result.
+    pub async fn with_core<T: Send + 'static>(&self, f: impl FnOnce(&ShardCore) -> T + Send + 'static) -> Result<T> {
+        let (tx, rx) = oneshot::channel();
+        self.shared.send(Command::Inspect(Box::new(move |core| drop(tx.send(f(core)))))).await?;
+        rx.await.map_err(|_| anyhow!("shard core thread stopped"))
+    }
+
+    /// The most bytes of request payloads and expected replies that in-flight RPCs held at once.
+    pub fn peak_inflight_bytes(&self) -> u64 {
+        self.shared.peak_held_bytes.load(Ordering::Relaxed)
     }
 
     /// Stops accepting, lets in-flight RPCs finish (up to a few seconds), closes the endpoint.
@@ -139,11 +209,24 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
     let max_payload_bytes =
         (owned_bytes * echo).max(sparse_bytes).clamp(4, gaps_common::wire::DEFAULT_MAX_PAYLOAD_BYTES);
     let limits = Limits { max_payload_bytes, ..Limits::default() };
+    let chunk_elems = u64::from(core.config().layout.chunk_elems);
+    let (queue, receiver) = mpsc::channel(cfg.queue_depth.max(1));
+    let started = Instant::now();
+    std::thread::Builder::new()
+        .name(format!("gaps-shard-{shard}"))
+        .spawn(move || run_actor(core, receiver, started))
+        .context("starting the shard's core thread")?;
+    let budget_units = (cfg.inflight_bytes / BUDGET_UNIT).clamp(1, u64::from(u32::MAX >> 3)) as u32;
     let shared = Arc::new(Shared {
-        core: Mutex::new(core),
+        queue,
+        budget: Semaphore::new(budget_units as usize),
+        budget_units,
+        held_bytes: AtomicU64::new(0),
+        peak_held_bytes: AtomicU64::new(0),
         metrics: ShardMetrics::register(shard),
         limits,
-        started: Instant::now(),
+        chunk_elems,
+        widest_table: widest.unwrap_or(0),
         shard,
     });
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
@@ -198,11 +281,11 @@ async fn serve(endpoint: quinn::Endpoint, shared: Arc<Shared>, mut shutdown: wat
             let mut interval = tokio::time::interval(tick);
             loop {
                 interval.tick().await;
-                let (events, stats) = {
-                    let Ok(mut core) = shared.core.lock() else { return };
-                    let events = core.tick(shared.now());
-                    (events, core.stats())
-                };
+                let (tx, rx) = oneshot::channel();
+                if shared.send(Command::Tick { reply: tx }).await.is_err() {
+                    return;
+                }
+                let Ok((events, stats)) = rx.await else { return };
                 shared.metrics.observe(&stats);
                 log_events(&events);
             }
@@ -273,8 +356,59 @@ async fn serve_connection(
 
 async fn serve_stream(shared: &Shared, mut send: quinn::SendStream, mut recv: quinn::RecvStream) {
     let started = Instant::now();
-    let request = match net::read_frame(&mut recv, &shared.limits).await {
-        Ok(frame) => net::expect_end(&mut recv).await.map(|()| frame),
+    let header = match net::read_header(&mut recv, &shared.limits).await {
+        Ok(msg) => Ok(msg),
+        Err(WireError::Io(message)) => {
+            debug!(%message, "stream broke before the request was complete");
+            return;
+        }
+        Err(e) => Err(e),
+    };
+    // Reserve the request's bytes before reading its payload: while the budget is spent this stream is not
+    // read, and QUIC flow control holds the sender back.
+    let bytes = header.as_ref().map_or(0, |msg| shared.request_bytes(msg));
+    let units = bytes.div_ceil(BUDGET_UNIT).clamp(1, u64::from(shared.budget_units)) as u32;
+    let Ok(_permit) = shared.budget.acquire_many(units).await else { return };
+    let mut held = Held { shared, bytes: 0 };
+    serve_request(&mut held, &mut send, &mut recv, header, started).await;
+}
+
+/// The buffer bytes one RPC holds, released from the shared count when the RPC ends however it ends.
+struct Held<'a> {
+    shared: &'a Shared,
+    bytes: u64,
+}
+
+impl Held<'_> {
+    fn add(&mut self, bytes: u64) {
+        self.bytes += bytes;
+        let now = self.shared.held_bytes.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        self.shared.peak_held_bytes.fetch_max(now, Ordering::Relaxed);
+    }
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        self.shared.held_bytes.fetch_sub(self.bytes, Ordering::Relaxed);
+    }
+}
+
+async fn serve_request(
+    held: &mut Held<'_>,
+    send: &mut quinn::SendStream,
+    recv: &mut quinn::RecvStream,
+    header: Result<Message, WireError>,
+    started: Instant,
+) {
+    let shared = held.shared;
+    let request = match header {
+        Ok(msg) => match net::read_payload(recv, &msg).await {
+            Ok(payload) => {
+                held.add(payload.len() as u64 * 4);
+                net::expect_end(recv).await.map(|()| Frame { msg, payload })
+            }
+            Err(e) => Err(e),
+        },
         Err(e) => Err(e),
     };
     let (reply, histogram) = match request {
@@ -294,8 +428,12 @@ async fn serve_stream(shared: &Shared, mut send: quinn::SendStream, mut recv: qu
                 RpcKind::Pull => &shared.metrics.rpc_pull_seconds,
                 RpcKind::Other => &shared.metrics.rpc_other_seconds,
             };
-            let handled = shared.core.lock().map(|mut core| core.handle(frame, shared.now()));
-            let Ok((reply, events)) = handled else {
+            let (tx, rx) = oneshot::channel();
+            let handled = match shared.send(Command::Handle { frame, reply: tx }).await {
+                Ok(()) => rx.await.ok(),
+                Err(_) => None,
+            };
+            let Some((reply, events)) = handled else {
                 let _ = send.reset(1u32.into());
                 return;
             };
@@ -304,7 +442,8 @@ async fn serve_stream(shared: &Shared, mut send: quinn::SendStream, mut recv: qu
             (reply, histogram)
         }
     };
-    match net::write_frame(&mut send, &reply.msg, &[&reply.payload]).await {
+    held.add(reply.payload.len() as u64 * 4);
+    match net::write_frame(send, &reply.msg, &[&reply.payload]).await {
         Ok(bytes) => shared.metrics.bytes_out.increment(bytes),
         Err(e) => debug!(error = %e, "writing the reply"),
     }

@@ -56,6 +56,8 @@ async fn start_shard_with(
         join_timeout: Duration::from_secs(10),
         tick_interval: Duration::from_millis(100),
         device: gaps_kernels::cuda::DeviceChoice::Cpu,
+        queue_depth: gaps_server::service::DEFAULT_QUEUE_DEPTH,
+        inflight_bytes: gaps_server::service::DEFAULT_INFLIGHT_BYTES,
     };
     service::start(cfg).await.expect("start shard")
 }
@@ -178,7 +180,7 @@ async fn clients_without_a_certificate_from_the_cluster_ca_are_refused() {
     assert!(!register_with(impostor.client_config().expect("config"), addr).await, "a foreign certificate was served");
     // 3. The legitimate certificate is served.
     assert!(register_with(certs.worker_material().expect("tls").client_config().expect("config"), addr).await);
-    let registered = servers[0].with_core(|c| c.stats().registered_workers).expect("core");
+    let registered = servers[0].with_core(|c| c.stats().registered_workers).await.expect("core");
     assert_eq!(registered, 0, "observers only");
     shutdown(servers).await;
 }
@@ -206,11 +208,10 @@ async fn malformed_frames_over_the_network_get_typed_errors_and_change_nothing()
     let push = |payload_len: u32, value: f32| {
         let chunks: Vec<PushChunk> = ids
             .iter()
-            .map(|id| PushChunk { id: *id, read_version: 0, len: l.chunk_len(*id).expect("len") as u32 })
+            .map(|id| PushChunk { id: *id, read_version: 0, len: l.chunk_len(*id).expect("len") as u32, echo: false })
             .collect();
         let total: u32 = chunks.iter().map(|c| c.len).sum();
-        let msg =
-            Message::Push(Push { epoch: client.map().epoch, worker, seq: 1, chunks, echo_read: false, compute_ms: 0 });
+        let msg = Message::Push(Push { epoch: client.map().epoch, worker, seq: 1, chunks, compute_ms: 0 });
         let mut bytes = wire::encode_header(&msg, total as usize).expect("header");
         bytes.extend((0..payload_len).flat_map(|i| if i == 5 { value } else { 0.25f32 }.to_le_bytes()));
         bytes
@@ -235,8 +236,7 @@ async fn malformed_frames_over_the_network_get_typed_errors_and_change_nothing()
         epoch: client.map().epoch,
         worker,
         seq: 2,
-        chunks: vec![PushChunk { id: ids[0], read_version: 0, len: u32::MAX }],
-        echo_read: false,
+        chunks: vec![PushChunk { id: ids[0], read_version: 0, len: u32::MAX, echo: false }],
         compute_ms: 0,
     });
     let header = wire::encode_header(&big, u32::MAX as usize).expect("header");

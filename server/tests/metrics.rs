@@ -51,6 +51,8 @@ async fn metrics_endpoint_exports_pushes_pulls_bytes_latency_staleness_and_live_
         join_timeout: Duration::from_secs(5),
         tick_interval: Duration::from_millis(50),
         device: gaps_kernels::cuda::DeviceChoice::Cpu,
+        queue_depth: gaps_server::service::DEFAULT_QUEUE_DEPTH,
+        inflight_bytes: gaps_server::service::DEFAULT_INFLIGHT_BYTES,
     };
     let server = service::start(cfg).await.expect("start");
     let client = Client::connect(ClientOptions::new(

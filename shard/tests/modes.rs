@@ -61,8 +61,7 @@ fn push(
         epoch: EPOCH,
         worker,
         seq,
-        chunks: vec![PushChunk { id: ID, read_version, len: 4 }],
-        echo_read: false,
+        chunks: vec![PushChunk { id: ID, read_version, len: 4, echo: false }],
         compute_ms,
     });
     let (r, events) = core.handle(Frame { msg, payload: vec![grad; 4] }, now);

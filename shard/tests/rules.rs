@@ -52,13 +52,18 @@ fn push(core: &mut ShardCore, worker: u32, seq: u64, versions: &[u64], grad: &[f
     let chunks = l
         .chunks()
         .zip(versions)
-        .map(|(id, v)| PushChunk { id, read_version: *v, len: l.chunk_len(id).expect("len") as u32 })
+        .map(|(id, v)| PushChunk {
+            id,
+            read_version: *v,
+            len: l.chunk_len(id).expect("len") as u32,
+            echo: read.is_some(),
+        })
         .collect();
     let mut payload = grad.to_vec();
     if let Some(r) = read {
         payload.extend_from_slice(r);
     }
-    let msg = Message::Push(Push { epoch: EPOCH, worker, seq, chunks, echo_read: read.is_some(), compute_ms: 0 });
+    let msg = Message::Push(Push { epoch: EPOCH, worker, seq, chunks, compute_ms: 0 });
     core.handle(Frame { msg, payload }, Duration::ZERO).0.msg
 }
 

@@ -108,8 +108,7 @@ fn sparse_rows_are_created_updated_once_and_validated() {
         epoch: EPOCH,
         worker: 1,
         seq: 1,
-        chunks: vec![PushChunk { id: ChunkId { tensor: 0, chunk: 0 }, read_version: 0, len: 8 }],
-        echo_read: false,
+        chunks: vec![PushChunk { id: ChunkId { tensor: 0, chunk: 0 }, read_version: 0, len: 8, echo: false }],
         compute_ms: 0,
     });
     assert!(

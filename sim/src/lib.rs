@@ -632,8 +632,7 @@ fn run_async(args: &SimArgs) -> Result<SimReport> {
             epoch: 1,
             worker: w as u32,
             seq: vw.seq,
-            chunks: vec![PushChunk { id: CHUNK, read_version: vw.version, len: p as u32 }],
-            echo_read: needs_read,
+            chunks: vec![PushChunk { id: CHUNK, read_version: vw.version, len: p as u32, echo: needs_read }],
             compute_ms,
         };
         let (reply, _) = core.handle(Frame { msg: Message::Push(push), payload }, Duration::ZERO);
@@ -847,8 +846,7 @@ fn run_sync(args: &SimArgs) -> Result<SimReport> {
             epoch: 1,
             worker: 0,
             seq,
-            chunks: vec![PushChunk { id: CHUNK, read_version: version, len: p as u32 }],
-            echo_read: needs_read,
+            chunks: vec![PushChunk { id: CHUNK, read_version: version, len: p as u32, echo: needs_read }],
             compute_ms: 0,
         };
         let (reply, _) = core.handle(Frame { msg: Message::Push(push), payload }, Duration::ZERO);

@@ -172,6 +172,16 @@ pub async fn read_frame(recv: &mut quinn::RecvStream, limits: &Limits) -> Result
     wire::read_frame(&mut QuicReader(recv), limits).await
 }
 
+/// Reads a frame's header only (see [`wire::read_header`]); [`read_payload`] reads the rest.
+pub async fn read_header(recv: &mut quinn::RecvStream, limits: &Limits) -> Result<Message, WireError> {
+    wire::read_header(&mut QuicReader(recv), limits).await
+}
+
+/// Reads the payload `msg` announced.
+pub async fn read_payload(recv: &mut quinn::RecvStream, msg: &Message) -> Result<Vec<f32>, WireError> {
+    wire::read_payload(&mut QuicReader(recv), msg).await
+}
+
 /// After a request frame: the stream must end here.
 pub async fn expect_end(recv: &mut quinn::RecvStream) -> Result<(), WireError> {
     let mut probe = [0u8; 64];

@@ -472,16 +472,10 @@ impl Client {
                     id: *id,
                     read_version: read_versions[*g as usize],
                     len: layout.chunk_len(*id).unwrap_or(0) as u32,
+                    echo: needs_read(id),
                 })
                 .collect();
-            let msg = Message::Push(Push {
-                epoch: self.inner.map.epoch,
-                worker,
-                seq,
-                chunks,
-                echo_read: link.chunks.iter().any(|(id, _)| needs_read(id)),
-                compute_ms,
-            });
+            let msg = Message::Push(Push { epoch: self.inner.map.epoch, worker, seq, chunks, compute_ms });
             self.inner.pushes_sent.fetch_add(1, Ordering::Relaxed);
             let client = self.clone();
             let grads = grads.clone();

@@ -93,8 +93,8 @@ impl ShardCore {
         Ok(Frame { msg: Message::PullReply(PullReply { chunks: metas }), payload })
     }
 
-    /// A push's payload is every chunk's gradient in the order of `chunks`, then — when `echo_read` is set —
-    /// the parameters read for the chunks whose tensor's rule measures drift, in the same order.
+    /// A push's payload is every chunk's gradient in the order of `chunks`, then the parameters read for the
+    /// chunks marked `echo` (exactly those whose tensor's rule measures drift), in the same order.
     pub(super) fn push(
         &mut self,
         req: &Push,
@@ -131,7 +131,18 @@ impl ShardCore {
                     c.id.tensor, c.id.chunk, c.read_version
                 )));
             }
-            let read_offset = self.tensor_rules[c.id.tensor as usize].0.layout().needs_read.then_some(read_total);
+            let (rule, _) = self.tensor_rules[c.id.tensor as usize];
+            if c.echo != rule.layout().needs_read {
+                return Err(ShardError::WrongShape(if c.echo {
+                    format!("chunk {}/{}: rule {rule} takes no echo of the read parameters", c.id.tensor, c.id.chunk)
+                } else {
+                    format!(
+                        "chunk {}/{}: rule {rule} needs the parameters the gradient was computed on (echo)",
+                        c.id.tensor, c.id.chunk
+                    )
+                }));
+            }
+            let read_offset = c.echo.then_some(read_total);
             plan.push(Planned {
                 slot,
                 tensor: c.id.tensor,
@@ -141,14 +152,6 @@ impl ShardCore {
             });
             grad_total += expected;
             read_total += read_offset.map_or(0, |_| expected);
-        }
-        if req.echo_read != (read_total > 0) {
-            return Err(ShardError::WrongShape(if req.echo_read {
-                "no chunk of this push has a rule that takes an echo of the read parameters".to_string()
-            } else {
-                "the rules of this push's chunks need the parameters the gradient was computed on (echo_read)"
-                    .to_string()
-            }));
         }
         if payload.len() != grad_total + read_total {
             return Err(ShardError::WrongShape(format!(
