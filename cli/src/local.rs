@@ -99,6 +99,12 @@ pub struct LocalArgs {
     /// Start one more worker T after training starts, e.g. `40s` (repeatable).
     #[arg(long = "add-worker", env = "GAPS_ADD_WORKERS", value_delimiter = ',', value_parser = parse_duration)]
     pub add_workers: Vec<Duration>,
+    /// Run this `gaps-server` binary for the shards instead of `gaps server` from this executable.
+    #[arg(long, env = "GAPS_SERVER_BIN")]
+    pub server_bin: Option<PathBuf>,
+    /// Run this `gaps-worker` binary for the workers instead of `gaps worker` from this executable.
+    #[arg(long, env = "GAPS_WORKER_BIN")]
+    pub worker_bin: Option<PathBuf>,
     /// Worker lease of the shards: a silent worker is dropped after this long.
     #[arg(long, env = "GAPS_LEASE", default_value = "5s", value_parser = parse_duration)]
     pub lease: Duration,
@@ -313,6 +319,15 @@ impl Proc {
     }
 }
 
+/// Starts `role` (`server` or `worker`) as `gaps ROLE …` from `exe`, or as the dedicated binary when one
+/// was given.
+fn spawn_role(exe: &Path, binary: Option<&Path>, name: &str, args: &[String], dir: &Path) -> Result<Proc> {
+    match binary {
+        Some(bin) => spawn(bin, name, &args[1..], dir),
+        None => spawn(exe, name, args, dir),
+    }
+}
+
 fn spawn(exe: &Path, name: &str, args: &[String], dir: &Path) -> Result<Proc> {
     let log = dir.join(format!("{name}.log"));
     let log_file = std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
@@ -324,7 +339,7 @@ fn spawn(exe: &Path, name: &str, args: &[String], dir: &Path) -> Result<Proc> {
             cmd.env_remove(key);
         }
     }
-    let child = cmd.spawn().with_context(|| format!("starting {name}"))?;
+    let child = cmd.spawn().with_context(|| format!("starting {name} ({})", exe.display()))?;
     Ok(Proc { name: name.to_string(), child, log })
 }
 
@@ -433,11 +448,17 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
     let mut workers: Vec<Proc> = Vec::new();
     let outcome = async {
         eprintln!("[gaps local] starting {} shard(s) and {} worker(s) on 127.0.0.1", args.servers, args.workers);
-        let mut s0 = spawn(exe, "shard-0", &server_args(0, None), dir)?;
+        let mut s0 = spawn_role(exe, args.server_bin.as_deref(), "shard-0", &server_args(0, None), dir)?;
         let coordinator = listening_addr(&mut s0, Duration::from_secs(30)).await?;
         servers.push(s0);
         for s in 1..args.servers {
-            let mut p = spawn(exe, &format!("shard-{s}"), &server_args(s, Some(&coordinator)), dir)?;
+            let mut p = spawn_role(
+                exe,
+                args.server_bin.as_deref(),
+                &format!("shard-{s}"),
+                &server_args(s, Some(&coordinator)),
+                dir,
+            )?;
             listening_addr(&mut p, Duration::from_secs(30)).await?;
             servers.push(p);
         }
@@ -499,7 +520,7 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             a
         };
         for w in 0..args.workers {
-            workers.push(spawn(exe, &format!("worker-{w}"), &worker_args(w), dir)?);
+            workers.push(spawn_role(exe, args.worker_bin.as_deref(), &format!("worker-{w}"), &worker_args(w), dir)?);
         }
         let shards_with_chunks = args.servers.min(observer.layout().total_chunks() as u32);
         // A CTR step also pushes embedding rows to every shard (rows spread over all of them).
@@ -526,7 +547,13 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             for _ in adds.iter().filter(|t| **t <= since) {
                 let w = workers.len() as u32;
                 eprintln!("[gaps local] adding worker {w} at {:.1}s", since.as_secs_f64());
-                workers.push(spawn(exe, &format!("worker-{w}"), &worker_args(w), dir)?);
+                workers.push(spawn_role(
+                    exe,
+                    args.worker_bin.as_deref(),
+                    &format!("worker-{w}"),
+                    &worker_args(w),
+                    dir,
+                )?);
             }
             adds.retain(|t| *t > since);
             outputs.resize(workers.len(), None);

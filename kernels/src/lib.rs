@@ -21,7 +21,7 @@ use std::str::FromStr;
 pub mod cuda;
 pub mod reference;
 
-/// EMA decay β of Gap-Aware's running mean of squared steps (ALGORITHMS.md §3.1).
+/// EMA decay β of Gap-Aware's running mean of squared steps (docs/ALGORITHMS.md §3).
 pub const GA_BETA: f32 = 0.999;
 /// ε of Gap-Aware's C = η_max·(√v̂ + ε).
 pub const GA_EPS: f32 = 1e-8;

@@ -1,5 +1,5 @@
 //! Plain scalar reference implementations: the oracle the fast CPU path and the CUDA kernels are tested
-//! against. One parameter at a time, each rule written out from ALGORITHMS.md, its per-push constants
+//! against. One parameter at a time, each rule written out from docs/ALGORITHMS.md, its per-push constants
 //! computed here independently (f64 powers for the bias corrections).
 
 use crate::{Hyper, PushScalars, Rule, ADAM_BETA1, ADAM_BETA2, ADA_EPS, DC_EPS, GA_BETA, GA_EPS};

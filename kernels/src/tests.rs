@@ -1,5 +1,5 @@
 //! Kernel tests on fresh random inputs (never zeros): the fast path against the reference, the exact
-//! equivalences of ALGORITHMS.md E2, and the stability boundaries of E3.
+//! equivalences of docs/ALGORITHMS.md §7 E2, and the stability boundaries of E3.
 
 use super::*;
 use crate::reference::State;
@@ -111,7 +111,7 @@ fn quadratic_grad(x: &[f32], h: &[f32], step: u64) -> Vec<f32> {
 
 #[test]
 fn dana_slim_equals_dana_zero_lookahead_at_constant_lr() {
-    // ALGORITHMS.md E2: N = 16 workers in round-robin order, constant η, 5 "epochs" of 64 pushes each.
+    // docs/ALGORITHMS.md §7 E2: N = 16 workers in round-robin order, constant η, 5 "epochs" of 64 pushes each.
     let (n, workers) = (256usize, 16usize);
     let h = Hyper { lr: 0.05, momentum: 0.9, weight_decay: 0.0, ..hyper() };
     let curvature: Vec<f32> = random(n, 7, 1e-3, 1.0);

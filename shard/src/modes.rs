@@ -82,8 +82,8 @@ pub struct ModeConfig {
     pub gba_threshold: u64,
     /// SSP: how many pushes a worker may run ahead of the slowest live worker.
     pub ssp_bound: u64,
-    /// Steps over which the learning-rate multiplier moves to a new value; None = 8 × the worker-count
-    /// ratio when growing and at once when shrinking.
+    /// Steps over which the learning-rate multiplier moves to a new value; None = 8 × the ratio of the new
+    /// value to the current one when growing, and at once when shrinking.
     pub lr_ramp_steps: Option<u64>,
     /// A worker straggles when its compute time exceeds this multiple of the median...
     pub straggler_enter: f64,
@@ -215,10 +215,13 @@ impl LrRamp {
             self.workers = live;
             return false;
         };
-        let ratio = f64::from(live) / f64::from(self.workers.max(1));
         let current = self.multiplier(step);
+        let target = f64::from(live) / f64::from(reference);
+        // The length follows the whole change still ahead (target over where the multiplier is now), so
+        // workers that join one by one get the same ramp as a group that joins at once.
+        let ratio = target / current.max(f64::MIN_POSITIVE);
         self.from = current;
-        self.to = f64::from(live) / f64::from(reference);
+        self.to = target;
         self.start = step;
         self.len = ramp_steps.unwrap_or(if ratio > 1.0 { (8.0 * ratio).round() as u64 } else { 0 });
         self.workers = live;
@@ -279,5 +282,24 @@ mod tests {
         assert!((r.multiplier(305) - 0.75).abs() < 1e-12);
         assert!("gba".parse::<Mode>().is_ok() && "bsp".parse::<Mode>().is_err());
         assert_eq!(Mode::from_code(Mode::Gba.code()), Some(Mode::Gba));
+    }
+
+    #[test]
+    fn workers_joining_one_by_one_get_the_ramp_of_a_group() {
+        let (mut one_by_one, mut group) = (LrRamp::default(), LrRamp::default());
+        for r in [&mut one_by_one, &mut group] {
+            r.set_workers(8, 0, None);
+            r.fix_reference();
+        }
+        for live in 9..=64 {
+            one_by_one.set_workers(live, 50, None);
+        }
+        group.set_workers(64, 50, None);
+        // 8× growth: 64 steps from 1 to 8 either way.
+        for step in [50, 60, 82, 113, 114, 200] {
+            assert!((one_by_one.multiplier(step) - group.multiplier(step)).abs() < 1e-9, "step {step}");
+        }
+        assert_eq!(group.multiplier(114), 8.0);
+        assert!(group.multiplier(113) < 8.0);
     }
 }

@@ -1,4 +1,4 @@
-//! `gaps sim experiments`: the small-scale reproductions of ALGORITHMS.md §12 — E1 (momentum × staleness
+//! `gaps sim experiments`: the small-scale reproductions of docs/ALGORITHMS.md §7 — E1 (momentum × staleness
 //! on the MLP, with the §12 pass criteria checked), E2 (exact equivalences), E3 (stability boundaries), E5
 //! (elastic resize, immediate vs ramped learning rate), E4 (GBA against sync and async with stragglers) —
 //! written as a markdown report and an SVG plot under
@@ -585,7 +585,7 @@ pub fn run_experiments(grid: &Grid, out: &Path, command: &str) -> Result<String>
     let e = first.context("the grid has no learning rate")?;
     let shape1 = e1(&Grid { workers: vec![32], ..grid.clone() }, e.lr, 1.0)?;
     let _ = writeln!(md, "### E1 with exponential delays (shape 1), N = 32\n\n{}", e1_table(&shape1));
-    let _ = writeln!(md, "### E1 pass criteria (ALGORITHMS.md §12)\n");
+    let _ = writeln!(md, "### E1 pass criteria (docs/ALGORITHMS.md §7)\n");
     for (text, pass) in e1_criteria(&e, Some(&shape1)) {
         let _ = writeln!(md, "- {} {text}", if pass { "PASS" } else { "FAIL" });
     }

@@ -1,4 +1,4 @@
-//! `gaps sim`: the deterministic straggler simulator (ALGORITHMS.md §1, DESIGN.md §6).
+//! `gaps sim`: the deterministic straggler simulator (docs/ALGORITHMS.md §1).
 //!
 //! N virtual workers draw their time per batch from Gamma(shape, batch/shape) (times a per-worker factor:
 //! explicit straggler factors, or CVB heterogeneity); a min-heap ordered by (time, worker id) picks who
@@ -28,7 +28,7 @@ use tasks::Task;
 /// The simulated model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum ModelChoice {
-    /// Teacher–student MLP (ALGORITHMS.md §11).
+    /// Teacher–student MLP (docs/ALGORITHMS.md §7 (E1)).
     Mlp,
     /// Noisy quadratic.
     Quadratic,
@@ -427,13 +427,15 @@ fn setup(args: &SimArgs) -> Result<(Box<dyn Task>, ShardCore, Hyper)> {
         sparse: gaps_shard::core::SparseSettings::default(),
         modes: gaps_shard::modes::ModeConfig {
             mode: match args.mode {
-                SimMode::Async | SimMode::Sync => gaps_shard::modes::Mode::Async,
+                SimMode::Async => gaps_shard::modes::Mode::Async,
+                SimMode::Sync => gaps_shard::modes::Mode::Sync,
                 SimMode::Gba => gaps_shard::modes::Mode::Gba,
                 SimMode::Ssp => gaps_shard::modes::Mode::Ssp,
                 SimMode::Auto => gaps_shard::modes::Mode::Auto,
             },
             gba_threshold: args.gba_threshold,
             ssp_bound: args.ssp_bound,
+            lr_ramp_steps: u64::try_from(args.lr_ramp_steps).ok(),
             ..gaps_shard::modes::ModeConfig::default()
         },
     })
@@ -494,14 +496,15 @@ struct Blocked {
     duration: f64,
 }
 
-fn register(core: &mut ShardCore) -> Result<()> {
+/// Registers one virtual worker with the shard and returns its id.
+fn register(core: &mut ShardCore) -> Result<u32> {
     let reg = gaps_common::wire::Register {
         protocol: gaps_common::wire::PROTOCOL_VERSION,
         role: gaps_common::wire::Role::Worker,
         name: "sim".into(),
     };
     match core.handle(Frame::new(Message::Register(reg)), Duration::ZERO).0.msg {
-        Message::ClusterMap(_) => Ok(()),
+        Message::ClusterMap(map) => map.worker_id.ok_or_else(|| anyhow!("the shard gave no worker id")),
         other => Err(anyhow!("the shard refused a registration: {other:?}")),
     }
 }
@@ -753,19 +756,20 @@ fn finish(args: &SimArgs, task: &dyn Task, core: &mut ShardCore, o: Outcome) -> 
     })
 }
 
-/// Global-batch synchronous SGD (optionally elastic): every round, each of the N live workers computes one
-/// gradient on the current parameters; the average is applied once with η·N (linear scaling, warmed up from
-/// η); the round takes as long as the slowest worker. The total number of gradients equals the async run's.
+/// Global-batch synchronous SGD (optionally elastic), driven through the shard's own sync mode: every
+/// round, each of the N live virtual workers pulls, computes one gradient on the current parameters and
+/// pushes it under its own worker id; the shard averages the round and applies it once, with its elastic
+/// learning-rate multiplier ([`gaps_shard::modes::LrRamp`]: live / initial workers, ramped when the count
+/// grows). Workers join and leave the shard with `Register` and `Leave`, as real ones do. The simulator
+/// only sets the schedule's factor (warm-up from η to the scaled η, the decays, and the initial worker count
+/// for linear scaling). A round takes as long as its slowest worker. The total number of gradients equals
+/// the async run's.
 fn run_sync(args: &SimArgs) -> Result<SimReport> {
     let (task, mut core, _hyper) = setup(args)?;
     let p = task.num_params();
     let mut timing = Rng::new(mix(args.seed, 0x71e));
     let mut order_rng = Rng::new(mix(args.seed, 0x0d3));
     let scale = f64::from(args.batch) / args.shape;
-    let max_workers = args.elastic.iter().copied().max().unwrap_or(args.workers).max(args.workers) as usize;
-    let slowness: Vec<f64> = (0..max_workers)
-        .map(|w| args.stragglers.iter().filter(|(s, _)| *s as usize == w).map(|(_, f)| *f).product::<f64>())
-        .collect();
     let Schedule { batches_per_epoch, total, warmup, decays } = Schedule::new(args, task.as_ref());
     let workers_at = |gradients: u64| -> u32 {
         if args.elastic.is_empty() {
@@ -774,91 +778,89 @@ fn run_sync(args: &SimArgs) -> Result<SimReport> {
         let phase = gradients / (batches_per_epoch as u64 * u64::from(args.elastic_every));
         args.elastic[(phase % args.elastic.len() as u64) as usize]
     };
+    let needs_read = args.rule.layout().needs_read;
     let mut csv = open_csv(args)?;
     let started = Instant::now();
     let mut order = order_rng.permutation(task.train_size());
-    let (mut used, mut now, mut diverged, mut rounds, mut seq) = (0usize, 0.0f64, false, 0u64, 0u64);
+    let (mut used, mut now, mut diverged, mut rounds) = (0usize, 0.0f64, false, 0u64);
     let mut gradients = 0u64;
     let mut grad = vec![0.0f32; p];
-    let mut sum = vec![0.0f32; p];
-    let mut n = workers_at(0);
-    // The multiplier follows the worker count: it ramps from `ramp_from` to n over `ramp_len` rounds.
-    let (mut ramp_from, mut ramp_start, mut ramp_len) = (f64::from(n), 0u64, 0u64);
+    // The live workers' ids (as the shard handed them out) and sequence numbers, in join order; the slot in
+    // this list picks a worker's straggler factor.
+    let mut live: Vec<(u32, u64)> = Vec::new();
+    let initial = workers_at(0);
     while gradients < total {
         if rounds % 64 == 0 && started.elapsed() > args.timeout {
             bail!("the simulation ran past --timeout {:?}", args.timeout);
         }
-        let next = workers_at(gradients);
-        if next != n {
-            let k = f64::from(next) / f64::from(n);
-            let current = ramp_from + (f64::from(n) - ramp_from) * ramp_progress(rounds, ramp_start, ramp_len);
-            ramp_len = match args.lr_ramp_steps {
-                s if s < 0 => {
-                    if k > 1.0 {
-                        (8.0 * k).round() as u64
-                    } else {
-                        0
-                    }
-                }
-                s => s as u64,
-            };
-            ramp_from = current;
-            ramp_start = rounds;
-            n = next;
+        // The last round may be short: the workers without data leave, as at the end of a real job.
+        let wanted = (u64::from(workers_at(gradients))).min(total - gradients) as usize;
+        while live.len() > wanted {
+            if let Some((worker, _)) = live.pop() {
+                core.handle(Frame::new(Message::Leave(gaps_common::wire::Leave { worker })), Duration::ZERO);
+            }
         }
-        let ramped = ramp_from + (f64::from(n) - ramp_from) * ramp_progress(rounds, ramp_start, ramp_len);
-        // Linear scaling: η × N for the global batch (ramped on resizes); without it η stays as given.
-        let multiplier = if args.linear_scaling { ramped } else { 1.0 };
-        // Warm-up from η to the scaled η (Goyal et al.), then the decays.
-        let warm = schedule(gradients, warmup, 1.0 / multiplier.max(1.0), &decays);
-        core.set_lr_scale((warm * multiplier) as f32).map_err(|e| anyhow!("{e}"))?;
+        while live.len() < wanted {
+            live.push((register(&mut core)?, 0));
+        }
+        // The shard scales η by live / initial workers; the schedule's factor supplies the rest: the initial
+        // count for linear scaling (so η·N in all), warmed up from η, and the decays. Without linear scaling
+        // the factor divides the shard's multiplier back out.
+        let warm = if args.linear_scaling {
+            f64::from(initial) * schedule(gradients, warmup, 1.0 / f64::from(initial), &decays)
+        } else {
+            schedule(gradients, warmup, 1.0, &decays) / core.lr_multiplier()
+        };
+        core.set_lr_scale(warm as f32).map_err(|e| anyhow!("{e}"))?;
         let (params, version) = pull(&mut core)?;
-        sum.iter_mut().for_each(|s| *s = 0.0);
         let mut slowest = 0.0f64;
         let mut loss_sum = 0.0f32;
-        let live = (n as u64).min(total - gradients) as usize;
-        for w in 0..live {
+        for (slot, (worker, seq)) in live.iter_mut().enumerate() {
             if used + args.batch as usize > task.train_size() {
                 order = order_rng.permutation(task.train_size());
                 used = 0;
             }
             let batch = &order[used..used + args.batch as usize];
             used += args.batch as usize;
-            loss_sum += task.loss_grad(&params, batch, gradients, &mut grad);
-            sum.iter_mut().zip(&grad).for_each(|(s, g)| *s += g);
-            slowest = slowest.max(timing.gamma(args.shape, scale * slowness.get(w).copied().unwrap_or(1.0)));
+            let loss = task.loss_grad(&params, batch, gradients, &mut grad);
+            loss_sum += loss;
             gradients += 1;
+            let slowness =
+                args.stragglers.iter().filter(|(s, _)| *s as usize == slot).map(|(_, f)| *f).product::<f64>();
+            let duration = timing.gamma(args.shape, scale * slowness);
+            slowest = slowest.max(duration);
+            if !loss.is_finite() || grad.iter().any(|g| !g.is_finite()) {
+                diverged = true;
+                break;
+            }
+            *seq += 1;
+            let mut payload = grad.clone();
+            if needs_read {
+                payload.extend_from_slice(&params);
+            }
+            let push = Push {
+                epoch: 1,
+                worker: *worker,
+                seq: *seq,
+                chunks: vec![PushChunk { id: CHUNK, read_version: version, len: p as u32, echo: needs_read }],
+                compute_ms: duration.round().clamp(1.0, f64::from(u32::MAX)) as u32,
+            };
+            let (reply, _) = core.handle(Frame { msg: Message::Push(push), payload }, Duration::ZERO);
+            if !matches!(reply.msg, Message::Ack(_)) {
+                bail!("the shard refused a push: {:?}", reply.msg);
+            }
         }
-        now += slowest;
-        let inv = 1.0 / live as f32;
-        sum.iter_mut().for_each(|s| *s *= inv);
-        if !loss_sum.is_finite() || sum.iter().any(|g| !g.is_finite()) {
-            diverged = true;
+        if diverged {
             break;
         }
-        seq += 1;
-        let mut payload = sum.clone();
-        let needs_read = args.rule.layout().needs_read;
-        if needs_read {
-            payload.extend_from_slice(&params);
-        }
-        let push = Push {
-            epoch: 1,
-            worker: 0,
-            seq,
-            chunks: vec![PushChunk { id: CHUNK, read_version: version, len: p as u32, echo: needs_read }],
-            compute_ms: 0,
-        };
-        let (reply, _) = core.handle(Frame { msg: Message::Push(push), payload }, Duration::ZERO);
-        if !matches!(reply.msg, Message::Ack(_)) {
-            bail!("the shard refused a push: {:?}", reply.msg);
-        }
+        now += slowest;
         if let Some(out) = csv.as_mut() {
             writeln!(
                 out,
-                "{rounds},{},{now},{n},0,{},{},0",
+                "{rounds},{},{now},{},0,{},{},0",
                 gradients / batches_per_epoch as u64,
-                loss_sum * inv,
+                live.len(),
+                loss_sum / live.len() as f32,
                 core.lr()
             )?;
         }
@@ -871,14 +873,17 @@ fn run_sync(args: &SimArgs) -> Result<SimReport> {
     if let Some(mut out) = csv {
         out.flush()?;
     }
-    let staleness = vec![0u32; rounds as usize];
-    finish(args, task.as_ref(), &mut core, Outcome { staleness, gap_sum: 0.0, now, diverged, events: rounds, started })
-}
-
-fn ramp_progress(round: u64, start: u64, len: u64) -> f64 {
-    if len == 0 {
-        1.0
-    } else {
-        ((round - start) as f64 / len as f64).min(1.0)
+    let steps = core.stats().steps_sync;
+    if !diverged && steps != rounds {
+        bail!("the shard completed {steps} synchronous steps for {rounds} rounds");
     }
+    let staleness = vec![0u32; rounds as usize];
+    let mut report = finish(
+        args,
+        task.as_ref(),
+        &mut core,
+        Outcome { staleness, gap_sum: 0.0, now, diverged, events: rounds, started },
+    )?;
+    report.workers_final = live.len() as u32;
+    Ok(report)
 }

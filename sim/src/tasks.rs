@@ -1,6 +1,6 @@
 //! Training tasks of the simulator, all synthetic and seeded:
 //!
-//! - `mlp`: the teacher–student task of ALGORITHMS.md §11 — x ∈ R²⁰ ~ N(0, I); a teacher 20→32 tanh→10 labels
+//! - `mlp`: the teacher–student task of docs/ALGORITHMS.md §7 (E1) — x ∈ R²⁰ ~ N(0, I); a teacher 20→32 tanh→10 labels
 //!   each x by argmax, 5 % of labels replaced at random; 16,384 training and 4,096 test samples; the student
 //!   is a 20→64 ReLU→10 MLP (He initialisation) trained with softmax cross-entropy. Metric: test accuracy %.
 //! - `quadratic`: f(x) = ½ Σ h_j x_j² with h log-spaced over [1e-3, 1] and Gaussian gradient noise per

@@ -1,4 +1,4 @@
-//! The simulator on real (small) simulations: the orderings of ALGORITHMS.md §12 E1 at 32 workers with
+//! The simulator on real (small) simulations: the orderings of docs/ALGORITHMS.md §7 E1 at 32 workers with
 //! Gamma shape 100, DANA-Slim ≡ DANA-Zero, determinism, and refusal of bad flags.
 
 use gaps_kernels::Rule;
@@ -184,4 +184,23 @@ fn killed_and_added_virtual_workers_keep_the_gradient_count() {
     assert!(err.contains("waiting or gone"), "{err}");
     let nobody = SimArgs { kill_workers: vec![(9, 1.0)], ..SimArgs::defaults() };
     assert!(run(&nobody).expect_err("no such worker").to_string().contains("--kill-worker"));
+}
+
+#[test]
+fn sync_and_elastic_runs_are_the_shards_own_sync_steps_and_ramp() {
+    // Fixed N: one shard step per round, every gradient counted once.
+    let fixed = run(&SimArgs { mode: SimMode::Sync, epochs: 2, ..small(Rule::Momentum, 8) }).expect("sync");
+    assert_eq!(fixed.steps_sync, fixed.events, "{}", fixed.to_json());
+    assert_eq!(fixed.lr_multiplier_final, 1.0);
+    // Elastic 2 → 8 after one epoch (256 gradients, then 32 rounds of 8): the shard's multiplier heads for
+    // live / initial = 4 over 8 × 4 = 32 steps, so the last round applies 1 + 3 · 31/32 = 3.906.
+    let elastic =
+        SimArgs { mode: SimMode::Sync, epochs: 2, elastic: vec![2, 8], elastic_every: 1, ..small(Rule::Momentum, 2) };
+    let r = run(&elastic).expect("elastic sync");
+    assert_eq!(r.steps_sync, r.events, "{}", r.to_json());
+    assert_eq!(r.workers_final, 8);
+    assert!((r.lr_multiplier_final - 3.906).abs() < 1e-3, "{}", r.to_json());
+    // With an immediate ramp the same run differs: the ramp is the shard's, not the simulator's.
+    let immediate = run(&SimArgs { lr_ramp_steps: 0, ..elastic }).expect("immediate");
+    assert_ne!(immediate.params, r.params);
 }
