@@ -63,33 +63,15 @@ pub struct LocalArgs {
     /// Hidden units of dlrm.
     #[arg(long, env = "GAPS_HIDDEN", default_value_t = 32)]
     pub hidden: u32,
-    /// Update rule of embedding rows.
-    #[arg(long, env = "GAPS_SPARSE_RULE", default_value = "adagrad")]
-    pub sparse_rule: Rule,
-    /// Learning rate of embedding rows.
-    #[arg(long, env = "GAPS_SPARSE_LR", default_value_t = 0.05)]
-    pub sparse_lr: f32,
-    /// Create an embedding row only after its id was seen this many times.
-    #[arg(long, env = "GAPS_ADMIT_AFTER", default_value_t = 0)]
-    pub admit_after: u32,
-    /// Memory budget of each shard's embedding tables, e.g. 256MiB.
-    #[arg(long, env = "GAPS_TABLE_MEMORY")]
-    pub table_memory: Option<String>,
-    /// Momentum.
-    #[arg(long, env = "GAPS_MOMENTUM", default_value_t = 0.9)]
-    pub momentum: f32,
-    /// L2 weight decay.
-    #[arg(long, env = "GAPS_WEIGHT_DECAY", default_value_t = 0.0)]
-    pub weight_decay: f32,
-    /// DC-ASGD / DANA-DC λ (λ0 for dc-asgd-adaptive).
-    #[arg(long, env = "GAPS_DC_LAMBDA", default_value_t = 2.0)]
-    pub dc_lambda: f32,
     /// Where the shards apply updates: cpu, cuda or auto.
     #[arg(long, env = "GAPS_DEVICE", default_value = "cpu")]
     pub device: String,
-    /// Training mode: async, sync, gba, ssp or auto.
-    #[arg(long, env = "GAPS_MODE", default_value = "async")]
-    pub mode: gaps_shard::modes::Mode,
+    #[command(flatten)]
+    pub hyper: gaps_server::cli::HyperArgs,
+    #[command(flatten)]
+    pub tables: gaps_server::cli::TableArgs,
+    #[command(flatten)]
+    pub modes: gaps_server::cli::ModeArgs,
     /// A straggler: `W:F` makes worker W F times slower by injected delay; `W:F:T` only for the first T.
     #[arg(long = "straggler", env = "GAPS_STRAGGLERS", value_delimiter = ',', value_parser = parse_straggler)]
     pub stragglers: Vec<Straggler>,
@@ -280,7 +262,7 @@ impl LocalReport {
             "staleness_mean": self.staleness_mean,
             "staleness_max": self.staleness_max,
             "wall_s": self.wall_s,
-            "mode": args.mode.name(),
+            "mode": args.modes.mode.name(),
             "mode_switches": self.mode_switches,
             "steps_sync": self.steps_sync,
             "steps_gba": self.steps_gba,
@@ -289,7 +271,7 @@ impl LocalReport {
             "lr_multiplier_final": self.lr_multiplier_final,
         });
         if let (Some(c), Some(map)) = (&self.ctr, v.as_object_mut()) {
-            map.insert("sparse_rule".into(), args.sparse_rule.name().into());
+            map.insert("sparse_rule".into(), args.tables.sparse_rule.name().into());
             map.insert("data".into(), args.data.clone().into());
             map.insert("auc".into(), c.auc.into());
             map.insert("teacher_auc".into(), c.teacher_auc.map_or(serde_json::Value::Null, Into::into));
@@ -424,14 +406,7 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             format!("--layout={}", path("layout.toml")),
             format!("--rule={}", args.rule()),
             format!("--lr={}", args.lr()),
-            format!("--sparse-rule={}", args.sparse_rule),
-            format!("--sparse-lr={}", args.sparse_lr),
-            format!("--admit-after={}", args.admit_after),
             format!("--init-std={}", if args.ctr() { 0.05 } else { 0.0 }),
-            format!("--momentum={}", args.momentum),
-            format!("--weight-decay={}", args.weight_decay),
-            format!("--dc-lambda={}", args.dc_lambda),
-            format!("--mode={}", args.mode),
             format!("--device={}", args.device),
             format!("--seed={}", args.seed),
             format!("--lease={}ms", args.lease.as_millis()),
@@ -439,9 +414,9 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
         if let Some(c) = coordinator {
             a.push(format!("--coordinator={c}"));
         }
-        if let Some(m) = &args.table_memory {
-            a.push(format!("--table-memory={m}"));
-        }
+        a.extend(args.hyper.to_flags());
+        a.extend(args.tables.to_flags());
+        a.extend(args.modes.to_flags());
         a
     };
     let mut servers = Vec::new();

@@ -269,3 +269,22 @@ async fn main() -> Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// clap's own consistency checks over every subcommand (`gaps server` and `gaps worker` included): no
+    /// two flags share a name, defaults parse, flattened argument groups do not collide.
+    #[test]
+    fn every_command_line_is_consistent() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+        let parsed =
+            Cli::try_parse_from(["gaps", "local", "--mode", "sync", "--table-memory", "64MiB", "--lease", "1h 30m"]);
+        let Ok(Cli { command: Command::Local(args) }) = parsed else { panic!("gaps local flags parse: {parsed:?}") };
+        assert_eq!(args.tables.table_memory, Some(64 << 20));
+        assert_eq!(args.lease, std::time::Duration::from_secs(5400));
+        assert!(Cli::try_parse_from(["gaps", "local", "--table-memory", "lots"]).is_err());
+    }
+}

@@ -2,25 +2,20 @@
 
 use std::time::Duration;
 
-/// Parses a duration such as `250ms`, `30s`, `2m`, `1h` or a plain number of seconds (`1.5`).
+/// Parses a duration: humantime's forms (`250ms`, `30s`, `2m`, `1h 30m`, `2days`) or a plain number of
+/// seconds (`1.5`). Negative, non-finite and absurdly long durations are refused.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let t = text.trim();
-    let (number, unit) = match t.find(|c: char| c.is_ascii_alphabetic()) {
-        Some(i) => (&t[..i], &t[i..]),
-        None => (t, "s"),
+    let parsed = match t.parse::<f64>() {
+        Ok(seconds) if seconds.is_finite() && (0.0..=1e9).contains(&seconds) => Duration::from_secs_f64(seconds),
+        Ok(_) => return Err(format!("duration {text:?} is out of range")),
+        Err(_) => humantime::parse_duration(t)
+            .map_err(|e| format!("{text:?} is not a duration ({e}; try 500ms, 30s, 2m or 1h 30m)"))?,
     };
-    let value: f64 = number.trim().parse().map_err(|_| format!("{text:?} is not a duration (try 500ms, 30s, 2m)"))?;
-    let seconds = match unit {
-        "ms" => value / 1000.0,
-        "s" => value,
-        "m" | "min" => value * 60.0,
-        "h" => value * 3600.0,
-        other => return Err(format!("unknown duration unit {other:?} in {text:?} (use ms, s, m or h)")),
-    };
-    if !(0.0..=1e9).contains(&seconds) {
+    if parsed > Duration::from_secs(1_000_000_000) {
         return Err(format!("duration {text:?} is out of range"));
     }
-    Ok(Duration::from_secs_f64(seconds))
+    Ok(parsed)
 }
 
 #[cfg(test)]
@@ -34,6 +29,9 @@ mod tests {
         assert_eq!(parse_duration("1.5"), Ok(Duration::from_millis(1500)));
         assert!(parse_duration("soon").is_err());
         assert!(parse_duration("-1s").is_err());
-        assert!(parse_duration("3 weeks").is_err());
+        assert_eq!(parse_duration("1h 30m"), Ok(Duration::from_secs(5400)));
+        assert!(parse_duration("3 fortnights").is_err());
+        assert!(parse_duration("inf").is_err());
+        assert!(parse_duration("100000years").is_err());
     }
 }

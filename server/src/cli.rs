@@ -5,7 +5,7 @@ use anyhow::{Context, Result};
 use gaps_common::config::parse_duration;
 use gaps_kernels::{Hyper, Rule};
 use gaps_shard::sparse::Eviction;
-use gaps_shard::{Init, ShardConfig, SparseSettings};
+use gaps_shard::{Init, ModeConfig, ShardConfig, SparseSettings};
 use gaps_transport::tls::TlsMaterial;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -45,62 +45,24 @@ pub struct ServerArgs {
     /// rule). `gaps layout --model NAME` prints the built-in models' layouts. Every shard gets the same file.
     #[arg(long, env = "GAPS_LAYOUT")]
     pub layout: PathBuf,
-    /// Update rule of embedding rows (one without per-worker state).
-    #[arg(long, env = "GAPS_SPARSE_RULE", default_value = "adagrad")]
-    pub sparse_rule: Rule,
-    /// Learning rate of embedding rows.
-    #[arg(long, env = "GAPS_SPARSE_LR", default_value_t = 0.05)]
-    pub sparse_lr: f32,
-    /// Standard deviation of the embedding initializer.
-    #[arg(long, env = "GAPS_EMBEDDING_INIT_STD", default_value_t = 0.01)]
-    pub embedding_init_std: f32,
-    /// Create an embedding row only after its id was seen this many times (0: at once).
-    #[arg(long, env = "GAPS_ADMIT_AFTER", default_value_t = 0)]
-    pub admit_after: u32,
-    /// Memory budget of this shard's embedding tables, e.g. 2GiB (none: unbounded).
-    #[arg(long, env = "GAPS_TABLE_MEMORY", value_parser = parse_bytes)]
-    pub table_memory: Option<u64>,
-    /// Evict embedding rows idle this long (TTL); the budget is enforced by LRU either way.
-    #[arg(long, env = "GAPS_TABLE_TTL", value_parser = parse_duration)]
-    pub table_ttl: Option<Duration>,
-    /// Update rule.
+    /// Update rule of the dense tensors (a tensor's `rule` in the layout file takes precedence).
     #[arg(long, env = "GAPS_RULE", default_value = "momentum")]
     pub rule: Rule,
-    /// Learning rate η.
+    /// Learning rate η of the dense tensors.
     #[arg(long, env = "GAPS_LR", default_value_t = 0.1)]
     pub lr: f32,
-    /// Momentum γ.
-    #[arg(long, env = "GAPS_MOMENTUM", default_value_t = 0.9)]
-    pub momentum: f32,
-    /// L2 weight decay.
-    #[arg(long, env = "GAPS_WEIGHT_DECAY", default_value_t = 0.0)]
-    pub weight_decay: f32,
-    /// DC-ASGD / DANA-DC λ (constant form), or λ0 of dc-asgd-adaptive.
-    #[arg(long, env = "GAPS_DC_LAMBDA", default_value_t = 2.0)]
-    pub dc_lambda: f32,
-    /// Decay m of dc-asgd-adaptive's running mean square of gradients.
-    #[arg(long, env = "GAPS_DC_MS_DECAY", default_value_t = 0.95)]
-    pub dc_ms_decay: f32,
+    #[command(flatten)]
+    pub hyper: HyperArgs,
+    #[command(flatten)]
+    pub tables: TableArgs,
+    #[command(flatten)]
+    pub modes: ModeArgs,
     /// Where updates run: cpu, cuda (fails when no GPU can be used) or auto (the GPU when present).
     #[arg(long, env = "GAPS_DEVICE", default_value = "cpu")]
     pub device: gaps_kernels::cuda::DeviceChoice,
     /// Threads a large push may use (0: one per core).
     #[arg(long, env = "GAPS_THREADS", default_value_t = 0)]
     pub threads: usize,
-    /// Training mode: async, sync (global-batch BSP), gba (global-batch aggregation), ssp (bounded
-    /// staleness) or auto (sync without stragglers, gba with them).
-    #[arg(long, env = "GAPS_MODE", default_value = "async")]
-    pub mode: gaps_shard::modes::Mode,
-    /// GBA: gradients more than this many global steps stale are dropped.
-    #[arg(long, env = "GAPS_GBA_THRESHOLD", default_value_t = 4)]
-    pub gba_threshold: u64,
-    /// SSP: pushes a worker may run ahead of the slowest live worker.
-    #[arg(long, env = "GAPS_SSP_BOUND", default_value_t = 3)]
-    pub ssp_bound: u64,
-    /// Steps over which the learning-rate multiplier follows a change of the worker count (default: 8 × the
-    /// count ratio when growing, at once when shrinking).
-    #[arg(long, env = "GAPS_LR_RAMP_STEPS")]
-    pub lr_ramp_steps: Option<u64>,
     /// Seed of the parameter initializer.
     #[arg(long, env = "GAPS_SEED", default_value_t = 1)]
     pub seed: u64,
@@ -125,19 +87,152 @@ pub struct ServerArgs {
     pub metrics_addr: Option<SocketAddr>,
 }
 
-impl ServerArgs {
-    /// The service configuration these flags describe.
-    pub fn service_config(&self) -> Result<ServiceConfig> {
-        let tls = TlsMaterial::load(&self.ca, &self.cert, &self.key).context("loading the server's TLS material")?;
-        let layout = load_layout(&self.layout)?;
+/// Hyper-parameters of the dense rules beyond the rule and η (shared by `gaps-server` and `gaps local`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct HyperArgs {
+    /// Momentum γ.
+    #[arg(long, env = "GAPS_MOMENTUM", default_value_t = 0.9)]
+    pub momentum: f32,
+    /// L2 weight decay.
+    #[arg(long, env = "GAPS_WEIGHT_DECAY", default_value_t = 0.0)]
+    pub weight_decay: f32,
+    /// DC-ASGD / DANA-DC λ (constant form), or λ0 of dc-asgd-adaptive.
+    #[arg(long, env = "GAPS_DC_LAMBDA", default_value_t = 2.0)]
+    pub dc_lambda: f32,
+    /// Decay m of dc-asgd-adaptive's running mean square of gradients.
+    #[arg(long, env = "GAPS_DC_MS_DECAY", default_value_t = 0.95)]
+    pub dc_ms_decay: f32,
+}
+
+impl HyperArgs {
+    /// The rule's hyper-parameters with learning rate `lr`, validated.
+    pub fn hyper(&self, lr: f32) -> Result<Hyper> {
         let hyper = Hyper {
-            lr: self.lr,
+            lr,
             momentum: self.momentum,
             weight_decay: self.weight_decay,
             dc_lambda: self.dc_lambda,
             dc_ms_decay: self.dc_ms_decay,
         };
         hyper.validate()?;
+        Ok(hyper)
+    }
+
+    /// The same settings as `gaps-server` flags.
+    pub fn to_flags(&self) -> Vec<String> {
+        vec![
+            format!("--momentum={}", self.momentum),
+            format!("--weight-decay={}", self.weight_decay),
+            format!("--dc-lambda={}", self.dc_lambda),
+            format!("--dc-ms-decay={}", self.dc_ms_decay),
+        ]
+    }
+}
+
+/// Flags of the sparse embedding tables (shared by `gaps-server` and `gaps local`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct TableArgs {
+    /// Update rule of embedding rows (one without per-worker state).
+    #[arg(long, env = "GAPS_SPARSE_RULE", default_value = "adagrad")]
+    pub sparse_rule: Rule,
+    /// Learning rate of embedding rows.
+    #[arg(long, env = "GAPS_SPARSE_LR", default_value_t = 0.05)]
+    pub sparse_lr: f32,
+    /// Standard deviation of the embedding initializer.
+    #[arg(long, env = "GAPS_EMBEDDING_INIT_STD", default_value_t = 0.01)]
+    pub embedding_init_std: f32,
+    /// Create an embedding row only after its id was seen this many times (0: at once).
+    #[arg(long, env = "GAPS_ADMIT_AFTER", default_value_t = 0)]
+    pub admit_after: u32,
+    /// Memory budget of this shard's embedding tables, e.g. 2GiB (none: unbounded).
+    #[arg(long, env = "GAPS_TABLE_MEMORY", value_parser = parse_bytes)]
+    pub table_memory: Option<u64>,
+    /// Evict embedding rows idle this long (TTL); the budget is enforced by LRU either way.
+    #[arg(long, env = "GAPS_TABLE_TTL", value_parser = parse_duration)]
+    pub table_ttl: Option<Duration>,
+}
+
+impl TableArgs {
+    /// The shard's table settings; rows use `momentum` where their rule has one.
+    pub fn settings(&self, momentum: f32) -> Result<SparseSettings> {
+        let hyper = Hyper { lr: self.sparse_lr, momentum, weight_decay: 0.0, ..Hyper::default() };
+        hyper.validate().context("--sparse-lr")?;
+        Ok(SparseSettings {
+            rule: self.sparse_rule,
+            hyper,
+            init_std: self.embedding_init_std,
+            admit_after: self.admit_after,
+            memory_budget: self.table_memory,
+            eviction: match self.table_ttl {
+                Some(ttl) => Eviction::Ttl { ttl_s: ttl.as_secs().clamp(1, u64::from(u32::MAX)) as u32 },
+                None => Eviction::Lru,
+            },
+        })
+    }
+
+    /// The same settings as `gaps-server` flags.
+    pub fn to_flags(&self) -> Vec<String> {
+        let mut flags = vec![
+            format!("--sparse-rule={}", self.sparse_rule),
+            format!("--sparse-lr={}", self.sparse_lr),
+            format!("--embedding-init-std={}", self.embedding_init_std),
+            format!("--admit-after={}", self.admit_after),
+        ];
+        flags.extend(self.table_memory.map(|m| format!("--table-memory={m}")));
+        flags.extend(self.table_ttl.map(|t| format!("--table-ttl={}ms", t.as_millis())));
+        flags
+    }
+}
+
+/// Flags of the training modes (shared by `gaps-server` and `gaps local`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct ModeArgs {
+    /// Training mode: async, sync (global-batch BSP), gba (global-batch aggregation), ssp (bounded
+    /// staleness) or auto (sync without stragglers, gba with them).
+    #[arg(long, env = "GAPS_MODE", default_value = "async")]
+    pub mode: gaps_shard::modes::Mode,
+    /// GBA: gradients more than this many global steps stale are dropped.
+    #[arg(long, env = "GAPS_GBA_THRESHOLD", default_value_t = 4)]
+    pub gba_threshold: u64,
+    /// SSP: pushes a worker may run ahead of the slowest live worker.
+    #[arg(long, env = "GAPS_SSP_BOUND", default_value_t = 3)]
+    pub ssp_bound: u64,
+    /// Steps over which the learning-rate multiplier follows a change of the worker count (default: 8 × the
+    /// count ratio when growing, at once when shrinking).
+    #[arg(long, env = "GAPS_LR_RAMP_STEPS")]
+    pub lr_ramp_steps: Option<u64>,
+}
+
+impl ModeArgs {
+    /// The shard's mode configuration.
+    pub fn config(&self) -> ModeConfig {
+        ModeConfig {
+            mode: self.mode,
+            gba_threshold: self.gba_threshold,
+            ssp_bound: self.ssp_bound,
+            lr_ramp_steps: self.lr_ramp_steps,
+            ..ModeConfig::default()
+        }
+    }
+
+    /// The same settings as `gaps-server` flags.
+    pub fn to_flags(&self) -> Vec<String> {
+        let mut flags = vec![
+            format!("--mode={}", self.mode),
+            format!("--gba-threshold={}", self.gba_threshold),
+            format!("--ssp-bound={}", self.ssp_bound),
+        ];
+        flags.extend(self.lr_ramp_steps.map(|t| format!("--lr-ramp-steps={t}")));
+        flags
+    }
+}
+
+impl ServerArgs {
+    /// The service configuration these flags describe.
+    pub fn service_config(&self) -> Result<ServiceConfig> {
+        let tls = TlsMaterial::load(&self.ca, &self.cert, &self.key).context("loading the server's TLS material")?;
+        let layout = load_layout(&self.layout)?;
+        let hyper = self.hyper.hyper(self.lr)?;
         let epoch = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_nanos() as u64)
@@ -159,24 +254,8 @@ impl ServerArgs {
                 advertise: String::new(),
                 epoch: epoch.max(1),
                 threads: self.threads,
-                modes: gaps_shard::modes::ModeConfig {
-                    mode: self.mode,
-                    gba_threshold: self.gba_threshold,
-                    ssp_bound: self.ssp_bound,
-                    lr_ramp_steps: self.lr_ramp_steps,
-                    ..gaps_shard::modes::ModeConfig::default()
-                },
-                sparse: SparseSettings {
-                    rule: self.sparse_rule,
-                    hyper: Hyper { lr: self.sparse_lr, momentum: self.momentum, weight_decay: 0.0, ..hyper },
-                    init_std: self.embedding_init_std,
-                    admit_after: self.admit_after,
-                    memory_budget: self.table_memory,
-                    eviction: match self.table_ttl {
-                        Some(ttl) => Eviction::Ttl { ttl_s: ttl.as_secs().clamp(1, u64::from(u32::MAX)) as u32 },
-                        None => Eviction::Lru,
-                    },
-                },
+                modes: self.modes.config(),
+                sparse: self.tables.settings(self.hyper.momentum)?,
             },
             join_timeout: self.join_timeout,
             tick_interval: Duration::from_millis(250),

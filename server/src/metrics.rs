@@ -1,10 +1,15 @@
 //! Prometheus metrics of a shard: handles registered once at start-up, served as text on `/metrics` by a
-//! minimal HTTP/1.1 responder (no web framework in the dependency tree).
+//! small hyper HTTP/1.1 service.
 
+use http_body_util::Full;
+use hyper::body::{Bytes, Incoming};
+use hyper::header::{HeaderValue, CONTENT_TYPE};
+use hyper::service::service_fn;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::{TokioIo, TokioTimer};
 use metrics::{Counter, Gauge, Histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use std::net::SocketAddr;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tracing::{debug, warn};
 
 /// Upper bounds of the RPC latency histogram, seconds.
@@ -131,7 +136,9 @@ pub fn install_recorder() -> anyhow::Result<PrometheusHandle> {
     Ok(handle)
 }
 
-/// Serves `GET /metrics` on `addr` until the task is aborted. Returns the bound address.
+/// Serves `GET /metrics` on `addr` over HTTP/1.1 (hyper) until the task is aborted. Returns the bound
+/// address. A failed accept (for example, out of file descriptors) is logged and retried after a pause
+/// instead of spinning.
 pub async fn serve(
     addr: SocketAddr,
     handle: PrometheusHandle,
@@ -140,46 +147,42 @@ pub async fn serve(
     let bound = listener.local_addr()?;
     let task = tokio::spawn(async move {
         loop {
-            let Ok((mut sock, peer)) = listener.accept().await else { continue };
+            let (stream, peer) = match listener.accept().await {
+                Ok(accepted) => accepted,
+                Err(e) => {
+                    warn!(error = %e, "accepting a metrics connection");
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
             let handle = handle.clone();
+            let service = service_fn(move |request: Request<Incoming>| {
+                let handle = handle.clone();
+                async move { Ok::<_, std::convert::Infallible>(respond(&request, &handle)) }
+            });
             tokio::spawn(async move {
-                let mut buf = vec![0u8; 8192];
-                let mut len = 0;
-                // Read until the end of the request head (or 8 KiB, or 5 s).
-                let read = tokio::time::timeout(std::time::Duration::from_secs(5), async {
-                    while len < buf.len() {
-                        match sock.read(&mut buf[len..]).await {
-                            Ok(0) | Err(_) => break,
-                            Ok(n) => len += n,
-                        }
-                        if buf[..len].windows(4).any(|w| w == b"\r\n\r\n") {
-                            break;
-                        }
-                    }
-                })
-                .await;
-                if read.is_err() {
-                    debug!(%peer, "metrics request timed out");
-                    return;
+                let connection = hyper::server::conn::http1::Builder::new()
+                    .timer(TokioTimer::new())
+                    .header_read_timeout(std::time::Duration::from_secs(5))
+                    .serve_connection(TokioIo::new(stream), service);
+                if let Err(e) = connection.await {
+                    debug!(%peer, error = %e, "metrics connection ended");
                 }
-                let head = String::from_utf8_lossy(&buf[..len]);
-                let path = head.split_whitespace().nth(1).unwrap_or("");
-                let (status, body) =
-                    if head.starts_with("GET ") && (path == "/metrics" || path.starts_with("/metrics?")) {
-                        ("200 OK", handle.render())
-                    } else {
-                        ("404 Not Found", "only GET /metrics is served here\n".to_string())
-                    };
-                let reply = format!(
-                    "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                    body.len()
-                );
-                if let Err(e) = sock.write_all(reply.as_bytes()).await {
-                    warn!(%peer, error = %e, "writing the metrics reply");
-                }
-                let _ = sock.shutdown().await;
             });
         }
     });
     Ok((bound, task))
+}
+
+/// The reply to one request: the metrics for `GET /metrics`, 404 for other paths, 405 for other methods.
+fn respond(request: &Request<Incoming>, handle: &PrometheusHandle) -> Response<Full<Bytes>> {
+    let (status, body) = match (request.method(), request.uri().path()) {
+        (&Method::GET, "/metrics") => (StatusCode::OK, handle.render()),
+        (_, "/metrics") => (StatusCode::METHOD_NOT_ALLOWED, "only GET is served here\n".to_string()),
+        _ => (StatusCode::NOT_FOUND, "only GET /metrics is served here\n".to_string()),
+    };
+    let mut response = Response::new(Full::new(Bytes::from(body)));
+    *response.status_mut() = status;
+    response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4"));
+    response
 }

@@ -12,9 +12,14 @@ use std::io::{Read, Write};
 use std::time::Duration;
 
 fn http_get(addr: std::net::SocketAddr, path: &str) -> String {
+    http(addr, "GET", path)
+}
+
+/// One request over a plain TCP socket, written by hand (an independent HTTP client).
+fn http(addr: std::net::SocketAddr, method: &str, path: &str) -> String {
     let mut s = std::net::TcpStream::connect(addr).expect("connect");
     s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
-    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").expect("write");
+    write!(s, "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").expect("write");
     let mut body = String::new();
     s.read_to_string(&mut body).expect("read");
     body
@@ -89,6 +94,20 @@ async fn metrics_endpoint_exports_pushes_pulls_bytes_latency_staleness_and_live_
     }
     let missing = tokio::task::spawn_blocking(move || http_get(metrics_addr, "/other")).await.expect("join");
     assert!(missing.starts_with("HTTP/1.1 404"), "{missing}");
+    let post = tokio::task::spawn_blocking(move || http(metrics_addr, "POST", "/metrics")).await.expect("join");
+    assert!(post.starts_with("HTTP/1.1 405"), "{post}");
+    // Garbage instead of a request head is answered or closed, and the endpoint keeps serving.
+    tokio::task::spawn_blocking(move || {
+        let mut s = std::net::TcpStream::connect(metrics_addr).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+        let _ = s.write_all(b"\x00\x01 not http at all\r\n\r\n");
+        let mut sink = Vec::new();
+        let _ = s.read_to_end(&mut sink);
+    })
+    .await
+    .expect("join");
+    let again = tokio::task::spawn_blocking(move || http_get(metrics_addr, "/metrics")).await.expect("join");
+    assert!(again.starts_with("HTTP/1.1 200"), "{again}");
     client.leave().await.expect("leave");
     server.shutdown().await.expect("shutdown");
 }
