@@ -1,6 +1,10 @@
 //! A small deterministic random number generator (xoshiro256++ seeded by SplitMix64).
 //!
 //! Used wherever results must be bit-reproducible for a seed (initialisers, synthetic data, the simulator).
+//! It is written here rather than taken from `rand` on purpose: the streams (and the Gamma and normal
+//! draws built on them) are part of the results — a seed must give the same model, data and simulation
+//! after any dependency upgrade, and `rand` does not promise value stability of its distributions across
+//! versions.
 
 /// SplitMix64 step: a good 64-bit mixer, also used to derive independent seeds from (seed, index).
 pub fn splitmix64(state: &mut u64) -> u64 {

@@ -51,14 +51,20 @@ impl CtrShape {
 
     /// The model's layout: its dense tensors and its one sparse table.
     pub fn layout(&self, chunk_elems: u32) -> Result<Layout, LayoutError> {
-        let t = |name: &str, len: usize| TensorSpec::new(name, len as u64);
+        let t = |name: &str, shape: &[usize]| TensorSpec::with_shape(name, shape.iter().map(|d| *d as u64).collect());
         let (tensors, table) = match self.model {
-            CtrModel::Lr => (vec![t("lr.int", NUM_INT), t("lr.bias", 1)], "lr.w"),
-            CtrModel::Fm => (vec![t("fm.int", NUM_INT), t("fm.bias", 1)], "fm.v"),
+            CtrModel::Lr => (vec![t("lr.int", &[NUM_INT]), t("lr.bias", &[1])], "lr.w"),
+            CtrModel::Fm => (vec![t("fm.int", &[NUM_INT]), t("fm.bias", &[1])], "fm.v"),
             CtrModel::Dlrm => {
                 let h = self.hidden as usize;
+                // w1 is row-major [hidden, input]: row j holds hidden unit j's input weights.
                 (
-                    vec![t("dlrm.w1", h * self.dlrm_input()), t("dlrm.b1", h), t("dlrm.w2", h), t("dlrm.b2", 1)],
+                    vec![
+                        t("dlrm.w1", &[h, self.dlrm_input()]),
+                        t("dlrm.b1", &[h]),
+                        t("dlrm.w2", &[h]),
+                        t("dlrm.b2", &[1]),
+                    ],
                     "dlrm.emb",
                 )
             }

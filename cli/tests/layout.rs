@@ -1,0 +1,184 @@
+//! `gaps layout` and `gaps server --layout` (the `gaps-server` program) as real processes: a user's own
+//! layout file is served by two shard processes and trained by a client; bad layout files stop the server
+//! with a message that names the problem.
+
+use gaps_common::wire::Role;
+use gaps_worker::client::{Client, ClientOptions};
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+const OWN_MODEL: &str = r#"
+chunk_elems = 8
+
+[[tensor]]
+name = "tower.w"
+shape = [4, 6]
+rule = "nesterov"
+lr = 0.05
+
+[[tensor]]
+name = "tower.b"
+shape = [4]
+rule = "dc-asgd"
+lr = 0.2
+momentum = 0.5
+
+[[table]]
+name = "item_emb"
+dim = 3
+rule = "sgd"
+lr = 0.3
+"#;
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("gaps-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
+
+/// A shard process; killed when dropped.
+struct Shard(Child);
+
+impl Drop for Shard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `gaps server` and returns it with the address it printed.
+fn start_shard(dir: &Path, layout: &Path, index: u32, shards: u32, coordinator: Option<&str>) -> (Shard, String) {
+    let path = |f: &str| dir.join(f).display().to_string();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_gaps"));
+    cmd.args(["server", "--listen", "127.0.0.1:0", "--rule", "sgd"])
+        .arg(format!("--shard-index={index}"))
+        .arg(format!("--num-shards={shards}"))
+        .arg(format!("--layout={}", layout.display()))
+        .arg(format!("--ca={}", path("ca.pem")))
+        .arg(format!("--cert={}", path("server.pem")))
+        .arg(format!("--key={}", path("server.key")))
+        .env("GAPS_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    if let Some(c) = coordinator {
+        cmd.arg(format!("--coordinator={c}"));
+    }
+    let mut child = cmd.spawn().expect("start gaps server");
+    let stdout = child.stdout.take().expect("stdout");
+    let mut line = String::new();
+    BufReader::new(stdout).read_line(&mut line).expect("read the listening line");
+    let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"));
+    assert_eq!(v["event"], "listening", "{line}");
+    (Shard(child), v["addr"].as_str().expect("addr").to_string())
+}
+
+#[test]
+fn gaps_layout_prints_files_the_server_accepts() {
+    for (model, json) in [("logreg", false), ("dlrm", false), ("fm", true), ("lr", true)] {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_gaps"));
+        cmd.args(["layout", "--model", model]);
+        if json {
+            cmd.arg("--json");
+        }
+        let out = cmd.output().expect("gaps layout");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let text = String::from_utf8(out.stdout).expect("utf-8");
+        let format = if json { gaps_common::layout_file::Format::Json } else { gaps_common::layout_file::Format::Toml };
+        let layout = gaps_common::layout_file::parse(&text, format).unwrap_or_else(|e| panic!("{model}: {e}\n{text}"));
+        if model == "dlrm" {
+            assert_eq!(layout.tensors[0].shape, vec![32, 13 + 26 * 8], "dlrm.w1 is [hidden, input]");
+        }
+    }
+}
+
+#[test]
+fn a_users_layout_file_is_served_by_shard_processes_and_trained() {
+    let dir = temp_dir("own-layout");
+    gaps_transport::tls::ClusterCerts::generate(&[]).expect("certs").write_to(&dir).expect("write certs");
+    let layout = dir.join("own.toml");
+    std::fs::write(&layout, OWN_MODEL).expect("layout file");
+    let (_s0, coordinator) = start_shard(&dir, &layout, 0, 2, None);
+    let (_s1, _) = start_shard(&dir, &layout, 1, 2, Some(&coordinator));
+
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("rt");
+    runtime.block_on(async {
+        let tls = gaps_transport::tls::TlsMaterial::load(
+            &dir.join("ca.pem"),
+            &dir.join("worker.pem"),
+            &dir.join("worker.key"),
+        )
+        .expect("worker tls");
+        let mut opts = ClientOptions::new(&coordinator, tls, Role::Worker, "own-model");
+        opts.rpc_timeout = Duration::from_secs(10);
+        let client = Client::connect(opts).await.expect("connect");
+        let map = client.map().clone();
+        assert_eq!(map.layout.tensors[0].shape, vec![4, 6]);
+        assert_eq!(client.tensor_rule(0), Some(gaps_kernels::Rule::Nesterov));
+        assert_eq!(client.tensor_rule(1), Some(gaps_kernels::Rule::DcAsgd), "its pushes carry the read echo");
+
+        // Minimise ½‖θ − 1‖² over the dense tensors and the rows of 50 ids.
+        let ids: Vec<u64> = (1..=50).collect();
+        let loss = |dense: &[Vec<f32>], rows: &[f32]| -> f32 {
+            dense.iter().flatten().chain(rows).map(|v| 0.5 * (v - 1.0) * (v - 1.0)).sum()
+        };
+        let start = client.pull().await.expect("pull");
+        let rows = client.pull_sparse(0, &ids, true).await.expect("sparse pull");
+        let initial = loss(&start.tensors, &rows.values);
+        for _ in 0..80 {
+            let snapshot = client.pull().await.expect("pull");
+            let grads = snapshot.tensors.iter().map(|t| t.iter().map(|v| v - 1.0).collect()).collect();
+            client.push(grads, &snapshot).await.expect("push");
+            let rows = client.pull_sparse(0, &ids, true).await.expect("sparse pull");
+            let grads: Vec<f32> = rows.values.iter().map(|v| v - 1.0).collect();
+            client.push_sparse(0, &rows, &grads).await.expect("sparse push");
+        }
+        let end = client.pull().await.expect("pull");
+        let rows = client.pull_sparse(0, &ids, false).await.expect("sparse pull");
+        let last = loss(&end.tensors, &rows.values);
+        assert!(last < initial / 20.0, "loss {initial} -> {last}");
+        client.leave().await.expect("leave");
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn bad_layout_files_stop_the_server_with_the_reason() {
+    let dir = temp_dir("bad-layout");
+    gaps_transport::tls::ClusterCerts::generate(&[]).expect("certs").write_to(&dir).expect("write certs");
+    let cases = [
+        ("[[tensor]]\nname = \"w\"\nshape = [3]\nrule = \"adamw\"\n", "adamw"),
+        ("[[tensor]]\nname = \"w\"\nshape = [3]\nlr = -1.0\n", "lr"),
+        (
+            "[[tensor]]\nname = \"w\"\nshape = [3]\n[[table]]\nname = \"e\"\ndim = 4\nrule = \"dana-zero\"\n",
+            "per worker",
+        ),
+        ("[[tensor]]\nname = \"w\"\nshape = [3]\nlearning_rate = 0.1\n", "unknown field"),
+        ("[[tensor]]\nname = \"w\"\nshape = [2, 0]\n", "elements"),
+    ];
+    for (i, (text, needle)) in cases.iter().enumerate() {
+        let layout = dir.join(format!("bad{i}.toml"));
+        std::fs::write(&layout, text).expect("write");
+        let path = |f: &str| dir.join(f).display().to_string();
+        let out = Command::new(env!("CARGO_BIN_EXE_gaps"))
+            .args(["server", "--listen", "127.0.0.1:0"])
+            .arg(format!("--layout={}", layout.display()))
+            .arg(format!("--ca={}", path("ca.pem")))
+            .arg(format!("--cert={}", path("server.pem")))
+            .arg(format!("--key={}", path("server.key")))
+            .env("RUST_BACKTRACE", "0")
+            .output()
+            .expect("run gaps server");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{text:?} was accepted");
+        assert!(stderr.contains(needle), "{text:?}: {stderr}");
+    }
+    let missing = Command::new(env!("CARGO_BIN_EXE_gaps"))
+        .args(["server", "--layout", "/nonexistent/layout.toml", "--ca", "x", "--cert", "x", "--key", "x"])
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .expect("run gaps server");
+    assert!(!missing.status.success());
+    let _ = std::fs::remove_dir_all(&dir);
+}
