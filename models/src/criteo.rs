@@ -7,7 +7,7 @@
 //! logistic teacher, so the best achievable AUC is known), and the AUC itself.
 
 use gaps_common::rng::{mix, Rng};
-use std::io::BufRead;
+use std::io::{BufRead, Read};
 
 /// Integer features per sample.
 pub const NUM_INT: usize = 13;
@@ -97,6 +97,10 @@ pub fn parse_line(text: &str, line: u64) -> Result<Sample, LineError> {
     Ok(s)
 }
 
+/// Longest line the reader accepts, bytes (a Criteo line is well under 1 KiB). A longer line is skipped
+/// and counted as bad without being held in memory.
+pub const MAX_LINE_BYTES: usize = 64 << 10;
+
 /// Streams samples from a reader, one line at a time, counting and remembering bad lines.
 #[derive(Debug)]
 pub struct CriteoReader<R> {
@@ -121,13 +125,24 @@ impl<R: BufRead> CriteoReader<R> {
         loop {
             self.bytes.clear();
             self.line += 1;
-            match self.input.read_until(b'\n', &mut self.bytes) {
+            let limit = MAX_LINE_BYTES as u64 + 1;
+            match (&mut self.input).take(limit).read_until(b'\n', &mut self.bytes) {
                 Ok(0) => return None,
                 Ok(_) => {}
                 Err(e) => {
                     self.reject(LineError { line: self.line, reason: format!("reading the input failed: {e}") });
                     return None;
                 }
+            }
+            if self.bytes.len() > MAX_LINE_BYTES && self.bytes.last() != Some(&b'\n') {
+                let line = self.line;
+                self.bytes = Vec::new();
+                if let Err(e) = self.skip_rest_of_line() {
+                    self.reject(LineError { line, reason: format!("reading the input failed: {e}") });
+                    return None;
+                }
+                self.reject(LineError { line, reason: format!("longer than {MAX_LINE_BYTES} bytes") });
+                continue;
             }
             let raw = self.bytes.strip_suffix(b"\n").unwrap_or(&self.bytes);
             let text = match std::str::from_utf8(raw) {
@@ -144,6 +159,26 @@ impl<R: BufRead> CriteoReader<R> {
             match parse_line(text, self.line) {
                 Ok(s) => return Some((self.line, s)),
                 Err(e) => self.reject(e),
+            }
+        }
+    }
+
+    /// Consumes the input up to and including the next newline without keeping it.
+    fn skip_rest_of_line(&mut self) -> std::io::Result<()> {
+        loop {
+            let buf = self.input.fill_buf()?;
+            if buf.is_empty() {
+                return Ok(());
+            }
+            match buf.iter().position(|b| *b == b'\n') {
+                Some(end) => {
+                    self.input.consume(end + 1);
+                    return Ok(());
+                }
+                None => {
+                    let n = buf.len();
+                    self.input.consume(n);
+                }
             }
         }
     }
@@ -326,6 +361,8 @@ pub struct TrainingStream {
     /// The first bad lines of the first pass, with line numbers and reasons.
     pub first_errors: Vec<LineError>,
     passes: u64,
+    /// Training lines this worker used in the current pass over the file.
+    used_this_pass: u64,
 }
 
 #[derive(Debug)]
@@ -350,7 +387,7 @@ impl TrainingStream {
                 StreamSource::File { path: path.clone(), reader: open(path)?, part, parts: parts.max(1) }
             }
         };
-        Ok(TrainingStream { source, bad_lines: 0, first_errors: Vec::new(), passes: 0 })
+        Ok(TrainingStream { source, bad_lines: 0, first_errors: Vec::new(), passes: 0, used_this_pass: 0 })
     }
 
     /// The next `n` samples.
@@ -364,13 +401,12 @@ impl TrainingStream {
                 }
             }
             StreamSource::File { path, reader, part, parts } => {
-                let mut empty_pass = true;
                 while out.len() < n {
                     match reader.next_sample() {
                         Some((line, s)) => {
                             if line % HOLD_OUT_EVERY != 0 && line % *parts == *part {
                                 out.push(s);
-                                empty_pass = false;
+                                self.used_this_pass += 1;
                             }
                         }
                         None => {
@@ -379,14 +415,16 @@ impl TrainingStream {
                                 self.first_errors = reader.first_errors.clone();
                             }
                             self.passes += 1;
-                            if empty_pass && out.is_empty() {
+                            // Only a pass that yielded nothing at all means the file has nothing for us (a
+                            // batch may well start exactly at the end of a pass).
+                            if self.used_this_pass == 0 {
                                 return Err(format!(
                                     "{} has no usable training lines for worker {part} of {parts} ({} bad lines)",
                                     path.display(),
                                     reader.bad_lines
                                 ));
                             }
-                            empty_pass = true;
+                            self.used_this_pass = 0;
                             *reader = open(path)?;
                         }
                     }
@@ -512,6 +550,39 @@ mod tests {
             n += 1;
         }
         assert_eq!((n, reader.bad_lines), (2, 1));
+    }
+
+    #[test]
+    fn an_overlong_line_is_skipped_without_being_held_and_the_next_line_is_read() {
+        // On d75cfe4 a 64 MiB line was read whole into memory.
+        let good = full().join("\t");
+        let huge = "7".repeat(8 * MAX_LINE_BYTES);
+        let text = format!("{good}\n{huge}\n{good}\n{huge}");
+        let mut reader = CriteoReader::new(std::io::BufReader::with_capacity(4096, std::io::Cursor::new(text)));
+        let mut lines = Vec::new();
+        while let Some((n, _)) = reader.next_sample() {
+            lines.push(n);
+            assert!(reader.bytes.capacity() <= 2 * MAX_LINE_BYTES, "the line buffer stays bounded");
+        }
+        assert_eq!(lines, vec![1, 3]);
+        assert_eq!(reader.bad_lines, 2);
+        assert!(reader.first_errors[0].reason.contains("longer than"), "{:?}", reader.first_errors);
+    }
+
+    #[test]
+    fn a_batch_that_starts_at_the_end_of_a_pass_is_not_an_error() {
+        // On d75cfe4: 2,000 clean lines, one worker, batches of 200 — the 10th batch began exactly at the end
+        // of the file and the stream reported "no usable training lines".
+        let data = SyntheticCriteo::new(3);
+        let text: String = (0..2000).map(|i| SyntheticCriteo::to_line(&data.sample(i).0) + "\n").collect();
+        let path = std::env::temp_dir().join(format!("gaps-epoch-boundary-{}.tsv", std::process::id()));
+        std::fs::write(&path, text).expect("write");
+        let mut stream = TrainingStream::new(&DataSpec::File(path.clone()), 0, 1).expect("stream");
+        for batch in 0..40 {
+            let b = stream.next_batch(200).unwrap_or_else(|e| panic!("batch {batch}: {e}"));
+            assert_eq!(b.len(), 200);
+        }
+        let _ = std::fs::remove_file(&path);
     }
 
     #[test]

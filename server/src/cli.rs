@@ -141,8 +141,9 @@ pub struct TableArgs {
     /// Standard deviation of the embedding initializer.
     #[arg(long, env = "GAPS_EMBEDDING_INIT_STD", default_value_t = 0.01)]
     pub embedding_init_std: f32,
-    /// Create an embedding row only after its id was seen this many times (0: at once).
-    #[arg(long, env = "GAPS_ADMIT_AFTER", default_value_t = 0)]
+    /// Create an embedding row only after its id was seen this many times recently (0: at once; at most
+    /// 255; the counts halve every 8 Mi sightings).
+    #[arg(long, env = "GAPS_ADMIT_AFTER", default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=i64::from(gaps_shard::sparse::MAX_ADMIT_AFTER)))]
     pub admit_after: u32,
     /// Memory budget of this shard's embedding tables, e.g. 2GiB (none: unbounded).
     #[arg(long, env = "GAPS_TABLE_MEMORY", value_parser = parse_bytes)]

@@ -55,21 +55,35 @@ pub struct TableConfig {
 #[error("sparse table: {0}")]
 pub struct TableError(pub String);
 
-/// A count-min sketch of how often ids were seen (4 rows of 2^20 saturating 8-bit counters, 4 MiB).
+/// Largest `admit_after` the sketch can count to (its counters are 8-bit).
+pub const MAX_ADMIT_AFTER: u32 = u8::MAX as u32;
+
+/// A count-min sketch of how often ids were seen recently (4 rows of 2^20 saturating 8-bit counters,
+/// 4 MiB). Every [`Sightings::AGE_PERIOD`] sightings all counters are halved, so the sketch counts the
+/// recent past (as TinyLFU does): over a week-long job an id must keep being seen to be admitted, and old
+/// traffic cannot saturate the counters.
 #[derive(Debug, Clone)]
 struct Sightings {
     counters: Vec<u8>,
+    since_aging: u64,
 }
 
 impl Sightings {
     const WIDTH_BITS: u32 = 20;
+    /// Sightings between two halvings: 8 per counter of a row.
+    const AGE_PERIOD: u64 = 8 << Self::WIDTH_BITS;
 
     fn new() -> Self {
-        Sightings { counters: vec![0; 4 << Self::WIDTH_BITS] }
+        Sightings { counters: vec![0; 4 << Self::WIDTH_BITS], since_aging: 0 }
     }
 
-    /// Counts one sighting and returns the (over-)estimate of the id's count.
+    /// Counts one sighting and returns the (over-)estimate of the id's recent count.
     fn see(&mut self, id: u64) -> u32 {
+        self.since_aging += 1;
+        if self.since_aging >= Self::AGE_PERIOD {
+            self.counters.iter_mut().for_each(|c| *c /= 2);
+            self.since_aging = 0;
+        }
         let mut least = u8::MAX;
         for row in 0..4u64 {
             let h = mix(id, row + 1);
@@ -136,6 +150,12 @@ impl SparseTable {
         }
         if cfg.dim == 0 || cfg.dim > 4096 {
             return Err(TableError(format!("dim must be in 1..=4096, got {}", cfg.dim)));
+        }
+        if cfg.admit_after > MAX_ADMIT_AFTER {
+            return Err(TableError(format!(
+                "admit-after must be at most {MAX_ADMIT_AFTER} (the admission sketch counts to {MAX_ADMIT_AFTER}), got {}",
+                cfg.admit_after
+            )));
         }
         if !(cfg.init_std.is_finite() && cfg.init_std >= 0.0) {
             return Err(TableError(format!("init std must be ≥ 0, got {}", cfg.init_std)));
@@ -522,5 +542,22 @@ mod tests {
         assert!(SparseTable::new(cfg(Rule::DanaZero)).is_err());
         assert!(SparseTable::new(cfg(Rule::MultiMomentum)).is_err());
         assert!(SparseTable::new(cfg(Rule::GapAware)).is_ok());
+    }
+
+    #[test]
+    fn admission_counts_only_the_flags_range_and_ages() {
+        // On d75cfe4 admit-after 300 was accepted and no id could ever reach it: every table stayed empty.
+        let err =
+            SparseTable::new(TableConfig { admit_after: 300, ..table(Rule::Adagrad, 0, None, Eviction::Lru).cfg })
+                .expect_err("out of range");
+        assert!(err.to_string().contains("at most 255"), "{err}");
+        let mut s = Sightings::new();
+        assert_eq!(s.see(42), 1);
+        assert_eq!(s.see(42), 2);
+        // Old sightings fade: after one aging period of other traffic, 42 counts half of what it had.
+        for _ in 0..Sightings::AGE_PERIOD {
+            s.see(7);
+        }
+        assert_eq!(s.see(42), 2, "1 (halved from 2) + this sighting");
     }
 }

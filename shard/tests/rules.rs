@@ -173,3 +173,34 @@ fn staleness_reaches_the_staleness_aware_rule() {
     let (after, _) = pull(&mut core);
     assert!((before[0] - after[0] - 0.1 / 4.0).abs() < 1e-6, "{} -> {}", before[0], after[0]);
 }
+
+#[test]
+fn per_worker_state_is_freed_when_a_worker_leaves_or_expires() {
+    // On d75cfe4 these planes (a model-sized copy per worker) were never freed: elastic churn leaked them.
+    for rule in [Rule::MultiMomentum, Rule::DcAsgdAdaptive, Rule::DanaZero, Rule::DanaDc, Rule::DanaGa] {
+        let mut core = core(rule, hyper_for(rule));
+        let per_worker = rule.layout().worker_planes * N as usize;
+        for (seq, w) in [1u64, 2].into_iter().flat_map(|s| [0u32, 1, 2].map(|w| (s, w))) {
+            let (values, versions) = pull(&mut core);
+            let g: Vec<f32> = values.iter().map(|v| 0.3 * v + 0.01 * w as f32).collect();
+            let read = rule.layout().needs_read.then_some(values.as_slice());
+            let reply = push(&mut core, w, seq, &versions, &g, read);
+            assert!(matches!(reply, Message::Ack(_)), "{rule}: {reply:?}");
+        }
+        assert_eq!(core.worker_state_floats(), 3 * per_worker, "{rule}");
+        let leave = Message::Leave(gaps_common::wire::Leave { worker: 1 });
+        core.handle(Frame::new(leave), Duration::from_secs(1));
+        assert_eq!(core.worker_state_floats(), 2 * per_worker, "{rule}: the leaving worker's planes are freed");
+        // The others' leases (60 s) run out.
+        core.tick(Duration::from_secs(120));
+        assert_eq!(core.worker_state_floats(), 0, "{rule}: expired workers' planes are freed");
+        if rule.layout().lookahead {
+            // Nobody is left to take a momentum step: the look-ahead is θ itself (S back to ~0).
+            let (ahead, _) = pull(&mut core);
+            let theta = core.chunk_values(ChunkId { tensor: 0, chunk: 0 }).expect("chunk").to_vec();
+            for (a, t) in ahead.iter().zip(&theta) {
+                assert!((a - t).abs() < 1e-6, "{rule}: look-ahead {a} vs θ {t}");
+            }
+        }
+    }
+}

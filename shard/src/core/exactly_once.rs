@@ -1,28 +1,76 @@
-//! The exactly-once gate: per worker, the highest contiguous applied sequence number plus those applied
-//! out of order; a push seen before is acknowledged again, not applied again.
+//! The exactly-once gate: per worker, an anti-replay window of recent sequence numbers; a push seen before
+//! is acknowledged again, not applied again, and a refused or abandoned number never blocks later ones.
 
 use super::*;
 
-/// How far ahead of the last contiguous applied sequence number a push may be.
+/// How many of a worker's most recent sequence numbers the shard remembers. A retry must arrive before its
+/// worker made this many newer pushes to the shard (clients retry at once, with a handful in flight).
 pub const SEQ_WINDOW: u64 = 4096;
 
-/// Exactly-once bookkeeping for one worker: every seq ≤ `contiguous` was applied, plus those in `above`.
-#[derive(Debug, Default)]
+/// Exactly-once bookkeeping for one worker: an anti-replay window (as in IPsec), the highest sequence
+/// number applied and which of the [`SEQ_WINDOW`] numbers up to it were applied, in a ring of bits.
+///
+/// A number above the window is new; one inside it is new unless its bit is set; one below it is refused as
+/// too old to tell. A number that was refused, or abandoned by its client after failed retries, is never
+/// set and simply ages out: it can never block later pushes. Numbers may jump ahead (after a restore, the
+/// shard may be behind its clients). 512 bytes per worker.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct SeqWindow {
-    pub(super) contiguous: u64,
-    pub(super) above: BTreeSet<u64>,
+    highest: u64,
+    bits: Vec<u64>,
+}
+
+impl Default for SeqWindow {
+    fn default() -> Self {
+        SeqWindow { highest: 0, bits: vec![0; (SEQ_WINDOW / 64) as usize] }
+    }
+}
+
+/// What the window says about a sequence number.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Seen {
+    New,
+    Applied,
+    TooOld,
 }
 
 impl SeqWindow {
-    pub(super) fn applied(&self, seq: u64) -> bool {
-        seq <= self.contiguous || self.above.contains(&seq)
+    fn bit(seq: u64) -> (usize, u64) {
+        let slot = seq % SEQ_WINDOW;
+        ((slot / 64) as usize, 1u64 << (slot % 64))
     }
 
-    pub(super) fn insert(&mut self, seq: u64) {
-        self.above.insert(seq);
-        while self.above.remove(&(self.contiguous + 1)) {
-            self.contiguous += 1;
+    pub(super) fn check(&self, seq: u64) -> Seen {
+        if seq + SEQ_WINDOW <= self.highest {
+            return Seen::TooOld;
         }
+        if seq > self.highest {
+            return Seen::New;
+        }
+        let (word, mask) = Self::bit(seq);
+        if self.bits[word] & mask != 0 {
+            Seen::Applied
+        } else {
+            Seen::New
+        }
+    }
+
+    /// Records `seq` as applied (it must have been [`Seen::New`]).
+    pub(super) fn insert(&mut self, seq: u64) {
+        if seq > self.highest {
+            // Slide: the numbers between the old and the new highest were not applied (yet).
+            if seq - self.highest >= SEQ_WINDOW {
+                self.bits.iter_mut().for_each(|w| *w = 0);
+            } else {
+                for skipped in self.highest + 1..seq {
+                    let (word, mask) = Self::bit(skipped);
+                    self.bits[word] &= !mask;
+                }
+            }
+            self.highest = seq;
+        }
+        let (word, mask) = Self::bit(seq);
+        self.bits[word] |= mask;
     }
 }
 
@@ -34,16 +82,17 @@ impl ShardCore {
         if seq == 0 {
             return Err(ShardError::SequenceWindow("sequence numbers start at 1".into()));
         }
-        let window = self.seqs.entry(worker).or_default();
-        if window.applied(seq) {
-            self.stats.pushes_duplicate += 1;
-            return Ok(Some(Frame::new(Message::Ack(Ack { seq, duplicate: true, ..Ack::default() }))));
-        }
-        if seq > window.contiguous + SEQ_WINDOW {
-            return Err(ShardError::SequenceWindow(format!(
-                "sequence number {seq} is more than {SEQ_WINDOW} ahead of {} (worker {worker})",
-                window.contiguous
-            )));
+        match self.seqs.entry(worker).or_default().check(seq) {
+            Seen::New => {}
+            Seen::Applied => {
+                self.stats.pushes_duplicate += 1;
+                return Ok(Some(Frame::new(Message::Ack(Ack { seq, duplicate: true, ..Ack::default() }))));
+            }
+            Seen::TooOld => {
+                return Err(ShardError::SequenceWindow(format!(
+                    "sequence number {seq} of worker {worker} is more than {SEQ_WINDOW} behind its newest push: too old to tell whether it was applied"
+                )))
+            }
         }
         Ok(None)
     }

@@ -202,8 +202,7 @@ impl ShardCore {
 
     pub(super) fn leave(&mut self, l: Leave, events: &mut Vec<CoreEvent>) -> Result<Frame, ShardError> {
         if self.leases.remove(&l.worker).is_some() {
-            self.detector.forget(l.worker);
-            self.clocks.remove(&l.worker);
+            self.forget_worker(l.worker);
             events.push(CoreEvent::WorkerLeft(l.worker));
             self.membership_changed(events);
         }
@@ -211,5 +210,22 @@ impl ShardCore {
             epoch: self.epoch,
             live_workers: self.leases.len() as u32,
         })))
+    }
+
+    /// A worker is gone from this shard (it left, or its lease expired): drop what was kept for it alone —
+    /// its straggler record, its SSP clock and its per-worker optimizer planes. Under the DANA rules the
+    /// shared sum S of momenta loses the worker's share: a departed worker takes no more steps, so the
+    /// look-ahead stops counting it. (Its exactly-once window stays: a worker whose lease expired during a
+    /// partition may still retry a push; the window is 512 bytes.)
+    pub(super) fn forget_worker(&mut self, worker: u32) {
+        self.detector.forget(worker);
+        self.clocks.remove(&worker);
+        for slot in &mut self.slots {
+            let Some(planes) = slot.workers.remove(&worker) else { continue };
+            if self.tensor_rules[slot.tensor as usize].0.layout().lookahead {
+                let n = slot.params.len();
+                slot.shared[..n].iter_mut().zip(&planes[..n]).for_each(|(s, v)| *s -= v);
+            }
+        }
     }
 }

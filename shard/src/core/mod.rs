@@ -568,8 +568,7 @@ impl ShardCore {
         let mut events: Vec<CoreEvent> = Vec::new();
         for w in &expired {
             self.leases.remove(w);
-            self.detector.forget(*w);
-            self.clocks.remove(w);
+            self.forget_worker(*w);
             events.push(CoreEvent::WorkerExpired(*w));
         }
         if !expired.is_empty() {
