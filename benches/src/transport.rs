@@ -127,6 +127,8 @@ async fn gaps_case(certs: &ClusterCerts, shards: u32, n: u64, quick: bool, min_t
             device: gaps_kernels::cuda::DeviceChoice::Cpu,
             queue_depth: gaps_server::service::DEFAULT_QUEUE_DEPTH,
             inflight_bytes: gaps_server::service::DEFAULT_INFLIGHT_BYTES,
+            max_connections: gaps_server::service::DEFAULT_MAX_CONNECTIONS,
+            request_timeout: gaps_server::service::DEFAULT_REQUEST_TIMEOUT,
         };
         servers.push(service::start(cfg).await?);
     }

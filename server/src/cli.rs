@@ -82,6 +82,13 @@ pub struct ServerArgs {
     /// request over the budget waits, unread, until earlier ones finish.
     #[arg(long, env = "GAPS_INFLIGHT_MEMORY", default_value = "512MiB", value_parser = parse_bytes)]
     pub inflight_memory: u64,
+    /// Connections served at once at most; more are refused (and counted).
+    #[arg(long, env = "GAPS_MAX_CONNECTIONS", default_value_t = crate::service::DEFAULT_MAX_CONNECTIONS as u32, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_connections: u32,
+    /// How long a request's header, and then its payload, may take to arrive; a slower or stalled sender is
+    /// cut off (and counted).
+    #[arg(long, env = "GAPS_REQUEST_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
+    pub request_timeout: Duration,
     /// Serve Prometheus metrics on http://ADDR/metrics.
     #[arg(long, env = "GAPS_METRICS_ADDR")]
     pub metrics_addr: Option<SocketAddr>,
@@ -263,6 +270,8 @@ impl ServerArgs {
             device: self.device,
             queue_depth: self.queue_depth as usize,
             inflight_bytes: self.inflight_memory,
+            max_connections: self.max_connections as usize,
+            request_timeout: self.request_timeout,
         })
     }
 }

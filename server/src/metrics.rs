@@ -56,6 +56,10 @@ pub struct ShardMetrics {
     pub dropped_stale: Counter,
     /// The learning-rate multiplier of the last update.
     pub lr_multiplier: Gauge,
+    /// Requests cut off because their header or payload did not arrive within the request timeout.
+    pub requests_timed_out: Counter,
+    /// Connections refused because the shard already served its maximum.
+    pub connections_refused: Counter,
 }
 
 impl ShardMetrics {
@@ -94,7 +98,9 @@ impl ShardMetrics {
             steps_sync: metrics::counter!("gaps_steps_sync_total", "shard" => shard.clone()),
             steps_gba: metrics::counter!("gaps_steps_gba_total", "shard" => shard.clone()),
             dropped_stale: metrics::counter!("gaps_dropped_stale_total", "shard" => shard.clone()),
-            lr_multiplier: metrics::gauge!("gaps_lr_multiplier", "shard" => shard),
+            lr_multiplier: metrics::gauge!("gaps_lr_multiplier", "shard" => shard.clone()),
+            requests_timed_out: metrics::counter!("gaps_requests_timed_out_total", "shard" => shard.clone()),
+            connections_refused: metrics::counter!("gaps_connections_refused_total", "shard" => shard),
         }
     }
 }
@@ -113,6 +119,14 @@ pub fn install_recorder() -> anyhow::Result<PrometheusHandle> {
     );
     metrics::describe_counter!("gaps_push_rejected_total", "Pushes refused with a typed error (nothing applied).");
     metrics::describe_counter!("gaps_pulls_total", "Parameter pulls served.");
+    metrics::describe_counter!(
+        "gaps_requests_timed_out_total",
+        "Requests cut off because their header or payload did not arrive within the request timeout."
+    );
+    metrics::describe_counter!(
+        "gaps_connections_refused_total",
+        "Connections refused because the shard already served its maximum."
+    );
     metrics::describe_counter!("gaps_bytes_in_total", "Frame bytes received.");
     metrics::describe_counter!("gaps_bytes_out_total", "Frame bytes sent.");
     metrics::describe_histogram!("gaps_rpc_seconds", "RPC service time in seconds, by kind.");

@@ -49,12 +49,21 @@ pub struct ServiceConfig {
     pub queue_depth: usize,
     /// Bytes of request payloads and expected replies held by in-flight RPCs at most.
     pub inflight_bytes: u64,
+    /// Connections served at once at most; more are refused.
+    pub max_connections: usize,
+    /// How long a request's header, and then its payload, may take to arrive; a slower or stalled sender
+    /// is cut off.
+    pub request_timeout: Duration,
 }
 
 /// Default of [`ServiceConfig::queue_depth`].
 pub const DEFAULT_QUEUE_DEPTH: usize = 256;
 /// Default of [`ServiceConfig::inflight_bytes`] (512 MiB).
 pub const DEFAULT_INFLIGHT_BYTES: u64 = 512 << 20;
+/// Default of [`ServiceConfig::max_connections`].
+pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
+/// Default of [`ServiceConfig::request_timeout`].
+pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 /// The in-flight budget is counted in units of this many bytes (the semaphore counts permits in u32).
 const BUDGET_UNIT: u64 = 1024;
 
@@ -95,6 +104,12 @@ struct Shared {
     peak_held_bytes: AtomicU64,
     metrics: ShardMetrics,
     limits: Limits,
+    /// Connections served now, at most the configured maximum.
+    connections: Arc<Semaphore>,
+    request_timeout: Duration,
+    /// Requests cut off for taking too long, and connections refused (also exported as metrics).
+    timed_out: AtomicU64,
+    refused: AtomicU64,
     /// The model's chunk size and widest table, to bound a pull's reply before it is made.
     chunk_elems: u64,
     widest_table: u64,
@@ -143,6 +158,16 @@ impl RunningServer {
         let (tx, rx) = oneshot::channel();
         self.shared.send(Command::Inspect(Box::new(move |core| drop(tx.send(f(core)))))).await?;
         rx.await.map_err(|_| anyhow!("shard core thread stopped"))
+    }
+
+    /// Requests cut off because their header or payload took longer than the request timeout.
+    pub fn requests_timed_out(&self) -> u64 {
+        self.shared.timed_out.load(Ordering::Relaxed)
+    }
+
+    /// Connections refused because the shard already served its maximum.
+    pub fn connections_refused(&self) -> u64 {
+        self.shared.refused.load(Ordering::Relaxed)
     }
 
     /// The most bytes of request payloads and expected replies that in-flight RPCs held at once.
@@ -225,6 +250,10 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
         peak_held_bytes: AtomicU64::new(0),
         metrics: ShardMetrics::register(shard),
         limits,
+        connections: Arc::new(Semaphore::new(cfg.max_connections.max(1))),
+        request_timeout: cfg.request_timeout,
+        timed_out: AtomicU64::new(0),
+        refused: AtomicU64::new(0),
         chunk_elems,
         widest_table: widest.unwrap_or(0),
         shard,
@@ -296,6 +325,13 @@ async fn serve(endpoint: quinn::Endpoint, shared: Arc<Shared>, mut shutdown: wat
             _ = shutdown.changed() => break,
             incoming = endpoint.accept() => {
                 let Some(incoming) = incoming else { break };
+                let Ok(slot) = shared.connections.clone().try_acquire_owned() else {
+                    shared.refused.fetch_add(1, Ordering::Relaxed);
+                    shared.metrics.connections_refused.increment(1);
+                    warn!(peer = %incoming.remote_address(), "refused a connection: the shard serves its maximum");
+                    incoming.refuse();
+                    continue;
+                };
                 let shared = shared.clone();
                 let inflight = inflight.clone();
                 let shutdown = shutdown.clone();
@@ -309,6 +345,7 @@ async fn serve(endpoint: quinn::Endpoint, shared: Arc<Shared>, mut shutdown: wat
                         }
                     };
                     serve_connection(conn, shared, inflight, shutdown).await;
+                    drop(slot);
                 });
             }
         }
@@ -356,13 +393,14 @@ async fn serve_connection(
 
 async fn serve_stream(shared: &Shared, mut send: quinn::SendStream, mut recv: quinn::RecvStream) {
     let started = Instant::now();
-    let header = match net::read_header(&mut recv, &shared.limits).await {
-        Ok(msg) => Ok(msg),
-        Err(WireError::Io(message)) => {
+    let header = match tokio::time::timeout(shared.request_timeout, net::read_header(&mut recv, &shared.limits)).await {
+        Err(_) => return cut_off(shared, &mut send, &mut recv, "header"),
+        Ok(Ok(msg)) => Ok(msg),
+        Ok(Err(WireError::Io(message))) => {
             debug!(%message, "stream broke before the request was complete");
             return;
         }
-        Err(e) => Err(e),
+        Ok(Err(e)) => Err(e),
     };
     // Reserve the request's bytes before reading its payload: while the budget is spent this stream is not
     // read, and QUIC flow control holds the sender back.
@@ -371,6 +409,15 @@ async fn serve_stream(shared: &Shared, mut send: quinn::SendStream, mut recv: qu
     let Ok(_permit) = shared.budget.acquire_many(units).await else { return };
     let mut held = Held { shared, bytes: 0 };
     serve_request(&mut held, &mut send, &mut recv, header, started).await;
+}
+
+/// Ends a stream whose sender is too slow or stalled: resets both directions and counts it.
+fn cut_off(shared: &Shared, send: &mut quinn::SendStream, recv: &mut quinn::RecvStream, part: &str) {
+    shared.timed_out.fetch_add(1, Ordering::Relaxed);
+    shared.metrics.requests_timed_out.increment(1);
+    warn!(part, timeout = ?shared.request_timeout, "cut off a request that did not arrive in time");
+    let _ = recv.stop(2u32.into());
+    let _ = send.reset(2u32.into());
 }
 
 /// The buffer bytes one RPC holds, released from the shared count when the RPC ends however it ends.
@@ -402,13 +449,20 @@ async fn serve_request(
 ) {
     let shared = held.shared;
     let request = match header {
-        Ok(msg) => match net::read_payload(recv, &msg).await {
-            Ok(payload) => {
-                held.add(payload.len() as u64 * 4);
-                net::expect_end(recv).await.map(|()| Frame { msg, payload })
+        Ok(msg) => {
+            let read = async {
+                let payload = net::read_payload(recv, &msg).await?;
+                net::expect_end(recv).await.map(|()| payload)
+            };
+            match tokio::time::timeout(shared.request_timeout, read).await {
+                Err(_) => return cut_off(shared, send, recv, "payload"),
+                Ok(Ok(payload)) => {
+                    held.add(payload.len() as u64 * 4);
+                    Ok(Frame { msg, payload })
+                }
+                Ok(Err(e)) => Err(e),
             }
-            Err(e) => Err(e),
-        },
+        }
         Err(e) => Err(e),
     };
     let (reply, histogram) = match request {

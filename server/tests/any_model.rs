@@ -67,6 +67,8 @@ fn config(certs: &ClusterCerts, layout: Layout, shard: u32, shards: u32, coordin
         device: gaps_kernels::cuda::DeviceChoice::Cpu,
         queue_depth: service::DEFAULT_QUEUE_DEPTH,
         inflight_bytes: service::DEFAULT_INFLIGHT_BYTES,
+        max_connections: service::DEFAULT_MAX_CONNECTIONS,
+        request_timeout: service::DEFAULT_REQUEST_TIMEOUT,
     }
 }
 

@@ -58,6 +58,8 @@ async fn start_shard_with(
         device: gaps_kernels::cuda::DeviceChoice::Cpu,
         queue_depth: gaps_server::service::DEFAULT_QUEUE_DEPTH,
         inflight_bytes: gaps_server::service::DEFAULT_INFLIGHT_BYTES,
+        max_connections: gaps_server::service::DEFAULT_MAX_CONNECTIONS,
+        request_timeout: gaps_server::service::DEFAULT_REQUEST_TIMEOUT,
     };
     service::start(cfg).await.expect("start shard")
 }

@@ -58,6 +58,8 @@ async fn metrics_endpoint_exports_pushes_pulls_bytes_latency_staleness_and_live_
         device: gaps_kernels::cuda::DeviceChoice::Cpu,
         queue_depth: gaps_server::service::DEFAULT_QUEUE_DEPTH,
         inflight_bytes: gaps_server::service::DEFAULT_INFLIGHT_BYTES,
+        max_connections: gaps_server::service::DEFAULT_MAX_CONNECTIONS,
+        request_timeout: gaps_server::service::DEFAULT_REQUEST_TIMEOUT,
     };
     let server = service::start(cfg).await.expect("start");
     let client = Client::connect(ClientOptions::new(

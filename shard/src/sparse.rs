@@ -55,6 +55,11 @@ pub struct TableConfig {
 #[error("sparse table: {0}")]
 pub struct TableError(pub String);
 
+/// Slots of a new table's index.
+const INITIAL_INDEX_SLOTS: usize = 1024;
+/// A table's memory budget must hold at least this many rows.
+pub const MIN_ROWS_IN_BUDGET: u64 = 1024;
+
 /// Largest `admit_after` the sketch can count to (its counters are 8-bit).
 pub const MAX_ADMIT_AFTER: u32 = u8::MAX as u32;
 
@@ -161,12 +166,24 @@ impl SparseTable {
             return Err(TableError(format!("init std must be ≥ 0, got {}", cfg.init_std)));
         }
         let stride = cfg.dim as usize * (1 + layout.shared_planes);
+        if let Some(budget) = cfg.memory_budget {
+            // A budget that holds almost nothing is a mistake (1KiB for 1GiB, say): the table would evict
+            // every row it creates and training would silently run on initial values.
+            let row = stride as u64 * 4 + META_BYTES_PER_ROW;
+            let needed = MIN_ROWS_IN_BUDGET * row + INITIAL_INDEX_SLOTS as u64 * 4;
+            if budget < needed {
+                return Err(TableError(format!(
+                    "a memory budget of {budget} bytes holds {} rows of {row} bytes; give at least {needed} bytes ({MIN_ROWS_IN_BUDGET} rows and the index) or no budget",
+                    budget.saturating_sub(INITIAL_INDEX_SLOTS as u64 * 4) / row
+                )));
+            }
+        }
         let sightings = (cfg.admit_after > 1).then(Sightings::new);
         let sampler = Rng::new(mix(cfg.seed, 0xe71c));
         Ok(SparseTable {
             cfg,
             stride,
-            index: vec![EMPTY; 1024],
+            index: vec![EMPTY; INITIAL_INDEX_SLOTS],
             ids: Vec::new(),
             versions: Vec::new(),
             touched: Vec::new(),
@@ -494,7 +511,7 @@ mod tests {
 
     #[test]
     fn eviction_keeps_the_table_under_its_budget_and_the_index_consistent() {
-        let budget = 64 * 1024;
+        let budget = 96 * 1024;
         let mut t = table(Rule::Adam, 0, Some(budget), Eviction::Lru);
         let (mut v, mut ver) = (Vec::new(), Vec::new());
         for batch in 0..200u64 {
@@ -559,5 +576,23 @@ mod tests {
             s.see(7);
         }
         assert_eq!(s.see(42), 2, "1 (halved from 2) + this sighting");
+    }
+
+    #[test]
+    fn a_budget_that_cannot_hold_a_useful_table_is_refused() {
+        // On d75cfe4 `--table-memory 1KiB` was accepted and training ran with 0 rows, silently.
+        let err = SparseTable::new(TableConfig {
+            memory_budget: Some(1024),
+            ..table(Rule::Adagrad, 0, None, Eviction::Lru).cfg
+        })
+        .expect_err("too small");
+        assert!(err.to_string().contains("holds 0 rows"), "{err}");
+        let row = 4 * 2 * 4 + META_BYTES_PER_ROW;
+        let enough = MIN_ROWS_IN_BUDGET * row + INITIAL_INDEX_SLOTS as u64 * 4;
+        assert!(SparseTable::new(TableConfig {
+            memory_budget: Some(enough),
+            ..table(Rule::Adagrad, 0, None, Eviction::Lru).cfg
+        })
+        .is_ok());
     }
 }

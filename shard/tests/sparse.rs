@@ -143,7 +143,7 @@ fn rows_of_other_shards_are_refused() {
 
 #[test]
 fn the_memory_budget_holds_across_requests() {
-    let budget = 32 * 1024;
+    let budget = 64 * 1024;
     let mut core = core(0, 1, Some(budget));
     for batch in 0..100u64 {
         let ids: Vec<u64> = (0..64).map(|i| batch * 1000 + i).collect();

@@ -166,11 +166,20 @@ impl Client {
         let register =
             Message::Register(Register { protocol: PROTOCOL_VERSION, role: opts.role, name: opts.name.clone() });
         let map = loop {
+            // `connect_timeout` bounds the whole wait: every attempt gets at most the time that is left.
+            let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+            let per_call = opts.rpc_timeout.min(left);
             let attempt = async {
-                let conn = net::connect(&endpoint, coordinator, opts.rpc_timeout).await?;
-                let reply = net::call(&conn, &register, &[], &opts.limits, opts.rpc_timeout).await;
+                let conn = net::connect(&endpoint, coordinator, per_call).await?;
+                let reply = net::call(&conn, &register, &[], &opts.limits, per_call).await;
                 conn.close(0u32.into(), b"registered");
                 reply
+            };
+            let attempt = async {
+                match tokio::time::timeout(left, attempt).await {
+                    Ok(result) => result,
+                    Err(_) => Err(RpcError::Timeout { addr: coordinator.to_string(), timeout: left }),
+                }
             };
             let last = match attempt.await {
                 Ok(Frame { msg: Message::ClusterMap(map), .. }) => break map,
@@ -185,7 +194,10 @@ impl Client {
                 Err(e) if e.is_retryable() => e.to_string(),
                 Err(e) => return Err(e.into()),
             };
-            if Instant::now() >= deadline {
+            let pause = Duration::from_millis(200);
+            // Give up when no further attempt fits (a pause and at least as long again for the attempt): the
+            // error reports what the last complete attempt said.
+            if Instant::now() + 2 * pause >= deadline {
                 return Err(ClientError::JoinTimeout {
                     coordinator: opts.coordinator.clone(),
                     waited: started.elapsed(),
@@ -193,7 +205,7 @@ impl Client {
                 });
             }
             debug!(%last, "cluster not ready, retrying");
-            tokio::time::sleep(Duration::from_millis(200)).await;
+            tokio::time::sleep(pause).await;
         };
         map.layout.validate().map_err(|e| ClientError::BadMap(e.to_string()))?;
         let rule: Rule =
