@@ -10,9 +10,11 @@
 //! clock, a socket or a file (`cargo tree -p gaps-shard -e normal` shows none of them; the test
 //! `sans_io_dependencies` in `cli/tests/architecture.rs` enforces it).
 
+pub mod checkpoint;
 pub mod core;
 pub mod modes;
 pub mod sparse;
 
+pub use crate::checkpoint::CheckpointError;
 pub use crate::core::{CoreEvent, Init, ShardConfig, ShardCore, ShardError, SparseSettings, SEQ_WINDOW};
 pub use crate::modes::{Mode, ModeConfig};

@@ -229,6 +229,30 @@ impl LrRamp {
     }
 }
 
+impl LrRamp {
+    /// Appends the ramp to a checkpoint.
+    pub(crate) fn write_to(&self, w: &mut crate::checkpoint::Writer) {
+        w.u64(self.reference.map_or(0, |r| u64::from(r) + 1));
+        w.u32(self.workers);
+        w.f64(self.from);
+        w.f64(self.to);
+        w.u64(self.start);
+        w.u64(self.len);
+    }
+
+    /// Reads a ramp written by [`LrRamp::write_to`].
+    pub(crate) fn read_from(r: &mut crate::checkpoint::Reader<'_>) -> Result<Self, crate::checkpoint::CheckpointError> {
+        let reference = match r.u64()? {
+            0 => None,
+            n => Some(
+                u32::try_from(n - 1)
+                    .map_err(|_| crate::checkpoint::CheckpointError::Corrupt("ramp reference".into()))?,
+            ),
+        };
+        Ok(LrRamp { reference, workers: r.u32()?, from: r.f64()?, to: r.f64()?, start: r.u64()?, len: r.u64()? })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -270,6 +270,88 @@ impl SparseTable {
         }
     }
 
+    /// Appends the table's rows, their state, versions and last touches, the admission sketch and the
+    /// counters to a checkpoint (the index is rebuilt on restore).
+    pub(crate) fn write_to(&self, w: &mut crate::checkpoint::Writer) {
+        w.u64s(&self.ids);
+        w.u32s(&self.versions);
+        w.u32s(&self.touched);
+        w.f32s(&self.data);
+        match &self.sightings {
+            Some(s) => {
+                w.u8(1);
+                w.bytes(&s.counters);
+                w.u64(s.since_aging);
+            }
+            None => w.u8(0),
+        }
+        let st = &self.stats;
+        w.u64s(&[st.created, st.evicted, st.not_admitted, st.dropped_updates]);
+    }
+
+    /// Replaces this (empty, freshly configured) table's contents with a checkpoint's.
+    pub(crate) fn read_from(
+        &mut self,
+        r: &mut crate::checkpoint::Reader<'_>,
+    ) -> Result<(), crate::checkpoint::CheckpointError> {
+        use crate::checkpoint::CheckpointError::{Corrupt, Mismatch};
+        let name = format!("table {}", self.cfg.table);
+        let ids = r.u64s(&name)?;
+        let versions = r.u32s(&name)?;
+        let touched = r.u32s(&name)?;
+        let data = r.f32s(&name)?;
+        if versions.len() != ids.len() || touched.len() != ids.len() {
+            return Err(Corrupt(format!(
+                "{name}: {} ids but {} versions and {} times",
+                ids.len(),
+                versions.len(),
+                touched.len()
+            )));
+        }
+        if data.len() != ids.len() * self.stride {
+            return Err(Mismatch(format!(
+                "{name}: {} floats for {} rows, this shard keeps {} per row (another dim or rule?)",
+                data.len(),
+                ids.len(),
+                self.stride
+            )));
+        }
+        self.sightings = match r.u8()? {
+            0 => None,
+            _ => {
+                let counters = r.bytes(&name)?;
+                if counters.len() != 4 << Sightings::WIDTH_BITS {
+                    return Err(Corrupt(format!("{name}: admission sketch of {} bytes", counters.len())));
+                }
+                Some(Sightings { counters, since_aging: r.u64()? })
+            }
+        };
+        if self.sightings.is_none() && self.cfg.admit_after > 1 {
+            self.sightings = Some(Sightings::new());
+        }
+        let st = r.u64s(&name)?;
+        let [created, evicted, not_admitted, dropped_updates] = st[..] else {
+            return Err(Corrupt(format!("{name}: {} counters", st.len())));
+        };
+        self.stats = TableStats { created, evicted, not_admitted, dropped_updates, ..TableStats::default() };
+        let mut capacity = INITIAL_INDEX_SLOTS;
+        while ids.len() * 5 > capacity * 4 {
+            capacity *= 2;
+        }
+        self.ids = ids;
+        self.versions = versions;
+        self.touched = touched;
+        self.data = data;
+        self.index = vec![EMPTY; capacity];
+        for row in 0..self.ids.len() {
+            if self.find(self.ids[row]).is_some() {
+                return Err(Corrupt(format!("{name}: id {} appears twice", self.ids[row])));
+            }
+            self.insert_index(row as u32);
+        }
+        Ok(())
+    }
+
     /// The initial value of a row (also what a not-yet-admitted id reads).
     fn initial_row(&self, id: u64, out: &mut [f32]) {
         initial_values(&self.cfg, id, out);

@@ -55,6 +55,23 @@ impl SeqWindow {
         }
     }
 
+    pub(super) fn write_to(&self, w: &mut crate::checkpoint::Writer) {
+        w.u64(self.highest);
+        w.u64s(&self.bits);
+    }
+
+    pub(super) fn read_from(r: &mut crate::checkpoint::Reader<'_>) -> Result<Self, crate::checkpoint::CheckpointError> {
+        let highest = r.u64()?;
+        let bits = r.u64s("sequence window")?;
+        if bits.len() as u64 != SEQ_WINDOW / 64 {
+            return Err(crate::checkpoint::CheckpointError::Mismatch(format!(
+                "a sequence window of {} bits, this shard keeps {SEQ_WINDOW}",
+                bits.len() * 64
+            )));
+        }
+        Ok(SeqWindow { highest, bits })
+    }
+
     /// Records `seq` as applied (it must have been [`Seen::New`]).
     pub(super) fn insert(&mut self, seq: u64) {
         if seq > self.highest {

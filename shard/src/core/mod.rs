@@ -8,8 +8,11 @@
 mod dense;
 mod exactly_once;
 mod membership;
+mod snapshot;
 mod sparse_rpc;
 mod steps;
+
+pub use snapshot::CheckpointInfo;
 
 use crate::modes::{LrRamp, Mode, ModeConfig, StragglerDetector};
 use crate::sparse::{Eviction, SparseTable, TableConfig};

@@ -1,0 +1,225 @@
+//! Checkpoints of a shard: [`ShardCore::checkpoint`] writes everything needed to continue exactly, and
+//! [`ShardCore::restore`] builds a shard from it. The byte format is [`crate::checkpoint`]'s.
+//!
+//! Kept: parameters, every optimizer plane (per-worker planes included), per-chunk and per-tensor versions,
+//! the exactly-once windows, sparse tables (rows, state, versions, last touches, admission sketch), the
+//! synchronous-step accumulators, global step, SSP clocks, learning-rate scale, ramp and η_max, the
+//! coordinator's shard table and worker counter, the cluster epoch, the counters, and which workers held a
+//! lease (each gets a fresh lease at restore). Not kept: the straggler detector's averages (re-learned
+//! within a few steps).
+
+use super::*;
+use crate::checkpoint::{CheckpointError, Reader, Writer};
+
+/// What a checkpoint says about itself, readable without restoring it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckpointInfo {
+    /// The checkpoint's id (chosen by whoever asked for it).
+    pub id: u64,
+    /// The shard that wrote it.
+    pub shard: u32,
+    /// Shards in its cluster.
+    pub num_shards: u32,
+    /// Its cluster epoch.
+    pub epoch: u64,
+    /// Its layout fingerprint.
+    pub layout_fingerprint: u64,
+    /// Updates applied per tensor when it was taken.
+    pub tensor_versions: Vec<u64>,
+}
+
+fn mismatch(what: String) -> CheckpointError {
+    CheckpointError::Mismatch(what)
+}
+
+/// The rules every tensor and table resolved to, as names (a restore with other rules is refused).
+fn rule_names(core: &ShardCore) -> String {
+    let dense = core.tensor_rules.iter().map(|(r, _)| r.name());
+    let sparse = core.table_rules.iter().map(|(r, _)| r.name());
+    dense.chain(std::iter::once("|")).chain(sparse).collect::<Vec<_>>().join(",")
+}
+
+fn read_info(r: &mut Reader<'_>) -> Result<CheckpointInfo, CheckpointError> {
+    Ok(CheckpointInfo {
+        id: r.u64()?,
+        shard: r.u32()?,
+        num_shards: r.u32()?,
+        epoch: r.u64()?,
+        layout_fingerprint: r.u64()?,
+        tensor_versions: r.u64s("tensor versions")?,
+    })
+}
+
+impl ShardCore {
+    /// A checkpoint of this shard as bytes, labelled `id`.
+    pub fn checkpoint(&self, id: u64) -> Vec<u8> {
+        let mut w = Writer::new();
+        w.u64(id);
+        w.u32(self.cfg.shard);
+        w.u32(self.cfg.num_shards);
+        w.u64(self.epoch);
+        w.u64(self.cfg.layout.fingerprint());
+        w.u64s(&self.tensor_versions);
+        w.str(&rule_names(self));
+        for (i, slot) in self.slots.iter().enumerate() {
+            w.u64(slot.version);
+            w.f32s(&slot.params);
+            w.f32s(&slot.shared);
+            let mut workers: Vec<_> = slot.workers.iter().collect();
+            workers.sort_by_key(|(id, _)| **id);
+            w.u64(workers.len() as u64);
+            for (worker, planes) in workers {
+                w.u32(*worker);
+                w.f32s(planes);
+            }
+            w.f32s(&self.accum[i]);
+        }
+        w.u32s(&self.accum_counts);
+        let mut seqs: Vec<_> = self.seqs.iter().collect();
+        seqs.sort_by_key(|(id, _)| **id);
+        w.u64(seqs.len() as u64);
+        for (worker, window) in seqs {
+            w.u32(*worker);
+            window.write_to(&mut w);
+        }
+        match &self.coordinator {
+            Some(c) => {
+                w.u8(1);
+                w.u64(c.shard_addrs.len() as u64);
+                for (index, addr) in &c.shard_addrs {
+                    w.u32(*index);
+                    w.str(addr);
+                }
+                w.u32(c.next_worker);
+                w.u32(c.registered);
+            }
+            None => w.u8(0),
+        }
+        w.bytes(&gaps_common::wire::encode_frame(&Frame::new(Message::Stats(self.stats.clone()))).unwrap_or_default());
+        w.u32(self.lr_scale.to_bits());
+        w.f32s(&self.lr_max);
+        w.f64(self.last_multiplier);
+        w.u8(self.active.code());
+        w.u32(self.accum_pushes);
+        w.u32s(&self.contributors.iter().copied().collect::<Vec<_>>());
+        w.u64(self.global_step);
+        self.ramp.write_to(&mut w);
+        w.u64(self.clocks.len() as u64);
+        for (worker, clock) in &self.clocks {
+            w.u32(*worker);
+            w.u64(*clock);
+        }
+        for table in &self.tables {
+            table.write_to(&mut w);
+        }
+        w.u32s(&self.leases.keys().copied().collect::<Vec<_>>());
+        w.buf
+    }
+
+    /// Reads the header of a checkpoint without restoring it.
+    pub fn checkpoint_info(bytes: &[u8]) -> Result<CheckpointInfo, CheckpointError> {
+        read_info(&mut Reader::new(bytes)?)
+    }
+
+    /// A shard configured by `cfg` with the state of checkpoint `bytes`. The checkpoint must come from the
+    /// same shard index, shard count, layout and rules; anything else is refused with the reason.
+    pub fn restore(cfg: ShardConfig, bytes: &[u8]) -> Result<ShardCore, CheckpointError> {
+        let mut core = ShardCore::new(cfg).map_err(|e| mismatch(format!("configuring the shard: {e}")))?;
+        let mut r = Reader::new(bytes)?;
+        let info = read_info(&mut r)?;
+        let (shard, num_shards) = (core.cfg.shard, core.cfg.num_shards);
+        if info.shard != shard || info.num_shards != num_shards {
+            return Err(mismatch(format!(
+                "it is shard {} of {}, this is shard {shard} of {num_shards}",
+                info.shard, info.num_shards
+            )));
+        }
+        if info.layout_fingerprint != core.cfg.layout.fingerprint() {
+            return Err(mismatch("it was taken with another layout file".into()));
+        }
+        if info.tensor_versions.len() != core.tensor_versions.len() {
+            return Err(mismatch("tensor count differs".into()));
+        }
+        let rules = r.str("rules")?;
+        if rules != rule_names(&core) {
+            return Err(mismatch(format!("it was taken with rules {rules}, this shard runs {}", rule_names(&core))));
+        }
+        core.epoch = info.epoch;
+        core.tensor_versions = info.tensor_versions;
+        for i in 0..core.slots.len() {
+            let what = format!("chunk slot {i}");
+            let slot = &mut core.slots[i];
+            slot.version = r.u64()?;
+            slot.params = r.f32s_of(slot.params.len(), &what)?;
+            slot.shared = r.f32s_of(slot.shared.len(), &what)?;
+            let planes = core.tensor_rules[slot.tensor as usize].0.layout().worker_planes * slot.params.len();
+            let workers = r.u64()?;
+            slot.workers.clear();
+            for _ in 0..workers {
+                let worker = r.u32()?;
+                slot.workers.insert(worker, r.f32s_of(planes, &what)?);
+            }
+            let accum = r.f32s(&what)?;
+            if !accum.is_empty() && accum.len() != slot.params.len() {
+                return Err(mismatch(format!("{what}: accumulator of {} elements", accum.len())));
+            }
+            core.accum[i] = accum;
+        }
+        core.accum_counts = r.u32s("step counts")?;
+        if core.accum_counts.len() != core.slots.len() {
+            return Err(mismatch("step counts do not match the slots".into()));
+        }
+        let windows = r.u64()?;
+        for _ in 0..windows {
+            let worker = r.u32()?;
+            core.seqs.insert(worker, SeqWindow::read_from(&mut r)?);
+        }
+        let is_coordinator = r.u8()? == 1;
+        if is_coordinator != core.coordinator.is_some() {
+            return Err(mismatch("coordinator role differs".into()));
+        }
+        if let Some(c) = core.coordinator.as_mut() {
+            c.shard_addrs.clear();
+            for _ in 0..r.u64()? {
+                let index = r.u32()?;
+                c.shard_addrs.insert(index, r.str("shard address")?);
+            }
+            // This shard's own address may have changed with the restart.
+            c.shard_addrs.insert(0, core.cfg.advertise.clone());
+            c.next_worker = r.u32()?;
+            c.registered = r.u32()?;
+        }
+        let stats = r.bytes("counters")?;
+        core.stats = match gaps_common::wire::decode_frame(&stats, &gaps_common::wire::Limits::default()) {
+            Ok(Frame { msg: Message::Stats(s), .. }) => s,
+            _ => return Err(CheckpointError::Corrupt("counters".into())),
+        };
+        core.lr_scale = f32::from_bits(r.u32()?);
+        core.lr_max = r.f32s_of(core.tensor_rules.len(), "η_max")?;
+        core.last_multiplier = r.f64()?;
+        core.active = Mode::from_code(r.u8()?).ok_or_else(|| CheckpointError::Corrupt("mode".into()))?;
+        core.accum_pushes = r.u32()?;
+        core.contributors = r.u32s("contributors")?.into_iter().collect();
+        core.global_step = r.u64()?;
+        core.ramp = crate::modes::LrRamp::read_from(&mut r)?;
+        core.clocks.clear();
+        for _ in 0..r.u64()? {
+            let worker = r.u32()?;
+            core.clocks.insert(worker, r.u64()?);
+        }
+        for table in &mut core.tables {
+            table.read_from(&mut r)?;
+        }
+        // The workers that held a lease get a fresh one from the restart (time 0 of the restored shard's
+        // clock): a synchronous step in flight still waits for them, and a worker that is gone expires as
+        // it would have.
+        for worker in r.u32s("lease holders")? {
+            core.leases.insert(worker, core.cfg.lease);
+        }
+        r.finish()?;
+        if !core.lr_scale.is_finite() || core.lr_scale <= 0.0 {
+            return Err(CheckpointError::Corrupt("learning-rate scale".into()));
+        }
+        Ok(core)
+    }
+}

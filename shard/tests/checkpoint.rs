@@ -1,0 +1,183 @@
+//! Checkpoints of the shard core: a restored shard continues exactly as the original would have; a push
+//! acknowledged before the checkpoint is not applied again after it; a checkpoint of another shard, layout,
+//! rule or format, or one cut short or corrupted anywhere, is refused with a reason and never panics.
+
+use gaps_common::layout::{ChunkId, Layout, SparseSpec, TensorSpec};
+use gaps_common::wire::{
+    ids_to_words, Frame, Message, Pull, Push, PushChunk, Register, Role, SparsePull, SparsePush, PROTOCOL_VERSION,
+};
+use gaps_kernels::{Hyper, Rule};
+use gaps_shard::modes::{Mode, ModeConfig};
+use gaps_shard::{CheckpointError, Init, ShardConfig, ShardCore, SparseSettings};
+use std::time::Duration;
+
+const EPOCH: u64 = 21;
+
+fn layout(momentum_rule: &str) -> Layout {
+    let mut w = TensorSpec::new("w", 40);
+    w.rule.rule = Some("dana-zero".into());
+    let mut b = TensorSpec::new("b", 7);
+    b.rule.rule = Some(momentum_rule.into());
+    Layout::with_tables(vec![w, b], 16, vec![SparseSpec::new("emb", 3)]).expect("layout")
+}
+
+fn config(mode: Mode, momentum_rule: &str) -> ShardConfig {
+    ShardConfig {
+        shard: 0,
+        num_shards: 1,
+        layout: layout(momentum_rule),
+        rule: Rule::Momentum,
+        hyper: Hyper { lr: 0.05, momentum: 0.9, ..Hyper::default() },
+        init: Init { seed: 4, std: 0.2 },
+        lease: Duration::from_secs(60),
+        advertise: "127.0.0.1:1".into(),
+        epoch: EPOCH,
+        threads: 1,
+        sparse: SparseSettings { admit_after: 2, init_std: 0.1, ..SparseSettings::default() },
+        modes: ModeConfig { mode, ..ModeConfig::default() },
+    }
+}
+
+fn call(core: &mut ShardCore, msg: Message, payload: Vec<f32>) -> Frame {
+    core.handle(Frame { msg, payload }, Duration::from_secs(1)).0
+}
+
+fn register(core: &mut ShardCore) -> u32 {
+    let reg = Register { protocol: PROTOCOL_VERSION, role: Role::Worker, name: "w".into() };
+    match call(core, Message::Register(reg), vec![]).msg {
+        Message::ClusterMap(m) => m.worker_id.expect("id"),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// One training step of `worker`: dense pull and push, sparse pull and push (sequence numbers 2·seq − 1
+/// and 2·seq, one counter per shard as a client keeps it); returns every reply.
+fn step(core: &mut ShardCore, worker: u32, seq: u64, salt: f32) -> Vec<Frame> {
+    let l = layout_of(core);
+    let chunks: Vec<ChunkId> = l.chunks().collect();
+    let pulled = call(core, Message::Pull(Pull { epoch: EPOCH, chunks: chunks.clone() }), vec![]);
+    let Message::PullReply(reply) = &pulled.msg else { panic!("{:?}", pulled.msg) };
+    let grads: Vec<f32> = pulled.payload.iter().enumerate().map(|(i, v)| 0.5 * v + salt * (i % 5) as f32).collect();
+    let push_chunks =
+        reply.chunks.iter().map(|c| PushChunk { id: c.id, read_version: c.version, len: c.len, echo: false }).collect();
+    let pushed = call(
+        core,
+        Message::Push(Push { epoch: EPOCH, worker, seq: 2 * seq - 1, chunks: push_chunks, compute_ms: 5 }),
+        grads,
+    );
+    let ids: Vec<u64> = (0..6).map(|i| (i * 7 + seq) % 11).collect();
+    let mut words = Vec::new();
+    ids_to_words(&ids, &mut words);
+    let sparse = call(core, Message::SparsePull(SparsePull { epoch: EPOCH, table: 0, count: 6, create: true }), words);
+    let n = ids.len();
+    let mut payload = Vec::new();
+    ids_to_words(&ids, &mut payload);
+    payload.extend_from_slice(&sparse.payload[..n]);
+    payload.extend(sparse.payload[n..].iter().map(|v| v - salt));
+    let sparse_push = SparsePush { epoch: EPOCH, worker, seq: 2 * seq, table: 0, count: 6, dim: 3, echo_read: false };
+    let sparse_ack = call(core, Message::SparsePush(sparse_push), payload);
+    vec![pulled, pushed, sparse, sparse_ack]
+}
+
+fn layout_of(core: &ShardCore) -> Layout {
+    core.config().layout.clone()
+}
+
+fn train(core: &mut ShardCore, workers: &[u32], from: u64, to: u64) -> Vec<Frame> {
+    let mut replies = Vec::new();
+    for seq in from..to {
+        for w in workers {
+            replies.extend(step(core, *w, seq, 0.01 * (*w as f32 + seq as f32)));
+        }
+    }
+    replies
+}
+
+#[test]
+fn a_restored_shard_continues_exactly_like_the_original() {
+    for mode in [Mode::Async, Mode::Sync, Mode::Gba] {
+        let mut original = ShardCore::new(config(mode, "nesterov")).expect("core");
+        let workers: Vec<u32> = (0..3).map(|_| register(&mut original)).collect();
+        train(&mut original, &workers, 1, 6);
+        // Half a synchronous step is in flight: one worker pushed, two did not.
+        step(&mut original, workers[0], 6, 0.2);
+        let bytes = original.checkpoint(77);
+        let info = ShardCore::checkpoint_info(&bytes).expect("info");
+        assert_eq!((info.id, info.shard, info.epoch), (77, 0, EPOCH));
+        assert!(info.tensor_versions.iter().all(|v| *v > 0), "{mode}: {:?}", info.tensor_versions);
+
+        let mut restored = ShardCore::restore(config(mode, "nesterov"), &bytes).expect("restore");
+        assert_eq!(restored.checkpoint(77), bytes, "{mode}: a restore reproduces every byte of the state");
+        assert_eq!(restored.stats(), original.stats(), "{mode}");
+        // The same traffic afterwards gives the same replies, bit for bit (leases are renewed by it).
+        let a = train(&mut original, &workers[1..], 6, 7);
+        let b = train(&mut restored, &workers[1..], 6, 7);
+        assert_eq!(a, b, "{mode}");
+        let a = train(&mut original, &workers, 7, 10);
+        let b = train(&mut restored, &workers, 7, 10);
+        assert_eq!(a, b, "{mode}");
+        assert_eq!(restored.checkpoint(1), original.checkpoint(1), "{mode}");
+        // The coordinator's worker counter survives: new workers get new ids.
+        assert_eq!(register(&mut restored), 3);
+    }
+}
+
+#[test]
+fn a_push_acknowledged_before_the_checkpoint_is_not_applied_again_after_it() {
+    let mut core = ShardCore::new(config(Mode::Async, "momentum")).expect("core");
+    let w = register(&mut core);
+    let replies = step(&mut core, w, 1, 0.1);
+    assert!(matches!(replies[1].msg, Message::Ack(a) if !a.duplicate));
+    let bytes = core.checkpoint(1);
+    let mut restored = ShardCore::restore(config(Mode::Async, "momentum"), &bytes).expect("restore");
+    // The worker never saw the ack (say) and retries both pushes with the same numbers.
+    let retried = step(&mut restored, w, 1, 0.1);
+    assert!(matches!(retried[1].msg, Message::Ack(a) if a.duplicate), "{:?}", retried[1].msg);
+    assert!(matches!(retried[3].msg, Message::Ack(a) if a.duplicate), "{:?}", retried[3].msg);
+    assert_eq!(restored.stats().pushes_applied, 2);
+}
+
+#[test]
+fn foreign_truncated_and_corrupt_checkpoints_are_refused_with_a_reason() {
+    let mut core = ShardCore::new(config(Mode::Async, "momentum")).expect("core");
+    let w = register(&mut core);
+    train(&mut core, &[w], 1, 4);
+    let bytes = core.checkpoint(5);
+    let refuse = |cfg: ShardConfig, bytes: &[u8]| match ShardCore::restore(cfg, bytes) {
+        Ok(_) => panic!("a foreign checkpoint was restored"),
+        Err(e) => e,
+    };
+
+    let err = refuse(ShardConfig { shard: 1, num_shards: 2, ..config(Mode::Async, "momentum") }, &bytes);
+    assert!(matches!(err, CheckpointError::Mismatch(_)) && err.to_string().contains("shard 0 of 1"), "{err}");
+    let err = refuse(config(Mode::Async, "sgd"), &bytes);
+    assert!(err.to_string().contains("layout"), "a per-tensor rule is part of the layout: {err}");
+    let other_sparse = SparseSettings { rule: Rule::Sgd, ..config(Mode::Async, "momentum").sparse };
+    let err = refuse(ShardConfig { sparse: other_sparse, ..config(Mode::Async, "momentum") }, &bytes);
+    assert!(err.to_string().contains("rules"), "{err}");
+    let mut other_version = bytes.clone();
+    other_version[8] = 99;
+    assert!(matches!(refuse(config(Mode::Async, "momentum"), &other_version), CheckpointError::Version { found: 99 }));
+    assert!(matches!(refuse(config(Mode::Async, "momentum"), b"not a checkpoint"), CheckpointError::Magic));
+
+    // Every cut is an error, and so is trailing garbage; none panics.
+    // (The admission sketch makes the file 4 MiB: every byte of the first 512, then 400 cuts spread over the rest.)
+    let spread = (512..bytes.len()).step_by((bytes.len() / 400).max(1));
+    for cut in (0..512).chain(spread).chain([bytes.len() - 1]) {
+        assert!(ShardCore::restore(config(Mode::Async, "momentum"), &bytes[..cut]).is_err(), "cut at {cut}");
+    }
+    let mut longer = bytes.clone();
+    longer.push(0);
+    assert!(ShardCore::restore(config(Mode::Async, "momentum"), &longer).is_err());
+    // Flipped bytes either fail to parse or restore a shard that still works (the file's checksum is what
+    // catches those); they never panic.
+    let mut rng = gaps_common::rng::Rng::new(3);
+    for _ in 0..100 {
+        let mut flipped = bytes.clone();
+        let at = (rng.next_u64() % flipped.len() as u64) as usize;
+        flipped[at] ^= 1 << (rng.next_u64() % 8);
+        if let Ok(mut c) = ShardCore::restore(config(Mode::Async, "momentum"), &flipped) {
+            step(&mut c, w, 50, 0.1);
+        }
+    }
+}
