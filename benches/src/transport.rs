@@ -129,6 +129,8 @@ async fn gaps_case(certs: &ClusterCerts, shards: u32, n: u64, quick: bool, min_t
             inflight_bytes: gaps_server::service::DEFAULT_INFLIGHT_BYTES,
             max_connections: gaps_server::service::DEFAULT_MAX_CONNECTIONS,
             request_timeout: gaps_server::service::DEFAULT_REQUEST_TIMEOUT,
+            checkpoint: None,
+            restore: gaps_server::service::Restore::Never,
         };
         servers.push(service::start(cfg).await?);
     }

@@ -89,6 +89,20 @@ pub struct ServerArgs {
     /// cut off (and counted).
     #[arg(long, env = "GAPS_REQUEST_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
     pub request_timeout: Duration,
+    /// Keep checkpoints under this directory (each shard in `shard-<i>/`); a shard started with a directory
+    /// that holds a complete checkpoint restores it (see --restore) and rejoins the cluster.
+    #[arg(long, env = "GAPS_CHECKPOINT_DIR")]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Take a checkpoint this often (also on SIGTERM); without it, only on SIGTERM.
+    #[arg(long, env = "GAPS_CHECKPOINT_EVERY", value_parser = parse_duration, requires = "checkpoint_dir")]
+    pub checkpoint_every: Option<Duration>,
+    /// Checkpoints kept per shard (older ones are deleted).
+    #[arg(long, env = "GAPS_KEEP_CHECKPOINTS", default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub keep_checkpoints: u32,
+    /// Where a starting shard takes its state from: `auto` (the newest intact checkpoint in
+    /// --checkpoint-dir, if any), `never`, or the path of a checkpoint's .bin or .json file.
+    #[arg(long, env = "GAPS_RESTORE", default_value = "auto")]
+    pub restore: crate::service::Restore,
     /// Serve Prometheus metrics on http://ADDR/metrics.
     #[arg(long, env = "GAPS_METRICS_ADDR")]
     pub metrics_addr: Option<SocketAddr>,
@@ -272,6 +286,12 @@ impl ServerArgs {
             inflight_bytes: self.inflight_memory,
             max_connections: self.max_connections as usize,
             request_timeout: self.request_timeout,
+            checkpoint: self.checkpoint_dir.as_ref().map(|dir| crate::service::CheckpointConfig {
+                dir: dir.clone(),
+                every: self.checkpoint_every,
+                keep: self.keep_checkpoints as usize,
+            }),
+            restore: self.restore.clone(),
         })
     }
 }
@@ -321,9 +341,10 @@ pub async fn run(args: &ServerArgs) -> Result<()> {
         None => None,
     };
     let server = service::start(cfg).await?;
+    let restored_version = server.restored.as_ref().map(|r| r.tensor_versions.iter().copied().max().unwrap_or(0));
     println!(
         "{}",
-        serde_json::json!({"event": "listening", "shard": args.shard_index, "addr": server.advertise, "metrics_addr": metrics_addr})
+        serde_json::json!({"event": "listening", "shard": args.shard_index, "addr": server.advertise, "metrics_addr": metrics_addr, "restored_version": restored_version})
     );
     shutdown_signal().await;
     info!("shutting down");

@@ -9,6 +9,7 @@
 //! (`cargo tree -p gaps-server -e normal` shows no `gaps-worker` or `gaps-models`; enforced by
 //! `cli/tests/architecture.rs`). A shard's layout comes from a layout file.
 
+pub mod checkpoint;
 pub mod cli;
 pub mod metrics;
 pub mod service;

@@ -10,6 +10,7 @@
 //!
 //! Architecture invariant: the service holds no training state of its own; everything lives in the core.
 
+use crate::checkpoint::CheckpointStore;
 use crate::metrics::ShardMetrics;
 use anyhow::{anyhow, bail, Context, Result};
 use gaps_common::wire::{ErrorCode, Frame, Limits, Message, Stats, WireError};
@@ -54,6 +55,44 @@ pub struct ServiceConfig {
     /// How long a request's header, and then its payload, may take to arrive; a slower or stalled sender
     /// is cut off.
     pub request_timeout: Duration,
+    /// Where checkpoints go and how often (None: no checkpoints).
+    pub checkpoint: Option<CheckpointConfig>,
+    /// Whether to start from a checkpoint.
+    pub restore: Restore,
+}
+
+/// Checkpointing of one shard.
+#[derive(Debug, Clone)]
+pub struct CheckpointConfig {
+    /// The root directory (each shard writes under `shard-<i>/`).
+    pub dir: std::path::PathBuf,
+    /// Take one this often (None: only on shutdown and on demand).
+    pub every: Option<Duration>,
+    /// Checkpoints kept.
+    pub keep: usize,
+}
+
+/// Where a starting shard takes its state from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Restore {
+    /// The newest complete, intact checkpoint in the checkpoint directory, if there is one.
+    Auto,
+    /// Start fresh.
+    Never,
+    /// This checkpoint (its `.bin` or `.json`); failing to load it is an error.
+    Path(std::path::PathBuf),
+}
+
+impl std::str::FromStr for Restore {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(match s {
+            "auto" => Restore::Auto,
+            "never" => Restore::Never,
+            "" => return Err("give auto, never or the path of a checkpoint".into()),
+            path => Restore::Path(path.into()),
+        })
+    }
 }
 
 /// Default of [`ServiceConfig::queue_depth`].
@@ -75,6 +114,8 @@ enum Command {
     Tick { reply: oneshot::Sender<(Vec<CoreEvent>, Stats)> },
     /// Read the core (tests, reports).
     Inspect(Box<dyn FnOnce(&ShardCore) + Send>),
+    /// Snapshot the core as checkpoint `id`; the reply carries the bytes and how long the core paused.
+    Checkpoint { id: u64, reply: oneshot::Sender<(Vec<u8>, Duration)> },
 }
 
 /// Runs the core on the calling thread until every sender of `queue` is gone.
@@ -89,6 +130,11 @@ fn run_actor(mut core: ShardCore, mut queue: mpsc::Receiver<Command>, started: I
                 let _ = reply.send((events, core.stats()));
             }
             Command::Inspect(f) => f(&core),
+            Command::Checkpoint { id, reply } => {
+                let started = Instant::now();
+                let bytes = core.checkpoint(id);
+                let _ = reply.send((bytes, started.elapsed()));
+            }
         }
     }
 }
@@ -110,6 +156,11 @@ struct Shared {
     /// Requests cut off for taking too long, and connections refused (also exported as metrics).
     timed_out: AtomicU64,
     refused: AtomicU64,
+    /// The checkpoint files, the next id, and a lock so that two checkpoints are never written at once.
+    store: Option<CheckpointStore>,
+    next_checkpoint: AtomicU64,
+    checkpoint_lock: tokio::sync::Mutex<()>,
+    checkpoints_written: AtomicU64,
     /// The model's chunk size and widest table, to bound a pull's reply before it is made.
     chunk_elems: u64,
     widest_table: u64,
@@ -141,6 +192,8 @@ pub struct RunningServer {
     pub addr: SocketAddr,
     /// The address given to clients.
     pub advertise: String,
+    /// The checkpoint this shard started from, if any.
+    pub restored: Option<gaps_shard::core::CheckpointInfo>,
     shutdown: watch::Sender<bool>,
     task: tokio::task::JoinHandle<()>,
     shared: Arc<Shared>,
@@ -160,6 +213,17 @@ impl RunningServer {
         rx.await.map_err(|_| anyhow!("shard core thread stopped"))
     }
 
+    /// Takes a checkpoint now (the core pauses while it is copied; the file is written in the background of
+    /// the core's work) and returns its path. Fails when the shard has no checkpoint directory.
+    pub async fn checkpoint_now(&self) -> Result<std::path::PathBuf> {
+        take_checkpoint(&self.shared).await
+    }
+
+    /// Checkpoints written since start.
+    pub fn checkpoints_written(&self) -> u64 {
+        self.shared.checkpoints_written.load(Ordering::Relaxed)
+    }
+
     /// Requests cut off because their header or payload took longer than the request timeout.
     pub fn requests_timed_out(&self) -> u64 {
         self.shared.timed_out.load(Ordering::Relaxed)
@@ -175,10 +239,16 @@ impl RunningServer {
         self.shared.peak_held_bytes.load(Ordering::Relaxed)
     }
 
-    /// Stops accepting, lets in-flight RPCs finish (up to a few seconds), closes the endpoint.
+    /// Stops accepting, lets in-flight RPCs finish (up to a few seconds), closes the endpoint, and — when
+    /// the shard keeps checkpoints — writes a final one.
     pub async fn shutdown(self) -> Result<()> {
         let _ = self.shutdown.send(true);
-        self.task.await.context("joining the server task")
+        self.task.await.context("joining the server task")?;
+        if self.shared.store.is_some() {
+            let path = take_checkpoint(&self.shared).await.context("writing the final checkpoint")?;
+            info!(shard = self.shared.shard, path = %path.display(), "final checkpoint written");
+        }
+        Ok(())
     }
 
     /// Waits until the server stops (after [`RunningServer::shutdown`] from elsewhere or a fatal error).
@@ -208,7 +278,25 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
     };
     cfg.core.advertise = advertise.clone();
     let shard = cfg.core.shard;
-    let mut core = ShardCore::new(cfg.core.clone()).map_err(|e| anyhow!("configuring shard {shard}: {e}"))?;
+    let store = match &cfg.checkpoint {
+        Some(c) => Some(CheckpointStore::open(&c.dir, shard, c.keep)?),
+        None => None,
+    };
+    let snapshot = match (&cfg.restore, &store) {
+        (Restore::Never, _) | (Restore::Auto, None) => None,
+        (Restore::Auto, Some(store)) => store.latest()?.map(|found| (found.path, found.bytes)),
+        (Restore::Path(path), _) => Some((path.clone(), crate::checkpoint::load_path(path)?)),
+    };
+    let (mut core, restored) = match snapshot {
+        Some((path, bytes)) => {
+            let restored = ShardCore::checkpoint_info(&bytes)
+                .and_then(|info| ShardCore::restore(cfg.core.clone(), &bytes).map(|core| (core, info)))
+                .map_err(|e| anyhow!("restoring shard {shard} from {}: {e}", path.display()))?;
+            info!(shard, checkpoint = restored.1.id, path = %path.display(), versions = ?restored.1.tensor_versions, "restored");
+            (restored.0, Some(restored.1))
+        }
+        None => (ShardCore::new(cfg.core.clone()).map_err(|e| anyhow!("configuring shard {shard}: {e}"))?, None),
+    };
     match gaps_kernels::cuda::CudaDevice::for_choice(cfg.device).context("--device")? {
         Some(gpu) => {
             info!(shard, gpu = gpu.name(), "updates run on the GPU");
@@ -254,16 +342,64 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
         request_timeout: cfg.request_timeout,
         timed_out: AtomicU64::new(0),
         refused: AtomicU64::new(0),
+        next_checkpoint: AtomicU64::new(match &store {
+            Some(s) => s.next_id()?.max(restored.as_ref().map_or(0, |r| r.id + 1)),
+            None => 1,
+        }),
+        store,
+        checkpoint_lock: tokio::sync::Mutex::new(()),
+        checkpoints_written: AtomicU64::new(0),
         chunk_elems,
         widest_table: widest.unwrap_or(0),
         shard,
     });
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    if let Some(every) = cfg.checkpoint.as_ref().and_then(|c| c.every) {
+        let shared = shared.clone();
+        let mut stop = shutdown_rx.clone();
+        tokio::spawn(async move {
+            let mut interval = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+            loop {
+                tokio::select! {
+                    _ = stop.changed() => return,
+                    _ = interval.tick() => {}
+                }
+                if let Err(e) = take_checkpoint(&shared).await {
+                    warn!(shard = shared.shard, error = format!("{e:#}"), "writing a checkpoint failed");
+                }
+            }
+        });
+    }
     let task = tokio::spawn(
         serve(endpoint, shared.clone(), shutdown_rx, cfg.tick_interval).instrument(tracing::info_span!("shard", shard)),
     );
     info!(shard, %addr, %advertise, "serving");
-    Ok(RunningServer { addr, advertise, shutdown: shutdown_tx, task, shared })
+    Ok(RunningServer { addr, advertise, restored, shutdown: shutdown_tx, task, shared })
+}
+
+/// Snapshots the core (it pauses for the copy only) and writes the checkpoint on a blocking thread.
+async fn take_checkpoint(shared: &Arc<Shared>) -> Result<std::path::PathBuf> {
+    let Some(store) = shared.store.clone() else { bail!("this shard has no --checkpoint-dir") };
+    let _writing = shared.checkpoint_lock.lock().await;
+    let id = shared.next_checkpoint.fetch_add(1, Ordering::Relaxed);
+    let (tx, rx) = oneshot::channel();
+    shared.send(Command::Checkpoint { id, reply: tx }).await?;
+    let (bytes, pause) = rx.await.map_err(|_| anyhow!("shard core thread stopped"))?;
+    let info = ShardCore::checkpoint_info(&bytes).map_err(|e| anyhow!("reading back checkpoint {id}: {e}"))?;
+    let started = Instant::now();
+    let size = bytes.len();
+    let path =
+        tokio::task::spawn_blocking(move || store.write(&info, &bytes)).await.context("writing a checkpoint")??;
+    shared.checkpoints_written.fetch_add(1, Ordering::Relaxed);
+    info!(
+        shard = shared.shard,
+        checkpoint = id,
+        bytes = size,
+        pause_ms = pause.as_secs_f64() * 1e3,
+        write_ms = started.elapsed().as_secs_f64() * 1e3,
+        "checkpoint written"
+    );
+    Ok(path)
 }
 
 async fn join_coordinator(

@@ -69,6 +69,8 @@ fn config(certs: &ClusterCerts, layout: Layout, shard: u32, shards: u32, coordin
         inflight_bytes: service::DEFAULT_INFLIGHT_BYTES,
         max_connections: service::DEFAULT_MAX_CONNECTIONS,
         request_timeout: service::DEFAULT_REQUEST_TIMEOUT,
+        checkpoint: None,
+        restore: service::Restore::Never,
     }
 }
 

@@ -39,6 +39,8 @@ async fn shard(certs: &ClusterCerts, max_connections: usize, request_timeout: Du
         inflight_bytes: service::DEFAULT_INFLIGHT_BYTES,
         max_connections,
         request_timeout,
+        checkpoint: None,
+        restore: service::Restore::Never,
     };
     service::start(cfg).await.expect("start shard")
 }

@@ -60,6 +60,8 @@ async fn start_shard_with(
         inflight_bytes: gaps_server::service::DEFAULT_INFLIGHT_BYTES,
         max_connections: gaps_server::service::DEFAULT_MAX_CONNECTIONS,
         request_timeout: gaps_server::service::DEFAULT_REQUEST_TIMEOUT,
+        checkpoint: None,
+        restore: gaps_server::service::Restore::Never,
     };
     service::start(cfg).await.expect("start shard")
 }

@@ -60,6 +60,8 @@ async fn metrics_endpoint_exports_pushes_pulls_bytes_latency_staleness_and_live_
         inflight_bytes: gaps_server::service::DEFAULT_INFLIGHT_BYTES,
         max_connections: gaps_server::service::DEFAULT_MAX_CONNECTIONS,
         request_timeout: gaps_server::service::DEFAULT_REQUEST_TIMEOUT,
+        checkpoint: None,
+        restore: gaps_server::service::Restore::Never,
     };
     let server = service::start(cfg).await.expect("start");
     let client = Client::connect(ClientOptions::new(

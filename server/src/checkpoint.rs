@@ -1,0 +1,164 @@
+//! Checkpoint files of one shard: written atomically with a manifest that holds a checksum, kept up to a
+//! count, and found again at start-up (the newest complete and intact one wins; a corrupt or partial one is
+//! skipped with a message naming the file).
+//!
+//! Layout under `--checkpoint-dir DIR`: `DIR/shard-<i>/ckpt-<id>.bin` (the core's snapshot, see
+//! `gaps_shard::checkpoint`) and `DIR/shard-<i>/ckpt-<id>.json` (the manifest: format, id, shard, shard
+//! count, epoch, byte count, CRC-32 of the snapshot, tensor versions, time written). The manifest is written
+//! last: a checkpoint without one is incomplete. Each file is written under a temporary name, flushed to
+//! disk, renamed, and the directory is flushed, so a crash at any moment leaves either the old set of
+//! checkpoints or the new one, never a torn file under a final name.
+
+use anyhow::{bail, Context, Result};
+use gaps_shard::core::CheckpointInfo;
+use serde_json::json;
+use std::fs::{self, File};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use tracing::warn;
+
+/// Where and how a shard keeps its checkpoints.
+#[derive(Debug, Clone)]
+pub struct CheckpointStore {
+    dir: PathBuf,
+    keep: usize,
+}
+
+/// One complete checkpoint found on disk.
+#[derive(Debug, Clone)]
+pub struct Found {
+    /// Its id.
+    pub id: u64,
+    /// The snapshot file.
+    pub path: PathBuf,
+    /// The snapshot, checksum verified.
+    pub bytes: Vec<u8>,
+}
+
+fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = path.with_extension("tmp");
+    {
+        let mut f = File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+        f.write_all(bytes).with_context(|| format!("writing {}", tmp.display()))?;
+        f.sync_all().with_context(|| format!("flushing {}", tmp.display()))?;
+    }
+    fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
+    Ok(())
+}
+
+fn sync_dir(dir: &Path) -> Result<()> {
+    File::open(dir).and_then(|d| d.sync_all()).with_context(|| format!("flushing the directory {}", dir.display()))
+}
+
+impl CheckpointStore {
+    /// The store of shard `shard` under `root`, keeping the newest `keep` checkpoints (at least 1).
+    pub fn open(root: &Path, shard: u32, keep: usize) -> Result<Self> {
+        let dir = root.join(format!("shard-{shard}"));
+        fs::create_dir_all(&dir).with_context(|| format!("creating the checkpoint directory {}", dir.display()))?;
+        Ok(CheckpointStore { dir, keep: keep.max(1) })
+    }
+
+    /// The shard's checkpoint directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    fn paths(&self, id: u64) -> (PathBuf, PathBuf) {
+        (self.dir.join(format!("ckpt-{id:020}.bin")), self.dir.join(format!("ckpt-{id:020}.json")))
+    }
+
+    /// Ids of the checkpoints that have a manifest, oldest first.
+    fn ids(&self) -> Result<Vec<u64>> {
+        let mut ids = Vec::new();
+        for entry in fs::read_dir(&self.dir).with_context(|| format!("listing {}", self.dir.display()))? {
+            let name = entry?.file_name();
+            let name = name.to_string_lossy();
+            if let Some(id) = name.strip_prefix("ckpt-").and_then(|n| n.strip_suffix(".json")) {
+                if let Ok(id) = id.parse() {
+                    ids.push(id);
+                }
+            }
+        }
+        ids.sort_unstable();
+        Ok(ids)
+    }
+
+    /// An id above every checkpoint on disk.
+    pub fn next_id(&self) -> Result<u64> {
+        Ok(self.ids()?.last().map_or(1, |id| id + 1))
+    }
+
+    /// Writes checkpoint `id` (snapshot, then manifest) atomically and drops the oldest beyond `keep`.
+    pub fn write(&self, info: &CheckpointInfo, bytes: &[u8]) -> Result<PathBuf> {
+        let (bin, manifest) = self.paths(info.id);
+        write_atomically(&bin, bytes)?;
+        let written = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
+        let m = json!({
+            "format": gaps_shard::checkpoint::FORMAT_VERSION,
+            "id": info.id,
+            "shard": info.shard,
+            "num_shards": info.num_shards,
+            "epoch": info.epoch,
+            "bytes": bytes.len(),
+            "crc32": crc32fast::hash(bytes),
+            "tensor_versions": info.tensor_versions,
+            "written_unix_ms": written as u64,
+        });
+        write_atomically(&manifest, m.to_string().as_bytes())?;
+        sync_dir(&self.dir)?;
+        self.prune()?;
+        Ok(bin)
+    }
+
+    fn prune(&self) -> Result<()> {
+        let ids = self.ids()?;
+        for id in ids.iter().take(ids.len().saturating_sub(self.keep)) {
+            let (bin, manifest) = self.paths(*id);
+            // The manifest goes first: a checkpoint without one is never used.
+            let _ = fs::remove_file(&manifest);
+            let _ = fs::remove_file(&bin);
+        }
+        Ok(())
+    }
+
+    /// Checkpoint `id` if it is complete and intact.
+    fn load(&self, id: u64) -> Result<Found> {
+        let (bin, manifest) = self.paths(id);
+        load_verified(&bin, &manifest).map(|bytes| Found { id, path: bin, bytes })
+    }
+
+    /// The newest complete and intact checkpoint, if any. Damaged ones are reported and skipped.
+    pub fn latest(&self) -> Result<Option<Found>> {
+        for id in self.ids()?.into_iter().rev() {
+            match self.load(id) {
+                Ok(found) => return Ok(Some(found)),
+                Err(e) => warn!(error = format!("{e:#}"), "skipping a damaged checkpoint"),
+            }
+        }
+        Ok(None)
+    }
+}
+
+/// Reads a snapshot and checks it against its manifest (size and CRC-32).
+pub fn load_verified(bin: &Path, manifest: &Path) -> Result<Vec<u8>> {
+    let text = fs::read_to_string(manifest).with_context(|| format!("reading the manifest {}", manifest.display()))?;
+    let m: serde_json::Value = serde_json::from_str(&text)
+        .with_context(|| format!("the manifest {} is not valid JSON", manifest.display()))?;
+    let (Some(size), Some(crc)) = (m["bytes"].as_u64(), m["crc32"].as_u64()) else {
+        bail!("the manifest {} lacks bytes or crc32", manifest.display());
+    };
+    let bytes = fs::read(bin).with_context(|| format!("reading the checkpoint {}", bin.display()))?;
+    if bytes.len() as u64 != size {
+        bail!("the checkpoint {} has {} bytes, its manifest says {size}", bin.display(), bytes.len());
+    }
+    if u64::from(crc32fast::hash(&bytes)) != crc {
+        bail!("the checkpoint {} does not match its checksum: the file is corrupt", bin.display());
+    }
+    Ok(bytes)
+}
+
+/// Loads the checkpoint a user named: a `.bin` or `.json` file of a checkpoint (its sibling is found).
+pub fn load_path(path: &Path) -> Result<Vec<u8>> {
+    let (bin, manifest) = (path.with_extension("bin"), path.with_extension("json"));
+    load_verified(&bin, &manifest)
+}

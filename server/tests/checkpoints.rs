@@ -1,0 +1,134 @@
+//! Checkpoint files of a real shard service: written periodically, on demand and at shutdown, restored at
+//! start-up with the model, versions and exactly-once windows as they were; a damaged newest checkpoint is
+//! skipped for the previous intact one; a damaged checkpoint named explicitly stops the start with the file
+//! name.
+
+use gaps_common::layout::{Layout, SparseSpec, TensorSpec};
+use gaps_common::wire::Role;
+use gaps_kernels::{Hyper, Rule};
+use gaps_server::service::{self, CheckpointConfig, Restore, RunningServer, ServiceConfig};
+use gaps_shard::{Init, ShardConfig};
+use gaps_transport::tls::ClusterCerts;
+use gaps_worker::client::{Client, ClientOptions};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+fn config(certs: &ClusterCerts, dir: &Path, every: Option<Duration>, restore: Restore) -> ServiceConfig {
+    let layout = Layout::with_tables(
+        vec![TensorSpec::new("w", 300), TensorSpec::new("b", 5)],
+        64,
+        vec![SparseSpec::new("emb", 4)],
+    )
+    .expect("layout");
+    ServiceConfig {
+        listen: "127.0.0.1:0".parse().expect("addr"),
+        advertise: None,
+        coordinator: None,
+        tls: certs.server_material().expect("tls"),
+        core: ShardConfig {
+            shard: 0,
+            num_shards: 1,
+            layout,
+            rule: Rule::DanaZero,
+            hyper: Hyper { lr: 0.05, momentum: 0.9, ..Hyper::default() },
+            init: Init { seed: 2, std: 0.1 },
+            lease: Duration::from_secs(10),
+            advertise: String::new(),
+            epoch: 99,
+            threads: 1,
+            sparse: gaps_shard::SparseSettings::default(),
+            modes: gaps_shard::ModeConfig::default(),
+        },
+        join_timeout: Duration::from_secs(5),
+        tick_interval: Duration::from_millis(100),
+        device: gaps_kernels::cuda::DeviceChoice::Cpu,
+        queue_depth: service::DEFAULT_QUEUE_DEPTH,
+        inflight_bytes: service::DEFAULT_INFLIGHT_BYTES,
+        max_connections: service::DEFAULT_MAX_CONNECTIONS,
+        request_timeout: service::DEFAULT_REQUEST_TIMEOUT,
+        checkpoint: Some(CheckpointConfig { dir: dir.to_path_buf(), every, keep: 2 }),
+        restore,
+    }
+}
+
+async fn client(certs: &ClusterCerts, server: &RunningServer, role: Role) -> Client {
+    let mut o = ClientOptions::new(&server.advertise, certs.worker_material().expect("tls"), role, "t");
+    o.rpc_timeout = Duration::from_secs(10);
+    Client::connect(o).await.expect("connect")
+}
+
+fn files(dir: &Path, ext: &str) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir.join("shard-0"))
+        .expect("dir")
+        .map(|e| e.expect("entry").path())
+        .filter(|p| p.extension().is_some_and(|e| e == ext))
+        .collect();
+    v.sort();
+    v
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shard_restarts_from_its_newest_intact_checkpoint() {
+    let dir = std::env::temp_dir().join(format!("gaps-ckpt-service-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let certs = ClusterCerts::generate(&[]).expect("certs");
+    let server =
+        service::start(config(&certs, &dir, Some(Duration::from_millis(150)), Restore::Auto)).await.expect("start");
+    assert!(server.restored.is_none(), "an empty directory starts fresh");
+    let c = client(&certs, &server, Role::Worker).await;
+    for _ in 0..10 {
+        let s = c.pull().await.expect("pull");
+        let g = s.tensors.iter().map(|t| t.iter().map(|v| v * 0.5 + 0.1).collect()).collect();
+        c.push(g, &s).await.expect("push");
+        let rows = c.pull_sparse(0, &[1, 2, 3], true).await.expect("rows");
+        c.push_sparse(0, &rows, &[0.5; 12]).await.expect("sparse push");
+    }
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert!(server.checkpoints_written() >= 1, "periodic checkpoints are written");
+    // (Leaving first: under DANA a departing worker's momentum leaves the look-ahead.)
+    c.leave().await.expect("leave");
+    let before = c.pull().await.expect("pull");
+    let rows_before = c.pull_sparse(0, &[1, 2, 3], false).await.expect("rows");
+    server.shutdown().await.expect("shutdown writes a final checkpoint");
+    assert!(files(&dir, "bin").len() <= 2, "only --keep-checkpoints are kept: {:?}", files(&dir, "bin"));
+
+    // Restart: the model, its versions and the tables come back exactly.
+    let server = service::start(config(&certs, &dir, None, Restore::Auto)).await.expect("restart");
+    let info = server.restored.clone().expect("restored");
+    assert_eq!(info.tensor_versions, vec![10, 10]);
+    let observer = client(&certs, &server, Role::Observer).await;
+    let after = observer.pull().await.expect("pull");
+    assert_eq!(after.tensors, before.tensors, "the DANA look-ahead (θ and S) is as it was");
+    assert_eq!(after.versions, before.versions);
+    let rows_after = observer.pull_sparse(0, &[1, 2, 3], false).await.expect("rows");
+    assert_eq!(rows_after.values, rows_before.values);
+    // New workers get new ids (the coordinator's counter was kept).
+    let w = client(&certs, &server, Role::Worker).await;
+    assert_eq!(w.map().worker_id, Some(1));
+    w.leave().await.expect("leave");
+    server.shutdown().await.expect("shutdown");
+
+    // Damage the newest checkpoint: the start skips it for the previous intact one.
+    let newest = files(&dir, "bin").pop().expect("a checkpoint");
+    let mut bytes = std::fs::read(&newest).expect("read");
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x40;
+    std::fs::write(&newest, bytes).expect("write");
+    let server = service::start(config(&certs, &dir, None, Restore::Auto)).await.expect("restart");
+    let previous = server.restored.clone().expect("restored from the previous checkpoint");
+    assert!(
+        previous.id < u64::MAX
+            && files(&dir, "bin").iter().any(|p| p.to_string_lossy().contains(&format!("{:020}", previous.id)))
+    );
+    assert_ne!(
+        files(&dir, "bin").last().map(|p| p.to_string_lossy().contains(&format!("{:020}", previous.id))),
+        Some(true)
+    );
+    server.shutdown().await.expect("shutdown");
+
+    // Naming a damaged checkpoint explicitly is an error that names the file.
+    let err = service::start(config(&certs, &dir, None, Restore::Path(newest.clone()))).await.expect_err("corrupt");
+    assert!(format!("{err:#}").contains("checksum"), "{err:#}");
+    assert!(format!("{err:#}").contains(&newest.display().to_string()), "{err:#}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
