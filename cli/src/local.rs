@@ -99,6 +99,22 @@ pub struct LocalArgs {
     /// Samples in the held-out evaluation set.
     #[arg(long, env = "GAPS_EVAL_SAMPLES", default_value_t = 20_000)]
     pub eval_samples: u32,
+    /// Kill shard I with SIGKILL T after training starts: `I@T`, e.g. `1@3s` (repeatable).
+    #[arg(long = "kill-shard", env = "GAPS_KILL_SHARDS", value_delimiter = ',', value_parser = parse_kill)]
+    pub kill_shards: Vec<Kill>,
+    /// Start shard I again T after training starts, on the same address, from its newest checkpoint:
+    /// `I@T` (repeatable).
+    #[arg(long = "restart-shard", env = "GAPS_RESTART_SHARDS", value_delimiter = ',', value_parser = parse_kill)]
+    pub restart_shards: Vec<Kill>,
+    /// How long workers wait for an unreachable shard before they give up.
+    #[arg(long, env = "GAPS_SHARD_DOWN_TIMEOUT", default_value = "10m", value_parser = parse_duration)]
+    pub shard_down_timeout: Duration,
+    /// Where the shards keep checkpoints (default: the run's folder, when checkpoints are asked for).
+    #[arg(long, env = "GAPS_CHECKPOINT_DIR")]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Shards take a checkpoint this often.
+    #[arg(long, env = "GAPS_CHECKPOINT_EVERY", value_parser = parse_duration)]
+    pub checkpoint_every: Option<Duration>,
     /// Give up (and stop every process) after this long.
     #[arg(long, env = "GAPS_TIMEOUT", default_value = "10m", value_parser = parse_duration)]
     pub timeout: Duration,
@@ -151,6 +167,18 @@ pub struct LocalReport {
     pub dropped_stale: u64,
     /// The learning-rate multiplier at the end (shard 0).
     pub lr_multiplier_final: f64,
+    /// Shards restarted (from their checkpoints).
+    pub shard_restarts: u32,
+    /// Checkpoints the shards wrote (counted from the files as they appear).
+    pub checkpoints_written: u64,
+    /// The largest tensor version a restarted shard came back at (0 without restarts).
+    pub restored_version: u64,
+    /// Shard pushes the workers saw acknowledged.
+    pub pushes_acknowledged: u64,
+    /// Acknowledged pushes a crash lost: applied by a shard after its last checkpoint, then killed.
+    pub pushes_lost: u64,
+    /// Gradients a restored shard refused because they were computed before its restore.
+    pub stale_after_restore: u64,
 }
 
 /// An injected straggler.
@@ -269,6 +297,12 @@ impl LocalReport {
             "workers_final": self.workers_final,
             "dropped_stale": self.dropped_stale,
             "lr_multiplier_final": self.lr_multiplier_final,
+            "shard_restarts": self.shard_restarts,
+            "checkpoints_written": self.checkpoints_written,
+            "restored_version": self.restored_version,
+            "pushes_acknowledged": self.pushes_acknowledged,
+            "pushes_lost": self.pushes_lost,
+            "stale_after_restore": self.stale_after_restore,
         });
         if let (Some(c), Some(map)) = (&self.ctr, v.as_object_mut()) {
             map.insert("sparse_rule".into(), args.tables.sparse_rule.name().into());
@@ -326,7 +360,8 @@ fn spawn(exe: &Path, name: &str, args: &[String], dir: &Path) -> Result<Proc> {
 }
 
 /// Reads the `{"event":"listening",…}` line of a server and returns its address.
-async fn listening_addr(p: &mut Proc, timeout: Duration) -> Result<String> {
+/// Reads a server's `listening` line: its address and the version it restored, if it restored.
+async fn listening_addr(p: &mut Proc, timeout: Duration) -> Result<(String, Option<u64>)> {
     let stdout = p.child.stdout.take().context("server stdout")?;
     let mut lines = BufReader::new(stdout).lines();
     let line = tokio::time::timeout(timeout, lines.next_line())
@@ -337,7 +372,27 @@ async fn listening_addr(p: &mut Proc, timeout: Duration) -> Result<String> {
         bail!("{} exited before serving; its log ends with:\n{}", p.name, p.log_tail());
     };
     let v: serde_json::Value = serde_json::from_str(&line).with_context(|| format!("parsing {:?}", line))?;
-    v["addr"].as_str().map(str::to_string).with_context(|| format!("no address in {line:?}"))
+    let addr = v["addr"].as_str().map(str::to_string).with_context(|| format!("no address in {line:?}"))?;
+    Ok((addr, v["restored_version"].as_u64()))
+}
+
+/// Checkpoint manifests present now, as (shard folder, file name).
+fn checkpoint_files(dir: &Path) -> Vec<(String, String)> {
+    let Ok(shards) = std::fs::read_dir(dir) else { return Vec::new() };
+    shards
+        .flatten()
+        .flat_map(|shard| {
+            let folder = shard.file_name().to_string_lossy().to_string();
+            std::fs::read_dir(shard.path())
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|f| f.file_name().to_string_lossy().to_string())
+                .filter(|f| f.ends_with(".json"))
+                .map(move |f| (folder.clone(), f))
+                .collect::<Vec<_>>()
+        })
+        .collect()
 }
 
 fn eval_loss(data: &SyntheticLogreg, tensors: &[Vec<f32>], n: u32) -> f32 {
@@ -394,12 +449,17 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
     std::fs::write(dir.join("layout.toml"), layout_file::write(&layout, layout_file::Format::Toml))
         .context("writing the layout file")?;
     let path = |f: &str| dir.join(f).display().to_string();
-    let server_args = |shard: u32, coordinator: Option<&str>| {
+    let checkpoint_dir = match (&args.checkpoint_dir, args.checkpoint_every, args.restart_shards.is_empty()) {
+        (Some(d), _, _) => Some(d.clone()),
+        (None, Some(_), _) | (None, None, false) => Some(dir.join("checkpoints")),
+        (None, None, true) => None,
+    };
+    let server_args = |shard: u32, coordinator: Option<&str>, listen: &str| {
         let mut a: Vec<String> = vec![
             "server".into(),
             format!("--shard-index={shard}"),
             format!("--num-shards={}", args.servers),
-            "--listen=127.0.0.1:0".into(),
+            format!("--listen={listen}"),
             format!("--ca={}", path("ca.pem")),
             format!("--cert={}", path("server.pem")),
             format!("--key={}", path("server.key")),
@@ -414,6 +474,12 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
         if let Some(c) = coordinator {
             a.push(format!("--coordinator={c}"));
         }
+        if let Some(d) = &checkpoint_dir {
+            a.push(format!("--checkpoint-dir={}", d.display()));
+        }
+        if let Some(every) = args.checkpoint_every {
+            a.push(format!("--checkpoint-every={}ms", every.as_millis()));
+        }
         a.extend(args.hyper.to_flags());
         a.extend(args.tables.to_flags());
         a.extend(args.modes.to_flags());
@@ -423,18 +489,19 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
     let mut workers: Vec<Proc> = Vec::new();
     let outcome = async {
         eprintln!("[gaps local] starting {} shard(s) and {} worker(s) on 127.0.0.1", args.servers, args.workers);
-        let mut s0 = spawn_role(exe, args.server_bin.as_deref(), "shard-0", &server_args(0, None), dir)?;
-        let coordinator = listening_addr(&mut s0, Duration::from_secs(30)).await?;
+        let mut s0 = spawn_role(exe, args.server_bin.as_deref(), "shard-0", &server_args(0, None, "127.0.0.1:0"), dir)?;
+        let coordinator = listening_addr(&mut s0, Duration::from_secs(30)).await?.0;
         servers.push(s0);
+        let mut addrs = vec![coordinator.clone()];
         for s in 1..args.servers {
             let mut p = spawn_role(
                 exe,
                 args.server_bin.as_deref(),
                 &format!("shard-{s}"),
-                &server_args(s, Some(&coordinator)),
+                &server_args(s, Some(&coordinator), "127.0.0.1:0"),
                 dir,
             )?;
-            listening_addr(&mut p, Duration::from_secs(30)).await?;
+            addrs.push(listening_addr(&mut p, Duration::from_secs(30)).await?.0);
             servers.push(p);
         }
         let observer_tls = certs.worker_material()?;
@@ -484,6 +551,7 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
                 format!("--data-shard={}/{}", w % args.workers, args.workers),
                 format!("--name=worker-{w}"),
                 format!("--compute-delay={}ms", args.compute_delay().as_millis()),
+                format!("--shard-down-timeout={}ms", args.shard_down_timeout.as_millis()),
                 "--json".into(),
             ];
             for st in args.stragglers.iter().filter(|st| st.worker == w) {
@@ -508,8 +576,41 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
         let mut adds: Vec<Duration> = args.add_workers.clone();
         let mut outputs: Vec<Option<String>> = Vec::new();
         let mut killed = Vec::new();
+        let mut shard_kills: Vec<Kill> = args.kill_shards.clone();
+        let mut shard_restarts_due: Vec<Kill> = args.restart_shards.clone();
+        let (mut shard_restarts, mut restored_version) = (0u32, 0u64);
+        let mut checkpoints_seen = std::collections::BTreeSet::new();
         loop {
             let since = training_started.elapsed();
+            if let Some(d) = &checkpoint_dir {
+                checkpoints_seen.extend(checkpoint_files(d));
+            }
+            for k in shard_kills.iter().filter(|k| k.at <= since) {
+                if let Some(p) = servers.get_mut(k.worker as usize) {
+                    eprintln!("[gaps local] killing shard {} (SIGKILL) at {:.1}s", k.worker, since.as_secs_f64());
+                    let _ = p.child.start_kill();
+                    let _ = p.child.wait().await;
+                }
+            }
+            shard_kills.retain(|k| k.at > since);
+            for k in shard_restarts_due.iter().filter(|k| k.at <= since) {
+                let i = k.worker as usize;
+                let Some(addr) = addrs.get(i).cloned() else { bail!("--restart-shard {}: no such shard", k.worker) };
+                eprintln!("[gaps local] restarting shard {i} on {addr} at {:.1}s", since.as_secs_f64());
+                let coordinator_arg = (i != 0).then_some(coordinator.as_str());
+                let mut p = spawn_role(
+                    exe,
+                    args.server_bin.as_deref(),
+                    &format!("shard-{i}-restart"),
+                    &server_args(i as u32, coordinator_arg, &addr),
+                    dir,
+                )?;
+                let (_, restored) = listening_addr(&mut p, Duration::from_secs(30)).await?;
+                restored_version = restored_version.max(restored.unwrap_or(0));
+                shard_restarts += 1;
+                servers[i] = p;
+            }
+            shard_restarts_due.retain(|k| k.at > since);
             // Injected failures and arrivals.
             for k in kills.iter().filter(|k| k.at <= since) {
                 if let Some(p) = workers.get_mut(k.worker as usize) {
@@ -551,7 +652,12 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
                     outputs[i] = Some(text);
                 }
             }
-            if outputs.iter().all(Option::is_some) && kills.is_empty() && adds.is_empty() {
+            if outputs.iter().all(Option::is_some)
+                && kills.is_empty()
+                && adds.is_empty()
+                && shard_kills.is_empty()
+                && shard_restarts_due.is_empty()
+            {
                 break;
             }
             if Instant::now() >= deadline {
@@ -559,8 +665,12 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
             if since.as_millis() / 500 != training_started.elapsed().as_millis() / 500 {
-                let applied: u64 =
-                    observer.stats().await.map(|s| s.iter().map(|x| x.pushes_applied).sum()).unwrap_or(0);
+                // Progress is best effort: a shard that is down must not hold up the schedule.
+                let stats = tokio::time::timeout(Duration::from_millis(500), observer.stats()).await;
+                let applied: u64 = match stats {
+                    Ok(Ok(s)) => s.iter().map(|x| x.pushes_applied).sum(),
+                    _ => 0,
+                };
                 let pct = 100 * applied / expected.max(1);
                 if interactive {
                     eprint!("\r[gaps local] training: {applied}/{expected} shard pushes applied ({pct}%)   ");
@@ -577,6 +687,8 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
         let training_s = training_started.elapsed().as_secs_f64();
         let mut steps = 0;
         let mut pushes_sent = 0;
+        let mut pushes_acknowledged = 0;
+        let mut stale_after_restore = 0;
         let mut retries = 0;
         let mut samples = 0;
         let mut bad_lines = 0;
@@ -594,6 +706,8 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             let v: serde_json::Value = serde_json::from_str(line).with_context(|| format!("parsing {line:?}"))?;
             steps += v["steps"].as_u64().unwrap_or(0);
             pushes_sent += v["pushes_sent"].as_u64().unwrap_or(0);
+            pushes_acknowledged += v["pushes_acknowledged"].as_u64().unwrap_or(0);
+            stale_after_restore += v["stale_after_restore"].as_u64().unwrap_or(0);
             retries += v["retries"].as_u64().unwrap_or(0);
             samples += v["samples"].as_u64().unwrap_or(0);
             bad_lines = bad_lines.max(v["bad_lines"].as_u64().unwrap_or(0));
@@ -622,13 +736,17 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             }
         };
         observer.close().await;
+        if let Some(d) = &checkpoint_dir {
+            checkpoints_seen.extend(checkpoint_files(d));
+        }
         let count: u64 = stats.iter().map(|s| s.staleness_count).sum();
+        let pushes_applied: u64 = stats.iter().map(|s| s.pushes_applied).sum();
         Ok(LocalReport {
             servers: args.servers,
             workers: args.workers,
             steps,
             pushes_sent,
-            pushes_applied: stats.iter().map(|s| s.pushes_applied).sum(),
+            pushes_applied,
             pushes_duplicate: stats.iter().map(|s| s.pushes_duplicate).sum(),
             retries,
             initial_loss,
@@ -643,6 +761,13 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             workers_final,
             dropped_stale: stats.iter().map(|s| s.dropped_stale).sum(),
             lr_multiplier_final: stats.first().map_or(1.0, |s| f64::from(s.lr_multiplier_milli) / 1000.0),
+            shard_restarts,
+            checkpoints_written: checkpoints_seen.len() as u64,
+            restored_version,
+            pushes_acknowledged,
+            // The workers of killed processes never report: count what the survivors saw.
+            pushes_lost: if killed.is_empty() { pushes_acknowledged.saturating_sub(pushes_applied) } else { 0 },
+            stale_after_restore,
         })
     }
     .await;

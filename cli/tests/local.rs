@@ -168,3 +168,56 @@ fn killed_and_added_workers_leave_the_right_number_at_the_end_and_sync_never_sta
     assert!(v["pushes_applied"].as_u64() >= v["pushes_sent"].as_u64(), "{v}");
     assert!(v["lr_multiplier_final"].as_f64().expect("multiplier") > 0.0);
 }
+
+#[test]
+fn a_killed_shard_restarts_from_its_checkpoint_and_training_finishes() {
+    let v = run_local(&[
+        "local",
+        "--servers",
+        "2",
+        "--workers",
+        "2",
+        "--steps",
+        "250",
+        "--compute-delay",
+        "10ms",
+        "--checkpoint-every",
+        "500ms",
+        "--kill-shard",
+        "1@1200ms",
+        "--restart-shard",
+        "1@2200ms",
+        "--json",
+    ]);
+    assert_eq!(v["shard_restarts"], 1, "{v}");
+    assert!(v["restored_version"].as_u64().expect("version") > 0, "{v}");
+    assert!(v["checkpoints_written"].as_u64().expect("count") >= 2, "{v}");
+    let (acked, applied, lost) = (
+        v["pushes_acknowledged"].as_u64().expect("acked"),
+        v["pushes_applied"].as_u64().expect("applied"),
+        v["pushes_lost"].as_u64().expect("lost"),
+    );
+    // No push is applied twice: the shards never apply more than the workers saw acknowledged; what a crash
+    // lost is at most what one checkpoint interval held.
+    assert!(applied <= acked, "{v}");
+    assert_eq!(applied + lost, acked, "{v}");
+    assert!(lost < acked / 4, "{v}");
+    let (initial, last) = (v["initial_loss"].as_f64().expect("loss"), v["final_loss"].as_f64().expect("loss"));
+    assert!(last < initial / 2.0, "{v}");
+}
+
+#[test]
+fn workers_give_up_on_a_dead_shard_after_the_shard_down_timeout_and_name_it() {
+    let started = std::time::Instant::now();
+    let out = Command::new(env!("CARGO_BIN_EXE_gaps"))
+        .args(["local", "--servers", "2", "--workers", "1", "--steps", "2000", "--compute-delay", "10ms"])
+        .args(["--kill-shard", "1@800ms", "--shard-down-timeout", "2s", "--timeout", "60s"])
+        .env("GAPS_LOG", "warn")
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .expect("run gaps local");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a worker cannot finish without shard 1:\n{stderr}");
+    assert!(stderr.contains("shard 1 stayed unreachable"), "{stderr}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(40), "took {:?}", started.elapsed());
+}

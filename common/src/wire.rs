@@ -112,12 +112,15 @@ pub enum ErrorCode {
     Misconfigured,
     /// The worker id is unknown to this coordinator, or the request needs the coordinator.
     NotRegistered,
-    /// The sequence number is too far ahead of what was applied.
+    /// The sequence number is too old to tell whether it was applied (or zero).
     SequenceWindow,
     /// The server is shutting down.
     ShuttingDown,
     /// An internal failure; the message says what.
     Internal,
+    /// The push was computed on versions this shard has not reached: it was restored from a checkpoint
+    /// taken before them. The gradient is stale; pull again.
+    ReadAhead,
 }
 
 /// The role a registering client asks for.

@@ -132,7 +132,7 @@ fn bad_pushes_get_typed_errors_and_leave_the_shard_unchanged() {
     zero.seq = 0;
     cases.push(("sequence 0", Message::Push(zero), p, ErrorCode::SequenceWindow));
     let (m, p) = full_push(0, 1, &[5, 0, 0, 0], &grad(2));
-    cases.push(("read version from the future", m, p, ErrorCode::WrongShape));
+    cases.push(("read version from the future", m, p, ErrorCode::ReadAhead));
     cases.push(("a reply sent as a request", Message::error(ErrorCode::Internal, "x"), vec![], ErrorCode::UnknownKind));
     for (name, msg, payload, code) in cases {
         let reply = call(&mut core, msg, payload);

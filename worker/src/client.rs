@@ -33,8 +33,9 @@ pub struct ClientOptions {
     pub connect_timeout: Duration,
     /// How long one RPC may take.
     pub rpc_timeout: Duration,
-    /// How many times a request is sent again after a transport failure.
-    pub max_retries: u32,
+    /// How long a shard may stay unreachable (dead, restarting) before a request to it fails: until then the
+    /// client sends the request again on new connections, logging which shard it waits for.
+    pub shard_down_timeout: Duration,
     /// Frame limits for replies.
     pub limits: Limits,
 }
@@ -49,7 +50,7 @@ impl ClientOptions {
             name: name.into(),
             connect_timeout: Duration::from_secs(30),
             rpc_timeout: Duration::from_secs(30),
-            max_retries: 5,
+            shard_down_timeout: Duration::from_secs(600),
             limits: Limits::default(),
         }
     }
@@ -113,6 +114,10 @@ pub struct PushSummary {
     pub retries: u32,
     /// Largest staleness reported by any shard.
     pub max_staleness: u64,
+    /// Shard pushes refused because they were computed on versions the shard has not reached: it was
+    /// restored from a checkpoint taken before them. The gradient is dropped for that shard (the next pull
+    /// reads the restored state).
+    pub stale_after_restore: u32,
 }
 
 #[derive(Debug)]
@@ -135,6 +140,9 @@ struct Inner {
     /// Test and chaos hook: close the connection after this many requests were written, before their reply.
     drop_after_send: AtomicU32,
     pushes_sent: AtomicU64,
+    /// Shard pushes acknowledged (applied now or before, as a duplicate) and refused by a restored shard.
+    pushes_acknowledged: AtomicU64,
+    stale_after_restore: AtomicU64,
     retries: AtomicU64,
     /// The shards' default update rule.
     rule: Rule,
@@ -255,6 +263,8 @@ impl Client {
                 shards,
                 drop_after_send: AtomicU32::new(0),
                 pushes_sent: AtomicU64::new(0),
+                pushes_acknowledged: AtomicU64::new(0),
+                stale_after_restore: AtomicU64::new(0),
                 retries: AtomicU64::new(0),
                 rule,
                 tensor_rules,
@@ -300,6 +310,16 @@ impl Client {
         self.inner.retries.load(Ordering::Relaxed)
     }
 
+    /// Shard pushes acknowledged since connecting (each applied exactly once by its shard).
+    pub fn pushes_acknowledged(&self) -> u64 {
+        self.inner.pushes_acknowledged.load(Ordering::Relaxed)
+    }
+
+    /// Shard pushes a restored shard refused because they were computed before its restore.
+    pub fn stale_after_restore(&self) -> u64 {
+        self.inner.stale_after_restore.load(Ordering::Relaxed)
+    }
+
     /// Test and chaos hook: the next `n` requests are written completely and then their connection is
     /// closed before the reply is read, as if the network failed at the worst moment.
     pub fn inject_connection_drops(&self, n: u32) {
@@ -319,15 +339,21 @@ impl Client {
         Ok(conn)
     }
 
-    /// One request to one shard, sent again on a new connection after a transport failure (at most
-    /// `max_retries` times). Callers only use it for idempotent requests (pushes are made idempotent by
-    /// their sequence number).
+    /// One request to one shard, sent again on a new connection after a transport failure until the shard
+    /// has been unreachable for `shard_down_timeout`. Callers only use it for idempotent requests (pushes are
+    /// made idempotent by their sequence number).
     async fn request(&self, shard: usize, msg: &Message, payload: &[&[f32]]) -> Result<(Frame, u32), RpcError> {
         let opts = &self.inner.opts;
         let mut attempt = 0u32;
+        let mut down_since: Option<Instant> = None;
         loop {
             let result = async {
-                let conn = self.connection(shard, opts.rpc_timeout).await?;
+                // A handshake with a live shard takes milliseconds; a short bound lets a restarted shard be
+                // found again soon after it is back, and never outlasts the shard-down timeout.
+                let left =
+                    down_since.map_or(opts.shard_down_timeout, |t| opts.shard_down_timeout.saturating_sub(t.elapsed()));
+                let bound = opts.rpc_timeout.min(Duration::from_secs(5)).min(left.max(Duration::from_millis(100)));
+                let conn = self.connection(shard, bound).await?;
                 if self.take_injected_drop() {
                     let (mut send, _recv) = conn.open_bi().await.map_err(|e| RpcError::Connection {
                         addr: conn.remote_address().to_string(),
@@ -348,14 +374,36 @@ impl Client {
             .await;
             match result {
                 Ok(frame) => return Ok((frame, attempt)),
-                Err(e) if e.is_retryable() && attempt < opts.max_retries => {
+                Err(e) if e.is_retryable() && down_since.is_none_or(|t| t.elapsed() < opts.shard_down_timeout) => {
+                    let since = *down_since.get_or_insert_with(Instant::now);
                     attempt += 1;
                     self.inner.retries.fetch_add(1, Ordering::Relaxed);
-                    warn!(shard, attempt, error = %e, "request failed, retrying on a new connection");
+                    let addr = self.inner.shards[shard].addr;
+                    if attempt == 1 || attempt % 20 == 0 {
+                        warn!(
+                            shard,
+                            %addr,
+                            attempt,
+                            down_for = ?since.elapsed(),
+                            wait_up_to = ?opts.shard_down_timeout,
+                            error = %e,
+                            "shard unreachable, retrying on a new connection"
+                        );
+                    }
                     if let Ok(mut guard) = self.inner.shards[shard].conn.lock() {
                         *guard = None;
                     }
-                    tokio::time::sleep(Duration::from_millis(50 * u64::from(attempt))).await;
+                    tokio::time::sleep(Duration::from_millis((50 * u64::from(attempt)).min(500))).await;
+                }
+                Err(e) if e.is_retryable() => {
+                    let addr = self.inner.shards[shard].addr;
+                    return Err(RpcError::Connection {
+                        addr: addr.to_string(),
+                        message: format!(
+                            "shard {shard} stayed unreachable for {:?} ({attempt} retries): {e}",
+                            down_since.map_or(Duration::ZERO, |t| t.elapsed())
+                        ),
+                    });
                 }
                 Err(e) => return Err(e),
             }
@@ -507,16 +555,26 @@ impl Client {
                     .chain(read_parts)
                     .filter_map(|(id, tensors)| layout.chunk_range(*id).ok().map(|r| &tensors[id.tensor as usize][r]))
                     .collect();
-                client.request(s, &msg, &parts).await.map(|r| (s, r))
+                (s, client.request(s, &msg, &parts).await)
             });
         }
         let mut summary = PushSummary::default();
         let mut waits = Vec::new();
         while let Some(joined) = tasks.join_next().await {
-            let (s, (frame, retries)) = joined.map_err(|e| ClientError::Shape(format!("push task failed: {e}")))??;
+            let (s, outcome) = joined.map_err(|e| ClientError::Shape(format!("push task failed: {e}")))?;
+            let (frame, retries) = match outcome {
+                Err(RpcError::Remote { code: ErrorCode::ReadAhead, message, .. }) => {
+                    warn!(shard = s, %message, "a restored shard refused a gradient computed before its restore");
+                    summary.stale_after_restore += 1;
+                    self.inner.stale_after_restore.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
+                other => other?,
+            };
             summary.retries += retries;
             match frame.msg {
                 Message::Ack(ack) => {
+                    self.inner.pushes_acknowledged.fetch_add(1, Ordering::Relaxed);
                     if ack.duplicate {
                         summary.duplicates += 1;
                     } else {
@@ -682,8 +740,12 @@ impl Client {
                 joined.map_err(|e| ClientError::Shape(format!("sparse push task failed: {e}")))??;
             summary.retries += retries;
             match frame.msg {
-                Message::Ack(ack) if ack.duplicate => summary.duplicates += 1,
+                Message::Ack(ack) if ack.duplicate => {
+                    self.inner.pushes_acknowledged.fetch_add(1, Ordering::Relaxed);
+                    summary.duplicates += 1;
+                }
                 Message::Ack(ack) => {
+                    self.inner.pushes_acknowledged.fetch_add(1, Ordering::Relaxed);
                     summary.applied += 1;
                     summary.max_staleness = summary.max_staleness.max(ack.max_staleness);
                 }

@@ -56,6 +56,10 @@ pub struct WorkerArgs {
     /// How long to wait for the coordinator and a complete cluster.
     #[arg(long, env = "GAPS_CONNECT_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub connect_timeout: Duration,
+    /// How long a shard may stay unreachable (restarting, say) before this worker gives up and exits with
+    /// an error naming it; until then it retries and logs which shard it waits for.
+    #[arg(long, env = "GAPS_SHARD_DOWN_TIMEOUT", default_value = "10m", value_parser = parse_duration)]
+    pub shard_down_timeout: Duration,
     /// Name in logs.
     #[arg(long, env = "GAPS_NAME", default_value = "worker")]
     pub name: String,
@@ -98,6 +102,10 @@ pub struct WorkerSummary {
     pub steps: u64,
     /// Shard pushes sent (each once, retries not counted).
     pub pushes_sent: u64,
+    /// Shard pushes acknowledged by their shard.
+    pub pushes_acknowledged: u64,
+    /// Shard pushes a restored shard refused (computed before its restore; dropped, not lost silently).
+    pub stale_after_restore: u64,
     /// Requests resent after transport failures.
     pub retries: u64,
     /// Mean training loss of the first step.
@@ -127,6 +135,8 @@ impl WorkerSummary {
             worker,
             steps: args.steps,
             pushes_sent: client.pushes_sent(),
+            pushes_acknowledged: client.pushes_acknowledged(),
+            stale_after_restore: client.stale_after_restore(),
             retries: client.retries(),
             first_loss: losses.first().copied().unwrap_or(f32::NAN),
             last_loss: tail.iter().sum::<f32>() / tail.len().max(1) as f32,
@@ -143,6 +153,8 @@ impl WorkerSummary {
             "worker": self.worker,
             "steps": self.steps,
             "pushes_sent": self.pushes_sent,
+            "pushes_acknowledged": self.pushes_acknowledged,
+            "stale_after_restore": self.stale_after_restore,
             "retries": self.retries,
             "first_loss": self.first_loss,
             "last_loss": self.last_loss,
@@ -159,6 +171,7 @@ pub async fn run(args: &WorkerArgs) -> Result<WorkerSummary> {
     let tls = TlsMaterial::load(&args.ca, &args.cert, &args.key).context("loading the worker's TLS material")?;
     let mut opts = ClientOptions::new(&args.coordinator, tls, Role::Worker, &args.name);
     opts.connect_timeout = args.connect_timeout;
+    opts.shard_down_timeout = args.shard_down_timeout;
     let client = Client::connect(opts).await.context("joining the cluster")?;
     let worker = client.worker_id().context("the coordinator gave no worker id")?;
     if let Some(model) = args.model.ctr() {

@@ -126,10 +126,12 @@ impl ShardCore {
             }
             let version = self.slots[slot].version;
             if c.read_version > version {
-                return Err(ShardError::WrongShape(format!(
-                    "chunk {}/{} was read at version {} but is only at version {version}",
-                    c.id.tensor, c.id.chunk, c.read_version
-                )));
+                return Err(ShardError::ReadAhead {
+                    tensor: c.id.tensor,
+                    chunk: c.id.chunk,
+                    read: c.read_version,
+                    current: version,
+                });
             }
             let (rule, _) = self.tensor_rules[c.id.tensor as usize];
             if c.echo != rule.layout().needs_read {

@@ -166,6 +166,18 @@ pub enum ShardError {
         /// This shard.
         me: u32,
     },
+    /// See [`ErrorCode::ReadAhead`].
+    #[error("chunk {tensor}/{chunk} was read at version {read} but this shard is at version {current} (restored from a checkpoint): pull again")]
+    ReadAhead {
+        /// Tensor index.
+        tensor: u32,
+        /// Chunk index.
+        chunk: u32,
+        /// The version in the push.
+        read: u64,
+        /// The chunk's version here.
+        current: u64,
+    },
     /// The update could not be applied on the device; see [`ErrorCode::Internal`].
     #[error("applying the update: {0}")]
     Device(String),
@@ -186,6 +198,7 @@ impl ShardError {
             ShardError::NotARequest(_) => ErrorCode::UnknownKind,
             ShardError::Device(_) => ErrorCode::Internal,
             ShardError::RowNotOwned { .. } => ErrorCode::NotOwner,
+            ShardError::ReadAhead { .. } => ErrorCode::ReadAhead,
         }
     }
 }
