@@ -97,6 +97,15 @@ enum BenchCommand {
         #[arg(long, env = "GAPS_BENCH_STEPS", default_value_t = 300)]
         steps: u64,
     },
+    /// Checkpoint of one shard: snapshot pause, file write, read and restore times.
+    Checkpoint {
+        /// Parameters of the shard (with momentum state: 8 bytes each); suffixes Ki and Mi allowed.
+        #[arg(long, env = "GAPS_BENCH_PARAMS", default_value = "256Mi", value_parser = parse_count)]
+        params: usize,
+        /// Where to write (default: a temporary folder, removed afterwards).
+        #[arg(long, env = "GAPS_BENCH_DIR")]
+        dir: Option<PathBuf>,
+    },
     /// Sparse-table insert and lookup rates and bytes per row.
     Tables {
         /// Rows to insert.
@@ -217,6 +226,16 @@ async fn main() -> Result<()> {
             let certs = gaps_transport::tls::ClusterCerts::generate(&args.sans).context("making certificates")?;
             certs.write_to(&args.out)?;
             println!("wrote ca.pem, ca.key, server.pem, server.key, worker.pem, worker.key to {}", args.out.display());
+        }
+        Command::Bench(BenchCommand::Checkpoint { params, dir }) => {
+            let temporary = dir.is_none();
+            let dir = dir
+                .unwrap_or_else(|| std::env::temp_dir().join(format!("gaps-bench-checkpoint-{}", std::process::id())));
+            let result = gaps_benches::checkpoint::run(params as u64, &dir);
+            if temporary {
+                let _ = std::fs::remove_dir_all(&dir);
+            }
+            println!("{}", result?.to_json());
         }
         Command::Bench(BenchCommand::Kernels { json, device, sizes, threads, seconds }) => {
             anyhow::ensure!(seconds.is_finite() && seconds > 0.0, "--seconds must be positive");

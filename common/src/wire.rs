@@ -644,7 +644,11 @@ pub fn f32s_to_le_bytes(values: &[f32]) -> std::borrow::Cow<'_, [u8]> {
 
 /// f32 values from little-endian bytes (length must be a multiple of 4; extra bytes are ignored).
 pub fn le_bytes_to_f32s(bytes: &[u8]) -> Vec<f32> {
-    bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
+    let n = bytes.len() / 4;
+    let mut out = vec![0f32; n];
+    bytemuck::cast_slice_mut::<f32, u8>(&mut out).copy_from_slice(&bytes[..n * 4]);
+    from_le_in_place(&mut out);
+    out
 }
 
 /// Converts values just read as raw little-endian bytes into native order (a no-op on little-endian hosts).

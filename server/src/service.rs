@@ -114,8 +114,9 @@ enum Command {
     Tick { reply: oneshot::Sender<(Vec<CoreEvent>, Stats)> },
     /// Read the core (tests, reports).
     Inspect(Box<dyn FnOnce(&ShardCore) + Send>),
-    /// Snapshot the core as checkpoint `id`; the reply carries the bytes and how long the core paused.
-    Checkpoint { id: u64, reply: oneshot::Sender<(Vec<u8>, Duration)> },
+    /// Snapshot the core as checkpoint `id` into `buf`; the reply carries the bytes and how long the core
+    /// paused.
+    Checkpoint { id: u64, buf: Vec<u8>, reply: oneshot::Sender<(Vec<u8>, Duration)> },
 }
 
 /// Runs the core on the calling thread until every sender of `queue` is gone.
@@ -130,9 +131,9 @@ fn run_actor(mut core: ShardCore, mut queue: mpsc::Receiver<Command>, started: I
                 let _ = reply.send((events, core.stats()));
             }
             Command::Inspect(f) => f(&core),
-            Command::Checkpoint { id, reply } => {
+            Command::Checkpoint { id, buf, reply } => {
                 let started = Instant::now();
-                let bytes = core.checkpoint(id);
+                let bytes = core.checkpoint_into(id, buf);
                 let _ = reply.send((bytes, started.elapsed()));
             }
         }
@@ -159,7 +160,9 @@ struct Shared {
     /// The checkpoint files, the next id, and a lock so that two checkpoints are never written at once.
     store: Option<CheckpointStore>,
     next_checkpoint: AtomicU64,
-    checkpoint_lock: tokio::sync::Mutex<()>,
+    /// Held while a checkpoint is taken; keeps the last snapshot's buffer for the next one (one more copy
+    /// of the shard's state in memory, so that the core's pause is a warm copy).
+    checkpoint_lock: tokio::sync::Mutex<Vec<u8>>,
     checkpoints_written: AtomicU64,
     /// The model's chunk size and widest table, to bound a pull's reply before it is made.
     chunk_elems: u64,
@@ -347,7 +350,7 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
             None => 1,
         }),
         store,
-        checkpoint_lock: tokio::sync::Mutex::new(()),
+        checkpoint_lock: tokio::sync::Mutex::new(Vec::new()),
         checkpoints_written: AtomicU64::new(0),
         chunk_elems,
         widest_table: widest.unwrap_or(0),
@@ -380,16 +383,19 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
 /// Snapshots the core (it pauses for the copy only) and writes the checkpoint on a blocking thread.
 async fn take_checkpoint(shared: &Arc<Shared>) -> Result<std::path::PathBuf> {
     let Some(store) = shared.store.clone() else { bail!("this shard has no --checkpoint-dir") };
-    let _writing = shared.checkpoint_lock.lock().await;
+    let mut spare = shared.checkpoint_lock.lock().await;
     let id = shared.next_checkpoint.fetch_add(1, Ordering::Relaxed);
     let (tx, rx) = oneshot::channel();
-    shared.send(Command::Checkpoint { id, reply: tx }).await?;
+    shared.send(Command::Checkpoint { id, buf: std::mem::take(&mut *spare), reply: tx }).await?;
     let (bytes, pause) = rx.await.map_err(|_| anyhow!("shard core thread stopped"))?;
     let info = ShardCore::checkpoint_info(&bytes).map_err(|e| anyhow!("reading back checkpoint {id}: {e}"))?;
     let started = Instant::now();
     let size = bytes.len();
-    let path =
-        tokio::task::spawn_blocking(move || store.write(&info, &bytes)).await.context("writing a checkpoint")??;
+    let (written, bytes) = tokio::task::spawn_blocking(move || (store.write(&info, &bytes), bytes))
+        .await
+        .context("writing a checkpoint")?;
+    *spare = bytes;
+    let path = written?;
     shared.checkpoints_written.fetch_add(1, Ordering::Relaxed);
     info!(
         shard = shared.shard,

@@ -39,8 +39,13 @@ pub(crate) struct Writer {
 }
 
 impl Writer {
-    pub(crate) fn new() -> Self {
-        let mut w = Writer { buf: Vec::new() };
+    /// A writer over `buf` (cleared, its memory kept) that reserves `capacity` bytes up front: a snapshot's
+    /// size is known ahead, so the copy is made once without reallocations, and a buffer reused from the
+    /// previous checkpoint is already mapped (first-touch page faults cost several times the copy itself).
+    pub(crate) fn reusing(mut buf: Vec<u8>, capacity: usize) -> Self {
+        buf.clear();
+        buf.reserve(capacity + 64);
+        let mut w = Writer { buf };
         w.buf.extend_from_slice(MAGIC);
         w.u32(FORMAT_VERSION);
         w

@@ -270,6 +270,11 @@ impl SparseTable {
         }
     }
 
+    /// About how many bytes [`SparseTable::write_to`] appends.
+    pub(crate) fn checkpoint_size_hint(&self) -> usize {
+        self.ids.len() * 16 + self.data.len() * 4 + self.sightings.as_ref().map_or(0, |s| s.counters.len()) + 128
+    }
+
     /// Appends the table's rows, their state, versions and last touches, the admission sketch and the
     /// counters to a checkpoint (the index is rebuilt on restore).
     pub(crate) fn write_to(&self, w: &mut crate::checkpoint::Writer) {

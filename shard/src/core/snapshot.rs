@@ -53,7 +53,13 @@ fn read_info(r: &mut Reader<'_>) -> Result<CheckpointInfo, CheckpointError> {
 impl ShardCore {
     /// A checkpoint of this shard as bytes, labelled `id`.
     pub fn checkpoint(&self, id: u64) -> Vec<u8> {
-        let mut w = Writer::new();
+        self.checkpoint_into(id, Vec::new())
+    }
+
+    /// [`ShardCore::checkpoint`] written into `buf` (cleared first; pass the previous checkpoint's buffer
+    /// to keep the pause short).
+    pub fn checkpoint_into(&self, id: u64, buf: Vec<u8>) -> Vec<u8> {
+        let mut w = Writer::reusing(buf, self.checkpoint_size_hint());
         w.u64(id);
         w.u32(self.cfg.shard);
         w.u32(self.cfg.num_shards);
@@ -116,6 +122,18 @@ impl ShardCore {
         w.buf
     }
 
+    /// About how many bytes [`ShardCore::checkpoint`] writes: the float planes and tables (the rest is small).
+    fn checkpoint_size_hint(&self) -> usize {
+        let slots: usize = self
+            .slots
+            .iter()
+            .zip(&self.accum)
+            .map(|(s, a)| s.params.len() + s.shared.len() + a.len() + s.workers.values().map(Vec::len).sum::<usize>())
+            .sum();
+        let tables: usize = self.tables.iter().map(|t| t.checkpoint_size_hint()).sum();
+        slots * 4 + tables + 64 * self.slots.len() + 600 * self.seqs.len() + 4096
+    }
+
     /// Reads the header of a checkpoint without restoring it.
     pub fn checkpoint_info(bytes: &[u8]) -> Result<CheckpointInfo, CheckpointError> {
         read_info(&mut Reader::new(bytes)?)
@@ -124,7 +142,11 @@ impl ShardCore {
     /// A shard configured by `cfg` with the state of checkpoint `bytes`. The checkpoint must come from the
     /// same shard index, shard count, layout and rules; anything else is refused with the reason.
     pub fn restore(cfg: ShardConfig, bytes: &[u8]) -> Result<ShardCore, CheckpointError> {
-        let mut core = ShardCore::new(cfg).map_err(|e| mismatch(format!("configuring the shard: {e}")))?;
+        // Every parameter is overwritten below: build the shard with zeros (no initializer to run), then
+        // keep the configuration as given.
+        let zeros = ShardConfig { init: Init { std: 0.0, ..cfg.init }, ..cfg.clone() };
+        let mut core = ShardCore::new(zeros).map_err(|e| mismatch(format!("configuring the shard: {e}")))?;
+        core.cfg = cfg;
         let mut r = Reader::new(bytes)?;
         let info = read_info(&mut r)?;
         let (shard, num_shards) = (core.cfg.shard, core.cfg.num_shards);

@@ -1,0 +1,91 @@
+//! `gaps bench checkpoint`: how long a shard pauses to snapshot its state, how long writing the files takes
+//! (in the background of training), and how long a restart needs to read, verify and restore them — for one
+//! shard holding `params` parameters with momentum (θ and v: 8 bytes per parameter).
+
+use anyhow::{anyhow, Context, Result};
+use gaps_common::layout::{Layout, TensorSpec};
+use gaps_kernels::{Hyper, Rule};
+use gaps_server::checkpoint::{load_verified, CheckpointStore};
+use gaps_shard::{Init, ShardConfig, ShardCore};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+/// One measurement.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CheckpointResult {
+    /// Parameters held by the shard.
+    pub params: u64,
+    /// Bytes of the checkpoint file.
+    pub bytes: u64,
+    /// Seconds the core paused to copy its state into a new buffer (the first checkpoint)…
+    pub snapshot_s: f64,
+    /// …and into the previous checkpoint's buffer (every later one).
+    pub snapshot_reused_s: f64,
+    /// Seconds to write the files (temporary name, fsync, rename, manifest, fsync of the directory).
+    pub write_s: f64,
+    /// Seconds to read the file back and check its CRC-32.
+    pub read_s: f64,
+    /// Seconds to rebuild the shard from the bytes.
+    pub restore_s: f64,
+}
+
+impl CheckpointResult {
+    /// The JSON line.
+    pub fn to_json(&self) -> String {
+        let gib = self.bytes as f64 / f64::from(1u32 << 30);
+        serde_json::json!({
+            "case": "checkpoint",
+            "params": self.params,
+            "bytes": self.bytes,
+            "snapshot_s": self.snapshot_s,
+            "snapshot_reused_s": self.snapshot_reused_s,
+            "write_s": self.write_s,
+            "read_s": self.read_s,
+            "restore_s": self.restore_s,
+            "pause_s_per_gib": self.snapshot_reused_s / gib.max(1e-12),
+            "first_pause_s_per_gib": self.snapshot_s / gib.max(1e-12),
+        })
+        .to_string()
+    }
+}
+
+/// Measures one shard of `params` parameters, writing under `dir`.
+pub fn run(params: u64, dir: &Path) -> Result<CheckpointResult> {
+    let cfg = ShardConfig {
+        shard: 0,
+        num_shards: 1,
+        layout: Layout::new(vec![TensorSpec::new("w", params)], 1 << 20)?,
+        rule: Rule::Momentum,
+        hyper: Hyper { lr: 0.01, momentum: 0.9, ..Hyper::default() },
+        init: Init { seed: 1, std: 0.01 },
+        lease: Duration::from_secs(10),
+        advertise: "bench".into(),
+        epoch: 1,
+        threads: 0,
+        sparse: gaps_shard::SparseSettings::default(),
+        modes: gaps_shard::ModeConfig::default(),
+    };
+    let core = ShardCore::new(cfg.clone()).map_err(|e| anyhow!("{e}"))?;
+    let started = Instant::now();
+    let bytes = core.checkpoint(1);
+    let snapshot_s = started.elapsed().as_secs_f64();
+    let started = Instant::now();
+    let bytes = core.checkpoint_into(1, bytes);
+    let snapshot_reused_s = started.elapsed().as_secs_f64();
+    drop(core);
+    let info = ShardCore::checkpoint_info(&bytes).map_err(|e| anyhow!("{e}"))?;
+    let store = CheckpointStore::open(dir, 0, 1)?;
+    let started = Instant::now();
+    let path = store.write(&info, &bytes).context("writing the checkpoint")?;
+    let write_s = started.elapsed().as_secs_f64();
+    let size = bytes.len() as u64;
+    drop(bytes);
+    let started = Instant::now();
+    let read = load_verified(&path, &path.with_extension("json"))?;
+    let read_s = started.elapsed().as_secs_f64();
+    let started = Instant::now();
+    let restored = ShardCore::restore(cfg, &read).map_err(|e| anyhow!("{e}"))?;
+    let restore_s = started.elapsed().as_secs_f64();
+    drop(restored);
+    Ok(CheckpointResult { params, bytes: size, snapshot_s, snapshot_reused_s, write_s, read_s, restore_s })
+}
