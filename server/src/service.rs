@@ -61,6 +61,29 @@ pub struct ServiceConfig {
     pub restore: Restore,
 }
 
+impl ServiceConfig {
+    /// A shard on `listen` serving `core` with `tls`, every other setting at its default (no coordinator to
+    /// join, CPU updates, default queue, budget, limits and timeouts, no checkpoints).
+    pub fn new(listen: SocketAddr, tls: TlsMaterial, core: ShardConfig) -> Self {
+        ServiceConfig {
+            listen,
+            advertise: None,
+            coordinator: None,
+            tls,
+            core,
+            join_timeout: Duration::from_secs(60),
+            tick_interval: Duration::from_millis(250),
+            device: gaps_kernels::cuda::DeviceChoice::Cpu,
+            queue_depth: DEFAULT_QUEUE_DEPTH,
+            inflight_bytes: DEFAULT_INFLIGHT_BYTES,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            request_timeout: DEFAULT_REQUEST_TIMEOUT,
+            checkpoint: None,
+            restore: Restore::Never,
+        }
+    }
+}
+
 /// Checkpointing of one shard.
 #[derive(Debug, Clone)]
 pub struct CheckpointConfig {

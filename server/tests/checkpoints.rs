@@ -20,34 +20,24 @@ fn config(certs: &ClusterCerts, dir: &Path, every: Option<Duration>, restore: Re
         vec![SparseSpec::new("emb", 4)],
     )
     .expect("layout");
+    let core = ShardConfig {
+        shard: 0,
+        num_shards: 1,
+        layout,
+        rule: Rule::DanaZero,
+        hyper: Hyper { lr: 0.05, momentum: 0.9, ..Hyper::default() },
+        init: Init { seed: 2, std: 0.1 },
+        lease: Duration::from_secs(10),
+        advertise: String::new(),
+        epoch: 99,
+        threads: 1,
+        sparse: gaps_shard::SparseSettings::default(),
+        modes: gaps_shard::ModeConfig::default(),
+    };
     ServiceConfig {
-        listen: "127.0.0.1:0".parse().expect("addr"),
-        advertise: None,
-        coordinator: None,
-        tls: certs.server_material().expect("tls"),
-        core: ShardConfig {
-            shard: 0,
-            num_shards: 1,
-            layout,
-            rule: Rule::DanaZero,
-            hyper: Hyper { lr: 0.05, momentum: 0.9, ..Hyper::default() },
-            init: Init { seed: 2, std: 0.1 },
-            lease: Duration::from_secs(10),
-            advertise: String::new(),
-            epoch: 99,
-            threads: 1,
-            sparse: gaps_shard::SparseSettings::default(),
-            modes: gaps_shard::ModeConfig::default(),
-        },
-        join_timeout: Duration::from_secs(5),
-        tick_interval: Duration::from_millis(100),
-        device: gaps_kernels::cuda::DeviceChoice::Cpu,
-        queue_depth: service::DEFAULT_QUEUE_DEPTH,
-        inflight_bytes: service::DEFAULT_INFLIGHT_BYTES,
-        max_connections: service::DEFAULT_MAX_CONNECTIONS,
-        request_timeout: service::DEFAULT_REQUEST_TIMEOUT,
         checkpoint: Some(CheckpointConfig { dir: dir.to_path_buf(), every, keep: 2 }),
         restore,
+        ..ServiceConfig::new("127.0.0.1:0".parse().expect("addr"), certs.server_material().expect("tls"), core)
     }
 }
 

@@ -13,34 +13,25 @@ use std::time::{Duration, Instant};
 
 async fn shard(certs: &ClusterCerts, max_connections: usize, request_timeout: Duration) -> RunningServer {
     let layout = Layout::new(vec![TensorSpec::new("w", 1 << 16)], 1 << 16).expect("layout");
+    let core = ShardConfig {
+        shard: 0,
+        num_shards: 1,
+        layout,
+        rule: Rule::Sgd,
+        hyper: Hyper { lr: 0.1, momentum: 0.0, ..Hyper::default() },
+        init: Init { seed: 1, std: 0.0 },
+        lease: Duration::from_secs(10),
+        advertise: String::new(),
+        epoch: 5,
+        threads: 1,
+        sparse: gaps_shard::SparseSettings::default(),
+        modes: gaps_shard::ModeConfig::default(),
+    };
+    let tls = certs.server_material().expect("tls");
     let cfg = ServiceConfig {
-        listen: "127.0.0.1:0".parse().expect("addr"),
-        advertise: None,
-        coordinator: None,
-        tls: certs.server_material().expect("tls"),
-        core: ShardConfig {
-            shard: 0,
-            num_shards: 1,
-            layout,
-            rule: Rule::Sgd,
-            hyper: Hyper { lr: 0.1, momentum: 0.0, ..Hyper::default() },
-            init: Init { seed: 1, std: 0.0 },
-            lease: Duration::from_secs(10),
-            advertise: String::new(),
-            epoch: 5,
-            threads: 1,
-            sparse: gaps_shard::SparseSettings::default(),
-            modes: gaps_shard::ModeConfig::default(),
-        },
-        join_timeout: Duration::from_secs(5),
-        tick_interval: Duration::from_millis(100),
-        device: gaps_kernels::cuda::DeviceChoice::Cpu,
-        queue_depth: service::DEFAULT_QUEUE_DEPTH,
-        inflight_bytes: service::DEFAULT_INFLIGHT_BYTES,
         max_connections,
         request_timeout,
-        checkpoint: None,
-        restore: service::Restore::Never,
+        ..ServiceConfig::new("127.0.0.1:0".parse().expect("addr"), tls, core)
     };
     service::start(cfg).await.expect("start shard")
 }
