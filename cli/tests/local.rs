@@ -221,3 +221,34 @@ fn workers_give_up_on_a_dead_shard_after_the_shard_down_timeout_and_name_it() {
     assert!(stderr.contains("shard 1 stayed unreachable"), "{stderr}");
     assert!(started.elapsed() < std::time::Duration::from_secs(40), "took {:?}", started.elapsed());
 }
+
+#[test]
+fn chaos_shards_and_workers_killed_at_seeded_times_and_the_job_still_finishes() {
+    // Both shards (the coordinator too) are killed with SIGKILL and restarted, one worker is killed and
+    // another added, at times drawn from a fixed seed.
+    let mut rng = gaps_common::rng::Rng::new(20261123);
+    let mut ms = |lo: u64, hi: u64| lo + rng.below(hi - lo);
+    let kill1 = ms(700, 1300);
+    let back1 = kill1 + ms(400, 1000);
+    let kill_worker = ms(1500, 2500);
+    let add_worker = ms(2000, 3000);
+    let kill0 = back1 + ms(800, 1500);
+    let back0 = kill0 + ms(400, 1000);
+    let schedule = [
+        format!("--kill-shard=1@{kill1}ms"),
+        format!("--restart-shard=1@{back1}ms"),
+        format!("--kill-shard=0@{kill0}ms"),
+        format!("--restart-shard=0@{back0}ms"),
+        format!("--kill-worker=3@{kill_worker}ms"),
+        format!("--add-worker={add_worker}ms"),
+    ];
+    let mut args = vec!["local", "--servers", "2", "--workers", "4", "--steps", "400", "--compute-delay", "10ms"];
+    args.extend(["--checkpoint-every", "500ms", "--json"]);
+    args.extend(schedule.iter().map(String::as_str));
+    let v = run_local(&args);
+    assert_eq!(v["shard_restarts"], 2, "{schedule:?}: {v}");
+    assert_eq!(v["workers_final"], 4, "{schedule:?}: {v}");
+    assert!(v["restored_version"].as_u64().expect("version") > 0, "{schedule:?}: {v}");
+    let (initial, last) = (v["initial_loss"].as_f64().expect("loss"), v["final_loss"].as_f64().expect("loss"));
+    assert!(last < initial / 2.0, "{schedule:?}: {v}");
+}
