@@ -25,6 +25,8 @@ enum Command {
     Certs(CertsArgs),
     /// Print a built-in model's layout file, for `gaps-server --layout` (and as a start for your own).
     Layout(LayoutArgs),
+    /// Ask every shard of a running cluster to write a checkpoint now (shards need --checkpoint-dir).
+    Checkpoint(CheckpointArgs),
     /// Measure performance.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -65,6 +67,22 @@ struct CertsArgs {
     /// already carries `gaps-server`, `localhost` and `127.0.0.1`.
     #[arg(long = "san", env = "GAPS_CERTS_SAN", value_delimiter = ',')]
     sans: Vec<String>,
+}
+
+#[derive(Debug, clap::Args)]
+struct CheckpointArgs {
+    /// The coordinator's (shard 0's) address.
+    #[arg(long, env = "GAPS_COORDINATOR")]
+    coordinator: String,
+    /// The cluster CA certificate (PEM).
+    #[arg(long, env = "GAPS_CA")]
+    ca: PathBuf,
+    /// A client certificate (PEM) signed by the cluster CA.
+    #[arg(long, env = "GAPS_CERT")]
+    cert: PathBuf,
+    /// Its private key (PEM).
+    #[arg(long, env = "GAPS_KEY")]
+    key: PathBuf,
 }
 
 #[derive(Debug, clap::Args)]
@@ -166,7 +184,12 @@ async fn main() -> Result<()> {
     // The front door's own commands report through their progress lines; their libraries log warnings only.
     let quiet = matches!(
         cli.command,
-        Command::Local(_) | Command::Bench(_) | Command::Certs(_) | Command::Sim(_) | Command::Layout(_)
+        Command::Local(_)
+            | Command::Bench(_)
+            | Command::Certs(_)
+            | Command::Sim(_)
+            | Command::Layout(_)
+            | Command::Checkpoint(_)
     );
     gaps_transport::init_logging(if quiet { "warn" } else { "info" });
     match cli.command {
@@ -212,6 +235,22 @@ async fn main() -> Result<()> {
             );
             if args.json {
                 println!("{}", report.to_json());
+            }
+        }
+        Command::Checkpoint(args) => {
+            let tls = gaps_transport::tls::TlsMaterial::load(&args.ca, &args.cert, &args.key)
+                .context("loading the TLS material")?;
+            let opts = gaps_worker::ClientOptions::new(
+                &args.coordinator,
+                tls,
+                gaps_common::wire::Role::Observer,
+                "gaps-checkpoint",
+            );
+            let client = gaps_worker::Client::connect(opts).await.context("connecting to the cluster")?;
+            let written = client.checkpoint().await.context("asking the shards for a checkpoint")?;
+            client.close().await;
+            for (shard, id, path) in written {
+                println!("{}", serde_json::json!({"event": "checkpoint", "shard": shard, "id": id, "path": path}));
             }
         }
         Command::Layout(args) => {

@@ -140,6 +140,20 @@ fn a_users_layout_file_is_served_by_shard_processes_and_trained() {
         assert!(last < initial / 20.0, "loss {initial} -> {last}");
         client.leave().await.expect("leave");
     });
+    // These shards keep no checkpoints: `gaps checkpoint` says so instead of pretending.
+    let path = |f: &str| dir.join(f).display().to_string();
+    let out = Command::new(env!("CARGO_BIN_EXE_gaps"))
+        .args(["checkpoint", "--coordinator", &coordinator, "--ca", &path("ca.pem")])
+        .args(["--cert", &path("worker.pem"), "--key", &path("worker.key")])
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .expect("gaps checkpoint");
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--checkpoint-dir"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

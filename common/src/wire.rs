@@ -418,6 +418,21 @@ pub struct Stats {
     pub ssp_min_clock: u64,
 }
 
+/// Ask a shard to write a checkpoint now (answered by its service, not its core).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Encode, Decode)]
+pub struct CheckpointRequest;
+
+/// A checkpoint was written.
+#[derive(Debug, Clone, PartialEq, Eq, Encode, Decode)]
+pub struct CheckpointDone {
+    /// The shard.
+    pub shard: u32,
+    /// The checkpoint's id.
+    pub id: u64,
+    /// The snapshot file on the shard's machine.
+    pub path: String,
+}
+
 /// Every message of the protocol. The kind byte on the wire is [`Message::kind`].
 #[derive(Debug, Clone, PartialEq)]
 pub enum Message {
@@ -453,6 +468,10 @@ pub enum Message {
     SparsePullReply(SparsePullReply),
     /// Kind 16 (carries ids, versions, gradients, optionally rows).
     SparsePush(SparsePush),
+    /// Kind 17.
+    CheckpointRequest(CheckpointRequest),
+    /// Kind 18.
+    CheckpointDone(CheckpointDone),
 }
 
 /// Defines `kind()`, header encoding and kind-directed decoding for every variant in one place.
@@ -462,6 +481,11 @@ macro_rules! message_kinds {
             /// The kind byte of this message on the wire.
             pub fn kind(&self) -> u8 {
                 match self { $(Message::$variant(_) => $kind,)* }
+            }
+
+            /// True when `kind` names a message of this protocol.
+            pub fn is_known_kind(kind: u8) -> bool {
+                [$($kind),*].contains(&kind)
             }
 
             fn encode_body(&self, out: &mut Vec<u8>) -> Result<usize, bincode::error::EncodeError> {
@@ -485,7 +509,7 @@ macro_rules! message_kinds {
 message_kinds! {
     1 => Register, 2 => RegisterShard, 3 => ClusterMap, 4 => Pull, 5 => PullReply, 6 => Push, 7 => Ack,
     8 => Error, 9 => Heartbeat, 10 => HeartbeatAck, 11 => StatsRequest, 12 => Stats, 13 => Leave,
-    14 => SparsePull, 15 => SparsePullReply, 16 => SparsePush,
+    14 => SparsePull, 15 => SparsePullReply, 16 => SparsePush, 17 => CheckpointRequest, 18 => CheckpointDone,
 }
 
 fn config() -> impl bincode::config::Config {
@@ -555,7 +579,7 @@ pub fn encode_frame(frame: &Frame) -> Result<Vec<u8>, WireError> {
 /// Checks a frame prefix and returns `(kind, header_len)`; the header length is bounded here.
 pub fn parse_prefix(prefix: &[u8; FRAME_PREFIX_LEN], limits: &Limits) -> Result<(u8, usize), WireError> {
     let kind = prefix[0];
-    if !(1..=16).contains(&kind) {
+    if !Message::is_known_kind(kind) {
         return Err(WireError::UnknownKind(kind));
     }
     let len = u32::from_le_bytes([prefix[1], prefix[2], prefix[3], prefix[4]]);
@@ -717,6 +741,8 @@ mod tests {
             Frame::new(Message::Heartbeat(Heartbeat { worker: 3 })),
             Frame::new(Message::HeartbeatAck(HeartbeatAck { epoch: 9, live_workers: 4 })),
             Frame::new(Message::StatsRequest(StatsRequest)),
+            Frame::new(Message::CheckpointRequest(CheckpointRequest)),
+            Frame::new(Message::CheckpointDone(CheckpointDone { shard: 1, id: 7, path: "/ckpt/shard-1/x.bin".into() })),
             Frame::new(Message::Stats(Stats { shard: 1, pushes_applied: 10, staleness_max: 7, ..Stats::default() })),
             Frame::new(Message::Leave(Leave { worker: 3 })),
             Frame {
@@ -750,7 +776,7 @@ mod tests {
     fn every_message_round_trips() {
         let frames = samples();
         let kinds: std::collections::BTreeSet<u8> = frames.iter().map(|f| f.msg.kind()).collect();
-        assert_eq!(kinds.len(), 16, "one sample per kind");
+        assert_eq!(kinds.len(), 18, "one sample per kind");
         for f in frames {
             let bytes = encode_frame(&f).expect("encode");
             let back = decode_frame(&bytes, &Limits::default()).expect("decode");

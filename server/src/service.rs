@@ -242,7 +242,7 @@ impl RunningServer {
     /// Takes a checkpoint now (the core pauses while it is copied; the file is written in the background of
     /// the core's work) and returns its path. Fails when the shard has no checkpoint directory.
     pub async fn checkpoint_now(&self) -> Result<std::path::PathBuf> {
-        take_checkpoint(&self.shared).await
+        take_checkpoint(&self.shared).await.map(|(_, path)| path)
     }
 
     /// Checkpoints written since start.
@@ -271,7 +271,7 @@ impl RunningServer {
         let _ = self.shutdown.send(true);
         self.task.await.context("joining the server task")?;
         if self.shared.store.is_some() {
-            let path = take_checkpoint(&self.shared).await.context("writing the final checkpoint")?;
+            let (_, path) = take_checkpoint(&self.shared).await.context("writing the final checkpoint")?;
             info!(shard = self.shared.shard, path = %path.display(), "final checkpoint written");
         }
         Ok(())
@@ -403,8 +403,21 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
     Ok(RunningServer { addr, advertise, restored, shutdown: shutdown_tx, task, shared })
 }
 
-/// Snapshots the core (it pauses for the copy only) and writes the checkpoint on a blocking thread.
-async fn take_checkpoint(shared: &Arc<Shared>) -> Result<std::path::PathBuf> {
+/// Answers a checkpoint request: the checkpoint's id and path, or why none was written.
+async fn checkpoint_reply(shared: &Shared) -> Frame {
+    match take_checkpoint(shared).await {
+        Ok((id, path)) => Frame::new(Message::CheckpointDone(gaps_common::wire::CheckpointDone {
+            shard: shared.shard,
+            id,
+            path: path.display().to_string(),
+        })),
+        Err(e) => Frame::new(Message::error(ErrorCode::Misconfigured, format!("{e:#}"))),
+    }
+}
+
+/// Snapshots the core (it pauses for the copy only) and writes the checkpoint on a blocking thread; returns
+/// its id and path.
+async fn take_checkpoint(shared: &Shared) -> Result<(u64, std::path::PathBuf)> {
     let Some(store) = shared.store.clone() else { bail!("this shard has no --checkpoint-dir") };
     let mut spare = shared.checkpoint_lock.lock().await;
     let id = shared.next_checkpoint.fetch_add(1, Ordering::Relaxed);
@@ -428,7 +441,7 @@ async fn take_checkpoint(shared: &Arc<Shared>) -> Result<std::path::PathBuf> {
         write_ms = started.elapsed().as_secs_f64() * 1e3,
         "checkpoint written"
     );
-    Ok(path)
+    Ok((id, path))
 }
 
 async fn join_coordinator(
@@ -647,10 +660,14 @@ async fn serve_request(
                 RpcKind::Pull => &shared.metrics.rpc_pull_seconds,
                 RpcKind::Other => &shared.metrics.rpc_other_seconds,
             };
-            let (tx, rx) = oneshot::channel();
-            let handled = match shared.send(Command::Handle { frame, reply: tx }).await {
-                Ok(()) => rx.await.ok(),
-                Err(_) => None,
+            let handled = if matches!(frame.msg, Message::CheckpointRequest(_)) {
+                Some((checkpoint_reply(shared).await, Vec::new()))
+            } else {
+                let (tx, rx) = oneshot::channel();
+                match shared.send(Command::Handle { frame, reply: tx }).await {
+                    Ok(()) => rx.await.ok(),
+                    Err(_) => None,
+                }
             };
             let Some((reply, events)) = handled else {
                 let _ = send.reset(1u32.into());

@@ -242,6 +242,8 @@ pub fn kind_name(msg: &Message) -> &'static str {
         Message::Heartbeat(_) => "heartbeat",
         Message::HeartbeatAck(_) => "heartbeat-ack",
         Message::StatsRequest(_) => "stats-request",
+        Message::CheckpointRequest(_) => "checkpoint-request",
+        Message::CheckpointDone(_) => "checkpoint-done",
         Message::Stats(_) => "stats",
         Message::Leave(_) => "leave",
         Message::SparsePull(_) => "sparse-pull",

@@ -759,6 +759,26 @@ impl Client {
         Ok(summary)
     }
 
+    /// Asks every shard to write a checkpoint now; returns each one's (shard, id, path), index order.
+    pub async fn checkpoint(&self) -> Result<Vec<(u32, u64, String)>, ClientError> {
+        let mut out = Vec::with_capacity(self.inner.shards.len());
+        for s in 0..self.inner.shards.len() {
+            let (frame, _) =
+                self.request(s, &Message::CheckpointRequest(gaps_common::wire::CheckpointRequest), &[]).await?;
+            match frame.msg {
+                Message::CheckpointDone(d) => out.push((d.shard, d.id, d.path)),
+                other => {
+                    return Err(RpcError::Unexpected {
+                        addr: self.inner.shards[s].addr.to_string(),
+                        kind: net::kind_name(&other).into(),
+                    }
+                    .into())
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// Counters of every shard, index order.
     pub async fn stats(&self) -> Result<Vec<Stats>, ClientError> {
         let mut out = Vec::with_capacity(self.inner.shards.len());

@@ -554,6 +554,11 @@ impl ShardCore {
             Message::Heartbeat(h) => self.heartbeat(h, now, &mut events),
             Message::Leave(l) => self.leave(l, &mut events),
             Message::StatsRequest(_) => Ok(Frame::new(Message::Stats(self.stats()))),
+            // Files are the service's business: a core on its own cannot write one.
+            Message::CheckpointRequest(_) => {
+                Err(ShardError::Misconfigured("checkpoints are written by the shard service, not the core".into()))
+            }
+            Message::CheckpointDone(_) => Err(ShardError::NotARequest("checkpoint done")),
             Message::ClusterMap(_) => Err(ShardError::NotARequest("cluster map")),
             Message::PullReply(_) => Err(ShardError::NotARequest("pull reply")),
             Message::Ack(_) => Err(ShardError::NotARequest("ack")),
