@@ -103,34 +103,24 @@ async fn gaps_case(certs: &ClusterCerts, shards: u32, n: u64, quick: bool, min_t
     let layout = Layout::new(vec![TensorSpec::new("bench", n)], 1 << 18)?;
     let mut servers: Vec<RunningServer> = Vec::new();
     for s in 0..shards {
+        let core = ShardConfig {
+            shard: s,
+            num_shards: shards,
+            layout: layout.clone(),
+            rule: Rule::Sgd,
+            hyper: Hyper { lr: 1e-6, momentum: 0.0, weight_decay: 0.0, ..Hyper::default() },
+            init: Init { seed: 1, std: 0.0 },
+            lease: Duration::from_secs(60),
+            advertise: String::new(),
+            epoch: 7,
+            threads: 1,
+            sparse: gaps_shard::core::SparseSettings::default(),
+            modes: gaps_shard::modes::ModeConfig::default(),
+        };
         let cfg = ServiceConfig {
-            listen: "127.0.0.1:0".parse()?,
-            advertise: None,
             coordinator: servers.first().map(|s0| s0.advertise.clone()),
-            tls: certs.server_material()?,
-            core: ShardConfig {
-                shard: s,
-                num_shards: shards,
-                layout: layout.clone(),
-                rule: Rule::Sgd,
-                hyper: Hyper { lr: 1e-6, momentum: 0.0, weight_decay: 0.0, ..Hyper::default() },
-                init: Init { seed: 1, std: 0.0 },
-                lease: Duration::from_secs(60),
-                advertise: String::new(),
-                epoch: 7,
-                threads: 1,
-                sparse: gaps_shard::core::SparseSettings::default(),
-                modes: gaps_shard::modes::ModeConfig::default(),
-            },
             join_timeout: Duration::from_secs(10),
-            tick_interval: Duration::from_millis(250),
-            device: gaps_kernels::cuda::DeviceChoice::Cpu,
-            queue_depth: gaps_server::service::DEFAULT_QUEUE_DEPTH,
-            inflight_bytes: gaps_server::service::DEFAULT_INFLIGHT_BYTES,
-            max_connections: gaps_server::service::DEFAULT_MAX_CONNECTIONS,
-            request_timeout: gaps_server::service::DEFAULT_REQUEST_TIMEOUT,
-            checkpoint: None,
-            restore: gaps_server::service::Restore::Never,
+            ..ServiceConfig::new("127.0.0.1:0".parse()?, certs.server_material()?, core)
         };
         servers.push(service::start(cfg).await?);
     }

@@ -2,8 +2,8 @@
 //!
 //! Starts shard 0 (the coordinator), then the other shards, evaluates the initial model as an observer,
 //! starts the workers, shows progress, evaluates the final model, stops the shards with SIGTERM and
-//! reports. Every child process is this same executable run as `gaps server …` / `gaps worker …`, so the
-//! command works straight from `cargo run`.
+//! reports. Every child process is this same executable run as `gaps server …` / `gaps worker …` (so the
+//! command works straight from `cargo run`), unless `--server-bin` / `--worker-bin` name installed binaries.
 
 use anyhow::{anyhow, bail, Context, Result};
 use gaps_common::config::parse_duration;
@@ -195,8 +195,8 @@ pub struct Straggler {
 /// An injected worker failure.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Kill {
-    /// Worker index.
-    pub worker: u32,
+    /// Index of the worker (`--kill-worker`) or shard (`--kill-shard`, `--restart-shard`).
+    pub index: u32,
     /// When, after training starts.
     pub at: Duration,
 }
@@ -217,9 +217,9 @@ fn parse_straggler(text: &str) -> Result<Straggler, String> {
 }
 
 fn parse_kill(text: &str) -> Result<Kill, String> {
-    let (w, t) = text.split_once('@').ok_or_else(|| format!("{text:?}: expected W@T, e.g. 2@30s"))?;
+    let (i, t) = text.split_once('@').ok_or_else(|| format!("{text:?}: expected I@T, e.g. 2@30s"))?;
     Ok(Kill {
-        worker: w.trim().parse().map_err(|_| format!("{text:?}: {w:?} is not a worker index"))?,
+        index: i.trim().parse().map_err(|_| format!("{text:?}: {i:?} is not an index"))?,
         at: parse_duration(t)?,
     })
 }
@@ -422,8 +422,16 @@ pub async fn run_with(args: &LocalArgs, exe: &Path) -> Result<LocalReport> {
     if let Some(st) = args.stragglers.iter().find(|st| st.worker >= args.workers) {
         bail!("--straggler names worker {}, but only {} workers start", st.worker, args.workers);
     }
-    if let Some(k) = args.kill_workers.iter().find(|k| k.worker >= args.workers) {
-        bail!("--kill-worker names worker {}, but only {} workers start", k.worker, args.workers);
+    if let Some(k) = args.kill_workers.iter().find(|k| k.index >= args.workers) {
+        bail!("--kill-worker names worker {}, but only {} workers start", k.index, args.workers);
+    }
+    let mut shard_events = args
+        .kill_shards
+        .iter()
+        .map(|k| ("--kill-shard", k))
+        .chain(args.restart_shards.iter().map(|k| ("--restart-shard", k)));
+    if let Some((flag, k)) = shard_events.find(|(_, k)| k.index >= args.servers) {
+        bail!("{flag} names shard {}, but only {} shards start", k.index, args.servers);
     }
     let started = Instant::now();
     let deadline = started + args.timeout;
@@ -586,16 +594,16 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
                 checkpoints_seen.extend(checkpoint_files(d));
             }
             for k in shard_kills.iter().filter(|k| k.at <= since) {
-                if let Some(p) = servers.get_mut(k.worker as usize) {
-                    eprintln!("[gaps local] killing shard {} (SIGKILL) at {:.1}s", k.worker, since.as_secs_f64());
+                if let Some(p) = servers.get_mut(k.index as usize) {
+                    eprintln!("[gaps local] killing shard {} (SIGKILL) at {:.1}s", k.index, since.as_secs_f64());
                     let _ = p.child.start_kill();
                     let _ = p.child.wait().await;
                 }
             }
             shard_kills.retain(|k| k.at > since);
             for k in shard_restarts_due.iter().filter(|k| k.at <= since) {
-                let i = k.worker as usize;
-                let Some(addr) = addrs.get(i).cloned() else { bail!("--restart-shard {}: no such shard", k.worker) };
+                let i = k.index as usize;
+                let addr = addrs[i].clone();
                 eprintln!("[gaps local] restarting shard {i} on {addr} at {:.1}s", since.as_secs_f64());
                 let coordinator_arg = (i != 0).then_some(coordinator.as_str());
                 let mut p = spawn_role(
@@ -613,10 +621,10 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             shard_restarts_due.retain(|k| k.at > since);
             // Injected failures and arrivals.
             for k in kills.iter().filter(|k| k.at <= since) {
-                if let Some(p) = workers.get_mut(k.worker as usize) {
-                    eprintln!("[gaps local] killing worker {} at {:.1}s", k.worker, since.as_secs_f64());
+                if let Some(p) = workers.get_mut(k.index as usize) {
+                    eprintln!("[gaps local] killing worker {} at {:.1}s", k.index, since.as_secs_f64());
                     let _ = p.child.start_kill();
-                    killed.push(k.worker as usize);
+                    killed.push(k.index as usize);
                 }
             }
             kills.retain(|k| k.at > since);

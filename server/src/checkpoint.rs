@@ -27,8 +27,6 @@ pub struct CheckpointStore {
 /// One complete checkpoint found on disk.
 #[derive(Debug, Clone)]
 pub struct Found {
-    /// Its id.
-    pub id: u64,
     /// The snapshot file.
     pub path: PathBuf,
     /// The snapshot, checksum verified.
@@ -56,11 +54,6 @@ impl CheckpointStore {
         let dir = root.join(format!("shard-{shard}"));
         fs::create_dir_all(&dir).with_context(|| format!("creating the checkpoint directory {}", dir.display()))?;
         Ok(CheckpointStore { dir, keep: keep.max(1) })
-    }
-
-    /// The shard's checkpoint directory.
-    pub fn dir(&self) -> &Path {
-        &self.dir
     }
 
     fn paths(&self, id: u64) -> (PathBuf, PathBuf) {
@@ -124,7 +117,7 @@ impl CheckpointStore {
     /// Checkpoint `id` if it is complete and intact.
     fn load(&self, id: u64) -> Result<Found> {
         let (bin, manifest) = self.paths(id);
-        load_verified(&bin, &manifest).map(|bytes| Found { id, path: bin, bytes })
+        load_verified(&bin, &manifest).map(|bytes| Found { path: bin, bytes })
     }
 
     /// The newest complete and intact checkpoint, if any. Damaged ones are reported and skipped.

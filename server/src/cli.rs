@@ -175,9 +175,10 @@ pub struct TableArgs {
 }
 
 impl TableArgs {
-    /// The shard's table settings; rows use `momentum` where their rule has one.
-    pub fn settings(&self, momentum: f32) -> Result<SparseSettings> {
-        let hyper = Hyper { lr: self.sparse_lr, momentum, weight_decay: 0.0, ..Hyper::default() };
+    /// The shard's table settings: `--sparse-lr`, no weight decay, and the dense rules' other hyper-parameters
+    /// (momentum, DC λ) as before the flags were shared.
+    pub fn settings(&self, dense: &Hyper) -> Result<SparseSettings> {
+        let hyper = Hyper { lr: self.sparse_lr, weight_decay: 0.0, ..*dense };
         hyper.validate().context("--sparse-lr")?;
         Ok(SparseSettings {
             rule: self.sparse_rule,
@@ -277,7 +278,7 @@ impl ServerArgs {
                 epoch: epoch.max(1),
                 threads: self.threads,
                 modes: self.modes.config(),
-                sparse: self.tables.settings(self.hyper.momentum)?,
+                sparse: self.tables.settings(&hyper)?,
             },
             join_timeout: self.join_timeout,
             tick_interval: Duration::from_millis(250),

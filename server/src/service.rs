@@ -315,11 +315,11 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
     };
     let (mut core, restored) = match snapshot {
         Some((path, bytes)) => {
-            let restored = ShardCore::checkpoint_info(&bytes)
+            let (core, info) = ShardCore::checkpoint_info(&bytes)
                 .and_then(|info| ShardCore::restore(cfg.core.clone(), &bytes).map(|core| (core, info)))
                 .map_err(|e| anyhow!("restoring shard {shard} from {}: {e}", path.display()))?;
-            info!(shard, checkpoint = restored.1.id, path = %path.display(), versions = ?restored.1.tensor_versions, "restored");
-            (restored.0, Some(restored.1))
+            info!(shard, checkpoint = info.id, path = %path.display(), versions = ?info.tensor_versions, "restored");
+            (core, Some(info))
         }
         None => (ShardCore::new(cfg.core.clone()).map_err(|e| anyhow!("configuring shard {shard}: {e}"))?, None),
     };

@@ -42,35 +42,26 @@ lr = 0.1
 "#;
 
 fn config(certs: &ClusterCerts, layout: Layout, shard: u32, shards: u32, coordinator: Option<String>) -> ServiceConfig {
+    let core = ShardConfig {
+        shard,
+        num_shards: shards,
+        layout,
+        // The shard-wide defaults differ from every tensor's own settings, so using them would show.
+        rule: Rule::Nesterov,
+        hyper: Hyper { lr: 0.01, momentum: 0.9, ..Hyper::default() },
+        init: Init { seed: 3, std: 0.0 },
+        lease: Duration::from_secs(10),
+        advertise: String::new(),
+        epoch: 77,
+        threads: 1,
+        sparse: gaps_shard::SparseSettings { init_std: 0.0, ..gaps_shard::SparseSettings::default() },
+        modes: gaps_shard::ModeConfig::default(),
+    };
     ServiceConfig {
-        listen: "127.0.0.1:0".parse().expect("addr"),
-        advertise: None,
         coordinator,
-        tls: certs.server_material().expect("server tls"),
-        core: ShardConfig {
-            shard,
-            num_shards: shards,
-            layout,
-            // The shard-wide defaults differ from every tensor's own settings, so using them would show.
-            rule: Rule::Nesterov,
-            hyper: Hyper { lr: 0.01, momentum: 0.9, ..Hyper::default() },
-            init: Init { seed: 3, std: 0.0 },
-            lease: Duration::from_secs(10),
-            advertise: String::new(),
-            epoch: 77,
-            threads: 1,
-            sparse: gaps_shard::SparseSettings { init_std: 0.0, ..gaps_shard::SparseSettings::default() },
-            modes: gaps_shard::ModeConfig::default(),
-        },
         join_timeout: Duration::from_secs(10),
         tick_interval: Duration::from_millis(100),
-        device: gaps_kernels::cuda::DeviceChoice::Cpu,
-        queue_depth: service::DEFAULT_QUEUE_DEPTH,
-        inflight_bytes: service::DEFAULT_INFLIGHT_BYTES,
-        max_connections: service::DEFAULT_MAX_CONNECTIONS,
-        request_timeout: service::DEFAULT_REQUEST_TIMEOUT,
-        checkpoint: None,
-        restore: service::Restore::Never,
+        ..ServiceConfig::new("127.0.0.1:0".parse().expect("addr"), certs.server_material().expect("server tls"), core)
     }
 }
 

@@ -30,38 +30,32 @@ async fn start_shard_with(
     rule: Rule,
 ) -> RunningServer {
     let cfg = ServiceConfig {
-        listen: "127.0.0.1:0".parse().expect("addr"),
-        advertise: None,
         coordinator,
-        tls: certs.server_material().expect("server tls"),
-        core: ShardConfig {
-            shard,
-            num_shards,
-            layout: layout(),
-            rule,
-            hyper: Hyper {
-                lr: LR,
-                momentum: if rule == Rule::Sgd { 0.0 } else { 0.9 },
-                weight_decay: 0.0,
-                ..Hyper::default()
-            },
-            init: Init { seed: 5, std: 0.1 },
-            lease: Duration::from_secs(10),
-            advertise: String::new(),
-            epoch: 1234,
-            threads: 1,
-            sparse: gaps_shard::core::SparseSettings::default(),
-            modes: gaps_shard::modes::ModeConfig::default(),
-        },
         join_timeout: Duration::from_secs(10),
         tick_interval: Duration::from_millis(100),
-        device: gaps_kernels::cuda::DeviceChoice::Cpu,
-        queue_depth: gaps_server::service::DEFAULT_QUEUE_DEPTH,
-        inflight_bytes: gaps_server::service::DEFAULT_INFLIGHT_BYTES,
-        max_connections: gaps_server::service::DEFAULT_MAX_CONNECTIONS,
-        request_timeout: gaps_server::service::DEFAULT_REQUEST_TIMEOUT,
-        checkpoint: None,
-        restore: gaps_server::service::Restore::Never,
+        ..ServiceConfig::new(
+            "127.0.0.1:0".parse().expect("addr"),
+            certs.server_material().expect("server tls"),
+            ShardConfig {
+                shard,
+                num_shards,
+                layout: layout(),
+                rule,
+                hyper: Hyper {
+                    lr: LR,
+                    momentum: if rule == Rule::Sgd { 0.0 } else { 0.9 },
+                    weight_decay: 0.0,
+                    ..Hyper::default()
+                },
+                init: Init { seed: 5, std: 0.1 },
+                lease: Duration::from_secs(10),
+                advertise: String::new(),
+                epoch: 1234,
+                threads: 1,
+                sparse: gaps_shard::core::SparseSettings::default(),
+                modes: gaps_shard::modes::ModeConfig::default(),
+            },
+        )
     };
     service::start(cfg).await.expect("start shard")
 }

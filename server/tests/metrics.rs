@@ -35,33 +35,26 @@ async fn metrics_endpoint_exports_pushes_pulls_bytes_latency_staleness_and_live_
         Layout::with_tables(vec![TensorSpec::new("w", 100)], 32, vec![gaps_common::layout::SparseSpec::new("emb", 4)])
             .expect("layout");
     let cfg = ServiceConfig {
-        listen: "127.0.0.1:0".parse().expect("addr"),
-        advertise: None,
-        coordinator: None,
-        tls: certs.server_material().expect("tls"),
-        core: ShardConfig {
-            shard: 0,
-            num_shards: 1,
-            layout,
-            rule: Rule::Momentum,
-            hyper: Hyper::default(),
-            init: Init { seed: 1, std: 0.0 },
-            lease: Duration::from_secs(10),
-            advertise: String::new(),
-            epoch: 5,
-            threads: 1,
-            sparse: gaps_shard::core::SparseSettings::default(),
-            modes: gaps_shard::modes::ModeConfig::default(),
-        },
         join_timeout: Duration::from_secs(5),
         tick_interval: Duration::from_millis(50),
-        device: gaps_kernels::cuda::DeviceChoice::Cpu,
-        queue_depth: gaps_server::service::DEFAULT_QUEUE_DEPTH,
-        inflight_bytes: gaps_server::service::DEFAULT_INFLIGHT_BYTES,
-        max_connections: gaps_server::service::DEFAULT_MAX_CONNECTIONS,
-        request_timeout: gaps_server::service::DEFAULT_REQUEST_TIMEOUT,
-        checkpoint: None,
-        restore: gaps_server::service::Restore::Never,
+        ..ServiceConfig::new(
+            "127.0.0.1:0".parse().expect("addr"),
+            certs.server_material().expect("tls"),
+            ShardConfig {
+                shard: 0,
+                num_shards: 1,
+                layout,
+                rule: Rule::Momentum,
+                hyper: Hyper::default(),
+                init: Init { seed: 1, std: 0.0 },
+                lease: Duration::from_secs(10),
+                advertise: String::new(),
+                epoch: 5,
+                threads: 1,
+                sparse: gaps_shard::core::SparseSettings::default(),
+                modes: gaps_shard::modes::ModeConfig::default(),
+            },
+        )
     };
     let server = service::start(cfg).await.expect("start");
     let client = Client::connect(ClientOptions::new(

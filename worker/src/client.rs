@@ -140,8 +140,9 @@ struct Inner {
     /// Test and chaos hook: close the connection after this many requests were written, before their reply.
     drop_after_send: AtomicU32,
     pushes_sent: AtomicU64,
-    /// Shard pushes acknowledged (applied now or before, as a duplicate) and refused by a restored shard.
+    /// Shard pushes acknowledged (applied now or before, as a duplicate).
     pushes_acknowledged: AtomicU64,
+    /// Shard pushes a restored shard refused (computed before its restore).
     stale_after_restore: AtomicU64,
     retries: AtomicU64,
     /// The shards' default update rule.
@@ -155,6 +156,13 @@ struct Inner {
     table_rules: Vec<Rule>,
     /// When the last dense pull finished: the next push reports the time since as its compute time.
     last_pull: Mutex<Option<Instant>>,
+}
+
+impl Inner {
+    /// True when a push carries the read parameters of chunk `id` (its tensor's rule measures drift).
+    fn echoes(&self, id: &ChunkId) -> bool {
+        self.tensor_rules[id.tensor as usize].0.layout().needs_read
+    }
 }
 
 /// A connected client. Cheap to clone; clones share connections and counters.
@@ -510,7 +518,6 @@ impl Client {
             }
         }
         let grads = Arc::new(grads);
-        let needs_read = |id: &ChunkId| rules[id.tensor as usize].0.layout().needs_read;
         let compute_ms = self
             .inner
             .last_pull
@@ -532,7 +539,7 @@ impl Client {
                     id: *id,
                     read_version: read_versions[*g as usize],
                     len: layout.chunk_len(*id).unwrap_or(0) as u32,
-                    echo: needs_read(id),
+                    echo: self.inner.echoes(id),
                 })
                 .collect();
             let msg = Message::Push(Push { epoch: self.inner.map.epoch, worker, seq, chunks, compute_ms });
@@ -543,14 +550,10 @@ impl Client {
             tasks.spawn(async move {
                 let link = &client.inner.shards[s];
                 let layout = &client.inner.map.layout;
-                let rules = &client.inner.tensor_rules;
                 // Every chunk's gradient, then the read parameters of the chunks whose rule measures drift.
                 let grad_parts = link.chunks.iter().map(|(id, _)| (id, &grads));
-                let read_parts = link
-                    .chunks
-                    .iter()
-                    .filter(|(id, _)| rules[id.tensor as usize].0.layout().needs_read)
-                    .map(|(id, _)| (id, &snapshot_tensors));
+                let read_parts =
+                    link.chunks.iter().filter(|(id, _)| client.inner.echoes(id)).map(|(id, _)| (id, &snapshot_tensors));
                 let parts: Vec<&[f32]> = grad_parts
                     .chain(read_parts)
                     .filter_map(|(id, tensors)| layout.chunk_range(*id).ok().map(|r| &tensors[id.tensor as usize][r]))
@@ -759,43 +762,38 @@ impl Client {
         Ok(summary)
     }
 
-    /// Asks every shard to write a checkpoint now; returns each one's (shard, id, path), index order.
-    pub async fn checkpoint(&self) -> Result<Vec<(u32, u64, String)>, ClientError> {
+    /// Sends `msg` to every shard in turn and takes what `reply` extracts from each answer, index order; an
+    /// answer of another kind is an error naming the shard.
+    async fn ask_each<T>(&self, msg: &Message, reply: impl Fn(Message) -> Option<T>) -> Result<Vec<T>, ClientError> {
         let mut out = Vec::with_capacity(self.inner.shards.len());
         for s in 0..self.inner.shards.len() {
-            let (frame, _) =
-                self.request(s, &Message::CheckpointRequest(gaps_common::wire::CheckpointRequest), &[]).await?;
-            match frame.msg {
-                Message::CheckpointDone(d) => out.push((d.shard, d.id, d.path)),
-                other => {
-                    return Err(RpcError::Unexpected {
-                        addr: self.inner.shards[s].addr.to_string(),
-                        kind: net::kind_name(&other).into(),
-                    }
-                    .into())
-                }
-            }
+            let (frame, _) = self.request(s, msg, &[]).await?;
+            let kind = net::kind_name(&frame.msg);
+            let value = reply(frame.msg).ok_or_else(|| RpcError::Unexpected {
+                addr: self.inner.shards[s].addr.to_string(),
+                kind: kind.into(),
+            })?;
+            out.push(value);
         }
         Ok(out)
     }
 
+    /// Asks every shard to write a checkpoint now; returns each one's (shard, id, path), index order.
+    pub async fn checkpoint(&self) -> Result<Vec<(u32, u64, String)>, ClientError> {
+        self.ask_each(&Message::CheckpointRequest(gaps_common::wire::CheckpointRequest), |m| match m {
+            Message::CheckpointDone(d) => Some((d.shard, d.id, d.path)),
+            _ => None,
+        })
+        .await
+    }
+
     /// Counters of every shard, index order.
     pub async fn stats(&self) -> Result<Vec<Stats>, ClientError> {
-        let mut out = Vec::with_capacity(self.inner.shards.len());
-        for s in 0..self.inner.shards.len() {
-            let (frame, _) = self.request(s, &Message::StatsRequest(StatsRequest), &[]).await?;
-            match frame.msg {
-                Message::Stats(st) => out.push(st),
-                other => {
-                    return Err(RpcError::Unexpected {
-                        addr: self.inner.shards[s].addr.to_string(),
-                        kind: net::kind_name(&other).into(),
-                    }
-                    .into())
-                }
-            }
-        }
-        Ok(out)
+        self.ask_each(&Message::StatsRequest(StatsRequest), |m| match m {
+            Message::Stats(st) => Some(st),
+            _ => None,
+        })
+        .await
     }
 
     /// Renews this worker's lease with every shard (each keeps its own view of who is live).

@@ -161,7 +161,7 @@ impl ShardCore {
         }
         if req.layout_fingerprint != fingerprint {
             return Err(ShardError::Misconfigured(format!(
-                "shard {} has a different model layout (fingerprint {:016x}, coordinator {fingerprint:016x}): start every shard with the same model flags",
+                "shard {} has a different model layout (fingerprint {:016x}, coordinator {fingerprint:016x}): start every shard with the same layout file",
                 req.shard, req.layout_fingerprint
             )));
         }

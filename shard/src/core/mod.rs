@@ -45,9 +45,10 @@ pub struct Init {
 /// How the shard keeps its sparse embedding tables.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SparseSettings {
-    /// Update rule of embedding rows (no per-worker state, no look-ahead).
+    /// Update rule of embedding rows (no per-worker state, no look-ahead); a table's `rule` in the layout
+    /// takes precedence.
     pub rule: Rule,
-    /// Its hyper-parameters (learning rate and so on).
+    /// Its hyper-parameters (learning rate and so on; a table's overrides in the layout take precedence).
     pub hyper: Hyper,
     /// Standard deviation of the rows' normal initializer.
     pub init_std: f32,
@@ -81,9 +82,9 @@ pub struct ShardConfig {
     pub num_shards: u32,
     /// The model's dense tensors.
     pub layout: Layout,
-    /// The update rule.
+    /// The update rule of dense tensors (a tensor's `rule` in the layout takes precedence).
     pub rule: Rule,
-    /// Its hyper-parameters.
+    /// Its hyper-parameters (a tensor's overrides in the layout take precedence).
     pub hyper: Hyper,
     /// Parameter initializer.
     pub init: Init,
@@ -446,12 +447,16 @@ impl ShardCore {
     /// The learning rate in force: the configured η times the schedule's multiplier and, in the
     /// synchronous modes, the elastic multiplier (live workers relative to the start, ramped).
     pub fn lr(&self) -> f32 {
-        self.cfg.hyper.lr * self.lr_scale * self.lr_multiplier() as f32
+        self.scaled_lr(self.cfg.hyper.lr)
     }
 
     /// The learning rate in force for tensor `tensor` (its own η, or the shard's, times the multipliers).
     pub fn tensor_lr(&self, tensor: u32) -> f32 {
-        let base = self.tensor_rules.get(tensor as usize).map_or(self.cfg.hyper.lr, |(_, h)| h.lr);
+        self.scaled_lr(self.tensor_rules.get(tensor as usize).map_or(self.cfg.hyper.lr, |(_, h)| h.lr))
+    }
+
+    /// `base` times the schedule's and the elastic multipliers.
+    fn scaled_lr(&self, base: f32) -> f32 {
         base * self.lr_scale * self.lr_multiplier() as f32
     }
 
