@@ -179,6 +179,11 @@ pub struct LocalReport {
     pub pushes_lost: u64,
     /// Gradients a restored shard refused because they were computed before its restore.
     pub stale_after_restore: u64,
+    /// Pushes a killed worker may have sent in the step it was killed in, without seeing them acknowledged
+    /// (at most one step's pushes per killed worker; each was applied once or not at all). The books:
+    /// `pushes_acknowledged ≤ pushes_applied + pushes_lost ≤ pushes_acknowledged + pushes_unconfirmed`,
+    /// with equality on the left when no worker was killed.
+    pub pushes_unconfirmed: u64,
 }
 
 /// An injected straggler.
@@ -302,6 +307,7 @@ impl LocalReport {
             "restored_version": self.restored_version,
             "pushes_acknowledged": self.pushes_acknowledged,
             "pushes_lost": self.pushes_lost,
+            "pushes_unconfirmed": self.pushes_unconfirmed,
             "stale_after_restore": self.stale_after_restore,
         });
         if let (Some(c), Some(map)) = (&self.ctr, v.as_object_mut()) {
@@ -561,6 +567,7 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
                 format!("--compute-delay={}ms", args.compute_delay().as_millis()),
                 format!("--shard-down-timeout={}ms", args.shard_down_timeout.as_millis()),
                 "--json".into(),
+                "--ledger".into(),
             ];
             for st in args.stragglers.iter().filter(|st| st.worker == w) {
                 a.push(format!("--slowdown={}", st.factor));
@@ -647,11 +654,7 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
                 }
                 if let Some(status) = p.child.try_wait().with_context(|| format!("waiting for {}", p.name))? {
                     let mut text = String::new();
-                    if killed.contains(&i) {
-                        outputs[i] = Some(text);
-                        continue;
-                    }
-                    if !status.success() {
+                    if !status.success() && !killed.contains(&i) {
                         bail!("{} failed ({status}); its log ends with:\n{}", p.name, p.log_tail());
                     }
                     if let Some(mut stdout) = p.child.stdout.take() {
@@ -701,8 +704,18 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
         let mut samples = 0;
         let mut bad_lines = 0;
         let mut workers_final = 0;
+        let mut pushes_unconfirmed = 0;
         for (i, (p, text)) in workers.iter().zip(&outputs).enumerate() {
             if killed.contains(&i) {
+                // Its ledger up to the last step it finished; the step it was in when killed may have sent
+                // up to a step's pushes that nobody saw acknowledged (applied or not).
+                let last = text.lines().rev().find(|l| l.contains("\"pushes\""));
+                if let Some(v) = last.and_then(|l| serde_json::from_str::<serde_json::Value>(l).ok()) {
+                    pushes_sent += v["pushes_sent"].as_u64().unwrap_or(0);
+                    pushes_acknowledged += v["pushes_acknowledged"].as_u64().unwrap_or(0);
+                    stale_after_restore += v["stale_after_restore"].as_u64().unwrap_or(0);
+                }
+                pushes_unconfirmed += per_step;
                 continue;
             }
             workers_final += 1;
@@ -773,8 +786,13 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             checkpoints_written: checkpoints_seen.len() as u64,
             restored_version,
             pushes_acknowledged,
-            // The workers of killed processes never report: count what the survivors saw.
-            pushes_lost: if killed.is_empty() { pushes_acknowledged.saturating_sub(pushes_applied) } else { 0 },
+            // Only a shard's crash loses acknowledged pushes.
+            pushes_lost: if shard_restarts > 0 || !args.kill_shards.is_empty() {
+                pushes_acknowledged.saturating_sub(pushes_applied)
+            } else {
+                0
+            },
+            pushes_unconfirmed,
             stale_after_restore,
         })
     }

@@ -249,8 +249,9 @@ async fn main() -> Result<()> {
             let client = gaps_worker::Client::connect(opts).await.context("connecting to the cluster")?;
             let written = client.checkpoint().await.context("asking the shards for a checkpoint")?;
             client.close().await;
-            for (shard, id, path) in written {
-                println!("{}", serde_json::json!({"event": "checkpoint", "shard": shard, "id": id, "path": path}));
+            for s in written.shards {
+                let line = serde_json::json!({"event": "checkpoint", "id": written.id, "shard": s.shard, "path": s.path, "step": s.step});
+                println!("{line}");
             }
         }
         Command::Layout(args) => {

@@ -17,7 +17,7 @@ use crate::layout::{ChunkId, Layout};
 use bincode::{Decode, Encode};
 
 /// Protocol version carried by registrations; a peer with another version is refused.
-pub const PROTOCOL_VERSION: u16 = 2;
+pub const PROTOCOL_VERSION: u16 = 3;
 /// Bytes before the header: the kind byte and the header length.
 pub const FRAME_PREFIX_LEN: usize = 5;
 /// Hard upper bound on an encoded header (also the bincode decode limit).
@@ -121,6 +121,8 @@ pub enum ErrorCode {
     /// The push was computed on versions this shard has not reached: it was restored from a checkpoint
     /// taken before them. The gradient is stale; pull again.
     ReadAhead,
+    /// A checkpoint was asked for at a synchronous step this shard has already passed.
+    TooLate,
 }
 
 /// The role a registering client asks for.
@@ -418,19 +420,51 @@ pub struct Stats {
     pub ssp_min_clock: u64,
 }
 
-/// Ask a shard to write a checkpoint now (answered by its service, not its core).
+/// When a shard takes a checkpoint it was asked for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Encode, Decode)]
-pub struct CheckpointRequest;
+pub enum CheckpointAt {
+    /// At once, whatever the shard is doing (a partial synchronous step is saved as it is).
+    Now,
+    /// At the next point where no synchronous or GBA step is partly accumulated (at once in async modes
+    /// and when one is not).
+    Quiescent,
+    /// Right after synchronous step N completes (N steps applied, none partly accumulated). A shard that
+    /// is already past it refuses with [`ErrorCode::TooLate`].
+    Step(u64),
+}
 
-/// A checkpoint was written.
+/// Ask a shard to write a checkpoint (answered by its service, not its core).
+///
+/// Sent to shard 0 with `id` 0 it starts a **cluster** checkpoint: the coordinator picks the id and the
+/// point (a synchronous step in `sync`, the next quiescent point otherwise), asks every shard for it, and
+/// answers with all of their files. With a non-zero id (the coordinator's request to each shard, or an
+/// operator's to one shard) only the receiving shard writes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Encode, Decode)]
+pub struct CheckpointRequest {
+    /// The checkpoint's id (0: the receiver picks one).
+    pub id: u64,
+    /// When to take it.
+    pub at: CheckpointAt,
+}
+
+/// One shard's file of a checkpoint.
 #[derive(Debug, Clone, PartialEq, Eq, Encode, Decode)]
-pub struct CheckpointDone {
+pub struct ShardCheckpoint {
     /// The shard.
     pub shard: u32,
-    /// The checkpoint's id.
-    pub id: u64,
     /// The snapshot file on the shard's machine.
     pub path: String,
+    /// Synchronous/GBA steps the shard had applied when it took the snapshot.
+    pub step: u64,
+}
+
+/// A checkpoint was written (by every shard listed).
+#[derive(Debug, Clone, PartialEq, Eq, Encode, Decode)]
+pub struct CheckpointDone {
+    /// The checkpoint's id.
+    pub id: u64,
+    /// Each shard's file, shard order.
+    pub shards: Vec<ShardCheckpoint>,
 }
 
 /// Every message of the protocol. The kind byte on the wire is [`Message::kind`].
@@ -741,8 +775,11 @@ mod tests {
             Frame::new(Message::Heartbeat(Heartbeat { worker: 3 })),
             Frame::new(Message::HeartbeatAck(HeartbeatAck { epoch: 9, live_workers: 4 })),
             Frame::new(Message::StatsRequest(StatsRequest)),
-            Frame::new(Message::CheckpointRequest(CheckpointRequest)),
-            Frame::new(Message::CheckpointDone(CheckpointDone { shard: 1, id: 7, path: "/ckpt/shard-1/x.bin".into() })),
+            Frame::new(Message::CheckpointRequest(CheckpointRequest { id: 0, at: CheckpointAt::Step(9) })),
+            Frame::new(Message::CheckpointDone(CheckpointDone {
+                id: 7,
+                shards: vec![ShardCheckpoint { shard: 1, path: "/ckpt/shard-1/x.bin".into(), step: 4 }],
+            })),
             Frame::new(Message::Stats(Stats { shard: 1, pushes_applied: 10, staleness_max: 7, ..Stats::default() })),
             Frame::new(Message::Leave(Leave { worker: 3 })),
             Frame {

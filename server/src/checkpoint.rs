@@ -82,7 +82,10 @@ impl CheckpointStore {
     }
 
     /// Writes checkpoint `id` (snapshot, then manifest) atomically and drops the oldest beyond `keep`.
-    pub fn write(&self, info: &CheckpointInfo, bytes: &[u8]) -> Result<PathBuf> {
+    /// `step` is the synchronous/GBA steps applied and `at_step` the step the checkpoint was asked for (a
+    /// cluster checkpoint in `sync`: every shard's file has `step` = `at_step`), both recorded in the
+    /// manifest.
+    pub fn write(&self, info: &CheckpointInfo, step: u64, at_step: Option<u64>, bytes: &[u8]) -> Result<PathBuf> {
         let (bin, manifest) = self.paths(info.id);
         write_atomically(&bin, bytes)?;
         let written = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
@@ -95,6 +98,8 @@ impl CheckpointStore {
             "bytes": bytes.len(),
             "crc32": crc32fast::hash(bytes),
             "tensor_versions": info.tensor_versions,
+            "step": step,
+            "at_step": at_step,
             "written_unix_ms": written as u64,
         });
         write_atomically(&manifest, m.to_string().as_bytes())?;

@@ -13,8 +13,11 @@
 use crate::checkpoint::CheckpointStore;
 use crate::metrics::ShardMetrics;
 use anyhow::{anyhow, bail, Context, Result};
-use gaps_common::wire::{ErrorCode, Frame, Limits, Message, Stats, WireError};
-use gaps_shard::{CoreEvent, ShardConfig, ShardCore};
+use gaps_common::wire::{
+    CheckpointAt, CheckpointDone, CheckpointRequest, ErrorCode, Frame, Limits, Message, ShardCheckpoint, Stats,
+    WireError,
+};
+use gaps_shard::{CoreEvent, Readiness, ShardConfig, ShardCore};
 use gaps_transport::net::{self, RpcError};
 use gaps_transport::tls::TlsMaterial;
 use std::net::SocketAddr;
@@ -137,13 +140,53 @@ enum Command {
     Tick { reply: oneshot::Sender<(Vec<CoreEvent>, Stats)> },
     /// Read the core (tests, reports).
     Inspect(Box<dyn FnOnce(&ShardCore) + Send>),
-    /// Snapshot the core as checkpoint `id` into `buf`; the reply carries the bytes and how long the core
-    /// paused.
-    Checkpoint { id: u64, buf: Vec<u8>, reply: oneshot::Sender<(Vec<u8>, Duration)> },
+    /// Snapshot the core as checkpoint `id` into `buf` once it reaches `at`; the reply carries the snapshot,
+    /// or the step the core had already passed. Dropping the reply's receiver gives it up.
+    Checkpoint(PendingSnapshot),
 }
 
-/// Runs the core on the calling thread until every sender of `queue` is gone.
+/// A checkpoint the core takes when it reaches the point asked for.
+struct PendingSnapshot {
+    id: u64,
+    at: CheckpointAt,
+    buf: Vec<u8>,
+    reply: oneshot::Sender<Result<Snapshot, u64>>,
+}
+
+/// The core's state, copied for a checkpoint.
+struct Snapshot {
+    bytes: Vec<u8>,
+    /// How long the core paused to copy it.
+    pause: Duration,
+    /// Synchronous/GBA steps applied when it was copied.
+    step: u64,
+}
+
+/// Takes `p` if the core is at its point; keeps it for later if not yet; answers it if never.
+fn try_snapshot(core: &ShardCore, p: PendingSnapshot) -> Option<PendingSnapshot> {
+    if p.reply.is_closed() {
+        return None;
+    }
+    match core.checkpoint_readiness(p.at) {
+        Readiness::Later => Some(p),
+        Readiness::Never(step) => {
+            let _ = p.reply.send(Err(step));
+            None
+        }
+        Readiness::Ready => {
+            let started = Instant::now();
+            let bytes = core.checkpoint_into(p.id, p.buf);
+            let _ = p.reply.send(Ok(Snapshot { bytes, pause: started.elapsed(), step: core.global_step() }));
+            None
+        }
+    }
+}
+
+/// Runs the core on the calling thread until every sender of `queue` is gone. A checkpoint waiting for its
+/// step is checked after every command, so it is taken right after the request that completed the step,
+/// before any other is handled.
 fn run_actor(mut core: ShardCore, mut queue: mpsc::Receiver<Command>, started: Instant) {
+    let mut pending: Option<PendingSnapshot> = None;
     while let Some(command) = queue.blocking_recv() {
         match command {
             Command::Handle { frame, reply } => {
@@ -154,11 +197,10 @@ fn run_actor(mut core: ShardCore, mut queue: mpsc::Receiver<Command>, started: I
                 let _ = reply.send((events, core.stats()));
             }
             Command::Inspect(f) => f(&core),
-            Command::Checkpoint { id, buf, reply } => {
-                let started = Instant::now();
-                let bytes = core.checkpoint_into(id, buf);
-                let _ = reply.send((bytes, started.elapsed()));
-            }
+            Command::Checkpoint(p) => pending = Some(p),
+        }
+        if let Some(p) = pending.take() {
+            pending = try_snapshot(&core, p);
         }
     }
 }
@@ -187,6 +229,13 @@ struct Shared {
     /// of the shard's state in memory, so that the core's pause is a warm copy).
     checkpoint_lock: tokio::sync::Mutex<Vec<u8>>,
     checkpoints_written: AtomicU64,
+    /// When this shard last wrote a checkpoint (milliseconds since `started`).
+    last_checkpoint_ms: AtomicU64,
+    /// Wakes checkpoints that wait for a step when the shard shuts down.
+    stopping: tokio::sync::Notify,
+    /// The shard's endpoint, also used to reach the other shards (the coordinator's cluster checkpoints).
+    endpoint: quinn::Endpoint,
+    started: Instant,
     /// The model's chunk size and widest table, to bound a pull's reply before it is made.
     chunk_elems: u64,
     widest_table: u64,
@@ -242,7 +291,13 @@ impl RunningServer {
     /// Takes a checkpoint now (the core pauses while it is copied; the file is written in the background of
     /// the core's work) and returns its path. Fails when the shard has no checkpoint directory.
     pub async fn checkpoint_now(&self) -> Result<std::path::PathBuf> {
-        take_checkpoint(&self.shared).await.map(|(_, path)| path)
+        Ok(take_checkpoint(&self.shared, None, CheckpointAt::Now).await?.path)
+    }
+
+    /// On the coordinator: takes a cluster checkpoint (every shard at the same synchronous step, or at its
+    /// next quiescent point) and returns each shard's file. Fails when any shard could not write it.
+    pub async fn cluster_checkpoint(&self) -> Result<CheckpointDone> {
+        cluster_checkpoint(&self.shared).await
     }
 
     /// Checkpoints written since start.
@@ -271,8 +326,11 @@ impl RunningServer {
         let _ = self.shutdown.send(true);
         self.task.await.context("joining the server task")?;
         if self.shared.store.is_some() {
-            let (_, path) = take_checkpoint(&self.shared).await.context("writing the final checkpoint")?;
-            info!(shard = self.shared.shard, path = %path.display(), "final checkpoint written");
+            // A checkpoint waiting for a step that will not come now gives up; the final one is taken as is.
+            self.shared.stopping.notify_waiters();
+            let w =
+                take_checkpoint(&self.shared, None, CheckpointAt::Now).await.context("writing the final checkpoint")?;
+            info!(shard = self.shared.shard, path = %w.path.display(), "final checkpoint written");
         }
         Ok(())
     }
@@ -368,6 +426,10 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
         request_timeout: cfg.request_timeout,
         timed_out: AtomicU64::new(0),
         refused: AtomicU64::new(0),
+        endpoint: endpoint.clone(),
+        started,
+        last_checkpoint_ms: AtomicU64::new(0),
+        stopping: tokio::sync::Notify::new(),
         next_checkpoint: AtomicU64::new(match &store {
             Some(s) => s.next_id()?.max(restored.as_ref().map_or(0, |r| r.id + 1)),
             None => 1,
@@ -383,6 +445,9 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
     if let Some(every) = cfg.checkpoint.as_ref().and_then(|c| c.every) {
         let shared = shared.clone();
         let mut stop = shutdown_rx.clone();
+        if shard != 0 {
+            info!(shard, "checkpoints follow the coordinator's schedule (this shard takes its own only if none comes)");
+        }
         tokio::spawn(async move {
             let mut interval = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
             loop {
@@ -390,8 +455,25 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
                     _ = stop.changed() => return,
                     _ = interval.tick() => {}
                 }
-                if let Err(e) = take_checkpoint(&shared).await {
-                    warn!(shard = shared.shard, error = format!("{e:#}"), "writing a checkpoint failed");
+                if shared.shard == 0 {
+                    if let Err(e) = cluster_checkpoint(&shared).await {
+                        warn!(error = format!("{e:#}"), "the cluster checkpoint is incomplete");
+                    }
+                    continue;
+                }
+                // Shards ≥ 1 checkpoint when the coordinator asks; on their own only when it has not asked for
+                // twice the interval (it is down, or has no schedule of its own).
+                let since =
+                    shared.started.elapsed().as_millis() as u64 - shared.last_checkpoint_ms.load(Ordering::Relaxed);
+                if Duration::from_millis(since) >= 2 * every {
+                    match take_checkpoint(&shared, None, CheckpointAt::Quiescent).await {
+                        Ok(w) => warn!(
+                            shard = shared.shard,
+                            id = w.id,
+                            "no cluster checkpoint came from the coordinator; took one on this shard's own schedule"
+                        ),
+                        Err(e) => warn!(shard = shared.shard, error = %e, "writing a checkpoint failed"),
+                    }
                 }
             }
         });
@@ -403,45 +485,186 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
     Ok(RunningServer { addr, advertise, restored, shutdown: shutdown_tx, task, shared })
 }
 
-/// Answers a checkpoint request: the checkpoint's id and path, or why none was written.
-async fn checkpoint_reply(shared: &Shared) -> Frame {
-    match take_checkpoint(shared).await {
-        Ok((id, path)) => Frame::new(Message::CheckpointDone(gaps_common::wire::CheckpointDone {
-            shard: shared.shard,
-            id,
-            path: path.display().to_string(),
-        })),
-        Err(e) => Frame::new(Message::error(ErrorCode::Misconfigured, format!("{e:#}"))),
-    }
+/// How long a checkpoint may wait for the step it was asked for.
+const CHECKPOINT_WAIT: Duration = Duration::from_secs(20);
+
+/// Why a shard wrote no checkpoint.
+#[derive(Debug, thiserror::Error)]
+enum CheckpointFailure {
+    /// It had already applied this many steps, past the one asked for (or no live worker could reach it).
+    #[error("this shard had applied {0} steps and cannot take a checkpoint at the step asked for")]
+    TooLate(u64),
+    /// Anything else.
+    #[error("{0:#}")]
+    Other(#[from] anyhow::Error),
 }
 
-/// Snapshots the core (it pauses for the copy only) and writes the checkpoint on a blocking thread; returns
-/// its id and path.
-async fn take_checkpoint(shared: &Shared) -> Result<(u64, std::path::PathBuf)> {
-    let Some(store) = shared.store.clone() else { bail!("this shard has no --checkpoint-dir") };
+/// A checkpoint this shard wrote.
+#[derive(Debug)]
+struct Written {
+    id: u64,
+    path: std::path::PathBuf,
+    step: u64,
+}
+
+/// A fresh checkpoint id: the time in milliseconds since the Unix epoch, made strictly increasing. Ids from
+/// different shards (a shard's own final checkpoint, the coordinator's cluster ones) sort by time.
+fn next_id(shared: &Shared) -> u64 {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+    shared.next_checkpoint.fetch_max(now, Ordering::Relaxed);
+    shared.next_checkpoint.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Answers a checkpoint request: on the coordinator with id 0 a cluster checkpoint, otherwise this shard's.
+async fn checkpoint_reply(shared: &Shared, req: CheckpointRequest) -> Frame {
+    let done = if req.id == 0 && shared.shard == 0 {
+        cluster_checkpoint(shared).await.map_err(CheckpointFailure::Other)
+    } else {
+        take_checkpoint(shared, (req.id != 0).then_some(req.id), req.at).await.map(|w| CheckpointDone {
+            id: w.id,
+            shards: vec![ShardCheckpoint { shard: shared.shard, path: w.path.display().to_string(), step: w.step }],
+        })
+    };
+    Frame::new(match done {
+        Ok(done) => Message::CheckpointDone(done),
+        Err(e @ CheckpointFailure::TooLate(_)) => Message::error(ErrorCode::TooLate, e.to_string()),
+        Err(e) => Message::error(ErrorCode::Misconfigured, e.to_string()),
+    })
+}
+
+/// Snapshots the core when it reaches `at` (it pauses for the copy only) and writes the checkpoint on a
+/// blocking thread. `id` None picks a fresh one.
+async fn take_checkpoint(shared: &Shared, id: Option<u64>, at: CheckpointAt) -> Result<Written, CheckpointFailure> {
+    let Some(store) = shared.store.clone() else { return Err(anyhow!("this shard has no --checkpoint-dir").into()) };
     let mut spare = shared.checkpoint_lock.lock().await;
-    let id = shared.next_checkpoint.fetch_add(1, Ordering::Relaxed);
+    let id = match id {
+        Some(id) => {
+            shared.next_checkpoint.fetch_max(id + 1, Ordering::Relaxed);
+            id
+        }
+        None => next_id(shared),
+    };
     let (tx, rx) = oneshot::channel();
-    shared.send(Command::Checkpoint { id, buf: std::mem::take(&mut *spare), reply: tx }).await?;
-    let (bytes, pause) = rx.await.map_err(|_| anyhow!("shard core thread stopped"))?;
+    let buf = std::mem::take(&mut *spare);
+    shared.send(Command::Checkpoint(PendingSnapshot { id, at, buf, reply: tx })).await?;
+    let snapshot = tokio::select! {
+        got = tokio::time::timeout(CHECKPOINT_WAIT, rx) => match got {
+            Err(_) => return Err(anyhow!("checkpoint {id}: this shard did not reach {at:?} within {CHECKPOINT_WAIT:?}").into()),
+            Ok(Err(_)) => return Err(anyhow!("shard core thread stopped").into()),
+            Ok(Ok(Err(step))) => return Err(CheckpointFailure::TooLate(step)),
+            Ok(Ok(Ok(snapshot))) => snapshot,
+        },
+        _ = shared.stopping.notified() => return Err(anyhow!("checkpoint {id}: the shard is shutting down").into()),
+    };
+    let Snapshot { bytes, pause, step } = snapshot;
+    let at_step = match at {
+        CheckpointAt::Step(n) => Some(n),
+        _ => None,
+    };
     let info = ShardCore::checkpoint_info(&bytes).map_err(|e| anyhow!("reading back checkpoint {id}: {e}"))?;
     let started = Instant::now();
     let size = bytes.len();
-    let (written, bytes) = tokio::task::spawn_blocking(move || (store.write(&info, &bytes), bytes))
+    let (written, bytes) = tokio::task::spawn_blocking(move || (store.write(&info, step, at_step, &bytes), bytes))
         .await
         .context("writing a checkpoint")?;
     *spare = bytes;
     let path = written?;
     shared.checkpoints_written.fetch_add(1, Ordering::Relaxed);
+    shared.last_checkpoint_ms.store(shared.started.elapsed().as_millis() as u64, Ordering::Relaxed);
     info!(
         shard = shared.shard,
         checkpoint = id,
+        step,
         bytes = size,
         pause_ms = pause.as_secs_f64() * 1e3,
         write_ms = started.elapsed().as_secs_f64() * 1e3,
         "checkpoint written"
     );
-    Ok((id, path))
+    Ok(Written { id, path, step })
+}
+
+/// Asks shard `index` at `addr` for checkpoint `id` at `at`.
+async fn peer_checkpoint(
+    endpoint: quinn::Endpoint,
+    index: u32,
+    addr: String,
+    id: u64,
+    at: CheckpointAt,
+) -> Result<ShardCheckpoint, CheckpointFailure> {
+    let fail = |e: RpcError| CheckpointFailure::Other(anyhow!("shard {index} at {addr}: {e}"));
+    let conn = net::connect(&endpoint, net::resolve(&addr).await.map_err(fail)?, Duration::from_secs(5))
+        .await
+        .map_err(fail)?;
+    let request = Message::CheckpointRequest(CheckpointRequest { id, at });
+    let reply = net::call(&conn, &request, &[], &Limits::default(), CHECKPOINT_WAIT + Duration::from_secs(10)).await;
+    conn.close(0u32.into(), b"checkpoint");
+    match reply {
+        Ok(Frame { msg: Message::CheckpointDone(mut done), .. }) if done.shards.len() == 1 => Ok(done.shards.remove(0)),
+        Ok(other) => Err(anyhow!("shard {index} answered with {}", net::kind_name(&other.msg)).into()),
+        Err(RpcError::Remote { code: ErrorCode::TooLate, .. }) => Err(CheckpointFailure::TooLate(0)),
+        Err(e) => Err(fail(e)),
+    }
+}
+
+/// The coordinator's cluster checkpoint: one id, every shard at the same synchronous step (in `sync`, the
+/// step after next; a shard that is already past it makes the coordinator try again further ahead) or at
+/// its next quiescent point (async modes, GBA, no live worker). Returns every shard's file; fails, naming
+/// the shards, when one could not write it (the others' files stay: each is a complete checkpoint of its
+/// shard).
+async fn cluster_checkpoint(shared: &Shared) -> Result<CheckpointDone> {
+    let mut margin = 2;
+    for _attempt in 0..4 {
+        let (tx, rx) = oneshot::channel();
+        shared
+            .send(Command::Inspect(Box::new(move |core| {
+                let sync = core.active_mode() == gaps_shard::Mode::Sync && core.live_workers() > 0;
+                let _ = tx.send((sync, core.global_step(), core.peer_shards(), core.config().num_shards));
+            })))
+            .await?;
+        let (sync, step, peers, num_shards) = rx.await.map_err(|_| anyhow!("shard core thread stopped"))?;
+        if peers.len() + 1 < num_shards as usize {
+            warn!(joined = peers.len() + 1, num_shards, "not every shard has joined: the checkpoint leaves them out");
+        }
+        let at = if sync { CheckpointAt::Step(step + margin) } else { CheckpointAt::Quiescent };
+        let id = next_id(shared);
+        let mut tasks = tokio::task::JoinSet::new();
+        for (index, addr) in peers.iter().cloned() {
+            let endpoint = shared.endpoint.clone();
+            tasks.spawn(async move { (index, peer_checkpoint(endpoint, index, addr, id, at).await) });
+        }
+        let own = take_checkpoint(shared, Some(id), at).await.map(|w| ShardCheckpoint {
+            shard: shared.shard,
+            path: w.path.display().to_string(),
+            step: w.step,
+        });
+        let mut results = vec![(shared.shard, own)];
+        while let Some(joined) = tasks.join_next().await {
+            results.push(joined.context("a checkpoint request task failed")?);
+        }
+        results.sort_by_key(|(index, _)| *index);
+        let late: Vec<u32> =
+            results.iter().filter(|(_, r)| matches!(r, Err(CheckpointFailure::TooLate(_)))).map(|(i, _)| *i).collect();
+        let failed: Vec<String> = results
+            .iter()
+            .filter_map(|(i, r)| match r {
+                Err(CheckpointFailure::Other(e)) => Some(format!("shard {i}: {e:#}")),
+                _ => None,
+            })
+            .collect();
+        if late.is_empty() && failed.is_empty() {
+            let shards = results.into_iter().filter_map(|(_, r)| r.ok()).collect();
+            info!(checkpoint = id, ?at, "cluster checkpoint written by every shard");
+            return Ok(CheckpointDone { id, shards });
+        }
+        if !failed.is_empty() {
+            bail!("checkpoint {id} ({at:?}) was not written everywhere: {}", failed.join("; "));
+        }
+        // Some shard was past the step already (or its workers left): aim further ahead, or take it at the
+        // quiescent point if no worker is left. The files already written under this id stay, incomplete.
+        warn!(checkpoint = id, ?at, ?late, "shards could not take the checkpoint at its step; trying again");
+        margin *= 4;
+    }
+    bail!("no step could be agreed on for a cluster checkpoint: shards kept passing it")
 }
 
 async fn join_coordinator(
@@ -660,8 +883,8 @@ async fn serve_request(
                 RpcKind::Pull => &shared.metrics.rpc_pull_seconds,
                 RpcKind::Other => &shared.metrics.rpc_other_seconds,
             };
-            let handled = if matches!(frame.msg, Message::CheckpointRequest(_)) {
-                Some((checkpoint_reply(shared).await, Vec::new()))
+            let handled = if let Message::CheckpointRequest(req) = frame.msg {
+                Some((checkpoint_reply(shared, req).await, Vec::new()))
             } else {
                 let (tx, rx) = oneshot::channel();
                 match shared.send(Command::Handle { frame, reply: tx }).await {

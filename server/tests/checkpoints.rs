@@ -77,9 +77,9 @@ async fn a_shard_restarts_from_its_newest_intact_checkpoint() {
     assert!(server.checkpoints_written() >= 1, "periodic checkpoints are written");
     // On demand, through the protocol (what `gaps checkpoint` sends).
     let written = c.checkpoint().await.expect("checkpoint on demand");
-    assert_eq!(written.len(), 1);
-    assert_eq!(written[0].0, 0);
-    assert!(Path::new(&written[0].2).exists(), "{:?}", written[0]);
+    assert_eq!(written.shards.len(), 1);
+    assert_eq!(written.shards[0].shard, 0);
+    assert!(Path::new(&written.shards[0].path).exists(), "{written:?}");
     // (Leaving first: under DANA a departing worker's momentum leaves the look-ahead.)
     c.leave().await.expect("leave");
     let before = c.pull().await.expect("pull");

@@ -16,5 +16,5 @@ pub mod modes;
 pub mod sparse;
 
 pub use crate::checkpoint::CheckpointError;
-pub use crate::core::{CoreEvent, Init, ShardConfig, ShardCore, ShardError, SparseSettings, SEQ_WINDOW};
+pub use crate::core::{CoreEvent, Init, Readiness, ShardConfig, ShardCore, ShardError, SparseSettings, SEQ_WINDOW};
 pub use crate::modes::{Mode, ModeConfig};

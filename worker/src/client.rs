@@ -7,8 +7,9 @@ use crate::net::{self, RpcError};
 use gaps_common::layout::sparse_owner;
 use gaps_common::layout::{ChunkId, Layout};
 use gaps_common::wire::{
-    ids_to_words, ClusterMap, ErrorCode, Frame, Heartbeat, Leave, Limits, Message, Pull, Push, PushChunk, Register,
-    Role, SparsePull, SparsePush, Stats, StatsRequest, PROTOCOL_VERSION,
+    ids_to_words, CheckpointAt, CheckpointDone, CheckpointRequest, ClusterMap, ErrorCode, Frame, Heartbeat, Leave,
+    Limits, Message, Pull, Push, PushChunk, Register, Role, SparsePull, SparsePush, Stats, StatsRequest,
+    PROTOCOL_VERSION,
 };
 use gaps_kernels::{Hyper, Rule};
 use gaps_transport::tls::TlsMaterial;
@@ -123,6 +124,10 @@ pub struct PushSummary {
 #[derive(Debug)]
 struct ShardLink {
     index: u32,
+    /// The address as the cluster map gives it (a name is resolved again for every new connection, so a
+    /// shard restarted elsewhere under the same DNS name is found).
+    name: String,
+    /// Its address when the client joined.
     addr: SocketAddr,
     conn: Mutex<Option<quinn::Connection>>,
     /// Next push sequence number for this shard (starts at 1).
@@ -257,6 +262,7 @@ impl Client {
             let addr = net::resolve(&s.addr).await?;
             shards.push(ShardLink {
                 index: s.index,
+                name: s.addr.clone(),
                 addr,
                 conn: Mutex::new(None),
                 next_seq: AtomicU64::new(1),
@@ -342,7 +348,12 @@ impl Client {
                 return Ok(conn);
             }
         }
-        let conn = net::connect(&self.inner.endpoint, link.addr, timeout).await?;
+        // Resolved again: a restarted shard may be back at another address under the same name.
+        let addr = match tokio::time::timeout(timeout, net::resolve(&link.name)).await {
+            Ok(Ok(addr)) => addr,
+            _ => link.addr,
+        };
+        let conn = net::connect(&self.inner.endpoint, addr, timeout).await?;
         *link.conn.lock().map_err(|_| RpcError::Setup("connection lock poisoned".into()))? = Some(conn.clone());
         Ok(conn)
     }
@@ -778,13 +789,19 @@ impl Client {
         Ok(out)
     }
 
-    /// Asks every shard to write a checkpoint now; returns each one's (shard, id, path), index order.
-    pub async fn checkpoint(&self) -> Result<Vec<(u32, u64, String)>, ClientError> {
-        self.ask_each(&Message::CheckpointRequest(gaps_common::wire::CheckpointRequest), |m| match m {
-            Message::CheckpointDone(d) => Some((d.shard, d.id, d.path)),
-            _ => None,
-        })
-        .await
+    /// Asks the coordinator for a cluster checkpoint (every shard at the same synchronous step, or at its
+    /// next quiescent point); returns its id and each shard's (shard, path, step), index order.
+    pub async fn checkpoint(&self) -> Result<CheckpointDone, ClientError> {
+        let request = Message::CheckpointRequest(CheckpointRequest { id: 0, at: CheckpointAt::Quiescent });
+        let (frame, _) = self.request(0, &request, &[]).await?;
+        match frame.msg {
+            Message::CheckpointDone(done) => Ok(done),
+            other => Err(RpcError::Unexpected {
+                addr: self.inner.shards[0].addr.to_string(),
+                kind: net::kind_name(&other).into(),
+            }
+            .into()),
+        }
     }
 
     /// Counters of every shard, index order.

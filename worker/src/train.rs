@@ -66,6 +66,25 @@ pub struct WorkerArgs {
     /// Print a one-line JSON summary on stdout at the end.
     #[arg(long, env = "GAPS_JSON")]
     pub json: bool,
+    /// Also print a JSON line with the push counters after every step (`{"event":"pushes",…}`), so that a
+    /// supervisor can account for the pushes of a worker that is killed before its summary (`gaps local`).
+    #[arg(long, env = "GAPS_LEDGER")]
+    pub ledger: bool,
+}
+
+/// Prints the push ledger line of `--ledger` (stdout is line-buffered: each line is out before the next
+/// step starts).
+fn ledger_line(args: &WorkerArgs, client: &crate::Client, step: u64) {
+    if args.ledger {
+        let line = serde_json::json!({
+            "event": "pushes",
+            "step": step,
+            "pushes_sent": client.pushes_sent(),
+            "pushes_acknowledged": client.pushes_acknowledged(),
+            "stale_after_restore": client.stale_after_restore(),
+        });
+        println!("{line}");
+    }
 }
 
 /// Sleeps the emulated compute time of a step that really took `took`, scaled by the injected slowdown while
@@ -194,6 +213,7 @@ pub async fn run(args: &WorkerArgs) -> Result<WorkerSummary> {
         losses.push(loss);
         emulate_compute(args, started, compute.elapsed()).await;
         client.push(grads, &snapshot).await.with_context(|| format!("pushing the gradient of step {step}"))?;
+        ledger_line(args, &client, step + 1);
         if args.steps >= 10 && (step + 1) % (args.steps / 10) == 0 {
             info!(worker, step = step + 1, loss, "progress");
         }
@@ -248,6 +268,7 @@ async fn run_ctr(
         let (a, b) = tokio::join!(client.push(dense_grads, &dense), client.push_sparse(0, &rows, &row_grads));
         a.with_context(|| format!("pushing dense gradients of step {step}"))?;
         b.with_context(|| format!("pushing embedding gradients of step {step}"))?;
+        ledger_line(args, &client, step + 1);
         if args.steps >= 10 && (step + 1) % (args.steps / 10) == 0 {
             info!(worker, step = step + 1, loss = losses[losses.len() - 1], "progress");
         }

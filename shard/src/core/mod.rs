@@ -204,6 +204,18 @@ impl ShardError {
     }
 }
 
+/// Whether a checkpoint can be taken at the point it was asked for (see [`ShardCore::checkpoint_readiness`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Readiness {
+    /// Now.
+    Ready,
+    /// Not yet: the step has not completed.
+    Later,
+    /// Never: the shard has applied this many steps, past the one asked for, or no live worker is left to
+    /// reach it.
+    Never(u64),
+}
+
 /// Something the core wants the embedding service to log or export.
 #[derive(Debug, Clone, PartialEq)]
 pub enum CoreEvent {
@@ -538,6 +550,51 @@ impl ShardCore {
     /// Pushes applied per tensor on this shard.
     pub fn tensor_versions(&self) -> &[u64] {
         &self.tensor_versions
+    }
+
+    /// Synchronous and GBA steps applied so far.
+    pub fn global_step(&self) -> u64 {
+        self.global_step
+    }
+
+    /// True while a synchronous or GBA step has gradients accumulated but not yet applied.
+    pub fn step_in_progress(&self) -> bool {
+        self.accum_pushes > 0
+    }
+
+    /// Workers holding a lease with this shard.
+    pub fn live_workers(&self) -> usize {
+        self.leases.len()
+    }
+
+    /// Where a checkpoint asked for at `at` stands: taken now, later, or never (the shard is past the step).
+    pub fn checkpoint_readiness(&self, at: gaps_common::wire::CheckpointAt) -> Readiness {
+        use gaps_common::wire::CheckpointAt;
+        let quiet = !self.step_in_progress();
+        match at {
+            CheckpointAt::Now => Readiness::Ready,
+            CheckpointAt::Quiescent if quiet => Readiness::Ready,
+            CheckpointAt::Quiescent => Readiness::Later,
+            CheckpointAt::Step(n) if self.global_step > n || (self.global_step == n && !quiet) => {
+                Readiness::Never(self.global_step)
+            }
+            // No live worker can complete the steps up to it.
+            CheckpointAt::Step(n) if self.global_step < n && quiet && self.leases.is_empty() => {
+                Readiness::Never(self.global_step)
+            }
+            CheckpointAt::Step(n) if self.global_step == n => Readiness::Ready,
+            CheckpointAt::Step(_) => Readiness::Later,
+        }
+    }
+
+    /// The other shards' addresses (coordinator only: the shards that joined it), shard order.
+    pub fn peer_shards(&self) -> Vec<(u32, String)> {
+        self.coordinator
+            .as_ref()
+            .map(|c| {
+                c.shard_addrs.iter().filter(|(i, _)| **i != self.cfg.shard).map(|(i, a)| (*i, a.clone())).collect()
+            })
+            .unwrap_or_default()
     }
 
     /// Handles one request and returns the reply frame (an error reply when the request is refused; a

@@ -1,0 +1,4 @@
+#![no_main]
+libfuzzer_sys::fuzz_target!(|data: &[u8]| {
+    gaps_fuzz::shard_core(data);
+});

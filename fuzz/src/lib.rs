@@ -1,0 +1,254 @@
+//! Fuzz drivers: what the libFuzzer targets in `fuzz_targets/` run on each input, and what the workspace's
+//! regression test (`shard/tests/fuzz_regressions.rs`) replays over the committed corpus. Only std,
+//! gaps-common, gaps-kernels and gaps-shard are used here, so the test can include this file as a module.
+//!
+//! Both drivers panic (which libFuzzer reports as a crash) only when an invariant breaks: the decoder or the
+//! core panicked, a reply cannot be encoded, a decoded frame does not re-encode to itself, the push books do
+//! not balance, or a checkpoint does not restore to the same state.
+
+use gaps_common::layout::{ChunkId, Layout, SparseSpec, TensorSpec};
+use gaps_common::wire::{
+    self, ids_to_words, CheckpointAt, CheckpointRequest, Frame, Heartbeat, Leave, Limits, Message, Pull, Push,
+    PushChunk, Register, RegisterShard, Role, SparsePull, SparsePush, StatsRequest, PROTOCOL_VERSION,
+};
+use gaps_kernels::{Hyper, Rule};
+use gaps_shard::modes::{Mode, ModeConfig};
+use gaps_shard::{Init, ShardConfig, ShardCore, SparseSettings};
+use std::time::Duration;
+
+const EPOCH: u64 = 3;
+
+/// Limits small enough that a fuzz input cannot make the decoder allocate much.
+fn limits() -> Limits {
+    Limits { max_payload_bytes: 1 << 16, ..Limits::default() }
+}
+
+/// Reads choices from the fuzz input; past its end every choice is 0.
+struct Choices<'a> {
+    data: &'a [u8],
+}
+
+impl<'a> Choices<'a> {
+    fn byte(&mut self) -> u8 {
+        match self.data.split_first() {
+            Some((b, rest)) => {
+                self.data = rest;
+                *b
+            }
+            None => 0,
+        }
+    }
+
+    /// A number below `n` (n ≥ 1) from one or two bytes.
+    fn below(&mut self, n: u64) -> u64 {
+        let raw = if n <= 256 { u64::from(self.byte()) } else { u64::from(self.byte()) << 8 | u64::from(self.byte()) };
+        raw % n.max(1)
+    }
+
+    fn bytes(&mut self, n: usize) -> &'a [u8] {
+        let n = n.min(self.data.len());
+        let (head, rest) = self.data.split_at(n);
+        self.data = rest;
+        head
+    }
+
+    fn float(&mut self) -> f32 {
+        match self.byte() {
+            0 => f32::NAN,
+            1 => f32::INFINITY,
+            2 => f32::NEG_INFINITY,
+            3 => -1e30,
+            4 => f32::MIN_POSITIVE / 2.0,
+            b => (f32::from(b) - 128.0) / 64.0,
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.data.is_empty()
+    }
+}
+
+/// Frame decoder: any bytes decode to a frame or a typed error, and a decoded frame re-encodes to bytes
+/// that decode to the same frame.
+pub fn frame_decoder(data: &[u8]) {
+    let limits = limits();
+    let Ok(frame) = wire::decode_frame(data, &limits) else { return };
+    let once = wire::encode_frame(&frame).expect("a decoded frame re-encodes");
+    let again = wire::decode_frame(&once, &limits).expect("a re-encoded frame decodes");
+    let twice = wire::encode_frame(&again).expect("a re-encoded frame re-encodes");
+    assert_eq!(once, twice, "decode ∘ encode is not stable for {frame:?}");
+}
+
+const RULES: [Rule; 8] = [
+    Rule::Momentum,
+    Rule::DanaZero,
+    Rule::Adam,
+    Rule::DcAsgdAdaptive,
+    Rule::Sgd,
+    Rule::Nesterov,
+    Rule::MultiMomentum,
+    Rule::Adagrad,
+];
+const MODES: [Mode; 5] = [Mode::Async, Mode::Sync, Mode::Gba, Mode::Ssp, Mode::Auto];
+
+fn config(rule: Rule, mode: Mode, shard: u32, num_shards: u32, admit_after: u32) -> ShardConfig {
+    let mut gated = TensorSpec::new("g", 9);
+    gated.rule.rule = Some("gap-aware".into());
+    ShardConfig {
+        shard,
+        num_shards,
+        layout: Layout::with_tables(vec![TensorSpec::new("w", 50), gated], 16, vec![SparseSpec::new("e", 3)])
+            .expect("layout"),
+        rule,
+        hyper: Hyper { lr: 0.05, momentum: 0.9, ..Hyper::default() },
+        init: Init { seed: 9, std: 0.1 },
+        lease: Duration::from_secs(5),
+        advertise: "fuzz".into(),
+        epoch: EPOCH,
+        threads: 1,
+        sparse: SparseSettings { admit_after, memory_budget: Some(64 << 10), ..SparseSettings::default() },
+        modes: ModeConfig { mode, ..ModeConfig::default() },
+    }
+}
+
+/// One request chosen by the input: usually well-formed enough to reach deep into the core, often not.
+fn request(c: &mut Choices<'_>, layout: &Layout, chunks: &[ChunkId]) -> Option<Frame> {
+    let epoch = if c.below(16) == 0 { EPOCH + c.below(3) - 1 } else { EPOCH };
+    let worker = c.below(4) as u32;
+    let some_chunks = |c: &mut Choices<'_>| -> Vec<ChunkId> {
+        let n = c.below(chunks.len() as u64 + 2) as usize;
+        (0..n)
+            .map(|_| match c.below(chunks.len() as u64 + 1) as usize {
+                i if i < chunks.len() => chunks[i],
+                _ => ChunkId { tensor: c.below(4) as u32, chunk: c.below(6) as u32 },
+            })
+            .collect()
+    };
+    Some(match c.below(13) {
+        0 => Frame::new(Message::Pull(Pull { epoch, chunks: some_chunks(c) })),
+        1 | 2 => {
+            let ids = some_chunks(c);
+            let push_chunks: Vec<PushChunk> = ids
+                .iter()
+                .map(|id| PushChunk {
+                    id: *id,
+                    read_version: c.below(6),
+                    len: match layout.chunk_len(*id) {
+                        Ok(n) if c.below(12) != 0 => n as u32,
+                        _ => c.below(20) as u32,
+                    },
+                    echo: if c.below(12) == 0 { c.below(2) == 0 } else { id.tensor == 1 },
+                })
+                .collect();
+            let declared: usize = push_chunks.iter().map(|p| p.len as usize * (1 + usize::from(p.echo))).sum();
+            let carried = if c.below(12) == 0 { c.below(declared as u64 + 3) as usize } else { declared };
+            let payload = (0..carried).map(|_| c.float()).collect();
+            let seq = c.below(64);
+            let compute_ms = c.below(64) as u32;
+            Frame { msg: Message::Push(Push { epoch, worker, seq, chunks: push_chunks, compute_ms }), payload }
+        }
+        3 => {
+            let count = c.below(6) as u32;
+            let ids: Vec<u64> = (0..count).map(|_| c.below(12)).collect();
+            let mut payload = Vec::new();
+            ids_to_words(&ids, &mut payload);
+            if c.below(10) == 0 {
+                payload.pop();
+            }
+            let msg = SparsePull { epoch, table: c.below(2) as u32, count, create: c.below(2) == 0 };
+            Frame { msg: Message::SparsePull(msg), payload }
+        }
+        4 => {
+            let count = c.below(5) as u32;
+            let dim = if c.below(10) == 0 { 4 } else { 3 };
+            let echo_read = c.below(10) == 0;
+            let ids: Vec<u64> = (0..count).map(|_| c.below(12)).collect();
+            let mut payload = Vec::new();
+            ids_to_words(&ids, &mut payload);
+            payload.extend((0..count).map(|_| f32::from_bits(c.below(5) as u32)));
+            payload.extend((0..count * dim * (1 + u32::from(echo_read))).map(|_| c.float()));
+            let (seq, table) = (c.below(64), c.below(2) as u32);
+            let msg = SparsePush { epoch, worker, seq, table, count, dim, echo_read };
+            Frame { msg: Message::SparsePush(msg), payload }
+        }
+        5 => Frame::new(Message::Register(Register {
+            protocol: if c.below(10) == 0 { 1 } else { PROTOCOL_VERSION },
+            role: if c.below(3) == 0 { Role::Observer } else { Role::Worker },
+            name: "f".into(),
+        })),
+        6 => Frame::new(Message::Heartbeat(Heartbeat { worker })),
+        7 => Frame::new(Message::Leave(Leave { worker })),
+        8 => Frame::new(Message::StatsRequest(StatsRequest)),
+        9 => Frame::new(Message::RegisterShard(RegisterShard {
+            protocol: PROTOCOL_VERSION,
+            shard: c.below(3) as u32,
+            num_shards: 1 + c.below(2) as u32,
+            addr: "peer".into(),
+            layout_fingerprint: if c.below(2) == 0 { layout.fingerprint() } else { c.below(1 << 16) },
+        })),
+        10 => Frame::new(Message::CheckpointRequest(CheckpointRequest {
+            id: c.below(3),
+            at: match c.below(3) {
+                0 => CheckpointAt::Now,
+                1 => CheckpointAt::Quiescent,
+                _ => CheckpointAt::Step(c.below(8)),
+            },
+        })),
+        // Raw bytes through the decoder: whatever decodes is handled like any other request.
+        _ => {
+            let len = c.below(96) as usize;
+            return wire::decode_frame(c.bytes(len), &limits()).ok();
+        }
+    })
+}
+
+/// Shard core: a sequence of requests, ticks, and checkpoint round trips chosen by the input. Nothing may
+/// panic, every reply must encode, every push is counted exactly once as applied, duplicate or refused, and
+/// a checkpoint restores to a core that checkpoints to the same bytes (and keeps serving). Returns the
+/// core's counters.
+pub fn shard_core(data: &[u8]) -> wire::Stats {
+    let mut c = Choices { data };
+    let rule = RULES[c.below(RULES.len() as u64) as usize];
+    let mode = MODES[c.below(MODES.len() as u64) as usize];
+    let (shard, num_shards) = if c.below(4) == 0 { (1, 2) } else { (0, 1) };
+    // Admission keeps a 4 MiB sketch per table (10 ms per input to make, copy and compare): one input in 16
+    // has it, the rest run 400 times faster.
+    let admit_after = if c.below(16) == 0 { 2 } else { 0 };
+    let cfg = || config(rule, mode, shard, num_shards, admit_after);
+    let mut core = ShardCore::new(cfg()).expect("core");
+    let layout = core.config().layout.clone();
+    let chunks: Vec<ChunkId> = layout.chunks().filter(|id| core.chunk_values(*id).is_ok()).collect();
+    let mut pushes = 0u64;
+    let mut now_ms = 0u64;
+    for _ in 0..400 {
+        if c.is_empty() {
+            break;
+        }
+        now_ms += c.below(2000);
+        let now = Duration::from_millis(now_ms);
+        match c.below(64) {
+            0..=2 => {
+                core.tick(now);
+            }
+            3 => {
+                let bytes = core.checkpoint(7);
+                core = ShardCore::restore(cfg(), &bytes).unwrap_or_else(|e| panic!("restore: {e}"));
+                assert_eq!(core.checkpoint(7), bytes, "{rule} {mode}: a restored core checkpoints differently");
+            }
+            _ => {
+                let Some(frame) = request(&mut c, &layout, &chunks) else { continue };
+                pushes += u64::from(matches!(frame.msg, Message::Push(_) | Message::SparsePush(_)));
+                let (reply, _) = core.handle(frame, now);
+                let bytes = wire::encode_frame(&reply).unwrap_or_else(|e| panic!("a reply that cannot be sent: {e}"));
+                wire::decode_frame(&bytes, &Limits { max_payload_bytes: u64::MAX, ..Limits::default() })
+                    .unwrap_or_else(|e| panic!("a reply that does not decode: {e}"));
+            }
+        }
+    }
+    let s = core.stats();
+    assert_eq!(s.pushes_applied + s.pushes_duplicate + s.pushes_rejected, pushes, "{rule} {mode}: {s:?}");
+    let bytes = core.checkpoint(1);
+    let restored = ShardCore::restore(cfg(), &bytes).unwrap_or_else(|e| panic!("{rule} {mode}: restore: {e}"));
+    assert_eq!(restored.checkpoint(1), bytes, "{rule} {mode}");
+    s
+}
