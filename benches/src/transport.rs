@@ -120,7 +120,7 @@ async fn gaps_case(certs: &ClusterCerts, shards: u32, n: u64, quick: bool, min_t
         let cfg = ServiceConfig {
             coordinator: servers.first().map(|s0| s0.advertise.clone()),
             join_timeout: Duration::from_secs(10),
-            ..ServiceConfig::new("127.0.0.1:0".parse()?, certs.server_material()?, core)
+            ..ServiceConfig::new("127.0.0.1:0".parse()?, certs.shard_material(core.shard)?, core)
         };
         servers.push(service::start(cfg).await?);
     }
@@ -155,7 +155,7 @@ async fn bulk_baseline(
     min_time: Duration,
 ) -> Result<f64> {
     let transport = Arc::new(transport);
-    let server_tls = certs.server_material()?;
+    let server_tls = certs.shard_material(0)?;
     let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(server_tls.server_config()?)?;
     let mut server_config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
     server_config.transport_config(transport.clone());

@@ -455,7 +455,8 @@ pub async fn run_with(args: &LocalArgs, exe: &Path) -> Result<LocalReport> {
 }
 
 async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, deadline: Instant) -> Result<LocalReport> {
-    let certs = ClusterCerts::generate(&[]).context("making throwaway certificates")?;
+    let opts = gaps_transport::tls::CertOptions { shards: args.servers, ..Default::default() };
+    let certs = ClusterCerts::make(&opts, None).context("making throwaway certificates")?;
     certs.write_to(dir)?;
     // The shards serve the built-in model through the same layout file a user would write.
     let size = ModelSize { dim: args.dim, embedding_dim: args.embedding_dim, hidden: args.hidden };
@@ -475,8 +476,8 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             format!("--num-shards={}", args.servers),
             format!("--listen={listen}"),
             format!("--ca={}", path("ca.pem")),
-            format!("--cert={}", path("server.pem")),
-            format!("--key={}", path("server.key")),
+            format!("--cert={}", path(&format!("shard-{shard}.pem"))),
+            format!("--key={}", path(&format!("shard-{shard}.key"))),
             format!("--layout={}", path("layout.toml")),
             format!("--rule={}", args.rule()),
             format!("--lr={}", args.lr()),

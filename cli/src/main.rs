@@ -60,13 +60,29 @@ enum SimSub {
 
 #[derive(Debug, clap::Args)]
 struct CertsArgs {
-    /// Folder to write ca.pem, ca.key, server.pem, server.key, worker.pem and worker.key into.
+    /// Folder to write the certificates into: ca.pem/ca.key, shard-<i>.pem/.key, <worker>.pem/.key. When it
+    /// already holds ca.pem and ca.key, that CA issues the new certificates (to add shards or workers).
     #[arg(long, env = "GAPS_CERTS_OUT", default_value = "gaps-certs")]
     out: PathBuf,
-    /// Extra DNS names or IP addresses for the server certificate (repeatable). Every server certificate
+    /// The cluster's name, written into every certificate: clusters that share a CA cannot talk.
+    #[arg(long, env = "GAPS_CLUSTER_NAME", default_value = gaps_transport::tls::DEFAULT_CLUSTER)]
+    cluster_name: String,
+    /// Shard certificates to issue (shard-0 … shard-<N-1>); each lets its holder be only that shard.
+    #[arg(long, env = "GAPS_CERTS_SHARDS", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    shards: u32,
+    /// Worker certificates to issue, by name (repeatable; `worker` by default).
+    #[arg(long = "worker", env = "GAPS_CERTS_WORKERS", value_delimiter = ',', default_value = "worker")]
+    workers: Vec<String>,
+    /// Extra DNS names or IP addresses for the shard certificates (repeatable). Every shard certificate
     /// already carries `gaps-server`, `localhost` and `127.0.0.1`.
     #[arg(long = "san", env = "GAPS_CERTS_SAN", value_delimiter = ',')]
     sans: Vec<String>,
+    /// How long the shard and worker certificates are valid.
+    #[arg(long, env = "GAPS_CERTS_VALIDITY", default_value = "365d", value_parser = gaps_common::config::parse_duration)]
+    validity: std::time::Duration,
+    /// How long a new CA is valid.
+    #[arg(long, env = "GAPS_CERTS_CA_VALIDITY", default_value = "3650d", value_parser = gaps_common::config::parse_duration)]
+    ca_validity: std::time::Duration,
 }
 
 #[derive(Debug, clap::Args)]
@@ -263,9 +279,30 @@ async fn main() -> Result<()> {
             print!("{}", gaps_common::layout_file::write(&layout, format));
         }
         Command::Certs(args) => {
-            let certs = gaps_transport::tls::ClusterCerts::generate(&args.sans).context("making certificates")?;
+            use gaps_transport::tls::{CertOptions, CertificateAuthority, ClusterCerts, PemPair};
+            let opts = CertOptions {
+                cluster: args.cluster_name.clone(),
+                shards: args.shards,
+                workers: args.workers.clone(),
+                sans: args.sans.clone(),
+                validity: args.validity,
+                ca_validity: args.ca_validity,
+            };
+            let (ca_pem, ca_key) = (args.out.join("ca.pem"), args.out.join("ca.key"));
+            let ca = if ca_pem.exists() && ca_key.exists() {
+                let read = |p: &std::path::Path| {
+                    std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))
+                };
+                let pem = PemPair { cert: read(&ca_pem)?, key: read(&ca_key)? };
+                eprintln!("issuing under the existing CA in {}", args.out.display());
+                Some(CertificateAuthority::load(pem).context("loading the existing CA (ca.pem, ca.key)")?)
+            } else {
+                None
+            };
+            let certs = ClusterCerts::make(&opts, ca.as_ref()).context("making certificates")?;
             certs.write_to(&args.out)?;
-            println!("wrote ca.pem, ca.key, server.pem, server.key, worker.pem, worker.key to {}", args.out.display());
+            let names: Vec<String> = certs.file_names().into_iter().flat_map(|(c, k)| [c, k]).collect();
+            println!("wrote {} to {} (cluster {:?})", names.join(", "), args.out.display(), certs.cluster);
         }
         Command::Bench(BenchCommand::Checkpoint { params, dir }) => {
             let temporary = dir.is_none();

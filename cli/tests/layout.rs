@@ -57,8 +57,8 @@ fn start_shard(dir: &Path, layout: &Path, index: u32, shards: u32, coordinator: 
         .arg(format!("--num-shards={shards}"))
         .arg(format!("--layout={}", layout.display()))
         .arg(format!("--ca={}", path("ca.pem")))
-        .arg(format!("--cert={}", path("server.pem")))
-        .arg(format!("--key={}", path("server.key")))
+        .arg(format!("--cert={}", path(&format!("shard-{index}.pem"))))
+        .arg(format!("--key={}", path(&format!("shard-{index}.key"))))
         .env("GAPS_LOG", "warn")
         .stdout(Stdio::piped())
         .stderr(Stdio::null());
@@ -179,8 +179,8 @@ fn bad_layout_files_stop_the_server_with_the_reason() {
             .args(["server", "--listen", "127.0.0.1:0"])
             .arg(format!("--layout={}", layout.display()))
             .arg(format!("--ca={}", path("ca.pem")))
-            .arg(format!("--cert={}", path("server.pem")))
-            .arg(format!("--key={}", path("server.key")))
+            .arg(format!("--cert={}", path("shard-0.pem")))
+            .arg(format!("--key={}", path("shard-0.key")))
             .env("RUST_BACKTRACE", "0")
             .output()
             .expect("run gaps server");

@@ -49,7 +49,7 @@ fn gaps_certs_writes_a_loadable_cluster_ca_and_certificates() {
         .expect("run gaps certs");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let tls =
-        gaps_transport::tls::TlsMaterial::load(&dir.join("ca.pem"), &dir.join("server.pem"), &dir.join("server.key"))
+        gaps_transport::tls::TlsMaterial::load(&dir.join("ca.pem"), &dir.join("shard-0.pem"), &dir.join("shard-0.key"))
             .expect("load server material");
     tls.server_config().expect("server config");
     #[cfg(unix)]

@@ -17,7 +17,7 @@ use crate::layout::{ChunkId, Layout};
 use bincode::{Decode, Encode};
 
 /// Protocol version carried by registrations; a peer with another version is refused.
-pub const PROTOCOL_VERSION: u16 = 3;
+pub const PROTOCOL_VERSION: u16 = 4;
 /// Bytes before the header: the kind byte and the header length.
 pub const FRAME_PREFIX_LEN: usize = 5;
 /// Hard upper bound on an encoded header (also the bincode decode limit).
@@ -123,6 +123,8 @@ pub enum ErrorCode {
     ReadAhead,
     /// A checkpoint was asked for at a synchronous step this shard has already passed.
     TooLate,
+    /// The peer's certificate or credential does not allow this request.
+    Unauthorized,
 }
 
 /// The role a registering client asks for.
@@ -255,6 +257,10 @@ pub struct ClusterMap {
     pub layout: Layout,
     /// A worker that sends no heartbeat for this long is considered gone (milliseconds).
     pub lease_ms: u32,
+    /// The registering worker's credential ([`Authenticate`] it on every other shard); None for observers.
+    pub token: Option<Token>,
+    /// The cluster's credential key, given only to a joining shard (so it can check workers' tokens).
+    pub auth_key: Option<Token>,
     /// The update rule the shards apply.
     pub rule: RuleInfo,
 }
@@ -467,6 +473,28 @@ pub struct CheckpointDone {
     pub shards: Vec<ShardCheckpoint>,
 }
 
+/// A worker's credential: an HMAC over the cluster epoch, its id and its certificate's identity, made by
+/// the coordinator at registration. Only the registrant (holding that certificate) can use it.
+pub type Token = [u8; 32];
+
+/// Binds the connection it arrives on to a worker: pushes, heartbeats and leaves on a connection are
+/// accepted only for the worker it was authenticated as (the connection a worker registered on is bound
+/// already).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Encode, Decode)]
+pub struct Authenticate {
+    /// The worker id.
+    pub worker: u32,
+    /// Its credential from the coordinator's [`ClusterMap`].
+    pub token: Token,
+}
+
+/// The connection is now bound to the worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Encode, Decode)]
+pub struct Authenticated {
+    /// The worker id.
+    pub worker: u32,
+}
+
 /// Every message of the protocol. The kind byte on the wire is [`Message::kind`].
 #[derive(Debug, Clone, PartialEq)]
 pub enum Message {
@@ -506,6 +534,10 @@ pub enum Message {
     CheckpointRequest(CheckpointRequest),
     /// Kind 18.
     CheckpointDone(CheckpointDone),
+    /// Kind 19.
+    Authenticate(Authenticate),
+    /// Kind 20.
+    Authenticated(Authenticated),
 }
 
 /// Defines `kind()`, header encoding and kind-directed decoding for every variant in one place.
@@ -544,6 +576,7 @@ message_kinds! {
     1 => Register, 2 => RegisterShard, 3 => ClusterMap, 4 => Pull, 5 => PullReply, 6 => Push, 7 => Ack,
     8 => Error, 9 => Heartbeat, 10 => HeartbeatAck, 11 => StatsRequest, 12 => Stats, 13 => Leave,
     14 => SparsePull, 15 => SparsePullReply, 16 => SparsePush, 17 => CheckpointRequest, 18 => CheckpointDone,
+    19 => Authenticate, 20 => Authenticated,
 }
 
 fn config() -> impl bincode::config::Config {
@@ -742,6 +775,8 @@ mod tests {
                 shards: vec![ShardAddr { index: 0, addr: "127.0.0.1:1".into() }],
                 layout,
                 lease_ms: 5000,
+                token: Some([7; 32]),
+                auth_key: None,
                 rule: RuleInfo {
                     name: "gap-aware".into(),
                     momentum: 0.9,
@@ -781,6 +816,8 @@ mod tests {
                 shards: vec![ShardCheckpoint { shard: 1, path: "/ckpt/shard-1/x.bin".into(), step: 4 }],
             })),
             Frame::new(Message::Stats(Stats { shard: 1, pushes_applied: 10, staleness_max: 7, ..Stats::default() })),
+            Frame::new(Message::Authenticate(Authenticate { worker: 3, token: [9; 32] })),
+            Frame::new(Message::Authenticated(Authenticated { worker: 3 })),
             Frame::new(Message::Leave(Leave { worker: 3 })),
             Frame {
                 msg: Message::SparsePull(SparsePull { epoch: 9, table: 1, count: 2, create: true }),
@@ -813,7 +850,7 @@ mod tests {
     fn every_message_round_trips() {
         let frames = samples();
         let kinds: std::collections::BTreeSet<u8> = frames.iter().map(|f| f.msg.kind()).collect();
-        assert_eq!(kinds.len(), 18, "one sample per kind");
+        assert_eq!(kinds.len(), 20, "one sample per kind");
         for f in frames {
             let bytes = encode_frame(&f).expect("encode");
             let back = decode_frame(&bytes, &Limits::default()).expect("decode");

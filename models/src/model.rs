@@ -79,7 +79,7 @@ impl ModelKind {
             ModelKind::Logreg => match layout.tensors.as_slice() {
                 [w, b] if w.name == "logreg.w" && b.name == "logreg.b" && b.len == 1 => Ok(w.len),
                 _ => Err(format!(
-                    "the cluster serves tensors [{}], not a logreg model",
+                    "this worker trains --model logreg, but the cluster serves tensors [{}]: start the worker with the model the shards' layout file describes",
                     layout.tensors.iter().map(|t| t.name.as_str()).collect::<Vec<_>>().join(", ")
                 )),
             },

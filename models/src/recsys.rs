@@ -24,6 +24,17 @@ pub enum CtrModel {
     Dlrm,
 }
 
+impl CtrModel {
+    /// The name `--model` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            CtrModel::Lr => "lr",
+            CtrModel::Fm => "fm",
+            CtrModel::Dlrm => "dlrm",
+        }
+    }
+}
+
 /// Sizes of a CTR model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CtrShape {
@@ -74,7 +85,20 @@ impl CtrShape {
 
     /// Recovers the shape from a cluster's layout (checking the names), or says what the cluster serves.
     pub fn from_layout(model: CtrModel, layout: &Layout) -> Result<CtrShape, String> {
-        let table = layout.tables.first().ok_or("the cluster serves no sparse table")?;
+        let served = || {
+            format!(
+                "tensors [{}] and tables [{}]",
+                layout.tensors.iter().map(|t| t.name.as_str()).collect::<Vec<_>>().join(", "),
+                layout.tables.iter().map(|t| t.name.as_str()).collect::<Vec<_>>().join(", ")
+            )
+        };
+        let Some(table) = layout.tables.first() else {
+            return Err(format!(
+                "this worker trains --model {} (an embedding table and a dense network), but the cluster serves {}: start the worker with the model the shards' layout file describes",
+                model.name(),
+                served()
+            ));
+        };
         let shape = match model {
             CtrModel::Lr => CtrShape { model, embedding_dim: 1, hidden: 0 },
             CtrModel::Fm => CtrShape { model, embedding_dim: table.dim.saturating_sub(1), hidden: 0 },
@@ -85,9 +109,9 @@ impl CtrShape {
         match shape.layout(layout.chunk_elems) {
             Ok(expected) if expected == *layout => Ok(shape),
             _ => Err(format!(
-                "the cluster serves tensors [{}] and tables [{}], not this {model:?} model",
-                layout.tensors.iter().map(|t| t.name.as_str()).collect::<Vec<_>>().join(", "),
-                layout.tables.iter().map(|t| t.name.as_str()).collect::<Vec<_>>().join(", ")
+                "this worker trains --model {}, but the cluster serves {}: start the worker with the model the shards' layout file describes",
+                model.name(),
+                served()
             )),
         }
     }

@@ -56,6 +56,11 @@ impl CheckpointStore {
         Ok(CheckpointStore { dir, keep: keep.max(1) })
     }
 
+    /// The shard's checkpoint directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
     fn paths(&self, id: u64) -> (PathBuf, PathBuf) {
         (self.dir.join(format!("ckpt-{id:020}.bin")), self.dir.join(format!("ckpt-{id:020}.json")))
     }

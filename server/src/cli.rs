@@ -85,6 +85,9 @@ pub struct ServerArgs {
     /// Connections served at once at most; more are refused (and counted).
     #[arg(long, env = "GAPS_MAX_CONNECTIONS", default_value_t = crate::service::DEFAULT_MAX_CONNECTIONS as u32, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_connections: u32,
+    /// Connections from one IP address served at once at most.
+    #[arg(long, env = "GAPS_MAX_CONNECTIONS_PER_IP", default_value_t = crate::service::DEFAULT_MAX_CONNECTIONS_PER_IP, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_connections_per_ip: u32,
     /// How long a request's header, and then its payload, may take to arrive; a slower or stalled sender is
     /// cut off (and counted).
     #[arg(long, env = "GAPS_REQUEST_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
@@ -286,6 +289,7 @@ impl ServerArgs {
             queue_depth: self.queue_depth as usize,
             inflight_bytes: self.inflight_memory,
             max_connections: self.max_connections as usize,
+            max_connections_per_ip: self.max_connections_per_ip,
             request_timeout: self.request_timeout,
             checkpoint: self.checkpoint_dir.as_ref().map(|dir| crate::service::CheckpointConfig {
                 dir: dir.clone(),
@@ -347,7 +351,30 @@ pub async fn run(args: &ServerArgs) -> Result<()> {
         "{}",
         serde_json::json!({"event": "listening", "shard": args.shard_index, "addr": server.advertise, "metrics_addr": metrics_addr, "restored_version": restored_version})
     );
-    shutdown_signal().await;
+    // SIGHUP reloads the CA, certificate and key from their files: new connections use them, open ones
+    // keep theirs (certificate rotation without a restart).
+    let reload = async {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            if let Ok(mut hup) = signal(SignalKind::hangup()) {
+                while hup.recv().await.is_some() {
+                    let loaded = TlsMaterial::load(&args.ca, &args.cert, &args.key)
+                        .map_err(anyhow::Error::from)
+                        .and_then(|tls| server.reload_tls(&tls));
+                    match loaded {
+                        Ok(()) => info!(cert = %args.cert.display(), "reloaded the TLS material"),
+                        Err(e) => tracing::warn!(error = format!("{e:#}"), "kept the old TLS material"),
+                    }
+                }
+            }
+        }
+        std::future::pending::<()>().await
+    };
+    tokio::select! {
+        _ = shutdown_signal() => {}
+        _ = reload => {}
+    }
     info!("shutting down");
     server.shutdown().await
 }

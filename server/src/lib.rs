@@ -2,6 +2,7 @@
 //!
 //! - [`service`]: the QUIC service: connections and streams feed the shard's actor thread through a
 //!   bounded queue; joins the coordinator; ticks leases.
+//! - [`auth`]: who may send what (certificate roles, worker credentials), and rate-limited refusal logs.
 //! - [`metrics`]: Prometheus export over a small hyper service.
 //! - [`cli`]: flags and the process entry point (bin `gaps-server`).
 //!
@@ -9,6 +10,7 @@
 //! (`cargo tree -p gaps-server -e normal` shows no `gaps-worker` or `gaps-models`; enforced by
 //! `cli/tests/architecture.rs`). A shard's layout comes from a layout file.
 
+pub mod auth;
 pub mod checkpoint;
 pub mod cli;
 pub mod metrics;

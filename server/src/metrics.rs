@@ -58,8 +58,10 @@ pub struct ShardMetrics {
     pub lr_multiplier: Gauge,
     /// Requests cut off because their header or payload did not arrive within the request timeout.
     pub requests_timed_out: Counter,
-    /// Connections refused because the shard already served its maximum.
+    /// Connections refused because the shard already served its maximum (or the peer address its share).
     pub connections_refused: Counter,
+    /// Requests and connections refused because the certificate or credential does not allow them.
+    pub unauthorized: Counter,
 }
 
 impl ShardMetrics {
@@ -100,7 +102,8 @@ impl ShardMetrics {
             dropped_stale: metrics::counter!("gaps_dropped_stale_total", "shard" => shard.clone()),
             lr_multiplier: metrics::gauge!("gaps_lr_multiplier", "shard" => shard.clone()),
             requests_timed_out: metrics::counter!("gaps_requests_timed_out_total", "shard" => shard.clone()),
-            connections_refused: metrics::counter!("gaps_connections_refused_total", "shard" => shard),
+            connections_refused: metrics::counter!("gaps_connections_refused_total", "shard" => shard.clone()),
+            unauthorized: metrics::counter!("gaps_unauthorized_total", "shard" => shard),
         }
     }
 }
@@ -126,6 +129,10 @@ pub fn install_recorder() -> anyhow::Result<PrometheusHandle> {
     metrics::describe_counter!(
         "gaps_connections_refused_total",
         "Connections refused because the shard already served its maximum."
+    );
+    metrics::describe_counter!(
+        "gaps_unauthorized_total",
+        "Requests and connections refused because the peer's certificate or credential does not allow them."
     );
     metrics::describe_counter!("gaps_bytes_in_total", "Frame bytes received.");
     metrics::describe_counter!("gaps_bytes_out_total", "Frame bytes sent.");

@@ -10,14 +10,18 @@
 //!
 //! Architecture invariant: the service holds no training state of its own; everything lives in the core.
 
+use crate::auth::{Credentials, LogLimiter};
 use crate::checkpoint::CheckpointStore;
 use crate::metrics::ShardMetrics;
 use anyhow::{anyhow, bail, Context, Result};
+use dashmap::DashMap;
+use gaps_common::wire::Role as WireRole;
 use gaps_common::wire::{
     CheckpointAt, CheckpointDone, CheckpointRequest, ErrorCode, Frame, Limits, Message, ShardCheckpoint, Stats,
     WireError,
 };
 use gaps_shard::{CoreEvent, Readiness, ShardConfig, ShardCore};
+use gaps_transport::identity::{PeerIdentity, Role};
 use gaps_transport::net::{self, RpcError};
 use gaps_transport::tls::TlsMaterial;
 use std::net::SocketAddr;
@@ -55,6 +59,8 @@ pub struct ServiceConfig {
     pub inflight_bytes: u64,
     /// Connections served at once at most; more are refused.
     pub max_connections: usize,
+    /// Connections from one IP address at most (so one host cannot take every connection slot).
+    pub max_connections_per_ip: u32,
     /// How long a request's header, and then its payload, may take to arrive; a slower or stalled sender
     /// is cut off.
     pub request_timeout: Duration,
@@ -80,6 +86,7 @@ impl ServiceConfig {
             queue_depth: DEFAULT_QUEUE_DEPTH,
             inflight_bytes: DEFAULT_INFLIGHT_BYTES,
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            max_connections_per_ip: DEFAULT_MAX_CONNECTIONS_PER_IP,
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
             checkpoint: None,
             restore: Restore::Never,
@@ -127,6 +134,8 @@ pub const DEFAULT_QUEUE_DEPTH: usize = 256;
 pub const DEFAULT_INFLIGHT_BYTES: u64 = 512 << 20;
 /// Default of [`ServiceConfig::max_connections`].
 pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
+/// Default of [`ServiceConfig::max_connections_per_ip`].
+pub const DEFAULT_MAX_CONNECTIONS_PER_IP: u32 = 512;
 /// Default of [`ServiceConfig::request_timeout`].
 pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 /// The in-flight budget is counted in units of this many bytes (the semaphore counts permits in u32).
@@ -135,7 +144,7 @@ const BUDGET_UNIT: u64 = 1024;
 /// What the QUIC tasks ask of the core's thread.
 enum Command {
     /// Handle one request frame.
-    Handle { frame: Frame, reply: oneshot::Sender<(Frame, Vec<CoreEvent>)> },
+    Handle { frame: Box<Frame>, reply: oneshot::Sender<(Frame, Vec<CoreEvent>)> },
     /// Expire leases and idle rows; report the counters.
     Tick { reply: oneshot::Sender<(Vec<CoreEvent>, Stats)> },
     /// Read the core (tests, reports).
@@ -190,7 +199,7 @@ fn run_actor(mut core: ShardCore, mut queue: mpsc::Receiver<Command>, started: I
     while let Some(command) = queue.blocking_recv() {
         match command {
             Command::Handle { frame, reply } => {
-                let _ = reply.send(core.handle(frame, started.elapsed()));
+                let _ = reply.send(core.handle(*frame, started.elapsed()));
             }
             Command::Tick { reply } => {
                 let events = core.tick(started.elapsed());
@@ -236,6 +245,24 @@ struct Shared {
     /// The shard's endpoint, also used to reach the other shards (the coordinator's cluster checkpoints).
     endpoint: quinn::Endpoint,
     started: Instant,
+    /// The client configuration after a certificate rotation (None: the endpoint's own), for connections to
+    /// other shards.
+    rotated: std::sync::Mutex<Option<quinn::ClientConfig>>,
+    /// This shard's own identity (its cluster is the only one it serves).
+    own: PeerIdentity,
+    /// Makes and checks workers' credentials.
+    credentials: Credentials,
+    /// Connection (quinn's stable id) → the worker it is authenticated as.
+    bindings: DashMap<usize, u32>,
+    /// Connections open per peer IP address, and the most allowed.
+    per_ip: DashMap<std::net::IpAddr, u32>,
+    max_per_ip: u32,
+    /// Requests and connections refused for authorization.
+    unauthorized: AtomicU64,
+    /// Rate limits of the warnings for refused requests, malformed requests and refused connections.
+    log_unauthorized: LogLimiter,
+    log_malformed: LogLimiter,
+    log_connections: LogLimiter,
     /// The model's chunk size and widest table, to bound a pull's reply before it is made.
     chunk_elems: u64,
     widest_table: u64,
@@ -315,6 +342,27 @@ impl RunningServer {
         self.shared.refused.load(Ordering::Relaxed)
     }
 
+    /// Replaces the TLS material (certificate rotation): new connections, in and out, use `tls`; open ones
+    /// keep theirs. The new certificate must name the same shard of the same cluster.
+    pub fn reload_tls(&self, tls: &TlsMaterial) -> Result<()> {
+        let id = tls.own_identity().context("reading the new certificate")?;
+        if id != self.shared.own {
+            bail!("the new certificate is {id}, this shard is {}", self.shared.own);
+        }
+        if *self.shutdown.borrow() {
+            bail!("the shard is shutting down");
+        }
+        self.shared.endpoint.set_server_config(Some(net::server_config(tls)?));
+        let client = net::client_config(tls)?;
+        *self.shared.rotated.lock().map_err(|_| anyhow!("the TLS lock is poisoned"))? = Some(client);
+        Ok(())
+    }
+
+    /// Requests and connections refused because the certificate or credential did not allow them.
+    pub fn unauthorized(&self) -> u64 {
+        self.shared.unauthorized.load(Ordering::Relaxed)
+    }
+
     /// The most bytes of request payloads and expected replies that in-flight RPCs held at once.
     pub fn peak_inflight_bytes(&self) -> u64 {
         self.shared.peak_held_bytes.load(Ordering::Relaxed)
@@ -351,6 +399,14 @@ fn wire_error_code(e: &WireError) -> ErrorCode {
 
 /// Binds, joins the cluster (shards ≥ 1) and starts serving.
 pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
+    let own = cfg.tls.own_identity().context("reading this shard's certificate")?;
+    if own.role != Role::Shard(cfg.core.shard) {
+        bail!(
+            "this is shard {} but its certificate is {own}: pass the shard-{}.pem made by `gaps certs`",
+            cfg.core.shard,
+            cfg.core.shard
+        );
+    }
     let endpoint = net::server_endpoint(cfg.listen, &cfg.tls)?;
     let addr = endpoint.local_addr().context("reading the bound address")?;
     let advertise = match &cfg.advertise {
@@ -391,11 +447,18 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
         }
         None => {}
     }
-    if shard != 0 {
+    let auth_key = if shard != 0 {
         let coordinator =
             cfg.coordinator.clone().context("shards other than 0 need --coordinator (shard 0's address)")?;
-        join_coordinator(&endpoint, &coordinator, &mut core, cfg.join_timeout).await?;
-    }
+        join_coordinator(&endpoint, &coordinator, &own.cluster, &mut core, cfg.join_timeout).await?
+    } else {
+        // The coordinator's key outlives a restart with its checkpoints (the tokens it gave stay valid).
+        match &store {
+            Some(store) => crate::auth::load_or_create_key(store.dir())?,
+            None => crate::auth::random_key()?,
+        }
+    };
+    let credentials = Credentials::new(auth_key, core.epoch());
     // A push can never carry more than this shard owns (twice that with the read echo); refuse bigger frames
     // before allocating them.
     let owned_bytes = core.owned_elems() as u64 * 4;
@@ -428,6 +491,16 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
         refused: AtomicU64::new(0),
         endpoint: endpoint.clone(),
         started,
+        own,
+        rotated: std::sync::Mutex::new(None),
+        credentials,
+        bindings: DashMap::new(),
+        per_ip: DashMap::new(),
+        max_per_ip: cfg.max_connections_per_ip.max(1),
+        unauthorized: AtomicU64::new(0),
+        log_unauthorized: LogLimiter::new(Duration::from_secs(1)),
+        log_malformed: LogLimiter::new(Duration::from_secs(1)),
+        log_connections: LogLimiter::new(Duration::from_secs(1)),
         last_checkpoint_ms: AtomicU64::new(0),
         stopping: tokio::sync::Notify::new(),
         next_checkpoint: AtomicU64::new(match &store {
@@ -586,15 +659,18 @@ async fn take_checkpoint(shared: &Shared, id: Option<u64>, at: CheckpointAt) -> 
 /// Asks shard `index` at `addr` for checkpoint `id` at `at`.
 async fn peer_checkpoint(
     endpoint: quinn::Endpoint,
+    config: Option<quinn::ClientConfig>,
+    cluster: String,
     index: u32,
     addr: String,
     id: u64,
     at: CheckpointAt,
 ) -> Result<ShardCheckpoint, CheckpointFailure> {
     let fail = |e: RpcError| CheckpointFailure::Other(anyhow!("shard {index} at {addr}: {e}"));
-    let conn = net::connect(&endpoint, net::resolve(&addr).await.map_err(fail)?, Duration::from_secs(5))
+    let conn = net::connect_with(&endpoint, config, net::resolve(&addr).await.map_err(fail)?, Duration::from_secs(5))
         .await
         .map_err(fail)?;
+    net::expect_shard(&conn, &cluster, index).map_err(fail)?;
     let request = Message::CheckpointRequest(CheckpointRequest { id, at });
     let reply = net::call(&conn, &request, &[], &Limits::default(), CHECKPOINT_WAIT + Duration::from_secs(10)).await;
     conn.close(0u32.into(), b"checkpoint");
@@ -629,8 +705,9 @@ async fn cluster_checkpoint(shared: &Shared) -> Result<CheckpointDone> {
         let id = next_id(shared);
         let mut tasks = tokio::task::JoinSet::new();
         for (index, addr) in peers.iter().cloned() {
-            let endpoint = shared.endpoint.clone();
-            tasks.spawn(async move { (index, peer_checkpoint(endpoint, index, addr, id, at).await) });
+            let (endpoint, cluster) = (shared.endpoint.clone(), shared.own.cluster.clone());
+            let config = shared.rotated.lock().ok().and_then(|c| c.clone());
+            tasks.spawn(async move { (index, peer_checkpoint(endpoint, config, cluster, index, addr, id, at).await) });
         }
         let own = take_checkpoint(shared, Some(id), at).await.map(|w| ShardCheckpoint {
             shard: shared.shard,
@@ -667,12 +744,14 @@ async fn cluster_checkpoint(shared: &Shared) -> Result<CheckpointDone> {
     bail!("no step could be agreed on for a cluster checkpoint: shards kept passing it")
 }
 
+/// Joins the coordinator; returns the cluster's credential key it hands to shards.
 async fn join_coordinator(
     endpoint: &quinn::Endpoint,
     coordinator: &str,
+    cluster: &str,
     core: &mut ShardCore,
     timeout: Duration,
-) -> Result<()> {
+) -> Result<gaps_common::wire::Token> {
     let started = Instant::now();
     let request = core.join_request();
     let limits = Limits::default();
@@ -680,6 +759,7 @@ async fn join_coordinator(
         let attempt = async {
             let addr = net::resolve(coordinator).await?;
             let conn = net::connect(endpoint, addr, Duration::from_secs(5)).await?;
+            net::expect_shard(&conn, cluster, 0)?;
             let reply = net::call(&conn, &request, &[], &limits, Duration::from_secs(10)).await;
             conn.close(0u32.into(), b"joined");
             reply
@@ -687,11 +767,14 @@ async fn join_coordinator(
         let last = match attempt.await {
             Ok(Frame { msg: Message::ClusterMap(map), .. }) => {
                 core.joined(&map).map_err(|e| anyhow!("joining the coordinator at {coordinator}: {e}"))?;
+                let key = map.auth_key.context("the coordinator sent no credential key")?;
                 info!(shard = core.config().shard, epoch = map.epoch, "joined the coordinator");
-                return Ok(());
+                return Ok(key);
             }
             Ok(other) => bail!("the coordinator at {coordinator} answered with {}", net::kind_name(&other.msg)),
-            Err(e @ RpcError::Remote { .. }) => bail!("the coordinator refused this shard: {e}"),
+            Err(e @ (RpcError::Remote { .. } | RpcError::Identity { .. })) => {
+                bail!("the coordinator refused this shard: {e}")
+            }
             Err(e) => e.to_string(),
         };
         if started.elapsed() >= timeout {
@@ -733,6 +816,16 @@ async fn serve(endpoint: quinn::Endpoint, shared: Arc<Shared>, mut shutdown: wat
                     incoming.refuse();
                     continue;
                 };
+                let ip = incoming.remote_address().ip();
+                let Some(ip_slot) = IpSlot::take(&shared, ip) else {
+                    shared.refused.fetch_add(1, Ordering::Relaxed);
+                    shared.metrics.connections_refused.increment(1);
+                    if let Some(suppressed) = shared.log_connections.allow() {
+                        warn!(%ip, suppressed, "refused a connection: this address holds its maximum");
+                    }
+                    incoming.refuse();
+                    continue;
+                };
                 let shared = shared.clone();
                 let inflight = inflight.clone();
                 let shutdown = shutdown.clone();
@@ -741,11 +834,30 @@ async fn serve(endpoint: quinn::Endpoint, shared: Arc<Shared>, mut shutdown: wat
                         Ok(c) => c,
                         Err(e) => {
                             // A client without a certificate from the cluster CA ends here.
-                            warn!(error = %e, "refused a connection");
+                            if let Some(suppressed) = shared.log_connections.allow() {
+                                warn!(%ip, suppressed, error = net::describe_connection_error(&e), "refused a connection");
+                            }
                             return;
                         }
                     };
-                    serve_connection(conn, shared, inflight, shutdown).await;
+                    match net::peer_identity(&conn) {
+                        Ok(id) if id.cluster == shared.own.cluster => {
+                            serve_connection(conn, id, shared.clone(), inflight, shutdown).await
+                        }
+                        other => {
+                            let reason = match other {
+                                Ok(id) => format!("the certificate {id} is of another cluster than {:?}", shared.own.cluster),
+                                Err(e) => e,
+                            };
+                            shared.unauthorized.fetch_add(1, Ordering::Relaxed);
+                            shared.metrics.unauthorized.increment(1);
+                            if let Some(suppressed) = shared.log_connections.allow() {
+                                warn!(%ip, suppressed, %reason, "refused a connection");
+                            }
+                            conn.close(3u32.into(), format!("refused by shard {}: {reason}", shared.shard).as_bytes());
+                        }
+                    }
+                    drop(ip_slot);
                     drop(slot);
                 });
             }
@@ -762,14 +874,49 @@ async fn serve(endpoint: quinn::Endpoint, shared: Arc<Shared>, mut shutdown: wat
     info!(shard = shared.shard, "stopped");
 }
 
+/// Counts one connection against its IP address's share while it lives.
+struct IpSlot {
+    shared: Arc<Shared>,
+    ip: std::net::IpAddr,
+}
+
+impl IpSlot {
+    fn take(shared: &Arc<Shared>, ip: std::net::IpAddr) -> Option<IpSlot> {
+        let mut count = shared.per_ip.entry(ip).or_insert(0);
+        if *count >= shared.max_per_ip {
+            return None;
+        }
+        *count += 1;
+        Some(IpSlot { shared: shared.clone(), ip })
+    }
+}
+
+impl Drop for IpSlot {
+    fn drop(&mut self) {
+        self.shared.per_ip.remove_if_mut(&self.ip, |_, count| {
+            *count -= 1;
+            *count == 0
+        });
+    }
+}
+
+/// One connection's peer: its identity and quinn's id of the connection (the key of its binding).
+struct ConnPeer {
+    identity: PeerIdentity,
+    conn_id: usize,
+}
+
 async fn serve_connection(
     conn: quinn::Connection,
+    identity: PeerIdentity,
     shared: Arc<Shared>,
     inflight: Arc<()>,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let peer = conn.remote_address();
-    debug!(%peer, "connection");
+    let conn_peer = Arc::new(ConnPeer { identity, conn_id: conn.stable_id() });
+    debug!(%peer, identity = %conn_peer.identity, "connection");
+    let _unbind = Unbind { shared: shared.clone(), conn_id: conn_peer.conn_id };
     loop {
         let stream = tokio::select! {
             _ = shutdown.changed() => return,
@@ -779,8 +926,9 @@ async fn serve_connection(
             Ok((send, recv)) => {
                 let shared = shared.clone();
                 let token = inflight.clone();
+                let conn_peer = conn_peer.clone();
                 tokio::spawn(async move {
-                    serve_stream(&shared, send, recv).await;
+                    serve_stream(&shared, &conn_peer, send, recv).await;
                     drop(token);
                 });
             }
@@ -792,7 +940,19 @@ async fn serve_connection(
     }
 }
 
-async fn serve_stream(shared: &Shared, mut send: quinn::SendStream, mut recv: quinn::RecvStream) {
+/// Forgets a connection's worker binding when the connection ends.
+struct Unbind {
+    shared: Arc<Shared>,
+    conn_id: usize,
+}
+
+impl Drop for Unbind {
+    fn drop(&mut self) {
+        self.shared.bindings.remove(&self.conn_id);
+    }
+}
+
+async fn serve_stream(shared: &Shared, peer: &ConnPeer, mut send: quinn::SendStream, mut recv: quinn::RecvStream) {
     let started = Instant::now();
     let header = match tokio::time::timeout(shared.request_timeout, net::read_header(&mut recv, &shared.limits)).await {
         Err(_) => return cut_off(shared, &mut send, &mut recv, "header"),
@@ -809,7 +969,7 @@ async fn serve_stream(shared: &Shared, mut send: quinn::SendStream, mut recv: qu
     let units = bytes.div_ceil(BUDGET_UNIT).clamp(1, u64::from(shared.budget_units)) as u32;
     let Ok(_permit) = shared.budget.acquire_many(units).await else { return };
     let mut held = Held { shared, bytes: 0 };
-    serve_request(&mut held, &mut send, &mut recv, header, started).await;
+    serve_request(&mut held, peer, &mut send, &mut recv, header, started).await;
 }
 
 /// Ends a stream whose sender is too slow or stalled: resets both directions and counts it.
@@ -843,6 +1003,7 @@ impl Drop for Held<'_> {
 
 async fn serve_request(
     held: &mut Held<'_>,
+    peer: &ConnPeer,
     send: &mut quinn::SendStream,
     recv: &mut quinn::RecvStream,
     header: Result<Message, WireError>,
@@ -872,7 +1033,9 @@ async fn serve_request(
             return;
         }
         Err(e) => {
-            warn!(error = %e, "refused a malformed request");
+            if let Some(suppressed) = shared.log_malformed.allow() {
+                warn!(error = %e, identity = %peer.identity, suppressed, "refused a malformed request");
+            }
             (Frame::new(Message::error(wire_error_code(&e), e.to_string())), &shared.metrics.rpc_other_seconds)
         }
         Ok(frame) => {
@@ -883,14 +1046,33 @@ async fn serve_request(
                 RpcKind::Pull => &shared.metrics.rpc_pull_seconds,
                 RpcKind::Other => &shared.metrics.rpc_other_seconds,
             };
-            let handled = if let Message::CheckpointRequest(req) = frame.msg {
+            let bound = shared.bindings.get(&peer.conn_id).map(|w| *w);
+            let handled = if let Err(reason) = crate::auth::authorize(&frame.msg, &peer.identity, bound) {
+                Some((refuse_unauthorized(shared, peer, &reason), Vec::new()))
+            } else if let Message::Authenticate(a) = frame.msg {
+                Some((authenticate(shared, peer, a), Vec::new()))
+            } else if let Message::CheckpointRequest(req) = frame.msg {
                 Some((checkpoint_reply(shared, req).await, Vec::new()))
             } else {
+                let registers_worker = matches!(&frame.msg, Message::Register(r) if r.role == WireRole::Worker);
+                let registers_shard = matches!(frame.msg, Message::RegisterShard(_));
                 let (tx, rx) = oneshot::channel();
-                match shared.send(Command::Handle { frame, reply: tx }).await {
+                let reply = match shared.send(Command::Handle { frame: Box::new(frame), reply: tx }).await {
                     Ok(()) => rx.await.ok(),
                     Err(_) => None,
-                }
+                };
+                // Credentials go out with the map: a worker's token to its registrant, the key to a shard.
+                reply.map(|(mut reply, events)| {
+                    if let Message::ClusterMap(map) = &mut reply.msg {
+                        if let (true, Some(w)) = (registers_worker, map.worker_id) {
+                            map.token = Some(shared.credentials.token(w, &peer.identity));
+                        }
+                        if registers_shard {
+                            map.auth_key = Some(shared.credentials.raw());
+                        }
+                    }
+                    (reply, events)
+                })
             };
             let Some((reply, events)) = handled else {
                 let _ = send.reset(1u32.into());
@@ -908,6 +1090,33 @@ async fn serve_request(
     }
     let _ = send.finish();
     histogram.record(started.elapsed().as_secs_f64());
+}
+
+/// Refuses a request its peer may not send: counted, logged at a bounded rate, and answered with a reason
+/// that names the certificate and the request, nothing of the model.
+fn refuse_unauthorized(shared: &Shared, peer: &ConnPeer, reason: &str) -> Frame {
+    shared.unauthorized.fetch_add(1, Ordering::Relaxed);
+    shared.metrics.unauthorized.increment(1);
+    if let Some(suppressed) = shared.log_unauthorized.allow() {
+        warn!(identity = %peer.identity, %reason, suppressed, "refused an unauthorized request");
+    }
+    Frame::new(Message::error(ErrorCode::Unauthorized, format!("not authorized: {reason}")))
+}
+
+/// Binds the connection to a worker whose credential it presents.
+fn authenticate(shared: &Shared, peer: &ConnPeer, a: gaps_common::wire::Authenticate) -> Frame {
+    if !matches!(peer.identity.role, Role::Worker(_)) {
+        return refuse_unauthorized(shared, peer, "only worker certificates authenticate as workers");
+    }
+    if !shared.credentials.verify(a.worker, &peer.identity, &a.token) {
+        return refuse_unauthorized(
+            shared,
+            peer,
+            &format!("the credential is not worker {}'s for this certificate and cluster epoch", a.worker),
+        );
+    }
+    shared.bindings.insert(peer.conn_id, a.worker);
+    Frame::new(Message::Authenticated(gaps_common::wire::Authenticated { worker: a.worker }))
 }
 
 /// What a request counts as in the metrics: dense and sparse pushes are pushes, dense and sparse pulls are

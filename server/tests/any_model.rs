@@ -61,7 +61,11 @@ fn config(certs: &ClusterCerts, layout: Layout, shard: u32, shards: u32, coordin
         coordinator,
         join_timeout: Duration::from_secs(10),
         tick_interval: Duration::from_millis(100),
-        ..ServiceConfig::new("127.0.0.1:0".parse().expect("addr"), certs.server_material().expect("server tls"), core)
+        ..ServiceConfig::new(
+            "127.0.0.1:0".parse().expect("addr"),
+            certs.shard_material(core.shard).expect("server tls"),
+            core,
+        )
     }
 }
 

@@ -37,7 +37,7 @@ fn config(certs: &ClusterCerts, dir: &Path, every: Option<Duration>, restore: Re
     ServiceConfig {
         checkpoint: Some(CheckpointConfig { dir: dir.to_path_buf(), every, keep: 2 }),
         restore,
-        ..ServiceConfig::new("127.0.0.1:0".parse().expect("addr"), certs.server_material().expect("tls"), core)
+        ..ServiceConfig::new("127.0.0.1:0".parse().expect("addr"), certs.shard_material(core.shard).expect("tls"), core)
     }
 }
 

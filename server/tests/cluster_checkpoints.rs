@@ -45,7 +45,7 @@ async fn start_shard(
             keep: 100,
         }),
         restore: Restore::Never,
-        ..ServiceConfig::new("127.0.0.1:0".parse().expect("addr"), certs.server_material().expect("tls"), core)
+        ..ServiceConfig::new("127.0.0.1:0".parse().expect("addr"), certs.shard_material(core.shard).expect("tls"), core)
     };
     service::start(cfg).await.expect("start shard")
 }

@@ -27,7 +27,7 @@ async fn shard(certs: &ClusterCerts, max_connections: usize, request_timeout: Du
         sparse: gaps_shard::SparseSettings::default(),
         modes: gaps_shard::ModeConfig::default(),
     };
-    let tls = certs.server_material().expect("tls");
+    let tls = certs.shard_material(0).expect("tls");
     let cfg = ServiceConfig {
         max_connections,
         request_timeout,

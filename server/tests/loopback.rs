@@ -35,7 +35,7 @@ async fn start_shard_with(
         tick_interval: Duration::from_millis(100),
         ..ServiceConfig::new(
             "127.0.0.1:0".parse().expect("addr"),
-            certs.server_material().expect("server tls"),
+            certs.shard_material(shard).expect("server tls"),
             ShardConfig {
                 shard,
                 num_shards,
@@ -201,6 +201,10 @@ async fn malformed_frames_over_the_network_get_typed_errors_and_change_nothing()
     let endpoint = net::client_endpoint(&tls, servers[0].addr).expect("endpoint");
     let conn = net::connect(&endpoint, servers[0].addr, Duration::from_secs(3)).await.expect("connect");
     let worker = client.worker_id().expect("id");
+    // The raw connection acts for the worker with its credential (same certificate), as its client does.
+    let (_, token) = client.credential().expect("credential");
+    let auth = Message::Authenticate(gaps_common::wire::Authenticate { worker, token });
+    net::call(&conn, &auth, &[], &Limits::default(), Duration::from_secs(3)).await.expect("authenticate");
     let l = layout();
     let ids: Vec<ChunkId> = l.chunks().collect();
     let push = |payload_len: u32, value: f32| {

@@ -39,7 +39,7 @@ async fn metrics_endpoint_exports_pushes_pulls_bytes_latency_staleness_and_live_
         tick_interval: Duration::from_millis(50),
         ..ServiceConfig::new(
             "127.0.0.1:0".parse().expect("addr"),
-            certs.server_material().expect("tls"),
+            certs.shard_material(0).expect("tls"),
             ShardConfig {
                 shard: 0,
                 num_shards: 1,

@@ -1,6 +1,7 @@
 //! QUIC plumbing shared by every gaps process: transport tuning, endpoints with mutual TLS, and frame
 //! I/O over one bidirectional stream per RPC.
 
+use crate::identity::{identity_of, PeerIdentity, Role};
 use crate::tls::{TlsMaterial, SERVER_NAME};
 use gaps_common::wire::{self, Frame, Limits, Message, WireError};
 use std::net::SocketAddr;
@@ -51,6 +52,14 @@ pub enum RpcError {
         addr: String,
         /// Kind name.
         kind: String,
+    },
+    /// The peer's certificate names another identity than expected (another shard, another cluster).
+    #[error("{addr}: {message}")]
+    Identity {
+        /// The peer.
+        addr: String,
+        /// What was expected and found.
+        message: String,
     },
     /// Local TLS or endpoint setup failed.
     #[error("setting up the endpoint: {0}")]
@@ -103,13 +112,19 @@ pub fn client_config(tls: &TlsMaterial) -> Result<quinn::ClientConfig, RpcError>
     Ok(config)
 }
 
-/// A server endpoint on `listen` that requires client certificates signed by the cluster CA. It can also
-/// open client connections (shards use that to join the coordinator).
-pub fn server_endpoint(listen: SocketAddr, tls: &TlsMaterial) -> Result<quinn::Endpoint, RpcError> {
+/// A server-side QUIC configuration that requires client certificates signed by the cluster CA.
+pub fn server_config(tls: &TlsMaterial) -> Result<quinn::ServerConfig, RpcError> {
     let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(tls.server_config().map_err(setup_err)?)
         .map_err(setup_err)?;
     let mut config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
     config.transport_config(Arc::new(transport_config()));
+    Ok(config)
+}
+
+/// A server endpoint on `listen` that requires client certificates signed by the cluster CA. It can also
+/// open client connections (shards use that to join the coordinator).
+pub fn server_endpoint(listen: SocketAddr, tls: &TlsMaterial) -> Result<quinn::Endpoint, RpcError> {
+    let config = server_config(tls)?;
     let mut endpoint =
         quinn::Endpoint::server(config, listen).map_err(|e| setup_err(format!("binding {listen}: {e}")))?;
     endpoint.set_default_client_config(client_config(tls)?);
@@ -137,12 +152,88 @@ pub async fn connect(
     addr: SocketAddr,
     timeout: Duration,
 ) -> Result<quinn::Connection, RpcError> {
+    connect_with(endpoint, None, addr, timeout).await
+}
+
+/// [`connect`] with `config` instead of the endpoint's default (after a certificate rotation).
+pub async fn connect_with(
+    endpoint: &quinn::Endpoint,
+    config: Option<quinn::ClientConfig>,
+    addr: SocketAddr,
+    timeout: Duration,
+) -> Result<quinn::Connection, RpcError> {
     let conn_err = |message: String| RpcError::Connection { addr: addr.to_string(), message };
-    let connecting = endpoint.connect(addr, SERVER_NAME).map_err(|e| conn_err(e.to_string()))?;
+    let connecting = match config {
+        Some(config) => endpoint.connect_with(config, addr, SERVER_NAME),
+        None => endpoint.connect(addr, SERVER_NAME),
+    }
+    .map_err(|e| conn_err(e.to_string()))?;
     match tokio::time::timeout(timeout, connecting).await {
         Ok(Ok(conn)) => Ok(conn),
-        Ok(Err(e)) => Err(conn_err(e.to_string())),
+        Ok(Err(e)) => Err(conn_err(describe_connection_error(&e))),
         Err(_) => Err(RpcError::Timeout { addr: addr.to_string(), timeout }),
+    }
+}
+
+/// The name and likely cause of a TLS alert.
+fn tls_alert(alert: u8) -> String {
+    let (name, hint) = match alert {
+        40 => ("handshake_failure", "no common TLS 1.3 parameters"),
+        42 => ("bad_certificate", "a certificate is malformed or has the wrong key usage for its role"),
+        44 => ("certificate_revoked", "the certificate was revoked"),
+        45 => ("certificate_expired", "a certificate has expired or is not yet valid: check the clocks or issue new ones with `gaps certs`"),
+        46 => ("certificate_unknown", "a certificate was refused"),
+        48 => ("unknown_ca", "the certificate is not signed by the cluster's CA: use the ca.pem, certificate and key made together by `gaps certs`"),
+        116 => ("certificate_required", "the client presented no certificate (every gaps client needs one from the cluster CA)"),
+        120 => ("no_application_protocol", "the peer does not speak the gaps protocol (ALPN gaps/1)"),
+        _ => ("alert", "see RFC 8446 §6"),
+    };
+    format!("TLS alert {alert} {name}: {hint}")
+}
+
+/// A connection failure in words: which side refused what, and why, where TLS or the peer said so.
+pub fn describe_connection_error(e: &quinn::ConnectionError) -> String {
+    use quinn::ConnectionError as E;
+    let alert = |code: u64| (0x100..0x200).contains(&code).then(|| (code - 0x100) as u8);
+    match e {
+        E::ApplicationClosed(c) => {
+            format!("the peer closed the connection: {}", String::from_utf8_lossy(&c.reason))
+        }
+        E::ConnectionClosed(c) => match alert(u64::from(c.error_code)) {
+            Some(a) => format!("the peer refused the TLS handshake ({})", tls_alert(a)),
+            None => e.to_string(),
+        },
+        E::TransportError(t) => match alert(u64::from(t.code)) {
+            Some(a) => format!("this side refused the peer in the TLS handshake ({}; {})", tls_alert(a), t.reason),
+            None => e.to_string(),
+        },
+        _ => e.to_string(),
+    }
+}
+
+/// The gaps identity in the certificate the peer of `conn` presented.
+pub fn peer_identity(conn: &quinn::Connection) -> Result<PeerIdentity, String> {
+    let certs = conn
+        .peer_identity()
+        .and_then(|any| any.downcast::<Vec<rustls::pki_types::CertificateDer<'static>>>().ok())
+        .ok_or_else(|| "the peer presented no certificate".to_string())?;
+    let leaf = certs.first().ok_or_else(|| "the peer presented no certificate".to_string())?;
+    identity_of(leaf).map_err(|e| e.to_string())
+}
+
+/// Checks that the server at the other end of `conn` holds shard `index`'s certificate of `cluster`.
+pub fn expect_shard(conn: &quinn::Connection, cluster: &str, index: u32) -> Result<(), RpcError> {
+    let addr = conn.remote_address().to_string();
+    let refuse = |message: String| {
+        conn.close(4u32.into(), b"unexpected server identity");
+        RpcError::Identity { addr: addr.clone(), message }
+    };
+    match peer_identity(conn) {
+        Ok(PeerIdentity { cluster: c, role: Role::Shard(i) }) if c == cluster && i == index => Ok(()),
+        Ok(other) => {
+            Err(refuse(format!("expected shard {index} of cluster {cluster:?}, the server's certificate is {other}")))
+        }
+        Err(e) => Err(refuse(e)),
     }
 }
 
@@ -208,7 +299,12 @@ pub async fn call(
 ) -> Result<Frame, RpcError> {
     let addr = conn.remote_address().to_string();
     let fut = async {
-        let conn_err = |message: String| RpcError::Connection { addr: addr.clone(), message };
+        // When the connection itself closed, say why (a TLS alert, the peer's reason) rather than how the
+        // stream noticed.
+        let conn_err = |message: String| RpcError::Connection {
+            addr: addr.clone(),
+            message: conn.close_reason().map_or(message, |reason| describe_connection_error(&reason)),
+        };
         let (mut send, mut recv) = conn.open_bi().await.map_err(|e| conn_err(e.to_string()))?;
         write_frame(&mut send, msg, payload).await.map_err(|e| conn_err(e.to_string()))?;
         send.finish().map_err(|e| conn_err(e.to_string()))?;
@@ -244,6 +340,8 @@ pub fn kind_name(msg: &Message) -> &'static str {
         Message::StatsRequest(_) => "stats-request",
         Message::CheckpointRequest(_) => "checkpoint-request",
         Message::CheckpointDone(_) => "checkpoint-done",
+        Message::Authenticate(_) => "authenticate",
+        Message::Authenticated(_) => "authenticated",
         Message::Stats(_) => "stats",
         Message::Leave(_) => "leave",
         Message::SparsePull(_) => "sparse-pull",

@@ -7,9 +7,9 @@ use crate::net::{self, RpcError};
 use gaps_common::layout::sparse_owner;
 use gaps_common::layout::{ChunkId, Layout};
 use gaps_common::wire::{
-    ids_to_words, CheckpointAt, CheckpointDone, CheckpointRequest, ClusterMap, ErrorCode, Frame, Heartbeat, Leave,
-    Limits, Message, Pull, Push, PushChunk, Register, Role, SparsePull, SparsePush, Stats, StatsRequest,
-    PROTOCOL_VERSION,
+    ids_to_words, Authenticate, CheckpointAt, CheckpointDone, CheckpointRequest, ClusterMap, ErrorCode, Frame,
+    Heartbeat, Leave, Limits, Message, Pull, Push, PushChunk, Register, Role, SparsePull, SparsePush, Stats,
+    StatsRequest, PROTOCOL_VERSION,
 };
 use gaps_kernels::{Hyper, Rule};
 use gaps_transport::tls::TlsMaterial;
@@ -139,6 +139,10 @@ struct ShardLink {
 #[derive(Debug)]
 struct Inner {
     opts: ClientOptions,
+    /// The cluster named in this client's certificate: every shard must hold a certificate of it.
+    cluster: String,
+    /// The client configuration after a certificate rotation (None: the endpoint's own).
+    rotated: Mutex<Option<quinn::ClientConfig>>,
     endpoint: quinn::Endpoint,
     map: ClusterMap,
     shards: Vec<ShardLink>,
@@ -182,6 +186,8 @@ impl Client {
     pub async fn connect(opts: ClientOptions) -> Result<Client, ClientError> {
         let started = Instant::now();
         let deadline = started + opts.connect_timeout;
+        let cluster =
+            opts.tls.own_identity().map_err(|e| RpcError::Setup(format!("this client's certificate: {e}")))?.cluster;
         let coordinator = net::resolve(&opts.coordinator).await?;
         let endpoint = net::client_endpoint(&opts.tls, coordinator)?;
         let register =
@@ -192,6 +198,7 @@ impl Client {
             let per_call = opts.rpc_timeout.min(left);
             let attempt = async {
                 let conn = net::connect(&endpoint, coordinator, per_call).await?;
+                net::expect_shard(&conn, &cluster, 0)?;
                 let reply = net::call(&conn, &register, &[], &opts.limits, per_call).await;
                 conn.close(0u32.into(), b"registered");
                 reply
@@ -272,6 +279,8 @@ impl Client {
         let client = Client {
             inner: Arc::new(Inner {
                 opts,
+                cluster,
+                rotated: Mutex::new(None),
                 endpoint,
                 map,
                 shards,
@@ -314,6 +323,25 @@ impl Client {
         self.inner.map.worker_id
     }
 
+    /// Replaces the TLS material (certificate rotation): new connections use `tls`, open ones keep theirs.
+    /// The new certificate must name the same identity (the worker's credential is bound to it).
+    pub fn reload_tls(&self, tls: &TlsMaterial) -> Result<(), ClientError> {
+        let setup = |m: String| ClientError::from(RpcError::Setup(m));
+        let new = tls.own_identity().map_err(|e| setup(format!("the new certificate: {e}")))?;
+        let old = self.inner.opts.tls.own_identity().map_err(|e| setup(format!("the old certificate: {e}")))?;
+        if new != old {
+            return Err(setup(format!("the new certificate is {new}, this client is {old}")));
+        }
+        let config = net::client_config(tls)?;
+        *self.inner.rotated.lock().map_err(|_| setup("the TLS lock is poisoned".into()))? = Some(config);
+        Ok(())
+    }
+
+    /// This worker's id and the credential the coordinator gave it (None for observers).
+    pub fn credential(&self) -> Option<(u32, gaps_common::wire::Token)> {
+        self.inner.map.worker_id.zip(self.inner.map.token)
+    }
+
     /// Shard pushes sent (each `(shard, seq)` once, however often it was retried).
     pub fn pushes_sent(&self) -> u64 {
         self.inner.pushes_sent.load(Ordering::Relaxed)
@@ -353,7 +381,23 @@ impl Client {
             Ok(Ok(addr)) => addr,
             _ => link.addr,
         };
-        let conn = net::connect(&self.inner.endpoint, addr, timeout).await?;
+        let rotated = self.inner.rotated.lock().map_err(|_| RpcError::Setup("TLS lock poisoned".into()))?.clone();
+        let conn = net::connect_with(&self.inner.endpoint, rotated, addr, timeout).await?;
+        // The server must hold this shard's certificate of our cluster; then this connection is bound to our
+        // worker id with the coordinator's credential (observers have none and only read).
+        net::expect_shard(&conn, &self.inner.cluster, link.index)?;
+        if let (Some(worker), Some(token)) = (self.inner.map.worker_id, self.inner.map.token) {
+            let auth = Message::Authenticate(Authenticate { worker, token });
+            match net::call(&conn, &auth, &[], &self.inner.opts.limits, timeout).await? {
+                Frame { msg: Message::Authenticated(_), .. } => {}
+                other => {
+                    return Err(RpcError::Unexpected {
+                        addr: conn.remote_address().to_string(),
+                        kind: net::kind_name(&other.msg).into(),
+                    })
+                }
+            }
+        }
         *link.conn.lock().map_err(|_| RpcError::Setup("connection lock poisoned".into()))? = Some(conn.clone());
         Ok(conn)
     }

@@ -185,6 +185,30 @@ impl WorkerSummary {
     }
 }
 
+/// On SIGHUP, reloads the CA, certificate and key from their files (certificate rotation): new
+/// connections use them.
+fn spawn_tls_reload(args: &WorkerArgs, client: &Client) {
+    #[cfg(unix)]
+    {
+        let (client, ca, cert, key) = (client.clone(), args.ca.clone(), args.cert.clone(), args.key.clone());
+        tokio::spawn(async move {
+            use tokio::signal::unix::{signal, SignalKind};
+            let Ok(mut hup) = signal(SignalKind::hangup()) else { return };
+            while hup.recv().await.is_some() {
+                let loaded = TlsMaterial::load(&ca, &cert, &key)
+                    .map_err(anyhow::Error::from)
+                    .and_then(|tls| client.reload_tls(&tls).map_err(anyhow::Error::from));
+                match loaded {
+                    Ok(()) => info!(cert = %cert.display(), "reloaded the TLS material"),
+                    Err(e) => tracing::warn!(error = format!("{e:#}"), "kept the old TLS material"),
+                }
+            }
+        });
+    }
+    #[cfg(not(unix))]
+    let _ = (args, client);
+}
+
 /// Runs one worker to completion.
 pub async fn run(args: &WorkerArgs) -> Result<WorkerSummary> {
     let tls = TlsMaterial::load(&args.ca, &args.cert, &args.key).context("loading the worker's TLS material")?;
@@ -192,6 +216,7 @@ pub async fn run(args: &WorkerArgs) -> Result<WorkerSummary> {
     opts.connect_timeout = args.connect_timeout;
     opts.shard_down_timeout = args.shard_down_timeout;
     let client = Client::connect(opts).await.context("joining the cluster")?;
+    spawn_tls_reload(args, &client);
     let worker = client.worker_id().context("the coordinator gave no worker id")?;
     if let Some(model) = args.model.ctr() {
         return run_ctr(args, client, worker, model).await;

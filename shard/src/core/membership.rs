@@ -90,6 +90,8 @@ impl ShardCore {
             layout: self.cfg.layout.clone(),
             lease_ms: self.cfg.lease.as_millis().min(u128::from(u32::MAX)) as u32,
             rule: self.rule_info(),
+            token: None,
+            auth_key: None,
         })
     }
 
@@ -161,8 +163,8 @@ impl ShardCore {
         }
         if req.layout_fingerprint != fingerprint {
             return Err(ShardError::Misconfigured(format!(
-                "shard {} has a different model layout (fingerprint {:016x}, coordinator {fingerprint:016x}): start every shard with the same layout file",
-                req.shard, req.layout_fingerprint
+                "shard {} has a different model layout than the coordinator: start every shard with the same layout file",
+                req.shard
             )));
         }
         c.shard_addrs.insert(req.shard, req.addr.clone());
@@ -176,6 +178,9 @@ impl ShardCore {
             layout: self.cfg.layout.clone(),
             lease_ms: self.cfg.lease.as_millis().min(u128::from(u32::MAX)) as u32,
             rule: self.rule_info(),
+            // Filled in by the service, which holds the credentials.
+            token: None,
+            auth_key: None,
         })))
     }
 

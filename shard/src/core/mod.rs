@@ -621,6 +621,11 @@ impl ShardCore {
                 Err(ShardError::Misconfigured("checkpoints are written by the shard service, not the core".into()))
             }
             Message::CheckpointDone(_) => Err(ShardError::NotARequest("checkpoint done")),
+            // Credentials are checked by the service, which knows the connection's certificate.
+            Message::Authenticate(_) => {
+                Err(ShardError::Misconfigured("credentials are checked by the shard service, not the core".into()))
+            }
+            Message::Authenticated(_) => Err(ShardError::NotARequest("authenticated")),
             Message::ClusterMap(_) => Err(ShardError::NotARequest("cluster map")),
             Message::PullReply(_) => Err(ShardError::NotARequest("pull reply")),
             Message::Ack(_) => Err(ShardError::NotARequest("ack")),

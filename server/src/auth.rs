@@ -1,0 +1,227 @@
+//! Who may do what. Every connection carries the identity its certificate names (see
+//! `gaps_transport::identity`): shard `i` of a cluster, or a worker. Before a request reaches the core the
+//! service checks it against that identity:
+//!
+//! - only shard `i`'s certificate joins the coordinator as shard `i`;
+//! - only a worker certificate registers a worker (any certificate of the cluster may observe);
+//! - pushes, heartbeats and leaves for worker `w` are accepted only on a connection authenticated as `w`,
+//!   with the credential the coordinator gave `w` at registration: an HMAC-SHA256 over the cluster epoch,
+//!   `w` and the registrant's certificate identity, under a key only the shards hold. So no other worker
+//!   (even one holding the same certificate) can act as `w`, and a credential is useless with another
+//!   certificate;
+//! - checkpoint requests with an id come from the coordinator only.
+//!
+//! Refusals are typed (`Unauthorized`), say nothing about the model, are counted, and logged at a bounded
+//! rate.
+
+use anyhow::{Context, Result};
+use gaps_common::wire::{CheckpointRequest, Message, Role as WireRole, Token};
+use gaps_transport::identity::{PeerIdentity, Role};
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+/// The cluster's credential key and epoch: makes and checks workers' tokens.
+pub struct Credentials {
+    raw: Token,
+    key: ring::hmac::Key,
+    epoch: u64,
+}
+
+impl std::fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Credentials").field("epoch", &self.epoch).finish_non_exhaustive()
+    }
+}
+
+impl Credentials {
+    /// Credentials under `raw` for cluster epoch `epoch`.
+    pub fn new(raw: Token, epoch: u64) -> Self {
+        Credentials { raw, key: ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &raw), epoch }
+    }
+
+    /// The key itself (handed to joining shards only).
+    pub fn raw(&self) -> Token {
+        self.raw
+    }
+
+    fn message(&self, worker: u32, identity: &PeerIdentity) -> Vec<u8> {
+        let mut m = b"gaps worker token v1\0".to_vec();
+        m.extend_from_slice(&self.epoch.to_le_bytes());
+        m.extend_from_slice(&worker.to_le_bytes());
+        m.extend_from_slice(identity.uri().as_bytes());
+        m
+    }
+
+    /// The token of worker `worker` registered by `identity`.
+    pub fn token(&self, worker: u32, identity: &PeerIdentity) -> Token {
+        let tag = ring::hmac::sign(&self.key, &self.message(worker, identity));
+        let mut out = [0u8; 32];
+        out.copy_from_slice(tag.as_ref());
+        out
+    }
+
+    /// True when `token` is worker `worker`'s for `identity` (constant time).
+    pub fn verify(&self, worker: u32, identity: &PeerIdentity, token: &Token) -> bool {
+        ring::hmac::verify(&self.key, &self.message(worker, identity), token).is_ok()
+    }
+}
+
+/// A fresh random key.
+pub fn random_key() -> Result<Token> {
+    let mut key = [0u8; 32];
+    ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut key)
+        .map_err(|_| anyhow::anyhow!("the system's random source failed"))?;
+    Ok(key)
+}
+
+/// The coordinator's key, kept in `dir/auth.key` (owner-only) so that a restarted coordinator accepts the
+/// tokens it gave before; made on first use.
+pub fn load_or_create_key(dir: &Path) -> Result<Token> {
+    let path = dir.join("auth.key");
+    if let Ok(bytes) = std::fs::read(&path) {
+        return bytes
+            .try_into()
+            .map_err(|_| anyhow::anyhow!("{} is not a 32-byte key: delete it to make a new one", path.display()));
+    }
+    let key = random_key()?;
+    let tmp = dir.join("auth.key.tmp");
+    {
+        use std::io::Write;
+        let mut options = std::fs::OpenOptions::new();
+        options.write(true).create(true).truncate(true);
+        #[cfg(unix)]
+        std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
+        let mut f = options.open(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+        f.write_all(&key).and_then(|()| f.sync_all()).with_context(|| format!("writing {}", tmp.display()))?;
+    }
+    std::fs::rename(&tmp, &path).with_context(|| format!("renaming {}", tmp.display()))?;
+    Ok(key)
+}
+
+/// The worker a request acts for, if it is one that must come from that worker.
+pub fn acting_worker(msg: &Message) -> Option<u32> {
+    match msg {
+        Message::Push(p) => Some(p.worker),
+        Message::SparsePush(p) => Some(p.worker),
+        Message::Heartbeat(h) => Some(h.worker),
+        Message::Leave(l) => Some(l.worker),
+        _ => None,
+    }
+}
+
+/// Whether `peer`, on a connection authenticated as `bound` (if any), may send `msg`; the reason if not.
+/// ([`Message::Authenticate`] is checked by its handler.)
+pub fn authorize(msg: &Message, peer: &PeerIdentity, bound: Option<u32>) -> Result<(), String> {
+    match (msg, &peer.role) {
+        (Message::RegisterShard(r), Role::Shard(i)) if *i == r.shard => Ok(()),
+        (Message::RegisterShard(r), _) => Err(format!("{peer} cannot join as shard {}", r.shard)),
+        (Message::Register(r), Role::Shard(_)) if r.role == WireRole::Worker => {
+            Err(format!("{peer} is a shard certificate; it cannot register a worker"))
+        }
+        (Message::CheckpointRequest(CheckpointRequest { id, .. }), role) if *id != 0 && *role != Role::Shard(0) => {
+            Err(format!("{peer} cannot name a checkpoint id (only the coordinator does)"))
+        }
+        _ => match acting_worker(msg) {
+            Some(w) if bound == Some(w) => Ok(()),
+            Some(w) => Err(format!("this connection is not authenticated as worker {w}")),
+            None => Ok(()),
+        },
+    }
+}
+
+/// Lets one log line through per interval and counts the rest, so a flood of bad requests cannot flood
+/// the log.
+#[derive(Debug)]
+pub struct LogLimiter {
+    started: Instant,
+    interval_ms: u64,
+    /// Milliseconds since `started` of the last line let through (+1; 0: never).
+    last: AtomicU64,
+    suppressed: AtomicU64,
+}
+
+impl LogLimiter {
+    /// At most one line per `interval`.
+    pub fn new(interval: std::time::Duration) -> Self {
+        LogLimiter {
+            started: Instant::now(),
+            interval_ms: interval.as_millis() as u64,
+            last: AtomicU64::new(0),
+            suppressed: AtomicU64::new(0),
+        }
+    }
+
+    /// Some(lines suppressed since the last one) when a line may be written now.
+    pub fn allow(&self) -> Option<u64> {
+        let now = self.started.elapsed().as_millis() as u64 + 1;
+        let last = self.last.load(Ordering::Relaxed);
+        if last != 0 && now < last + self.interval_ms {
+            self.suppressed.fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
+        match self.last.compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed) {
+            Ok(_) => Some(self.suppressed.swap(0, Ordering::Relaxed)),
+            Err(_) => {
+                self.suppressed.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gaps_common::wire::{Heartbeat, Leave, RegisterShard};
+
+    fn id(role: Role) -> PeerIdentity {
+        PeerIdentity { cluster: "c".into(), role }
+    }
+
+    #[test]
+    fn tokens_bind_worker_epoch_and_certificate() {
+        let creds = Credentials::new([5; 32], 9);
+        let alice = id(Role::Worker("alice".into()));
+        let t = creds.token(3, &alice);
+        assert!(creds.verify(3, &alice, &t));
+        assert!(!creds.verify(4, &alice, &t), "another worker id");
+        assert!(!creds.verify(3, &id(Role::Worker("bob".into())), &t), "another certificate");
+        assert!(!Credentials::new([5; 32], 10).verify(3, &alice, &t), "another epoch");
+        assert!(!Credentials::new([6; 32], 9).verify(3, &alice, &t), "another key");
+    }
+
+    #[test]
+    fn only_the_named_shard_joins_and_only_the_bound_worker_acts() {
+        let join = |shard| {
+            Message::RegisterShard(RegisterShard {
+                protocol: 4,
+                shard,
+                num_shards: 3,
+                addr: "x".into(),
+                layout_fingerprint: 0,
+            })
+        };
+        assert!(authorize(&join(1), &id(Role::Shard(1)), None).is_ok());
+        assert!(authorize(&join(2), &id(Role::Shard(1)), None).is_err());
+        assert!(authorize(&join(1), &id(Role::Worker("w".into())), None).is_err());
+        let hb = Message::Heartbeat(Heartbeat { worker: 7 });
+        let w = id(Role::Worker("w".into()));
+        assert!(authorize(&hb, &w, Some(7)).is_ok());
+        assert!(authorize(&hb, &w, Some(6)).is_err());
+        assert!(authorize(&hb, &w, None).is_err());
+        assert!(authorize(&Message::Leave(Leave { worker: 7 }), &id(Role::Shard(0)), None).is_err());
+        let err = authorize(&join(2), &id(Role::Shard(1)), None).expect_err("refused");
+        assert!(!err.contains("fingerprint") && !err.contains("layout"), "{err}");
+    }
+
+    #[test]
+    fn the_limiter_lets_one_line_through_per_interval() {
+        let l = LogLimiter::new(std::time::Duration::from_secs(3600));
+        assert_eq!(l.allow(), Some(0));
+        assert_eq!(l.allow(), None);
+        assert_eq!(l.allow(), None);
+        let l = LogLimiter::new(std::time::Duration::ZERO);
+        assert!(l.allow().is_some() && l.allow().is_some());
+    }
+}
