@@ -64,9 +64,10 @@ struct CertsArgs {
     /// already holds ca.pem and ca.key, that CA issues the new certificates (to add shards or workers).
     #[arg(long, env = "GAPS_CERTS_OUT", default_value = "gaps-certs")]
     out: PathBuf,
-    /// The cluster's name, written into every certificate: clusters that share a CA cannot talk.
-    #[arg(long, env = "GAPS_CLUSTER_NAME", default_value = gaps_transport::tls::DEFAULT_CLUSTER)]
-    cluster_name: String,
+    /// The cluster's name, written into every certificate: clusters that share a CA cannot talk. Default:
+    /// the name in the folder's shard-0.pem when it has one, else `gaps`.
+    #[arg(long, env = "GAPS_CLUSTER_NAME")]
+    cluster_name: Option<String>,
     /// Shard certificates to issue (shard-0 … shard-<N-1>); each lets its holder be only that shard.
     #[arg(long, env = "GAPS_CERTS_SHARDS", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=4096))]
     shards: u32,
@@ -280,8 +281,21 @@ async fn main() -> Result<()> {
         }
         Command::Certs(args) => {
             use gaps_transport::tls::{CertOptions, CertificateAuthority, ClusterCerts, PemPair};
+            let existing = gaps_transport::tls::TlsMaterial::load(
+                &args.out.join("ca.pem"),
+                &args.out.join("shard-0.pem"),
+                &args.out.join("shard-0.key"),
+            )
+            .ok()
+            .and_then(|m| m.own_identity().ok())
+            .map(|id| id.cluster);
+            let cluster = args
+                .cluster_name
+                .clone()
+                .or(existing)
+                .unwrap_or_else(|| gaps_transport::tls::DEFAULT_CLUSTER.to_string());
             let opts = CertOptions {
-                cluster: args.cluster_name.clone(),
+                cluster,
                 shards: args.shards,
                 workers: args.workers.clone(),
                 sans: args.sans.clone(),

@@ -183,6 +183,7 @@ fn tls_alert(alert: u8) -> String {
         44 => ("certificate_revoked", "the certificate was revoked"),
         45 => ("certificate_expired", "a certificate has expired or is not yet valid: check the clocks or issue new ones with `gaps certs`"),
         46 => ("certificate_unknown", "a certificate was refused"),
+        51 => ("decrypt_error", "a certificate's signature does not verify: it is from another CA (another `gaps certs` run) than the ca.pem this side trusts"),
         48 => ("unknown_ca", "the certificate is not signed by the cluster's CA: use the ca.pem, certificate and key made together by `gaps certs`"),
         116 => ("certificate_required", "the client presented no certificate (every gaps client needs one from the cluster CA)"),
         120 => ("no_application_protocol", "the peer does not speak the gaps protocol (ALPN gaps/1)"),
