@@ -79,6 +79,17 @@ pub enum ClientError {
     /// The caller passed tensors that do not match the layout.
     #[error("{0}")]
     Shape(String),
+    /// A gradient holds NaN or ±Inf (checked before anything is sent, so no shard applies part of it).
+    #[error("{0}")]
+    NonFinite(String),
+}
+
+/// The first non-finite value of `values`, as an error naming `what` and its position.
+fn check_finite(what: &str, values: &[f32]) -> Result<(), ClientError> {
+    match values.iter().position(|v| !v.is_finite()) {
+        Some(i) => Err(ClientError::NonFinite(format!("{what} holds {} at element {i}", values[i]))),
+        None => Ok(()),
+    }
 }
 
 /// A model snapshot as pulled: one vector per tensor plus the version of every chunk (global order).
@@ -337,6 +348,14 @@ impl Client {
         Ok(())
     }
 
+    /// Makes the next push report `compute` as the time its gradient took (instead of the time since the
+    /// last pull), for callers that measure it themselves.
+    pub fn report_compute_time(&self, compute: Duration) {
+        if let Ok(mut last) = self.inner.last_pull.lock() {
+            *last = Instant::now().checked_sub(compute).or(Some(Instant::now()));
+        }
+    }
+
     /// This worker's id and the credential the coordinator gave it (None for observers).
     pub fn credential(&self) -> Option<(u32, gaps_common::wire::Token)> {
         self.inner.map.worker_id.zip(self.inner.map.token)
@@ -554,6 +573,9 @@ impl Client {
         if !matches(&grads) || !matches(&snapshot.tensors) {
             return Err(ClientError::Shape("gradient or snapshot tensors do not match the model layout".into()));
         }
+        for (g, spec) in grads.iter().zip(&layout.tensors) {
+            check_finite(&format!("the gradient of {}", spec.name), g)?;
+        }
         let read_versions = &snapshot.versions;
         if read_versions.len() as u64 != layout.total_chunks() {
             return Err(ClientError::Shape("read versions do not match the model layout".into()));
@@ -757,6 +779,7 @@ impl Client {
     pub async fn push_sparse(&self, table: u32, rows: &SparseRows, grads: &[f32]) -> Result<PushSummary, ClientError> {
         let worker = self.inner.map.worker_id.ok_or_else(|| ClientError::Shape("observers cannot push".into()))?;
         let dim = self.table_dim(table)?;
+        check_finite(&format!("the row gradients of table {table}"), grads)?;
         if rows.dim != dim || grads.len() != rows.ids.len() * dim || rows.values.len() != grads.len() {
             return Err(ClientError::Shape("sparse gradients do not match the pulled rows".into()));
         }

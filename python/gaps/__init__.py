@@ -1,0 +1,270 @@
+"""gaps: the Python client of the gaps parameter server.
+
+A training loop becomes a gaps worker::
+
+    import gaps
+    with gaps.Client(coordinator, ca, cert, key) as client:
+        params = client.pull_all()                    # dict name -> numpy.float32 array
+        grads = compute_gradients(params, batch)      # dict name -> array of the same shape
+        client.push(grads)                            # one push, computed on the last pull
+
+Embedding rows live on the shards: ``client.pull_rows(table, ids)`` and ``client.push_rows(table, ids,
+grads)``. Errors are :class:`GapsError` subclasses carrying the server's typed reason.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _gaps
+
+__all__ = [
+    "Client",
+    "Layout",
+    "TensorInfo",
+    "TableInfo",
+    "GapsError",
+    "ShapeError",
+    "DTypeError",
+    "UnknownNameError",
+    "NonFiniteError",
+    "UnavailableError",
+    "UnauthorizedError",
+    "ServerError",
+    "ClosedError",
+    "ConfigError",
+]
+
+
+class GapsError(Exception):
+    """Any error of the gaps client; ``str(e)`` is the reason the client or the server gave."""
+
+
+class ShapeError(GapsError, ValueError):
+    """An array's size or shape does not match the cluster's layout."""
+
+
+class DTypeError(GapsError, TypeError):
+    """An array is not float32 (values) or uint64 (ids)."""
+
+
+class UnknownNameError(GapsError, KeyError):
+    """The cluster serves no tensor or table of that name."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else ""
+
+
+class NonFiniteError(GapsError, ValueError):
+    """A gradient holds NaN or infinity (nothing was sent)."""
+
+
+class UnavailableError(GapsError, ConnectionError):
+    """The cluster could not be reached, or a shard stayed down past the shard-down timeout."""
+
+
+class UnauthorizedError(GapsError, PermissionError):
+    """The certificate or credential does not allow the request."""
+
+
+class ServerError(GapsError):
+    """A shard refused the request for another reason."""
+
+
+class ClosedError(GapsError):
+    """The client was closed."""
+
+
+class ConfigError(GapsError):
+    """Bad client settings or TLS files, or a cluster that does not match them."""
+
+
+_KINDS = {
+    "shape": ShapeError,
+    "dtype": DTypeError,
+    "unknown": UnknownNameError,
+    "nonfinite": NonFiniteError,
+    "unavailable": UnavailableError,
+    "unauthorized": UnauthorizedError,
+    "server": ServerError,
+    "closed": ClosedError,
+    "config": ConfigError,
+}
+
+
+def _native(call, *args, **kwargs):
+    """Runs a native call, turning its NativeError into the matching GapsError subclass."""
+    try:
+        return call(*args, **kwargs)
+    except _gaps.NativeError as e:
+        kind, message = e.args if len(e.args) == 2 else ("server", str(e))
+        raise _KINDS.get(kind, GapsError)(message) from None
+
+
+class TensorInfo:
+    """A dense tensor of the cluster's layout."""
+
+    def __init__(self, name: str, shape: tuple[int, ...]):
+        self.name = name
+        self.shape = tuple(int(d) for d in shape)
+        self.size = int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+
+    def __repr__(self) -> str:
+        return f"TensorInfo({self.name!r}, shape={self.shape})"
+
+
+class TableInfo:
+    """An embedding table of the cluster's layout."""
+
+    def __init__(self, name: str, dim: int):
+        self.name = name
+        self.dim = int(dim)
+
+    def __repr__(self) -> str:
+        return f"TableInfo({self.name!r}, dim={self.dim})"
+
+
+class Layout:
+    """What the cluster serves: ``tensors`` and ``tables`` by name, in layout order."""
+
+    def __init__(self, raw: dict):
+        self.tensors = {t["name"]: TensorInfo(t["name"], t["shape"]) for t in raw["tensors"]}
+        self.tables = {t["name"]: TableInfo(t["name"], t["dim"]) for t in raw["tables"]}
+        self.epoch = raw["epoch"]
+        self.shards = raw["shards"]
+
+    def __repr__(self) -> str:
+        return f"Layout(tensors={list(self.tensors.values())}, tables={list(self.tables.values())})"
+
+
+def _float32(name: str, value, shape: tuple[int, ...] | None = None) -> np.ndarray:
+    """``value`` as a C-contiguous little-endian float32 array (no copy when it already is one)."""
+    if hasattr(value, "detach") and hasattr(value, "numpy"):  # a torch tensor
+        value = value.detach().cpu().numpy()
+    array = np.asarray(value)
+    if array.dtype != np.float32:
+        raise DTypeError(f"{name}: expected float32 values, got {array.dtype}")
+    if shape is not None and array.shape != shape and array.size == int(np.prod(shape, dtype=np.int64)):
+        array = array.reshape(shape)
+    if shape is not None and array.shape != shape:
+        raise ShapeError(f"{name}: expected shape {shape}, got {array.shape}")
+    return np.ascontiguousarray(array, dtype="<f4")
+
+
+def _ids(table: str, ids) -> np.ndarray:
+    array = np.asarray(ids)
+    if array.dtype.kind not in "ui":
+        raise DTypeError(f"ids of {table}: expected unsigned 64-bit integers, got {array.dtype}")
+    if array.dtype.kind == "i" and array.size and array.min() < 0:
+        raise ShapeError(f"ids of {table}: ids must not be negative")
+    if array.ndim != 1:
+        raise ShapeError(f"ids of {table}: expected a 1-d array, got shape {array.shape}")
+    return np.ascontiguousarray(array, dtype="<u8")
+
+
+class Client:
+    """A worker (or, with ``observer=True``, a read-only client) of a gaps cluster.
+
+    Registers with the coordinator and connects to every shard. Pushes are exactly-once: a push retried
+    after a lost connection keeps its sequence number. Heartbeats run in the background. Use it as a
+    context manager, or call :meth:`close` (which also leaves the job).
+    """
+
+    def __init__(
+        self,
+        coordinator: str,
+        ca: str,
+        cert: str,
+        key: str,
+        *,
+        worker_name: str | None = None,
+        observer: bool = False,
+        connect_timeout: float = 30.0,
+        rpc_timeout: float = 30.0,
+        shard_down_timeout: float = 600.0,
+    ):
+        self._native = _native(
+            _gaps.NativeClient,
+            coordinator,
+            str(ca),
+            str(cert),
+            str(key),
+            worker_name or "python",
+            observer,
+            connect_timeout,
+            rpc_timeout,
+            shard_down_timeout,
+        )
+        self.layout = Layout(_native(self._native.layout))
+        self._names = list(self.layout.tensors)
+
+    @property
+    def worker_id(self) -> int | None:
+        """This worker's id (None for an observer)."""
+        return _native(self._native.worker_id)
+
+    def pull_all(self) -> dict[str, np.ndarray]:
+        """Every dense tensor, by name, shaped as the layout says (writable float32 arrays)."""
+        raw = _native(self._native.pull_all)
+        return {
+            name: np.frombuffer(buf, dtype="<f4").reshape(info.shape)
+            for (name, info), buf in zip(self.layout.tensors.items(), raw)
+        }
+
+    def pull(self, name: str) -> np.ndarray:
+        """One dense tensor (pulls the whole model: a push follows the last pull)."""
+        if name not in self.layout.tensors:
+            raise UnknownNameError(f"the cluster serves no tensor {name!r}")
+        return self.pull_all()[name]
+
+    def push(self, grads: dict, *, compute_seconds: float | None = None) -> None:
+        """Pushes one gradient per dense tensor (by name), computed on the last pull.
+
+        Every tensor needs a gradient; arrays must be float32 of the tensor's shape (or its size). NaN or
+        infinity raises :class:`NonFiniteError` before anything is sent.
+        """
+        unknown = sorted(set(grads) - set(self._names))
+        if unknown:
+            raise UnknownNameError(f"the cluster serves no tensor {unknown[0]!r}")
+        missing = [n for n in self._names if n not in grads]
+        if missing:
+            raise ShapeError(f"no gradient for {missing[0]!r} (push needs one per tensor)")
+        arrays = [_float32(f"the gradient of {n}", grads[n], self.layout.tensors[n].shape) for n in self._names]
+        _native(self._native.push, [a.tobytes() for a in arrays], compute_seconds)
+
+    def _table(self, table: str) -> TableInfo:
+        info = self.layout.tables.get(table)
+        if info is None:
+            raise UnknownNameError(f"the cluster serves no table {table!r}")
+        return info
+
+    def pull_rows(self, table: str, ids, *, create: bool = True) -> np.ndarray:
+        """Rows of ``table`` for ``ids`` (uint64): a ``(len(ids), dim)`` float32 array."""
+        info = self._table(table)
+        ids = _ids(table, ids)
+        raw = _native(self._native.pull_rows, table, ids.tobytes(), create)
+        return np.frombuffer(raw, dtype="<f4").reshape(len(ids), info.dim)
+
+    def push_rows(self, table: str, ids, grads) -> None:
+        """Pushes ``(len(ids), dim)`` gradients for the rows of ``table`` last pulled with ``ids``."""
+        info = self._table(table)
+        ids = _ids(table, ids)
+        grads = _float32(f"the row gradients of {table}", grads, (len(ids), info.dim))
+        _native(self._native.push_rows, table, ids.tobytes(), grads.tobytes())
+
+    def stats(self) -> list[dict]:
+        """Each shard's counters."""
+        return _native(self._native.stats)
+
+    def close(self) -> None:
+        """Leaves the job and closes the connections (idempotent)."""
+        _native(self._native.close)
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"gaps.Client(worker_id={self.worker_id}, {self.layout!r})"

@@ -1,0 +1,156 @@
+"""A throwaway local cluster for tests and notebooks::
+
+    from gaps.testing import local_cluster
+    with local_cluster("layout.toml", servers=2) as c:
+        with gaps.Client(c.coordinator, c.ca, c.cert, c.key) as client:
+            ...
+
+It runs ``gaps certs`` and ``gaps server`` processes from the ``gaps`` executable found through the
+``GAPS_BIN_DIR`` environment variable or on ``PATH``, on 127.0.0.1 with ephemeral ports, and stops them
+(SIGTERM, then SIGKILL) on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["find_gaps", "local_cluster", "LocalCluster"]
+
+
+def find_gaps() -> str:
+    """The ``gaps`` executable: ``$GAPS_BIN_DIR/gaps``, else ``gaps`` on ``PATH``."""
+    bin_dir = os.environ.get("GAPS_BIN_DIR")
+    if bin_dir:
+        candidate = Path(bin_dir) / "gaps"
+        if candidate.is_file():
+            return str(candidate)
+        raise FileNotFoundError(f"GAPS_BIN_DIR={bin_dir} holds no gaps executable (build it: cargo build --bin gaps)")
+    found = shutil.which("gaps")
+    if found is None:
+        raise FileNotFoundError("no gaps executable on PATH; set GAPS_BIN_DIR to the folder that holds it")
+    return found
+
+
+@dataclass
+class LocalCluster:
+    """A running local cluster: a worker's credentials and the coordinator's address."""
+
+    coordinator: str
+    ca: str
+    cert: str
+    key: str
+    dir: str
+    shards: list = field(default_factory=list, repr=False)
+
+    def kill_shard(self, index: int) -> None:
+        """SIGKILLs shard ``index`` (fault-injection in tests)."""
+        self.shards[index].kill()
+        self.shards[index].wait()
+
+
+def _read_listening(proc: subprocess.Popen, what: str, timeout: float) -> dict:
+    """Reads the shard's JSON 'listening' line from its stdout within ``timeout`` seconds."""
+    result: dict = {}
+
+    def reader():
+        for line in proc.stdout:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if event.get("event") == "listening":
+                result.update(event)
+                return
+
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    t.join(timeout)
+    if not result:
+        proc.kill()
+        raise RuntimeError(f"{what} did not start within {timeout}s; see its log in {getattr(proc, 'log_path', '?')}")
+    return result
+
+
+@contextlib.contextmanager
+def local_cluster(
+    layout: str | os.PathLike,
+    servers: int = 2,
+    *,
+    rule: str = "sgd",
+    lr: float = 0.05,
+    mode: str = "async",
+    extra_args: list[str] | None = None,
+    start_timeout: float = 60.0,
+):
+    """Starts ``servers`` shards serving the layout file ``layout``; yields a :class:`LocalCluster`."""
+    gaps = find_gaps()
+    workdir = tempfile.mkdtemp(prefix="gaps-cluster-")
+    shards: list[subprocess.Popen] = []
+    logs = []
+    try:
+        subprocess.run(
+            [gaps, "certs", "--out", workdir, "--shards", str(servers)],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        coordinator = None
+        for i in range(servers):
+            args = [
+                gaps,
+                "server",
+                f"--shard-index={i}",
+                f"--num-shards={servers}",
+                "--listen=127.0.0.1:0",
+                f"--ca={workdir}/ca.pem",
+                f"--cert={workdir}/shard-{i}.pem",
+                f"--key={workdir}/shard-{i}.key",
+                f"--layout={os.fspath(layout)}",
+                f"--rule={rule}",
+                f"--lr={lr}",
+                f"--mode={mode}",
+            ]
+            if coordinator:
+                args.append(f"--coordinator={coordinator}")
+            args.extend(extra_args or [])
+            log_path = os.path.join(workdir, f"shard-{i}.log")
+            log = open(log_path, "wb")
+            logs.append(log)
+            env = dict(os.environ, GAPS_LOG=os.environ.get("GAPS_LOG", "warn"))
+            proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+            proc.log_path = log_path
+            shards.append(proc)
+            event = _read_listening(proc, f"shard {i}", start_timeout)
+            if coordinator is None:
+                coordinator = event["addr"]
+        yield LocalCluster(
+            coordinator=coordinator,
+            ca=f"{workdir}/ca.pem",
+            cert=f"{workdir}/worker.pem",
+            key=f"{workdir}/worker.key",
+            dir=workdir,
+            shards=shards,
+        )
+    finally:
+        for proc in reversed(shards):
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + 15
+        for proc in shards:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for log in logs:
+            log.close()
+        shutil.rmtree(workdir, ignore_errors=True)

@@ -1,0 +1,291 @@
+//! The native part of the `gaps` Python package (`gaps._gaps`): a blocking facade over the Rust client
+//! (`gaps_worker::Client` — routing, retries with the same sequence number, exactly-once, waits for
+//! synchronous steps, leases and heartbeats). Every call that touches the network releases the GIL and
+//! runs on the client's own tokio runtime. Tensors cross as raw little-endian float32 bytes: `bytes` in
+//! (what numpy's buffer hands over under the stable ABI), `bytearray` out (numpy wraps it without a copy);
+//! the Python layer (`gaps/__init__.py`) gives them their shapes and checks dtypes.
+//!
+//! Errors are raised as `NativeError(kind, message)`; the Python layer turns `kind` into the matching
+//! `gaps.GapsError` subclass.
+
+use gaps_common::wire::{ErrorCode, Role};
+use gaps_transport::net::RpcError;
+use gaps_transport::tls::TlsMaterial;
+use gaps_worker::client::{Client, ClientError, ClientOptions, Snapshot, SparseRows};
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+use pyo3::types::{PyByteArray, PyDict, PyList};
+use std::collections::HashMap;
+use std::time::Duration;
+
+pyo3::create_exception!(_gaps, NativeError, PyException, "An error of the gaps client: args are (kind, message).");
+
+/// A `NativeError` of `kind` (`shape`, `dtype`, `unknown`, `nonfinite`, `unavailable`, `server`, `closed`,
+/// `config`).
+fn err(kind: &str, message: impl Into<String>) -> PyErr {
+    NativeError::new_err((kind.to_string(), message.into()))
+}
+
+fn client_err(e: ClientError) -> PyErr {
+    let text = e.to_string();
+    match &e {
+        ClientError::Shape(_) => err("shape", text),
+        ClientError::NonFinite(_) => err("nonfinite", text),
+        ClientError::JoinTimeout { .. } => err("unavailable", text),
+        ClientError::BadMap(_) => err("config", text),
+        ClientError::Rpc(RpcError::Remote { code, .. }) => match code {
+            ErrorCode::WrongShape => err("shape", text),
+            ErrorCode::NonFinite => err("nonfinite", text),
+            ErrorCode::Unauthorized => err("unauthorized", text),
+            _ => err("server", text),
+        },
+        ClientError::Rpc(RpcError::Connection { .. } | RpcError::Timeout { .. }) => err("unavailable", text),
+        ClientError::Rpc(RpcError::Identity { .. } | RpcError::Setup(_)) => err("config", text),
+        ClientError::Rpc(_) => err("server", text),
+    }
+}
+
+/// The floats in `bytes` (little-endian float32), checked against `expected` elements.
+fn floats(what: &str, bytes: &[u8], expected: usize) -> PyResult<Vec<f32>> {
+    if bytes.len() != expected * 4 {
+        return Err(err("shape", format!("{what}: expected {expected} float32 values, got {} bytes", bytes.len())));
+    }
+    Ok(bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect())
+}
+
+fn to_bytearray<'py>(py: Python<'py>, values: &[f32]) -> Bound<'py, PyByteArray> {
+    PyByteArray::new(py, bytemuck::cast_slice(values))
+}
+
+/// One worker (or observer) connected to a gaps cluster.
+#[pyclass(module = "gaps._gaps")]
+struct NativeClient {
+    runtime: tokio::runtime::Runtime,
+    client: Option<Client>,
+    heartbeats: Option<tokio::task::JoinHandle<()>>,
+    /// The last dense pull: the next push's gradients were computed on it.
+    last: Option<Snapshot>,
+    /// The last rows pulled per table: the next push of that table's rows refers to them.
+    rows: HashMap<u32, SparseRows>,
+}
+
+impl NativeClient {
+    fn client(&self) -> PyResult<&Client> {
+        self.client.as_ref().ok_or_else(|| err("closed", "the client is closed"))
+    }
+
+    fn table_index(&self, table: &str) -> PyResult<u32> {
+        let layout = self.client()?.layout();
+        layout
+            .tables
+            .iter()
+            .position(|t| t.name == table)
+            .map(|i| i as u32)
+            .ok_or_else(|| err("unknown", format!("the cluster serves no table {table:?}")))
+    }
+
+    fn ids(bytes: &[u8]) -> PyResult<Vec<u64>> {
+        if bytes.len() % 8 != 0 {
+            return Err(err("shape", "ids must be uint64 values"));
+        }
+        Ok(bytes.chunks_exact(8).map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8]))).collect())
+    }
+}
+
+#[pymethods]
+impl NativeClient {
+    /// Registers with the coordinator and connects to every shard (waiting up to `connect_timeout`).
+    #[new]
+    #[pyo3(signature = (coordinator, ca, cert, key, name, observer, connect_timeout, rpc_timeout, shard_down_timeout))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        coordinator: String,
+        ca: String,
+        cert: String,
+        key: String,
+        name: String,
+        observer: bool,
+        connect_timeout: f64,
+        rpc_timeout: f64,
+        shard_down_timeout: f64,
+    ) -> PyResult<Self> {
+        let seconds = |what: &str, s: f64| {
+            Duration::try_from_secs_f64(s)
+                .map_err(|_| err("config", format!("{what} must be a positive number of seconds")))
+        };
+        let tls =
+            TlsMaterial::load(ca.as_ref(), cert.as_ref(), key.as_ref()).map_err(|e| err("config", e.to_string()))?;
+        let role = if observer { Role::Observer } else { Role::Worker };
+        let mut opts = ClientOptions::new(coordinator, tls, role, name);
+        opts.connect_timeout = seconds("connect_timeout", connect_timeout)?;
+        opts.rpc_timeout = seconds("rpc_timeout", rpc_timeout)?;
+        opts.shard_down_timeout = seconds("shard_down_timeout", shard_down_timeout)?;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .thread_name("gaps-client")
+            .build()
+            .map_err(|e| err("config", format!("starting the client's runtime: {e}")))?;
+        let client = py.allow_threads(|| runtime.block_on(Client::connect(opts))).map_err(client_err)?;
+        let heartbeats = client.worker_id().map(|_| {
+            let lease = Duration::from_millis(u64::from(client.map().lease_ms));
+            let _guard = runtime.enter();
+            client.spawn_heartbeats((lease / 3).max(Duration::from_millis(100)))
+        });
+        Ok(NativeClient { runtime, client: Some(client), heartbeats, last: None, rows: HashMap::new() })
+    }
+
+    /// The worker id (None for an observer).
+    fn worker_id(&self) -> PyResult<Option<u32>> {
+        Ok(self.client()?.worker_id())
+    }
+
+    /// The cluster's layout: `{"tensors": [{"name", "shape"}], "tables": [{"name", "dim"}], "epoch", "shards"}`.
+    fn layout<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let client = self.client()?;
+        let layout = client.layout();
+        let tensors = PyList::empty(py);
+        for t in &layout.tensors {
+            let d = PyDict::new(py);
+            d.set_item("name", &t.name)?;
+            d.set_item("shape", t.shape.clone())?;
+            tensors.append(d)?;
+        }
+        let tables = PyList::empty(py);
+        for t in &layout.tables {
+            let d = PyDict::new(py);
+            d.set_item("name", &t.name)?;
+            d.set_item("dim", t.dim)?;
+            tables.append(d)?;
+        }
+        let out = PyDict::new(py);
+        out.set_item("tensors", tensors)?;
+        out.set_item("tables", tables)?;
+        out.set_item("epoch", client.map().epoch)?;
+        out.set_item("shards", client.map().num_shards)?;
+        Ok(out)
+    }
+
+    /// Pulls every dense tensor (layout order) as float32 bytes; remembered for the next push.
+    fn pull_all<'py>(&mut self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyByteArray>>> {
+        let client = self.client()?.clone();
+        let snapshot = py.allow_threads(|| self.runtime.block_on(client.pull())).map_err(client_err)?;
+        let out = snapshot.tensors.iter().map(|t| to_bytearray(py, t)).collect();
+        self.last = Some(snapshot);
+        Ok(out)
+    }
+
+    /// Pushes one gradient per dense tensor (layout order, float32 bytes) computed on the last pull.
+    #[pyo3(signature = (grads, compute_seconds=None))]
+    fn push(&mut self, py: Python<'_>, grads: Vec<Vec<u8>>, compute_seconds: Option<f64>) -> PyResult<()> {
+        let client = self.client()?.clone();
+        let snapshot = self.last.as_ref().ok_or_else(|| err("shape", "push needs a pull first (pull_all or pull)"))?;
+        let layout = client.layout();
+        if grads.len() != layout.tensors.len() {
+            return Err(err("shape", format!("expected {} gradients, got {}", layout.tensors.len(), grads.len())));
+        }
+        let grads = grads
+            .iter()
+            .zip(&layout.tensors)
+            .map(|(g, spec)| floats(&format!("the gradient of {}", spec.name), g, spec.len as usize))
+            .collect::<PyResult<Vec<_>>>()?;
+        if let Some(s) = compute_seconds {
+            let d = Duration::try_from_secs_f64(s).map_err(|_| err("config", "compute_seconds must be ≥ 0"))?;
+            client.report_compute_time(d);
+        }
+        py.allow_threads(|| self.runtime.block_on(client.push(grads, snapshot))).map_err(client_err)?;
+        Ok(())
+    }
+
+    /// Rows of `table` for `ids` (uint64 bytes): `len(ids) × dim` float32 bytes; created on first use
+    /// unless `create` is false. Remembered for the next `push_rows` of the table.
+    #[pyo3(signature = (table, ids, create=true))]
+    fn pull_rows<'py>(
+        &mut self,
+        py: Python<'py>,
+        table: &str,
+        ids: Vec<u8>,
+        create: bool,
+    ) -> PyResult<Bound<'py, PyByteArray>> {
+        let t = self.table_index(table)?;
+        let ids = Self::ids(&ids)?;
+        let client = self.client()?.clone();
+        let rows =
+            py.allow_threads(|| self.runtime.block_on(client.pull_sparse(t, &ids, create))).map_err(client_err)?;
+        let out = to_bytearray(py, &rows.values);
+        self.rows.insert(t, rows);
+        Ok(out)
+    }
+
+    /// Pushes gradients (`len(ids) × dim` float32 bytes) for the rows of `table` last pulled with `ids`.
+    fn push_rows(&mut self, py: Python<'_>, table: &str, ids: Vec<u8>, grads: Vec<u8>) -> PyResult<()> {
+        let t = self.table_index(table)?;
+        let ids = Self::ids(&ids)?;
+        let client = self.client()?.clone();
+        let rows = self.rows.get(&t).filter(|r| r.ids == ids).ok_or_else(|| {
+            err("shape", format!("push_rows({table:?}) needs the ids of the last pull_rows of the table"))
+        })?;
+        let grads = floats(&format!("the row gradients of {table}"), &grads, rows.values.len())?;
+        py.allow_threads(|| self.runtime.block_on(client.push_sparse(t, rows, &grads))).map_err(client_err)?;
+        Ok(())
+    }
+
+    /// Per-shard counters: a list of dicts.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let client = self.client()?.clone();
+        let stats = py.allow_threads(|| self.runtime.block_on(client.stats())).map_err(client_err)?;
+        stats
+            .into_iter()
+            .map(|s| {
+                let d = PyDict::new(py);
+                d.set_item("shard", s.shard)?;
+                d.set_item("pushes_applied", s.pushes_applied)?;
+                d.set_item("pushes_duplicate", s.pushes_duplicate)?;
+                d.set_item("pushes_rejected", s.pushes_rejected)?;
+                d.set_item("pulls", s.pulls)?;
+                d.set_item("table_rows", s.table_rows)?;
+                d.set_item("live_workers", s.live_workers)?;
+                Ok(d)
+            })
+            .collect()
+    }
+
+    /// Test hook: the next `n` requests are sent and then their connection is cut before the reply, so the
+    /// client must retry them (with the same sequence numbers).
+    fn inject_connection_drops(&self, n: u32) -> PyResult<()> {
+        self.client()?.inject_connection_drops(n);
+        Ok(())
+    }
+
+    /// Shard pushes acknowledged so far.
+    fn pushes_acknowledged(&self) -> PyResult<u64> {
+        Ok(self.client()?.pushes_acknowledged())
+    }
+
+    /// Leaves the job (a worker) and closes the connections. Idempotent.
+    fn close(&mut self, py: Python<'_>) -> PyResult<()> {
+        if let Some(h) = self.heartbeats.take() {
+            h.abort();
+        }
+        if let Some(client) = self.client.take() {
+            let left = py.allow_threads(|| {
+                self.runtime.block_on(async {
+                    let left = client.leave().await;
+                    client.close().await;
+                    left
+                })
+            });
+            left.map_err(client_err)?;
+        }
+        Ok(())
+    }
+}
+
+/// The `gaps._gaps` module.
+#[pymodule]
+fn _gaps(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<NativeClient>()?;
+    m.add("NativeError", m.py().get_type::<NativeError>())?;
+    Ok(())
+}
