@@ -325,14 +325,14 @@ impl LocalReport {
     }
 }
 
-struct Proc {
-    name: String,
-    child: Child,
+pub(crate) struct Proc {
+    pub(crate) name: String,
+    pub(crate) child: Child,
     log: PathBuf,
 }
 
 impl Proc {
-    fn log_tail(&self) -> String {
+    pub(crate) fn log_tail(&self) -> String {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
         // The error and its causes matter here, not a backtrace after them.
         let text = text.split("\nStack backtrace:").next().unwrap_or_default();
@@ -350,7 +350,7 @@ fn spawn_role(exe: &Path, binary: Option<&Path>, name: &str, args: &[String], di
     }
 }
 
-fn spawn(exe: &Path, name: &str, args: &[String], dir: &Path) -> Result<Proc> {
+pub(crate) fn spawn(exe: &Path, name: &str, args: &[String], dir: &Path) -> Result<Proc> {
     let log = dir.join(format!("{name}.log"));
     let log_file = std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
     let mut cmd = Command::new(exe);
@@ -367,7 +367,7 @@ fn spawn(exe: &Path, name: &str, args: &[String], dir: &Path) -> Result<Proc> {
 
 /// Reads the `{"event":"listening",…}` line of a server and returns its address.
 /// Reads a server's `listening` line: its address and the version it restored, if it restored.
-async fn listening_addr(p: &mut Proc, timeout: Duration) -> Result<(String, Option<u64>)> {
+pub(crate) async fn listening_addr(p: &mut Proc, timeout: Duration) -> Result<(String, Option<u64>)> {
     let stdout = p.child.stdout.take().context("server stdout")?;
     let mut lines = BufReader::new(stdout).lines();
     let line = tokio::time::timeout(timeout, lines.next_line())
@@ -406,7 +406,7 @@ fn eval_loss(data: &SyntheticLogreg, tensors: &[Vec<f32>], n: u32) -> f32 {
     logreg_loss(tensors, &xs, &ys)
 }
 
-fn terminate(p: &Proc) {
+pub(crate) fn terminate(p: &Proc) {
     if let Some(pid) = p.child.id() {
         // SIGTERM lets the shard finish in-flight RPCs and close its endpoint cleanly.
         #[allow(unsafe_code)]

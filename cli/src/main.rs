@@ -19,6 +19,9 @@ enum Command {
     /// Start a whole cluster of real server and worker processes on 127.0.0.1 with throwaway certificates,
     /// train the built-in model, report, and stop everything.
     Local(gaps_cli::local::LocalArgs),
+    /// Start shards for a layout file on this machine and keep them running (for a Python training script):
+    /// prints the coordinator's address and a worker's credentials.
+    Cluster(gaps_cli::cluster::ClusterArgs),
     /// Simulate asynchronous training with N virtual workers and virtual time, deterministically.
     Sim(SimCommand),
     /// Make a cluster CA plus server and worker certificates in a folder.
@@ -202,6 +205,7 @@ async fn main() -> Result<()> {
     let quiet = matches!(
         cli.command,
         Command::Local(_)
+            | Command::Cluster(_)
             | Command::Bench(_)
             | Command::Certs(_)
             | Command::Sim(_)
@@ -210,6 +214,7 @@ async fn main() -> Result<()> {
     );
     gaps_transport::init_logging(if quiet { "warn" } else { "info" });
     match cli.command {
+        Command::Cluster(args) => gaps_cli::cluster::run(&args).await?,
         Command::Local(args) => {
             let report = gaps_cli::local::run(&args).await?;
             eprintln!(

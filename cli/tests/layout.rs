@@ -196,3 +196,46 @@ fn bad_layout_files_stop_the_server_with_the_reason() {
     assert!(!missing.status.success());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn gaps_cluster_serves_a_layout_until_stopped_and_prints_a_workers_credentials() {
+    let dir = temp_dir("cluster");
+    let layout = dir.join("own.toml");
+    std::fs::write(&layout, OWN_MODEL).expect("write layout");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_gaps"))
+        .args(["cluster", "--servers", "2", "--server-arg=--rule=sgd"])
+        .arg(format!("--layout={}", layout.display()))
+        .arg(format!("--dir={}", dir.join("run").display()))
+        .env("GAPS_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start gaps cluster");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("read");
+    let v: serde_json::Value = serde_json::from_str(&line).expect("one JSON line");
+    let s = |k: &str| v[k].as_str().unwrap_or_else(|| panic!("{k} in {line}")).to_string();
+    // The printed credentials are a worker's, ready for a client.
+    let tls = gaps_transport::tls::TlsMaterial::load(s("ca").as_ref(), s("cert").as_ref(), s("key").as_ref())
+        .expect("credentials");
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    rt.block_on(async {
+        let mut o = ClientOptions::new(s("coordinator"), tls, Role::Worker, "t");
+        o.connect_timeout = Duration::from_secs(20);
+        let c = Client::connect(o).await.expect("connect");
+        assert_eq!(c.map().num_shards, 2);
+        let snap = c.pull().await.expect("pull");
+        c.push(snap.tensors.iter().map(|t| vec![0.1; t.len()]).collect(), &snap).await.expect("push");
+        c.leave().await.expect("leave");
+        c.close().await;
+    });
+    // SIGTERM stops the shards and the command exits cleanly.
+    #[allow(unsafe_code)]
+    // SAFETY: kill(2) on the child we spawned with a valid signal number.
+    unsafe {
+        libc::kill(child.id() as libc::pid_t, libc::SIGTERM);
+    }
+    let status = child.wait().expect("wait");
+    assert!(status.success(), "{status}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -88,10 +88,15 @@ def local_cluster(
     rule: str = "sgd",
     lr: float = 0.05,
     mode: str = "async",
+    init_std: float = 0.0,
     extra_args: list[str] | None = None,
     start_timeout: float = 60.0,
 ):
-    """Starts ``servers`` shards serving the layout file ``layout``; yields a :class:`LocalCluster`."""
+    """Starts ``servers`` shards serving the layout file ``layout``; yields a :class:`LocalCluster`.
+
+    ``rule``, ``lr``, ``mode`` and ``init_std`` (the standard deviation of the dense tensors' random
+    initial values; 0 starts them at zero) are the shards' flags; ``extra_args`` adds others.
+    """
     gaps = find_gaps()
     workdir = tempfile.mkdtemp(prefix="gaps-cluster-")
     shards: list[subprocess.Popen] = []
@@ -118,6 +123,7 @@ def local_cluster(
                 f"--rule={rule}",
                 f"--lr={lr}",
                 f"--mode={mode}",
+                f"--init-std={init_std}",
             ]
             if coordinator:
                 args.append(f"--coordinator={coordinator}")

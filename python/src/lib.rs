@@ -16,6 +16,7 @@ use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyDict, PyList};
 use std::collections::HashMap;
+use std::sync::Mutex;
 use std::time::Duration;
 
 pyo3::create_exception!(_gaps, NativeError, PyException, "An error of the gaps client: args are (kind, message).");
@@ -57,26 +58,36 @@ fn to_bytearray<'py>(py: Python<'py>, values: &[f32]) -> Bound<'py, PyByteArray>
     PyByteArray::new(py, bytemuck::cast_slice(values))
 }
 
-/// One worker (or observer) connected to a gaps cluster.
+/// Row pulls remembered per table for the pushes that refer to them (a prefetch may pull the next
+/// batch's rows before the current batch's are pushed).
+const REMEMBERED_PULLS: usize = 4;
+
+fn poisoned<T>(_: T) -> PyErr {
+    err("server", "a lock of the client was poisoned by an earlier panic")
+}
+
+/// One worker (or observer) connected to a gaps cluster. Safe to use from several Python threads (a
+/// prefetching thread beside the training loop): every method takes `&self`.
 #[pyclass(module = "gaps._gaps")]
 struct NativeClient {
     runtime: tokio::runtime::Runtime,
-    client: Option<Client>,
-    heartbeats: Option<tokio::task::JoinHandle<()>>,
+    client: Mutex<Option<Client>>,
+    heartbeats: Mutex<Option<tokio::task::JoinHandle<()>>>,
     /// The last dense pull: the next push's gradients were computed on it.
-    last: Option<Snapshot>,
-    /// The last rows pulled per table: the next push of that table's rows refers to them.
-    rows: HashMap<u32, SparseRows>,
+    last: Mutex<Option<Snapshot>>,
+    /// Recent row pulls per table, newest last: a push of rows refers to the pull of the same ids.
+    rows: Mutex<HashMap<u32, Vec<SparseRows>>>,
 }
 
 impl NativeClient {
-    fn client(&self) -> PyResult<&Client> {
-        self.client.as_ref().ok_or_else(|| err("closed", "the client is closed"))
+    fn client(&self) -> PyResult<Client> {
+        self.client.lock().map_err(poisoned)?.clone().ok_or_else(|| err("closed", "the client is closed"))
     }
 
     fn table_index(&self, table: &str) -> PyResult<u32> {
-        let layout = self.client()?.layout();
-        layout
+        let client = self.client()?;
+        client
+            .layout()
             .tables
             .iter()
             .position(|t| t.name == table)
@@ -133,7 +144,13 @@ impl NativeClient {
             let _guard = runtime.enter();
             client.spawn_heartbeats((lease / 3).max(Duration::from_millis(100)))
         });
-        Ok(NativeClient { runtime, client: Some(client), heartbeats, last: None, rows: HashMap::new() })
+        Ok(NativeClient {
+            runtime,
+            client: Mutex::new(Some(client)),
+            heartbeats: Mutex::new(heartbeats),
+            last: Mutex::new(None),
+            rows: Mutex::new(HashMap::new()),
+        })
     }
 
     /// The worker id (None for an observer).
@@ -168,19 +185,20 @@ impl NativeClient {
     }
 
     /// Pulls every dense tensor (layout order) as float32 bytes; remembered for the next push.
-    fn pull_all<'py>(&mut self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyByteArray>>> {
-        let client = self.client()?.clone();
+    fn pull_all<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyByteArray>>> {
+        let client = self.client()?;
         let snapshot = py.allow_threads(|| self.runtime.block_on(client.pull())).map_err(client_err)?;
         let out = snapshot.tensors.iter().map(|t| to_bytearray(py, t)).collect();
-        self.last = Some(snapshot);
+        *self.last.lock().map_err(poisoned)? = Some(snapshot);
         Ok(out)
     }
 
     /// Pushes one gradient per dense tensor (layout order, float32 bytes) computed on the last pull.
     #[pyo3(signature = (grads, compute_seconds=None))]
-    fn push(&mut self, py: Python<'_>, grads: Vec<Vec<u8>>, compute_seconds: Option<f64>) -> PyResult<()> {
-        let client = self.client()?.clone();
-        let snapshot = self.last.as_ref().ok_or_else(|| err("shape", "push needs a pull first (pull_all or pull)"))?;
+    fn push(&self, py: Python<'_>, grads: Vec<Vec<u8>>, compute_seconds: Option<f64>) -> PyResult<()> {
+        let client = self.client()?;
+        let snapshot = self.last.lock().map_err(poisoned)?.clone();
+        let snapshot = snapshot.ok_or_else(|| err("shape", "push needs a pull first (pull_all or pull)"))?;
         let layout = client.layout();
         if grads.len() != layout.tensors.len() {
             return Err(err("shape", format!("expected {} gradients, got {}", layout.tensors.len(), grads.len())));
@@ -194,7 +212,7 @@ impl NativeClient {
             let d = Duration::try_from_secs_f64(s).map_err(|_| err("config", "compute_seconds must be ≥ 0"))?;
             client.report_compute_time(d);
         }
-        py.allow_threads(|| self.runtime.block_on(client.push(grads, snapshot))).map_err(client_err)?;
+        py.allow_threads(|| self.runtime.block_on(client.push(grads, &snapshot))).map_err(client_err)?;
         Ok(())
     }
 
@@ -202,7 +220,7 @@ impl NativeClient {
     /// unless `create` is false. Remembered for the next `push_rows` of the table.
     #[pyo3(signature = (table, ids, create=true))]
     fn pull_rows<'py>(
-        &mut self,
+        &self,
         py: Python<'py>,
         table: &str,
         ids: Vec<u8>,
@@ -210,30 +228,54 @@ impl NativeClient {
     ) -> PyResult<Bound<'py, PyByteArray>> {
         let t = self.table_index(table)?;
         let ids = Self::ids(&ids)?;
-        let client = self.client()?.clone();
+        let client = self.client()?;
         let rows =
             py.allow_threads(|| self.runtime.block_on(client.pull_sparse(t, &ids, create))).map_err(client_err)?;
         let out = to_bytearray(py, &rows.values);
-        self.rows.insert(t, rows);
+        let mut remembered = self.rows.lock().map_err(poisoned)?;
+        let pulls = remembered.entry(t).or_default();
+        pulls.retain(|r| r.ids != rows.ids);
+        pulls.push(rows);
+        if pulls.len() > REMEMBERED_PULLS {
+            pulls.remove(0);
+        }
         Ok(out)
     }
 
     /// Pushes gradients (`len(ids) × dim` float32 bytes) for the rows of `table` last pulled with `ids`.
-    fn push_rows(&mut self, py: Python<'_>, table: &str, ids: Vec<u8>, grads: Vec<u8>) -> PyResult<()> {
+    fn push_rows(&self, py: Python<'_>, table: &str, ids: Vec<u8>, grads: Vec<u8>) -> PyResult<()> {
         let t = self.table_index(table)?;
         let ids = Self::ids(&ids)?;
-        let client = self.client()?.clone();
-        let rows = self.rows.get(&t).filter(|r| r.ids == ids).ok_or_else(|| {
-            err("shape", format!("push_rows({table:?}) needs the ids of the last pull_rows of the table"))
-        })?;
+        let client = self.client()?;
+        let rows = {
+            let mut remembered = self.rows.lock().map_err(poisoned)?;
+            let pulls = remembered.entry(t).or_default();
+            let Some(at) = pulls.iter().rposition(|r| r.ids == ids) else {
+                return Err(err(
+                    "shape",
+                    format!(
+                        "push_rows({table:?}) needs ids pulled with pull_rows (one of the last {REMEMBERED_PULLS})"
+                    ),
+                ));
+            };
+            floats(&format!("the row gradients of {table}"), &grads, pulls[at].values.len())?;
+            pulls.remove(at)
+        };
         let grads = floats(&format!("the row gradients of {table}"), &grads, rows.values.len())?;
-        py.allow_threads(|| self.runtime.block_on(client.push_sparse(t, rows, &grads))).map_err(client_err)?;
+        let pushed = py.allow_threads(|| self.runtime.block_on(client.push_sparse(t, &rows, &grads)));
+        if pushed.is_err() {
+            // Not pushed: the pull stays usable for another attempt.
+            if let Ok(mut remembered) = self.rows.lock() {
+                remembered.entry(t).or_default().push(rows);
+            }
+        }
+        pushed.map_err(client_err)?;
         Ok(())
     }
 
     /// Per-shard counters: a list of dicts.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
-        let client = self.client()?.clone();
+        let client = self.client()?;
         let stats = py.allow_threads(|| self.runtime.block_on(client.stats())).map_err(client_err)?;
         stats
             .into_iter()
@@ -264,11 +306,12 @@ impl NativeClient {
     }
 
     /// Leaves the job (a worker) and closes the connections. Idempotent.
-    fn close(&mut self, py: Python<'_>) -> PyResult<()> {
-        if let Some(h) = self.heartbeats.take() {
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        if let Some(h) = self.heartbeats.lock().map_err(poisoned)?.take() {
             h.abort();
         }
-        if let Some(client) = self.client.take() {
+        let client = self.client.lock().map_err(poisoned)?.take();
+        if let Some(client) = client {
             let left = py.allow_threads(|| {
                 self.runtime.block_on(async {
                     let left = client.leave().await;
