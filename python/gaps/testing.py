@@ -75,8 +75,16 @@ def _read_listening(proc: subprocess.Popen, what: str, timeout: float) -> dict:
     t.start()
     t.join(timeout)
     if not result:
+        exited = proc.poll() is not None
         proc.kill()
-        raise RuntimeError(f"{what} did not start within {timeout}s; see its log in {getattr(proc, 'log_path', '?')}")
+        proc.wait()
+        try:
+            with open(proc.log_path, encoding="utf-8", errors="replace") as f:
+                tail = "".join(f.readlines()[-15:])
+        except (OSError, AttributeError):
+            tail = "(no log)"
+        state = "exited" if exited else f"did not start within {timeout}s"
+        raise RuntimeError(f"{what} {state}; its log ends with:\n{tail}")
     return result
 
 

@@ -14,7 +14,7 @@ use gaps_transport::tls::TlsMaterial;
 use gaps_worker::client::{Client, ClientError, ClientOptions, Snapshot, SparseRows};
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyDict, PyList};
+use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList};
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
@@ -51,7 +51,13 @@ fn floats(what: &str, bytes: &[u8], expected: usize) -> PyResult<Vec<f32>> {
     if bytes.len() != expected * 4 {
         return Err(err("shape", format!("{what}: expected {expected} float32 values, got {} bytes", bytes.len())));
     }
-    Ok(bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect())
+    // One copy (a memcpy on little-endian hosts), whatever the bytes' alignment.
+    let mut out = vec![0f32; expected];
+    bytemuck::cast_slice_mut::<f32, u8>(&mut out).copy_from_slice(bytes);
+    if cfg!(target_endian = "big") {
+        out.iter_mut().for_each(|v| *v = f32::from_bits(u32::from_le(v.to_bits())));
+    }
+    Ok(out)
 }
 
 fn to_bytearray<'py>(py: Python<'py>, values: &[f32]) -> Bound<'py, PyByteArray> {
@@ -99,7 +105,12 @@ impl NativeClient {
         if bytes.len() % 8 != 0 {
             return Err(err("shape", "ids must be uint64 values"));
         }
-        Ok(bytes.chunks_exact(8).map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8]))).collect())
+        let mut out = vec![0u64; bytes.len() / 8];
+        bytemuck::cast_slice_mut::<u64, u8>(&mut out).copy_from_slice(bytes);
+        if cfg!(target_endian = "big") {
+            out.iter_mut().for_each(|v| *v = u64::from_le(*v));
+        }
+        Ok(out)
     }
 }
 
@@ -195,7 +206,7 @@ impl NativeClient {
 
     /// Pushes one gradient per dense tensor (layout order, float32 bytes) computed on the last pull.
     #[pyo3(signature = (grads, compute_seconds=None))]
-    fn push(&self, py: Python<'_>, grads: Vec<Vec<u8>>, compute_seconds: Option<f64>) -> PyResult<()> {
+    fn push(&self, py: Python<'_>, grads: Vec<Bound<'_, PyBytes>>, compute_seconds: Option<f64>) -> PyResult<()> {
         let client = self.client()?;
         let snapshot = self.last.lock().map_err(poisoned)?.clone();
         let snapshot = snapshot.ok_or_else(|| err("shape", "push needs a pull first (pull_all or pull)"))?;
@@ -206,7 +217,7 @@ impl NativeClient {
         let grads = grads
             .iter()
             .zip(&layout.tensors)
-            .map(|(g, spec)| floats(&format!("the gradient of {}", spec.name), g, spec.len as usize))
+            .map(|(g, spec)| floats(&format!("the gradient of {}", spec.name), g.as_bytes(), spec.len as usize))
             .collect::<PyResult<Vec<_>>>()?;
         if let Some(s) = compute_seconds {
             let d = Duration::try_from_secs_f64(s).map_err(|_| err("config", "compute_seconds must be ≥ 0"))?;
@@ -223,11 +234,11 @@ impl NativeClient {
         &self,
         py: Python<'py>,
         table: &str,
-        ids: Vec<u8>,
+        ids: &[u8],
         create: bool,
     ) -> PyResult<Bound<'py, PyByteArray>> {
         let t = self.table_index(table)?;
-        let ids = Self::ids(&ids)?;
+        let ids = Self::ids(ids)?;
         let client = self.client()?;
         let rows =
             py.allow_threads(|| self.runtime.block_on(client.pull_sparse(t, &ids, create))).map_err(client_err)?;
@@ -243,9 +254,9 @@ impl NativeClient {
     }
 
     /// Pushes gradients (`len(ids) × dim` float32 bytes) for the rows of `table` last pulled with `ids`.
-    fn push_rows(&self, py: Python<'_>, table: &str, ids: Vec<u8>, grads: Vec<u8>) -> PyResult<()> {
+    fn push_rows(&self, py: Python<'_>, table: &str, ids: &[u8], grads: &[u8]) -> PyResult<()> {
         let t = self.table_index(table)?;
-        let ids = Self::ids(&ids)?;
+        let ids = Self::ids(ids)?;
         let client = self.client()?;
         let rows = {
             let mut remembered = self.rows.lock().map_err(poisoned)?;
@@ -258,10 +269,12 @@ impl NativeClient {
                     ),
                 ));
             };
-            floats(&format!("the row gradients of {table}"), &grads, pulls[at].values.len())?;
+            if grads.len() != pulls[at].values.len() * 4 {
+                floats(&format!("the row gradients of {table}"), grads, pulls[at].values.len())?;
+            }
             pulls.remove(at)
         };
-        let grads = floats(&format!("the row gradients of {table}"), &grads, rows.values.len())?;
+        let grads = floats(&format!("the row gradients of {table}"), grads, rows.values.len())?;
         let pushed = py.allow_threads(|| self.runtime.block_on(client.push_sparse(t, &rows, &grads)));
         if pushed.is_err() {
             // Not pushed: the pull stays usable for another attempt.
@@ -298,6 +311,43 @@ impl NativeClient {
     fn inject_connection_drops(&self, n: u32) -> PyResult<()> {
         self.client()?.inject_connection_drops(n);
         Ok(())
+    }
+
+    /// The same round trips as a Python loop of `pull_all` + `push` (zero gradients), `iterations` times,
+    /// in Rust without returning to Python: the baseline of the binding's bench. Returns seconds.
+    fn bench_dense(&self, py: Python<'_>, iterations: u32) -> PyResult<f64> {
+        let client = self.client()?;
+        py.allow_threads(|| {
+            self.runtime.block_on(async {
+                let started = std::time::Instant::now();
+                for _ in 0..iterations {
+                    let snapshot = client.pull().await?;
+                    let grads = snapshot.tensors.iter().map(|t| vec![0.0; t.len()]).collect();
+                    client.push(grads, &snapshot).await?;
+                }
+                Ok(started.elapsed().as_secs_f64())
+            })
+        })
+        .map_err(client_err)
+    }
+
+    /// `pull_rows` + `push_rows` of `ids` (uint64 bytes) on `table`, `iterations` times, in Rust. Seconds.
+    fn bench_rows(&self, py: Python<'_>, table: &str, ids: &[u8], iterations: u32) -> PyResult<f64> {
+        let t = self.table_index(table)?;
+        let ids = Self::ids(ids)?;
+        let client = self.client()?;
+        py.allow_threads(|| {
+            self.runtime.block_on(async {
+                let started = std::time::Instant::now();
+                for _ in 0..iterations {
+                    let rows = client.pull_sparse(t, &ids, true).await?;
+                    let grads = vec![0.0; rows.values.len()];
+                    client.push_sparse(t, &rows, &grads).await?;
+                }
+                Ok(started.elapsed().as_secs_f64())
+            })
+        })
+        .map_err(client_err)
     }
 
     /// Shard pushes acknowledged so far.
