@@ -24,7 +24,7 @@ import torch
 
 from . import Client, ShapeError, UnknownNameError
 
-__all__ = ["ShardedEmbedding", "DenseParameters", "layout_for"]
+__all__ = ["ShardedEmbedding", "ShardedEmbeddingBag", "DenseParameters", "layout_for"]
 
 
 class _PullRows:
@@ -110,6 +110,16 @@ class ShardedEmbedding(torch.nn.Module):
     def close(self) -> None:
         """Stops the prefetching thread."""
         self._rows.close()
+
+
+class ShardedEmbeddingBag(ShardedEmbedding):
+    """``torch.nn.EmbeddingBag`` over a table on the shards: sums (or, ``mode="mean"``, averages) the rows of
+    each bag, the last axis of ``ids``."""
+
+    def __init__(self, client: Client, table: str, mode: str = "sum"):
+        if mode not in ("sum", "mean"):
+            raise ValueError(f"mode must be 'sum' or 'mean', not {mode!r}")
+        super().__init__(client, table, mode=mode)
 
 
 class DenseParameters:

@@ -92,4 +92,9 @@ def test_mismatched_models_are_refused(tmp_path):
         emb = gt.ShardedEmbedding(client, "emb")
         with pytest.raises(TypeError):
             emb(torch.tensor([0.5]))
+        bag = gt.ShardedEmbeddingBag(client, "emb", mode="mean")
+        ids = torch.tensor([[1, 2], [2, 2]])
+        torch.testing.assert_close(bag(ids), emb(ids).mean(dim=1))
+        assert bag(ids).shape == (2, 4)
         emb.close()
+        bag.close()
