@@ -53,3 +53,32 @@ fn shard_core_corpus_and_regressions_reach_deep_into_the_core() {
     assert!(sum(|s| s.table_rows) > 0, "no input creates a sparse row");
     assert!(sum(|s| s.steps_sync + s.steps_gba) > 0, "no input completes a synchronous step");
 }
+
+/// Seeded random inputs through the same drivers (a bounded, deterministic stand-in for the fuzzer that
+/// every `cargo test` runs): random byte strings choose rules, modes, request sequences, ticks and
+/// checkpoint round trips; mutated corpus inputs reach the decoder's corners.
+#[test]
+fn seeded_random_inputs_keep_every_invariant() {
+    let mut rng = gaps_common::rng::Rng::new(2026);
+    let mut applied = 0;
+    for _ in 0..300 {
+        let len = 1 + rng.below(3000) as usize;
+        let bytes: Vec<u8> = (0..len).map(|_| rng.below(256) as u8).collect();
+        applied += drivers::shard_core(&bytes).pushes_applied;
+    }
+    assert!(applied > 0, "random inputs applied no push at all");
+    for (_, mut bytes) in inputs("frame_decoder") {
+        for _ in 0..20 {
+            if bytes.is_empty() {
+                break;
+            }
+            let at = rng.below(bytes.len() as u64) as usize;
+            match rng.below(3) {
+                0 => bytes[at] ^= 1 << rng.below(8),
+                1 => bytes.truncate(at),
+                _ => bytes.insert(at, rng.below(256) as u8),
+            }
+            drivers::frame_decoder(&bytes);
+        }
+    }
+}
