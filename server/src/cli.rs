@@ -9,6 +9,7 @@ use gaps_shard::{Init, ModeConfig, ShardConfig, SparseSettings};
 use gaps_transport::tls::TlsMaterial;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 use tracing::info;
 
@@ -297,6 +298,7 @@ impl ServerArgs {
                 keep: self.keep_checkpoints as usize,
             }),
             restore: self.restore.clone(),
+            health: None,
         })
     }
 }
@@ -335,12 +337,15 @@ pub async fn run(args: &ServerArgs) -> Result<()> {
     if args.shard_index >= args.num_shards {
         anyhow::bail!("--shard-index {} must be below --num-shards {}", args.shard_index, args.num_shards);
     }
-    let cfg = args.service_config()?;
+    let mut cfg = args.service_config()?;
     let metrics_addr = match args.metrics_addr {
         Some(addr) => {
             let handle = crate::metrics::install_recorder().context("installing the metrics recorder")?;
-            let (bound, _task) =
-                crate::metrics::serve(addr, handle).await.with_context(|| format!("serving metrics on {addr}"))?;
+            let health = Arc::new(crate::metrics::Health::default());
+            cfg.health = Some(health.clone());
+            let (bound, _task) = crate::metrics::serve(addr, handle, health)
+                .await
+                .with_context(|| format!("serving metrics on {addr}"))?;
             Some(bound.to_string())
         }
         None => None,

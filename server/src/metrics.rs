@@ -1,5 +1,7 @@
 //! Prometheus metrics of a shard: handles registered once at start-up, served as text on `/metrics` by a
-//! small hyper HTTP/1.1 service.
+//! small hyper HTTP/1.1 service, beside the health endpoints a cluster manager probes: `/healthz` (the
+//! process is alive and, once serving, its core answers within [`HEALTH_TIMEOUT`]) and `/readyz` (it has
+//! restored, joined the coordinator and serves).
 
 use http_body_util::Full;
 use hyper::body::{Bytes, Incoming};
@@ -9,8 +11,88 @@ use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use metrics::{Counter, Gauge, Histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
 use tracing::{debug, warn};
+
+/// How long `/healthz` waits for the core to answer.
+pub const HEALTH_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Asks the core to answer; resolves to true when it did.
+pub type CoreProbe = Arc<dyn Fn() -> Pin<Box<dyn Future<Output = bool> + Send>> + Send + Sync>;
+
+enum HealthState {
+    Starting(String),
+    Serving(CoreProbe),
+    Stopping,
+}
+
+/// What `/healthz` and `/readyz` report; the service fills it in as it starts and stops.
+pub struct Health {
+    state: Mutex<HealthState>,
+}
+
+impl std::fmt::Debug for Health {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Health").finish_non_exhaustive()
+    }
+}
+
+impl Default for Health {
+    fn default() -> Self {
+        Health { state: Mutex::new(HealthState::Starting("starting".into())) }
+    }
+}
+
+impl Health {
+    /// Still starting: `what` it is doing (restoring, joining the coordinator…).
+    pub fn starting(&self, what: impl Into<String>) {
+        if let Ok(mut s) = self.state.lock() {
+            *s = HealthState::Starting(what.into());
+        }
+    }
+
+    /// Serving; `probe` asks the core to answer.
+    pub fn serving(&self, probe: CoreProbe) {
+        if let Ok(mut s) = self.state.lock() {
+            *s = HealthState::Serving(probe);
+        }
+    }
+
+    /// Shutting down.
+    pub fn stopping(&self) {
+        if let Ok(mut s) = self.state.lock() {
+            *s = HealthState::Stopping;
+        }
+    }
+
+    /// `(alive, why)` for `/healthz`.
+    async fn alive(&self) -> (bool, String) {
+        let probe = match self.state.lock().as_deref() {
+            Ok(HealthState::Starting(what)) => return (true, format!("alive, {what}\n")),
+            Ok(HealthState::Stopping) => return (false, "stopping\n".into()),
+            Ok(HealthState::Serving(probe)) => probe.clone(),
+            Err(_) => return (false, "health state poisoned\n".into()),
+        };
+        match tokio::time::timeout(HEALTH_TIMEOUT, probe()).await {
+            Ok(true) => (true, "ok\n".into()),
+            Ok(false) => (false, "the shard's core thread stopped\n".into()),
+            Err(_) => (false, format!("the shard's core did not answer within {HEALTH_TIMEOUT:?}\n")),
+        }
+    }
+
+    /// `(ready, why)` for `/readyz`.
+    fn ready(&self) -> (bool, String) {
+        match self.state.lock().as_deref() {
+            Ok(HealthState::Serving(_)) => (true, "ready\n".into()),
+            Ok(HealthState::Starting(what)) => (false, format!("not ready: {what}\n")),
+            Ok(HealthState::Stopping) => (false, "not ready: stopping\n".into()),
+            Err(_) => (false, "health state poisoned\n".into()),
+        }
+    }
+}
 
 /// Upper bounds of the RPC latency histogram, seconds.
 pub const RPC_SECONDS_BUCKETS: [f64; 14] =
@@ -157,12 +239,13 @@ pub fn install_recorder() -> anyhow::Result<PrometheusHandle> {
     Ok(handle)
 }
 
-/// Serves `GET /metrics` on `addr` over HTTP/1.1 (hyper) until the task is aborted. Returns the bound
-/// address. A failed accept (for example, out of file descriptors) is logged and retried after a pause
-/// instead of spinning.
+/// Serves `GET /metrics`, `/healthz` and `/readyz` on `addr` over HTTP/1.1 (hyper) until the task is
+/// aborted. Returns the bound address. A failed accept (for example, out of file descriptors) is logged
+/// and retried after a pause instead of spinning.
 pub async fn serve(
     addr: SocketAddr,
     handle: PrometheusHandle,
+    health: Arc<Health>,
 ) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     let bound = listener.local_addr()?;
@@ -177,9 +260,10 @@ pub async fn serve(
                 }
             };
             let handle = handle.clone();
+            let health = health.clone();
             let service = service_fn(move |request: Request<Incoming>| {
-                let handle = handle.clone();
-                async move { Ok::<_, std::convert::Infallible>(respond(&request, &handle)) }
+                let (handle, health) = (handle.clone(), health.clone());
+                async move { Ok::<_, std::convert::Infallible>(respond(&request, &handle, &health).await) }
             });
             tokio::spawn(async move {
                 let connection = hyper::server::conn::http1::Builder::new()
@@ -195,12 +279,24 @@ pub async fn serve(
     Ok((bound, task))
 }
 
-/// The reply to one request: the metrics for `GET /metrics`, 404 for other paths, 405 for other methods.
-fn respond(request: &Request<Incoming>, handle: &PrometheusHandle) -> Response<Full<Bytes>> {
+/// The reply to one request: the metrics for `GET /metrics`, 200 or 503 with the reason for `GET /healthz`
+/// and `GET /readyz`, 404 for other paths, 405 for other methods.
+async fn respond(request: &Request<Incoming>, handle: &PrometheusHandle, health: &Health) -> Response<Full<Bytes>> {
+    let status = |ok: bool| if ok { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     let (status, body) = match (request.method(), request.uri().path()) {
         (&Method::GET, "/metrics") => (StatusCode::OK, handle.render()),
-        (_, "/metrics") => (StatusCode::METHOD_NOT_ALLOWED, "only GET is served here\n".to_string()),
-        _ => (StatusCode::NOT_FOUND, "only GET /metrics is served here\n".to_string()),
+        (&Method::GET, "/healthz") => {
+            let (ok, why) = health.alive().await;
+            (status(ok), why)
+        }
+        (&Method::GET, "/readyz") => {
+            let (ok, why) = health.ready();
+            (status(ok), why)
+        }
+        (_, "/metrics" | "/healthz" | "/readyz") => {
+            (StatusCode::METHOD_NOT_ALLOWED, "only GET is served here\n".to_string())
+        }
+        _ => (StatusCode::NOT_FOUND, "only GET /metrics, /healthz and /readyz are served here\n".to_string()),
     };
     let mut response = Response::new(Full::new(Bytes::from(body)));
     *response.status_mut() = status;

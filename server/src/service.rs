@@ -68,6 +68,8 @@ pub struct ServiceConfig {
     pub checkpoint: Option<CheckpointConfig>,
     /// Whether to start from a checkpoint.
     pub restore: Restore,
+    /// Where `/healthz` and `/readyz` read the shard's state (None: no health endpoints).
+    pub health: Option<Arc<crate::metrics::Health>>,
 }
 
 impl ServiceConfig {
@@ -90,6 +92,7 @@ impl ServiceConfig {
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
             checkpoint: None,
             restore: Restore::Never,
+            health: None,
         }
     }
 }
@@ -299,6 +302,7 @@ pub struct RunningServer {
     shutdown: watch::Sender<bool>,
     task: tokio::task::JoinHandle<()>,
     shared: Arc<Shared>,
+    health: Option<Arc<crate::metrics::Health>>,
 }
 
 impl std::fmt::Debug for Shared {
@@ -371,6 +375,9 @@ impl RunningServer {
     /// Stops accepting, lets in-flight RPCs finish (up to a few seconds), closes the endpoint, and — when
     /// the shard keeps checkpoints — writes a final one.
     pub async fn shutdown(self) -> Result<()> {
+        if let Some(h) = &self.health {
+            h.stopping();
+        }
         let _ = self.shutdown.send(true);
         self.task.await.context("joining the server task")?;
         if self.shared.store.is_some() {
@@ -418,6 +425,13 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
     };
     cfg.core.advertise = advertise.clone();
     let shard = cfg.core.shard;
+    let health = cfg.health.clone();
+    let report = |what: &str| {
+        if let Some(h) = &health {
+            h.starting(what);
+        }
+    };
+    report("restoring");
     let store = match &cfg.checkpoint {
         Some(c) => Some(CheckpointStore::open(&c.dir, shard, c.keep)?),
         None => None,
@@ -448,6 +462,7 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
         None => {}
     }
     let auth_key = if shard != 0 {
+        report("joining the coordinator");
         let coordinator =
             cfg.coordinator.clone().context("shards other than 0 need --coordinator (shard 0's address)")?;
         join_coordinator(&endpoint, &coordinator, &own.cluster, &mut core, cfg.join_timeout).await?
@@ -554,8 +569,24 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
     let task = tokio::spawn(
         serve(endpoint, shared.clone(), shutdown_rx, cfg.tick_interval).instrument(tracing::info_span!("shard", shard)),
     );
+    if let Some(h) = &health {
+        let shared = shared.clone();
+        h.serving(Arc::new(move || {
+            let shared = shared.clone();
+            Box::pin(async move {
+                let (tx, rx) = oneshot::channel();
+                shared
+                    .send(Command::Inspect(Box::new(move |_| {
+                        let _ = tx.send(());
+                    })))
+                    .await
+                    .is_ok()
+                    && rx.await.is_ok()
+            })
+        }));
+    }
     info!(shard, %addr, %advertise, "serving");
-    Ok(RunningServer { addr, advertise, restored, shutdown: shutdown_tx, task, shared })
+    Ok(RunningServer { addr, advertise, restored, shutdown: shutdown_tx, task, shared, health })
 }
 
 /// How long a checkpoint may wait for the step it was asked for.

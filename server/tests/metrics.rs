@@ -28,8 +28,14 @@ fn http(addr: std::net::SocketAddr, method: &str, path: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_endpoint_exports_pushes_pulls_bytes_latency_staleness_and_live_workers() {
     let handle = gaps_server::metrics::install_recorder().expect("recorder");
+    let health = std::sync::Arc::new(gaps_server::metrics::Health::default());
     let (metrics_addr, _task) =
-        gaps_server::metrics::serve("127.0.0.1:0".parse().expect("addr"), handle).await.expect("serve");
+        gaps_server::metrics::serve("127.0.0.1:0".parse().expect("addr"), handle, health.clone()).await.expect("serve");
+    let get = |path: &'static str| tokio::task::spawn_blocking(move || http_get(metrics_addr, path));
+    // Before the shard serves: alive, not ready (with what it is doing).
+    let (alive, ready) = (get("/healthz").await.expect("join"), get("/readyz").await.expect("join"));
+    assert!(alive.starts_with("HTTP/1.1 200") && alive.contains("alive, starting"), "{alive}");
+    assert!(ready.starts_with("HTTP/1.1 503") && ready.contains("not ready"), "{ready}");
     let certs = ClusterCerts::generate(&[]).expect("certs");
     let layout =
         Layout::with_tables(vec![TensorSpec::new("w", 100)], 32, vec![gaps_common::layout::SparseSpec::new("emb", 4)])
@@ -56,7 +62,12 @@ async fn metrics_endpoint_exports_pushes_pulls_bytes_latency_staleness_and_live_
             },
         )
     };
+    let cfg = ServiceConfig { health: Some(health.clone()), ..cfg };
     let server = service::start(cfg).await.expect("start");
+    // Serving: ready, and alive because the core answers.
+    let (alive, ready) = (get("/healthz").await.expect("join"), get("/readyz").await.expect("join"));
+    assert!(alive.starts_with("HTTP/1.1 200") && alive.ends_with("ok\n"), "{alive}");
+    assert!(ready.starts_with("HTTP/1.1 200") && ready.ends_with("ready\n"), "{ready}");
     let client = Client::connect(ClientOptions::new(
         &server.advertise,
         certs.worker_material().expect("tls"),
@@ -107,4 +118,8 @@ async fn metrics_endpoint_exports_pushes_pulls_bytes_latency_staleness_and_live_
     assert!(again.starts_with("HTTP/1.1 200"), "{again}");
     client.leave().await.expect("leave");
     server.shutdown().await.expect("shutdown");
+    // Stopped: neither alive nor ready, so a cluster manager replaces it.
+    let (alive, ready) = (get("/healthz").await.expect("join"), get("/readyz").await.expect("join"));
+    assert!(alive.starts_with("HTTP/1.1 503") && alive.contains("stopping"), "{alive}");
+    assert!(ready.starts_with("HTTP/1.1 503"), "{ready}");
 }
