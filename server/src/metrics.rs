@@ -126,6 +126,9 @@ pub struct ShardMetrics {
     pub staleness: Histogram,
     /// Workers holding a lease on this shard.
     pub live_workers: Gauge,
+    /// Embedding rows held, and their bytes.
+    pub table_rows: Gauge,
+    pub table_bytes: Gauge,
     /// The mode in force (0 async, 1 sync, 2 gba, 3 ssp).
     pub mode: Gauge,
     /// Mode switches.
@@ -150,6 +153,8 @@ impl ShardMetrics {
     /// Copies the core's counters of modes and membership into the exported metrics.
     pub fn observe(&self, stats: &gaps_common::wire::Stats) {
         self.live_workers.set(f64::from(stats.live_workers));
+        self.table_rows.set(stats.table_rows as f64);
+        self.table_bytes.set(stats.table_bytes as f64);
         self.mode.set(f64::from(stats.mode));
         self.mode_switches.absolute(stats.mode_switches);
         self.steps_sync.absolute(stats.steps_sync);
@@ -177,6 +182,8 @@ impl ShardMetrics {
             rpc_other_seconds: rpc("other"),
             staleness: metrics::histogram!("gaps_staleness_updates", "shard" => shard.clone()),
             live_workers: metrics::gauge!("gaps_live_workers", "shard" => shard.clone()),
+            table_rows: metrics::gauge!("gaps_table_rows", "shard" => shard.clone()),
+            table_bytes: metrics::gauge!("gaps_table_bytes", "shard" => shard.clone()),
             mode: metrics::gauge!("gaps_mode", "shard" => shard.clone()),
             mode_switches: metrics::counter!("gaps_mode_switches_total", "shard" => shard.clone()),
             steps_sync: metrics::counter!("gaps_steps_sync_total", "shard" => shard.clone()),
@@ -221,6 +228,8 @@ pub fn install_recorder() -> anyhow::Result<PrometheusHandle> {
     metrics::describe_histogram!("gaps_rpc_seconds", "RPC service time in seconds, by kind.");
     metrics::describe_histogram!("gaps_staleness_updates", "Staleness of applied pushes, in updates since the read.");
     metrics::describe_gauge!("gaps_live_workers", "Workers holding a lease.");
+    metrics::describe_gauge!("gaps_table_rows", "Embedding rows held by the shard's tables.");
+    metrics::describe_gauge!("gaps_table_bytes", "Bytes held by the shard's tables (rows, state, index).");
     metrics::describe_gauge!("gaps_mode", "Training mode in force: 0 async, 1 sync, 2 gba, 3 ssp.");
     metrics::describe_counter!(
         "gaps_mode_switches_total",

@@ -92,6 +92,7 @@ async fn metrics_endpoint_exports_pushes_pulls_bytes_latency_staleness_and_live_
         "gaps_bytes_in_total",
         "gaps_bytes_out_total",
         "gaps_live_workers{shard=\"0\"} 1",
+        "gaps_table_rows{shard=\"0\"} 2",
         "gaps_staleness_updates_bucket{shard=\"0\",le=\"0\"} 4",
         "gaps_rpc_seconds_bucket{shard=\"0\",kind=\"push\",le=\"0.001\"}",
         "gaps_mode{shard=\"0\"} 0",
