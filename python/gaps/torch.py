@@ -158,7 +158,9 @@ class DenseParameters:
         for name, p in self.params.items():
             g = p.grad
             grads[name] = (
-                np.zeros(tuple(p.shape), np.float32) if g is None else g.detach().cpu().numpy().astype(np.float32)
+                np.zeros(tuple(p.shape), np.float32)
+                if g is None
+                else g.detach().cpu().numpy().astype(np.float32, copy=False)
             )
         compute = None if self._pulled_at is None else time.monotonic() - self._pulled_at
         self.client.push(grads, compute_seconds=compute)

@@ -259,7 +259,7 @@ impl NativeClient {
         let t = self.table_index(table)?;
         let ids = Self::ids(ids)?;
         let client = self.client()?;
-        let rows = {
+        let (rows, grads) = {
             let mut remembered = self.rows.lock().map_err(poisoned)?;
             let pulls = remembered.entry(t).or_default();
             let Some(at) = pulls.iter().rposition(|r| r.ids == ids) else {
@@ -270,12 +270,10 @@ impl NativeClient {
                     ),
                 ));
             };
-            if grads.len() != pulls[at].values.len() * 4 {
-                floats(&format!("the row gradients of {table}"), grads, pulls[at].values.len())?;
-            }
-            pulls.remove(at)
+            // Checked and converted before the pull is taken out, so a refused call leaves it usable.
+            let grads = floats(&format!("the row gradients of {table}"), grads, pulls[at].values.len())?;
+            (pulls.remove(at), grads)
         };
-        let grads = floats(&format!("the row gradients of {table}"), grads, rows.values.len())?;
         let pushed = py.allow_threads(|| self.runtime.block_on(client.push_sparse(t, &rows, &grads)));
         if pushed.is_err() {
             // Not pushed: the pull stays usable for another attempt.
