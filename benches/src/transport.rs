@@ -1,16 +1,24 @@
-//! `gaps bench transport`: push+pull payload throughput of one worker against one and two shards, with a
-//! plain quinn bulk transfer of the same bytes over the same kind of connection as the baseline, measured in
-//! the same run.
+//! `gaps bench transport`: push+pull payload throughput of one worker against one and two shards, dense and
+//! sparse, beside three baselines that move the same bytes, all measured in the same run, with the process's
+//! CPU time per GB of payload for every case.
 //!
-//! - gaps case: one `Client::push` of the whole tensor followed by one `Client::pull` (so 2 × 4 × n payload
-//!   bytes cross the wire per round), against in-process shards on 127.0.0.1 (real QUIC, mutual TLS).
-//! - baseline: one bidirectional stream per round on one connection with the same TLS and transport
-//!   settings; the client writes 4 × n bytes, the server echoes 4 × n bytes back. No framing, no state.
-//! - `default_quinn_gbytes_per_s`: the same baseline with quinn's default transport settings, to show what
-//!   the tuning buys.
+//! - gaps dense case: one `Client::push` of the whole tensor followed by one `Client::pull` (so 2 × 4 × n
+//!   payload bytes cross the wire per round), against in-process shards on 127.0.0.1 (real QUIC, mutual TLS).
+//! - gaps sparse case: one `Client::pull_sparse` of 4,096 random ids of a table of dim 16, then one
+//!   `Client::push_sparse` of their gradients (payload: the rows pulled plus the gradients pushed).
+//! - quinn baseline: one bidirectional stream per round on one connection with the same TLS and transport
+//!   settings; the client writes the bytes of one direction, the server echoes them back. No framing, no
+//!   state. `default_quinn_gbytes_per_s` is the same with quinn's default transport settings.
+//! - TCP baseline: the same echo over one loopback TCP connection (Nagle off), no encryption — what ps-lite's
+//!   ZeroMQ transport amounts to.
+//! - TCP + TLS baseline: the same echo over TCP with TLS 1.3 (rustls, ring, the same certificates and
+//!   cipher suites as the QUIC connections).
+//!
+//! CPU time is the whole process's user + system time from `getrusage` (both ends run in this process),
+//! divided by the payload moved.
 
 use anyhow::{Context, Result};
-use gaps_common::layout::{Layout, TensorSpec};
+use gaps_common::layout::{Layout, SparseSpec, TensorSpec};
 use gaps_common::wire::Role;
 use gaps_kernels::{Hyper, Rule};
 use gaps_server::service::{self, RunningServer, ServiceConfig};
@@ -18,32 +26,78 @@ use gaps_shard::{Init, ShardConfig};
 use gaps_transport::net;
 use gaps_transport::tls::ClusterCerts;
 use gaps_worker::client::{Client, ClientOptions};
+use std::io::{Read, Write};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+/// How a bench run is set up.
+#[derive(Debug, Clone)]
+pub struct TransportOptions {
+    /// One small round per case (for `cargo bench -- --test`).
+    pub quick: bool,
+    /// Time each measurement at least this long.
+    pub min_time: Duration,
+    /// Run only the cases whose name contains this.
+    pub only: Option<String>,
+    /// Rows in the sparse case's table (10 M unless quick).
+    pub sparse_rows: u64,
+}
+
+impl TransportOptions {
+    /// Every case, `min_time` each.
+    pub fn new(quick: bool, min_time: Duration) -> Self {
+        TransportOptions { quick, min_time, only: None, sparse_rows: if quick { 20_000 } else { 10_000_000 } }
+    }
+}
+
+/// Throughput and CPU cost of one measurement.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Measured {
+    /// Rounds timed.
+    pub rounds: u32,
+    /// Payload GB/s (10^9 bytes, both directions counted).
+    pub gbytes_per_s: f64,
+    /// Process CPU seconds (user + system, all threads) per GB of payload.
+    pub cpu_s_per_gb: f64,
+}
 
 /// One measured case.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TransportResult {
-    /// `push_pull_<shards>shard_<size>`.
+    /// `push_pull_<shards>shard_<size>` or `sparse_<shards>shard_<rows>x<dim>`.
     pub case: String,
     /// Shards.
     pub shards: u32,
     /// Payload bytes per round (push + pull).
     pub bytes: u64,
-    /// Rounds timed.
-    pub rounds: u32,
-    /// gaps payload throughput, GB/s (10^9 bytes).
-    pub gbytes_per_s: f64,
-    /// Plain quinn bulk transfer with the same settings, GB/s.
-    pub baseline_gbytes_per_s: f64,
-    /// Plain quinn bulk transfer with quinn's default transport settings, GB/s.
-    pub default_quinn_gbytes_per_s: f64,
+    /// Embedding rows pulled (and pushed) per round, for the sparse cases.
+    pub rows: Option<u64>,
+    /// gaps.
+    pub gaps: Measured,
+    /// Plain quinn echo with the same settings.
+    pub quinn: Measured,
+    /// Plain quinn echo with quinn's default transport settings.
+    pub quinn_default: Measured,
+    /// Plain TCP echo.
+    pub tcp: Measured,
+    /// TCP + TLS 1.3 echo.
+    pub tcp_tls: Measured,
 }
 
 impl TransportResult {
-    /// gaps ÷ baseline.
+    /// gaps ÷ quinn echo.
     pub fn ratio(&self) -> f64 {
-        self.gbytes_per_s / self.baseline_gbytes_per_s.max(f64::MIN_POSITIVE)
+        self.gaps.gbytes_per_s / self.quinn.gbytes_per_s.max(f64::MIN_POSITIVE)
+    }
+
+    /// gaps ÷ TCP + TLS echo.
+    pub fn ratio_tcp_tls(&self) -> f64 {
+        self.gaps.gbytes_per_s / self.tcp_tls.gbytes_per_s.max(f64::MIN_POSITIVE)
+    }
+
+    /// Rows per second (pull and push each count once per row), for sparse cases.
+    pub fn rows_per_s(&self) -> Option<f64> {
+        self.rows.map(|r| r as f64 * self.gaps.gbytes_per_s * 1e9 / self.bytes as f64)
     }
 
     /// The JSON line.
@@ -52,11 +106,20 @@ impl TransportResult {
             "case": self.case,
             "shards": self.shards,
             "bytes": self.bytes,
-            "rounds": self.rounds,
-            "gbytes_per_s": round3(self.gbytes_per_s),
-            "baseline_gbytes_per_s": round3(self.baseline_gbytes_per_s),
-            "default_quinn_gbytes_per_s": round3(self.default_quinn_gbytes_per_s),
+            "rows": self.rows,
+            "rows_per_s": self.rows_per_s().map(|r| r.round()),
+            "rounds": self.gaps.rounds,
+            "gbytes_per_s": round3(self.gaps.gbytes_per_s),
+            "cpu_s_per_gb": round3(self.gaps.cpu_s_per_gb),
+            "baseline_gbytes_per_s": round3(self.quinn.gbytes_per_s),
+            "baseline_cpu_s_per_gb": round3(self.quinn.cpu_s_per_gb),
+            "default_quinn_gbytes_per_s": round3(self.quinn_default.gbytes_per_s),
+            "tcp_gbytes_per_s": round3(self.tcp.gbytes_per_s),
+            "tcp_cpu_s_per_gb": round3(self.tcp.cpu_s_per_gb),
+            "tcp_tls_gbytes_per_s": round3(self.tcp_tls.gbytes_per_s),
+            "tcp_tls_cpu_s_per_gb": round3(self.tcp_tls.cpu_s_per_gb),
             "ratio": round3(self.ratio()),
+            "ratio_tcp_tls": round3(self.ratio_tcp_tls()),
         })
         .to_string()
     }
@@ -66,29 +129,105 @@ fn round3(x: f64) -> f64 {
     (x * 1000.0).round() / 1000.0
 }
 
-/// Runs every case. `quick` runs one small case with one round (for `cargo bench -- --test`).
-pub async fn run(quick: bool, min_time: Duration) -> Result<Vec<TransportResult>> {
+/// User + system CPU seconds of this process so far (every thread).
+#[allow(unsafe_code)]
+pub fn process_cpu_seconds() -> f64 {
+    // SAFETY: getrusage only writes the struct we pass; all-zero bytes are a valid `rusage`.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: RUSAGE_SELF with a pointer to a live, writable rusage.
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) } != 0 {
+        return 0.0;
+    }
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    secs(usage.ru_utime) + secs(usage.ru_stime)
+}
+
+/// Times `round` (which moves `bytes` of payload) after one warm-up round, until `min_time` has passed
+/// (once when `quick`).
+async fn measure<F, Fut>(bytes: u64, quick: bool, min_time: Duration, mut round: F) -> Result<Measured>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<()>>,
+{
+    round().await?;
+    let cpu0 = process_cpu_seconds();
+    let started = Instant::now();
+    let mut rounds = 0u32;
+    while rounds == 0 || (!quick && started.elapsed() < min_time) {
+        round().await?;
+        rounds += 1;
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let cpu = process_cpu_seconds() - cpu0;
+    let gb = bytes as f64 * f64::from(rounds) / 1e9;
+    Ok(Measured { rounds, gbytes_per_s: gb / secs, cpu_s_per_gb: cpu / gb })
+}
+
+/// Runs every case (those matching `opts.only`).
+pub async fn run(opts: &TransportOptions) -> Result<Vec<TransportResult>> {
     let certs = ClusterCerts::generate(&[]).context("making certificates")?;
-    let sizes: &[u64] = if quick { &[1 << 16] } else { &[1 << 20, 16 << 20] };
-    let shard_counts: &[u32] = if quick { &[1] } else { &[1, 2] };
+    let sizes: &[u64] = if opts.quick { &[1 << 16] } else { &[1 << 20, 16 << 20] };
+    let shard_counts: &[u32] = if opts.quick { &[1] } else { &[1, 2] };
+    let wanted = |case: &str| opts.only.as_deref().is_none_or(|o| case.contains(o));
     let mut out = Vec::new();
+    let mut cases: Vec<(String, u32, Option<u64>, u64)> = Vec::new();
     for &n in sizes {
-        let baseline = bulk_baseline(&certs, n * 4, net::transport_config(), quick, min_time).await?;
-        let default = bulk_baseline(&certs, n * 4, quinn::TransportConfig::default(), quick, min_time).await?;
         for &shards in shard_counts {
-            let (rounds, gbps) = gaps_case(&certs, shards, n, quick, min_time).await?;
-            out.push(TransportResult {
-                case: format!("push_pull_{shards}shard_{}", size_name(n)),
-                shards,
-                bytes: 2 * 4 * n,
-                rounds,
-                gbytes_per_s: gbps,
-                baseline_gbytes_per_s: baseline,
-                default_quinn_gbytes_per_s: default,
-            });
+            cases.push((format!("push_pull_{shards}shard_{}", size_name(n)), shards, None, n));
         }
     }
+    for &shards in shard_counts {
+        cases.push((format!("sparse_{shards}shard_{SPARSE_ROWS}x{SPARSE_DIM}"), shards, Some(SPARSE_ROWS), 0));
+    }
+    let mut baselines: Vec<(u64, [Measured; 4])> = Vec::new();
+    for (case, shards, rows, n) in cases {
+        if !wanted(&case) {
+            continue;
+        }
+        let bytes = match rows {
+            Some(r) => 2 * 4 * r * u64::from(SPARSE_DIM),
+            None => 2 * 4 * n,
+        };
+        let gaps = match rows {
+            Some(_) => sparse_case(&certs, shards, opts).await?,
+            None => dense_case(&certs, shards, n, opts).await?,
+        };
+        let base = match baselines.iter().find(|(b, _)| *b == bytes) {
+            Some((_, m)) => *m,
+            None => {
+                let m = baselines_for(&certs, bytes / 2, opts).await?;
+                baselines.push((bytes, m));
+                m
+            }
+        };
+        out.push(TransportResult {
+            case,
+            shards,
+            bytes,
+            rows,
+            gaps,
+            quinn: base[0],
+            quinn_default: base[1],
+            tcp: base[2],
+            tcp_tls: base[3],
+        });
+    }
     Ok(out)
+}
+
+/// Rows per sparse round and their dimension.
+pub const SPARSE_ROWS: u64 = 4096;
+/// See [`SPARSE_ROWS`].
+pub const SPARSE_DIM: u32 = 16;
+
+async fn baselines_for(certs: &ClusterCerts, one_way: u64, opts: &TransportOptions) -> Result<[Measured; 4]> {
+    let loopback = net::PathTuning::toward("127.0.0.1:1".parse()?);
+    let quinn = quinn_echo(certs, one_way, &loopback, loopback.transport_config(), opts).await?;
+    let untuned = net::PathTuning::ethernet("quinn defaults");
+    let default = quinn_echo(certs, one_way, &untuned, quinn::TransportConfig::default(), opts).await?;
+    let tcp = tcp_echo(certs, one_way, false, opts).await?;
+    let tls = tcp_echo(certs, one_way, true, opts).await?;
+    Ok([quinn, default, tcp, tls])
 }
 
 fn size_name(n: u64) -> String {
@@ -99,8 +238,7 @@ fn size_name(n: u64) -> String {
     }
 }
 
-async fn gaps_case(certs: &ClusterCerts, shards: u32, n: u64, quick: bool, min_time: Duration) -> Result<(u32, f64)> {
-    let layout = Layout::new(vec![TensorSpec::new("bench", n)], 1 << 18)?;
+async fn start_shards(certs: &ClusterCerts, shards: u32, layout: &Layout) -> Result<Vec<RunningServer>> {
     let mut servers: Vec<RunningServer> = Vec::new();
     for s in 0..shards {
         let core = ShardConfig {
@@ -124,42 +262,95 @@ async fn gaps_case(certs: &ClusterCerts, shards: u32, n: u64, quick: bool, min_t
         };
         servers.push(service::start(cfg).await?);
     }
-    let opts = ClientOptions::new(&servers[0].advertise, certs.worker_material()?, Role::Worker, "bench");
-    let client = Client::connect(opts).await?;
-    let grads = vec![vec![1e-3f32; n as usize]];
-    let mut snapshot = client.pull().await?;
-    // One warm-up round, then time whole rounds until min_time has passed.
-    client.push(grads.clone(), &snapshot).await?;
-    snapshot = client.pull().await?;
-    let started = Instant::now();
-    let mut rounds = 0u32;
-    while rounds == 0 || (!quick && started.elapsed() < min_time) {
-        client.push(grads.clone(), &snapshot).await?;
-        snapshot = client.pull().await?;
-        rounds += 1;
-    }
-    let secs = started.elapsed().as_secs_f64();
+    Ok(servers)
+}
+
+async fn dense_case(certs: &ClusterCerts, shards: u32, n: u64, opts: &TransportOptions) -> Result<Measured> {
+    let layout = Layout::new(vec![TensorSpec::new("bench", n)], 1 << 18)?;
+    let servers = start_shards(certs, shards, &layout).await?;
+    let options = ClientOptions::new(&servers[0].advertise, certs.worker_material()?, Role::Worker, "bench");
+    let client = Client::connect(options).await?;
+    let grads = vec![1e-3f32; n as usize];
+    let snapshot = std::cell::RefCell::new(client.pull().await?);
+    let measured = measure(2 * 4 * n, opts.quick, opts.min_time, || async {
+        let taken = snapshot.borrow().clone();
+        client.push(vec![grads.clone()], &taken).await?;
+        snapshot.replace(client.pull().await?);
+        Ok(())
+    })
+    .await?;
     client.leave().await?;
     for s in servers {
         s.shutdown().await?;
     }
-    Ok((rounds, (2 * 4 * n) as f64 * f64::from(rounds) / secs / 1e9))
+    Ok(measured)
 }
 
-/// Echo server + client over one connection; returns GB/s of payload (both directions counted).
-async fn bulk_baseline(
+async fn sparse_case(certs: &ClusterCerts, shards: u32, opts: &TransportOptions) -> Result<Measured> {
+    let layout =
+        Layout::with_tables(vec![TensorSpec::new("dense", 16)], 1 << 18, vec![SparseSpec::new("bench", SPARSE_DIM)])?;
+    let servers = start_shards(certs, shards, &layout).await?;
+    let options = ClientOptions::new(&servers[0].advertise, certs.worker_material()?, Role::Worker, "bench");
+    let client = Client::connect(options).await?;
+    // Fill the table: every id in 0..rows, scattered over u64 by a fixed odd multiplier.
+    let scatter = |i: u64| i.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let batch = 1u64 << 16;
+    let mut start = 0;
+    while start < opts.sparse_rows {
+        let ids: Vec<u64> = (start..(start + batch).min(opts.sparse_rows)).map(scatter).collect();
+        client.pull_sparse(0, &ids, true).await?;
+        start += batch;
+    }
+    let grads = vec![1e-3f32; (SPARSE_ROWS * u64::from(SPARSE_DIM)) as usize];
+    let mut rng = 0x2545_F491_4F6C_DD1Du64;
+    let ids = std::cell::RefCell::new(Vec::with_capacity(SPARSE_ROWS as usize));
+    let bytes = 2 * 4 * SPARSE_ROWS * u64::from(SPARSE_DIM);
+    let measured = measure(bytes, opts.quick, opts.min_time, || {
+        let mut ids = ids.borrow_mut();
+        ids.clear();
+        // Distinct random ids of the table (xorshift; duplicates skipped so every round moves SPARSE_ROWS rows).
+        let mut seen = std::collections::HashSet::with_capacity(SPARSE_ROWS as usize);
+        while ids.len() < SPARSE_ROWS as usize {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            let i = rng % opts.sparse_rows;
+            if seen.insert(i) {
+                ids.push(scatter(i));
+            }
+        }
+        let ids = ids.clone();
+        let client = &client;
+        let grads = &grads;
+        async move {
+            let rows = client.pull_sparse(0, &ids, false).await?;
+            anyhow::ensure!(rows.ids.len() == ids.len(), "pulled {} of {} rows", rows.ids.len(), ids.len());
+            client.push_sparse(0, &rows, grads).await?;
+            Ok(())
+        }
+    })
+    .await?;
+    client.leave().await?;
+    for s in servers {
+        s.shutdown().await?;
+    }
+    Ok(measured)
+}
+
+/// Quinn echo server + client over one connection; `one_way` bytes each way per round.
+async fn quinn_echo(
     certs: &ClusterCerts,
-    bytes: u64,
+    one_way: u64,
+    path: &net::PathTuning,
     transport: quinn::TransportConfig,
-    quick: bool,
-    min_time: Duration,
-) -> Result<f64> {
+    opts: &TransportOptions,
+) -> Result<Measured> {
     let transport = Arc::new(transport);
     let server_tls = certs.shard_material(0)?;
     let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(server_tls.server_config()?)?;
     let mut server_config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
     server_config.transport_config(transport.clone());
-    let server = quinn::Endpoint::server(server_config, "127.0.0.1:0".parse()?)?;
+    let server = net::endpoint("127.0.0.1:0".parse()?, path, Some(server_config))?;
     let addr = server.local_addr()?;
     let echo = tokio::spawn(async move {
         let Some(incoming) = server.accept().await else { return };
@@ -176,48 +367,128 @@ async fn bulk_baseline(
     let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(client_tls.client_config()?)?;
     let mut client_config = quinn::ClientConfig::new(Arc::new(crypto));
     client_config.transport_config(transport);
-    let mut endpoint = quinn::Endpoint::client("127.0.0.1:0".parse()?)?;
+    let mut endpoint = net::endpoint("127.0.0.1:0".parse()?, path, None)?;
     endpoint.set_default_client_config(client_config);
     let conn = net::connect(&endpoint, addr, Duration::from_secs(5)).await?;
-    let payload = vec![7u8; bytes as usize];
-    let round = || async {
+    let payload = vec![7u8; one_way as usize];
+    let measured = measure(2 * one_way, opts.quick, opts.min_time, || async {
         let (mut send, mut recv) = conn.open_bi().await?;
         send.write_all(&payload).await?;
         send.finish()?;
         let back = recv.read_to_end(usize::MAX).await?;
         anyhow::ensure!(back.len() == payload.len(), "echo returned {} bytes", back.len());
-        anyhow::Ok(())
-    };
-    round().await?;
-    let started = Instant::now();
-    let mut rounds = 0u32;
-    while rounds == 0 || (!quick && started.elapsed() < min_time) {
-        round().await?;
-        rounds += 1;
-    }
-    let secs = started.elapsed().as_secs_f64();
+        Ok(())
+    })
+    .await?;
     conn.close(0u32.into(), b"done");
     echo.abort();
-    Ok((2 * bytes) as f64 * f64::from(rounds) / secs / 1e9)
+    Ok(measured)
+}
+
+/// Reads a length-prefixed message into `buf` and writes it back, until the peer closes.
+fn echo_loop(stream: &mut impl ReadWrite) -> std::io::Result<()> {
+    let mut buf = Vec::new();
+    loop {
+        let mut len = [0u8; 8];
+        match stream.read_exact(&mut len) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(e),
+        }
+        buf.resize(u64::from_le_bytes(len) as usize, 0);
+        stream.read_exact(&mut buf)?;
+        stream.write_all(&buf)?;
+        stream.flush()?;
+    }
+}
+
+/// One echo round from the client side.
+fn echo_round(stream: &mut impl ReadWrite, payload: &[u8], back: &mut Vec<u8>) -> std::io::Result<()> {
+    stream.write_all(&(payload.len() as u64).to_le_bytes())?;
+    stream.write_all(payload)?;
+    stream.flush()?;
+    back.resize(payload.len(), 0);
+    stream.read_exact(back)
+}
+
+trait ReadWrite: Read + Write {}
+impl<T: Read + Write> ReadWrite for T {}
+
+/// TCP echo over loopback, with TLS 1.3 (the cluster's certificates, rustls with ring) when `tls`.
+async fn tcp_echo(certs: &ClusterCerts, one_way: u64, tls: bool, opts: &TransportOptions) -> Result<Measured> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let server_config = Arc::new(certs.shard_material(0)?.server_config()?);
+    let server = std::thread::spawn(move || -> Result<()> {
+        let (sock, _) = listener.accept()?;
+        sock.set_nodelay(true)?;
+        if tls {
+            let conn = rustls::ServerConnection::new(server_config)?;
+            echo_loop(&mut rustls::StreamOwned::new(conn, sock))?;
+        } else {
+            echo_loop(&mut { sock })?;
+        }
+        Ok(())
+    });
+    let client_config = Arc::new(certs.worker_material()?.client_config()?);
+    let sock = std::net::TcpStream::connect(addr)?;
+    sock.set_nodelay(true)?;
+    let stream: Box<dyn ReadWrite + Send> = if tls {
+        let name = rustls::pki_types::ServerName::try_from(gaps_transport::tls::SERVER_NAME)?;
+        let conn = rustls::ClientConnection::new(client_config, name)?;
+        Box::new(rustls::StreamOwned::new(conn, sock))
+    } else {
+        Box::new(sock)
+    };
+    let payload = vec![7u8; one_way as usize];
+    let mut back = Vec::new();
+    let stream = std::cell::RefCell::new(stream);
+    let back = std::cell::RefCell::new(&mut back);
+    let measured = measure(2 * one_way, opts.quick, opts.min_time, || {
+        // Blocking I/O on the bench's own thread: the echo server is a plain thread, nothing else runs.
+        let r = echo_round(&mut *stream.borrow_mut(), &payload, &mut back.borrow_mut());
+        async move { r.map_err(anyhow::Error::from) }
+    })
+    .await?;
+    // Closing the client ends the server's loop.
+    drop(stream.into_inner());
+    let _ = server.join();
+    Ok(measured)
 }
 
 /// Prints the table (stderr) and one JSON line per case (stdout when `json`).
 pub fn print(results: &[TransportResult], json: bool) {
     eprintln!(
-        "{:<26} {:>12} {:>7} {:>10} {:>12} {:>14} {:>7}",
-        "case", "bytes/round", "rounds", "gaps GB/s", "quinn GB/s", "default GB/s", "ratio"
+        "{:<22} {:>10} {:>6} {:>16} {:>16} {:>12} {:>16} {:>16} {:>6} {:>7}",
+        "case",
+        "bytes/rnd",
+        "rounds",
+        "gaps GB/s cpu/GB",
+        "quinn GB/s cpu",
+        "quinn dflt",
+        "tcp GB/s cpu",
+        "tcp+tls GB/s cpu",
+        "×quinn",
+        "×tls"
     );
+    let pair = |m: &Measured| format!("{:.3} {:.2}", m.gbytes_per_s, m.cpu_s_per_gb);
     for r in results {
         eprintln!(
-            "{:<26} {:>12} {:>7} {:>10.3} {:>12.3} {:>14.3} {:>7.2}",
+            "{:<22} {:>10} {:>6} {:>16} {:>16} {:>12.3} {:>16} {:>16} {:>6.2} {:>7.2}",
             r.case,
             r.bytes,
-            r.rounds,
-            r.gbytes_per_s,
-            r.baseline_gbytes_per_s,
-            r.default_quinn_gbytes_per_s,
-            r.ratio()
+            r.gaps.rounds,
+            pair(&r.gaps),
+            pair(&r.quinn),
+            r.quinn_default.gbytes_per_s,
+            pair(&r.tcp),
+            pair(&r.tcp_tls),
+            r.ratio(),
+            r.ratio_tcp_tls()
         );
+        if let Some(rows) = r.rows_per_s() {
+            eprintln!("{:<22} {:.2} M rows/s (pull + push)", "", rows / 1e6);
+        }
     }
     if json {
         for r in results {

@@ -182,6 +182,12 @@ enum BenchCommand {
         /// One small round per case (a smoke test).
         #[arg(long, env = "GAPS_BENCH_QUICK")]
         quick: bool,
+        /// Run only the cases whose name contains this (e.g. `1shard_1Mi`, `sparse`).
+        #[arg(long)]
+        only: Option<String>,
+        /// Rows in the sparse cases' table.
+        #[arg(long, default_value_t = 10_000_000)]
+        sparse_rows: u64,
     },
 }
 
@@ -369,9 +375,19 @@ async fn main() -> Result<()> {
             );
             println!("{}", r.to_json());
         }
-        Command::Bench(BenchCommand::Transport { json, seconds, quick }) => {
+        Command::Bench(BenchCommand::Transport { json, seconds, quick, only, sparse_rows }) => {
             anyhow::ensure!(seconds.is_finite() && seconds > 0.0, "--seconds must be positive");
-            let results = gaps_benches::transport::run(quick, std::time::Duration::from_secs_f64(seconds)).await?;
+            anyhow::ensure!(
+                sparse_rows >= 2 * gaps_benches::transport::SPARSE_ROWS,
+                "--sparse-rows must be at least 8192"
+            );
+            let mut opts =
+                gaps_benches::transport::TransportOptions::new(quick, std::time::Duration::from_secs_f64(seconds));
+            opts.only = only;
+            if !quick {
+                opts.sparse_rows = sparse_rows;
+            }
+            let results = gaps_benches::transport::run(&opts).await?;
             gaps_benches::transport::print(&results, json);
         }
         Command::Server(args) => gaps_server::cli::run(&args).await?,

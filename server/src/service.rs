@@ -219,6 +219,8 @@ fn run_actor(mut core: ShardCore, mut queue: mpsc::Receiver<Command>, started: I
 
 struct Shared {
     queue: mpsc::Sender<Command>,
+    /// The UDP path tuning the endpoint was made with (kept for certificate reloads).
+    path: net::PathTuning,
     /// In-flight bytes, in units of [`BUDGET_UNIT`].
     budget: Semaphore,
     budget_units: u32,
@@ -356,8 +358,8 @@ impl RunningServer {
         if *self.shutdown.borrow() {
             bail!("the shard is shutting down");
         }
-        self.shared.endpoint.set_server_config(Some(net::server_config(tls)?));
-        let client = net::client_config(tls)?;
+        self.shared.endpoint.set_server_config(Some(net::server_config(tls, &self.shared.path)?));
+        let client = net::client_config(tls, &self.shared.path)?;
         *self.shared.rotated.lock().map_err(|_| anyhow!("the TLS lock is poisoned"))? = Some(client);
         Ok(())
     }
@@ -414,7 +416,7 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
             cfg.core.shard
         );
     }
-    let endpoint = net::server_endpoint(cfg.listen, &cfg.tls)?;
+    let (endpoint, path) = net::server_endpoint(cfg.listen, &cfg.tls)?;
     let addr = endpoint.local_addr().context("reading the bound address")?;
     let advertise = match &cfg.advertise {
         Some(a) => a.clone(),
@@ -505,6 +507,7 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
         timed_out: AtomicU64::new(0),
         refused: AtomicU64::new(0),
         endpoint: endpoint.clone(),
+        path,
         started,
         own,
         rotated: std::sync::Mutex::new(None),

@@ -76,18 +76,218 @@ impl RpcError {
 /// A connection whose peer sent nothing for this long is closed (keep-alives go every second).
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(6);
 
-/// Transport settings sized for multi-MiB tensors: flow-control windows large enough that a many-MiB push
-/// is not throttled by the receiver on a data-centre link (bandwidth × RTT of 25 Gbit/s × 5 ms ≈ 16 MiB),
-/// many concurrent streams, keep-alives well under the idle timeout. Congestion control and MTU discovery
-/// stay at quinn's defaults: a larger initial window, BBR, and a 64 KiB MTU probe ceiling all measured no
-/// better on loopback (see README, transport bench).
+/// Flow-control windows: enough for a multi-MiB push on a data-centre link (bandwidth × RTT of
+/// 25 Gbit/s × 1.3 ms ≈ 4 MiB per stream), small enough that a burst fits the kernel's UDP buffers on the
+/// receiving side (see [`SOCKET_BUFFER`]): on loopback, windows of 16/64 MiB measured no faster than
+/// 4/16 MiB and let bursts overflow the receive buffer.
+pub const STREAM_WINDOW: u32 = 4 << 20;
+/// See [`STREAM_WINDOW`].
+pub const CONNECTION_WINDOW: u32 = 16 << 20;
+
+/// UDP socket buffers asked of the kernel, each way. Linux caps the request at `net.core.rmem_max` /
+/// `net.core.wmem_max` (then doubles it for bookkeeping); with 64 KiB datagrams the stock 208 KiB cap
+/// holds three of them, so a burst is dropped. Raise the caps (`sysctl -w net.core.rmem_max=8388608
+/// net.core.wmem_max=8388608`) on hosts that run shards; the endpoint logs a warning when it got less.
+pub const SOCKET_BUFFER: usize = 8 << 20;
+
+/// Datagrams quinn puts into one segmentation-offload batch (`MAX_TRANSMIT_SEGMENTS` in quinn 0.11).
+const QUINN_GSO_BATCH: usize = 10;
+
+/// The most bytes one UDP send (one GSO batch included) can carry.
+const MAX_UDP_SEND: usize = 65_535 - 48;
+
+/// How an endpoint's UDP traffic is shaped, from the MTU of the interface it goes through.
+///
+/// - The largest UDP payload (`max_udp_payload`) is the interface MTU less the IP and UDP headers: it is
+///   the ceiling of quinn's MTU discovery and the `max_udp_payload_size` this side announces, so the peer
+///   never sends larger. 65 487 bytes on loopback, 8 952 on a 9,000-byte jumbo-frame link, 1 452 on plain
+///   Ethernet. Discovery still probes the path from 1,200 bytes up, so a smaller MTU between the hosts
+///   costs a few lost probes, not a black hole.
+/// - Segmentation offload (GSO) is on only while a batch of quinn's 10 datagrams of the largest size fits
+///   one UDP send: above that the kernel refuses the batch (`EMSGSIZE`), quinn-udp drops it silently as it
+///   does a failed MTU probe, the losses look like a black hole and discovery falls back to 1,200 bytes.
+///   (That is why an earlier 64 KiB MTU experiment measured no gain.) Large datagrams need no batching:
+///   one 64 KiB datagram costs one system call and one AEAD pass, as one TLS record of 16 KiB does.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PathTuning {
+    /// Largest UDP payload in bytes.
+    pub max_udp_payload: u16,
+    /// Whether quinn batches datagrams with segmentation offload.
+    pub segmentation_offload: bool,
+    /// The interface the MTU was read from (or why none was).
+    pub interface: String,
+}
+
+impl PathTuning {
+    /// The tuning for an interface of `mtu` bytes carrying IPv4 (`ipv6` false) or IPv6 packets.
+    pub fn for_mtu(mtu: u32, ipv6: bool, interface: impl Into<String>) -> Self {
+        let headers = if ipv6 { 40 + 8 } else { 20 + 8 };
+        let payload = mtu.min(65_535).saturating_sub(headers).clamp(1200, 65_527) as u16;
+        PathTuning {
+            max_udp_payload: payload,
+            segmentation_offload: usize::from(payload) * QUINN_GSO_BATCH <= MAX_UDP_SEND,
+            interface: interface.into(),
+        }
+    }
+
+    /// Plain Ethernet (1,500 bytes), where nothing better is known.
+    pub fn ethernet(why: &str) -> Self {
+        Self::for_mtu(1500, true, why)
+    }
+
+    /// The tuning for traffic to `peer`: the MTU of the interface the kernel routes it through.
+    pub fn toward(peer: SocketAddr) -> Self {
+        let ip = peer.ip();
+        match route_interface(ip).and_then(|i| interface_mtu(&i).map(|m| (i, m))) {
+            Some((interface, mtu)) => Self::for_mtu(mtu, ip.is_ipv6(), interface),
+            None => Self::ethernet("no route found"),
+        }
+    }
+
+    /// The tuning for a server listening on `listen`: the interface of that address, or for an
+    /// unspecified address (`0.0.0.0`, `[::]`) the largest MTU of the host's up, non-loopback interfaces
+    /// (clients then come over the network). Each connection's discovery stays bounded by what its client
+    /// announces.
+    pub fn serving(listen: SocketAddr) -> Self {
+        if !listen.ip().is_unspecified() {
+            return Self::toward(listen);
+        }
+        let best = list_interfaces()
+            .into_iter()
+            .filter(|(_, flags)| flags & IFF_UP != 0 && flags & IFF_LOOPBACK == 0)
+            .filter_map(|(name, _)| interface_mtu(&name).map(|m| (m, name)))
+            .max();
+        match best {
+            Some((mtu, name)) => Self::for_mtu(mtu, true, name),
+            None => Self::ethernet("no network interface found"),
+        }
+    }
+
+    /// The quinn transport settings for this path.
+    pub fn transport_config(&self) -> quinn::TransportConfig {
+        let mut t = transport_config();
+        let mut discovery = quinn::MtuDiscoveryConfig::default();
+        discovery.upper_bound(self.max_udp_payload);
+        t.mtu_discovery_config(Some(discovery));
+        t.enable_segmentation_offload(self.segmentation_offload);
+        t
+    }
+
+    /// The endpoint settings for this path (the largest UDP payload accepted).
+    pub fn endpoint_config(&self) -> quinn::EndpointConfig {
+        let mut c = quinn::EndpointConfig::default();
+        // In range by construction (`for_mtu` clamps to 1200..=65527).
+        let _ = c.max_udp_payload_size(self.max_udp_payload);
+        c
+    }
+}
+
+const IFF_UP: u32 = 0x1;
+const IFF_LOOPBACK: u32 = 0x8;
+
+/// The host's interfaces with their flags (`/sys/class/net`; empty where that is not readable).
+fn list_interfaces() -> Vec<(String, u32)> {
+    let Ok(dir) = std::fs::read_dir("/sys/class/net") else { return Vec::new() };
+    dir.filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let name = e.file_name().to_str()?.to_string();
+            let flags = std::fs::read_to_string(e.path().join("flags")).ok()?;
+            let flags = u32::from_str_radix(flags.trim().trim_start_matches("0x"), 16).ok()?;
+            Some((name, flags))
+        })
+        .collect()
+}
+
+/// An interface's MTU from `/sys/class/net/<name>/mtu`.
+fn interface_mtu(name: &str) -> Option<u32> {
+    if name.is_empty() || name.contains('/') || name.contains("..") {
+        return None;
+    }
+    std::fs::read_to_string(format!("/sys/class/net/{name}/mtu")).ok()?.trim().parse().ok()
+}
+
+/// The interface the kernel routes `ip` through: the longest matching prefix of the main routing table
+/// (`/proc/net/route`, `/proc/net/ipv6_route`), the loopback interface for loopback addresses.
+pub fn route_interface(ip: std::net::IpAddr) -> Option<String> {
+    use std::net::IpAddr;
+    if ip.is_loopback() {
+        return list_interfaces().into_iter().find(|(_, f)| f & IFF_LOOPBACK != 0).map(|(n, _)| n);
+    }
+    match ip {
+        IpAddr::V4(v4) => best_route_v4(&std::fs::read_to_string("/proc/net/route").ok()?, v4),
+        IpAddr::V6(v6) => best_route_v6(&std::fs::read_to_string("/proc/net/ipv6_route").ok()?, v6),
+    }
+}
+
+/// The interface of the longest-prefix up route to `ip` in `/proc/net/route`'s format (addresses and masks
+/// as the hex of their bytes in host order, little-endian here).
+fn best_route_v4(table: &str, ip: std::net::Ipv4Addr) -> Option<String> {
+    let target = u32::from_le_bytes(ip.octets());
+    let mut best: Option<(u32, u32, String)> = None;
+    for line in table.lines().skip(1) {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let (Some(iface), Some(dest), Some(flags), Some(metric), Some(mask)) =
+            (f.first(), f.get(1), f.get(3), f.get(6), f.get(7))
+        else {
+            continue;
+        };
+        let hex = |s: &str| u32::from_str_radix(s, 16).ok();
+        let (Some(dest), Some(flags), Some(mask), Ok(metric)) =
+            (hex(dest), hex(flags), hex(mask), metric.parse::<u32>())
+        else {
+            continue;
+        };
+        if flags & 0x1 == 0 || target & mask != dest {
+            continue;
+        }
+        let prefix = mask.count_ones();
+        let better = best.as_ref().is_none_or(|(p, m, _)| prefix > *p || (prefix == *p && metric < *m));
+        if better {
+            best = Some((prefix, metric, iface.to_string()));
+        }
+    }
+    best.map(|(_, _, i)| i)
+}
+
+/// The interface of the longest-prefix up route to `ip` in `/proc/net/ipv6_route`'s format.
+fn best_route_v6(table: &str, ip: std::net::Ipv6Addr) -> Option<String> {
+    let target = u128::from_be_bytes(ip.octets());
+    let mut best: Option<(u32, u32, String)> = None;
+    for line in table.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if f.len() < 10 {
+            continue;
+        }
+        let (Ok(dest), Ok(plen), Ok(metric), Ok(flags)) = (
+            u128::from_str_radix(f[0], 16),
+            u32::from_str_radix(f[1], 16),
+            u32::from_str_radix(f[5], 16),
+            u32::from_str_radix(f[8], 16),
+        ) else {
+            continue;
+        };
+        let mask = if plen == 0 { 0 } else { u128::MAX << (128 - plen.min(128)) };
+        // Up (RTF_UP) and not an unreachable/reject route (RTF_REJECT).
+        if flags & 0x1 == 0 || flags & 0x200 != 0 || target & mask != dest & mask {
+            continue;
+        }
+        let better = best.as_ref().is_none_or(|(p, m, _)| plen > *p || (plen == *p && metric < *m));
+        if better {
+            best = Some((plen, metric, f[9].to_string()));
+        }
+    }
+    best.map(|(_, _, i)| i)
+}
+
+/// The settings every gaps connection shares: flow-control windows (see [`STREAM_WINDOW`]), many
+/// concurrent streams, keep-alives well under the idle timeout. [`PathTuning::transport_config`] adds the
+/// path's datagram size and segmentation offload. Congestion control stays quinn's default (CUBIC): a
+/// larger initial window and BBR measured no better on loopback.
 pub fn transport_config() -> quinn::TransportConfig {
     let mut t = quinn::TransportConfig::default();
-    let stream_window: u32 = 16 << 20;
-    let conn_window: u32 = 64 << 20;
-    t.stream_receive_window(quinn::VarInt::from_u32(stream_window));
-    t.receive_window(quinn::VarInt::from_u32(conn_window));
-    t.send_window(u64::from(conn_window));
+    t.stream_receive_window(quinn::VarInt::from_u32(STREAM_WINDOW));
+    t.receive_window(quinn::VarInt::from_u32(CONNECTION_WINDOW));
+    t.send_window(u64::from(CONNECTION_WINDOW));
     t.max_concurrent_bidi_streams(quinn::VarInt::from_u32(1024));
     t.max_concurrent_uni_streams(quinn::VarInt::from_u32(0));
     // A peer that stops answering (killed, partitioned) is noticed within the idle timeout; keep-alives
@@ -104,38 +304,77 @@ fn setup_err(e: impl std::fmt::Display) -> RpcError {
 }
 
 /// A client-side QUIC configuration presenting this process's certificate.
-pub fn client_config(tls: &TlsMaterial) -> Result<quinn::ClientConfig, RpcError> {
+pub fn client_config(tls: &TlsMaterial, path: &PathTuning) -> Result<quinn::ClientConfig, RpcError> {
     let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls.client_config().map_err(setup_err)?)
         .map_err(setup_err)?;
     let mut config = quinn::ClientConfig::new(Arc::new(crypto));
-    config.transport_config(Arc::new(transport_config()));
+    config.transport_config(Arc::new(path.transport_config()));
     Ok(config)
 }
 
 /// A server-side QUIC configuration that requires client certificates signed by the cluster CA.
-pub fn server_config(tls: &TlsMaterial) -> Result<quinn::ServerConfig, RpcError> {
+pub fn server_config(tls: &TlsMaterial, path: &PathTuning) -> Result<quinn::ServerConfig, RpcError> {
     let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(tls.server_config().map_err(setup_err)?)
         .map_err(setup_err)?;
     let mut config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
-    config.transport_config(Arc::new(transport_config()));
+    config.transport_config(Arc::new(path.transport_config()));
     Ok(config)
 }
 
-/// A server endpoint on `listen` that requires client certificates signed by the cluster CA. It can also
-/// open client connections (shards use that to join the coordinator).
-pub fn server_endpoint(listen: SocketAddr, tls: &TlsMaterial) -> Result<quinn::Endpoint, RpcError> {
-    let config = server_config(tls)?;
-    let mut endpoint =
-        quinn::Endpoint::server(config, listen).map_err(|e| setup_err(format!("binding {listen}: {e}")))?;
-    endpoint.set_default_client_config(client_config(tls)?);
-    Ok(endpoint)
+/// A UDP socket bound to `addr` with kernel buffers of [`SOCKET_BUFFER`] where the host allows them.
+pub fn bind_udp(addr: SocketAddr, path: &PathTuning) -> Result<std::net::UdpSocket, RpcError> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let sock = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))
+        .map_err(|e| setup_err(format!("making a UDP socket for {addr}: {e}")))?;
+    // Best effort: the kernel caps the sizes (and says so by what it reports back).
+    let _ = sock.set_recv_buffer_size(SOCKET_BUFFER);
+    let _ = sock.set_send_buffer_size(SOCKET_BUFFER);
+    let got = sock.recv_buffer_size().unwrap_or(0);
+    // Linux reports twice the usable size; wanted: room for a few dozen of the largest datagrams.
+    if got / 2 < 32 * usize::from(path.max_udp_payload) {
+        static WARNED: std::sync::Once = std::sync::Once::new();
+        WARNED.call_once(|| {
+            tracing::warn!(
+                got_bytes = got,
+                wanted_bytes = SOCKET_BUFFER,
+                "the kernel capped this UDP socket's receive buffer; bursts of large datagrams may be dropped \
+                 and retransmitted: raise net.core.rmem_max and net.core.wmem_max (e.g. to 8388608)"
+            );
+        });
+    }
+    sock.bind(&addr.into()).map_err(|e| setup_err(format!("binding {addr}: {e}")))?;
+    Ok(sock.into())
 }
 
-/// A client-only endpoint on an ephemeral port of the right address family.
+/// A quinn endpoint on `addr` tuned for `path`, serving with `server` when given.
+pub fn endpoint(
+    addr: SocketAddr,
+    path: &PathTuning,
+    server: Option<quinn::ServerConfig>,
+) -> Result<quinn::Endpoint, RpcError> {
+    let socket = bind_udp(addr, path)?;
+    let runtime = quinn::default_runtime().ok_or_else(|| setup_err("no async runtime is running"))?;
+    quinn::Endpoint::new(path.endpoint_config(), server, socket, runtime)
+        .map_err(|e| setup_err(format!("binding {addr}: {e}")))
+}
+
+/// A server endpoint on `listen` that requires client certificates signed by the cluster CA. It can also
+/// open client connections (shards use that to join the coordinator). Returns the path tuning it chose.
+pub fn server_endpoint(listen: SocketAddr, tls: &TlsMaterial) -> Result<(quinn::Endpoint, PathTuning), RpcError> {
+    let path = PathTuning::serving(listen);
+    let mut endpoint = endpoint(listen, &path, Some(server_config(tls, &path)?))?;
+    endpoint.set_default_client_config(client_config(tls, &path)?);
+    tracing::debug!(?path, %listen, "server endpoint");
+    Ok((endpoint, path))
+}
+
+/// A client-only endpoint on an ephemeral port of the right address family, tuned for the route to `peer`.
 pub fn client_endpoint(tls: &TlsMaterial, peer: SocketAddr) -> Result<quinn::Endpoint, RpcError> {
     let bind: SocketAddr = if peer.is_ipv6() { "[::]:0" } else { "0.0.0.0:0" }.parse().map_err(setup_err)?;
-    let mut endpoint = quinn::Endpoint::client(bind).map_err(|e| setup_err(format!("binding {bind}: {e}")))?;
-    endpoint.set_default_client_config(client_config(tls)?);
+    let path = PathTuning::toward(peer);
+    let mut endpoint = endpoint(bind, &path, None)?;
+    endpoint.set_default_client_config(client_config(tls, &path)?);
+    tracing::debug!(?path, %peer, "client endpoint");
     Ok(endpoint)
 }
 
@@ -348,5 +587,80 @@ pub fn kind_name(msg: &Message) -> &'static str {
         Message::SparsePull(_) => "sparse-pull",
         Message::SparsePullReply(_) => "sparse-pull-reply",
         Message::SparsePush(_) => "sparse-push",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `/proc/net/route` as Linux writes it: a default route, a /24 and a more specific /28 on another link.
+    const ROUTES_V4: &str = "Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT
+eth0\t00000000\t010200C0\t0003\t0\t0\t100\t00000000\t0\t0\t0
+eth0\t000200C0\t00000000\t0001\t0\t0\t100\t00FFFFFF\t0\t0\t0
+jumbo0\t100200C0\t00000000\t0001\t0\t0\t0\tF0FFFFFF\t0\t0\t0
+down0\t000010AC\t00000000\t0000\t0\t0\t0\t0000FFFF\t0\t0\t0
+";
+
+    #[test]
+    fn ipv4_routes_pick_the_longest_up_prefix() {
+        let route = |ip: &str| best_route_v4(ROUTES_V4, ip.parse().expect("ip"));
+        assert_eq!(route("192.0.2.17").as_deref(), Some("jumbo0"), "192.0.2.16/28 beats 192.0.2.0/24");
+        assert_eq!(route("192.0.2.5").as_deref(), Some("eth0"));
+        assert_eq!(route("8.8.8.8").as_deref(), Some("eth0"), "the default route");
+        assert_eq!(route("172.16.3.4").as_deref(), Some("eth0"), "a route that is not up is skipped");
+        assert_eq!(best_route_v4("Iface\tDestination\n", "10.0.0.1".parse().expect("ip")), None);
+        assert_eq!(best_route_v4("garbage line\nx y z\n", "10.0.0.1".parse().expect("ip")), None);
+    }
+
+    /// `/proc/net/ipv6_route` as Linux writes it (with the kernel's reject route on lo).
+    const ROUTES_V6: &str = "\
+fd000000000000000000000000000000 40 00000000000000000000000000000000 00 00000000000000000000000000000000 00000100 00000001 00000000 00000001     eth0
+fd000000000000010000000000000000 40 00000000000000000000000000000000 00 00000000000000000000000000000000 00000100 00000001 00000000 00000001   jumbo0
+00000000000000000000000000000000 00 00000000000000000000000000000000 00 fd000000000000000000000000000001 00000400 00000002 00000000 00000003     eth0
+00000000000000000000000000000000 00 00000000000000000000000000000000 00 00000000000000000000000000000000 ffffffff 00000001 00000000 00200200       lo
+";
+
+    #[test]
+    fn ipv6_routes_pick_the_longest_up_prefix_and_skip_reject_routes() {
+        let route = |ip: &str| best_route_v6(ROUTES_V6, ip.parse().expect("ip"));
+        assert_eq!(route("fd00::1:2").as_deref(), Some("eth0"));
+        assert_eq!(route("fd00:0:0:1::9").as_deref(), Some("jumbo0"));
+        assert_eq!(route("2001:db8::1").as_deref(), Some("eth0"), "the default route, not lo's reject route");
+    }
+
+    #[test]
+    fn datagram_size_and_offload_follow_the_mtu() {
+        let lo = PathTuning::for_mtu(65_536, false, "lo");
+        assert_eq!(lo.max_udp_payload, 65_507, "an IPv4 datagram is at most 65,535 bytes");
+        assert!(!lo.segmentation_offload, "ten 64 KiB datagrams cannot go in one UDP send");
+        let lo6 = PathTuning::for_mtu(65_536, true, "lo");
+        assert_eq!(lo6.max_udp_payload, 65_487);
+        let jumbo = PathTuning::for_mtu(9000, false, "eth0");
+        assert_eq!(jumbo.max_udp_payload, 8972);
+        assert!(!jumbo.segmentation_offload);
+        let ethernet = PathTuning::for_mtu(1500, false, "eth0");
+        assert_eq!(ethernet.max_udp_payload, 1472);
+        assert!(ethernet.segmentation_offload, "1,472-byte datagrams batch ten to a send");
+        assert_eq!(PathTuning::for_mtu(576, false, "tiny").max_udp_payload, 1200, "QUIC's floor");
+        assert_eq!(PathTuning::ethernet("test").max_udp_payload, 1452);
+        // The settings are accepted by quinn.
+        let _ = lo.transport_config();
+        assert_eq!(lo.endpoint_config().get_max_udp_payload_size(), 65_507);
+    }
+
+    #[test]
+    fn loopback_traffic_uses_the_loopback_interface() {
+        // Every Linux host (and network namespace) has lo; where /sys is not mounted the fallback applies.
+        let t = PathTuning::toward("127.0.0.1:9".parse().expect("addr"));
+        if std::path::Path::new("/sys/class/net/lo/mtu").exists() {
+            assert_eq!(route_interface("127.0.0.1".parse().expect("ip")).as_deref(), Some("lo"));
+            assert_eq!(t.interface, "lo");
+            let mtu = interface_mtu("lo").expect("lo has an MTU");
+            assert_eq!(t, PathTuning::for_mtu(mtu, false, "lo"));
+        } else {
+            assert_eq!(t.max_udp_payload, 1452);
+        }
+        assert_eq!(interface_mtu("../etc"), None, "names are not paths");
     }
 }

@@ -155,6 +155,8 @@ struct Inner {
     /// The client configuration after a certificate rotation (None: the endpoint's own).
     rotated: Mutex<Option<quinn::ClientConfig>>,
     endpoint: quinn::Endpoint,
+    /// The UDP path tuning of the endpoint (from the route to the coordinator).
+    path: net::PathTuning,
     map: ClusterMap,
     shards: Vec<ShardLink>,
     /// Test and chaos hook: close the connection after this many requests were written, before their reply.
@@ -201,6 +203,7 @@ impl Client {
             opts.tls.own_identity().map_err(|e| RpcError::Setup(format!("this client's certificate: {e}")))?.cluster;
         let coordinator = net::resolve(&opts.coordinator).await?;
         let endpoint = net::client_endpoint(&opts.tls, coordinator)?;
+        let path = net::PathTuning::toward(coordinator);
         let register =
             Message::Register(Register { protocol: PROTOCOL_VERSION, role: opts.role, name: opts.name.clone() });
         let map = loop {
@@ -293,6 +296,7 @@ impl Client {
                 cluster,
                 rotated: Mutex::new(None),
                 endpoint,
+                path,
                 map,
                 shards,
                 drop_after_send: AtomicU32::new(0),
@@ -343,7 +347,7 @@ impl Client {
         if new != old {
             return Err(setup(format!("the new certificate is {new}, this client is {old}")));
         }
-        let config = net::client_config(tls)?;
+        let config = net::client_config(tls, &self.inner.path)?;
         *self.inner.rotated.lock().map_err(|_| setup("the TLS lock is poisoned".into()))? = Some(config);
         Ok(())
     }
