@@ -1118,7 +1118,8 @@ async fn serve_request(
         }
     };
     held.add(reply.payload.len() as u64 * 4);
-    match net::write_frame(send, &reply.msg, &[&reply.payload]).await {
+    let Frame { msg, payload } = reply;
+    match net::write_frame(send, &msg, &[net::f32_bytes(payload)]).await {
         Ok(bytes) => shared.metrics.bytes_out.increment(bytes),
         Err(e) => debug!(error = %e, "writing the reply"),
     }

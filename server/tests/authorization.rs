@@ -55,7 +55,7 @@ async fn raw(tls: &TlsMaterial, addr: std::net::SocketAddr) -> quinn::Connection
 }
 
 async fn ask(conn: &quinn::Connection, msg: Message, payload: &[f32]) -> Result<Frame, net::RpcError> {
-    net::call(conn, &msg, &[payload], &Limits::default(), Duration::from_secs(5)).await
+    net::call(conn, &msg, &[net::f32_bytes_copied(payload)], &Limits::default(), Duration::from_secs(5)).await
 }
 
 fn refused(result: Result<Frame, net::RpcError>, what: &str) -> String {

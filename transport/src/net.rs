@@ -3,6 +3,7 @@
 
 use crate::identity::{identity_of, PeerIdentity, Role};
 use crate::tls::{TlsMaterial, SERVER_NAME};
+pub use bytes::Bytes;
 use gaps_common::wire::{self, Frame, Limits, Message, WireError};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -44,6 +45,14 @@ pub enum RpcError {
         addr: String,
         /// The limit.
         timeout: Duration,
+    },
+    /// The reply does not fit the request (other chunks, another length).
+    #[error("{addr} sent a reply that does not fit the request: {message}")]
+    BadReply {
+        /// The peer.
+        addr: String,
+        /// What did not fit.
+        message: String,
     },
     /// The reply was of the wrong kind.
     #[error("{addr} answered with an unexpected {kind} message")]
@@ -477,17 +486,46 @@ pub fn expect_shard(conn: &quinn::Connection, cluster: &str, index: u32) -> Resu
     }
 }
 
-/// Writes one frame whose payload is the concatenation of `payload` slices (no copy of tensor data on
-/// little-endian hosts).
-pub async fn write_frame(send: &mut quinn::SendStream, msg: &Message, payload: &[&[f32]]) -> Result<u64, WireError> {
-    let elems: usize = payload.iter().map(|p| p.len()).sum();
-    let header = wire::encode_header(msg, elems)?;
+/// Tensor data owned elsewhere (a `Vec<f32>`, a slice of shared tensors) seen as little-endian bytes.
+struct F32Owner<T>(T);
+
+impl<T: AsRef<[f32]>> AsRef<[u8]> for F32Owner<T> {
+    fn as_ref(&self) -> &[u8] {
+        bytemuck::cast_slice(self.0.as_ref())
+    }
+}
+
+/// `values` as a frame payload part. On little-endian hosts the bytes are the values' own memory, handed
+/// to quinn's send queue without a copy (the owner is dropped once the peer acknowledged them).
+pub fn f32_bytes<T: AsRef<[f32]> + Send + 'static>(values: T) -> Bytes {
+    if cfg!(target_endian = "little") {
+        Bytes::from_owner(F32Owner(values))
+    } else {
+        Bytes::from(wire::f32s_to_le_bytes(values.as_ref()).into_owned())
+    }
+}
+
+/// A copy of `values` as a frame payload part (for small or borrowed data).
+pub fn f32_bytes_copied(values: &[f32]) -> Bytes {
+    Bytes::copy_from_slice(&wire::f32s_to_le_bytes(values))
+}
+
+/// Writes one frame whose payload is the concatenation of `payload` parts (each a whole number of f32s,
+/// as made by [`f32_bytes`]). The parts go to quinn by reference count, not copied.
+pub async fn write_frame(send: &mut quinn::SendStream, msg: &Message, payload: &[Bytes]) -> Result<u64, WireError> {
+    let bytes: usize = payload.iter().map(|p| p.len()).sum();
+    if bytes % 4 != 0 {
+        return Err(WireError::Io(format!("a payload of {bytes} bytes is not a whole number of f32 values")));
+    }
+    let header = wire::encode_header(msg, bytes / 4)?;
     let io = |e: quinn::WriteError| WireError::Io(e.to_string());
     send.write_all(&header).await.map_err(io)?;
     for part in payload {
-        send.write_all(&wire::f32s_to_le_bytes(part)).await.map_err(io)?;
+        if !part.is_empty() {
+            send.write_chunk(part.clone()).await.map_err(io)?;
+        }
     }
-    Ok(header.len() as u64 + elems as u64 * 4)
+    Ok((header.len() + bytes) as u64)
 }
 
 /// Adapts a QUIC receive stream to [`wire::ReadExact`].
@@ -505,7 +543,9 @@ impl wire::ReadExact for QuicReader<'_> {
 
 /// Reads one frame, bounded by `limits`.
 pub async fn read_frame(recv: &mut quinn::RecvStream, limits: &Limits) -> Result<Frame, WireError> {
-    wire::read_frame(&mut QuicReader(recv), limits).await
+    let msg = read_header(recv, limits).await?;
+    let payload = read_payload(recv, &msg).await?;
+    Ok(Frame { msg, payload })
 }
 
 /// Reads a frame's header only (see [`wire::read_header`]); [`read_payload`] reads the rest.
@@ -513,9 +553,169 @@ pub async fn read_header(recv: &mut quinn::RecvStream, limits: &Limits) -> Resul
     wire::read_header(&mut QuicReader(recv), limits).await
 }
 
-/// Reads the payload `msg` announced.
+/// Reads the payload `msg` announced, straight from quinn's received chunks into the result (no zeroing,
+/// one copy).
 pub async fn read_payload(recv: &mut quinn::RecvStream, msg: &Message) -> Result<Vec<f32>, WireError> {
-    wire::read_payload(&mut QuicReader(recv), msg).await
+    let n = msg.payload_elems() as usize;
+    let mut out = PayloadBuilder::new(n);
+    while !out.is_full() {
+        match recv.read_chunk(out.bytes_missing(), true).await {
+            Ok(Some(chunk)) => out.extend(&chunk.bytes),
+            Ok(None) => return Err(WireError::Truncated { needed: n as u64 * 4, got: out.bytes_received() }),
+            Err(e) => return Err(WireError::Io(e.to_string())),
+        }
+    }
+    Ok(out.finish())
+}
+
+/// Where a reply's payload goes. [`call_with`] asks once the reply's header is read and valid; `Ok(None)`
+/// keeps the payload in the returned frame, `Ok(Some(slices))` has it read straight into the caller's
+/// buffers (their lengths must add up to the payload's), `Err` refuses the reply.
+pub trait ReplySink {
+    /// The destination of the payload of reply `msg`.
+    fn destination<'s>(&'s mut self, msg: &Message) -> Result<Option<Vec<&'s mut [f32]>>, String>;
+}
+
+/// The reply's payload stays in its frame.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct InFrame;
+
+impl ReplySink for InFrame {
+    fn destination<'s>(&'s mut self, _msg: &Message) -> Result<Option<Vec<&'s mut [f32]>>, String> {
+        Ok(None)
+    }
+}
+
+/// Reads the payload `msg` announced into `dest`, whose lengths must add up to it.
+pub async fn read_payload_into(
+    recv: &mut quinn::RecvStream,
+    msg: &Message,
+    dest: &mut [&mut [f32]],
+) -> Result<(), WireError> {
+    let n = msg.payload_elems() as usize;
+    let room: usize = dest.iter().map(|d| d.len()).sum();
+    if room != n {
+        return Err(WireError::Io(format!("the reply carries {n} values where {room} were expected")));
+    }
+    let mut fill = SliceFiller { dest, slice: 0, offset: 0, partial: [0; 4], partial_len: 0, filled: 0, want: n };
+    while fill.filled < n {
+        let missing = (n - fill.filled) * 4 - fill.partial_len;
+        match recv.read_chunk(missing, true).await {
+            Ok(Some(chunk)) => fill.extend(&chunk.bytes),
+            Ok(None) => {
+                let got = (fill.filled * 4 + fill.partial_len) as u64;
+                return Err(WireError::Truncated { needed: n as u64 * 4, got });
+            }
+            Err(e) => return Err(WireError::Io(e.to_string())),
+        }
+    }
+    Ok(())
+}
+
+/// Writes f32 values from byte chunks of any length and alignment into a sequence of slices.
+struct SliceFiller<'d, 'b> {
+    dest: &'d mut [&'b mut [f32]],
+    slice: usize,
+    offset: usize,
+    partial: [u8; 4],
+    partial_len: usize,
+    filled: usize,
+    want: usize,
+}
+
+impl SliceFiller<'_, '_> {
+    fn put(&mut self, v: f32) {
+        while self.dest[self.slice].len() == self.offset {
+            self.slice += 1;
+            self.offset = 0;
+        }
+        self.dest[self.slice][self.offset] = v;
+        self.offset += 1;
+        self.filled += 1;
+    }
+
+    fn extend(&mut self, mut bytes: &[u8]) {
+        bytes = &bytes[..bytes.len().min((self.want - self.filled) * 4 - self.partial_len)];
+        if self.partial_len > 0 {
+            let take = (4 - self.partial_len).min(bytes.len());
+            self.partial[self.partial_len..self.partial_len + take].copy_from_slice(&bytes[..take]);
+            self.partial_len += take;
+            bytes = &bytes[take..];
+            if self.partial_len < 4 {
+                return;
+            }
+            self.put(f32::from_le_bytes(self.partial));
+            self.partial_len = 0;
+        }
+        while bytes.len() >= 4 {
+            while self.dest[self.slice].len() == self.offset {
+                self.slice += 1;
+                self.offset = 0;
+            }
+            let target = &mut self.dest[self.slice][self.offset..];
+            let count = target.len().min(bytes.len() / 4);
+            for (d, b) in target[..count].iter_mut().zip(bytes.chunks_exact(4)) {
+                *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+            self.offset += count;
+            self.filled += count;
+            bytes = &bytes[count * 4..];
+        }
+        self.partial[..bytes.len()].copy_from_slice(bytes);
+        self.partial_len = bytes.len();
+    }
+}
+
+/// Assembles f32 values from byte chunks of any length and alignment.
+struct PayloadBuilder {
+    values: Vec<f32>,
+    want: usize,
+    /// Bytes of a value split across chunks.
+    partial: [u8; 4],
+    partial_len: usize,
+}
+
+impl PayloadBuilder {
+    fn new(want: usize) -> Self {
+        PayloadBuilder { values: Vec::with_capacity(want), want, partial: [0; 4], partial_len: 0 }
+    }
+
+    fn is_full(&self) -> bool {
+        self.values.len() == self.want
+    }
+
+    fn bytes_received(&self) -> u64 {
+        (self.values.len() * 4 + self.partial_len) as u64
+    }
+
+    fn bytes_missing(&self) -> usize {
+        (self.want - self.values.len()) * 4 - self.partial_len
+    }
+
+    /// Appends `bytes` (at most [`Self::bytes_missing`]; any excess is ignored).
+    fn extend(&mut self, mut bytes: &[u8]) {
+        bytes = &bytes[..bytes.len().min(self.bytes_missing())];
+        if self.partial_len > 0 {
+            let take = (4 - self.partial_len).min(bytes.len());
+            self.partial[self.partial_len..self.partial_len + take].copy_from_slice(&bytes[..take]);
+            self.partial_len += take;
+            bytes = &bytes[take..];
+            if self.partial_len < 4 {
+                return;
+            }
+            self.values.push(f32::from_le_bytes(self.partial));
+            self.partial_len = 0;
+        }
+        let whole = bytes.chunks_exact(4);
+        let rest = whole.remainder();
+        self.values.extend(whole.map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
+        self.partial[..rest.len()].copy_from_slice(rest);
+        self.partial_len = rest.len();
+    }
+
+    fn finish(self) -> Vec<f32> {
+        self.values
+    }
 }
 
 /// After a request frame: the stream must end here.
@@ -533,9 +733,22 @@ pub async fn expect_end(recv: &mut quinn::RecvStream) -> Result<(), WireError> {
 pub async fn call(
     conn: &quinn::Connection,
     msg: &Message,
-    payload: &[&[f32]],
+    payload: &[Bytes],
     limits: &Limits,
     timeout: Duration,
+) -> Result<Frame, RpcError> {
+    call_with(conn, msg, payload, limits, timeout, &mut InFrame).await
+}
+
+/// [`call`] with the reply's payload going where `sink` says (the returned frame's payload is then
+/// empty).
+pub async fn call_with(
+    conn: &quinn::Connection,
+    msg: &Message,
+    payload: &[Bytes],
+    limits: &Limits,
+    timeout: Duration,
+    sink: &mut (impl ReplySink + ?Sized),
 ) -> Result<Frame, RpcError> {
     let addr = conn.remote_address().to_string();
     let fut = async {
@@ -548,11 +761,29 @@ pub async fn call(
         let (mut send, mut recv) = conn.open_bi().await.map_err(|e| conn_err(e.to_string()))?;
         write_frame(&mut send, msg, payload).await.map_err(|e| conn_err(e.to_string()))?;
         send.finish().map_err(|e| conn_err(e.to_string()))?;
-        let frame = read_frame(&mut recv, limits).await.map_err(|e| match e {
+        let wire_err = |e: WireError| match e {
             WireError::Io(m) => conn_err(m),
             WireError::Truncated { .. } if conn.close_reason().is_some() => conn_err(e.to_string()),
             other => RpcError::Wire { addr: addr.clone(), source: other },
-        })?;
+        };
+        let reply = read_header(&mut recv, limits).await.map_err(wire_err)?;
+        let destination = match &reply {
+            Message::Error(_) => None,
+            other => sink.destination(other).map_err(|message| RpcError::BadReply { addr: addr.clone(), message })?,
+        };
+        let frame = match destination {
+            None => Frame { payload: read_payload(&mut recv, &reply).await.map_err(wire_err)?, msg: reply },
+            Some(mut dest) => {
+                let room: u64 = dest.iter().map(|d| d.len() as u64).sum();
+                if room != reply.payload_elems() {
+                    let n = reply.payload_elems();
+                    let message = format!("the reply carries {n} values where {room} were expected");
+                    return Err(RpcError::BadReply { addr: addr.clone(), message });
+                }
+                read_payload_into(&mut recv, &reply, &mut dest).await.map_err(wire_err)?;
+                Frame { msg: reply, payload: Vec::new() }
+            }
+        };
         match frame.msg {
             Message::Error(e) => Err(RpcError::Remote { addr: addr.clone(), code: e.code, message: e.message }),
             _ => Ok(frame),
@@ -593,6 +824,56 @@ pub fn kind_name(msg: &Message) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn payloads_assemble_from_chunks_of_any_length() {
+        let values: Vec<f32> = (0..1000).map(|i| i as f32 * 0.5 - 7.25).collect();
+        let bytes = f32_bytes(values.clone());
+        assert_eq!(&bytes[..], bytemuck::cast_slice::<f32, u8>(&values), "little-endian bytes, no copy");
+        for cut in [1usize, 2, 3, 4, 5, 7, 64, 1023, 4000] {
+            let mut b = PayloadBuilder::new(values.len());
+            for part in bytes.chunks(cut) {
+                assert!(!b.is_full());
+                b.extend(part);
+            }
+            assert!(b.is_full());
+            assert_eq!(b.finish(), values, "chunks of {cut} bytes");
+        }
+        let mut short = PayloadBuilder::new(2);
+        short.extend(&[0, 0, 128]);
+        assert_eq!((short.bytes_received(), short.bytes_missing()), (3, 5));
+        short.extend(&[63, 0, 0, 0, 64, 9, 9, 9]);
+        assert!(short.is_full(), "excess bytes are ignored");
+        assert_eq!(short.finish(), vec![1.0, 2.0]);
+        assert_eq!(f32_bytes_copied(&[1.0]), f32_bytes(vec![1.0f32]));
+    }
+
+    #[test]
+    fn payloads_fill_slices_across_chunk_boundaries() {
+        let values: Vec<f32> = (0..777).map(|i| i as f32 - 300.5).collect();
+        let bytes = f32_bytes(values.clone());
+        for cut in [1usize, 3, 4, 6, 100, 3108] {
+            let mut a = vec![0f32; 5];
+            let mut b = vec![0f32; 0];
+            let mut c = vec![0f32; 772];
+            let mut dest: Vec<&mut [f32]> = vec![&mut a, &mut b, &mut c];
+            let mut fill = SliceFiller {
+                dest: &mut dest,
+                slice: 0,
+                offset: 0,
+                partial: [0; 4],
+                partial_len: 0,
+                filled: 0,
+                want: 777,
+            };
+            for part in bytes.chunks(cut) {
+                fill.extend(part);
+            }
+            assert_eq!(fill.filled, 777);
+            let joined: Vec<f32> = a.iter().chain(&b).chain(&c).copied().collect();
+            assert_eq!(joined, values, "chunks of {cut} bytes");
+        }
+    }
 
     /// `/proc/net/route` as Linux writes it: a default route, a /24 and a more specific /28 on another link.
     const ROUTES_V4: &str = "Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT

@@ -92,6 +92,71 @@ fn check_finite(what: &str, values: &[f32]) -> Result<(), ClientError> {
     }
 }
 
+/// Where one shard's pull reply goes: its chunks' slices of the snapshot, in request order.
+struct PullInto<'a> {
+    expected: Vec<(gaps_common::layout::ChunkId, u32)>,
+    slices: Vec<&'a mut [f32]>,
+    versions: Vec<u64>,
+}
+
+impl net::ReplySink for PullInto<'_> {
+    fn destination<'s>(&'s mut self, msg: &Message) -> Result<Option<Vec<&'s mut [f32]>>, String> {
+        let Message::PullReply(reply) = msg else {
+            return Err(format!("a {} message answered a pull", net::kind_name(msg)));
+        };
+        if reply.chunks.len() != self.expected.len() {
+            return Err(format!("{} chunks returned, {} asked for", reply.chunks.len(), self.expected.len()));
+        }
+        for (meta, (id, len)) in reply.chunks.iter().zip(&self.expected) {
+            if meta.id != *id || meta.len != *len {
+                return Err(format!("chunk {:?} of {} values answered for {id:?} of {len}", meta.id, meta.len));
+            }
+        }
+        self.versions = reply.chunks.iter().map(|c| c.version).collect();
+        Ok(Some(self.slices.iter_mut().map(|s| &mut **s).collect()))
+    }
+}
+
+/// Runs `futures` concurrently on the current task and returns their outputs in order.
+async fn join_all<F: std::future::Future>(futures: Vec<F>) -> Vec<F::Output> {
+    let mut pending: Vec<Option<std::pin::Pin<Box<F>>>> = futures.into_iter().map(|f| Some(Box::pin(f))).collect();
+    let mut done: Vec<Option<F::Output>> = pending.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut all = true;
+        for (slot, out) in pending.iter_mut().zip(done.iter_mut()) {
+            if let Some(fut) = slot {
+                match fut.as_mut().poll(cx) {
+                    std::task::Poll::Ready(v) => {
+                        *out = Some(v);
+                        *slot = None;
+                    }
+                    std::task::Poll::Pending => all = false,
+                }
+            }
+        }
+        if all {
+            std::task::Poll::Ready(())
+        } else {
+            std::task::Poll::Pending
+        }
+    })
+    .await;
+    done.into_iter().flatten().collect()
+}
+
+/// One range of one tensor of a shared set, as the bytes of a payload part.
+struct TensorSlice {
+    tensors: Arc<Vec<Vec<f32>>>,
+    tensor: usize,
+    range: std::ops::Range<usize>,
+}
+
+impl AsRef<[f32]> for TensorSlice {
+    fn as_ref(&self) -> &[f32] {
+        self.tensors.get(self.tensor).and_then(|t| t.get(self.range.clone())).unwrap_or(&[])
+    }
+}
+
 /// A model snapshot as pulled: one vector per tensor plus the version of every chunk (global order).
 /// For the DANA rules the values are the look-ahead the shards sent, which is where gradients are computed.
 #[derive(Debug, Clone, PartialEq)]
@@ -428,7 +493,18 @@ impl Client {
     /// One request to one shard, sent again on a new connection after a transport failure until the shard
     /// has been unreachable for `shard_down_timeout`. Callers only use it for idempotent requests (pushes are
     /// made idempotent by their sequence number).
-    async fn request(&self, shard: usize, msg: &Message, payload: &[&[f32]]) -> Result<(Frame, u32), RpcError> {
+    async fn request(&self, shard: usize, msg: &Message, payload: &[net::Bytes]) -> Result<(Frame, u32), RpcError> {
+        self.request_with(shard, msg, payload, &mut net::InFrame).await
+    }
+
+    /// [`Self::request`] with the reply's payload read where `sink` says.
+    async fn request_with<S: net::ReplySink + Send + ?Sized>(
+        &self,
+        shard: usize,
+        msg: &Message,
+        payload: &[net::Bytes],
+        sink: &mut S,
+    ) -> Result<(Frame, u32), RpcError> {
         let opts = &self.inner.opts;
         let mut attempt = 0u32;
         let mut down_since: Option<Instant> = None;
@@ -455,7 +531,7 @@ impl Client {
                         message: "injected connection drop".into(),
                     });
                 }
-                net::call(&conn, msg, payload, &opts.limits, opts.rpc_timeout).await
+                net::call_with(&conn, msg, payload, &opts.limits, opts.rpc_timeout, &mut *sink).await
             }
             .await;
             match result {
@@ -500,51 +576,53 @@ impl Client {
         self.inner.drop_after_send.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok()
     }
 
-    /// Pulls the whole model from all shards concurrently.
+    /// Pulls the whole model from all shards concurrently. Each shard's reply is read straight into the
+    /// snapshot's tensors (no intermediate buffer, no zero-fill).
     pub async fn pull(&self) -> Result<Snapshot, ClientError> {
         let layout = &self.inner.map.layout;
-        let mut tasks = tokio::task::JoinSet::new();
-        for s in 0..self.inner.shards.len() {
-            let client = self.clone();
-            tasks.spawn(async move {
-                let link = &client.inner.shards[s];
-                let msg = Message::Pull(Pull {
-                    epoch: client.inner.map.epoch,
-                    chunks: link.chunks.iter().map(|(id, _)| *id).collect(),
-                });
-                client.request(s, &msg, &[]).await.map(|(frame, _)| (s, frame))
-            });
+        let chunk_elems = layout.chunk_elems.max(1) as usize;
+        let mut tensors: Vec<Vec<f32>> = Vec::with_capacity(layout.tensors.len());
+        for t in &layout.tensors {
+            // Every element is written by exactly one shard's reply before the snapshot is returned; the
+            // zero-fill is the cheap way to hand out `&mut [f32]` over fresh memory.
+            tensors.push(vec![0.0; t.len as usize]);
         }
-        let mut tensors: Vec<Vec<f32>> = layout.tensors.iter().map(|t| vec![0.0; t.len as usize]).collect();
-        let mut versions = vec![0u64; layout.total_chunks() as usize];
-        while let Some(joined) = tasks.join_next().await {
-            let (s, frame) = joined.map_err(|e| ClientError::Shape(format!("pull task failed: {e}")))??;
-            let link = &self.inner.shards[s];
-            let Message::PullReply(reply) = &frame.msg else {
-                return Err(RpcError::Unexpected {
-                    addr: link.addr.to_string(),
-                    kind: net::kind_name(&frame.msg).into(),
+        // Chunk slices of every tensor, in chunk order, handed to the shard that owns each chunk.
+        let mut slots: Vec<Vec<Option<&mut [f32]>>> =
+            tensors.iter_mut().map(|t| t.chunks_mut(chunk_elems).map(Some).collect()).collect();
+        let mut sinks = Vec::with_capacity(self.inner.shards.len());
+        for link in &self.inner.shards {
+            let mut slices = Vec::with_capacity(link.chunks.len());
+            for (id, _) in &link.chunks {
+                let slot = slots.get_mut(id.tensor as usize).and_then(|t| t.get_mut(id.chunk as usize));
+                match slot.and_then(Option::take) {
+                    Some(slice) => slices.push(slice),
+                    None => {
+                        return Err(ClientError::BadMap(format!("chunk {id:?} is not in the layout or owned twice")))
+                    }
                 }
-                .into());
-            };
-            if reply.chunks.len() != link.chunks.len() {
-                return Err(ClientError::BadMap(format!(
-                    "shard {} returned {} chunks, asked for {}",
-                    s,
-                    reply.chunks.len(),
-                    link.chunks.len()
-                )));
             }
-            let mut offset = 0usize;
-            for (meta, (id, global)) in reply.chunks.iter().zip(&link.chunks) {
-                let range = layout.chunk_range(*id).map_err(|e| ClientError::BadMap(e.to_string()))?;
-                if meta.id != *id || meta.len as usize != range.len() {
-                    return Err(ClientError::BadMap(format!("shard {s} answered chunk {:?} for {:?}", meta.id, id)));
-                }
-                let n = range.len();
-                tensors[id.tensor as usize][range].copy_from_slice(&frame.payload[offset..offset + n]);
-                versions[*global as usize] = meta.version;
-                offset += n;
+            let expected = link.chunks.iter().map(|(id, _)| (*id, layout.chunk_len(*id).unwrap_or(0) as u32)).collect();
+            sinks.push(PullInto { expected, slices, versions: Vec::new() });
+        }
+        let requests = sinks.iter_mut().enumerate().map(|(s, sink)| {
+            let link = &self.inner.shards[s];
+            let msg = Message::Pull(Pull {
+                epoch: self.inner.map.epoch,
+                chunks: link.chunks.iter().map(|(id, _)| *id).collect(),
+            });
+            async move { self.request_with(s, &msg, &[], sink).await }
+        });
+        for (s, outcome) in join_all(requests.collect()).await.into_iter().enumerate() {
+            outcome.map_err(|e| match e {
+                RpcError::BadReply { message, .. } => ClientError::BadMap(format!("shard {s}: {message}")),
+                other => other.into(),
+            })?;
+        }
+        let mut versions = vec![0u64; layout.total_chunks() as usize];
+        for (sink, link) in sinks.iter().zip(&self.inner.shards) {
+            for (v, (_, global)) in sink.versions.iter().zip(&link.chunks) {
+                versions[*global as usize] = *v;
             }
         }
         if let Ok(mut last) = self.inner.last_pull.lock() {
@@ -635,9 +713,17 @@ impl Client {
                 let grad_parts = link.chunks.iter().map(|(id, _)| (id, &grads));
                 let read_parts =
                     link.chunks.iter().filter(|(id, _)| client.inner.echoes(id)).map(|(id, _)| (id, &snapshot_tensors));
-                let parts: Vec<&[f32]> = grad_parts
+                // Views of the shared tensors, handed to the transport without a copy.
+                let parts: Vec<net::Bytes> = grad_parts
                     .chain(read_parts)
-                    .filter_map(|(id, tensors)| layout.chunk_range(*id).ok().map(|r| &tensors[id.tensor as usize][r]))
+                    .filter_map(|(id, tensors)| {
+                        let range = layout.chunk_range(*id).ok()?;
+                        Some(net::f32_bytes(TensorSlice {
+                            tensors: tensors.clone(),
+                            tensor: id.tensor as usize,
+                            range,
+                        }))
+                    })
                     .collect();
                 (s, client.request(s, &msg, &parts).await)
             });
@@ -755,7 +841,8 @@ impl Client {
                 create,
             });
             let client = self.clone();
-            tasks.spawn(async move { client.request(s, &msg, &[&words]).await.map(|(frame, _)| (s, frame)) });
+            let words = [net::f32_bytes(words)];
+            tasks.spawn(async move { client.request(s, &msg, &words).await.map(|(frame, _)| (s, frame)) });
         }
         let mut values = vec![0.0f32; ids.len() * dim];
         let mut versions = vec![0u32; ids.len()];
@@ -817,7 +904,8 @@ impl Client {
             });
             self.inner.pushes_sent.fetch_add(1, Ordering::Relaxed);
             let client = self.clone();
-            tasks.spawn(async move { client.request(s, &msg, &[&payload]).await });
+            let payload = [net::f32_bytes(payload)];
+            tasks.spawn(async move { client.request(s, &msg, &payload).await });
         }
         let mut summary = PushSummary::default();
         while let Some(joined) = tasks.join_next().await {
