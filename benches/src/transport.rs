@@ -41,12 +41,20 @@ pub struct TransportOptions {
     pub only: Option<String>,
     /// Rows in the sparse case's table (10 M unless quick).
     pub sparse_rows: u64,
+    /// Measurements of every case, alternating gaps and its baselines; the medians are reported.
+    pub repeats: u32,
 }
 
 impl TransportOptions {
     /// Every case, `min_time` each.
     pub fn new(quick: bool, min_time: Duration) -> Self {
-        TransportOptions { quick, min_time, only: None, sparse_rows: if quick { 20_000 } else { 10_000_000 } }
+        TransportOptions {
+            quick,
+            min_time,
+            only: None,
+            sparse_rows: if quick { 20_000 } else { 10_000_000 },
+            repeats: if quick { 1 } else { 3 },
+        }
     }
 }
 
@@ -179,7 +187,6 @@ pub async fn run(opts: &TransportOptions) -> Result<Vec<TransportResult>> {
     for &shards in shard_counts {
         cases.push((format!("sparse_{shards}shard_{SPARSE_ROWS}x{SPARSE_DIM}"), shards, Some(SPARSE_ROWS), 0));
     }
-    let mut baselines: Vec<(u64, [Measured; 4])> = Vec::new();
     for (case, shards, rows, n) in cases {
         if !wanted(&case) {
             continue;
@@ -188,31 +195,42 @@ pub async fn run(opts: &TransportOptions) -> Result<Vec<TransportResult>> {
             Some(r) => 2 * 4 * r * u64::from(SPARSE_DIM),
             None => 2 * 4 * n,
         };
-        let gaps = match rows {
-            Some(_) => sparse_case(&certs, shards, opts).await?,
-            None => dense_case(&certs, shards, n, opts).await?,
-        };
-        let base = match baselines.iter().find(|(b, _)| *b == bytes) {
-            Some((_, m)) => *m,
-            None => {
-                let m = baselines_for(&certs, bytes / 2, opts).await?;
-                baselines.push((bytes, m));
-                m
-            }
-        };
+        // Alternate gaps and its baselines so that a machine whose speed drifts moves both.
+        let mut runs: Vec<[Measured; 5]> = Vec::new();
+        for _ in 0..opts.repeats.max(1) {
+            let gaps = match rows {
+                Some(_) => sparse_case(&certs, shards, opts).await?,
+                None => dense_case(&certs, shards, n, opts).await?,
+            };
+            let [quinn, default, tcp, tls] = baselines_for(&certs, bytes / 2, opts).await?;
+            runs.push([gaps, quinn, default, tcp, tls]);
+        }
+        let m = |i: usize| median_of(runs.iter().map(|r| r[i]).collect());
         out.push(TransportResult {
             case,
             shards,
             bytes,
             rows,
-            gaps,
-            quinn: base[0],
-            quinn_default: base[1],
-            tcp: base[2],
-            tcp_tls: base[3],
+            gaps: m(0),
+            quinn: m(1),
+            quinn_default: m(2),
+            tcp: m(3),
+            tcp_tls: m(4),
         });
     }
     Ok(out)
+}
+
+/// The median throughput and the median CPU cost (each on its own) of several measurements; rounds add up.
+fn median_of(mut runs: Vec<Measured>) -> Measured {
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(0.0)
+    };
+    let rounds = runs.iter().map(|r| r.rounds).sum();
+    let mut rates: Vec<f64> = runs.iter().map(|r| r.gbytes_per_s).collect();
+    let mut cpu: Vec<f64> = runs.drain(..).map(|r| r.cpu_s_per_gb).collect();
+    Measured { rounds, gbytes_per_s: median(&mut rates), cpu_s_per_gb: median(&mut cpu) }
 }
 
 /// Rows per sparse round and their dimension.
@@ -271,11 +289,20 @@ async fn dense_case(certs: &ClusterCerts, shards: u32, n: u64, opts: &TransportO
     let options = ClientOptions::new(&servers[0].advertise, certs.worker_material()?, Role::Worker, "bench");
     let client = Client::connect(options).await?;
     let grads = vec![1e-3f32; n as usize];
-    let snapshot = std::cell::RefCell::new(client.pull().await?);
+    let snapshot = std::cell::RefCell::new(Some(client.pull().await?));
     let measured = measure(2 * 4 * n, opts.quick, opts.min_time, || async {
-        let taken = snapshot.borrow().clone();
-        client.push(vec![grads.clone()], &taken).await?;
-        snapshot.replace(client.pull().await?);
+        let taken = snapshot.borrow_mut().take().context("no snapshot")?;
+        // The worker's gradient, written into a buffer as a trainer's backward pass would write it (one pass
+        // over the memory; the buffer is a recycled one, as a trainer's would be reused).
+        let mut gradient = gaps_common::buffers::take(grads.len());
+        gradient.extend_from_slice(&grads);
+        client.push(vec![gradient], &taken).await?;
+        let next = client.pull().await?;
+        // Recycled after the pull, as a trainer drops its old snapshot once the new one is there (handing
+        // it back before the pull measured 40 % slower at 1 Mi: glibc trims the freed top of its heap and
+        // the pull's allocation faults the pages in again).
+        taken.recycle();
+        *snapshot.borrow_mut() = Some(next);
         Ok(())
     })
     .await?;

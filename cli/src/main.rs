@@ -188,6 +188,9 @@ enum BenchCommand {
         /// Rows in the sparse cases' table.
         #[arg(long, default_value_t = 10_000_000)]
         sparse_rows: u64,
+        /// Measurements per case, alternating gaps and its baselines (medians are reported).
+        #[arg(long, default_value_t = 3)]
+        repeats: u32,
     },
 }
 
@@ -375,7 +378,7 @@ async fn main() -> Result<()> {
             );
             println!("{}", r.to_json());
         }
-        Command::Bench(BenchCommand::Transport { json, seconds, quick, only, sparse_rows }) => {
+        Command::Bench(BenchCommand::Transport { json, seconds, quick, only, sparse_rows, repeats }) => {
             anyhow::ensure!(seconds.is_finite() && seconds > 0.0, "--seconds must be positive");
             anyhow::ensure!(
                 sparse_rows >= 2 * gaps_benches::transport::SPARSE_ROWS,
@@ -386,6 +389,7 @@ async fn main() -> Result<()> {
             opts.only = only;
             if !quick {
                 opts.sparse_rows = sparse_rows;
+                opts.repeats = repeats.clamp(1, 50);
             }
             let results = gaps_benches::transport::run(&opts).await?;
             gaps_benches::transport::print(&results, json);

@@ -5,10 +5,12 @@
 //! - [`layout`]: how dense tensors are cut into chunks and which shard owns which chunk.
 //! - [`layout_file`]: the TOML/JSON layout file a shard serves.
 //! - [`rng`]: a small, seedable, bit-reproducible random number generator.
+//! - [`buffers`]: a bounded recycler for very large `f32` buffers (payloads of many-MiB tensors).
 //!
 //! Architecture invariant: this crate has no async runtime and no networking; `cargo tree -p gaps-common`
 //! shows neither tokio nor quinn, nor TLS: certificates live in `gaps-transport`.
 
+pub mod buffers;
 pub mod config;
 pub mod layout;
 pub mod layout_file;

@@ -1119,7 +1119,8 @@ async fn serve_request(
     };
     held.add(reply.payload.len() as u64 * 4);
     let Frame { msg, payload } = reply;
-    match net::write_frame(send, &msg, &[net::f32_bytes(payload)]).await {
+    let payload = net::f32_bytes(gaps_common::buffers::Recycled(payload));
+    match net::write_frame(send, &msg, &[payload]).await {
         Ok(bytes) => shared.metrics.bytes_out.increment(bytes),
         Err(e) => debug!(error = %e, "writing the reply"),
     }

@@ -677,7 +677,7 @@ struct PayloadBuilder {
 
 impl PayloadBuilder {
     fn new(want: usize) -> Self {
-        PayloadBuilder { values: Vec::with_capacity(want), want, partial: [0; 4], partial_len: 0 }
+        PayloadBuilder { values: gaps_common::buffers::take(want), want, partial: [0; 4], partial_len: 0 }
     }
 
     fn is_full(&self) -> bool {

@@ -167,6 +167,17 @@ pub struct Snapshot {
     pub versions: Vec<u64>,
 }
 
+impl Snapshot {
+    /// Hands this snapshot's tensor buffers to the process's recycler of very large buffers (see
+    /// `gaps_common::buffers`) when no one else holds them, so the next pull reuses their memory instead of
+    /// faulting in fresh pages. Call it on a snapshot you are done with; dropping it is also correct.
+    pub fn recycle(self) {
+        if let Ok(tensors) = Arc::try_unwrap(self.tensors) {
+            tensors.into_iter().for_each(gaps_common::buffers::give);
+        }
+    }
+}
+
 /// Rows of one sparse table as pulled, in the order of the ids asked for.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SparseRows {
@@ -584,8 +595,9 @@ impl Client {
         let mut tensors: Vec<Vec<f32>> = Vec::with_capacity(layout.tensors.len());
         for t in &layout.tensors {
             // Every element is written by exactly one shard's reply before the snapshot is returned; the
-            // zero-fill is the cheap way to hand out `&mut [f32]` over fresh memory.
-            tensors.push(vec![0.0; t.len as usize]);
+            // zero-fill is the safe way to hand out `&mut [f32]` (on a recycled buffer it costs a memset,
+            // far less than the page faults of fresh memory).
+            tensors.push(gaps_common::buffers::zeroed(t.len as usize));
         }
         // Chunk slices of every tensor, in chunk order, handed to the shard that owns each chunk.
         let mut slots: Vec<Vec<Option<&mut [f32]>>> =
@@ -761,6 +773,10 @@ impl Client {
                     )
                 }
             }
+        }
+        // Very large gradient buffers are recycled (for the next pull's tensors) once the transport let go.
+        if let Ok(grads) = Arc::try_unwrap(grads) {
+            grads.into_iter().for_each(gaps_common::buffers::give);
         }
         for (s, version, clock) in waits {
             self.wait_for(s, version, clock).await?;

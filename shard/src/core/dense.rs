@@ -82,7 +82,7 @@ impl ShardCore {
                 "pull asks for {total} elements, more than four copies of this shard's {owned_elems}"
             )));
         }
-        let mut payload = Vec::with_capacity(total);
+        let mut payload = gaps_common::buffers::take(total);
         for index in picked {
             let slot = &self.slots[index];
             let (rule, hyper) = self.tensor_rules[slot.tensor as usize];

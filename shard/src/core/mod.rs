@@ -643,6 +643,8 @@ impl ShardCore {
             }
         };
         self.stats.payload_bytes_out += reply.payload.len() as u64 * 4;
+        // The request's payload was only read; a very large one is recycled for the next request.
+        gaps_common::buffers::give(req.payload);
         (reply, events)
     }
 

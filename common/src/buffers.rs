@@ -1,0 +1,109 @@
+//! A small recycler for very large `f32` buffers.
+//!
+//! glibc serves allocations above its mmap threshold (at most 32 MiB) with a fresh `mmap` and returns them
+//! to the kernel on `free`, so every multi-tensor round trip of a 16 Mi-float model (64 MiB payloads) paid
+//! for its buffers four times over in page faults and page zeroing — 40 % of the process's time in the
+//! transport bench. Buffers at least [`MIN_RECYCLED_BYTES`] large are kept here when dropped through
+//! [`give`] and handed out again by [`take`], at most [`MAX_KEPT`] of them and [`MAX_KEPT_BYTES`] in all, so
+//! the idle memory stays bounded. Smaller buffers go to the allocator, which reuses them itself.
+
+use std::sync::Mutex;
+
+/// Buffers smaller than this are not kept (the allocator recycles them well).
+pub const MIN_RECYCLED_BYTES: usize = 32 << 20;
+/// Buffers kept at most.
+pub const MAX_KEPT: usize = 4;
+/// Bytes kept at most.
+pub const MAX_KEPT_BYTES: usize = 512 << 20;
+
+static KEPT: Mutex<Vec<Vec<f32>>> = Mutex::new(Vec::new());
+
+/// An empty vector with room for at least `len` values: a kept buffer whose capacity is between `len`
+/// and twice it when there is one, else a new allocation.
+pub fn take(len: usize) -> Vec<f32> {
+    if len * 4 >= MIN_RECYCLED_BYTES {
+        if let Ok(mut kept) = KEPT.lock() {
+            if let Some(i) = kept.iter().position(|b| b.capacity() >= len && b.capacity() <= len.saturating_mul(2)) {
+                let mut buf = kept.swap_remove(i);
+                buf.clear();
+                return buf;
+            }
+        }
+    }
+    Vec::with_capacity(len)
+}
+
+/// `len` zeros: a kept buffer zero-filled when there is one (a memset costs far less than the page faults
+/// of fresh memory), else `vec![0.0; len]` (which the allocator may get already zeroed from the kernel).
+pub fn zeroed(len: usize) -> Vec<f32> {
+    let mut buf = take(len);
+    if buf.capacity() >= len && len * 4 >= MIN_RECYCLED_BYTES {
+        buf.resize(len, 0.0);
+        buf
+    } else {
+        vec![0.0; len]
+    }
+}
+
+/// Hands a buffer back for [`take`] to reuse (dropped when it is small or the recycler is full).
+pub fn give(buf: Vec<f32>) {
+    let bytes = buf.capacity() * 4;
+    if bytes < MIN_RECYCLED_BYTES {
+        return;
+    }
+    if let Ok(mut kept) = KEPT.lock() {
+        let held: usize = kept.iter().map(|b| b.capacity() * 4).sum();
+        if kept.len() < MAX_KEPT && held + bytes <= MAX_KEPT_BYTES {
+            kept.push(buf);
+        }
+    }
+}
+
+/// A buffer that goes back to the recycler when dropped (for payloads handed to the transport).
+#[derive(Debug, Default)]
+pub struct Recycled(pub Vec<f32>);
+
+impl AsRef<[f32]> for Recycled {
+    fn as_ref(&self) -> &[f32] {
+        &self.0
+    }
+}
+
+impl Drop for Recycled {
+    fn drop(&mut self) {
+        give(std::mem::take(&mut self.0));
+    }
+}
+
+/// Buffers and bytes kept now (for tests and diagnostics).
+pub fn kept() -> (usize, usize) {
+    KEPT.lock().map(|k| (k.len(), k.iter().map(|b| b.capacity() * 4).sum())).unwrap_or((0, 0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn large_buffers_are_reused_and_the_kept_memory_is_bounded() {
+        let big = MIN_RECYCLED_BYTES / 4;
+        give(vec![0.0; 10]);
+        assert_eq!(kept().0, 0, "small buffers are not kept");
+        let a = take(big);
+        let ptr = a.as_ptr();
+        give(a);
+        let b = take(big);
+        assert_eq!(b.as_ptr(), ptr, "the same buffer comes back");
+        assert!(b.is_empty() && b.capacity() >= big);
+        let c = take(big * 3);
+        assert_ne!(c.as_ptr(), ptr, "a buffer too small for the request is not handed out");
+        give(b);
+        assert!(take(big / 4).capacity() < big, "a buffer more than twice as large is not handed out");
+        for _ in 0..(MAX_KEPT + 3) {
+            give(Vec::with_capacity(big));
+        }
+        let (n, bytes) = kept();
+        assert!(n <= MAX_KEPT && bytes <= MAX_KEPT_BYTES, "{n} buffers, {bytes} bytes kept");
+        drop(c);
+    }
+}
