@@ -103,6 +103,11 @@ impl TransportResult {
         self.gaps.gbytes_per_s / self.tcp_tls.gbytes_per_s.max(f64::MIN_POSITIVE)
     }
 
+    /// Milliseconds per round of `m` (the latency of one push+pull, or one echo of the same bytes).
+    pub fn ms_per_round(&self, m: &Measured) -> f64 {
+        self.bytes as f64 / (m.gbytes_per_s * 1e9).max(f64::MIN_POSITIVE) * 1e3
+    }
+
     /// Rows per second (pull and push each count once per row), for sparse cases.
     pub fn rows_per_s(&self) -> Option<f64> {
         self.rows.map(|r| r as f64 * self.gaps.gbytes_per_s * 1e9 / self.bytes as f64)
@@ -117,6 +122,8 @@ impl TransportResult {
             "rows": self.rows,
             "rows_per_s": self.rows_per_s().map(|r| r.round()),
             "rounds": self.gaps.rounds,
+            "ms_per_round": round3(self.ms_per_round(&self.gaps)),
+            "tcp_tls_ms_per_round": round3(self.ms_per_round(&self.tcp_tls)),
             "gbytes_per_s": round3(self.gaps.gbytes_per_s),
             "cpu_s_per_gb": round3(self.gaps.cpu_s_per_gb),
             "baseline_gbytes_per_s": round3(self.quinn.gbytes_per_s),
@@ -174,7 +181,8 @@ where
 /// Runs every case (those matching `opts.only`).
 pub async fn run(opts: &TransportOptions) -> Result<Vec<TransportResult>> {
     let certs = ClusterCerts::generate(&[]).context("making certificates")?;
-    let sizes: &[u64] = if opts.quick { &[1 << 16] } else { &[1 << 20, 16 << 20] };
+    // 1,000 floats: the latency of a small round trip; 1 Mi and 16 Mi: bulk throughput.
+    let sizes: &[u64] = if opts.quick { &[1 << 16] } else { &[1000, 1 << 20, 16 << 20] };
     let shard_counts: &[u32] = if opts.quick { &[1] } else { &[1, 2] };
     let wanted = |case: &str| opts.only.as_deref().is_none_or(|o| case.contains(o));
     let mut out = Vec::new();
@@ -249,10 +257,12 @@ async fn baselines_for(certs: &ClusterCerts, one_way: u64, opts: &TransportOptio
 }
 
 fn size_name(n: u64) -> String {
-    if n >= 1 << 20 {
+    if n >= 1 << 20 && n % (1 << 20) == 0 {
         format!("{}Mi", n >> 20)
-    } else {
+    } else if n >= 1 << 10 && n % (1 << 10) == 0 {
         format!("{}Ki", n >> 10)
+    } else {
+        n.to_string()
     }
 }
 
@@ -515,6 +525,9 @@ pub fn print(results: &[TransportResult], json: bool) {
         );
         if let Some(rows) = r.rows_per_s() {
             eprintln!("{:<22} {:.2} M rows/s (pull + push)", "", rows / 1e6);
+        } else if r.bytes < 1 << 20 {
+            let (gaps, tls) = (r.ms_per_round(&r.gaps), r.ms_per_round(&r.tcp_tls));
+            eprintln!("{:<22} {gaps:.3} ms per push+pull, {tls:.3} ms per TCP+TLS echo", "");
         }
     }
     if json {
