@@ -5,6 +5,7 @@
 //! - [`layout`]: how dense tensors are cut into chunks and which shard owns which chunk.
 //! - [`layout_file`]: the TOML/JSON layout file a shard serves.
 //! - [`rng`]: a small, seedable, bit-reproducible random number generator.
+//! - [`dtype`]: the 16-bit wire formats (bfloat16, IEEE half) and their conversions.
 //! - [`buffers`]: a bounded recycler for very large `f32` buffers (payloads of many-MiB tensors).
 //!
 //! Architecture invariant: this crate has no async runtime and no networking; `cargo tree -p gaps-common`
@@ -12,6 +13,7 @@
 
 pub mod buffers;
 pub mod config;
+pub mod dtype;
 pub mod layout;
 pub mod layout_file;
 pub mod rng;

@@ -13,6 +13,7 @@ pub mod tasks;
 
 use anyhow::{anyhow, bail, Context, Result};
 use gaps_common::config::parse_duration;
+use gaps_common::dtype::WireDtype;
 use gaps_common::layout::{ChunkId, Layout, TensorSpec};
 use gaps_common::rng::{mix, Rng};
 use gaps_common::wire::{ChunkVersion, Frame, Message, Pull, Push, PushChunk};
@@ -148,6 +149,13 @@ pub struct SimArgs {
     /// Stop after this much real time (a guard for interactive use).
     #[arg(long, env = "GAPS_SIM_TIMEOUT", default_value = "1h", value_parser = parse_duration)]
     pub timeout: Duration,
+    /// How pushed gradients (with their read echo) travel: f32, or rounded to bf16 / f16 on the wire (the
+    /// shard keeps f32), to measure what a 16-bit wire does to convergence.
+    #[arg(long, env = "GAPS_SIM_PUSH_DTYPE", default_value = "f32")]
+    pub push_dtype: WireDtype,
+    /// How pulled parameters travel (see --push-dtype).
+    #[arg(long, env = "GAPS_SIM_PULL_DTYPE", default_value = "f32")]
+    pub pull_dtype: WireDtype,
     /// End with one JSON line on stdout.
     #[arg(long, env = "GAPS_JSON")]
     pub json: bool,
@@ -208,6 +216,8 @@ impl SimArgs {
             lr_ramp_steps: -1,
             csv: None,
             timeout: Duration::from_secs(3600),
+            push_dtype: WireDtype::F32,
+            pull_dtype: WireDtype::F32,
             json: false,
         }
     }
@@ -380,12 +390,14 @@ struct VirtualWorker {
 
 const CHUNK: ChunkId = ChunkId { tensor: 0, chunk: 0 };
 
-fn pull(core: &mut ShardCore) -> Result<(Vec<f32>, u64)> {
+fn pull(core: &mut ShardCore, wire: WireDtype) -> Result<(Vec<f32>, u64)> {
     let (reply, _) = core.handle(Frame::new(Message::Pull(Pull { epoch: 1, chunks: vec![CHUNK] })), Duration::ZERO);
     match reply.msg {
         Message::PullReply(r) => {
             let version = r.chunks.first().map_or(0, |c: &ChunkVersion| c.version);
-            Ok((reply.payload, version))
+            let mut values = reply.payload;
+            gaps_common::dtype::round_trip(wire, &mut values);
+            Ok((values, version))
         }
         other => Err(anyhow!("the shard refused a pull: {other:?}")),
     }
@@ -515,7 +527,7 @@ fn run_async(args: &SimArgs) -> Result<SimReport> {
     let n = args.workers as usize;
     let mut timing = Rng::new(mix(args.seed, 0x71e));
     let mut order_rng = Rng::new(mix(args.seed, 0x0d3));
-    let (view, version) = pull(&mut core)?;
+    let (view, version) = pull(&mut core, args.pull_dtype)?;
     let new_worker = |w: usize, timing: &mut Rng, view: &[f32], version: u64| {
         let mut slowness = args.stragglers.iter().filter(|(s, _)| *s as usize == w).map(|(_, f)| *f).product::<f64>();
         if args.heterogeneity > 0.0 {
@@ -590,14 +602,14 @@ fn run_async(args: &SimArgs) -> Result<SimReport> {
         while let Some(a) = adds.iter().position(|t| *t <= next_time) {
             let t = adds.remove(a);
             register(&mut core)?;
-            let (view, version) = pull(&mut core)?;
+            let (view, version) = pull(&mut core, args.pull_dtype)?;
             let w = workers.len();
             let mut vw = new_worker(w, &mut timing, &view, version);
             vw.duration = timing.gamma(args.shape, scale * vw.slowness);
             heap.push(Due { time: t + vw.duration, worker: w as u32 });
             workers.push(vw);
         }
-        release(&mut core, &mut workers, &mut blocked, &mut heap, now)?;
+        release(&mut core, &mut workers, &mut blocked, &mut heap, now, args.pull_dtype)?;
         // Entries of killed workers are skipped, so every event is one gradient.
         let due = loop {
             let Some(due) = heap.pop() else {
@@ -627,7 +639,10 @@ fn run_async(args: &SimArgs) -> Result<SimReport> {
             gaps_kernels::slim_worker_step(&hyper, &vw.view, &mut vw.momentum, &mut grad);
         }
         vw.seq += 1;
+        // The gradient travels as --push-dtype; the read echo as the values were pulled (already
+        // representable in --pull-dtype, so that encoding is exact).
         let mut payload = grad.clone();
+        gaps_common::dtype::round_trip(args.push_dtype, &mut payload);
         if needs_read {
             payload.extend_from_slice(&vw.view);
         }
@@ -658,7 +673,7 @@ fn run_async(args: &SimArgs) -> Result<SimReport> {
             });
         } else {
             heap.push(Due { time: now + next, worker: w as u32 });
-            let (view, version) = pull(&mut core)?;
+            let (view, version) = pull(&mut core, args.pull_dtype)?;
             let vw = &mut workers[w];
             vw.view = view;
             vw.version = version;
@@ -689,11 +704,12 @@ fn release(
     blocked: &mut Vec<Blocked>,
     heap: &mut BinaryHeap<Due>,
     now: f64,
+    wire: WireDtype,
 ) -> Result<()> {
     if blocked.is_empty() {
         return Ok(());
     }
-    let (view, version) = pull(core)?;
+    let (view, version) = pull(core, wire)?;
     let min_clock = core.stats().ssp_min_clock;
     let mut still = Vec::new();
     for b in blocked.drain(..) {
@@ -745,7 +761,7 @@ fn finish(args: &SimArgs, task: &dyn Task, core: &mut ShardCore, o: Outcome) -> 
         sim_wall_time: now,
         events,
         events_per_s: events as f64 / real.max(1e-9),
-        lookahead: if args.rule.layout().lookahead { Some(pull(core)?.0) } else { None },
+        lookahead: if args.rule.layout().lookahead { Some(pull(core, args.pull_dtype)?.0) } else { None },
         mode_switches: core.stats().mode_switches,
         steps_sync: core.stats().steps_sync,
         steps_gba: core.stats().steps_gba,
@@ -812,7 +828,7 @@ fn run_sync(args: &SimArgs) -> Result<SimReport> {
             schedule(gradients, warmup, 1.0, &decays) / core.lr_multiplier()
         };
         core.set_lr_scale(warm as f32).map_err(|e| anyhow!("{e}"))?;
-        let (params, version) = pull(&mut core)?;
+        let (params, version) = pull(&mut core, args.pull_dtype)?;
         let mut slowest = 0.0f64;
         let mut loss_sum = 0.0f32;
         for (slot, (worker, seq)) in live.iter_mut().enumerate() {
@@ -835,6 +851,7 @@ fn run_sync(args: &SimArgs) -> Result<SimReport> {
             }
             *seq += 1;
             let mut payload = grad.clone();
+            gaps_common::dtype::round_trip(args.push_dtype, &mut payload);
             if needs_read {
                 payload.extend_from_slice(&params);
             }

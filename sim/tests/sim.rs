@@ -204,3 +204,23 @@ fn sync_and_elastic_runs_are_the_shards_own_sync_steps_and_ramp() {
     let immediate = run(&SimArgs { lr_ramp_steps: 0, ..elastic }).expect("immediate");
     assert_ne!(immediate.params, r.params);
 }
+
+/// A 16-bit wire changes the run (the rounding is applied) but not what it learns: at 16 workers with
+/// bf16 gradient pushes (and f16 pulls), Gap-Aware and DANA-GA end within a point of the f32 run of the same
+/// seed. (The full E1 check at 32 workers over 15 seeds is in README, Transport.)
+#[test]
+fn sixteen_bit_wire_rounds_values_but_keeps_accuracy() {
+    use gaps_common::dtype::WireDtype;
+    for rule in [Rule::GapAware, Rule::DanaGa] {
+        let f32_run = run(&small(rule, 16)).expect("f32");
+        let bf16 = run(&SimArgs { push_dtype: WireDtype::Bf16, ..small(rule, 16) }).expect("bf16");
+        let both = run(&SimArgs { push_dtype: WireDtype::Bf16, pull_dtype: WireDtype::F16, ..small(rule, 16) })
+            .expect("bf16 + f16");
+        assert_ne!(f32_run.final_train_loss, bf16.final_train_loss, "{rule:?}: rounding had no effect");
+        for r in [&bf16, &both] {
+            assert!(!r.diverged, "{rule:?} diverged on a 16-bit wire");
+            let diff = (r.final_test_metric - f32_run.final_test_metric).abs();
+            assert!(diff < 1.0, "{rule:?}: {} against f32's {}", r.final_test_metric, f32_run.final_test_metric);
+        }
+    }
+}

@@ -373,7 +373,13 @@ pub fn server_endpoint(listen: SocketAddr, tls: &TlsMaterial) -> Result<(quinn::
     let path = PathTuning::serving(listen);
     let mut endpoint = endpoint(listen, &path, Some(server_config(tls, &path)?))?;
     endpoint.set_default_client_config(client_config(tls, &path)?);
-    tracing::debug!(?path, %listen, "server endpoint");
+    tracing::info!(
+        interface = %path.interface,
+        max_udp_payload = path.max_udp_payload,
+        segmentation_offload = path.segmentation_offload,
+        %listen,
+        "UDP path tuned from the interface MTU"
+    );
     Ok((endpoint, path))
 }
 
