@@ -293,6 +293,15 @@ async fn start_shards(certs: &ClusterCerts, shards: u32, layout: &Layout) -> Res
     Ok(servers)
 }
 
+/// Leaves the cluster and shuts its shards down.
+async fn stop(client: Client, servers: Vec<RunningServer>) -> Result<()> {
+    client.leave().await?;
+    for s in servers {
+        s.shutdown().await?;
+    }
+    Ok(())
+}
+
 async fn dense_case(certs: &ClusterCerts, shards: u32, n: u64, opts: &TransportOptions) -> Result<Measured> {
     let layout = Layout::new(vec![TensorSpec::new("bench", n)], 1 << 18)?;
     let servers = start_shards(certs, shards, &layout).await?;
@@ -316,10 +325,7 @@ async fn dense_case(certs: &ClusterCerts, shards: u32, n: u64, opts: &TransportO
         Ok(())
     })
     .await?;
-    client.leave().await?;
-    for s in servers {
-        s.shutdown().await?;
-    }
+    stop(client, servers).await?;
     Ok(measured)
 }
 
@@ -367,10 +373,7 @@ async fn sparse_case(certs: &ClusterCerts, shards: u32, opts: &TransportOptions)
         }
     })
     .await?;
-    client.leave().await?;
-    for s in servers {
-        s.shutdown().await?;
-    }
+    stop(client, servers).await?;
     Ok(measured)
 }
 

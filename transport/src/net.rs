@@ -603,13 +603,13 @@ pub async fn read_payload_into(
     if room != n {
         return Err(WireError::Io(format!("the reply carries {n} values where {room} were expected")));
     }
-    let mut fill = SliceFiller { dest, slice: 0, offset: 0, partial: [0; 4], partial_len: 0, filled: 0, want: n };
+    let mut fill = SliceFiller { dest, slice: 0, offset: 0, carry: Carry::default(), filled: 0, want: n };
     while fill.filled < n {
-        let missing = (n - fill.filled) * 4 - fill.partial_len;
+        let missing = (n - fill.filled) * 4 - fill.carry.len;
         match recv.read_chunk(missing, true).await {
             Ok(Some(chunk)) => fill.extend(&chunk.bytes),
             Ok(None) => {
-                let got = (fill.filled * 4 + fill.partial_len) as u64;
+                let got = (fill.filled * 4 + fill.carry.len) as u64;
                 return Err(WireError::Truncated { needed: n as u64 * 4, got });
             }
             Err(e) => return Err(WireError::Io(e.to_string())),
@@ -623,10 +623,42 @@ struct SliceFiller<'d, 'b> {
     dest: &'d mut [&'b mut [f32]],
     slice: usize,
     offset: usize,
-    partial: [u8; 4],
-    partial_len: usize,
+    carry: Carry,
     filled: usize,
     want: usize,
+}
+
+/// The bytes of one f32 split across received chunks.
+#[derive(Debug, Default)]
+struct Carry {
+    bytes: [u8; 4],
+    len: usize,
+}
+
+impl Carry {
+    /// Completes a pending value from the front of `bytes`: the value once whole, and the bytes left.
+    fn complete<'b>(&mut self, bytes: &'b [u8]) -> (Option<f32>, &'b [u8]) {
+        if self.len == 0 {
+            return (None, bytes);
+        }
+        let take = (4 - self.len).min(bytes.len());
+        self.bytes[self.len..self.len + take].copy_from_slice(&bytes[..take]);
+        self.len += take;
+        if self.len < 4 {
+            return (None, &bytes[take..]);
+        }
+        self.len = 0;
+        (Some(f32::from_le_bytes(self.bytes)), &bytes[take..])
+    }
+
+    /// Keeps the bytes after the last whole value (fewer than four; nothing when a value is still pending,
+    /// which leaves no bytes after it).
+    fn keep(&mut self, tail: &[u8]) {
+        if !tail.is_empty() {
+            self.bytes[..tail.len()].copy_from_slice(tail);
+            self.len = tail.len();
+        }
+    }
 }
 
 impl SliceFiller<'_, '_> {
@@ -640,18 +672,11 @@ impl SliceFiller<'_, '_> {
         self.filled += 1;
     }
 
-    fn extend(&mut self, mut bytes: &[u8]) {
-        bytes = &bytes[..bytes.len().min((self.want - self.filled) * 4 - self.partial_len)];
-        if self.partial_len > 0 {
-            let take = (4 - self.partial_len).min(bytes.len());
-            self.partial[self.partial_len..self.partial_len + take].copy_from_slice(&bytes[..take]);
-            self.partial_len += take;
-            bytes = &bytes[take..];
-            if self.partial_len < 4 {
-                return;
-            }
-            self.put(f32::from_le_bytes(self.partial));
-            self.partial_len = 0;
+    fn extend(&mut self, bytes: &[u8]) {
+        let bytes = &bytes[..bytes.len().min((self.want - self.filled) * 4 - self.carry.len)];
+        let (first, mut bytes) = self.carry.complete(bytes);
+        if let Some(v) = first {
+            self.put(v);
         }
         while bytes.len() >= 4 {
             while self.dest[self.slice].len() == self.offset {
@@ -667,8 +692,7 @@ impl SliceFiller<'_, '_> {
             self.filled += count;
             bytes = &bytes[count * 4..];
         }
-        self.partial[..bytes.len()].copy_from_slice(bytes);
-        self.partial_len = bytes.len();
+        self.carry.keep(bytes);
     }
 }
 
@@ -676,14 +700,12 @@ impl SliceFiller<'_, '_> {
 struct PayloadBuilder {
     values: Vec<f32>,
     want: usize,
-    /// Bytes of a value split across chunks.
-    partial: [u8; 4],
-    partial_len: usize,
+    carry: Carry,
 }
 
 impl PayloadBuilder {
     fn new(want: usize) -> Self {
-        PayloadBuilder { values: gaps_common::buffers::take(want), want, partial: [0; 4], partial_len: 0 }
+        PayloadBuilder { values: gaps_common::buffers::take(want), want, carry: Carry::default() }
     }
 
     fn is_full(&self) -> bool {
@@ -691,32 +713,22 @@ impl PayloadBuilder {
     }
 
     fn bytes_received(&self) -> u64 {
-        (self.values.len() * 4 + self.partial_len) as u64
+        (self.values.len() * 4 + self.carry.len) as u64
     }
 
     fn bytes_missing(&self) -> usize {
-        (self.want - self.values.len()) * 4 - self.partial_len
+        (self.want - self.values.len()) * 4 - self.carry.len
     }
 
     /// Appends `bytes` (at most [`Self::bytes_missing`]; any excess is ignored).
-    fn extend(&mut self, mut bytes: &[u8]) {
-        bytes = &bytes[..bytes.len().min(self.bytes_missing())];
-        if self.partial_len > 0 {
-            let take = (4 - self.partial_len).min(bytes.len());
-            self.partial[self.partial_len..self.partial_len + take].copy_from_slice(&bytes[..take]);
-            self.partial_len += take;
-            bytes = &bytes[take..];
-            if self.partial_len < 4 {
-                return;
-            }
-            self.values.push(f32::from_le_bytes(self.partial));
-            self.partial_len = 0;
-        }
+    fn extend(&mut self, bytes: &[u8]) {
+        let bytes = &bytes[..bytes.len().min(self.bytes_missing())];
+        let (first, bytes) = self.carry.complete(bytes);
+        self.values.extend(first);
         let whole = bytes.chunks_exact(4);
         let rest = whole.remainder();
         self.values.extend(whole.map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
-        self.partial[..rest.len()].copy_from_slice(rest);
-        self.partial_len = rest.len();
+        self.carry.keep(rest);
     }
 
     fn finish(self) -> Vec<f32> {
@@ -863,15 +875,8 @@ mod tests {
             let mut b = vec![0f32; 0];
             let mut c = vec![0f32; 772];
             let mut dest: Vec<&mut [f32]> = vec![&mut a, &mut b, &mut c];
-            let mut fill = SliceFiller {
-                dest: &mut dest,
-                slice: 0,
-                offset: 0,
-                partial: [0; 4],
-                partial_len: 0,
-                filled: 0,
-                want: 777,
-            };
+            let mut fill =
+                SliceFiller { dest: &mut dest, slice: 0, offset: 0, carry: Carry::default(), filled: 0, want: 777 };
             for part in bytes.chunks(cut) {
                 fill.extend(part);
             }
