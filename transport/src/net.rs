@@ -385,12 +385,17 @@ pub fn server_endpoint(listen: SocketAddr, tls: &TlsMaterial) -> Result<(quinn::
 
 /// A client-only endpoint on an ephemeral port of the right address family, tuned for the route to `peer`.
 pub fn client_endpoint(tls: &TlsMaterial, peer: SocketAddr) -> Result<quinn::Endpoint, RpcError> {
+    client_endpoint_tuned(tls, peer).map(|(endpoint, _)| endpoint)
+}
+
+/// [`client_endpoint`], also returning the path tuning it chose (kept for certificate reloads).
+pub fn client_endpoint_tuned(tls: &TlsMaterial, peer: SocketAddr) -> Result<(quinn::Endpoint, PathTuning), RpcError> {
     let bind: SocketAddr = if peer.is_ipv6() { "[::]:0" } else { "0.0.0.0:0" }.parse().map_err(setup_err)?;
     let path = PathTuning::toward(peer);
     let mut endpoint = endpoint(bind, &path, None)?;
     endpoint.set_default_client_config(client_config(tls, &path)?);
     tracing::debug!(?path, %peer, "client endpoint");
-    Ok(endpoint)
+    Ok((endpoint, path))
 }
 
 /// Resolves `host:port` to one socket address.

@@ -278,8 +278,7 @@ impl Client {
         let cluster =
             opts.tls.own_identity().map_err(|e| RpcError::Setup(format!("this client's certificate: {e}")))?.cluster;
         let coordinator = net::resolve(&opts.coordinator).await?;
-        let endpoint = net::client_endpoint(&opts.tls, coordinator)?;
-        let path = net::PathTuning::toward(coordinator);
+        let (endpoint, path) = net::client_endpoint_tuned(&opts.tls, coordinator)?;
         let register =
             Message::Register(Register { protocol: PROTOCOL_VERSION, role: opts.role, name: opts.name.clone() });
         let map = loop {
