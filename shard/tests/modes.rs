@@ -87,6 +87,23 @@ fn a_sync_step_averages_one_gradient_per_live_worker() {
     let (_, _) = push(&mut core, 0, 2, 0, 100.0, 0, ms(2));
     assert_eq!(core.stats().dropped_stale, 1);
     assert_eq!(core.stats().steps_sync, 1);
+    // ... but it fills worker 0's place in step 2: the fresh gradients of 1 and 2 complete it, and worker 0
+    // was not left to compute another gradient while the others wait for it.
+    let (a1, _) = push(&mut core, 1, 2, 1, 1.0, 0, ms(2));
+    assert_eq!(a1.wait_for_version, 2, "worker 2 is still missing");
+    let (a2, _) = push(&mut core, 2, 2, 1, 3.0, 0, ms(2));
+    assert_eq!(a2.wait_for_version, 0);
+    assert_eq!(version(&mut core), 2, "step 2 completed without a second gradient from worker 0");
+    let w2 = core.chunk_values(ID).expect("chunk")[0];
+    assert!((w2 - w + 0.1 * 2.0).abs() < 1e-6, "θ −= η·mean(1, 3): {w} -> {w2}");
+    // A stale gradient arriving after the fresh ones completes the step it fills.
+    let (a0, _) = push(&mut core, 0, 3, 2, 1.0, 0, ms(3));
+    assert_eq!(a0.wait_for_version, 3);
+    push(&mut core, 1, 3, 2, 1.0, 0, ms(3));
+    let (a2, _) = push(&mut core, 2, 3, 1, 50.0, 0, ms(3));
+    assert_eq!(a2.wait_for_version, 0, "worker 2's stale gradient is its place in step 3");
+    assert_eq!(version(&mut core), 3);
+    assert_eq!(core.stats().dropped_stale, 2);
 }
 
 #[test]

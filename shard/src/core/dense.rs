@@ -190,6 +190,22 @@ impl ShardCore {
                 };
                 if too_stale {
                     self.stats.dropped_stale += 1;
+                    if self.active == Mode::Sync {
+                        // The worker's place in this step is filled by the dropped gradient: it waits for the
+                        // step like everyone else. Left out, it would pull and compute again while the others
+                        // wait for it here — and, with two shards that dropped different workers' gradients
+                        // (their versions move at different moments around a mode switch), each shard would
+                        // wait for a worker that waits on the other.
+                        self.contributors.insert(req.worker);
+                        if self.step_ready() {
+                            self.complete_step()?;
+                        } else if self.accum_pushes > 0 {
+                            ack.wait_for_version = plan.first().map_or(0, |p| self.slots[p.slot].version + 1);
+                        } else if self.leases.keys().all(|w| self.contributors.contains(w)) {
+                            // Every live worker sent only stale gradients: nothing to apply, a fresh step.
+                            self.contributors.clear();
+                        }
+                    }
                 } else {
                     self.stats.staleness_sum += tau;
                     self.stats.staleness_count += 1;
