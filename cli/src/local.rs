@@ -66,6 +66,9 @@ pub struct LocalArgs {
     /// Where the shards apply updates: cpu, cuda or auto.
     #[arg(long, env = "GAPS_DEVICE", default_value = "cpu")]
     pub device: String,
+    /// How dense gradients and parameters travel: f32, bf16 or f16 (the shards keep f32 state).
+    #[arg(long, env = "GAPS_WIRE_DTYPE", default_value = "f32")]
+    pub wire_dtype: gaps_common::dtype::WireDtype,
     #[command(flatten)]
     pub hyper: gaps_server::cli::HyperArgs,
     #[command(flatten)]
@@ -296,6 +299,7 @@ impl LocalReport {
             "staleness_max": self.staleness_max,
             "wall_s": self.wall_s,
             "mode": args.modes.mode.name(),
+            "wire_dtype": args.wire_dtype.name(),
             "mode_switches": self.mode_switches,
             "steps_sync": self.steps_sync,
             "steps_gba": self.steps_gba,
@@ -483,6 +487,7 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             format!("--lr={}", args.lr()),
             format!("--init-std={}", if args.ctr() { 0.05 } else { 0.0 }),
             format!("--device={}", args.device),
+            format!("--wire-dtype={}", args.wire_dtype),
             format!("--seed={}", args.seed),
             format!("--lease={}ms", args.lease.as_millis()),
         ];

@@ -6,7 +6,7 @@
 //! branch-free over plain integers so the compiler vectorizes them (AVX2 on the development machine).
 
 /// How a tensor's values travel on the wire.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, bincode::Encode, bincode::Decode)]
 pub enum WireDtype {
     /// 32-bit IEEE floats (the values as the shard holds them).
     #[default]
@@ -135,39 +135,155 @@ pub fn round_trip(dtype: WireDtype, values: &mut [f32]) {
     }
 }
 
-/// Encodes `src` as `dtype` little-endian bytes appended to `out`.
-pub fn encode(dtype: WireDtype, src: &[f32], out: &mut Vec<u8>) {
+/// Encodes `src` as `dtype` values for the wire, in one pass: f32 stays as it is (a copy), 16-bit
+/// formats are converted with SIMD (AVX2 or F16C where the CPU has them, checked at run time). The result
+/// holds little-endian bytes: `bytes()` of each value.
+pub fn encode_bulk(dtype: WireDtype, src: &[f32]) -> Vec<u8> {
     match dtype {
-        WireDtype::F32 => src.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
-        WireDtype::Bf16 => src.iter().for_each(|v| out.extend_from_slice(&f32_to_bf16(*v).to_le_bytes())),
-        WireDtype::F16 => src.iter().for_each(|v| out.extend_from_slice(&f32_to_f16(*v).to_le_bytes())),
+        WireDtype::F32 => crate::wire::f32s_to_le_bytes(src).into_owned(),
+        WireDtype::Bf16 | WireDtype::F16 => {
+            let mut out = vec![0u16; src.len()];
+            encode_u16(dtype, src, &mut out);
+            if cfg!(target_endian = "big") {
+                out.iter_mut().for_each(|h| *h = h.to_le());
+            }
+            bytemuck::cast_slice(&out).to_vec()
+        }
     }
 }
 
-/// Decodes `dtype` little-endian bytes (`bytes.len()` a multiple of its size) into `dst`, which must hold
-/// exactly one value per encoded value. Returns false, writing nothing, when the lengths do not match.
-pub fn decode(dtype: WireDtype, bytes: &[u8], dst: &mut [f32]) -> bool {
+/// Encodes `src` into 16-bit patterns (native order) of `dtype` (which must be a 16-bit format; f32 is
+/// refused as `false`). `dst` must have `src`'s length.
+pub fn encode_u16(dtype: WireDtype, src: &[f32], dst: &mut [u16]) -> bool {
+    if dst.len() != src.len() || dtype == WireDtype::F32 {
+        return false;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if simd::available(dtype) {
+        #[allow(unsafe_code)]
+        // SAFETY: the features the kernels need (AVX2, and F16C for half) were checked just now.
+        unsafe {
+            match dtype {
+                WireDtype::Bf16 => simd::encode_bf16(src, dst),
+                _ => simd::encode_f16(src, dst),
+            }
+        }
+        return true;
+    }
+    match dtype {
+        WireDtype::Bf16 => dst.iter_mut().zip(src).for_each(|(d, x)| *d = f32_to_bf16(*x)),
+        _ => dst.iter_mut().zip(src).for_each(|(d, x)| *d = f32_to_f16(*x)),
+    }
+    true
+}
+
+/// Decodes whole little-endian `dtype` values from `bytes` (any alignment) into `dst`, whose length must be
+/// `bytes.len() / dtype.bytes()`; returns false (writing nothing) when it is not.
+pub fn decode_into(dtype: WireDtype, bytes: &[u8], dst: &mut [f32]) -> bool {
     if bytes.len() != dst.len() * dtype.bytes() {
         return false;
     }
     match dtype {
         WireDtype::F32 => {
-            for (d, b) in dst.iter_mut().zip(bytes.chunks_exact(4)) {
-                *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-            }
+            bytemuck::cast_slice_mut::<f32, u8>(dst).copy_from_slice(bytes);
+            crate::wire::from_le_in_place(dst);
         }
-        WireDtype::Bf16 => {
-            for (d, b) in dst.iter_mut().zip(bytes.chunks_exact(2)) {
-                *d = bf16_to_f32(u16::from_le_bytes([b[0], b[1]]));
+        _ => {
+            #[cfg(target_arch = "x86_64")]
+            if simd::available(dtype) {
+                #[allow(unsafe_code)]
+                // SAFETY: the features the kernels need were checked just now; lengths match.
+                unsafe {
+                    match dtype {
+                        WireDtype::Bf16 => simd::decode_bf16(bytes, dst),
+                        _ => simd::decode_f16(bytes, dst),
+                    }
+                }
+                return true;
             }
-        }
-        WireDtype::F16 => {
-            for (d, b) in dst.iter_mut().zip(bytes.chunks_exact(2)) {
-                *d = f16_to_f32(u16::from_le_bytes([b[0], b[1]]));
+            let halves = bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]]));
+            match dtype {
+                WireDtype::Bf16 => dst.iter_mut().zip(halves).for_each(|(d, h)| *d = bf16_to_f32(h)),
+                _ => dst.iter_mut().zip(halves).for_each(|(d, h)| *d = f16_to_f32(h)),
             }
         }
     }
     true
+}
+
+/// Decodes whole `dtype` values from `bytes` and appends them to `out` (no zero-filling of `out`'s spare
+/// room: values pass through a small stack buffer).
+pub fn decode_extend(dtype: WireDtype, bytes: &[u8], out: &mut Vec<f32>) {
+    if dtype == WireDtype::F32 {
+        out.extend(bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
+        return;
+    }
+    const STEP: usize = 2048;
+    let mut tmp = [0f32; STEP];
+    for piece in bytes.chunks(STEP * dtype.bytes()) {
+        let n = piece.len() / dtype.bytes();
+        if decode_into(dtype, &piece[..n * dtype.bytes()], &mut tmp[..n]) {
+            out.extend_from_slice(&tmp[..n]);
+        }
+    }
+}
+
+/// The vector kernels: the scalar conversions compiled for AVX2 (bfloat16 is integer arithmetic the
+/// compiler vectorizes) and F16C's conversion instructions (half precision, round to nearest even).
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+mod simd {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    pub(super) fn available(dtype: WireDtype) -> bool {
+        std::arch::is_x86_feature_detected!("avx2")
+            && (dtype != WireDtype::F16 || std::arch::is_x86_feature_detected!("f16c"))
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn encode_bf16(src: &[f32], dst: &mut [u16]) {
+        dst.iter_mut().zip(src).for_each(|(d, x)| *d = f32_to_bf16(*x));
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn decode_bf16(bytes: &[u8], dst: &mut [f32]) {
+        for (d, b) in dst.iter_mut().zip(bytes.chunks_exact(2)) {
+            *d = bf16_to_f32(u16::from_le_bytes([b[0], b[1]]));
+        }
+    }
+
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn encode_f16(src: &[f32], dst: &mut [u16]) {
+        let whole = src.len() / 8 * 8;
+        for (s, d) in src[..whole].chunks_exact(8).zip(dst[..whole].chunks_exact_mut(8)) {
+            // SAFETY: each chunk holds 8 values; the loads and stores are unaligned.
+            unsafe {
+                let v = _mm256_loadu_ps(s.as_ptr());
+                let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v);
+                _mm_storeu_si128(d.as_mut_ptr().cast(), h);
+            }
+        }
+        dst[whole..].iter_mut().zip(&src[whole..]).for_each(|(d, x)| *d = f32_to_f16(*x));
+        if cfg!(target_endian = "big") {
+            dst.iter_mut().for_each(|h| *h = h.to_le());
+        }
+    }
+
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn decode_f16(bytes: &[u8], dst: &mut [f32]) {
+        let whole = dst.len() / 8 * 8;
+        for (b, d) in bytes[..whole * 2].chunks_exact(16).zip(dst[..whole].chunks_exact_mut(8)) {
+            // SAFETY: each chunk holds 16 bytes and 8 destination values; unaligned loads and stores.
+            unsafe {
+                let h = _mm_loadu_si128(b.as_ptr().cast());
+                _mm256_storeu_ps(d.as_mut_ptr(), _mm256_cvtph_ps(h));
+            }
+        }
+        for (d, b) in dst[whole..].iter_mut().zip(bytes[whole * 2..].chunks_exact(2)) {
+            *d = f16_to_f32(u16::from_le_bytes([b[0], b[1]]));
+        }
+    }
 }
 
 #[cfg(test)]
@@ -304,11 +420,10 @@ mod tests {
     fn buffers_encode_and_decode() {
         let xs: Vec<f32> = samples().into_iter().filter(|x| x.abs() < 60000.0).take(1000).collect();
         for dtype in [WireDtype::F32, WireDtype::Bf16, WireDtype::F16] {
-            let mut bytes = Vec::new();
-            encode(dtype, &xs, &mut bytes);
+            let bytes = encode_bulk(dtype, &xs);
             assert_eq!(bytes.len(), xs.len() * dtype.bytes());
             let mut back = vec![0f32; xs.len()];
-            assert!(decode(dtype, &bytes, &mut back));
+            assert!(decode_into(dtype, &bytes, &mut back));
             for (x, y) in xs.iter().zip(&back) {
                 let tol = match dtype {
                     WireDtype::F32 => 0.0,
@@ -317,9 +432,58 @@ mod tests {
                 };
                 assert!((x - y).abs() <= tol, "{dtype}: {x:e} -> {y:e}");
             }
-            assert!(!decode(dtype, &bytes[1..], &mut back), "a length mismatch is refused");
+            assert!(!decode_into(dtype, &bytes[1..], &mut back), "a length mismatch is refused");
             assert_eq!(dtype.name().parse::<WireDtype>(), Ok(dtype));
         }
         assert!("f8".parse::<WireDtype>().is_err());
+    }
+
+    #[test]
+    fn bulk_conversions_agree_with_the_scalar_ones_bit_for_bit() {
+        let mut xs = samples();
+        xs.extend([f32::NAN, -f32::NAN, f32::INFINITY, f32::NEG_INFINITY, f32::from_bits(0x7f80_0001)]);
+        xs.extend((0..=u16::MAX).map(f16_to_f32));
+        for dtype in [WireDtype::Bf16, WireDtype::F16] {
+            let scalar: fn(f32) -> u16 = if dtype == WireDtype::Bf16 { f32_to_bf16 } else { f32_to_f16 };
+            let back: fn(u16) -> f32 = if dtype == WireDtype::Bf16 { bf16_to_f32 } else { f16_to_f32 };
+            // Lengths around the vector width exercise the scalar tails.
+            for len in [0, 1, 7, 8, 9, 31, xs.len()] {
+                let src = &xs[..len];
+                let bytes = encode_bulk(dtype, src);
+                assert_eq!(bytes.len(), 2 * len);
+                for (x, b) in src.iter().zip(bytes.chunks_exact(2)) {
+                    let (got, want) = (u16::from_le_bytes([b[0], b[1]]), scalar(*x));
+                    assert!(
+                        got == want || (back(got).is_nan() && back(want).is_nan()),
+                        "{dtype} {x:e}: {got:#06x} vs {want:#06x}"
+                    );
+                }
+                let mut decoded = vec![0f32; len];
+                assert!(decode_into(dtype, &bytes, &mut decoded));
+                let mut extended = vec![1.0];
+                decode_extend(dtype, &bytes, &mut extended);
+                assert_eq!(extended.len(), len + 1);
+                for ((b, d), e) in bytes.chunks_exact(2).zip(&decoded).zip(&extended[1..]) {
+                    let want = back(u16::from_le_bytes([b[0], b[1]]));
+                    assert!(
+                        d.to_bits() == want.to_bits() || (d.is_nan() && want.is_nan()),
+                        "{dtype}: {d:e} vs {want:e}"
+                    );
+                    assert_eq!(d.to_bits(), e.to_bits());
+                }
+            }
+            // Unaligned input decodes the same.
+            let bytes = encode_bulk(dtype, &xs[..100]);
+            let mut shifted = vec![0u8; 1];
+            shifted.extend_from_slice(&bytes);
+            let (mut a, mut b) = (vec![0f32; 100], vec![0f32; 100]);
+            assert!(decode_into(dtype, &bytes, &mut a) && decode_into(dtype, &shifted[1..], &mut b));
+            assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()));
+            assert!(!decode_into(dtype, &bytes[1..], &mut a), "a length mismatch is refused");
+        }
+        let f = encode_bulk(WireDtype::F32, &xs[..10]);
+        let mut back = vec![0f32; 10];
+        assert!(decode_into(WireDtype::F32, &f, &mut back));
+        assert!(back.iter().zip(&xs).all(|(a, b)| a.to_bits() == b.to_bits()));
     }
 }

@@ -44,18 +44,22 @@ pub struct TensorSpec {
     pub shape: Vec<u64>,
     /// How this tensor is updated, where it differs from the shard's flags.
     pub rule: RuleOverride,
+    /// How its gradients and values travel (None: the shard's `--wire-dtype`). A transport setting, not
+    /// part of the model: it is left out of [`Layout::fingerprint`], and shards with different settings
+    /// still understand each other (every chunk on the wire names its format).
+    pub wire_dtype: Option<crate::dtype::WireDtype>,
 }
 
 impl TensorSpec {
     /// A flat tensor of `len` elements updated with the shard's rule.
     pub fn new(name: impl Into<String>, len: u64) -> Self {
-        TensorSpec { name: name.into(), len, shape: vec![len], rule: RuleOverride::default() }
+        TensorSpec { name: name.into(), len, shape: vec![len], rule: RuleOverride::default(), wire_dtype: None }
     }
 
     /// A tensor of the given shape updated with the shard's rule.
     pub fn with_shape(name: impl Into<String>, shape: Vec<u64>) -> Self {
         let len = shape.iter().try_fold(1u64, |a, d| a.checked_mul(*d)).unwrap_or(u64::MAX);
-        TensorSpec { name: name.into(), len, shape, rule: RuleOverride::default() }
+        TensorSpec { name: name.into(), len, shape, rule: RuleOverride::default(), wire_dtype: None }
     }
 }
 
@@ -261,8 +265,22 @@ impl Layout {
     /// A stable 64-bit fingerprint (FNV-1a over the layout's wire encoding: names, shapes, chunking, tables
     /// and rule overrides), used to detect processes configured with different models.
     pub fn fingerprint(&self) -> u64 {
-        let bytes = bincode::encode_to_vec(self, bincode::config::standard()).unwrap_or_default();
+        let mut model = self.clone();
+        model.tensors.iter_mut().for_each(|t| t.wire_dtype = None);
+        let bytes = bincode::encode_to_vec(&model, bincode::config::standard()).unwrap_or_default();
         bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3))
+    }
+
+    /// Gives every tensor without a wire format of its own `default` (a shard's `--wire-dtype`).
+    pub fn resolve_wire_dtype(&mut self, default: crate::dtype::WireDtype) {
+        self.tensors.iter_mut().for_each(|t| {
+            t.wire_dtype.get_or_insert(default);
+        });
+    }
+
+    /// The wire format of tensor `t` (f32 when unset or out of range).
+    pub fn wire_dtype(&self, t: u32) -> crate::dtype::WireDtype {
+        self.tensors.get(t as usize).and_then(|t| t.wire_dtype).unwrap_or_default()
     }
 
     /// Index of the tensor named `name`.

@@ -8,6 +8,7 @@
 //! shape = [64, 13]
 //! rule = "momentum"            # optional: the shard's --rule otherwise
 //! lr = 0.05                    # optional: momentum, weight_decay, dc_lambda, dc_ms_decay likewise
+//! wire_dtype = "bf16"          # optional: f32, bf16 or f16 on the wire; the shard's --wire-dtype otherwise
 //!
 //! [[table]]
 //! name = "emb"
@@ -84,6 +85,8 @@ struct FileTensor {
     dc_lambda: Option<f32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     dc_ms_decay: Option<f32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    wire_dtype: Option<String>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -111,7 +114,15 @@ pub fn parse(text: &str, format: Format) -> Result<Layout, LayoutFileError> {
         .tensors
         .into_iter()
         .map(|t| {
+            let wire_dtype = match t.wire_dtype {
+                None => None,
+                Some(d) => Some(
+                    d.parse::<crate::dtype::WireDtype>()
+                        .map_err(|e| LayoutFileError::Syntax(format!("tensor {:?}: {e}", t.name)))?,
+                ),
+            };
             let mut spec = TensorSpec::with_shape(t.name, t.shape);
+            spec.wire_dtype = wire_dtype;
             spec.rule = RuleOverride {
                 rule: t.rule,
                 lr: t.lr,
@@ -120,9 +131,9 @@ pub fn parse(text: &str, format: Format) -> Result<Layout, LayoutFileError> {
                 dc_lambda: t.dc_lambda,
                 dc_ms_decay: t.dc_ms_decay,
             };
-            spec
+            Ok(spec)
         })
-        .collect();
+        .collect::<Result<Vec<_>, LayoutFileError>>()?;
     let tables = file
         .tables
         .into_iter()
@@ -157,6 +168,7 @@ pub fn write(layout: &Layout, format: Format) -> String {
                 weight_decay: t.rule.weight_decay,
                 dc_lambda: t.rule.dc_lambda,
                 dc_ms_decay: t.rule.dc_ms_decay,
+                wire_dtype: t.wire_dtype.map(|d| d.to_string()),
             })
             .collect(),
         tables: layout
@@ -196,6 +208,7 @@ lr = 0.05
 name = "mlp.b1"
 shape = [64]
 rule = "sgd"
+wire_dtype = "bf16"
 
 [[table]]
 name = "emb"
@@ -212,6 +225,13 @@ lr = 0.1
         assert_eq!(layout.tensors[0].rule.rule.as_deref(), Some("momentum"));
         assert_eq!(layout.tensors[0].rule.lr, Some(0.05));
         assert_eq!(layout.tables[0].dim, 16);
+        assert_eq!(layout.tensors[0].wire_dtype, None);
+        assert_eq!(layout.tensors[1].wire_dtype, Some(crate::dtype::WireDtype::Bf16));
+        let mut resolved = layout.clone();
+        resolved.resolve_wire_dtype(crate::dtype::WireDtype::F16);
+        assert_eq!(resolved.wire_dtype(0), crate::dtype::WireDtype::F16);
+        assert_eq!(resolved.wire_dtype(1), crate::dtype::WireDtype::Bf16, "the file's setting wins");
+        assert_eq!(resolved.fingerprint(), layout.fingerprint(), "the wire format is not part of the model");
         for format in [Format::Toml, Format::Json] {
             let text = write(&layout, format);
             assert_eq!(parse(&text, format).expect("written file parses"), layout, "{format:?}:\n{text}");
@@ -232,6 +252,7 @@ lr = 0.1
             ("chunk_elems = 0\n[[tensor]]\nname = \"w\"\nshape = [3]\n", "chunk_elems"),
             ("", "no tensors"),
             ("[[tensor]\n", "parsing"),
+            ("[[tensor]]\nname = \"w\"\nshape = [3]\nwire_dtype = \"fp8\"\n", "unknown wire dtype"),
         ];
         for (text, wanted) in cases {
             let err = parse(text, Format::Toml).expect_err(text).to_string();

@@ -4,20 +4,24 @@
 //! the server answers with one reply frame and finishes. A frame is
 //!
 //! ```text
-//! [kind: u8][header_len: u32 LE][header: bincode-2, header_len bytes][payload: f32 little-endian]
+//! [kind: u8][header_len: u32 LE][header: bincode-2, header_len bytes][payload: little-endian values]
 //! ```
 //!
-//! The header is the only part encoded with bincode; tensors travel as raw little-endian `f32` bytes whose
-//! element count is implied by the header (see [`Message::payload_elems`]). Every length is checked against
-//! [`Limits`] before anything is allocated, and a header must be consumed exactly.
+//! The header is the only part encoded with bincode; tensors travel as raw little-endian values whose
+//! count and format are implied by the header: the payload is a sequence of sections
+//! ([`Message::payload_sections`]), each `f32` or, for a dense chunk whose tensor says so, a 16-bit format
+//! ([`WireDtype`]: bfloat16 or half). Receivers decode every section into `f32` ([`PayloadDecoder`]).
+//! Every length is checked against [`Limits`] before anything is allocated, and a header must be consumed
+//! exactly.
 //!
 //! This module holds the only types of the project that derive bincode's `Encode`/`Decode`.
 
+use crate::dtype::WireDtype;
 use crate::layout::{ChunkId, Layout};
 use bincode::{Decode, Encode};
 
 /// Protocol version carried by registrations; a peer with another version is refused.
-pub const PROTOCOL_VERSION: u16 = 4;
+pub const PROTOCOL_VERSION: u16 = 5;
 /// Bytes before the header: the kind byte and the header length.
 pub const FRAME_PREFIX_LEN: usize = 5;
 /// Hard upper bound on an encoded header (also the bincode decode limit).
@@ -283,6 +287,8 @@ pub struct ChunkVersion {
     pub version: u64,
     /// Elements of this chunk in the payload.
     pub len: u32,
+    /// How the values travel (the tensor's wire format on the replying shard).
+    pub dtype: WireDtype,
 }
 
 /// Answer to [`Pull`]; payload = the chunks' values, in order.
@@ -304,6 +310,8 @@ pub struct PushChunk {
     /// The payload also carries, after all gradients, the parameter values this chunk's gradient was
     /// computed on; required exactly for the chunks whose tensor's rule measures drift.
     pub echo: bool,
+    /// How this chunk's gradient (and echo) travel; any format is accepted, the shard keeps f32.
+    pub dtype: WireDtype,
 }
 
 /// A gradient; payload = the chunks' gradients, in order, then the read echo of the chunks that carry one
@@ -587,7 +595,34 @@ fn config() -> impl bincode::config::Config {
 }
 
 impl Message {
-    /// Number of f32 payload elements this header declares (sum of the chunk lengths).
+    /// The payload's sections in order: `(values, format)`. Sparse payloads and everything else are f32.
+    pub fn payload_sections(&self) -> Vec<(u64, WireDtype)> {
+        match self {
+            Message::PullReply(r) => r.chunks.iter().map(|c| (u64::from(c.len), c.dtype)).collect(),
+            Message::Push(p) => {
+                let grads = p.chunks.iter().map(|c| (u64::from(c.len), c.dtype));
+                grads.chain(p.chunks.iter().filter(|c| c.echo).map(|c| (u64::from(c.len), c.dtype))).collect()
+            }
+            other => match other.payload_elems() {
+                0 => Vec::new(),
+                n => vec![(n, WireDtype::F32)],
+            },
+        }
+    }
+
+    /// Bytes of payload on the wire (each section's values times its format's size).
+    pub fn payload_bytes(&self) -> u64 {
+        match self {
+            Message::PullReply(_) | Message::Push(_) => self
+                .payload_sections()
+                .iter()
+                .fold(0u64, |sum, (n, d)| sum.saturating_add(n.saturating_mul(d.bytes() as u64))),
+            other => other.payload_elems().saturating_mul(4),
+        }
+    }
+
+    /// Number of payload values this header declares (sum of the chunk lengths), whatever their format;
+    /// receivers hold them as f32.
     pub fn payload_elems(&self) -> u64 {
         match self {
             Message::PullReply(r) => r.chunks.iter().map(|c| u64::from(c.len)).sum(),
@@ -639,8 +674,111 @@ pub fn encode_header(msg: &Message, payload_elems: usize) -> Result<Vec<u8>, Wir
 /// Encodes a whole frame into one buffer (prefix, header, payload).
 pub fn encode_frame(frame: &Frame) -> Result<Vec<u8>, WireError> {
     let mut out = encode_header(&frame.msg, frame.payload.len())?;
-    out.extend_from_slice(&f32s_to_le_bytes(&frame.payload));
+    for part in encode_payload(&frame.msg, &frame.payload)? {
+        out.extend_from_slice(&part);
+    }
     Ok(out)
+}
+
+/// The wire bytes of `values`, the whole payload of `msg`, section by section: f32 sections as views of
+/// `values` (no copy on little-endian hosts), 16-bit ones converted.
+pub fn encode_payload<'v>(msg: &Message, values: &'v [f32]) -> Result<Vec<std::borrow::Cow<'v, [u8]>>, WireError> {
+    let sections = msg.payload_sections();
+    let declared: u64 = sections.iter().map(|(n, _)| n).sum();
+    if declared != values.len() as u64 {
+        return Err(WireError::ElementCountMismatch { expected: declared, got: values.len() as u64 });
+    }
+    let mut parts: Vec<std::borrow::Cow<'v, [u8]>> = Vec::new();
+    let mut at = 0usize;
+    let mut f32_run = 0usize;
+    for (n, dtype) in sections {
+        let n = n as usize;
+        if dtype == WireDtype::F32 {
+            f32_run += n;
+        } else {
+            if f32_run > 0 {
+                parts.push(f32s_to_le_bytes(&values[at - f32_run..at]));
+                f32_run = 0;
+            }
+            parts.push(std::borrow::Cow::Owned(crate::dtype::encode_bulk(dtype, &values[at..at + n])));
+        }
+        at += n;
+    }
+    if f32_run > 0 {
+        parts.push(f32s_to_le_bytes(&values[at - f32_run..at]));
+    }
+    Ok(parts)
+}
+
+/// Decodes a payload arriving in byte pieces of any length and alignment into f32 values, section by
+/// section (see [`Message::payload_sections`]). Whole runs of values are handed to the caller's `emit` in
+/// their wire format; a value split across pieces is kept until it is complete.
+#[derive(Debug)]
+pub struct PayloadDecoder {
+    sections: Vec<(u64, WireDtype)>,
+    section: usize,
+    left: u64,
+    carry: [u8; 4],
+    carry_len: usize,
+    bytes_left: u64,
+}
+
+impl PayloadDecoder {
+    /// A decoder for the payload `msg` announces.
+    pub fn new(msg: &Message) -> Self {
+        let sections: Vec<(u64, WireDtype)> = msg.payload_sections().into_iter().filter(|(n, _)| *n > 0).collect();
+        let left = sections.first().map_or(0, |s| s.0);
+        PayloadDecoder { sections, section: 0, left, carry: [0; 4], carry_len: 0, bytes_left: msg.payload_bytes() }
+    }
+
+    /// Payload bytes still to come.
+    pub fn bytes_missing(&self) -> u64 {
+        self.bytes_left
+    }
+
+    /// True once the whole payload was decoded.
+    pub fn is_done(&self) -> bool {
+        self.bytes_left == 0
+    }
+
+    /// Consumes `bytes` (anything beyond the payload is ignored) and calls `emit(format, bytes)` for each run
+    /// of whole values, in payload order.
+    pub fn feed(&mut self, bytes: &[u8], emit: &mut impl FnMut(WireDtype, &[u8])) {
+        let mut bytes = &bytes[..bytes.len().min(usize::try_from(self.bytes_left).unwrap_or(usize::MAX))];
+        while !bytes.is_empty() {
+            while self.left == 0 {
+                self.section += 1;
+                self.left = self.sections[self.section].0;
+            }
+            let dtype = self.sections[self.section].1;
+            let width = dtype.bytes();
+            if self.carry_len > 0 {
+                let take = (width - self.carry_len).min(bytes.len());
+                self.carry[self.carry_len..self.carry_len + take].copy_from_slice(&bytes[..take]);
+                self.carry_len += take;
+                self.bytes_left -= take as u64;
+                bytes = &bytes[take..];
+                if self.carry_len == width {
+                    emit(dtype, &self.carry[..width]);
+                    self.carry_len = 0;
+                    self.left -= 1;
+                }
+                continue;
+            }
+            let whole = ((bytes.len() / width) as u64).min(self.left) as usize;
+            if whole > 0 {
+                emit(dtype, &bytes[..whole * width]);
+                self.left -= whole as u64;
+                self.bytes_left -= (whole * width) as u64;
+                bytes = &bytes[whole * width..];
+            } else {
+                self.carry[..bytes.len()].copy_from_slice(bytes);
+                self.carry_len = bytes.len();
+                self.bytes_left -= bytes.len() as u64;
+                bytes = &[];
+            }
+        }
+    }
 }
 
 /// Checks a frame prefix and returns `(kind, header_len)`; the header length is bounded here.
@@ -679,7 +817,7 @@ pub fn decode_frame(buf: &[u8], limits: &Limits) -> Result<Frame, WireError> {
     let header_end = FRAME_PREFIX_LEN + header_len;
     let header = buf.get(FRAME_PREFIX_LEN..header_end).ok_or(truncated(header_end))?;
     let msg = decode_header(kind, header, limits)?;
-    let payload_bytes = msg.payload_elems() as usize * 4;
+    let payload_bytes = msg.payload_bytes() as usize;
     let rest = &buf[header_end..];
     if rest.len() < payload_bytes {
         return Err(truncated(header_end + payload_bytes));
@@ -687,7 +825,14 @@ pub fn decode_frame(buf: &[u8], limits: &Limits) -> Result<Frame, WireError> {
     if rest.len() > payload_bytes {
         return Err(WireError::TrailingBytes((rest.len() - payload_bytes) as u64));
     }
-    Ok(Frame { msg, payload: le_bytes_to_f32s(rest) })
+    Ok(Frame { payload: decode_payload(&msg, rest), msg })
+}
+
+/// Decodes a whole payload of `msg` (whose length the caller checked) into f32 values.
+fn decode_payload(msg: &Message, bytes: &[u8]) -> Vec<f32> {
+    let mut out = Vec::with_capacity(msg.payload_elems() as usize);
+    PayloadDecoder::new(msg).feed(bytes, &mut |dtype, run| crate::dtype::decode_extend(dtype, run, &mut out));
+    out
 }
 
 /// A source of bytes that can fill a whole buffer or fail; implemented by the transports (the QUIC
@@ -718,10 +863,9 @@ pub async fn read_header<R: ReadExact>(source: &mut R, limits: &Limits) -> Resul
 
 /// Reads the payload `msg` announces.
 pub async fn read_payload<R: ReadExact>(source: &mut R, msg: &Message) -> Result<Vec<f32>, WireError> {
-    let mut payload = vec![0f32; msg.payload_elems() as usize];
-    source.read_exact(bytemuck::cast_slice_mut(&mut payload)).await?;
-    from_le_in_place(&mut payload);
-    Ok(payload)
+    let mut bytes = vec![0u8; msg.payload_bytes() as usize];
+    source.read_exact(&mut bytes).await?;
+    Ok(decode_payload(msg, &bytes))
 }
 
 /// The little-endian bytes of a slice of f32 (a plain view on little-endian hosts).
@@ -786,18 +930,35 @@ mod tests {
             })),
             Frame::new(Message::Pull(Pull { epoch: 9, chunks: vec![id] })),
             Frame {
-                msg: Message::PullReply(PullReply { chunks: vec![ChunkVersion { id, version: 5, len: 3 }] }),
+                msg: Message::PullReply(PullReply {
+                    chunks: vec![ChunkVersion { id, version: 5, len: 3, dtype: WireDtype::F32 }],
+                }),
                 payload: vec![1.0, -2.5, 3.25],
+            },
+            Frame {
+                msg: Message::PullReply(PullReply {
+                    chunks: vec![
+                        ChunkVersion { id, version: 5, len: 2, dtype: WireDtype::Bf16 },
+                        ChunkVersion { id, version: 6, len: 1, dtype: WireDtype::F32 },
+                        ChunkVersion { id, version: 7, len: 3, dtype: WireDtype::F16 },
+                    ],
+                }),
+                payload: vec![1.0, -2.5, f32::from_bits(0x3f80_0001), 0.25, -65504.0, 6.1035156e-5],
             },
             Frame {
                 msg: Message::Push(Push {
                     epoch: 9,
                     worker: 3,
                     seq: 17,
-                    chunks: vec![PushChunk { id, read_version: 4, len: 2, echo: true }],
+                    chunks: vec![
+                        PushChunk { id, read_version: 4, len: 2, echo: true, dtype: WireDtype::Bf16 },
+                        PushChunk { id, read_version: 4, len: 1, echo: false, dtype: WireDtype::F32 },
+                        PushChunk { id, read_version: 4, len: 1, echo: true, dtype: WireDtype::F16 },
+                    ],
                     compute_ms: 12,
                 }),
-                payload: vec![0.5, f32::MIN_POSITIVE, -1.0, 2.0],
+                // Gradients (bf16 ×2, f32, f16), then the echoes (bf16 ×2, f16): all exact in their format.
+                payload: vec![0.5, f32::MIN_POSITIVE, 1.1, -3.0, -1.0, 2.0, 0.125],
             },
             Frame::new(Message::Ack(Ack {
                 seq: 17,
@@ -865,6 +1026,51 @@ mod tests {
     }
 
     #[test]
+    fn sixteen_bit_sections_halve_the_bytes_and_round_to_nearest() {
+        let id = ChunkId { tensor: 0, chunk: 0 };
+        let values = vec![1.0 + 1.0 / 128.0 + 1.0 / 512.0, 0.1, -7.3];
+        for (dtype, width) in [(WireDtype::F32, 4), (WireDtype::Bf16, 2), (WireDtype::F16, 2)] {
+            let msg = Message::PullReply(PullReply { chunks: vec![ChunkVersion { id, version: 1, len: 3, dtype }] });
+            assert_eq!(msg.payload_bytes(), 3 * width);
+            let bytes = encode_frame(&Frame { msg: msg.clone(), payload: values.clone() }).expect("encode");
+            let back = decode_frame(&bytes, &Limits::default()).expect("decode");
+            let mut want = values.clone();
+            crate::dtype::round_trip(dtype, &mut want);
+            assert_eq!(back.payload, want, "{dtype}");
+        }
+    }
+
+    #[test]
+    fn payloads_decode_the_same_from_pieces_of_any_size() {
+        let frames = samples();
+        let mut rng = crate::rng::Rng::new(11);
+        for f in frames.iter().filter(|f| f.msg.payload_elems() > 0) {
+            let bytes = encode_frame(f).expect("encode");
+            let whole = decode_frame(&bytes, &Limits::default()).expect("decode").payload;
+            let payload = &bytes[bytes.len() - f.msg.payload_bytes() as usize..];
+            for _ in 0..200 {
+                let mut dec = PayloadDecoder::new(&f.msg);
+                let mut out = Vec::new();
+                let mut rest = payload;
+                while !rest.is_empty() {
+                    let n = 1 + (rng.uniform() * 5.0) as usize;
+                    let (piece, tail) = rest.split_at(n.min(rest.len()));
+                    dec.feed(piece, &mut |dtype, run| crate::dtype::decode_extend(dtype, run, &mut out));
+                    rest = tail;
+                }
+                assert!(dec.is_done());
+                let bits = |p: &[f32]| p.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&out), bits(&whole));
+            }
+            // Bytes past the payload are ignored.
+            let mut dec = PayloadDecoder::new(&f.msg);
+            let mut count = 0;
+            dec.feed(&[payload, &[1, 2, 3]].concat(), &mut |dtype, run| count += run.len() / dtype.bytes());
+            assert_eq!(count as u64, f.msg.payload_elems());
+        }
+    }
+
+    #[test]
     fn every_truncation_is_a_typed_error() {
         for f in samples() {
             let bytes = encode_frame(&f).expect("encode");
@@ -886,7 +1092,7 @@ mod tests {
             epoch: 1,
             worker: 0,
             seq: 1,
-            chunks: vec![PushChunk { id, read_version: 0, len: u32::MAX, echo: false }; 2],
+            chunks: vec![PushChunk { id, read_version: 0, len: u32::MAX, echo: false, dtype: WireDtype::F32 }; 2],
             compute_ms: 0,
         });
         let mut bytes = vec![push.kind(), 0, 0, 0, 0];
@@ -915,7 +1121,7 @@ mod tests {
             epoch: 1,
             worker: 0,
             seq: 1,
-            chunks: vec![PushChunk { id, read_version: 0, len: 3, echo: false }],
+            chunks: vec![PushChunk { id, read_version: 0, len: 3, echo: false, dtype: WireDtype::F32 }],
             compute_ms: 0,
         });
         assert!(matches!(

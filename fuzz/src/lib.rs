@@ -6,6 +6,7 @@
 //! core panicked, a reply cannot be encoded, a decoded frame does not re-encode to itself, the push books do
 //! not balance, or a checkpoint does not restore to the same state.
 
+use gaps_common::dtype::WireDtype;
 use gaps_common::layout::{ChunkId, Layout, SparseSpec, TensorSpec};
 use gaps_common::wire::{
     self, ids_to_words, CheckpointAt, CheckpointRequest, Frame, Heartbeat, Leave, Limits, Message, Pull, Push,
@@ -138,6 +139,7 @@ fn request(c: &mut Choices<'_>, layout: &Layout, chunks: &[ChunkId]) -> Option<F
                         _ => c.below(20) as u32,
                     },
                     echo: if c.below(12) == 0 { c.below(2) == 0 } else { id.tensor == 1 },
+                    dtype: [WireDtype::F32, WireDtype::Bf16, WireDtype::F16][c.below(3) as usize],
                 })
                 .collect();
             let declared: usize = push_chunks.iter().map(|p| p.len as usize * (1 + usize::from(p.echo))).sum();

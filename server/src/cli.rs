@@ -46,6 +46,10 @@ pub struct ServerArgs {
     /// rule). `gaps layout --model NAME` prints the built-in models' layouts. Every shard gets the same file.
     #[arg(long, env = "GAPS_LAYOUT")]
     pub layout: PathBuf,
+    /// How dense gradients and parameters travel for tensors whose layout entry has no `wire_dtype`: f32,
+    /// bf16 or f16 (half the bytes; the shard keeps f32 state and accepts any format on pushes).
+    #[arg(long, env = "GAPS_WIRE_DTYPE", default_value = "f32")]
+    pub wire_dtype: gaps_common::dtype::WireDtype,
     /// Update rule of the dense tensors (a tensor's `rule` in the layout file takes precedence).
     #[arg(long, env = "GAPS_RULE", default_value = "momentum")]
     pub rule: Rule,
@@ -258,7 +262,8 @@ impl ServerArgs {
     /// The service configuration these flags describe.
     pub fn service_config(&self) -> Result<ServiceConfig> {
         let tls = TlsMaterial::load(&self.ca, &self.cert, &self.key).context("loading the server's TLS material")?;
-        let layout = load_layout(&self.layout)?;
+        let mut layout = load_layout(&self.layout)?;
+        layout.resolve_wire_dtype(self.wire_dtype);
         let hyper = self.hyper.hyper(self.lr)?;
         let epoch = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)

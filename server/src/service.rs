@@ -1073,7 +1073,7 @@ async fn serve_request(
             (Frame::new(Message::error(wire_error_code(&e), e.to_string())), &shared.metrics.rpc_other_seconds)
         }
         Ok(frame) => {
-            shared.metrics.bytes_in.increment(frame.payload.len() as u64 * 4);
+            shared.metrics.bytes_in.increment(frame.msg.payload_bytes());
             let kind = RpcKind::of(&frame.msg);
             let histogram = match kind {
                 RpcKind::Push => &shared.metrics.rpc_push_seconds,
@@ -1119,8 +1119,15 @@ async fn serve_request(
     };
     held.add(reply.payload.len() as u64 * 4);
     let Frame { msg, payload } = reply;
-    let payload = net::f32_bytes(gaps_common::buffers::Recycled(payload));
-    match net::write_frame(send, &msg, &[payload]).await {
+    let parts = match net::payload_parts(&msg, payload) {
+        Ok(parts) => parts,
+        Err(e) => {
+            warn!(error = %e, "a reply's payload does not match its header");
+            let _ = send.reset(1u32.into());
+            return;
+        }
+    };
+    match net::write_frame(send, &msg, &parts).await {
         Ok(bytes) => shared.metrics.bytes_out.increment(bytes),
         Err(e) => debug!(error = %e, "writing the reply"),
     }

@@ -73,7 +73,13 @@ fn push(worker: u32, seq: u64) -> (Message, Vec<f32>) {
         .chunks()
         .enumerate()
         .filter(|(g, _)| g % 2 == 1) // shard 1 of 2 owns the odd chunks
-        .map(|(_, id)| PushChunk { id, read_version: 0, len: layout().chunk_len(id).expect("len") as u32, echo: false })
+        .map(|(_, id)| PushChunk {
+            id,
+            read_version: 0,
+            len: layout().chunk_len(id).expect("len") as u32,
+            echo: false,
+            dtype: gaps_common::dtype::WireDtype::F32,
+        })
         .collect::<Vec<_>>();
     let n: usize = chunks.iter().map(|c| c.len as usize).sum();
     (Message::Push(Push { epoch: 31, worker, seq, chunks, compute_ms: 1 }), vec![0.5; n])

@@ -59,6 +59,7 @@ async fn stalled_senders_are_cut_off_and_the_shard_keeps_serving() {
             read_version: 0,
             len: 1 << 16,
             echo: false,
+            dtype: gaps_common::dtype::WireDtype::F32,
         }],
         compute_ms: 0,
     });

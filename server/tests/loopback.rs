@@ -210,7 +210,13 @@ async fn malformed_frames_over_the_network_get_typed_errors_and_change_nothing()
     let push = |payload_len: u32, value: f32| {
         let chunks: Vec<PushChunk> = ids
             .iter()
-            .map(|id| PushChunk { id: *id, read_version: 0, len: l.chunk_len(*id).expect("len") as u32, echo: false })
+            .map(|id| PushChunk {
+                id: *id,
+                read_version: 0,
+                len: l.chunk_len(*id).expect("len") as u32,
+                echo: false,
+                dtype: gaps_common::dtype::WireDtype::F32,
+            })
             .collect();
         let total: u32 = chunks.iter().map(|c| c.len).sum();
         let msg = Message::Push(Push { epoch: client.map().epoch, worker, seq: 1, chunks, compute_ms: 0 });
@@ -238,7 +244,13 @@ async fn malformed_frames_over_the_network_get_typed_errors_and_change_nothing()
         epoch: client.map().epoch,
         worker,
         seq: 2,
-        chunks: vec![PushChunk { id: ids[0], read_version: 0, len: u32::MAX, echo: false }],
+        chunks: vec![PushChunk {
+            id: ids[0],
+            read_version: 0,
+            len: u32::MAX,
+            echo: false,
+            dtype: gaps_common::dtype::WireDtype::F32,
+        }],
         compute_ms: 0,
     });
     let header = wire::encode_header(&big, u32::MAX as usize).expect("header");

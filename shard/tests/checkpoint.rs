@@ -58,8 +58,17 @@ fn step(core: &mut ShardCore, worker: u32, seq: u64, salt: f32) -> Vec<Frame> {
     let pulled = call(core, Message::Pull(Pull { epoch: EPOCH, chunks: chunks.clone() }), vec![]);
     let Message::PullReply(reply) = &pulled.msg else { panic!("{:?}", pulled.msg) };
     let grads: Vec<f32> = pulled.payload.iter().enumerate().map(|(i, v)| 0.5 * v + salt * (i % 5) as f32).collect();
-    let push_chunks =
-        reply.chunks.iter().map(|c| PushChunk { id: c.id, read_version: c.version, len: c.len, echo: false }).collect();
+    let push_chunks = reply
+        .chunks
+        .iter()
+        .map(|c| PushChunk {
+            id: c.id,
+            read_version: c.version,
+            len: c.len,
+            echo: false,
+            dtype: gaps_common::dtype::WireDtype::F32,
+        })
+        .collect();
     let pushed = call(
         core,
         Message::Push(Push { epoch: EPOCH, worker, seq: 2 * seq - 1, chunks: push_chunks, compute_ms: 5 }),

@@ -60,7 +60,13 @@ fn full_push(worker: u32, seq: u64, versions: &[u64], grad: &[f32]) -> (Message,
     let chunks = l
         .chunks()
         .zip(versions)
-        .map(|(id, v)| PushChunk { id, read_version: *v, len: l.chunk_len(id).expect("len") as u32, echo: false })
+        .map(|(id, v)| PushChunk {
+            id,
+            read_version: *v,
+            len: l.chunk_len(id).expect("len") as u32,
+            echo: false,
+            dtype: gaps_common::dtype::WireDtype::F32,
+        })
         .collect();
     (Message::Push(Push { epoch: EPOCH, worker, seq, chunks, compute_ms: 0 }), grad.to_vec())
 }

@@ -61,7 +61,13 @@ fn push(
         epoch: EPOCH,
         worker,
         seq,
-        chunks: vec![PushChunk { id: ID, read_version, len: 4, echo: false }],
+        chunks: vec![PushChunk {
+            id: ID,
+            read_version,
+            len: 4,
+            echo: false,
+            dtype: gaps_common::dtype::WireDtype::F32,
+        }],
         compute_ms,
     });
     let (r, events) = core.handle(Frame { msg, payload: vec![grad; 4] }, now);

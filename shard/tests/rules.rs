@@ -57,6 +57,7 @@ fn push(core: &mut ShardCore, worker: u32, seq: u64, versions: &[u64], grad: &[f
             read_version: *v,
             len: l.chunk_len(id).expect("len") as u32,
             echo: read.is_some(),
+            dtype: gaps_common::dtype::WireDtype::F32,
         })
         .collect();
     let mut payload = grad.to_vec();

@@ -108,7 +108,13 @@ fn sparse_rows_are_created_updated_once_and_validated() {
         epoch: EPOCH,
         worker: 1,
         seq: 1,
-        chunks: vec![PushChunk { id: ChunkId { tensor: 0, chunk: 0 }, read_version: 0, len: 8, echo: false }],
+        chunks: vec![PushChunk {
+            id: ChunkId { tensor: 0, chunk: 0 },
+            read_version: 0,
+            len: 8,
+            echo: false,
+            dtype: gaps_common::dtype::WireDtype::F32,
+        }],
         compute_ms: 0,
     });
     assert!(

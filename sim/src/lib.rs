@@ -650,7 +650,13 @@ fn run_async(args: &SimArgs) -> Result<SimReport> {
             epoch: 1,
             worker: w as u32,
             seq: vw.seq,
-            chunks: vec![PushChunk { id: CHUNK, read_version: vw.version, len: p as u32, echo: needs_read }],
+            chunks: vec![PushChunk {
+                id: CHUNK,
+                read_version: vw.version,
+                len: p as u32,
+                echo: needs_read,
+                dtype: WireDtype::F32,
+            }],
             compute_ms,
         };
         let (reply, _) = core.handle(Frame { msg: Message::Push(push), payload }, Duration::ZERO);
@@ -859,7 +865,13 @@ fn run_sync(args: &SimArgs) -> Result<SimReport> {
                 epoch: 1,
                 worker: *worker,
                 seq: *seq,
-                chunks: vec![PushChunk { id: CHUNK, read_version: version, len: p as u32, echo: needs_read }],
+                chunks: vec![PushChunk {
+                    id: CHUNK,
+                    read_version: version,
+                    len: p as u32,
+                    echo: needs_read,
+                    dtype: WireDtype::F32,
+                }],
                 compute_ms: duration.round().clamp(1.0, f64::from(u32::MAX)) as u32,
             };
             let (reply, _) = core.handle(Frame { msg: Message::Push(push), payload }, Duration::ZERO);

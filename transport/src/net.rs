@@ -521,14 +521,44 @@ pub fn f32_bytes_copied(values: &[f32]) -> Bytes {
     Bytes::copy_from_slice(&wire::f32s_to_le_bytes(values))
 }
 
-/// Writes one frame whose payload is the concatenation of `payload` parts (each a whole number of f32s,
-/// as made by [`f32_bytes`]). The parts go to quinn by reference count, not copied.
+/// `values` encoded as `dtype` for the wire: f32 without a copy ([`f32_bytes`]), 16-bit formats
+/// converted (SIMD) into a new buffer.
+pub fn dtype_bytes<T: AsRef<[f32]> + Send + 'static>(dtype: gaps_common::dtype::WireDtype, values: T) -> Bytes {
+    match dtype {
+        gaps_common::dtype::WireDtype::F32 => f32_bytes(values),
+        other => Bytes::from(gaps_common::dtype::encode_bulk(other, values.as_ref())),
+    }
+}
+
+/// The payload parts of a frame whose values are `values`, in the formats `msg`'s sections declare: the
+/// values' own memory when every section is f32 (very large buffers go back to the recycler once sent),
+/// converted copies otherwise.
+pub fn payload_parts(msg: &Message, values: Vec<f32>) -> Result<Vec<Bytes>, WireError> {
+    let sections = msg.payload_sections();
+    if sections.iter().all(|(_, d)| *d == gaps_common::dtype::WireDtype::F32) {
+        let declared: u64 = sections.iter().map(|(n, _)| n).sum();
+        if declared != values.len() as u64 {
+            return Err(WireError::ElementCountMismatch { expected: declared, got: values.len() as u64 });
+        }
+        return Ok(vec![f32_bytes(gaps_common::buffers::Recycled(values))]);
+    }
+    let parts = wire::encode_payload(msg, &values)?.into_iter().map(|p| Bytes::from(p.into_owned())).collect();
+    gaps_common::buffers::give(values);
+    Ok(parts)
+}
+
+/// Writes one frame whose payload is the concatenation of `payload` parts, already in the formats the
+/// header's sections declare (as made by [`f32_bytes`] or [`dtype_bytes`]); the byte count must match.
+/// The parts go to quinn by reference count, not copied.
 pub async fn write_frame(send: &mut quinn::SendStream, msg: &Message, payload: &[Bytes]) -> Result<u64, WireError> {
     let bytes: usize = payload.iter().map(|p| p.len()).sum();
-    if bytes % 4 != 0 {
-        return Err(WireError::Io(format!("a payload of {bytes} bytes is not a whole number of f32 values")));
+    if bytes as u64 != msg.payload_bytes() {
+        return Err(WireError::Io(format!(
+            "a payload of {bytes} bytes where the header declares {} bytes",
+            msg.payload_bytes()
+        )));
     }
-    let header = wire::encode_header(msg, bytes / 4)?;
+    let header = wire::encode_header(msg, msg.payload_elems() as usize)?;
     let io = |e: quinn::WriteError| WireError::Io(e.to_string());
     send.write_all(&header).await.map_err(io)?;
     for part in payload {
@@ -567,16 +597,29 @@ pub async fn read_header(recv: &mut quinn::RecvStream, limits: &Limits) -> Resul
 /// Reads the payload `msg` announced, straight from quinn's received chunks into the result (no zeroing,
 /// one copy).
 pub async fn read_payload(recv: &mut quinn::RecvStream, msg: &Message) -> Result<Vec<f32>, WireError> {
-    let n = msg.payload_elems() as usize;
-    let mut out = PayloadBuilder::new(n);
-    while !out.is_full() {
-        match recv.read_chunk(out.bytes_missing(), true).await {
-            Ok(Some(chunk)) => out.extend(&chunk.bytes),
-            Ok(None) => return Err(WireError::Truncated { needed: n as u64 * 4, got: out.bytes_received() }),
+    let mut values = gaps_common::buffers::take(msg.payload_elems() as usize);
+    read_sections(recv, msg, &mut |dtype, run| gaps_common::dtype::decode_extend(dtype, run, &mut values)).await?;
+    Ok(values)
+}
+
+/// Reads the payload `msg` announced chunk by chunk as quinn received it, decoding its sections and
+/// handing each run of whole values to `emit`.
+async fn read_sections(
+    recv: &mut quinn::RecvStream,
+    msg: &Message,
+    emit: &mut impl FnMut(gaps_common::dtype::WireDtype, &[u8]),
+) -> Result<(), WireError> {
+    let needed = msg.payload_bytes();
+    let mut decoder = wire::PayloadDecoder::new(msg);
+    while !decoder.is_done() {
+        let missing = usize::try_from(decoder.bytes_missing()).unwrap_or(usize::MAX);
+        match recv.read_chunk(missing, true).await {
+            Ok(Some(chunk)) => decoder.feed(&chunk.bytes, emit),
+            Ok(None) => return Err(WireError::Truncated { needed, got: needed - decoder.bytes_missing() }),
             Err(e) => return Err(WireError::Io(e.to_string())),
         }
     }
-    Ok(out.finish())
+    Ok(())
 }
 
 /// Where a reply's payload goes. [`call_with`] asks once the reply's header is read and valid; `Ok(None)`
@@ -608,136 +651,33 @@ pub async fn read_payload_into(
     if room != n {
         return Err(WireError::Io(format!("the reply carries {n} values where {room} were expected")));
     }
-    let mut fill = SliceFiller { dest, slice: 0, offset: 0, carry: Carry::default(), filled: 0, want: n };
-    while fill.filled < n {
-        let missing = (n - fill.filled) * 4 - fill.carry.len;
-        match recv.read_chunk(missing, true).await {
-            Ok(Some(chunk)) => fill.extend(&chunk.bytes),
-            Ok(None) => {
-                let got = (fill.filled * 4 + fill.carry.len) as u64;
-                return Err(WireError::Truncated { needed: n as u64 * 4, got });
-            }
-            Err(e) => return Err(WireError::Io(e.to_string())),
-        }
-    }
-    Ok(())
+    let mut fill = SliceFiller { dest, slice: 0, offset: 0 };
+    read_sections(recv, msg, &mut |dtype, run| fill.put(dtype, run)).await
 }
 
-/// Writes f32 values from byte chunks of any length and alignment into a sequence of slices.
+/// Writes runs of whole values into a sequence of slices, splitting runs at slice boundaries.
 struct SliceFiller<'d, 'b> {
     dest: &'d mut [&'b mut [f32]],
     slice: usize,
     offset: usize,
-    carry: Carry,
-    filled: usize,
-    want: usize,
-}
-
-/// The bytes of one f32 split across received chunks.
-#[derive(Debug, Default)]
-struct Carry {
-    bytes: [u8; 4],
-    len: usize,
-}
-
-impl Carry {
-    /// Completes a pending value from the front of `bytes`: the value once whole, and the bytes left.
-    fn complete<'b>(&mut self, bytes: &'b [u8]) -> (Option<f32>, &'b [u8]) {
-        if self.len == 0 {
-            return (None, bytes);
-        }
-        let take = (4 - self.len).min(bytes.len());
-        self.bytes[self.len..self.len + take].copy_from_slice(&bytes[..take]);
-        self.len += take;
-        if self.len < 4 {
-            return (None, &bytes[take..]);
-        }
-        self.len = 0;
-        (Some(f32::from_le_bytes(self.bytes)), &bytes[take..])
-    }
-
-    /// Keeps the bytes after the last whole value (fewer than four; nothing when a value is still pending,
-    /// which leaves no bytes after it).
-    fn keep(&mut self, tail: &[u8]) {
-        if !tail.is_empty() {
-            self.bytes[..tail.len()].copy_from_slice(tail);
-            self.len = tail.len();
-        }
-    }
 }
 
 impl SliceFiller<'_, '_> {
-    fn put(&mut self, v: f32) {
-        while self.dest[self.slice].len() == self.offset {
-            self.slice += 1;
-            self.offset = 0;
-        }
-        self.dest[self.slice][self.offset] = v;
-        self.offset += 1;
-        self.filled += 1;
-    }
-
-    fn extend(&mut self, bytes: &[u8]) {
-        let bytes = &bytes[..bytes.len().min((self.want - self.filled) * 4 - self.carry.len)];
-        let (first, mut bytes) = self.carry.complete(bytes);
-        if let Some(v) = first {
-            self.put(v);
-        }
-        while bytes.len() >= 4 {
+    /// Decodes `run` (whole `dtype` values; never more than the slices' room, as the decoder stops at the
+    /// payload's end) into the slices.
+    fn put(&mut self, dtype: gaps_common::dtype::WireDtype, mut run: &[u8]) {
+        let width = dtype.bytes();
+        while !run.is_empty() {
             while self.dest[self.slice].len() == self.offset {
                 self.slice += 1;
                 self.offset = 0;
             }
             let target = &mut self.dest[self.slice][self.offset..];
-            let count = target.len().min(bytes.len() / 4);
-            for (d, b) in target[..count].iter_mut().zip(bytes.chunks_exact(4)) {
-                *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-            }
+            let count = target.len().min(run.len() / width);
+            gaps_common::dtype::decode_into(dtype, &run[..count * width], &mut target[..count]);
             self.offset += count;
-            self.filled += count;
-            bytes = &bytes[count * 4..];
+            run = &run[count * width..];
         }
-        self.carry.keep(bytes);
-    }
-}
-
-/// Assembles f32 values from byte chunks of any length and alignment.
-struct PayloadBuilder {
-    values: Vec<f32>,
-    want: usize,
-    carry: Carry,
-}
-
-impl PayloadBuilder {
-    fn new(want: usize) -> Self {
-        PayloadBuilder { values: gaps_common::buffers::take(want), want, carry: Carry::default() }
-    }
-
-    fn is_full(&self) -> bool {
-        self.values.len() == self.want
-    }
-
-    fn bytes_received(&self) -> u64 {
-        (self.values.len() * 4 + self.carry.len) as u64
-    }
-
-    fn bytes_missing(&self) -> usize {
-        (self.want - self.values.len()) * 4 - self.carry.len
-    }
-
-    /// Appends `bytes` (at most [`Self::bytes_missing`]; any excess is ignored).
-    fn extend(&mut self, bytes: &[u8]) {
-        let bytes = &bytes[..bytes.len().min(self.bytes_missing())];
-        let (first, bytes) = self.carry.complete(bytes);
-        self.values.extend(first);
-        let whole = bytes.chunks_exact(4);
-        let rest = whole.remainder();
-        self.values.extend(whole.map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
-        self.carry.keep(rest);
-    }
-
-    fn finish(self) -> Vec<f32> {
-        self.values
     }
 }
 
@@ -847,45 +787,45 @@ pub fn kind_name(msg: &Message) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use gaps_common::dtype::WireDtype;
 
     #[test]
-    fn payloads_assemble_from_chunks_of_any_length() {
+    fn f32_parts_are_the_values_own_bytes() {
         let values: Vec<f32> = (0..1000).map(|i| i as f32 * 0.5 - 7.25).collect();
         let bytes = f32_bytes(values.clone());
         assert_eq!(&bytes[..], bytemuck::cast_slice::<f32, u8>(&values), "little-endian bytes, no copy");
-        for cut in [1usize, 2, 3, 4, 5, 7, 64, 1023, 4000] {
-            let mut b = PayloadBuilder::new(values.len());
-            for part in bytes.chunks(cut) {
-                assert!(!b.is_full());
-                b.extend(part);
-            }
-            assert!(b.is_full());
-            assert_eq!(b.finish(), values, "chunks of {cut} bytes");
-        }
-        let mut short = PayloadBuilder::new(2);
-        short.extend(&[0, 0, 128]);
-        assert_eq!((short.bytes_received(), short.bytes_missing()), (3, 5));
-        short.extend(&[63, 0, 0, 0, 64, 9, 9, 9]);
-        assert!(short.is_full(), "excess bytes are ignored");
-        assert_eq!(short.finish(), vec![1.0, 2.0]);
         assert_eq!(f32_bytes_copied(&[1.0]), f32_bytes(vec![1.0f32]));
+        assert_eq!(dtype_bytes(WireDtype::F32, values.clone()), bytes);
+        assert_eq!(dtype_bytes(WireDtype::Bf16, values.clone()).len(), 2000);
     }
 
     #[test]
-    fn payloads_fill_slices_across_chunk_boundaries() {
-        let values: Vec<f32> = (0..777).map(|i| i as f32 - 300.5).collect();
-        let bytes = f32_bytes(values.clone());
+    fn payloads_fill_slices_across_chunk_and_section_boundaries() {
+        use gaps_common::wire::{ChunkVersion, PayloadDecoder, PullReply};
+        let id = gaps_common::ChunkId { tensor: 0, chunk: 0 };
+        // Small integers and halves are exact in every format, so the decoded values are the originals.
+        let values: Vec<f32> = (0..777).map(|i| (i % 200) as f32 - 100.5).collect();
+        let chunks = vec![
+            ChunkVersion { id, version: 1, len: 300, dtype: WireDtype::Bf16 },
+            ChunkVersion { id, version: 1, len: 77, dtype: WireDtype::F32 },
+            ChunkVersion { id, version: 1, len: 400, dtype: WireDtype::F16 },
+        ];
+        let msg = Message::PullReply(PullReply { chunks });
+        let parts = wire::encode_payload(&msg, &values).expect("encode");
+        let bytes: Vec<u8> = parts.iter().flat_map(|p| p.iter().copied()).collect();
+        assert_eq!(bytes.len() as u64, msg.payload_bytes());
+        assert_eq!(bytes.len(), 300 * 2 + 77 * 4 + 400 * 2);
         for cut in [1usize, 3, 4, 6, 100, 3108] {
             let mut a = vec![0f32; 5];
             let mut b = vec![0f32; 0];
             let mut c = vec![0f32; 772];
             let mut dest: Vec<&mut [f32]> = vec![&mut a, &mut b, &mut c];
-            let mut fill =
-                SliceFiller { dest: &mut dest, slice: 0, offset: 0, carry: Carry::default(), filled: 0, want: 777 };
+            let mut fill = SliceFiller { dest: &mut dest, slice: 0, offset: 0 };
+            let mut decoder = PayloadDecoder::new(&msg);
             for part in bytes.chunks(cut) {
-                fill.extend(part);
+                decoder.feed(part, &mut |dtype, run| fill.put(dtype, run));
             }
-            assert_eq!(fill.filled, 777);
+            assert!(decoder.is_done());
             let joined: Vec<f32> = a.iter().chain(&b).chain(&c).copied().collect();
             assert_eq!(joined, values, "chunks of {cut} bytes");
         }

@@ -710,6 +710,7 @@ impl Client {
                     read_version: read_versions[*g as usize],
                     len: layout.chunk_len(*id).unwrap_or(0) as u32,
                     echo: self.inner.echoes(id),
+                    dtype: layout.wire_dtype(id.tensor),
                 })
                 .collect();
             let msg = Message::Push(Push { epoch: self.inner.map.epoch, worker, seq, chunks, compute_ms });
@@ -724,16 +725,14 @@ impl Client {
                 let grad_parts = link.chunks.iter().map(|(id, _)| (id, &grads));
                 let read_parts =
                     link.chunks.iter().filter(|(id, _)| client.inner.echoes(id)).map(|(id, _)| (id, &snapshot_tensors));
-                // Views of the shared tensors, handed to the transport without a copy.
+                // Views of the shared tensors, handed to the transport without a copy (f32), or converted
+                // to the tensor's 16-bit wire format.
                 let parts: Vec<net::Bytes> = grad_parts
                     .chain(read_parts)
                     .filter_map(|(id, tensors)| {
                         let range = layout.chunk_range(*id).ok()?;
-                        Some(net::f32_bytes(TensorSlice {
-                            tensors: tensors.clone(),
-                            tensor: id.tensor as usize,
-                            range,
-                        }))
+                        let slice = TensorSlice { tensors: tensors.clone(), tensor: id.tensor as usize, range };
+                        Some(net::dtype_bytes(layout.wire_dtype(id.tensor), slice))
                     })
                     .collect();
                 (s, client.request(s, &msg, &parts).await)

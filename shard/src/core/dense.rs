@@ -72,7 +72,12 @@ impl ShardCore {
             let index = self.slot_index(*id)?;
             let slot = &self.slots[index];
             total += slot.params.len();
-            metas.push(ChunkVersion { id: *id, version: slot.version, len: slot.params.len() as u32 });
+            metas.push(ChunkVersion {
+                id: *id,
+                version: slot.version,
+                len: slot.params.len() as u32,
+                dtype: self.cfg.layout.wire_dtype(id.tensor),
+            });
             picked.push(index);
         }
         // A pull may name a chunk several times; keep the reply within four copies of what the shard owns.
