@@ -18,6 +18,7 @@
 //! divided by the payload moved.
 
 use anyhow::{Context, Result};
+use gaps_common::dtype::WireDtype;
 use gaps_common::layout::{Layout, SparseSpec, TensorSpec};
 use gaps_common::wire::Role;
 use gaps_kernels::{Hyper, Rule};
@@ -80,6 +81,8 @@ pub struct TransportResult {
     pub bytes: u64,
     /// Embedding rows pulled (and pushed) per round, for the sparse cases.
     pub rows: Option<u64>,
+    /// Dense values pushed (and pulled) per round, and their wire format, for the dense cases.
+    pub floats: Option<(u64, WireDtype)>,
     /// gaps.
     pub gaps: Measured,
     /// Plain quinn echo with the same settings.
@@ -113,6 +116,11 @@ impl TransportResult {
         self.rows.map(|r| r as f64 * self.gaps.gbytes_per_s * 1e9 / self.bytes as f64)
     }
 
+    /// Dense values moved per second each way (a push and a pull of `n` values count `n`), for dense cases.
+    pub fn floats_per_s(&self) -> Option<f64> {
+        self.floats.map(|(n, _)| n as f64 * self.gaps.gbytes_per_s * 1e9 / self.bytes as f64)
+    }
+
     /// The JSON line.
     pub fn to_json(&self) -> String {
         serde_json::json!({
@@ -121,6 +129,8 @@ impl TransportResult {
             "bytes": self.bytes,
             "rows": self.rows,
             "rows_per_s": self.rows_per_s().map(|r| r.round()),
+            "wire_dtype": self.floats.map(|(_, d)| d.name()),
+            "floats_per_s": self.floats_per_s().map(|f| f.round()),
             "rounds": self.gaps.rounds,
             "ms_per_round": round3(self.ms_per_round(&self.gaps)),
             "tcp_tls_ms_per_round": round3(self.ms_per_round(&self.tcp_tls)),
@@ -186,29 +196,37 @@ pub async fn run(opts: &TransportOptions) -> Result<Vec<TransportResult>> {
     let shard_counts: &[u32] = if opts.quick { &[1] } else { &[1, 2] };
     let wanted = |case: &str| opts.only.as_deref().is_none_or(|o| case.contains(o));
     let mut out = Vec::new();
-    let mut cases: Vec<(String, u32, Option<u64>, u64)> = Vec::new();
+    let mut cases: Vec<(String, u32, Option<u64>, u64, WireDtype)> = Vec::new();
     for &n in sizes {
         for &shards in shard_counts {
-            cases.push((format!("push_pull_{shards}shard_{}", size_name(n)), shards, None, n));
+            cases.push((format!("push_pull_{shards}shard_{}", size_name(n)), shards, None, n, WireDtype::F32));
+        }
+    }
+    // The same bulk cases with bfloat16 on the wire (half the bytes per value).
+    for &n in sizes.iter().filter(|n| **n >= 1 << 16) {
+        for &shards in shard_counts {
+            let case = format!("push_pull_{shards}shard_{}_bf16", size_name(n));
+            cases.push((case, shards, None, n, WireDtype::Bf16));
         }
     }
     for &shards in shard_counts {
-        cases.push((format!("sparse_{shards}shard_{SPARSE_ROWS}x{SPARSE_DIM}"), shards, Some(SPARSE_ROWS), 0));
+        let case = format!("sparse_{shards}shard_{SPARSE_ROWS}x{SPARSE_DIM}");
+        cases.push((case, shards, Some(SPARSE_ROWS), 0, WireDtype::F32));
     }
-    for (case, shards, rows, n) in cases {
+    for (case, shards, rows, n, dtype) in cases {
         if !wanted(&case) {
             continue;
         }
         let bytes = match rows {
             Some(r) => 2 * 4 * r * u64::from(SPARSE_DIM),
-            None => 2 * 4 * n,
+            None => 2 * dtype.bytes() as u64 * n,
         };
         // Alternate gaps and its baselines so that a machine whose speed drifts moves both.
         let mut runs: Vec<[Measured; 5]> = Vec::new();
         for _ in 0..opts.repeats.max(1) {
             let gaps = match rows {
                 Some(_) => sparse_case(&certs, shards, opts).await?,
-                None => dense_case(&certs, shards, n, opts).await?,
+                None => dense_case(&certs, shards, n, dtype, opts).await?,
             };
             let [quinn, default, tcp, tls] = baselines_for(&certs, bytes / 2, opts).await?;
             runs.push([gaps, quinn, default, tcp, tls]);
@@ -219,6 +237,7 @@ pub async fn run(opts: &TransportOptions) -> Result<Vec<TransportResult>> {
             shards,
             bytes,
             rows,
+            floats: rows.is_none().then_some((n, dtype)),
             gaps: m(0),
             quinn: m(1),
             quinn_default: m(2),
@@ -302,14 +321,22 @@ async fn stop(client: Client, servers: Vec<RunningServer>) -> Result<()> {
     Ok(())
 }
 
-async fn dense_case(certs: &ClusterCerts, shards: u32, n: u64, opts: &TransportOptions) -> Result<Measured> {
-    let layout = Layout::new(vec![TensorSpec::new("bench", n)], 1 << 18)?;
+async fn dense_case(
+    certs: &ClusterCerts,
+    shards: u32,
+    n: u64,
+    dtype: WireDtype,
+    opts: &TransportOptions,
+) -> Result<Measured> {
+    let mut spec = TensorSpec::new("bench", n);
+    spec.wire_dtype = Some(dtype);
+    let layout = Layout::new(vec![spec], 1 << 18)?;
     let servers = start_shards(certs, shards, &layout).await?;
     let options = ClientOptions::new(&servers[0].advertise, certs.worker_material()?, Role::Worker, "bench");
     let client = Client::connect(options).await?;
     let grads = vec![1e-3f32; n as usize];
     let snapshot = std::cell::RefCell::new(Some(client.pull().await?));
-    let measured = measure(2 * 4 * n, opts.quick, opts.min_time, || async {
+    let measured = measure(2 * dtype.bytes() as u64 * n, opts.quick, opts.min_time, || async {
         let taken = snapshot.borrow_mut().take().context("no snapshot")?;
         // The worker's gradient, written into a buffer as a trainer's backward pass would write it (one pass
         // over the memory; the buffer is a recycled one, as a trainer's would be reused).
@@ -528,6 +555,12 @@ pub fn print(results: &[TransportResult], json: bool) {
         );
         if let Some(rows) = r.rows_per_s() {
             eprintln!("{:<22} {:.2} M rows/s (pull + push)", "", rows / 1e6);
+        } else if let (Some(f), Some((n, WireDtype::Bf16))) = (r.floats_per_s(), r.floats) {
+            // Against the f32 case of the same size and shards measured in this run.
+            let f32_case = results.iter().find(|o| o.shards == r.shards && o.floats == Some((n, WireDtype::F32)));
+            if let Some(base) = f32_case.and_then(|o| o.floats_per_s()) {
+                eprintln!("{:<22} {:.0} M floats/s each way, {:.2}x the f32 case", "", f / 1e6, f / base);
+            }
         } else if r.bytes < 1 << 20 {
             let (gaps, tls) = (r.ms_per_round(&r.gaps), r.ms_per_round(&r.tcp_tls));
             eprintln!("{:<22} {gaps:.3} ms per push+pull, {tls:.3} ms per TCP+TLS echo", "");

@@ -267,8 +267,19 @@ impl Layout {
     pub fn fingerprint(&self) -> u64 {
         let mut model = self.clone();
         model.tensors.iter_mut().for_each(|t| t.wire_dtype = None);
+        // (Kept in step with `same_model`.)
         let bytes = bincode::encode_to_vec(&model, bincode::config::standard()).unwrap_or_default();
         bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3))
+    }
+
+    /// True when `other` describes the same model: equal in everything but the tensors' wire formats.
+    pub fn same_model(&self, other: &Layout) -> bool {
+        let strip = |l: &Layout| {
+            let mut l = l.clone();
+            l.tensors.iter_mut().for_each(|t| t.wire_dtype = None);
+            l
+        };
+        self.tensors.len() == other.tensors.len() && strip(self) == strip(other)
     }
 
     /// Gives every tensor without a wire format of its own `default` (a shard's `--wire-dtype`).

@@ -232,6 +232,10 @@ lr = 0.1
         assert_eq!(resolved.wire_dtype(0), crate::dtype::WireDtype::F16);
         assert_eq!(resolved.wire_dtype(1), crate::dtype::WireDtype::Bf16, "the file's setting wins");
         assert_eq!(resolved.fingerprint(), layout.fingerprint(), "the wire format is not part of the model");
+        assert!(resolved.same_model(&layout) && resolved != layout);
+        let mut other = layout.clone();
+        other.tensors[0].shape = vec![13, 64];
+        assert!(!other.same_model(&layout));
         for format in [Format::Toml, Format::Json] {
             let text = write(&layout, format);
             assert_eq!(parse(&text, format).expect("written file parses"), layout, "{format:?}:\n{text}");

@@ -107,7 +107,7 @@ impl CtrShape {
             }
         };
         match shape.layout(layout.chunk_elems) {
-            Ok(expected) if expected == *layout => Ok(shape),
+            Ok(expected) if expected.same_model(layout) => Ok(shape),
             _ => Err(format!(
                 "this worker trains --model {}, but the cluster serves {}: start the worker with the model the shards' layout file describes",
                 model.name(),

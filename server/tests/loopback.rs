@@ -29,6 +29,18 @@ async fn start_shard_with(
     coordinator: Option<String>,
     rule: Rule,
 ) -> RunningServer {
+    start_shard_serving(certs, shard, num_shards, coordinator, rule, layout(), 0.1).await
+}
+
+async fn start_shard_serving(
+    certs: &ClusterCerts,
+    shard: u32,
+    num_shards: u32,
+    coordinator: Option<String>,
+    rule: Rule,
+    layout: Layout,
+    init_std: f32,
+) -> RunningServer {
     let cfg = ServiceConfig {
         coordinator,
         join_timeout: Duration::from_secs(10),
@@ -39,7 +51,7 @@ async fn start_shard_with(
             ShardConfig {
                 shard,
                 num_shards,
-                layout: layout(),
+                layout,
                 rule,
                 hyper: Hyper {
                     lr: LR,
@@ -47,7 +59,7 @@ async fn start_shard_with(
                     weight_decay: 0.0,
                     ..Hyper::default()
                 },
-                init: Init { seed: 5, std: 0.1 },
+                init: Init { seed: 5, std: init_std },
                 lease: Duration::from_secs(10),
                 advertise: String::new(),
                 epoch: 1234,
@@ -305,4 +317,87 @@ async fn rules_with_read_echo_look_ahead_or_worker_momentum_work_over_the_networ
         client.leave().await.expect("leave");
         shutdown(vec![s0, s1]).await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixteen_bit_tensors_travel_rounded_while_the_shard_keeps_f32() {
+    use gaps_common::dtype::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, WireDtype};
+    let certs = ClusterCerts::generate(&[]).expect("certs");
+    let mut l = layout();
+    l.tensors[0].wire_dtype = Some(WireDtype::Bf16);
+    l.tensors[1].wire_dtype = Some(WireDtype::F16);
+    // Parameters start at zero so the expected values are known exactly.
+    let server = start_shard_serving(&certs, 0, 1, None, Rule::Sgd, l, 0.0).await;
+    let client = Client::connect(options(&certs, &server.advertise, Role::Worker)).await.expect("connect");
+    let round: [fn(f32) -> f32; 2] = [|x| bf16_to_f32(f32_to_bf16(x)), |x| f16_to_f32(f32_to_f16(x))];
+    // Gradients with more precision than 16 bits carry.
+    let grad = |seed: u32| -> Vec<Vec<f32>> {
+        gradient(seed).into_iter().map(|t| t.into_iter().map(|g| g * 1.001_234_5 + 1e-4).collect()).collect()
+    };
+    let s0 = client.pull().await.expect("pull");
+    assert!(s0.tensors.iter().flatten().all(|v| *v == 0.0));
+    let (g1, g2) = (grad(1), grad(2));
+    client.push(g1.clone(), &s0).await.expect("push");
+    let s1 = client.pull().await.expect("pull");
+    client.push(g2.clone(), &s1).await.expect("push");
+    let s2 = client.pull().await.expect("pull");
+    let mut rounded_somewhere = false;
+    for t in 0..2 {
+        for i in 0..g1[t].len() {
+            // The shard applied the rounded gradients to f32 state; a pull rounds the state once.
+            let state1 = -LR * round[t](g1[t][i]);
+            let state2 = state1 - LR * round[t](g2[t][i]);
+            assert_eq!(s1.tensors[t][i], round[t](state1), "tensor {t} element {i} after one push");
+            assert_eq!(s2.tensors[t][i], round[t](state2), "tensor {t} element {i} after two pushes");
+            rounded_somewhere |= round[t](g1[t][i]) != g1[t][i] || round[t](state2) != state2;
+        }
+    }
+    assert!(rounded_somewhere, "the test's values must exercise rounding");
+
+    // Bad 16-bit payloads over the network: a NaN pattern and a truncated value are refused.
+    let tls = certs.worker_material().expect("tls");
+    let endpoint = net::client_endpoint(&tls, server.addr).expect("endpoint");
+    let conn = net::connect(&endpoint, server.addr, Duration::from_secs(3)).await.expect("connect");
+    let worker = client.worker_id().expect("id");
+    let (_, token) = client.credential().expect("credential");
+    let auth = Message::Authenticate(gaps_common::wire::Authenticate { worker, token });
+    net::call(&conn, &auth, &[], &Limits::default(), Duration::from_secs(3)).await.expect("authenticate");
+    let ids: Vec<ChunkId> = layout().chunks().collect();
+    let l = layout();
+    let chunks: Vec<PushChunk> = ids
+        .iter()
+        .map(|id| PushChunk {
+            id: *id,
+            read_version: 2,
+            len: l.chunk_len(*id).expect("len") as u32,
+            echo: false,
+            dtype: WireDtype::Bf16,
+        })
+        .collect();
+    let msg = Message::Push(Push { epoch: client.map().epoch, worker, seq: 3, chunks, compute_ms: 0 });
+    let total = l.total_elems() as usize;
+    let frame = |pattern: u16, halves: usize, extra: usize| {
+        let mut bytes = wire::encode_header(&msg, total).expect("header");
+        bytes.extend((0..halves).flat_map(|i| if i == 7 { pattern } else { 0x3e80 }.to_le_bytes()));
+        bytes.extend(std::iter::repeat_n(0u8, extra));
+        bytes
+    };
+    let expect = |reply: Message, code: ErrorCode, what: &str| match reply {
+        Message::Error(e) => assert_eq!(e.code, code, "{what}: {}", e.message),
+        other => panic!("{what}: expected an error, got {other:?}"),
+    };
+    expect(raw_request(&conn, &frame(0x7fc0, total, 0)).await, ErrorCode::NonFinite, "bf16 NaN");
+    expect(raw_request(&conn, &frame(0x7f80, total, 0)).await, ErrorCode::NonFinite, "bf16 infinity");
+    expect(raw_request(&conn, &frame(0x3e80, total - 1, 1)).await, ErrorCode::Malformed, "half a value short");
+    expect(raw_request(&conn, &frame(0x3e80, total, 1)).await, ErrorCode::Malformed, "a byte too many");
+    // The same push, well formed, applies: 0x3e80 is 0.25 in bfloat16.
+    match raw_request(&conn, &frame(0x3e80, total, 0)).await {
+        Message::Ack(a) => assert!(!a.duplicate),
+        other => panic!("expected an ack, got {other:?}"),
+    }
+    let s3 = client.pull().await.expect("pull");
+    assert_eq!(s3.tensors[0][0], round[0](-LR * round[0](g1[0][0]) - LR * round[0](g2[0][0]) - LR * 0.25));
+    conn.close(0u32.into(), b"done");
+    client.leave().await.expect("leave");
+    server.shutdown().await.expect("shutdown");
 }

@@ -26,7 +26,10 @@ impl ShardCore {
 
     /// Adopts the coordinator's answer to [`ShardCore::join_request`].
     pub fn joined(&mut self, map: &ClusterMap) -> Result<(), ShardError> {
-        if map.num_shards != self.cfg.num_shards || map.layout != self.cfg.layout || map.rule != self.rule_info() {
+        if map.num_shards != self.cfg.num_shards
+            || !map.layout.same_model(&self.cfg.layout)
+            || map.rule != self.rule_info()
+        {
             return Err(ShardError::Misconfigured(
                 "the coordinator's cluster map disagrees with this shard's configuration".into(),
             ));
