@@ -522,12 +522,42 @@ pub fn f32_bytes_copied(values: &[f32]) -> Bytes {
 }
 
 /// `values` encoded as `dtype` for the wire: f32 without a copy ([`f32_bytes`]), 16-bit formats
-/// converted (SIMD) into a new buffer.
+/// converted (SIMD) into a new buffer ([`encode_slice`]).
 pub fn dtype_bytes<T: AsRef<[f32]> + Send + 'static>(dtype: gaps_common::dtype::WireDtype, values: T) -> Bytes {
     match dtype {
         gaps_common::dtype::WireDtype::F32 => f32_bytes(values),
-        other => Bytes::from(gaps_common::dtype::encode_bulk(other, values.as_ref())),
+        other => encode_slice(other, values.as_ref()),
     }
+}
+
+/// 16-bit values held in an f32 buffer from the recycler (so that very large ones are reused rather than
+/// faulted in afresh each round), seen as their first `bytes` bytes.
+struct HalfOwner {
+    buf: gaps_common::buffers::Recycled,
+    bytes: usize,
+}
+
+impl AsRef<[u8]> for HalfOwner {
+    fn as_ref(&self) -> &[u8] {
+        &bytemuck::cast_slice::<f32, u8>(&self.buf.0)[..self.bytes]
+    }
+}
+
+/// A copy of `values` in `dtype`'s wire bytes, in one conversion pass (16-bit formats into a recycled
+/// buffer; f32 copied).
+pub fn encode_slice(dtype: gaps_common::dtype::WireDtype, values: &[f32]) -> Bytes {
+    if dtype == gaps_common::dtype::WireDtype::F32 {
+        return f32_bytes_copied(values);
+    }
+    let n = values.len();
+    let mut buf = gaps_common::buffers::take(n.div_ceil(2));
+    buf.resize(n.div_ceil(2), 0.0);
+    let halves: &mut [u16] = &mut bytemuck::cast_slice_mut::<f32, u16>(&mut buf)[..n];
+    gaps_common::dtype::encode_u16(dtype, values, halves);
+    if cfg!(target_endian = "big") {
+        halves.iter_mut().for_each(|h| *h = h.to_le());
+    }
+    Bytes::from_owner(HalfOwner { buf: gaps_common::buffers::Recycled(buf), bytes: 2 * n })
 }
 
 /// The payload parts of a frame whose values are `values`, in the formats `msg`'s sections declare: the
@@ -542,7 +572,20 @@ pub fn payload_parts(msg: &Message, values: Vec<f32>) -> Result<Vec<Bytes>, Wire
         }
         return Ok(vec![f32_bytes(gaps_common::buffers::Recycled(values))]);
     }
-    let parts = wire::encode_payload(msg, &values)?.into_iter().map(|p| Bytes::from(p.into_owned())).collect();
+    let declared: u64 = sections.iter().map(|(n, _)| n).sum();
+    if declared != values.len() as u64 {
+        return Err(WireError::ElementCountMismatch { expected: declared, got: values.len() as u64 });
+    }
+    // Runs of sections in one format become one part each.
+    let mut parts = Vec::new();
+    let (mut start, mut at) = (0usize, 0usize);
+    for (i, (n, dtype)) in sections.iter().enumerate() {
+        at += *n as usize;
+        if sections.get(i + 1).is_none_or(|next| next.1 != *dtype) {
+            parts.push(encode_slice(*dtype, &values[start..at]));
+            start = at;
+        }
+    }
     gaps_common::buffers::give(values);
     Ok(parts)
 }
