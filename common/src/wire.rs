@@ -748,7 +748,14 @@ impl PayloadDecoder {
         while !bytes.is_empty() {
             while self.left == 0 {
                 self.section += 1;
-                self.left = self.sections[self.section].0;
+                match self.sections.get(self.section) {
+                    Some(section) => self.left = section.0,
+                    // Only a byte count that disagrees with the sections (it saturated) gets here.
+                    None => {
+                        self.bytes_left = 0;
+                        return;
+                    }
+                }
             }
             let dtype = self.sections[self.section].1;
             let width = dtype.bytes();
