@@ -1,5 +1,8 @@
 //! `gaps bench e2e`: end-to-end training throughput of the DLRM-style model through `gaps local` (real
-//! shard and worker processes on loopback, mutual TLS) for several cluster shapes.
+//! shard and worker processes on loopback, mutual TLS) for several cluster shapes, each as a ratio to a
+//! single-process baseline measured in the same run: the workers' own DLRM code (batches, id dedup,
+//! forward/backward) and the shards' own update rules and embedding table, called directly in one thread
+//! with no parameter server.
 
 use crate::local::{run_with, LocalArgs};
 use anyhow::{Context, Result};
@@ -23,6 +26,8 @@ pub struct E2eResult {
     pub samples_per_s: f64,
     /// Held-out AUC at the end.
     pub auc: f64,
+    /// Samples per second as a ratio to the single-process baseline of the same run.
+    pub ratio: f64,
 }
 
 impl E2eResult {
@@ -34,29 +39,159 @@ impl E2eResult {
             "workers": self.workers,
             "samples_per_s": self.samples_per_s.round(),
             "auc": (self.auc * 10_000.0).round() / 10_000.0,
+            "ratio": (self.ratio * 1000.0).round() / 1000.0,
         })
         .to_string()
     }
 }
 
-/// Runs DLRM on synthetic data for each (servers, workers) shape with `steps` steps per worker.
-pub async fn run(exe: &Path, shapes: &[(u32, u32)], steps: u64) -> Result<Vec<E2eResult>> {
+/// The single-process baseline's result.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BaselineResult {
+    /// Samples trained.
+    pub samples: u64,
+    /// Training samples per second (the training loop only; evaluation excluded).
+    pub samples_per_s: f64,
+    /// Held-out AUC at the end (the same held-out samples as the clusters').
+    pub auc: f64,
+    /// Held-out log-loss at the end.
+    pub logloss: f64,
+}
+
+impl BaselineResult {
+    /// The JSON line.
+    pub fn to_json(&self) -> String {
+        serde_json::json!({
+            "case": "dlrm_single_process",
+            "samples": self.samples,
+            "samples_per_s": self.samples_per_s.round(),
+            "auc": (self.auc * 10_000.0).round() / 10_000.0,
+            "logloss": (self.logloss * 10_000.0).round() / 10_000.0,
+        })
+        .to_string()
+    }
+}
+
+/// The flags `gaps local` gets for the DLRM runs of this bench.
+fn local_args(servers: u32, workers: u32, steps: u64) -> Result<LocalArgs> {
+    let argv = ["local", "--model", "dlrm", "--data", "synthetic"]
+        .iter()
+        .map(|s| s.to_string())
+        .chain([
+            format!("--servers={servers}"),
+            format!("--workers={workers}"),
+            format!("--steps={steps}"),
+            format!("--eval-samples={EVAL_SAMPLES}"),
+        ])
+        .collect::<Vec<_>>();
+    Ok(Wrapper::try_parse_from(&argv).context("building the local-cluster flags")?.args)
+}
+
+/// Held-out samples of every run.
+const EVAL_SAMPLES: u32 = 4096;
+
+/// Trains DLRM as a `gaps local` run with `args` would, on `steps` batches of worker 0's data stream, in
+/// this thread: the model starts from the shards' initial values, dense tensors are updated with the
+/// cluster's dense rule and η, embedding rows live in the shards' table type with the sparse rule, η and
+/// initializer. Nothing crosses a socket, nothing is serialized, nothing waits.
+pub fn single_process(args: &LocalArgs, steps: u64) -> Result<BaselineResult> {
+    use gaps_kernels::{Bufs, PushScalars};
+    use gaps_models::criteo::{held_out, DataSpec, TrainingStream};
+    use gaps_models::recsys::{forward, index_batch, sigmoid, CtrShape};
+    use gaps_shard::sparse::{Eviction, SparseTable, TableConfig};
+
+    let model = args.model.ctr().context("the baseline trains a CTR model")?;
+    let shape = CtrShape { model, embedding_dim: args.embedding_dim, hidden: args.hidden };
+    let layout = shape.layout(args.chunk_elems())?;
+    let init = gaps_shard::core::Init { seed: args.seed, std: args.init_std() };
+    let mut dense = init.tensors(&layout)?;
+    let (rule, hyper) = (args.rule(), args.hyper.hyper(args.lr())?);
+    let planes = rule.layout();
+    anyhow::ensure!(
+        planes.worker_planes == 0 && !planes.needs_read && !planes.lookahead && !planes.worker_momentum,
+        "the single-process baseline runs rules without per-worker state or read echo, not {rule}"
+    );
+    let mut state: Vec<Vec<f32>> = dense.iter().map(|t| vec![0.0; t.len() * planes.shared_planes]).collect();
+    let sparse = args.tables.settings(&hyper)?;
+    let mut table = SparseTable::new(TableConfig {
+        table: 0,
+        dim: shape.row_dim() as u32,
+        rule: sparse.rule,
+        init_std: sparse.init_std,
+        seed: args.seed,
+        admit_after: sparse.admit_after,
+        memory_budget: None,
+        eviction: Eviction::Lru,
+    })?;
+    let sparse_needs_read = sparse.rule.layout().needs_read;
+    let spec = DataSpec::Synthetic { seed: args.seed };
+    let mut stream = TrainingStream::new(&spec, 0, 1).map_err(anyhow::Error::msg)?;
+    let batch = args.batch() as usize;
+    let (mut values, mut versions, mut logits) = (Vec::new(), Vec::new(), Vec::new());
+    let mut grads: Vec<Vec<f32>> = dense.iter().map(|t| vec![0.0; t.len()]).collect();
+    let mut row_grads = Vec::new();
+    let started = std::time::Instant::now();
+    let mut samples_done = 0u64;
+    for step in 0..steps {
+        let samples = stream.next_batch(batch).map_err(anyhow::Error::msg)?;
+        let indexed = index_batch(&samples);
+        values.clear();
+        versions.clear();
+        table.pull(&indexed.ids, 0, &mut values, &mut versions);
+        grads.iter_mut().for_each(|g| g.iter_mut().for_each(|v| *v = 0.0));
+        row_grads.clear();
+        row_grads.resize(values.len(), 0.0);
+        forward(&shape, &dense, &values, &indexed, &samples, &mut logits, Some((&mut grads, &mut row_grads)));
+        for ((params, st), grad) in dense.iter_mut().zip(&mut state).zip(&grads) {
+            let n = params.len();
+            let (s0, s1) = st.split_at_mut(if planes.shared_planes >= 1 { n } else { 0 });
+            let bufs = Bufs { params, s0, s1, w0: &mut [], grad, read: &[] };
+            let scalars = PushScalars { lr: hyper.lr, lr_max: hyper.lr, staleness: 0, t: step + 1 };
+            gaps_kernels::apply(rule, &hyper, &scalars, bufs)?;
+        }
+        let reads: &[f32] = if sparse_needs_read { &values } else { &[] };
+        table.push(&indexed.ids, &versions, &row_grads, reads, &sparse.hyper, sparse.hyper.lr, sparse.hyper.lr, 0)?;
+        samples_done += samples.len() as u64;
+    }
+    let samples_per_s = samples_done as f64 / started.elapsed().as_secs_f64().max(1e-9);
+    let held = held_out(&spec, args.eval_samples as usize).map_err(anyhow::Error::msg)?;
+    let (mut scores, mut loss) = (Vec::with_capacity(held.samples.len()), 0.0f64);
+    for part in held.samples.chunks(4096) {
+        let indexed = index_batch(part);
+        values.clear();
+        versions.clear();
+        table.peek(&indexed.ids, &mut values, &mut versions);
+        loss += f64::from(forward(&shape, &dense, &values, &indexed, part, &mut logits, None));
+        scores.extend(logits.iter().map(|z| sigmoid(*z)));
+    }
+    let labels: Vec<u8> = held.samples.iter().map(|s| s.label).collect();
+    Ok(BaselineResult {
+        samples: samples_done,
+        samples_per_s,
+        auc: gaps_models::criteo::auc(&scores, &labels),
+        logloss: loss / held.samples.len().max(1) as f64,
+    })
+}
+
+/// Runs the single-process baseline (`steps` batches), then DLRM on synthetic data for each (servers,
+/// workers) shape with `steps` steps per worker, each reported as a ratio to the baseline.
+pub async fn run(exe: &Path, shapes: &[(u32, u32)], steps: u64) -> Result<(BaselineResult, Vec<E2eResult>)> {
+    let base_args = local_args(1, 1, steps)?;
+    let baseline = tokio::task::spawn_blocking(move || single_process(&base_args, steps))
+        .await
+        .context("the single-process baseline panicked")??;
     let mut out = Vec::new();
     for (servers, workers) in shapes {
-        let argv = ["local", "--model", "dlrm", "--data", "synthetic"]
-            .iter()
-            .map(|s| s.to_string())
-            .chain([
-                format!("--servers={servers}"),
-                format!("--workers={workers}"),
-                format!("--steps={steps}"),
-                "--eval-samples=4096".into(),
-            ])
-            .collect::<Vec<_>>();
-        let args = Wrapper::try_parse_from(&argv).context("building the local-cluster flags")?.args;
+        let args = local_args(*servers, *workers, steps)?;
         let report = run_with(&args, exe).await?;
         let ctr = report.ctr.context("a CTR run reports samples per second")?;
-        out.push(E2eResult { servers: *servers, workers: *workers, samples_per_s: ctr.samples_per_s, auc: ctr.auc });
+        out.push(E2eResult {
+            servers: *servers,
+            workers: *workers,
+            samples_per_s: ctr.samples_per_s,
+            auc: ctr.auc,
+            ratio: ctr.samples_per_s / baseline.samples_per_s.max(1e-9),
+        });
     }
-    Ok(out)
+    Ok((baseline, out))
 }

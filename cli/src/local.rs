@@ -244,20 +244,33 @@ impl LocalArgs {
     fn ctr(&self) -> bool {
         self.model.ctr().is_some()
     }
-    fn chunk_elems(&self) -> u32 {
+    /// Elements per chunk (the CTR models default to 4096).
+    pub fn chunk_elems(&self) -> u32 {
         self.chunk_elems.unwrap_or(if self.ctr() { 4096 } else { 64 })
     }
-    fn steps(&self) -> u64 {
+    /// Steps per worker.
+    pub fn steps(&self) -> u64 {
         self.steps.unwrap_or(if self.ctr() { 300 } else { 150 })
     }
-    fn batch(&self) -> u32 {
+    /// Samples per step and worker.
+    pub fn batch(&self) -> u32 {
         self.batch.unwrap_or(if self.ctr() { 256 } else { 64 })
     }
-    fn rule(&self) -> Rule {
+    /// The dense rule.
+    pub fn rule(&self) -> Rule {
         self.rule.unwrap_or(if self.ctr() { Rule::Adagrad } else { Rule::Momentum })
     }
-    fn lr(&self) -> f32 {
+    /// The dense learning rate.
+    pub fn lr(&self) -> f32 {
         self.lr.unwrap_or(if self.ctr() { 0.02 } else { 0.1 })
+    }
+    /// Standard deviation of the dense initializer (zeros for logreg).
+    pub fn init_std(&self) -> f32 {
+        if self.ctr() {
+            0.05
+        } else {
+            0.0
+        }
     }
 }
 
@@ -485,7 +498,7 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             format!("--layout={}", path("layout.toml")),
             format!("--rule={}", args.rule()),
             format!("--lr={}", args.lr()),
-            format!("--init-std={}", if args.ctr() { 0.05 } else { 0.0 }),
+            format!("--init-std={}", args.init_std()),
             format!("--device={}", args.device),
             format!("--wire-dtype={}", args.wire_dtype),
             format!("--seed={}", args.seed),

@@ -359,10 +359,13 @@ async fn main() -> Result<()> {
         }
         Command::Bench(BenchCommand::E2e { steps }) => {
             let exe = std::env::current_exe().context("locating the gaps executable")?;
-            let results = gaps_cli::e2e::run(&exe, &[(1, 1), (2, 2), (2, 4)], steps).await?;
-            eprintln!("{:<10} {:>14} {:>8}", "cluster", "samples/s", "AUC");
+            let (base, results) = gaps_cli::e2e::run(&exe, &[(1, 1), (2, 2), (2, 4)], steps).await?;
+            eprintln!("{:<16} {:>12} {:>8} {:>14}", "cluster", "samples/s", "AUC", "÷ 1 process");
+            eprintln!("{:<16} {:>12.0} {:>8.4} {:>14}", "single process", base.samples_per_s, base.auc, "1.00");
+            println!("{}", base.to_json());
             for r in &results {
-                eprintln!("{:<10} {:>14.0} {:>8.4}", format!("{}x{}", r.servers, r.workers), r.samples_per_s, r.auc);
+                let name = format!("{}x{}", r.servers, r.workers);
+                eprintln!("{name:<16} {:>12.0} {:>8.4} {:>14.2}", r.samples_per_s, r.auc, r.ratio);
                 println!("{}", r.to_json());
             }
         }

@@ -42,6 +42,29 @@ pub struct Init {
     pub std: f32,
 }
 
+impl Init {
+    /// The initial values of the chunk with global index `global` (chunks numbered over all tensors in
+    /// layout order), `len` elements.
+    pub fn chunk(&self, global: u64, len: usize) -> Vec<f32> {
+        if self.std == 0.0 {
+            return vec![0.0; len];
+        }
+        let mut rng = Rng::new(mix(self.seed, global));
+        (0..len).map(|_| (rng.normal() * f64::from(self.std)) as f32).collect()
+    }
+
+    /// The initial values of every dense tensor of `layout`, as the shards that hold it start them (a
+    /// single-process trainer starting where a cluster starts).
+    pub fn tensors(&self, layout: &Layout) -> Result<Vec<Vec<f32>>, gaps_common::layout::LayoutError> {
+        let mut out: Vec<Vec<f32>> = layout.tensors.iter().map(|t| Vec::with_capacity(t.len as usize)).collect();
+        for (global, id) in layout.chunks().enumerate() {
+            let len = layout.chunk_range(id)?.len();
+            out[id.tensor as usize].extend(self.chunk(global as u64, len));
+        }
+        Ok(out)
+    }
+}
+
 /// How the shard keeps its sparse embedding tables.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SparseSettings {
@@ -360,12 +383,7 @@ impl ShardCore {
         for id in cfg.layout.chunks_of_shard(cfg.shard, cfg.num_shards) {
             let range = cfg.layout.chunk_range(id).map_err(|e| ShardError::Misconfigured(e.to_string()))?;
             let global = chunk_base[id.tensor as usize] + u64::from(id.chunk);
-            let params = if cfg.init.std == 0.0 {
-                vec![0.0; range.len()]
-            } else {
-                let mut rng = Rng::new(mix(cfg.init.seed, global));
-                (0..range.len()).map(|_| (rng.normal() * f64::from(cfg.init.std)) as f32).collect()
-            };
+            let params = cfg.init.chunk(global, range.len());
             slots.push(ChunkSlot {
                 tensor: id.tensor,
                 shared: vec![0.0; params.len() * tensor_rules[id.tensor as usize].0.layout().shared_planes],
