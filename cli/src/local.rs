@@ -21,7 +21,7 @@ use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
+use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
 /// Flags of `gaps local`. Every flag also reads a `GAPS_*` environment variable.
@@ -382,7 +382,26 @@ pub(crate) fn spawn(exe: &Path, name: &str, args: &[String], dir: &Path) -> Resu
     Ok(Proc { name: name.to_string(), child, log })
 }
 
-/// Reads the `{"event":"listening",…}` line of a server and returns its address.
+/// Reads a worker's stdout while it runs, so that its per-step ledger never fills the pipe and stalls it, and
+/// keeps only what the report needs: the last ledger line (`"pushes"`) and the summary (`worker_done`), in
+/// the order printed. Memory stays bounded however long the run.
+fn drain_worker_output(p: &mut Proc) -> tokio::task::JoinHandle<std::io::Result<String>> {
+    let stdout = p.child.stdout.take();
+    tokio::spawn(async move {
+        let Some(stdout) = stdout else { return Ok(String::new()) };
+        let mut lines = BufReader::new(stdout).lines();
+        let (mut ledger, mut done) = (None, None);
+        while let Some(line) = lines.next_line().await? {
+            if line.contains("worker_done") {
+                done = Some(line);
+            } else if line.contains("\"pushes\"") {
+                ledger = Some(line);
+            }
+        }
+        Ok(ledger.into_iter().chain(done).collect::<Vec<_>>().join("\n"))
+    })
+}
+
 /// Reads a server's `listening` line: its address and the version it restored, if it restored.
 pub(crate) async fn listening_addr(p: &mut Proc, timeout: Duration) -> Result<(String, Option<u64>)> {
     let stdout = p.child.stdout.take().context("server stdout")?;
@@ -596,8 +615,10 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             }
             a
         };
+        let mut readers = Vec::new();
         for w in 0..args.workers {
             workers.push(spawn_role(exe, args.worker_bin.as_deref(), &format!("worker-{w}"), &worker_args(w), dir)?);
+            readers.extend(workers.last_mut().map(drain_worker_output));
         }
         let shards_with_chunks = args.servers.min(observer.layout().total_chunks() as u32);
         // A CTR step also pushes embedding rows to every shard (rows spread over all of them).
@@ -664,6 +685,7 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
                     &worker_args(w),
                     dir,
                 )?);
+                readers.extend(workers.last_mut().map(drain_worker_output));
             }
             adds.retain(|t| *t > since);
             outputs.resize(workers.len(), None);
@@ -672,14 +694,11 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
                     continue;
                 }
                 if let Some(status) = p.child.try_wait().with_context(|| format!("waiting for {}", p.name))? {
-                    let mut text = String::new();
                     if !status.success() && !killed.contains(&i) {
                         bail!("{} failed ({status}); its log ends with:\n{}", p.name, p.log_tail());
                     }
-                    if let Some(mut stdout) = p.child.stdout.take() {
-                        stdout.read_to_string(&mut text).await.context("reading worker output")?;
-                    }
-                    outputs[i] = Some(text);
+                    let text = (&mut readers[i]).await.context("worker output reader")?;
+                    outputs[i] = Some(text.with_context(|| format!("reading {}'s output", p.name))?);
                 }
             }
             if outputs.iter().all(Option::is_some)

@@ -75,6 +75,30 @@ fn run_local(args: &[&str]) -> serde_json::Value {
     serde_json::from_str(stdout.lines().last().expect("a JSON line")).expect("valid JSON")
 }
 
+/// Each worker prints one ledger line per step; `gaps local` must read them while the run goes on. Before it
+/// did, a run of more than about 500 steps filled the 64 KiB pipe and every worker stalled in `write` forever.
+#[test]
+fn a_long_run_whose_ledger_outgrows_a_pipe_finishes() {
+    let steps = 3000;
+    let v = run_local(&[
+        "local",
+        "--servers",
+        "1",
+        "--workers",
+        "2",
+        "--dim",
+        "8",
+        "--steps",
+        "3000",
+        "--json",
+        "--timeout",
+        "90s",
+    ]);
+    assert_eq!(v["steps"], 2 * steps, "{v}");
+    assert_eq!(v["pushes_applied"], 2 * steps, "{v}");
+    assert_eq!(v["pushes_lost"], 0, "{v}");
+}
+
 #[test]
 fn dlrm_on_synthetic_data_reaches_the_teachers_auc_within_002() {
     let v = run_local(&[
