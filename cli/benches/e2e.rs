@@ -4,7 +4,7 @@
 fn main() -> anyhow::Result<()> {
     let quick = std::env::args().any(|a| a == "--test");
     let exe = std::path::Path::new(env!("CARGO_BIN_EXE_gaps"));
-    let (shapes, steps): (&[(u32, u32)], u64) = if quick { (&[(1, 1)], 5) } else { (&[(1, 1), (2, 2), (2, 4)], 300) };
+    let (shapes, steps): (&[(u32, u32)], u64) = if quick { (&[(1, 1)], 5) } else { (&[(1, 1), (2, 2), (2, 4)], 1200) };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let (base, clusters) = runtime.block_on(gaps_cli::e2e::run(exe, shapes, steps))?;
     println!("{}", base.to_json());

@@ -132,7 +132,7 @@ enum BenchCommand {
     /// DLRM training samples per second through local clusters of 1×1, 2×2 and 2×4 shards × workers.
     E2e {
         /// Steps per worker.
-        #[arg(long, env = "GAPS_BENCH_STEPS", default_value_t = 300)]
+        #[arg(long, env = "GAPS_BENCH_STEPS", default_value_t = 1200)]
         steps: u64,
     },
     /// Checkpoint of one shard: snapshot pause, file write, read and restore times.

@@ -273,9 +273,16 @@ async fn run_ctr(
     let started = Instant::now();
     let mut losses = Vec::with_capacity(args.steps as usize);
     let mut logits = Vec::new();
-    for step in 0..args.steps {
+    // The next batch is read and indexed while this step's pushes are on the wire: it needs no parameters, so
+    // the worker's thread does it in the round trip it would otherwise spend waiting (same order, same data).
+    let prepare = |stream: &mut crate::criteo::TrainingStream| -> Result<_> {
         let samples = stream.next_batch(args.batch as usize).map_err(anyhow::Error::msg)?;
         let batch = index_batch(&samples);
+        Ok((samples, batch))
+    };
+    let mut next = if args.steps > 0 { Some(prepare(&mut stream)?) } else { None };
+    for step in 0..args.steps {
+        let (samples, batch) = next.take().context("a prepared batch")?;
         let (dense, rows) = tokio::join!(client.pull(), client.pull_sparse(0, &batch.ids, true));
         let (dense, rows) = (dense.context("pulling dense parameters")?, rows.context("pulling embedding rows")?);
         let mut dense_grads: Vec<Vec<f32>> = dense.tensors.iter().map(|t| vec![0.0; t.len()]).collect();
@@ -290,9 +297,15 @@ async fn run_ctr(
             Some((&mut dense_grads, &mut row_grads)),
         );
         losses.push(loss / samples.len().max(1) as f32);
-        let (a, b) = tokio::join!(client.push(dense_grads, &dense), client.push_sparse(0, &rows, &row_grads));
+        // `join!` polls in order: both pushes hand their requests to the connection tasks before the next
+        // batch is prepared on this thread.
+        let (a, b, prepared) =
+            tokio::join!(client.push(dense_grads, &dense), client.push_sparse(0, &rows, &row_grads), async {
+                (step + 1 < args.steps).then(|| prepare(&mut stream))
+            });
         a.with_context(|| format!("pushing dense gradients of step {step}"))?;
         b.with_context(|| format!("pushing embedding gradients of step {step}"))?;
+        next = prepared.transpose()?;
         ledger_line(args, &client, step + 1);
         if args.steps >= 10 && (step + 1) % (args.steps / 10) == 0 {
             info!(worker, step = step + 1, loss = losses[losses.len() - 1], "progress");
