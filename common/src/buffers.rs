@@ -45,6 +45,23 @@ pub fn zeroed(len: usize) -> Vec<f32> {
     }
 }
 
+/// `len` values that the caller overwrites in full before reading any: a kept buffer as it is (its old
+/// values, resized to `len`, zero-filling only what it did not hold), else `vec![0.0; len]`. This is
+/// [`zeroed`] without the memset of a reused buffer, for destinations such as a pull's snapshot, where every
+/// element is written by a reply before the buffer is handed out.
+pub fn take_filled(len: usize) -> Vec<f32> {
+    if len * 4 >= MIN_RECYCLED_BYTES {
+        if let Ok(mut kept) = KEPT.lock() {
+            if let Some(i) = kept.iter().position(|b| b.capacity() >= len && b.capacity() <= len.saturating_mul(2)) {
+                let mut buf = kept.swap_remove(i);
+                buf.resize(len, 0.0);
+                return buf;
+            }
+        }
+    }
+    vec![0.0; len]
+}
+
 /// Hands a buffer back for [`take`] to reuse (dropped when it is small or the recycler is full).
 pub fn give(buf: Vec<f32>) {
     let bytes = buf.capacity() * 4;

@@ -286,8 +286,47 @@ mod simd {
     }
 }
 
+/// The index of the first value that is NaN or infinite, if any. Every received gradient and parameter goes
+/// through this check, so it is written to vectorize: blocks are scanned without an early exit (the largest
+/// `|bits|` of a block; NaN and ±∞ are exactly the magnitudes at or above the infinity pattern), and only a
+/// block that holds a bad value is searched element by element.
+pub fn first_non_finite(values: &[f32]) -> Option<usize> {
+    const BLOCK: usize = 512;
+    const INF: u32 = 0x7f80_0000;
+    for (b, block) in values.chunks(BLOCK).enumerate() {
+        let largest = block.iter().fold(0u32, |m, v| m.max(v.to_bits() & 0x7fff_ffff));
+        if largest >= INF {
+            return block.iter().position(|v| !v.is_finite()).map(|i| b * BLOCK + i);
+        }
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn first_non_finite_agrees_with_a_plain_scan_at_every_position() {
+        use super::first_non_finite;
+        let bad =
+            [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, f32::from_bits(0xffc0_0001), f32::from_bits(0x7f80_0001)];
+        assert_eq!(first_non_finite(&[]), None);
+        let clean: Vec<f32> =
+            (0..1500).map(|i| (i as f32 - 700.0) * 1e30 * if i % 3 == 0 { -1.0 } else { 1.0 }).collect();
+        let clean: Vec<f32> = clean.iter().map(|v| if v.is_finite() { *v } else { f32::MAX }).collect();
+        assert_eq!(first_non_finite(&clean), None);
+        assert_eq!(first_non_finite(&[f32::MAX, -f32::MAX, f32::MIN_POSITIVE, 0.0, -0.0]), None);
+        for pos in [0, 1, 511, 512, 513, 1023, 1499] {
+            for b in bad {
+                let mut v = clean.clone();
+                v[pos] = b;
+                if pos + 7 < v.len() {
+                    v[pos + 7] = f32::NAN;
+                }
+                assert_eq!(first_non_finite(&v), Some(pos), "{b} at {pos}");
+            }
+        }
+    }
+
     use super::*;
 
     /// Every finite half value as f64, ascending, from the definition (sign, exponent, fraction).

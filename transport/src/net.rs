@@ -550,8 +550,8 @@ pub fn encode_slice(dtype: gaps_common::dtype::WireDtype, values: &[f32]) -> Byt
         return f32_bytes_copied(values);
     }
     let n = values.len();
-    let mut buf = gaps_common::buffers::take(n.div_ceil(2));
-    buf.resize(n.div_ceil(2), 0.0);
+    // Every 16-bit value is written by the encoder: a reused buffer needs no zero-fill.
+    let mut buf = gaps_common::buffers::take_filled(n.div_ceil(2));
     let halves: &mut [u16] = &mut bytemuck::cast_slice_mut::<f32, u16>(&mut buf)[..n];
     gaps_common::dtype::encode_u16(dtype, values, halves);
     if cfg!(target_endian = "big") {

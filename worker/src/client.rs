@@ -86,7 +86,7 @@ pub enum ClientError {
 
 /// The first non-finite value of `values`, as an error naming `what` and its position.
 fn check_finite(what: &str, values: &[f32]) -> Result<(), ClientError> {
-    match values.iter().position(|v| !v.is_finite()) {
+    match gaps_common::dtype::first_non_finite(values) {
         Some(i) => Err(ClientError::NonFinite(format!("{what} holds {} at element {i}", values[i]))),
         None => Ok(()),
     }
@@ -593,10 +593,9 @@ impl Client {
         let chunk_elems = layout.chunk_elems.max(1) as usize;
         let mut tensors: Vec<Vec<f32>> = Vec::with_capacity(layout.tensors.len());
         for t in &layout.tensors {
-            // Every element is written by exactly one shard's reply before the snapshot is returned; the
-            // zero-fill is the safe way to hand out `&mut [f32]` (on a recycled buffer it costs a memset,
-            // far less than the page faults of fresh memory).
-            tensors.push(gaps_common::buffers::zeroed(t.len as usize));
+            // Every element is written by exactly one shard's reply before the snapshot is returned (every
+            // chunk is owned, checked below), so a recycled buffer is used as it is, without a memset.
+            tensors.push(gaps_common::buffers::take_filled(t.len as usize));
         }
         // Chunk slices of every tensor, in chunk order, handed to the shard that owns each chunk.
         let mut slots: Vec<Vec<Option<&mut [f32]>>> =
@@ -615,6 +614,9 @@ impl Client {
             }
             let expected = link.chunks.iter().map(|(id, _)| (*id, layout.chunk_len(*id).unwrap_or(0) as u32)).collect();
             sinks.push(PullInto { expected, slices, versions: Vec::new() });
+        }
+        if slots.iter().flatten().any(Option::is_some) {
+            return Err(ClientError::BadMap("the shard map leaves a chunk of the layout unowned".into()));
         }
         let requests = sinks.iter_mut().enumerate().map(|(s, sink)| {
             let link = &self.inner.shards[s];

@@ -173,12 +173,12 @@ impl ShardCore {
             let sections =
                 std::iter::once(&grads[p.offset..p.offset + n]).chain(p.read_offset.map(|r| &reads[r..r + n]));
             for values in sections {
-                if let Some((index, value)) = values.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+                if let Some(index) = gaps_common::dtype::first_non_finite(values) {
                     return Err(ShardError::NonFinite {
                         tensor: c.id.tensor,
                         chunk: c.id.chunk,
                         index,
-                        value: value.to_string(),
+                        value: values[index].to_string(),
                     });
                 }
             }

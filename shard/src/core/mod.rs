@@ -693,7 +693,7 @@ impl ShardCore {
         if values.len() != params.len() {
             return Err(ShardError::WrongShape(format!("chunk has {} elements, got {}", params.len(), values.len())));
         }
-        if values.iter().any(|v| !v.is_finite()) {
+        if gaps_common::dtype::first_non_finite(values).is_some() {
             return Err(ShardError::WrongShape("initial values must be finite".into()));
         }
         params.copy_from_slice(values);

@@ -77,7 +77,7 @@ impl ShardCore {
         let grads = &payload[3 * n..3 * n + rows];
         let reads = if req.echo_read { &payload[3 * n + rows..] } else { &[][..] };
         for values in [grads, reads] {
-            if let Some(index) = values.iter().position(|v| !v.is_finite()) {
+            if let Some(index) = gaps_common::dtype::first_non_finite(values) {
                 return Err(ShardError::NonFinite {
                     tensor: req.table,
                     chunk: (index / dim as usize) as u32,
