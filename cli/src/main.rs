@@ -10,6 +10,9 @@ use std::path::PathBuf;
 #[derive(Debug, Parser)]
 #[command(name = "gaps", version, propagate_version = true)]
 struct Cli {
+    /// Settings from a TOML file; flags and `GAPS_*` variables override it (README: "Configuration file").
+    #[arg(long, env = "GAPS_CONFIG", global = true, value_name = "FILE")]
+    config: Option<std::path::PathBuf>,
     #[command(subcommand)]
     command: Command,
 }
@@ -209,7 +212,8 @@ fn parse_count(text: &str) -> Result<usize, String> {
 
 #[tokio::main]
 async fn main() -> Result<()> {
-    let cli = Cli::parse();
+    let matches = gaps_transport::config_file::parse_args(<Cli as clap::CommandFactory>::command());
+    let cli = <Cli as clap::FromArgMatches>::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     // The front door's own commands report through their progress lines; their libraries log warnings only.
     let quiet = matches!(
         cli.command,
@@ -420,7 +424,9 @@ mod tests {
         Cli::command().debug_assert();
         let parsed =
             Cli::try_parse_from(["gaps", "local", "--mode", "sync", "--table-memory", "64MiB", "--lease", "1h 30m"]);
-        let Ok(Cli { command: Command::Local(args) }) = parsed else { panic!("gaps local flags parse: {parsed:?}") };
+        let Ok(Cli { command: Command::Local(args), .. }) = parsed else {
+            panic!("gaps local flags parse: {parsed:?}")
+        };
         assert_eq!(args.tables.table_memory, Some(64 << 20));
         assert_eq!(args.lease, std::time::Duration::from_secs(5400));
         assert!(Cli::try_parse_from(["gaps", "local", "--table-memory", "lots"]).is_err());

@@ -99,6 +99,53 @@ fn a_long_run_whose_ledger_outgrows_a_pipe_finishes() {
     assert_eq!(v["pushes_lost"], 0, "{v}");
 }
 
+/// `--config FILE`: the command's table outranks shared keys; `GAPS_*` variables and flags outrank the file;
+/// a bad key stops the binary with the file and the key named, for `gaps` and for the role binaries.
+#[test]
+fn a_config_file_sets_flags_below_variables_and_flags() {
+    let dir = std::env::temp_dir().join(format!("gaps-config-local-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let file = dir.join("gaps.toml");
+    std::fs::write(
+        &file,
+        "servers = 1\nworkers = 3\nlisten = \"0.0.0.0:7000\"\n[local]\nworkers = 2\nsteps = 40\njson = true\n",
+    )
+    .expect("write");
+    let config = format!("--config={}", file.display());
+    let out = Command::new(env!("CARGO_BIN_EXE_gaps"))
+        .args(["local", &config, "--steps", "15"])
+        .env("GAPS_DIM", "8")
+        .output()
+        .expect("run gaps local");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let v: serde_json::Value = serde_json::from_str(stdout.lines().last().expect("a JSON line")).expect("JSON");
+    assert_eq!((v["servers"].as_u64(), v["workers"].as_u64()), (Some(1), Some(2)), "{v}");
+    assert_eq!(v["steps"], 2 * 15, "the flag outranks the file: {v}");
+    let out = Command::new(env!("CARGO_BIN_EXE_gaps"))
+        .args(["local", &config, "--steps", "5"])
+        .env("GAPS_WORKERS", "1")
+        .output()
+        .expect("run gaps local");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let v: serde_json::Value = serde_json::from_str(stdout.lines().last().expect("a JSON line")).expect("JSON");
+    assert_eq!(v["workers"], 1, "the variable outranks the file: {v}");
+
+    std::fs::write(&file, "[server]\nlisen = \"0.0.0.0:7000\"\n").expect("write");
+    let out = Command::new(gaps_bin("gaps-server")).arg(&config).output().expect("run gaps-server");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("lisen") && stderr.contains("gaps.toml"), "{stderr}");
+    let out = Command::new(env!("CARGO_BIN_EXE_gaps")).args(["server", &config]).output().expect("run gaps server");
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+    std::fs::write(&file, "[worker]\nsteps = \"lots\"\n").expect("write");
+    let out = Command::new(gaps_bin("gaps-worker")).arg(&config).output().expect("run gaps-worker");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--steps") && stderr.contains("lots"), "{stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn dlrm_on_synthetic_data_reaches_the_teachers_auc_within_002() {
     let v = run_local(&[
@@ -340,4 +387,38 @@ fn stress_chaos_over_seeds_and_modes() {
             assert!(last < 1.5 * calm, "{mode} seed {seed}: chaos {last} vs undisturbed {calm}: {schedule:?}");
         }
     }
+}
+
+/// A role binary built beside `gaps` (the workspace's test build makes all three).
+fn gaps_bin(name: &str) -> std::path::PathBuf {
+    let path = std::path::Path::new(env!("CARGO_BIN_EXE_gaps")).with_file_name(name);
+    assert!(path.exists(), "{} was not built (run the tests of the whole workspace)", path.display());
+    path
+}
+
+/// The example in `deploy/config/gaps.toml` is accepted by every role it has a table for, every key of each
+/// table is a flag of that role, and its values parse.
+#[test]
+fn the_example_config_file_is_valid_for_every_role() {
+    use clap::{Args, Command as ClapCommand};
+    use std::ffi::OsString;
+    let example = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/config/gaps.toml");
+    let config =
+        || clap::Arg::new("config").long("config").global(true).value_parser(clap::value_parser!(std::path::PathBuf));
+    let roles = [
+        ("gaps-server", gaps_server::cli::ServerArgs::augment_args(ClapCommand::new("gaps-server").arg(config()))),
+        ("gaps-worker", gaps_worker::train::WorkerArgs::augment_args(ClapCommand::new("gaps-worker").arg(config()))),
+    ];
+    for (name, cmd) in roles {
+        let argv: Vec<OsString> = vec![name.into(), format!("--config={}", example.display()).into()];
+        let m = gaps_transport::config_file::parse_from(cmd, &argv).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(m.contains_id("cert"), "{name}");
+    }
+    let local = ClapCommand::new("gaps")
+        .arg(config())
+        .subcommand(gaps_cli::local::LocalArgs::augment_args(ClapCommand::new("local")));
+    let argv: Vec<OsString> = vec!["gaps".into(), "local".into(), format!("--config={}", example.display()).into()];
+    let m = gaps_transport::config_file::parse_from(local, &argv).expect("gaps local accepts the example");
+    let l = m.subcommand_matches("local").expect("local");
+    assert_eq!(l.get_one::<u32>("servers"), Some(&2));
 }

@@ -5,6 +5,7 @@
 //!
 //! Servers and workers both build on this crate; neither depends on the other.
 
+pub mod config_file;
 pub mod identity;
 pub mod net;
 pub mod tls;

@@ -7,6 +7,9 @@ use clap::Parser;
 #[derive(Debug, Parser)]
 #[command(name = "gaps-server", version)]
 struct Cli {
+    /// Settings from a TOML file; flags and `GAPS_*` variables override it (README: "Configuration file").
+    #[arg(long, env = "GAPS_CONFIG", global = true, value_name = "FILE")]
+    config: Option<std::path::PathBuf>,
     #[command(flatten)]
     args: gaps_server::cli::ServerArgs,
 }
@@ -14,6 +17,7 @@ struct Cli {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     gaps_transport::init_logging("info");
-    let cli = Cli::parse();
+    let matches = gaps_transport::config_file::parse_args(<Cli as clap::CommandFactory>::command());
+    let cli = <Cli as clap::FromArgMatches>::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     gaps_server::cli::run(&cli.args).await
 }

@@ -7,6 +7,9 @@ use clap::Parser;
 #[derive(Debug, Parser)]
 #[command(name = "gaps-worker", version)]
 struct Cli {
+    /// Settings from a TOML file; flags and `GAPS_*` variables override it (README: "Configuration file").
+    #[arg(long, env = "GAPS_CONFIG", global = true, value_name = "FILE")]
+    config: Option<std::path::PathBuf>,
     #[command(flatten)]
     args: gaps_worker::train::WorkerArgs,
 }
@@ -14,7 +17,8 @@ struct Cli {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     gaps_transport::init_logging("info");
-    let cli = Cli::parse();
+    let matches = gaps_transport::config_file::parse_args(<Cli as clap::CommandFactory>::command());
+    let cli = <Cli as clap::FromArgMatches>::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let summary = gaps_worker::train::run(&cli.args).await?;
     if cli.args.json {
         println!("{}", summary.to_json());
