@@ -326,7 +326,11 @@ pub struct Push {
     pub seq: u64,
     /// The chunks, in payload order.
     pub chunks: Vec<PushChunk>,
-    /// Milliseconds the worker spent computing this gradient (0: unknown); feeds the straggler detector.
+    /// The worker's cost of a step as this shard should judge it, in milliseconds (0: unknown): the time it
+    /// spent computing this gradient plus two round trips (a pull and a push) on its connection to this
+    /// shard, so that a slow link makes a straggler as a slow processor does. Feeds the straggler detector.
+    /// Barrier waits are not in it (a synchronous step's wait would make every worker look as slow as the
+    /// slowest).
     pub compute_ms: u32,
 }
 

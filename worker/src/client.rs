@@ -715,6 +715,11 @@ impl Client {
                     dtype: layout.wire_dtype(id.tensor),
                 })
                 .collect();
+            // A slow link costs the step its round trips just as slow compute does: two (the pull and this
+            // push), from quinn's smoothed RTT estimate of the connection to this shard.
+            let rtt = link.conn.lock().ok().and_then(|c| c.as_ref().map(quinn::Connection::rtt));
+            let network_ms = rtt.map_or(0, |r| (2 * r.as_micros() / 1000).min(u128::from(u32::MAX / 2)) as u32);
+            let compute_ms = if compute_ms > 0 { compute_ms.saturating_add(network_ms) } else { 0 };
             let msg = Message::Push(Push { epoch: self.inner.map.epoch, worker, seq, chunks, compute_ms });
             self.inner.pushes_sent.fetch_add(1, Ordering::Relaxed);
             let client = self.clone();
