@@ -393,6 +393,16 @@ fn start_worker(net: &Net, dir: &Path, host: usize, name: &str, coordinator: &st
     net.spawn(host, &gaps_exe(), &args, &dir.join(format!("{name}.log")))
 }
 
+/// One relay on the bridge in front of each of the two shards (seeds `seed`, `seed + 1`).
+fn shard_relays(net: &Net, link: Impairment, seed: u64, slow: Option<(IpAddr, Arc<AtomicU64>)>) -> Vec<Relay> {
+    (0..2)
+        .map(|i| {
+            let upstream: SocketAddr = format!("{}:7070", net.addr(i)).parse().expect("address");
+            Relay::start(&net.hub(), upstream, link, seed + i as u64, slow.clone())
+        })
+        .collect()
+}
+
 /// Waits for a worker to exit successfully and returns its summary line.
 fn summary(worker: &mut Proc, timeout: Duration) -> serde_json::Value {
     let deadline = Instant::now() + timeout;
@@ -481,12 +491,7 @@ fn training_over_links_with_latency_jitter_and_loss_applies_every_push_once() {
     let hub = net.hub();
     let dir = setup(&net, "lossy", &["w0", "w1"], std::slice::from_ref(&hub));
     let link = Impairment { base: Duration::from_millis(5), jitter: Duration::from_millis(2), loss: 0.01 };
-    let relays: Vec<Relay> = (0..2)
-        .map(|i| {
-            let upstream: SocketAddr = format!("{}:7070", net.addr(i)).parse().expect("address");
-            Relay::start(&hub, upstream, link, 0x5eed + i as u64, None)
-        })
-        .collect();
+    let relays = shard_relays(&net, link, 0x5eed, None);
     let shards = start_shards(&net, &dir, &[Some(relays[0].addr), Some(relays[1].addr)], &[]);
     let steps = 150u64;
     let coordinator = relays[0].addr.to_string();
@@ -525,12 +530,7 @@ fn auto_mode_treats_a_slow_link_as_a_straggler_and_switches_back_when_it_recover
     let extra = Arc::new(AtomicU64::new(0));
     let slow_ip: IpAddr = net.addr(3).parse().expect("address");
     let link = Impairment { base: Duration::ZERO, jitter: Duration::ZERO, loss: 0.0 };
-    let relays: Vec<Relay> = (0..2)
-        .map(|i| {
-            let upstream: SocketAddr = format!("{}:7070", net.addr(i)).parse().expect("address");
-            Relay::start(&hub, upstream, link, 0xb0 + i as u64, Some((slow_ip, extra.clone())))
-        })
-        .collect();
+    let relays = shard_relays(&net, link, 0xb0, Some((slow_ip, extra.clone())));
     let _shards = start_shards(&net, &dir, &[Some(relays[0].addr), Some(relays[1].addr)], &["--mode=auto"]);
     let coordinator = relays[0].addr.to_string();
     let _workers: Vec<Proc> = ["w0", "w1"]

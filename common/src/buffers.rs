@@ -18,48 +18,40 @@ pub const MAX_KEPT_BYTES: usize = 512 << 20;
 
 static KEPT: Mutex<Vec<Vec<f32>>> = Mutex::new(Vec::new());
 
+/// A kept buffer whose capacity is between `len` and twice it, as it was given back (its old values).
+fn kept_for(len: usize) -> Option<Vec<f32>> {
+    if len * 4 < MIN_RECYCLED_BYTES {
+        return None;
+    }
+    let mut kept = KEPT.lock().ok()?;
+    let i = kept.iter().position(|b| b.capacity() >= len && b.capacity() <= len.saturating_mul(2))?;
+    Some(kept.swap_remove(i))
+}
+
 /// An empty vector with room for at least `len` values: a kept buffer whose capacity is between `len`
 /// and twice it when there is one, else a new allocation.
 pub fn take(len: usize) -> Vec<f32> {
-    if len * 4 >= MIN_RECYCLED_BYTES {
-        if let Ok(mut kept) = KEPT.lock() {
-            if let Some(i) = kept.iter().position(|b| b.capacity() >= len && b.capacity() <= len.saturating_mul(2)) {
-                let mut buf = kept.swap_remove(i);
-                buf.clear();
-                return buf;
-            }
+    match kept_for(len) {
+        Some(mut buf) => {
+            buf.clear();
+            buf
         }
-    }
-    Vec::with_capacity(len)
-}
-
-/// `len` zeros: a kept buffer zero-filled when there is one (a memset costs far less than the page faults
-/// of fresh memory), else `vec![0.0; len]` (which the allocator may get already zeroed from the kernel).
-pub fn zeroed(len: usize) -> Vec<f32> {
-    let mut buf = take(len);
-    if buf.capacity() >= len && len * 4 >= MIN_RECYCLED_BYTES {
-        buf.resize(len, 0.0);
-        buf
-    } else {
-        vec![0.0; len]
+        None => Vec::with_capacity(len),
     }
 }
 
 /// `len` values that the caller overwrites in full before reading any: a kept buffer as it is (its old
-/// values, resized to `len`, zero-filling only what it did not hold), else `vec![0.0; len]`. This is
-/// [`zeroed`] without the memset of a reused buffer, for destinations such as a pull's snapshot, where every
-/// element is written by a reply before the buffer is handed out.
+/// values, resized to `len`, zero-filling only what it did not hold), else `vec![0.0; len]` (which the
+/// allocator may get already zeroed from the kernel). A reused buffer costs no memset, for destinations
+/// such as a pull's snapshot, where every element is written by a reply before the buffer is handed out.
 pub fn take_filled(len: usize) -> Vec<f32> {
-    if len * 4 >= MIN_RECYCLED_BYTES {
-        if let Ok(mut kept) = KEPT.lock() {
-            if let Some(i) = kept.iter().position(|b| b.capacity() >= len && b.capacity() <= len.saturating_mul(2)) {
-                let mut buf = kept.swap_remove(i);
-                buf.resize(len, 0.0);
-                return buf;
-            }
+    match kept_for(len) {
+        Some(mut buf) => {
+            buf.resize(len, 0.0);
+            buf
         }
+        None => vec![0.0; len],
     }
-    vec![0.0; len]
 }
 
 /// Hands a buffer back for [`take`] to reuse (dropped when it is small or the recycler is full).

@@ -48,9 +48,8 @@ pub fn apply(cmd: &Command, matches: &ArgMatches, argv: &[OsString]) -> Result<A
     let mut flags = Vec::new();
     // The command's own table (dotted names are nested tables in TOML).
     let mut own: Option<&toml::Table> = Some(&table);
-    let own_path: Vec<&str> = own_name.split('.').collect();
-    for part in &own_path {
-        own = own.and_then(|t| t.get(*part)).and_then(toml::Value::as_table);
+    for part in own_name.split('.') {
+        own = own.and_then(|t| t.get(part)).and_then(toml::Value::as_table);
     }
     let mut settings: Vec<(String, &toml::Value, bool)> = Vec::new();
     for (key, value) in &table {
