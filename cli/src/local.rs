@@ -160,6 +160,11 @@ pub struct LocalReport {
     pub ctr: Option<CtrReport>,
     /// Mode switches (shard 0).
     pub mode_switches: u64,
+    /// The cluster's mode switches as the coordinator decided them, with their reasons.
+    pub switches: Vec<gaps_common::wire::ModeSwitchRecord>,
+    /// Every shard carried out the same switches at the same worker steps (as far as each remembers;
+    /// a restarted shard only those since its restart).
+    pub switches_agree: bool,
     /// Synchronous steps (shard 0).
     pub steps_sync: u64,
     /// GBA steps (shard 0).
@@ -314,6 +319,14 @@ impl LocalReport {
             "mode": args.modes.mode.name(),
             "wire_dtype": args.wire_dtype.name(),
             "mode_switches": self.mode_switches,
+            "switches": self.switches.iter().map(|s| serde_json::json!({
+                "decision": s.number,
+                "from": mode_name(s.from),
+                "to": mode_name(s.to),
+                "from_step": s.from_step,
+                "reason": s.reason,
+            })).collect::<Vec<_>>(),
+            "switches_agree": self.switches_agree,
             "steps_sync": self.steps_sync,
             "steps_gba": self.steps_gba,
             "workers_final": self.workers_final,
@@ -800,6 +813,23 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
         }
         let count: u64 = stats.iter().map(|s| s.staleness_count).sum();
         let pushes_applied: u64 = stats.iter().map(|s| s.pushes_applied).sum();
+        let switches = stats.first().map(|s| s.switches.clone()).unwrap_or_default();
+        let key = |s: &gaps_common::wire::ModeSwitchRecord| (s.number, s.from, s.to, s.from_step);
+        let switches_agree = stats.iter().all(|st| {
+            let theirs: Vec<_> = st.switches.iter().map(key).collect();
+            let ours: Vec<_> = switches.iter().map(key).filter(|k| theirs.first().is_none_or(|f| k.0 >= f.0)).collect();
+            theirs == ours
+        });
+        for s in &switches {
+            eprintln!(
+                "[gaps local] mode switch {}: {} -> {} from worker step {} ({})",
+                s.number,
+                mode_name(s.from),
+                mode_name(s.to),
+                s.from_step,
+                s.reason
+            );
+        }
         Ok(LocalReport {
             servers: args.servers,
             workers: args.workers,
@@ -815,6 +845,8 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             wall_s: 0.0,
             ctr: ctr_report,
             mode_switches: stats.first().map_or(0, |s| s.mode_switches),
+            switches,
+            switches_agree,
             steps_sync: stats.first().map_or(0, |s| s.steps_sync),
             steps_gba: stats.first().map_or(0, |s| s.steps_gba),
             workers_final,
@@ -855,4 +887,9 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
     let mut report = outcome?;
     report.wall_s = started.elapsed().as_secs_f64();
     Ok(report)
+}
+
+/// The `--mode` name of a mode's wire code.
+fn mode_name(code: u8) -> &'static str {
+    gaps_shard::modes::Mode::from_code(code).map_or("unknown", |m| m.name())
 }

@@ -203,6 +203,13 @@ fn a_criteo_file_with_bad_lines_trains_and_reports_them() {
 fn auto_mode_switches_to_gba_on_an_injected_straggler_and_back_when_it_recovers() {
     let v = run_local(&["local", "--mode", "auto", "--straggler", "1:4:1500ms", "--steps", "120", "--json"]);
     assert!(v["mode_switches"].as_u64().expect("switches") >= 2, "{v}");
+    // One list for the cluster, decided by the coordinator, carried out by both shards at the same steps.
+    let switches = v["switches"].as_array().expect("switches");
+    assert!(switches.len() >= 2, "{v}");
+    assert_eq!((switches[0]["from"].as_str(), switches[0]["to"].as_str()), (Some("sync"), Some("gba")), "{v}");
+    assert!(switches[0]["reason"].as_str().is_some_and(|r| r.contains("x the median")), "{v}");
+    assert_eq!((switches[1]["from"].as_str(), switches[1]["to"].as_str()), (Some("gba"), Some("sync")), "{v}");
+    assert_eq!(v["switches_agree"], true, "{v}");
     assert!(v["steps_sync"].as_u64().expect("sync") > 0, "{v}");
     assert!(v["steps_gba"].as_u64().expect("gba") > 0, "{v}");
     assert_eq!(v["pushes_sent"], v["pushes_applied"], "{v}");

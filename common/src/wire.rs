@@ -21,7 +21,7 @@ use crate::layout::{ChunkId, Layout};
 use bincode::{Decode, Encode};
 
 /// Protocol version carried by registrations; a peer with another version is refused.
-pub const PROTOCOL_VERSION: u16 = 5;
+pub const PROTOCOL_VERSION: u16 = 6;
 /// Bytes before the header: the kind byte and the header length.
 pub const FRAME_PREFIX_LEN: usize = 5;
 /// Hard upper bound on an encoded header (also the bincode decode limit).
@@ -332,6 +332,80 @@ pub struct Push {
     /// Barrier waits are not in it (a synchronous step's wait would make every worker look as slow as the
     /// slowest).
     pub compute_ms: u32,
+    /// The worker's step: how many dense pushes it made before this one (the same number goes to every
+    /// shard; a worker pushes to every shard every step, with no chunks where it has none to send).
+    pub step: u64,
+    /// The newest two mode decisions the worker knows (from any shard's answers), so that every shard
+    /// learns a decision before the step it takes effect at.
+    pub decisions: ModeDecisions,
+}
+
+/// A cluster-wide mode decision of the coordinator under `--mode auto`: from worker step `from_step` on,
+/// every shard runs `mode`. Numbered: a larger `number` supersedes a smaller one. Number 0 is the start
+/// (no decision yet: `auto` starts in sync).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Encode, Decode)]
+pub struct ModeDecision {
+    /// Sequence number of the decision (0: none yet).
+    pub number: u64,
+    /// The mode's wire code (see `gaps_shard::modes::Mode::code`).
+    pub mode: u8,
+    /// First worker step run in `mode`.
+    pub from_step: u64,
+}
+
+/// The newest two decisions someone knows: the latest and the one before it (enough to know the mode of
+/// any step from the latest's predecessor on, since the coordinator decides again only once its latest
+/// decision is in force).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Encode, Decode)]
+pub struct ModeDecisions {
+    /// The newest.
+    pub latest: ModeDecision,
+    /// The one before it (number 0 when there is none).
+    pub previous: ModeDecision,
+}
+
+impl ModeDecisions {
+    /// Only the start: mode `mode` from step 0, no decision made.
+    pub fn start(mode: u8) -> Self {
+        let start = ModeDecision { number: 0, mode, from_step: 0 };
+        ModeDecisions { latest: start, previous: start }
+    }
+
+    /// Keeps the newest two of these and `other`'s.
+    pub fn merge(&mut self, other: &ModeDecisions) {
+        let mut all = [self.latest, self.previous, other.latest, other.previous];
+        all.sort_by_key(|d| std::cmp::Reverse(d.number));
+        self.latest = all[0];
+        self.previous = all.iter().copied().find(|d| d.number < all[0].number).unwrap_or(all[0]);
+    }
+
+    /// Adds a new latest decision.
+    pub fn push(&mut self, decision: ModeDecision) {
+        self.previous = self.latest;
+        self.latest = decision;
+    }
+
+    /// The decision in force at worker step `step`, if one of the two is.
+    pub fn in_force(&self, step: u64) -> Option<ModeDecision> {
+        [self.latest, self.previous].into_iter().find(|d| step >= d.from_step)
+    }
+}
+
+/// One switch of the cluster's mode, as the coordinator decided it and a shard carried it out.
+#[derive(Debug, Clone, PartialEq, Eq, Encode, Decode)]
+pub struct ModeSwitchRecord {
+    /// The decision's number.
+    pub number: u64,
+    /// Mode code before.
+    pub from: u8,
+    /// Mode code after.
+    pub to: u8,
+    /// First worker step run in the new mode.
+    pub from_step: u64,
+    /// The shard's global step (synchronous steps applied) when it switched.
+    pub at_global_step: u64,
+    /// Why the coordinator decided it (empty on shards that learned the decision from a worker).
+    pub reason: String,
 }
 
 /// Acknowledges a push.
@@ -343,10 +417,13 @@ pub struct Ack {
     pub duplicate: bool,
     /// Largest staleness τ over the push's chunks (0 for duplicates).
     pub max_staleness: u64,
-    /// Synchronous step not complete yet: pull again only once the chunks reach this version (0: go on).
-    pub wait_for_version: u64,
+    /// Synchronous step not complete yet: pull again only once the shard's global step (synchronous steps
+    /// applied, [`Stats::global_step`]) reaches this (0: go on).
+    pub wait_for_step: u64,
     /// Bounded staleness: go on only once the slowest live worker's clock reaches this (0: go on).
     pub wait_for_clock: u64,
+    /// The newest two mode decisions this shard knows (the worker passes them on to the other shards).
+    pub decisions: ModeDecisions,
 }
 
 /// A typed refusal, answered on the request's stream.
@@ -436,6 +513,14 @@ pub struct Stats {
     pub lr_multiplier_milli: u32,
     /// The smallest push count of a live worker (bounded staleness).
     pub ssp_min_clock: u64,
+    /// Synchronous and GBA steps applied (what [`Ack::wait_for_step`] waits for).
+    pub global_step: u64,
+    /// Embedding-row gradients dropped as too stale in sync or gba (per row).
+    pub rows_dropped_stale: u64,
+    /// The newest two mode decisions this shard knows.
+    pub decisions: ModeDecisions,
+    /// The mode switches this shard carried out, oldest first (the last 64).
+    pub switches: Vec<ModeSwitchRecord>,
 }
 
 /// When a shard takes a checkpoint it was asked for.
@@ -967,6 +1052,11 @@ mod tests {
                         PushChunk { id, read_version: 4, len: 1, echo: true, dtype: WireDtype::F16 },
                     ],
                     compute_ms: 12,
+                    step: 41,
+                    decisions: ModeDecisions {
+                        latest: ModeDecision { number: 3, mode: 2, from_step: 40 },
+                        previous: ModeDecision { number: 2, mode: 1, from_step: 30 },
+                    },
                 }),
                 // Gradients (bf16 ×2, f32, f16), then the echoes (bf16 ×2, f16): all exact in their format.
                 payload: vec![0.5, f32::MIN_POSITIVE, 1.1, -3.0, -1.0, 2.0, 0.125],
@@ -975,8 +1065,12 @@ mod tests {
                 seq: 17,
                 duplicate: true,
                 max_staleness: 3,
-                wait_for_version: 8,
+                wait_for_step: 8,
                 wait_for_clock: 2,
+                decisions: ModeDecisions {
+                    latest: ModeDecision { number: 2, mode: 1, from_step: 9 },
+                    previous: ModeDecision::default(),
+                },
             })),
             Frame::new(Message::error(ErrorCode::NonFinite, "NaN at 3")),
             Frame::new(Message::Heartbeat(Heartbeat { worker: 3 })),
@@ -987,7 +1081,20 @@ mod tests {
                 id: 7,
                 shards: vec![ShardCheckpoint { shard: 1, path: "/ckpt/shard-1/x.bin".into(), step: 4 }],
             })),
-            Frame::new(Message::Stats(Stats { shard: 1, pushes_applied: 10, staleness_max: 7, ..Stats::default() })),
+            Frame::new(Message::Stats(Stats {
+                shard: 1,
+                pushes_applied: 10,
+                staleness_max: 7,
+                switches: vec![ModeSwitchRecord {
+                    number: 1,
+                    from: 1,
+                    to: 2,
+                    from_step: 12,
+                    at_global_step: 11,
+                    reason: "worker 3 straggles".into(),
+                }],
+                ..Stats::default()
+            })),
             Frame::new(Message::Authenticate(Authenticate { worker: 3, token: [9; 32] })),
             Frame::new(Message::Authenticated(Authenticated { worker: 3 })),
             Frame::new(Message::Leave(Leave { worker: 3 })),
@@ -1105,6 +1212,8 @@ mod tests {
             seq: 1,
             chunks: vec![PushChunk { id, read_version: 0, len: u32::MAX, echo: false, dtype: WireDtype::F32 }; 2],
             compute_ms: 0,
+            step: 0,
+            decisions: Default::default(),
         });
         let mut bytes = vec![push.kind(), 0, 0, 0, 0];
         let len = push.encode_body(&mut bytes).expect("encode body");
@@ -1134,6 +1243,8 @@ mod tests {
             seq: 1,
             chunks: vec![PushChunk { id, read_version: 0, len: 3, echo: false, dtype: WireDtype::F32 }],
             compute_ms: 0,
+            step: 0,
+            decisions: Default::default(),
         });
         assert!(matches!(
             encode_frame(&Frame { msg: push.clone(), payload: vec![1.0; 2] }),
@@ -1166,6 +1277,26 @@ mod tests {
             self.pos = end;
             Ok(())
         }
+    }
+
+    #[test]
+    fn mode_decisions_keep_the_newest_two_and_name_the_mode_of_a_step() {
+        let d = |number, mode, from_step| ModeDecision { number, mode, from_step };
+        let mut known = ModeDecisions::start(1);
+        assert_eq!(known.in_force(0), Some(d(0, 1, 0)));
+        known.merge(&ModeDecisions { latest: d(2, 1, 20), previous: d(1, 2, 10) });
+        assert_eq!((known.latest, known.previous), (d(2, 1, 20), d(1, 2, 10)));
+        assert_eq!(known.in_force(9), None, "before both: not decided by these two");
+        assert_eq!(known.in_force(10).map(|x| x.number), Some(1));
+        assert_eq!(known.in_force(25).map(|x| x.number), Some(2));
+        // Older news changes nothing; a newer decision pushes the latest back.
+        known.merge(&ModeDecisions { latest: d(1, 2, 10), previous: d(0, 1, 0) });
+        assert_eq!((known.latest.number, known.previous.number), (2, 1));
+        known.push(d(3, 2, 30));
+        assert_eq!((known.latest.number, known.previous.number), (3, 2));
+        let mut one = ModeDecisions::start(1);
+        one.merge(&ModeDecisions { latest: d(4, 2, 40), previous: d(4, 2, 40) });
+        assert_eq!((one.latest.number, one.previous.number), (4, 0), "the same decision twice is one");
     }
 
     #[test]

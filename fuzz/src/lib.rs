@@ -147,7 +147,18 @@ fn request(c: &mut Choices<'_>, layout: &Layout, chunks: &[ChunkId]) -> Option<F
             let payload = (0..carried).map(|_| c.float()).collect();
             let seq = c.below(64);
             let compute_ms = c.below(64) as u32;
-            Frame { msg: Message::Push(Push { epoch, worker, seq, chunks: push_chunks, compute_ms }), payload }
+            Frame {
+                msg: Message::Push(Push {
+                    epoch,
+                    worker,
+                    seq,
+                    chunks: push_chunks,
+                    compute_ms,
+                    step: 0,
+                    decisions: Default::default(),
+                }),
+                payload,
+            }
         }
         3 => {
             let count = c.below(6) as u32;

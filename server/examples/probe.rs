@@ -55,7 +55,15 @@ async fn main() -> anyhow::Result<()> {
         ),
         (
             format!("push as worker {victim}"),
-            Message::Push(Push { epoch, worker: victim, seq: 1 << 40, chunks: Vec::new(), compute_ms: 0 }),
+            Message::Push(Push {
+                epoch,
+                worker: victim,
+                seq: 1 << 40,
+                chunks: Vec::new(),
+                compute_ms: 0,
+                step: 0,
+                decisions: Default::default(),
+            }),
         ),
         (format!("heartbeat as worker {victim}"), Message::Heartbeat(Heartbeat { worker: victim })),
         (

@@ -1201,6 +1201,9 @@ fn log_events(events: &[CoreEvent]) {
             CoreEvent::WorkerLeft(w) => info!(worker = w, "worker left"),
             CoreEvent::WorkerExpired(w) => warn!(worker = w, "worker lease expired"),
             CoreEvent::ShardJoined(s) => info!(joined = s, "shard joined"),
+            CoreEvent::ModeDecided { number, to, from_step, reason } => {
+                warn!(number, %to, from_step, %reason, "cluster mode decided (every shard switches at that worker step)")
+            }
             CoreEvent::ModeSwitch { from, to, reason } => warn!(%from, %to, %reason, "training mode switched"),
             CoreEvent::LrRamp { workers, target } => {
                 info!(workers, target, "learning-rate multiplier ramps to the new worker count")

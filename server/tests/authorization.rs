@@ -82,7 +82,10 @@ fn push(worker: u32, seq: u64) -> (Message, Vec<f32>) {
         })
         .collect::<Vec<_>>();
     let n: usize = chunks.iter().map(|c| c.len as usize).sum();
-    (Message::Push(Push { epoch: 31, worker, seq, chunks, compute_ms: 1 }), vec![0.5; n])
+    (
+        Message::Push(Push { epoch: 31, worker, seq, chunks, compute_ms: 1, step: 0, decisions: Default::default() }),
+        vec![0.5; n],
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -231,7 +231,15 @@ async fn malformed_frames_over_the_network_get_typed_errors_and_change_nothing()
             })
             .collect();
         let total: u32 = chunks.iter().map(|c| c.len).sum();
-        let msg = Message::Push(Push { epoch: client.map().epoch, worker, seq: 1, chunks, compute_ms: 0 });
+        let msg = Message::Push(Push {
+            epoch: client.map().epoch,
+            worker,
+            seq: 1,
+            chunks,
+            compute_ms: 0,
+            step: 0,
+            decisions: Default::default(),
+        });
         let mut bytes = wire::encode_header(&msg, total as usize).expect("header");
         bytes.extend((0..payload_len).flat_map(|i| if i == 5 { value } else { 0.25f32 }.to_le_bytes()));
         bytes
@@ -264,6 +272,8 @@ async fn malformed_frames_over_the_network_get_typed_errors_and_change_nothing()
             dtype: gaps_common::dtype::WireDtype::F32,
         }],
         compute_ms: 0,
+        step: 0,
+        decisions: Default::default(),
     });
     let header = wire::encode_header(&big, u32::MAX as usize).expect("header");
     expect(raw_request(&conn, &header).await, ErrorCode::TooLarge, "over-limit payload");
@@ -374,7 +384,15 @@ async fn sixteen_bit_tensors_travel_rounded_while_the_shard_keeps_f32() {
             dtype: WireDtype::Bf16,
         })
         .collect();
-    let msg = Message::Push(Push { epoch: client.map().epoch, worker, seq: 3, chunks, compute_ms: 0 });
+    let msg = Message::Push(Push {
+        epoch: client.map().epoch,
+        worker,
+        seq: 3,
+        chunks,
+        compute_ms: 0,
+        step: 0,
+        decisions: Default::default(),
+    });
     let total = l.total_elems() as usize;
     let frame = |pattern: u16, halves: usize, extra: usize| {
         let mut bytes = wire::encode_header(&msg, total).expect("header");

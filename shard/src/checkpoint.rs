@@ -9,7 +9,7 @@
 //! panic or a huge allocation. Integrity (a checksum per file) is the caller's; this module only parses.
 
 /// The format written by this version of gaps; a snapshot of another version is refused.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 const MAGIC: &[u8; 8] = b"GAPSSHRD";
 
 /// Why a snapshot could not be read.

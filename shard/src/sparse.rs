@@ -533,6 +533,16 @@ impl SparseTable {
         self.stats.evicted - before
     }
 
+    /// Counts row updates dropped by the caller because the row is not held.
+    pub fn count_dropped(&mut self, rows: u64) {
+        self.stats.dropped_updates += rows;
+    }
+
+    /// The version (updates applied) of a held row.
+    pub fn version(&self, id: u64) -> Option<u32> {
+        self.find(id).map(|r| self.versions[r])
+    }
+
     /// The values of a held row (tests, evaluation).
     pub fn row(&self, id: u64) -> Option<&[f32]> {
         self.find(id).map(|r| &self.data[r * self.stride..r * self.stride + self.cfg.dim as usize])

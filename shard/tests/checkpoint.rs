@@ -71,7 +71,15 @@ fn step(core: &mut ShardCore, worker: u32, seq: u64, salt: f32) -> Vec<Frame> {
         .collect();
     let pushed = call(
         core,
-        Message::Push(Push { epoch: EPOCH, worker, seq: 2 * seq - 1, chunks: push_chunks, compute_ms: 5 }),
+        Message::Push(Push {
+            epoch: EPOCH,
+            worker,
+            seq: 2 * seq - 1,
+            chunks: push_chunks,
+            compute_ms: 5,
+            step: 0,
+            decisions: Default::default(),
+        }),
         grads,
     );
     let ids: Vec<u64> = (0..6).map(|i| (i * 7 + seq) % 11).collect();

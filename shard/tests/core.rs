@@ -68,7 +68,18 @@ fn full_push(worker: u32, seq: u64, versions: &[u64], grad: &[f32]) -> (Message,
             dtype: gaps_common::dtype::WireDtype::F32,
         })
         .collect();
-    (Message::Push(Push { epoch: EPOCH, worker, seq, chunks, compute_ms: 0 }), grad.to_vec())
+    (
+        Message::Push(Push {
+            epoch: EPOCH,
+            worker,
+            seq,
+            chunks,
+            compute_ms: 0,
+            step: 0,
+            decisions: Default::default(),
+        }),
+        grad.to_vec(),
+    )
 }
 
 fn grad(seed: u32) -> Vec<f32> {

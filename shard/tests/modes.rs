@@ -69,6 +69,9 @@ fn push(
             dtype: gaps_common::dtype::WireDtype::F32,
         }],
         compute_ms,
+        // Each worker's pushes are its steps.
+        step: seq - 1,
+        decisions: Default::default(),
     });
     let (r, events) = core.handle(Frame { msg, payload: vec![grad; 4] }, now);
     match r.msg {
@@ -82,10 +85,10 @@ fn a_sync_step_averages_one_gradient_per_live_worker() {
     let mut core = core(Mode::Sync, 3);
     let (a0, _) = push(&mut core, 0, 1, 0, 1.0, 0, ms(1));
     let (a1, _) = push(&mut core, 1, 1, 0, 2.0, 0, ms(1));
-    assert_eq!((a0.wait_for_version, a1.wait_for_version), (1, 1), "wait for step 1");
+    assert_eq!((a0.wait_for_step, a1.wait_for_step), (1, 1), "wait for step 1");
     assert_eq!(version(&mut core), 0, "nothing applied before every live worker pushed");
     let (a2, _) = push(&mut core, 2, 1, 0, 6.0, 0, ms(1));
-    assert_eq!(a2.wait_for_version, 0, "the last gradient completes the step");
+    assert_eq!(a2.wait_for_step, 0, "the last gradient completes the step");
     assert_eq!(version(&mut core), 1);
     let w = core.chunk_values(ID).expect("chunk")[0];
     assert!((w + 0.1 * 3.0).abs() < 1e-6, "θ = −η·mean(1, 2, 6) = −0.3, got {w}");
@@ -96,18 +99,18 @@ fn a_sync_step_averages_one_gradient_per_live_worker() {
     // ... but it fills worker 0's place in step 2: the fresh gradients of 1 and 2 complete it, and worker 0
     // was not left to compute another gradient while the others wait for it.
     let (a1, _) = push(&mut core, 1, 2, 1, 1.0, 0, ms(2));
-    assert_eq!(a1.wait_for_version, 2, "worker 2 is still missing");
+    assert_eq!(a1.wait_for_step, 2, "worker 2 is still missing");
     let (a2, _) = push(&mut core, 2, 2, 1, 3.0, 0, ms(2));
-    assert_eq!(a2.wait_for_version, 0);
+    assert_eq!(a2.wait_for_step, 0);
     assert_eq!(version(&mut core), 2, "step 2 completed without a second gradient from worker 0");
     let w2 = core.chunk_values(ID).expect("chunk")[0];
     assert!((w2 - w + 0.1 * 2.0).abs() < 1e-6, "θ −= η·mean(1, 3): {w} -> {w2}");
     // A stale gradient arriving after the fresh ones completes the step it fills.
     let (a0, _) = push(&mut core, 0, 3, 2, 1.0, 0, ms(3));
-    assert_eq!(a0.wait_for_version, 3);
+    assert_eq!(a0.wait_for_step, 3);
     push(&mut core, 1, 3, 2, 1.0, 0, ms(3));
     let (a2, _) = push(&mut core, 2, 3, 1, 50.0, 0, ms(3));
-    assert_eq!(a2.wait_for_version, 0, "worker 2's stale gradient is its place in step 3");
+    assert_eq!(a2.wait_for_step, 0, "worker 2's stale gradient is its place in step 3");
     assert_eq!(version(&mut core), 3);
     assert_eq!(core.stats().dropped_stale, 2);
 }
@@ -135,7 +138,7 @@ fn a_dead_worker_holds_a_sync_step_no_longer_than_its_lease() {
 fn gba_applies_one_update_per_k_gradients_and_drops_very_stale_ones() {
     let mut core = core(Mode::Gba, 2);
     let (a, _) = push(&mut core, 0, 1, 0, 1.0, 0, ms(1));
-    assert_eq!(a.wait_for_version, 0, "GBA never makes a worker wait");
+    assert_eq!(a.wait_for_step, 0, "GBA never makes a worker wait");
     push(&mut core, 0, 2, 0, 3.0, 0, ms(1));
     assert_eq!(version(&mut core), 1, "K = 2 live workers' worth of gradients, from anyone");
     push(&mut core, 1, 1, 1, 1.0, 0, ms(2));
@@ -164,7 +167,8 @@ fn auto_switches_to_gba_when_a_worker_straggles_and_back_when_it_recovers() {
             }
         }
     };
-    run(&mut core, 4, 400);
+    // Three reports make the verdict (at step 2); the decision takes effect two steps later.
+    run(&mut core, 5, 400);
     assert_eq!(core.active_mode(), Mode::Gba);
     run(&mut core, 10, 100);
     assert_eq!(core.active_mode(), Mode::Sync);

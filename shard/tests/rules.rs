@@ -64,7 +64,15 @@ fn push(core: &mut ShardCore, worker: u32, seq: u64, versions: &[u64], grad: &[f
     if let Some(r) = read {
         payload.extend_from_slice(r);
     }
-    let msg = Message::Push(Push { epoch: EPOCH, worker, seq, chunks, compute_ms: 0 });
+    let msg = Message::Push(Push {
+        epoch: EPOCH,
+        worker,
+        seq,
+        chunks,
+        compute_ms: 0,
+        step: 0,
+        decisions: Default::default(),
+    });
     core.handle(Frame { msg, payload }, Duration::ZERO).0.msg
 }
 

@@ -502,7 +502,8 @@ fn schedule(step: u64, warmup: u64, start: f64, decays: &[u64]) -> f64 {
 /// A worker that must wait (sync step, SSP bound) before starting its next batch.
 struct Blocked {
     worker: usize,
-    version: u64,
+    /// The shard's global step to wait for (synchronous modes).
+    step: u64,
     clock: u64,
     /// The duration of its next batch, drawn when it was popped (so the draw order never depends on waits).
     duration: f64,
@@ -658,6 +659,9 @@ fn run_async(args: &SimArgs) -> Result<SimReport> {
                 dtype: WireDtype::F32,
             }],
             compute_ms,
+            // The sim's single shard is also the coordinator: it knows every decision it made.
+            step: vw.seq - 1,
+            decisions: Default::default(),
         };
         let (reply, _) = core.handle(Frame { msg: Message::Push(push), payload }, Duration::ZERO);
         let ack = match reply.msg {
@@ -670,13 +674,8 @@ fn run_async(args: &SimArgs) -> Result<SimReport> {
         };
         let tau = ack.max_staleness;
         staleness.push(tau.min(u64::from(u32::MAX)) as u32);
-        if ack.wait_for_version > 0 || ack.wait_for_clock > 0 {
-            blocked.push(Blocked {
-                worker: w,
-                version: ack.wait_for_version,
-                clock: ack.wait_for_clock,
-                duration: next,
-            });
+        if ack.wait_for_step > 0 || ack.wait_for_clock > 0 {
+            blocked.push(Blocked { worker: w, step: ack.wait_for_step, clock: ack.wait_for_clock, duration: next });
         } else {
             heap.push(Due { time: now + next, worker: w as u32 });
             let (view, version) = pull(&mut core, args.pull_dtype)?;
@@ -717,9 +716,10 @@ fn release(
     }
     let (view, version) = pull(core, wire)?;
     let min_clock = core.stats().ssp_min_clock;
+    let step = core.global_step();
     let mut still = Vec::new();
     for b in blocked.drain(..) {
-        if version >= b.version && min_clock >= b.clock {
+        if step >= b.step && min_clock >= b.clock {
             let vw = &mut workers[b.worker];
             vw.view = view.clone();
             vw.version = version;
@@ -873,6 +873,8 @@ fn run_sync(args: &SimArgs) -> Result<SimReport> {
                     dtype: WireDtype::F32,
                 }],
                 compute_ms: duration.round().clamp(1.0, f64::from(u32::MAX)) as u32,
+                step: 0,
+                decisions: Default::default(),
             };
             let (reply, _) = core.handle(Frame { msg: Message::Push(push), payload }, Duration::ZERO);
             if !matches!(reply.msg, Message::Ack(_)) {

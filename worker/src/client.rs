@@ -8,13 +8,13 @@ use gaps_common::layout::sparse_owner;
 use gaps_common::layout::{ChunkId, Layout};
 use gaps_common::wire::{
     ids_to_words, Authenticate, CheckpointAt, CheckpointDone, CheckpointRequest, ClusterMap, ErrorCode, Frame,
-    Heartbeat, Leave, Limits, Message, Pull, Push, PushChunk, Register, Role, SparsePull, SparsePush, Stats,
-    StatsRequest, PROTOCOL_VERSION,
+    Heartbeat, Leave, Limits, Message, ModeDecisions, Pull, Push, PushChunk, Register, Role, SparsePull, SparsePush,
+    Stats, StatsRequest, PROTOCOL_VERSION,
 };
 use gaps_kernels::{Hyper, Rule};
 use gaps_transport::tls::TlsMaterial;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tracing::{debug, warn};
@@ -221,6 +221,36 @@ struct ShardLink {
     next_seq: AtomicU64,
     /// Chunks this shard owns, global order, with their global indices.
     chunks: Vec<(ChunkId, u64)>,
+    /// Sparse pushes to this shard not answered yet, and the signal that one was: in sync and gba the
+    /// dense push, which ends the worker's step on the shard, goes only after them, so that the rows are
+    /// summed into the same step.
+    sparse_in_flight: AtomicUsize,
+    sparse_answered: tokio::sync::Notify,
+}
+
+/// Decrements a shard's count of sparse pushes in flight when dropped (also when the task is cancelled).
+struct InFlight<'a>(&'a ShardLink);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.sparse_in_flight.fetch_sub(1, Ordering::SeqCst);
+        self.0.sparse_answered.notify_waiters();
+    }
+}
+
+impl ShardLink {
+    /// Waits until no sparse push to this shard is in flight.
+    async fn sparse_settled(&self) {
+        loop {
+            let answered = self.sparse_answered.notified();
+            tokio::pin!(answered);
+            answered.as_mut().enable();
+            if self.sparse_in_flight.load(Ordering::SeqCst) == 0 {
+                return;
+            }
+            answered.await;
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -254,9 +284,36 @@ struct Inner {
     table_rules: Vec<Rule>,
     /// When the last dense pull finished: the next push reports the time since as its compute time.
     last_pull: Mutex<Option<Instant>>,
+    /// Dense pushes made (the step number the next push carries).
+    steps: AtomicU64,
+    /// The newest two mode decisions any shard answered with (None before the first answer); passed on
+    /// with every push.
+    decisions: Mutex<Option<ModeDecisions>>,
 }
 
 impl Inner {
+    /// Keeps the newest two of the known decisions and a shard's.
+    fn learn(&self, decisions: &ModeDecisions) {
+        if let Ok(mut known) = self.decisions.lock() {
+            match known.as_mut() {
+                Some(k) => k.merge(decisions),
+                None => *known = Some(*decisions),
+            }
+        }
+    }
+
+    /// The decisions known now.
+    fn decisions(&self) -> Option<ModeDecisions> {
+        self.decisions.lock().ok().and_then(|d| *d)
+    }
+
+    /// True while the cluster runs a synchronous mode (sync or gba, also under auto; mode codes 1 and 2),
+    /// or before any shard said which: a step's rows must then reach each shard before the dense push that
+    /// ends the step.
+    fn synchronous(&self) -> bool {
+        self.decisions().is_none_or(|d| matches!(d.latest.mode, 1 | 2))
+    }
+
     /// True when a push carries the read parameters of chunk `id` (its tensor's rule measures drift).
     fn echoes(&self, id: &ChunkId) -> bool {
         self.tensor_rules[id.tensor as usize].0.layout().needs_read
@@ -363,6 +420,8 @@ impl Client {
                 conn: Mutex::new(None),
                 next_seq: AtomicU64::new(1),
                 chunks,
+                sparse_in_flight: AtomicUsize::new(0),
+                sparse_answered: tokio::sync::Notify::new(),
             });
         }
         let client = Client {
@@ -384,6 +443,8 @@ impl Client {
                 slim_momentum: Mutex::new(Vec::new()),
                 table_rules,
                 last_pull: Mutex::new(None),
+                steps: AtomicU64::new(0),
+                decisions: Mutex::new(None),
             }),
         };
         // Connect to every shard now, so a missing or unreachable shard fails fast and by name.
@@ -697,12 +758,14 @@ impl Client {
             .ok()
             .and_then(|last| last.map(|t| t.elapsed().as_millis().clamp(1, u128::from(u32::MAX)) as u32))
             .unwrap_or(0);
+        let step = self.inner.steps.fetch_add(1, Ordering::SeqCst);
+        let decisions = self.inner.decisions().unwrap_or_default();
+        let after_rows = self.inner.synchronous();
         let mut tasks = tokio::task::JoinSet::new();
+        // Every shard gets a push every step, with no chunks where it owns none: the push ends the worker's
+        // step there (synchronous steps, the rows summed for it, the coordinator's view of every worker).
         for s in 0..self.inner.shards.len() {
             let link = &self.inner.shards[s];
-            if link.chunks.is_empty() {
-                continue;
-            }
             let seq = link.next_seq.fetch_add(1, Ordering::SeqCst);
             let chunks: Vec<PushChunk> = link
                 .chunks
@@ -720,13 +783,17 @@ impl Client {
             let rtt = link.conn.lock().ok().and_then(|c| c.as_ref().map(quinn::Connection::rtt));
             let network_ms = rtt.map_or(0, |r| (2 * r.as_micros() / 1000).min(u128::from(u32::MAX / 2)) as u32);
             let compute_ms = if compute_ms > 0 { compute_ms.saturating_add(network_ms) } else { 0 };
-            let msg = Message::Push(Push { epoch: self.inner.map.epoch, worker, seq, chunks, compute_ms });
+            let msg =
+                Message::Push(Push { epoch: self.inner.map.epoch, worker, seq, chunks, compute_ms, step, decisions });
             self.inner.pushes_sent.fetch_add(1, Ordering::Relaxed);
             let client = self.clone();
             let grads = grads.clone();
             let snapshot_tensors = snapshot.tensors.clone();
             tasks.spawn(async move {
                 let link = &client.inner.shards[s];
+                if after_rows {
+                    link.sparse_settled().await;
+                }
                 let layout = &client.inner.map.layout;
                 // Every chunk's gradient, then the read parameters of the chunks whose rule measures drift.
                 let grad_parts = link.chunks.iter().map(|(id, _)| (id, &grads));
@@ -762,14 +829,15 @@ impl Client {
             match frame.msg {
                 Message::Ack(ack) => {
                     self.inner.pushes_acknowledged.fetch_add(1, Ordering::Relaxed);
+                    self.inner.learn(&ack.decisions);
                     if ack.duplicate {
                         summary.duplicates += 1;
                     } else {
                         summary.applied += 1;
                     }
                     summary.max_staleness = summary.max_staleness.max(ack.max_staleness);
-                    if ack.wait_for_version > 0 || ack.wait_for_clock > 0 {
-                        waits.push((s, ack.wait_for_version, ack.wait_for_clock));
+                    if ack.wait_for_step > 0 || ack.wait_for_clock > 0 {
+                        waits.push((s, ack.wait_for_step, ack.wait_for_clock));
                     }
                 }
                 other => {
@@ -789,33 +857,24 @@ impl Client {
         Ok(summary)
     }
 
-    /// Waits until shard `s` has completed the synchronous step (its first chunk reaches `version`) and the
+    /// Waits until shard `s` has completed the synchronous step (its global step reaches `step`) and the
     /// slowest worker's clock reached `clock` (bounded staleness). Gives up after three leases: a step can
     /// only be held that long by a dead worker, whose lease the shard drops.
-    async fn wait_for(&self, s: usize, version: u64, clock: u64) -> Result<(), ClientError> {
+    async fn wait_for(&self, s: usize, step: u64, clock: u64) -> Result<(), ClientError> {
         let limit = Duration::from_millis(3 * u64::from(self.inner.map.lease_ms)).max(Duration::from_secs(5));
         let started = Instant::now();
         let mut pause = Duration::from_micros(500);
-        let link = &self.inner.shards[s];
         loop {
-            let mut done = true;
-            if version > 0 {
-                if let Some((id, _)) = link.chunks.first() {
-                    let msg = Message::Pull(Pull { epoch: self.inner.map.epoch, chunks: vec![*id] });
-                    let (frame, _) = self.request(s, &msg, &[]).await?;
-                    done &= matches!(&frame.msg, Message::PullReply(r) if r.chunks.first().is_some_and(|c| c.version >= version));
+            let (frame, _) = self.request(s, &Message::StatsRequest(StatsRequest), &[]).await?;
+            if let Message::Stats(st) = &frame.msg {
+                self.inner.learn(&st.decisions);
+                if st.global_step >= step && st.ssp_min_clock >= clock {
+                    return Ok(());
                 }
-            }
-            if clock > 0 && done {
-                let (frame, _) = self.request(s, &Message::StatsRequest(StatsRequest), &[]).await?;
-                done &= matches!(&frame.msg, Message::Stats(st) if st.ssp_min_clock >= clock);
-            }
-            if done {
-                return Ok(());
             }
             if started.elapsed() > limit {
                 return Err(ClientError::Shape(format!(
-                    "shard {s} did not finish the step (version {version}, clock {clock}) within {limit:?}"
+                    "shard {s} did not finish the step (step {step}, clock {clock}) within {limit:?}"
                 )));
             }
             tokio::time::sleep(pause).await;
@@ -926,7 +985,11 @@ impl Client {
             self.inner.pushes_sent.fetch_add(1, Ordering::Relaxed);
             let client = self.clone();
             let payload = [net::f32_bytes(payload)];
-            tasks.spawn(async move { client.request(s, &msg, &payload).await });
+            self.inner.shards[s].sparse_in_flight.fetch_add(1, Ordering::SeqCst);
+            tasks.spawn(async move {
+                let _in_flight = InFlight(&client.inner.shards[s]);
+                client.request(s, &msg, &payload).await
+            });
         }
         let mut summary = PushSummary::default();
         while let Some(joined) = tasks.join_next().await {
@@ -935,10 +998,12 @@ impl Client {
             summary.retries += retries;
             match frame.msg {
                 Message::Ack(ack) if ack.duplicate => {
+                    self.inner.learn(&ack.decisions);
                     self.inner.pushes_acknowledged.fetch_add(1, Ordering::Relaxed);
                     summary.duplicates += 1;
                 }
                 Message::Ack(ack) => {
+                    self.inner.learn(&ack.decisions);
                     self.inner.pushes_acknowledged.fetch_add(1, Ordering::Relaxed);
                     summary.applied += 1;
                     summary.max_staleness = summary.max_staleness.max(ack.max_staleness);

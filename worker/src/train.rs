@@ -298,9 +298,10 @@ async fn run_ctr(
         );
         losses.push(loss / samples.len().max(1) as f32);
         // `join!` polls in order: both pushes hand their requests to the connection tasks before the next
-        // batch is prepared on this thread.
-        let (a, b, prepared) =
-            tokio::join!(client.push(dense_grads, &dense), client.push_sparse(0, &rows, &row_grads), async {
+        // batch is prepared on this thread. The rows go first: in sync and gba the dense push, which ends
+        // the step on each shard, waits for their answers there.
+        let (b, a, prepared) =
+            tokio::join!(client.push_sparse(0, &rows, &row_grads), client.push(dense_grads, &dense), async {
                 (step + 1 < args.steps).then(|| prepare(&mut stream))
             });
         a.with_context(|| format!("pushing dense gradients of step {step}"))?;

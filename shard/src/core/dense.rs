@@ -184,6 +184,7 @@ impl ShardCore {
             }
         }
         self.observe_push(req.worker, req.compute_ms, now, events);
+        self.follow_decisions(req.step, &req.decisions, events);
         self.ramp.fix_reference();
         let tau = plan.iter().map(|p| p.staleness).max().unwrap_or(0);
         let mut ack = Ack { seq: req.seq, max_staleness: tau, ..Ack::default() };
@@ -205,7 +206,7 @@ impl ShardCore {
                         if self.step_ready() {
                             self.complete_step()?;
                         } else if self.accum_pushes > 0 {
-                            ack.wait_for_version = plan.first().map_or(0, |p| self.slots[p.slot].version + 1);
+                            ack.wait_for_step = self.global_step + 1;
                         } else if self.leases.keys().all(|w| self.contributors.contains(w)) {
                             // Every live worker sent only stale gradients: nothing to apply, a fresh step.
                             self.contributors.clear();
@@ -229,7 +230,7 @@ impl ShardCore {
                     if self.step_ready() {
                         self.complete_step()?;
                     } else if self.active == Mode::Sync {
-                        ack.wait_for_version = plan.first().map_or(0, |p| self.slots[p.slot].version + 1);
+                        ack.wait_for_step = self.global_step + 1;
                     }
                 }
             }
@@ -249,6 +250,7 @@ impl ShardCore {
         if let Some(window) = self.seqs.get_mut(&req.worker) {
             window.insert(req.seq);
         }
+        ack.decisions = self.decisions;
         Ok(Frame::new(Message::Ack(ack)))
     }
 

@@ -103,7 +103,7 @@ impl ShardCore {
             Seen::New => {}
             Seen::Applied => {
                 self.stats.pushes_duplicate += 1;
-                return Ok(Some(Frame::new(Message::Ack(Ack { seq, duplicate: true, ..Ack::default() }))));
+                return Ok(Some(Frame::new(Message::Ack(Ack { seq, duplicate: true, decisions: self.decisions, ..Ack::default() }))));
             }
             Seen::TooOld => {
                 return Err(ShardError::SequenceWindow(format!(

@@ -23,14 +23,15 @@ use gaps_common::layout::sparse_owner;
 use gaps_common::layout::{ChunkId, Layout};
 use gaps_common::rng::{mix, Rng};
 use gaps_common::wire::{
-    words_to_ids, Ack, ChunkVersion, ClusterMap, ErrorCode, Frame, Heartbeat, HeartbeatAck, Leave, Message, Pull,
-    PullReply, Push, Register, RegisterShard, Role, RuleInfo, ShardAddr, SparsePull, SparsePullReply, SparsePush,
-    Stats, PROTOCOL_VERSION,
+    words_to_ids, Ack, ChunkVersion, ClusterMap, ErrorCode, Frame, Heartbeat, HeartbeatAck, Leave, Message,
+    ModeDecision, ModeDecisions, ModeSwitchRecord, Pull, PullReply, Push, Register, RegisterShard, Role, RuleInfo,
+    ShardAddr, SparsePull, SparsePullReply, SparsePush, Stats, PROTOCOL_VERSION,
 };
 use gaps_kernels::{Bufs, Hyper, PushScalars, Rule};
 use membership::Coordinator;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::time::Duration;
+use steps::RowAccum;
 
 /// How the shard initialises its parameters.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -250,6 +251,17 @@ pub enum CoreEvent {
     WorkerExpired(u32),
     /// A shard joined the cluster.
     ShardJoined(u32),
+    /// The coordinator decided a cluster-wide mode (`auto`); every shard switches at `from_step`.
+    ModeDecided {
+        /// The decision's number.
+        number: u64,
+        /// The mode decided.
+        to: Mode,
+        /// The first worker step run in it.
+        from_step: u64,
+        /// Why.
+        reason: String,
+    },
     /// The training mode changed.
     ModeSwitch {
         /// Mode before.
@@ -315,6 +327,19 @@ pub struct ShardCore {
     contributors: BTreeSet<u32>,
     /// Aggregated updates applied (sync and gba steps).
     global_step: u64,
+    /// Synchronous modes: embedding-row gradients of the current step, summed per id, one per table.
+    row_accum: Vec<RowAccum>,
+    /// The newest two mode decisions known: under `auto`, the coordinator's own or ones a worker carried
+    /// here; otherwise the configured mode (number 0).
+    decisions: ModeDecisions,
+    /// Why the coordinator made its last two decisions, by number (none where learned from a worker).
+    decision_reasons: VecDeque<(u64, String)>,
+    /// The largest worker step seen in a push (the coordinator places new decisions after it).
+    max_step: u64,
+    /// Mode switches carried out, oldest first (the last [`steps::SWITCH_LOG`]).
+    switches: VecDeque<ModeSwitchRecord>,
+    /// Seconds of the last request or tick (rows touched by a step's update are stamped with it).
+    now_s: u32,
     detector: StragglerDetector,
     ramp: LrRamp,
     /// Pushes per worker (bounded staleness).
@@ -432,7 +457,15 @@ impl ShardCore {
         };
         let n_slots = slots.len();
         let owned_elems = slots.iter().map(|s| s.params.len()).sum();
+        let row_accum = cfg.layout.tables.iter().map(|t| RowAccum::new(t.dim as usize)).collect();
+        let decisions = ModeDecisions::start(active.code());
         Ok(ShardCore {
+            row_accum,
+            decisions,
+            decision_reasons: VecDeque::new(),
+            max_step: 0,
+            switches: VecDeque::new(),
+            now_s: 0,
             owned_elems,
             tables,
             leases: BTreeMap::new(),
@@ -550,6 +583,9 @@ impl ShardCore {
         s.mode = self.active.code();
         s.lr_multiplier_milli = (self.last_multiplier * 1000.0).round().clamp(0.0, f64::from(u32::MAX)) as u32;
         s.ssp_min_clock = self.min_clock();
+        s.global_step = self.global_step;
+        s.decisions = self.decisions;
+        s.switches = self.switches.iter().cloned().collect();
         for t in &self.tables {
             let ts = t.stats();
             s.table_rows += ts.rows;
@@ -577,7 +613,17 @@ impl ShardCore {
 
     /// True while a synchronous or GBA step has gradients accumulated but not yet applied.
     pub fn step_in_progress(&self) -> bool {
-        self.accum_pushes > 0
+        self.accum_pushes > 0 || self.row_accum.iter().any(|a| !a.is_empty())
+    }
+
+    /// The newest two mode decisions this shard knows.
+    pub fn decisions(&self) -> ModeDecisions {
+        self.decisions
+    }
+
+    /// The mode switches this shard carried out, oldest first (the last 64).
+    pub fn switches(&self) -> impl Iterator<Item = &ModeSwitchRecord> {
+        self.switches.iter()
     }
 
     /// Workers holding a lease with this shard.
@@ -623,6 +669,7 @@ impl ShardCore {
         self.stats.payload_bytes_in += payload_in;
         let is_push = matches!(req.msg, Message::Push(_) | Message::SparsePush(_));
         let now_s = now.as_secs().min(u64::from(u32::MAX)) as u32;
+        self.now_s = now_s;
         let result = match req.msg {
             Message::Pull(p) => self.pull(&p),
             Message::Push(p) => self.push(&p, &req.payload, now, &mut events),
@@ -669,6 +716,7 @@ impl ShardCore {
     /// Expires worker leases and idle sparse rows (TTL eviction). Returns what changed.
     pub fn tick(&mut self, now: Duration) -> Vec<CoreEvent> {
         let now_s = now.as_secs().min(u64::from(u32::MAX)) as u32;
+        self.now_s = now_s;
         for t in &mut self.tables {
             t.tick(now_s);
         }

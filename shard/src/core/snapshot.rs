@@ -119,6 +119,25 @@ impl ShardCore {
             table.write_to(&mut w);
         }
         w.u32s(&self.leases.keys().copied().collect::<Vec<_>>());
+        for accum in &self.row_accum {
+            let (ids, sums) = accum.parts();
+            w.u64s(ids);
+            w.f32s(sums);
+        }
+        for d in [self.decisions.latest, self.decisions.previous] {
+            w.u64s(&[d.number, u64::from(d.mode), d.from_step]);
+        }
+        w.u64(self.max_step);
+        w.u64(self.decision_reasons.len() as u64);
+        for (number, why) in &self.decision_reasons {
+            w.u64(*number);
+            w.str(why);
+        }
+        w.u64(self.switches.len() as u64);
+        for sw in &self.switches {
+            w.u64s(&[sw.number, u64::from(sw.from), u64::from(sw.to), sw.from_step, sw.at_global_step]);
+            w.str(&sw.reason);
+        }
         w.buf
     }
 
@@ -237,6 +256,40 @@ impl ShardCore {
         // it would have.
         for worker in r.u32s("lease holders")? {
             core.leases.insert(worker, core.cfg.lease);
+        }
+        for (t, accum) in core.row_accum.iter_mut().enumerate() {
+            let ids = r.u64s("row sums")?;
+            let sums = r.f32s("row sums")?;
+            accum.restore(ids, sums).map_err(|e| CheckpointError::Corrupt(format!("row sums of table {t}: {e}")))?;
+        }
+        let mut read_decision = || -> Result<ModeDecision, CheckpointError> {
+            let corrupt = || CheckpointError::Corrupt("mode decision".into());
+            let fields = r.u64s("mode decision")?;
+            let [number, mode, from_step] = fields[..] else { return Err(corrupt()) };
+            Ok(ModeDecision { number, mode: u8::try_from(mode).map_err(|_| corrupt())?, from_step })
+        };
+        let latest = read_decision()?;
+        let previous = read_decision()?;
+        core.decisions = ModeDecisions { latest, previous };
+        core.max_step = r.u64()?;
+        let reasons = r.u64()?;
+        if reasons > 2 {
+            return Err(CheckpointError::Corrupt("mode decision reasons".into()));
+        }
+        for _ in 0..reasons {
+            let number = r.u64()?;
+            core.decision_reasons.push_back((number, r.str("mode decision reason")?));
+        }
+        let corrupt = || CheckpointError::Corrupt("mode switches".into());
+        for _ in 0..r.u64()?.min(super::steps::SWITCH_LOG as u64 + 1) {
+            let fields = r.u64s("mode switch")?;
+            let [number, from, to, from_step, at_global_step] = fields[..] else { return Err(corrupt()) };
+            let (from, to) = (u8::try_from(from).map_err(|_| corrupt())?, u8::try_from(to).map_err(|_| corrupt())?);
+            let reason = r.str("mode switch")?;
+            core.switches.push_back(ModeSwitchRecord { number, from, to, from_step, at_global_step, reason });
+        }
+        if core.switches.len() > super::steps::SWITCH_LOG {
+            return Err(corrupt());
         }
         r.finish()?;
         if !core.lr_scale.is_finite() || core.lr_scale <= 0.0 {

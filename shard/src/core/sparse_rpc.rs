@@ -86,6 +86,9 @@ impl ShardCore {
                 });
             }
         }
+        if matches!(self.active, Mode::Sync | Mode::Gba) {
+            return Ok(self.accumulate_rows(req, &ids, &read_versions, grads));
+        }
         let lr = hyper.lr * self.lr_scale;
         let max_staleness = self.tables[req.table as usize]
             .push(&ids, &read_versions, grads, reads, &hyper, lr, lr.max(hyper.lr), now_s)
@@ -95,6 +98,39 @@ impl ShardCore {
         if let Some(window) = self.seqs.get_mut(&req.worker) {
             window.insert(req.seq);
         }
-        Ok(Frame::new(Message::Ack(Ack { seq: req.seq, max_staleness, ..Ack::default() })))
+        Ok(Frame::new(Message::Ack(Ack { seq: req.seq, max_staleness, decisions: self.decisions, ..Ack::default() })))
+    }
+
+    /// sync and gba: adds a validated sparse push's row gradients to the step's sums, per id, to be applied
+    /// once when the step completes (the worker's dense push marks the end of its step). A row read before
+    /// the last update it missed is dropped as a dense gradient would be: in sync any staleness, in gba
+    /// more than the threshold; rows that do not exist (not admitted, evicted) are dropped and counted.
+    fn accumulate_rows(&mut self, req: &SparsePush, ids: &[u64], read_versions: &[u32], grads: &[f32]) -> Frame {
+        let dim = req.dim as usize;
+        let bound = if self.active == Mode::Sync { 0 } else { self.cfg.modes.gba_threshold };
+        let table = &self.tables[req.table as usize];
+        let mut max_staleness = 0u64;
+        let (mut stale, mut missing) = (0u64, 0u64);
+        for (k, id) in ids.iter().enumerate() {
+            let Some(version) = table.version(*id) else {
+                missing += 1;
+                continue;
+            };
+            let staleness = u64::from(version.saturating_sub(read_versions[k]));
+            if staleness > bound {
+                stale += 1;
+                continue;
+            }
+            max_staleness = max_staleness.max(staleness);
+            self.row_accum[req.table as usize].add(*id, &grads[k * dim..(k + 1) * dim]);
+        }
+        self.stats.rows_dropped_stale += stale;
+        self.tables[req.table as usize].count_dropped(missing);
+        self.stats.pushes_applied += 1;
+        self.stats.staleness_max = self.stats.staleness_max.max(max_staleness);
+        if let Some(window) = self.seqs.get_mut(&req.worker) {
+            window.insert(req.seq);
+        }
+        Frame::new(Message::Ack(Ack { seq: req.seq, max_staleness, decisions: self.decisions, ..Ack::default() }))
     }
 }

@@ -3,25 +3,142 @@
 
 use super::*;
 
+/// How many mode switches a shard remembers (reported in stats).
+pub(super) const SWITCH_LOG: usize = 64;
+
+/// Embedding-row gradients of one table summed per id over a synchronous step.
+#[derive(Debug, Clone)]
+pub(crate) struct RowAccum {
+    dim: usize,
+    index: HashMap<u64, usize>,
+    ids: Vec<u64>,
+    sums: Vec<f32>,
+}
+
+impl RowAccum {
+    pub(super) fn new(dim: usize) -> Self {
+        RowAccum { dim, index: HashMap::new(), ids: Vec::new(), sums: Vec::new() }
+    }
+
+    pub(super) fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+
+    /// Adds one row's gradient.
+    pub(super) fn add(&mut self, id: u64, grad: &[f32]) {
+        let dim = self.dim;
+        let k = *self.index.entry(id).or_insert_with(|| {
+            self.ids.push(id);
+            self.sums.resize(self.sums.len() + dim, 0.0);
+            self.ids.len() - 1
+        });
+        self.sums[k * dim..(k + 1) * dim].iter_mut().zip(grad).for_each(|(s, g)| *s += g);
+    }
+
+    /// The ids (in the order first seen) and their summed gradients; empties the accumulator.
+    pub(super) fn take(&mut self) -> (Vec<u64>, Vec<f32>) {
+        self.index.clear();
+        (std::mem::take(&mut self.ids), std::mem::take(&mut self.sums))
+    }
+
+    /// The ids and sums as they are (checkpoints).
+    pub(super) fn parts(&self) -> (&[u64], &[f32]) {
+        (&self.ids, &self.sums)
+    }
+
+    /// Restores ids and sums written by [`RowAccum::parts`].
+    pub(super) fn restore(&mut self, ids: Vec<u64>, sums: Vec<f32>) -> Result<(), String> {
+        if sums.len() != ids.len() * self.dim {
+            return Err(format!("{} ids with {} summed values of dim {}", ids.len(), sums.len(), self.dim));
+        }
+        self.index = ids.iter().enumerate().map(|(k, id)| (*id, k)).collect();
+        if self.index.len() != ids.len() {
+            return Err("an id appears twice".into());
+        }
+        self.ids = ids;
+        self.sums = sums;
+        Ok(())
+    }
+}
+
 impl ShardCore {
-    /// Lets the detector judge the live workers and, in `auto`, switches between sync and gba.
+    /// Lets the detector judge the live workers. Under `auto` the coordinator alone turns its verdict into
+    /// a numbered cluster-wide decision, effective two worker steps after the latest it has seen: every
+    /// worker's next push to it is acknowledged with the decision, and the worker hands it to every other
+    /// shard with its pushes before any of them reaches that step (see [`ShardCore::follow_decisions`]).
+    /// It decides again only once its latest decision is in force, so the newest two decisions always
+    /// name the mode of every step a worker may still push.
     pub(super) fn judge(&mut self, events: &mut Vec<CoreEvent>) {
         let live: BTreeSet<u32> = self.leases.keys().copied().collect();
         let reasons = self.detector.judge(&live, &self.cfg.modes);
+        if self.cfg.modes.mode != Mode::Auto || self.coordinator.is_none() {
+            return;
+        }
+        let latest = self.decisions.latest;
+        let wanted = if self.detector.stragglers().is_empty() { Mode::Sync } else { Mode::Gba };
+        if wanted.code() != latest.mode && self.max_step >= latest.from_step {
+            let reason = if reasons.is_empty() { "membership changed".to_string() } else { reasons.join("; ") };
+            let decision = ModeDecision {
+                number: latest.number.saturating_add(1),
+                mode: wanted.code(),
+                from_step: self.max_step.saturating_add(2),
+            };
+            self.decisions.push(decision);
+            events.push(CoreEvent::ModeDecided {
+                number: decision.number,
+                to: wanted,
+                from_step: decision.from_step,
+                reason: reason.clone(),
+            });
+            if self.decision_reasons.len() == 2 {
+                self.decision_reasons.pop_front();
+            }
+            self.decision_reasons.push_back((decision.number, reason));
+        }
+    }
+
+    /// A push of worker step `step` carrying the worker's newest two decisions: keeps the newest two known
+    /// here (a shard that restarted or joined learns the current ones this way, the coordinator too) and
+    /// runs the step in the mode of the decision in force at it, so that every shard switches at the same
+    /// worker step. A push of an older step than one already switched at runs in the mode in force.
+    pub(super) fn follow_decisions(&mut self, step: u64, carried: &ModeDecisions, events: &mut Vec<CoreEvent>) {
         if self.cfg.modes.mode != Mode::Auto {
             return;
         }
-        let wanted = if self.detector.stragglers().is_empty() { Mode::Sync } else { Mode::Gba };
-        if wanted != self.active {
-            let reason = if reasons.is_empty() { "membership changed".to_string() } else { reasons.join("; ") };
-            if self.active == Mode::Gba && self.accum_pushes > 0 {
-                // The partial GBA step is applied as it is; sync starts on a fresh step.
-                let _ = self.complete_step();
-            }
-            events.push(CoreEvent::ModeSwitch { from: self.active, to: wanted, reason });
-            self.active = wanted;
-            self.stats.mode_switches += 1;
+        self.max_step = self.max_step.max(step);
+        let valid = |d: &ModeDecision| matches!(Mode::from_code(d.mode), Some(Mode::Sync | Mode::Gba));
+        if valid(&carried.latest) && carried.latest.number > self.decisions.latest.number {
+            let previous = if valid(&carried.previous) { carried.previous } else { carried.latest };
+            self.decisions.merge(&ModeDecisions { latest: carried.latest, previous });
         }
+        let Some(decision) = self.decisions.in_force(step) else { return };
+        let Some(wanted) = Mode::from_code(decision.mode) else { return };
+        let newer = self.switches.back().is_none_or(|s| decision.number > s.number);
+        if wanted == self.active || !newer {
+            return;
+        }
+        if self.active == Mode::Gba && self.step_in_progress() {
+            // The partial GBA step is applied as it is; sync starts on a fresh step.
+            let _ = self.complete_step();
+        }
+        let reason = match self.decision_reasons.iter().find(|(n, _)| *n == decision.number) {
+            Some((_, why)) => why.clone(),
+            None => format!("decision {} of the coordinator", decision.number),
+        };
+        if self.switches.len() == SWITCH_LOG {
+            self.switches.pop_front();
+        }
+        self.switches.push_back(ModeSwitchRecord {
+            number: decision.number,
+            from: self.active.code(),
+            to: wanted.code(),
+            from_step: decision.from_step,
+            at_global_step: self.global_step,
+            reason: reason.clone(),
+        });
+        events.push(CoreEvent::ModeSwitch { from: self.active, to: wanted, reason });
+        self.active = wanted;
+        self.stats.mode_switches += 1;
     }
 
     pub(super) fn min_clock(&self) -> u64 {
@@ -66,6 +183,7 @@ impl ShardCore {
         }
         let mode = self.active;
         self.apply_now(&plan, u32::MAX, &flat, &reads)?;
+        self.apply_rows(self.accum_pushes.max(1))?;
         self.global_step += 1;
         match mode {
             Mode::Gba => self.stats.steps_gba += 1,
@@ -73,6 +191,44 @@ impl ShardCore {
         }
         self.contributors.clear();
         self.accum_pushes = 0;
+        Ok(())
+    }
+}
+
+impl ShardCore {
+    /// Applies the step's summed embedding-row gradients, each row once, divided by the step's `pushes`
+    /// (the global batch's mean: every worker's row gradient is a mean over its own batch). Every gradient
+    /// was checked against the row's version when it arrived, so the rows are updated as fresh (staleness
+    /// 0); rules that measure drift see none.
+    fn apply_rows(&mut self, pushes: u32) -> Result<(), ShardError> {
+        let inv = 1.0 / pushes as f32;
+        let multiplier = self.lr_scale * self.lr_multiplier() as f32;
+        let now_s = self.now_s;
+        for t in 0..self.tables.len() {
+            if self.row_accum[t].is_empty() {
+                continue;
+            }
+            let (ids, mut sums) = self.row_accum[t].take();
+            sums.iter_mut().for_each(|g| *g *= inv);
+            let (rule, hyper) = self.table_rules[t];
+            let table = &mut self.tables[t];
+            let dim = table.config().dim as usize;
+            let versions: Vec<u32> = ids.iter().map(|id| table.version(*id).unwrap_or(0)).collect();
+            let mut reads = Vec::new();
+            if rule.layout().needs_read {
+                reads.reserve(ids.len() * dim);
+                for id in &ids {
+                    match table.row(*id) {
+                        Some(row) => reads.extend_from_slice(row),
+                        None => reads.resize(reads.len() + dim, 0.0),
+                    }
+                }
+            }
+            let lr = hyper.lr * multiplier;
+            table
+                .push(&ids, &versions, &sums, &reads, &hyper, lr, lr.max(hyper.lr), now_s)
+                .map_err(|e| ShardError::Device(e.to_string()))?;
+        }
         Ok(())
     }
 }
