@@ -42,9 +42,13 @@ pub struct LocalArgs {
     /// Elements per chunk (default: 64 for logreg, so every shard holds part of it; 4096 for the CTR models).
     #[arg(long, env = "GAPS_CHUNK_ELEMS", value_parser = clap::value_parser!(u32).range(1..))]
     pub chunk_elems: Option<u32>,
-    /// Steps per worker (default: 150 for logreg, 300 for the CTR models).
+    /// Steps per worker (default: 150 for logreg, 300 for the CTR models on synthetic data; with a data
+    /// file, as many as `--epochs` take).
     #[arg(long, env = "GAPS_STEPS", value_parser = clap::value_parser!(u64).range(1..))]
     pub steps: Option<u64>,
+    /// Passes of each worker over its share of a data file (default: 1 unless `--steps` is given).
+    #[arg(long, env = "GAPS_EPOCHS", value_parser = clap::value_parser!(u64).range(1..))]
+    pub epochs: Option<u64>,
     /// Samples per step and worker (default: 64 for logreg, 256 for the CTR models).
     #[arg(long, env = "GAPS_BATCH", value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub batch: Option<u32>,
@@ -253,9 +257,13 @@ impl LocalArgs {
     pub fn chunk_elems(&self) -> u32 {
         self.chunk_elems.unwrap_or(if self.ctr() { 4096 } else { 64 })
     }
-    /// Steps per worker.
-    pub fn steps(&self) -> u64 {
-        self.steps.unwrap_or(if self.ctr() { 300 } else { 150 })
+    /// Steps per worker, when a number of steps bounds the run (not for a data file run by passes).
+    pub fn steps(&self) -> Option<u64> {
+        match (self.steps, self.data != "synthetic") {
+            (Some(n), _) => Some(n),
+            (None, true) => None,
+            (None, false) => Some(if self.ctr() { 300 } else { 150 }),
+        }
     }
     /// Samples per step and worker.
     pub fn batch(&self) -> u32 {
@@ -296,6 +304,12 @@ pub struct CtrReport {
     pub table_rows: u64,
     /// Bytes held by all shards' tables.
     pub table_bytes: u64,
+    /// Passes over the data file (the furthest worker; 0 for synthetic data).
+    pub epochs: f64,
+    /// The held-out log-loss of the best constant predictor (the held-out click rate).
+    pub constant_logloss: f64,
+    /// Embedding-row gradients dropped as too stale in sync or gba, all shards.
+    pub rows_dropped_stale: u64,
 }
 
 impl LocalReport {
@@ -350,6 +364,9 @@ impl LocalReport {
             map.insert("bad_lines".into(), c.bad_lines.into());
             map.insert("table_rows".into(), c.table_rows.into());
             map.insert("table_bytes".into(), c.table_bytes.into());
+            map.insert("epochs".into(), ((c.epochs * 1000.0).round() / 1000.0).into());
+            map.insert("constant_logloss".into(), c.constant_logloss.into());
+            map.insert("rows_dropped_stale".into(), c.rows_dropped_stale.into());
         }
         v.to_string()
     }
@@ -609,7 +626,6 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
                 format!("--cert={}", path("worker.pem")),
                 format!("--key={}", path("worker.key")),
                 format!("--model={}", args.model.name()),
-                format!("--steps={}", args.steps()),
                 format!("--batch={}", args.batch()),
                 format!("--data-seed={}", args.seed),
                 format!("--data={}", args.data),
@@ -620,6 +636,8 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
                 "--json".into(),
                 "--ledger".into(),
             ];
+            a.extend(args.steps().map(|n| format!("--steps={n}")));
+            a.extend(args.epochs.map(|n| format!("--epochs={n}")));
             for st in args.stragglers.iter().filter(|st| st.worker == w) {
                 a.push(format!("--slowdown={}", st.factor));
                 if let Some(until) = st.until {
@@ -636,7 +654,7 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
         let shards_with_chunks = args.servers.min(observer.layout().total_chunks() as u32);
         // A CTR step also pushes embedding rows to every shard (rows spread over all of them).
         let per_step = u64::from(shards_with_chunks) + if args.ctr() { u64::from(args.servers) } else { 0 };
-        let expected = u64::from(args.workers + args.add_workers.len() as u32) * args.steps() * per_step;
+        let expected = args.steps().map(|n| u64::from(args.workers + args.add_workers.len() as u32) * n * per_step);
         let training_started = Instant::now();
         let interactive = std::io::stderr().is_terminal();
         let mut last_decile = 0;
@@ -733,12 +751,18 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
                     Ok(Ok(s)) => s.iter().map(|x| x.pushes_applied).sum(),
                     _ => 0,
                 };
-                let pct = 100 * applied / expected.max(1);
-                if interactive {
-                    eprint!("\r[gaps local] training: {applied}/{expected} shard pushes applied ({pct}%)   ");
-                } else if pct / 10 > last_decile {
-                    last_decile = pct / 10;
-                    eprintln!("[gaps local] training: {applied}/{expected} shard pushes applied ({pct}%)");
+                match expected {
+                    Some(expected) => {
+                        let pct = 100 * applied / expected.max(1);
+                        if interactive {
+                            eprint!("\r[gaps local] training: {applied}/{expected} shard pushes applied ({pct}%)   ");
+                        } else if pct / 10 > last_decile {
+                            last_decile = pct / 10;
+                            eprintln!("[gaps local] training: {applied}/{expected} shard pushes applied ({pct}%)");
+                        }
+                    }
+                    None if interactive => eprint!("\r[gaps local] training: {applied} shard pushes applied   "),
+                    None => {}
                 }
             }
         }
@@ -754,6 +778,7 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
         let mut retries = 0;
         let mut samples = 0;
         let mut bad_lines = 0;
+        let mut epochs = 0.0f64;
         let mut workers_final = 0;
         let mut pushes_unconfirmed = 0;
         for (i, (p, text)) in workers.iter().zip(&outputs).enumerate() {
@@ -783,6 +808,7 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             retries += v["retries"].as_u64().unwrap_or(0);
             samples += v["samples"].as_u64().unwrap_or(0);
             bad_lines = bad_lines.max(v["bad_lines"].as_u64().unwrap_or(0));
+            epochs = epochs.max(v["epochs"].as_f64().unwrap_or(0.0));
         }
         let stats = observer.stats().await.context("reading shard counters")?;
         let (final_loss, ctr_report) = match &ctr {
@@ -799,6 +825,9 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
                     bad_lines: bad_lines.max(*eval_bad),
                     table_rows: stats.iter().map(|s| s.table_rows).sum(),
                     table_bytes: stats.iter().map(|s| s.table_bytes).sum(),
+                    epochs,
+                    constant_logloss: constant_logloss(&labels),
+                    rows_dropped_stale: stats.iter().map(|s| s.rows_dropped_stale).sum(),
                 };
                 (logloss as f32, Some(report))
             }
@@ -892,4 +921,12 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
 /// The `--mode` name of a mode's wire code.
 fn mode_name(code: u8) -> &'static str {
     gaps_shard::modes::Mode::from_code(code).map_or("unknown", |m| m.name())
+}
+
+/// The log-loss of the best constant predictor on `labels` (their own click rate): what a model must beat
+/// to have learned anything.
+fn constant_logloss(labels: &[u8]) -> f64 {
+    let n = labels.len().max(1) as f64;
+    let p = (labels.iter().map(|l| f64::from(*l)).sum::<f64>() / n).clamp(1e-7, 1.0 - 1e-7);
+    -(p * p.ln() + (1.0 - p) * (1.0 - p).ln())
 }

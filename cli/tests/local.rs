@@ -421,3 +421,27 @@ fn the_example_config_file_is_valid_for_every_role() {
     let l = m.subcommand_matches("local").expect("local");
     assert_eq!(l.get_one::<u32>("servers"), Some(&2));
 }
+
+/// A file of a few thousand lines with default flags: one pass (not a fixed number of steps that would go
+/// over it many times), and a held-out log-loss below the best constant predictor's.
+#[test]
+fn a_small_file_is_trained_one_pass_by_default_and_does_not_overfit() {
+    let data = gaps_models::criteo::SyntheticCriteo::new(5);
+    let lines: Vec<String> =
+        (0..4000).map(|i| gaps_models::criteo::SyntheticCriteo::to_line(&data.sample(i).0)).collect();
+    let path = std::env::temp_dir().join(format!("gaps-criteo-epochs-{}.tsv", std::process::id()));
+    std::fs::write(&path, lines.join("\n")).expect("write");
+    let file = path.to_str().expect("path");
+    let v = run_local(&["local", "--model", "dlrm", "--data", file, "--json"]);
+    let twice = run_local(&["local", "--model", "dlrm", "--data", file, "--epochs", "2", "--json"]);
+    let _ = std::fs::remove_file(&path);
+    assert_eq!(v["epochs"], 1.0, "{v}");
+    assert_eq!(twice["epochs"], 2.0, "{twice}");
+    // 3,600 training lines (every 10th is held out), line i to worker i mod 4: 800, 1000, 800 and 1000
+    // lines, in batches of 256 that run on from one pass into the next: 4 steps each for one pass, 7 or 8
+    // for two.
+    assert_eq!(v["steps"], 16, "{v}");
+    assert_eq!(twice["steps"], 7 + 8 + 7 + 8, "{twice}");
+    let (loss, constant) = (v["logloss"].as_f64().expect("logloss"), v["constant_logloss"].as_f64().expect("c"));
+    assert!(loss < constant, "held-out log-loss {loss} is not below the constant predictor's {constant}: {v}");
+}

@@ -363,6 +363,12 @@ pub struct TrainingStream {
     passes: u64,
     /// Training lines this worker used in the current pass over the file.
     used_this_pass: u64,
+    /// Stop after this many passes over a file (None: start over at the end, forever).
+    epochs: Option<u64>,
+    /// The last pass ended: only empty batches from now on.
+    finished: bool,
+    /// Training lines of this worker in one pass (known after the first).
+    lines_per_pass: u64,
 }
 
 #[derive(Debug)]
@@ -387,12 +393,51 @@ impl TrainingStream {
                 StreamSource::File { path: path.clone(), reader: open(path)?, part, parts: parts.max(1) }
             }
         };
-        Ok(TrainingStream { source, bad_lines: 0, first_errors: Vec::new(), passes: 0, used_this_pass: 0 })
+        Ok(TrainingStream {
+            source,
+            bad_lines: 0,
+            first_errors: Vec::new(),
+            passes: 0,
+            used_this_pass: 0,
+            epochs: None,
+            finished: false,
+            lines_per_pass: 0,
+        })
+    }
+
+    /// Ends the stream after `epochs` complete passes over a file: the batch that reaches the end of the
+    /// last pass is short, the next ones are empty. Synthetic data has no passes; it is refused.
+    pub fn with_epochs(mut self, epochs: Option<u64>) -> Result<Self, String> {
+        if epochs.is_some() && matches!(self.source, StreamSource::Synthetic { .. }) {
+            return Err("--epochs counts passes over a data file; synthetic data has no end (use --steps)".into());
+        }
+        if epochs == Some(0) {
+            return Err("--epochs must be at least 1".into());
+        }
+        self.epochs = epochs;
+        Ok(self)
+    }
+
+    /// Complete passes over the file so far.
+    pub fn passes(&self) -> u64 {
+        self.passes
+    }
+
+    /// The passes so far as a fraction: complete passes plus the share of the current one, once the first
+    /// pass told how many lines a pass has (synthetic data: 0).
+    pub fn epochs_done(&self) -> f64 {
+        match (self.passes, self.lines_per_pass) {
+            (0, _) | (_, 0) => self.passes as f64,
+            (p, n) => p as f64 + self.used_this_pass as f64 / n as f64,
+        }
     }
 
     /// The next `n` samples.
     pub fn next_batch(&mut self, n: usize) -> Result<Vec<Sample>, String> {
         let mut out = Vec::with_capacity(n);
+        if self.finished {
+            return Ok(out);
+        }
         match &mut self.source {
             StreamSource::Synthetic { data, next } => {
                 for _ in 0..n {
@@ -413,6 +458,7 @@ impl TrainingStream {
                             if self.passes == 0 {
                                 self.bad_lines = reader.bad_lines;
                                 self.first_errors = reader.first_errors.clone();
+                                self.lines_per_pass = self.used_this_pass;
                             }
                             self.passes += 1;
                             // Only a pass that yielded nothing at all means the file has nothing for us (a
@@ -425,6 +471,10 @@ impl TrainingStream {
                                 ));
                             }
                             self.used_this_pass = 0;
+                            if self.epochs.is_some_and(|e| self.passes >= e) {
+                                self.finished = true;
+                                break;
+                            }
                             *reader = open(path)?;
                         }
                     }
@@ -603,6 +653,31 @@ mod tests {
         assert!((0.15..0.5).contains(&ctr), "click rate {ctr}");
         let teacher = auc(&probs, &labels);
         assert!((0.7..0.95).contains(&teacher), "teacher AUC {teacher}");
+    }
+
+    #[test]
+    fn a_stream_with_epochs_ends_after_its_passes_and_synthetic_data_refuses_them() {
+        let data = SyntheticCriteo::new(2);
+        let text: Vec<String> = (0..50).map(|i| SyntheticCriteo::to_line(&data.sample(i).0)).collect();
+        let path = std::env::temp_dir().join(format!("gaps-epochs-unit-{}.tsv", std::process::id()));
+        std::fs::write(&path, text.join("\n")).expect("write");
+        let spec = DataSpec::File(path.clone());
+        // 45 training lines (lines 0, 10, ... are held out), two passes, batches of 20: 20, 20, 20, 20, 10.
+        let mut stream = TrainingStream::new(&spec, 0, 1).and_then(|s| s.with_epochs(Some(2))).expect("stream");
+        let mut sizes = Vec::new();
+        loop {
+            let batch = stream.next_batch(20).expect("batch");
+            if batch.is_empty() {
+                break;
+            }
+            sizes.push(batch.len());
+        }
+        let _ = std::fs::remove_file(&path);
+        assert_eq!(sizes, [20, 20, 20, 20, 10]);
+        assert_eq!((stream.passes(), stream.epochs_done()), (2, 2.0));
+        let synthetic = TrainingStream::new(&DataSpec::Synthetic { seed: 1 }, 0, 1).expect("stream");
+        let err = synthetic.with_epochs(Some(1)).expect_err("synthetic data has no passes");
+        assert!(err.contains("--steps"), "{err}");
     }
 
     #[test]

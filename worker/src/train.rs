@@ -29,9 +29,14 @@ pub struct WorkerArgs {
     /// The model to train; must match what the servers hold.
     #[arg(long, env = "GAPS_MODEL", default_value = "logreg")]
     pub model: ModelKind,
-    /// Training steps (one pull, one gradient, one push each).
-    #[arg(long, env = "GAPS_STEPS", default_value_t = 200)]
-    pub steps: u64,
+    /// Training steps (one pull, one gradient, one push each). Default: 200 on synthetic data; with a data
+    /// file, as many as `--epochs` take.
+    #[arg(long, env = "GAPS_STEPS")]
+    pub steps: Option<u64>,
+    /// Passes over this worker's share of a data file (default: 1 unless `--steps` is given, which then
+    /// starts over at the end of the file as often as it takes). Synthetic data has no passes.
+    #[arg(long, env = "GAPS_EPOCHS", value_parser = clap::value_parser!(u64).range(1..))]
+    pub epochs: Option<u64>,
     /// Samples per step.
     #[arg(long, env = "GAPS_BATCH", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub batch: u32,
@@ -137,22 +142,29 @@ pub struct WorkerSummary {
     pub samples: u64,
     /// Bad lines in the data file (first pass; 0 for synthetic data).
     pub bad_lines: u64,
+    /// Passes over the data file (complete ones plus the share of the current one; 0 for synthetic data).
+    pub epochs: f64,
+}
+
+impl WorkerArgs {
+    /// The step limit and the pass limit of this run: synthetic data runs `--steps` (200); a file runs
+    /// `--epochs` passes (1 when neither is given), or `--steps`, whichever ends first.
+    pub fn limits(&self) -> (Option<u64>, Option<u64>) {
+        match (&self.data, self.steps, self.epochs) {
+            (crate::criteo::DataSpec::Synthetic { .. }, steps, epochs) => (Some(steps.unwrap_or(200)), epochs),
+            (_, None, None) => (None, Some(1)),
+            (_, steps, epochs) => (steps, epochs),
+        }
+    }
 }
 
 impl WorkerSummary {
     /// The summary of a finished run: losses per step (the first, and the mean of the last 10).
-    fn new(
-        args: &WorkerArgs,
-        client: &crate::Client,
-        worker: u32,
-        losses: &[f32],
-        started: Instant,
-        bad_lines: u64,
-    ) -> Self {
+    fn new(client: &crate::Client, worker: u32, losses: &[f32], started: Instant, bad_lines: u64, epochs: f64) -> Self {
         let tail = &losses[losses.len().saturating_sub(10)..];
         WorkerSummary {
             worker,
-            steps: args.steps,
+            steps: losses.len() as u64,
             pushes_sent: client.pushes_sent(),
             pushes_acknowledged: client.pushes_acknowledged(),
             stale_after_restore: client.stale_after_restore(),
@@ -160,8 +172,9 @@ impl WorkerSummary {
             first_loss: losses.first().copied().unwrap_or(f32::NAN),
             last_loss: tail.iter().sum::<f32>() / tail.len().max(1) as f32,
             wall_s: started.elapsed().as_secs_f64(),
-            samples: args.steps * u64::from(args.batch),
+            samples: 0,
             bad_lines,
+            epochs,
         }
     }
 
@@ -180,6 +193,7 @@ impl WorkerSummary {
             "wall_s": self.wall_s,
             "samples": self.samples,
             "bad_lines": self.bad_lines,
+            "epochs": self.epochs,
         })
         .to_string()
     }
@@ -226,10 +240,14 @@ pub async fn run(args: &WorkerArgs) -> Result<WorkerSummary> {
     let data = SyntheticLogreg::new(dim as usize, args.data_seed);
     let lease = Duration::from_millis(u64::from(client.map().lease_ms));
     let heartbeats = client.spawn_heartbeats((lease / 3).max(Duration::from_millis(100)));
+    if args.epochs.is_some() {
+        anyhow::bail!("--epochs counts passes over a data file; --model logreg trains on synthetic data (use --steps)");
+    }
+    let steps = args.steps.unwrap_or(200);
     let started = Instant::now();
-    let mut losses = Vec::with_capacity(args.steps as usize);
+    let mut losses = Vec::with_capacity(steps as usize);
     let batch = args.batch as usize;
-    for step in 0..args.steps {
+    for step in 0..steps {
         let snapshot = client.pull().await.with_context(|| format!("pulling parameters at step {step}"))?;
         let first = (u64::from(worker) << 40) + step * batch as u64;
         let compute = Instant::now();
@@ -239,13 +257,15 @@ pub async fn run(args: &WorkerArgs) -> Result<WorkerSummary> {
         emulate_compute(args, started, compute.elapsed()).await;
         client.push(grads, &snapshot).await.with_context(|| format!("pushing the gradient of step {step}"))?;
         ledger_line(args, &client, step + 1);
-        if args.steps >= 10 && (step + 1) % (args.steps / 10) == 0 {
+        if steps >= 10 && (step + 1) % (steps / 10) == 0 {
             info!(worker, step = step + 1, loss, "progress");
         }
     }
     heartbeats.abort();
     client.leave().await.context("leaving the cluster")?;
-    Ok(WorkerSummary::new(args, &client, worker, &losses, started, 0))
+    let mut summary = WorkerSummary::new(&client, worker, &losses, started, 0, 0.0);
+    summary.samples = steps * batch as u64;
+    Ok(summary)
 }
 
 /// The CTR training loop: per step, the next batch, its distinct ids; dense and sparse pulls together;
@@ -266,12 +286,16 @@ async fn run_ctr(
         crate::criteo::DataSpec::Synthetic { .. } => (u64::from(worker), 1),
         _ => args.data_shard,
     };
-    let mut stream = crate::criteo::TrainingStream::new(&data, part, parts).map_err(anyhow::Error::msg)?;
+    let (step_limit, epochs) = args.limits();
+    let mut stream = crate::criteo::TrainingStream::new(&data, part, parts)
+        .and_then(|s| s.with_epochs(epochs))
+        .map_err(anyhow::Error::msg)?;
     info!(worker, model = args.model.name(), row_dim = shape.row_dim(), "joined the cluster");
     let lease = Duration::from_millis(u64::from(client.map().lease_ms));
     let heartbeats = client.spawn_heartbeats((lease / 3).max(Duration::from_millis(100)));
     let started = Instant::now();
-    let mut losses = Vec::with_capacity(args.steps as usize);
+    let mut losses = Vec::with_capacity(step_limit.unwrap_or(1024).min(1 << 20) as usize);
+    let mut samples_seen = 0u64;
     let mut logits = Vec::new();
     // The next batch is read and indexed while this step's pushes are on the wire: it needs no parameters, so
     // the worker's thread does it in the round trip it would otherwise spend waiting (same order, same data).
@@ -280,9 +304,12 @@ async fn run_ctr(
         let batch = index_batch(&samples);
         Ok((samples, batch))
     };
-    let mut next = if args.steps > 0 { Some(prepare(&mut stream)?) } else { None };
-    for step in 0..args.steps {
-        let (samples, batch) = next.take().context("a prepared batch")?;
+    let more = |step: u64| step_limit.is_none_or(|n| step < n);
+    let mut next = if more(0) { Some(prepare(&mut stream)?) } else { None };
+    let mut step = 0u64;
+    // The stream ends with an empty batch after the last pass (--epochs).
+    while let Some((samples, batch)) = next.take().filter(|(samples, _)| !samples.is_empty()) {
+        samples_seen += samples.len() as u64;
         let (dense, rows) = tokio::join!(client.pull(), client.pull_sparse(0, &batch.ids, true));
         let (dense, rows) = (dense.context("pulling dense parameters")?, rows.context("pulling embedding rows")?);
         let mut dense_grads: Vec<Vec<f32>> = dense.tensors.iter().map(|t| vec![0.0; t.len()]).collect();
@@ -302,14 +329,15 @@ async fn run_ctr(
         // the step on each shard, waits for their answers there.
         let (b, a, prepared) =
             tokio::join!(client.push_sparse(0, &rows, &row_grads), client.push(dense_grads, &dense), async {
-                (step + 1 < args.steps).then(|| prepare(&mut stream))
+                more(step + 1).then(|| prepare(&mut stream))
             });
         a.with_context(|| format!("pushing dense gradients of step {step}"))?;
         b.with_context(|| format!("pushing embedding gradients of step {step}"))?;
         next = prepared.transpose()?;
-        ledger_line(args, &client, step + 1);
-        if args.steps >= 10 && (step + 1) % (args.steps / 10) == 0 {
-            info!(worker, step = step + 1, loss = losses[losses.len() - 1], "progress");
+        step += 1;
+        ledger_line(args, &client, step);
+        if step_limit.is_some_and(|n| n >= 10 && step % (n / 10) == 0) || (step_limit.is_none() && step % 100 == 0) {
+            info!(worker, step, epochs = stream.epochs_done(), loss = losses[losses.len() - 1], "progress");
         }
     }
     heartbeats.abort();
@@ -317,7 +345,9 @@ async fn run_ctr(
     for e in &stream.first_errors {
         tracing::warn!(%e, "skipped a bad line");
     }
-    Ok(WorkerSummary::new(args, &client, worker, &losses, started, stream.bad_lines))
+    let mut summary = WorkerSummary::new(&client, worker, &losses, started, stream.bad_lines, stream.epochs_done());
+    summary.samples = samples_seen;
+    Ok(summary)
 }
 /// Log-loss and AUC of the cluster's current model on `samples` (rows are read without being created).
 pub async fn evaluate_ctr(
