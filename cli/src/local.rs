@@ -651,9 +651,9 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             workers.push(spawn_role(exe, args.worker_bin.as_deref(), &format!("worker-{w}"), &worker_args(w), dir)?);
             readers.extend(workers.last_mut().map(drain_worker_output));
         }
-        let shards_with_chunks = args.servers.min(observer.layout().total_chunks() as u32);
-        // A CTR step also pushes embedding rows to every shard (rows spread over all of them).
-        let per_step = u64::from(shards_with_chunks) + if args.ctr() { u64::from(args.servers) } else { 0 };
+        // A worker's dense push goes to every shard every step (empty where the shard owns none of its
+        // chunks); a CTR step also pushes embedding rows to every shard (rows spread over all of them).
+        let per_step = u64::from(args.servers) * if args.ctr() { 2 } else { 1 };
         let expected = args.steps().map(|n| u64::from(args.workers + args.add_workers.len() as u32) * n * per_step);
         let training_started = Instant::now();
         let interactive = std::io::stderr().is_terminal();

@@ -160,7 +160,7 @@ impl WorkerArgs {
 
 impl WorkerSummary {
     /// The summary of a finished run: losses per step (the first, and the mean of the last 10).
-    fn new(client: &crate::Client, worker: u32, losses: &[f32], started: Instant, bad_lines: u64, epochs: f64) -> Self {
+    fn new(client: &crate::Client, worker: u32, losses: &[f32], started: Instant, samples: u64) -> Self {
         let tail = &losses[losses.len().saturating_sub(10)..];
         WorkerSummary {
             worker,
@@ -172,9 +172,9 @@ impl WorkerSummary {
             first_loss: losses.first().copied().unwrap_or(f32::NAN),
             last_loss: tail.iter().sum::<f32>() / tail.len().max(1) as f32,
             wall_s: started.elapsed().as_secs_f64(),
-            samples: 0,
-            bad_lines,
-            epochs,
+            samples,
+            bad_lines: 0,
+            epochs: 0.0,
         }
     }
 
@@ -225,6 +225,9 @@ fn spawn_tls_reload(args: &WorkerArgs, client: &Client) {
 
 /// Runs one worker to completion.
 pub async fn run(args: &WorkerArgs) -> Result<WorkerSummary> {
+    if args.epochs.is_some() && args.model.ctr().is_none() {
+        anyhow::bail!("--epochs counts passes over a data file; --model logreg trains on synthetic data (use --steps)");
+    }
     let tls = TlsMaterial::load(&args.ca, &args.cert, &args.key).context("loading the worker's TLS material")?;
     let mut opts = ClientOptions::new(&args.coordinator, tls, Role::Worker, &args.name);
     opts.connect_timeout = args.connect_timeout;
@@ -240,9 +243,6 @@ pub async fn run(args: &WorkerArgs) -> Result<WorkerSummary> {
     let data = SyntheticLogreg::new(dim as usize, args.data_seed);
     let lease = Duration::from_millis(u64::from(client.map().lease_ms));
     let heartbeats = client.spawn_heartbeats((lease / 3).max(Duration::from_millis(100)));
-    if args.epochs.is_some() {
-        anyhow::bail!("--epochs counts passes over a data file; --model logreg trains on synthetic data (use --steps)");
-    }
     let steps = args.steps.unwrap_or(200);
     let started = Instant::now();
     let mut losses = Vec::with_capacity(steps as usize);
@@ -263,9 +263,7 @@ pub async fn run(args: &WorkerArgs) -> Result<WorkerSummary> {
     }
     heartbeats.abort();
     client.leave().await.context("leaving the cluster")?;
-    let mut summary = WorkerSummary::new(&client, worker, &losses, started, 0, 0.0);
-    summary.samples = steps * batch as u64;
-    Ok(summary)
+    Ok(WorkerSummary::new(&client, worker, &losses, started, steps * batch as u64))
 }
 
 /// The CTR training loop: per step, the next batch, its distinct ids; dense and sparse pulls together;
@@ -345,9 +343,8 @@ async fn run_ctr(
     for e in &stream.first_errors {
         tracing::warn!(%e, "skipped a bad line");
     }
-    let mut summary = WorkerSummary::new(&client, worker, &losses, started, stream.bad_lines, stream.epochs_done());
-    summary.samples = samples_seen;
-    Ok(summary)
+    let summary = WorkerSummary::new(&client, worker, &losses, started, samples_seen);
+    Ok(WorkerSummary { bad_lines: stream.bad_lines, epochs: stream.epochs_done(), ..summary })
 }
 /// Log-loss and AUC of the cluster's current model on `samples` (rows are read without being created).
 pub async fn evaluate_ctr(

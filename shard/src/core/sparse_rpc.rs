@@ -86,13 +86,14 @@ impl ShardCore {
                 });
             }
         }
-        if matches!(self.active, Mode::Sync | Mode::Gba) {
-            return Ok(self.accumulate_rows(req, &ids, &read_versions, grads));
-        }
-        let lr = hyper.lr * self.lr_scale;
-        let max_staleness = self.tables[req.table as usize]
-            .push(&ids, &read_versions, grads, reads, &hyper, lr, lr.max(hyper.lr), now_s)
-            .map_err(|e| ShardError::WrongShape(e.to_string()))?;
+        let max_staleness = if matches!(self.active, Mode::Sync | Mode::Gba) {
+            self.accumulate_rows(req, &ids, &read_versions, grads)
+        } else {
+            let lr = hyper.lr * self.lr_scale;
+            self.tables[req.table as usize]
+                .push(&ids, &read_versions, grads, reads, &hyper, lr, lr.max(hyper.lr), now_s)
+                .map_err(|e| ShardError::WrongShape(e.to_string()))?
+        };
         self.stats.pushes_applied += 1;
         self.stats.staleness_max = self.stats.staleness_max.max(max_staleness);
         if let Some(window) = self.seqs.get_mut(&req.worker) {
@@ -105,7 +106,8 @@ impl ShardCore {
     /// once when the step completes (the worker's dense push marks the end of its step). A row read before
     /// the last update it missed is dropped as a dense gradient would be: in sync any staleness, in gba
     /// more than the threshold; rows that do not exist (not admitted, evicted) are dropped and counted.
-    fn accumulate_rows(&mut self, req: &SparsePush, ids: &[u64], read_versions: &[u32], grads: &[f32]) -> Frame {
+    /// Returns the largest staleness of a kept row.
+    fn accumulate_rows(&mut self, req: &SparsePush, ids: &[u64], read_versions: &[u32], grads: &[f32]) -> u64 {
         let dim = req.dim as usize;
         let bound = if self.active == Mode::Sync { 0 } else { self.cfg.modes.gba_threshold };
         let table = &self.tables[req.table as usize];
@@ -126,11 +128,6 @@ impl ShardCore {
         }
         self.stats.rows_dropped_stale += stale;
         self.tables[req.table as usize].count_dropped(missing);
-        self.stats.pushes_applied += 1;
-        self.stats.staleness_max = self.stats.staleness_max.max(max_staleness);
-        if let Some(window) = self.seqs.get_mut(&req.worker) {
-            window.insert(req.seq);
-        }
-        Frame::new(Message::Ack(Ack { seq: req.seq, max_staleness, decisions: self.decisions, ..Ack::default() }))
+        max_staleness
     }
 }

@@ -69,11 +69,11 @@ impl ShardCore {
     /// It decides again only once its latest decision is in force, so the newest two decisions always
     /// name the mode of every step a worker may still push.
     pub(super) fn judge(&mut self, events: &mut Vec<CoreEvent>) {
-        let live: BTreeSet<u32> = self.leases.keys().copied().collect();
-        let reasons = self.detector.judge(&live, &self.cfg.modes);
-        if self.cfg.modes.mode != Mode::Auto || self.coordinator.is_none() {
+        if !self.decides_modes() {
             return;
         }
+        let live: BTreeSet<u32> = self.leases.keys().copied().collect();
+        let reasons = self.detector.judge(&live, &self.cfg.modes);
         let latest = self.decisions.latest;
         let wanted = if self.detector.stragglers().is_empty() { Mode::Sync } else { Mode::Gba };
         if wanted.code() != latest.mode && self.max_step >= latest.from_step {
@@ -139,6 +139,11 @@ impl ShardCore {
         events.push(CoreEvent::ModeSwitch { from: self.active, to: wanted, reason });
         self.active = wanted;
         self.stats.mode_switches += 1;
+    }
+
+    /// True on the one shard that judges stragglers and decides modes: the coordinator under `auto`.
+    pub(super) fn decides_modes(&self) -> bool {
+        self.cfg.modes.mode == Mode::Auto && self.coordinator.is_some()
     }
 
     pub(super) fn min_clock(&self) -> u64 {
