@@ -111,7 +111,7 @@ pub fn run_cpu(sizes: &[usize], threads: usize, min_time: Duration, quick: bool)
             let mut t = 0u64;
             let mut update = || -> Result<()> {
                 t += 1;
-                let s = PushScalars { lr: 1e-3, lr_max: 1e-3, staleness: 3, t };
+                let s = PushScalars { lr: 1e-3, lr_max: 1e-3, staleness: 3, t, workers: 8 };
                 gaps_kernels::apply_par(rule, &hyper, &s, planes.borrow_mut().bufs(), threads)?;
                 Ok(())
             };

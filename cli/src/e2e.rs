@@ -146,11 +146,19 @@ pub fn single_process(args: &LocalArgs, steps: u64) -> Result<BaselineResult> {
             let n = params.len();
             let (s0, s1) = st.split_at_mut(if planes.shared_planes >= 1 { n } else { 0 });
             let bufs = Bufs { params, s0, s1, w0: &mut [], grad, read: &[] };
-            let scalars = PushScalars { lr: hyper.lr, lr_max: hyper.lr, staleness: 0, t: step + 1 };
+            let scalars = PushScalars::fresh(hyper.lr, step + 1);
             gaps_kernels::apply(rule, &hyper, &scalars, bufs)?;
         }
         let reads: &[f32] = if sparse_needs_read { &values } else { &[] };
-        table.push(&indexed.ids, &versions, &row_grads, reads, &sparse.hyper, sparse.hyper.lr, sparse.hyper.lr, 0)?;
+        table.push(
+            &indexed.ids,
+            &versions,
+            &row_grads,
+            reads,
+            &sparse.hyper,
+            PushScalars::fresh(sparse.hyper.lr, 1),
+            0,
+        )?;
         samples_done += samples.len() as u64;
     }
     let samples_per_s = samples_done as f64 / started.elapsed().as_secs_f64().max(1e-9);

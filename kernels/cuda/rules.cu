@@ -13,11 +13,12 @@
 enum {
     SGD = 0, MOMENTUM = 1, NESTEROV = 2, MULTI_MOMENTUM = 3, STALENESS_AWARE = 4, DC_ASGD = 5,
     DC_ASGD_ADAPTIVE = 6, GAP_AWARE = 7, DANA_ZERO = 8, DANA_SLIM = 9, DANA_DC = 10, DANA_GA = 11,
-    ADAGRAD = 12, ADAM = 13
+    ADAGRAD = 12, ADAM = 13, DELAY_NESTEROV = 14
 };
 
 struct Scalars {
     float lr, lr_max, gamma, wd, lambda, ms_decay, inv_staleness, ga_bias, adam_bias1, adam_bias2;
+    float nag_gamma, nag_keep, nag_lr;
 };
 
 extern "C" __global__ void gaps_update(
@@ -38,6 +39,13 @@ extern "C" __global__ void gaps_update(
             float v = k.gamma * s0[i] + d;
             s0[i] = v;
             p[i] = rule == NESTEROV ? pi - k.lr * (d + k.gamma * v) : pi - k.lr * v;
+            break;
+        }
+        case DELAY_NESTEROV: {
+            float d = gi + k.wd * pi;
+            float m = k.nag_gamma * s0[i] + k.nag_keep * d;
+            s0[i] = m;
+            p[i] = pi - k.nag_lr * m;
             break;
         }
         case MULTI_MOMENTUM: {

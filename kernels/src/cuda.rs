@@ -65,10 +65,13 @@ struct KernelScalars {
     ga_bias: f32,
     adam_bias1: f32,
     adam_bias2: f32,
+    nag_gamma: f32,
+    nag_keep: f32,
+    nag_lr: f32,
 }
 
 #[allow(unsafe_code)]
-// SAFETY: a #[repr(C)] struct of ten f32, matching the kernel's `struct Scalars` field for field.
+// SAFETY: a #[repr(C)] struct of thirteen f32, matching the kernel's `struct Scalars` field for field.
 unsafe impl DeviceRepr for KernelScalars {}
 
 fn rule_id(rule: Rule) -> i32 {
@@ -183,6 +186,9 @@ impl CudaDevice {
             ga_bias: k.ga_bias,
             adam_bias1: k.adam_bias1,
             adam_bias2: k.adam_bias2,
+            nag_gamma: k.nag_gamma,
+            nag_keep: k.nag_keep,
+            nag_lr: k.nag_lr,
         };
         let id = rule_id(rule);
         let n = block.n as u64;
@@ -252,7 +258,7 @@ impl CudaDevice {
         block: &mut DeviceBlock,
         reps: u32,
     ) -> Result<f64, KernelError> {
-        let s = PushScalars { lr: hyper.lr, lr_max: hyper.lr, staleness: 3, t: 1 };
+        let s = PushScalars { lr: hyper.lr, lr_max: hyper.lr, staleness: 3, t: 1, workers: 8 };
         self.apply_resident(rule, hyper, &s, block)?;
         let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
         let start = self.ctx.new_event(timing).map_err(|e| cuda_err("creating an event", e))?;
@@ -306,7 +312,7 @@ mod tests {
                 let read: Vec<f32> =
                     cpu.params.iter().zip(random(n, 200 + step, -0.01, 0.01)).map(|(p, d)| p + d).collect();
                 let read_used: &[f32] = if l.needs_read { &read } else { &[] };
-                let s = PushScalars { lr: 0.05, lr_max: 0.08, staleness: step + 2, t: step + 1 };
+                let s = PushScalars { lr: 0.05, lr_max: 0.08, staleness: step + 2, t: step + 1, workers: 4 };
                 let bufs = Bufs::from_planes(&mut gpu.params, &mut gpu.shared, &mut gpu.worker, &grad, read_used);
                 device.apply(rule, &h, &s, bufs).expect("gpu apply");
                 reference::apply(rule, &h, &s, &mut cpu, &grad, &read);

@@ -94,6 +94,15 @@ fn apply_loops(rule: Rule, k: &Derived, n: usize, b: Bufs<'_>) {
                 p[i] -= lr * (d + gamma * v[i]);
             }
         }
+        Rule::DelayNesterov => {
+            let m = &mut b.s0[..n];
+            let (gt, keep, step) = (k.nag_gamma, k.nag_keep, k.nag_lr);
+            for i in 0..n {
+                let d = g[i] + wd * p[i];
+                m[i] = gt * m[i] + keep * d;
+                p[i] -= step * m[i];
+            }
+        }
         Rule::MultiMomentum => {
             let w = &mut b.w0[..n];
             for i in 0..n {

@@ -33,6 +33,8 @@ pub const ADAM_BETA1: f32 = 0.9;
 pub const ADAM_BETA2: f32 = 0.999;
 /// ε of Adam and Adagrad.
 pub const ADA_EPS: f32 = 1e-8;
+/// The momentum delay-nesterov reaches at a delay of N (the AsyncPP code's β1).
+pub const NAG_GAMMA_MAX: f32 = 0.99;
 
 /// The update rules, selected by name with `--rule`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -65,6 +67,12 @@ pub enum Rule {
     Adagrad,
     /// Adam (β1 0.9, β2 0.999, ε 1e-8, bias-corrected by the chunk's update count).
     Adam,
+    /// Delay-adaptive Nesterov (our reading of Ajanthan et al., ICML 2025; docs/ALGORITHMS.md §8): the
+    /// momentum grows with the gradient's delay, γ_τ = γ + (γ_max − γ)·min(τ, N)/N with γ_max = 0.99 and N
+    /// the live workers, kept as an average m ← γ_τm + (1 − γ_τ)d so a longer memory does not enlarge the
+    /// step; θ ← θ − η/(1−γ)·m; pulls return the look-ahead θ − η/(1−γ)·γN·m, the parameters extrapolated
+    /// along the momentum over the expected delay. With one worker and no delay this is Nesterov.
+    DelayNesterov,
 }
 
 /// Where a rule keeps its state and what a push must carry.
@@ -84,7 +92,7 @@ pub struct StateLayout {
 
 impl Rule {
     /// Every rule, in documentation order.
-    pub const ALL: [Rule; 14] = [
+    pub const ALL: [Rule; 15] = [
         Rule::Sgd,
         Rule::Momentum,
         Rule::Nesterov,
@@ -99,6 +107,7 @@ impl Rule {
         Rule::DanaGa,
         Rule::Adagrad,
         Rule::Adam,
+        Rule::DelayNesterov,
     ];
 
     /// The name used by `--rule`.
@@ -118,6 +127,7 @@ impl Rule {
             Rule::DanaGa => "dana-ga",
             Rule::Adagrad => "adagrad",
             Rule::Adam => "adam",
+            Rule::DelayNesterov => "delay-nesterov",
         }
     }
 
@@ -133,6 +143,7 @@ impl Rule {
         match self {
             Rule::Sgd => l(0, 0, false, false),
             Rule::Momentum | Rule::Nesterov | Rule::StalenessAware => l(1, 0, false, false),
+            Rule::DelayNesterov => l(1, 0, false, true),
             Rule::MultiMomentum => l(0, 1, false, false),
             Rule::DcAsgd => l(1, 0, true, false),
             Rule::DcAsgdAdaptive => l(1, 1, true, false),
@@ -270,12 +281,14 @@ pub struct PushScalars {
     pub staleness: u64,
     /// How many updates this block has received including this one (≥ 1): the bias-correction count.
     pub t: u64,
+    /// Workers pushing to the shard (≥ 1; delay-nesterov's delay scale).
+    pub workers: u32,
 }
 
 impl PushScalars {
     /// Scalars for a fresh gradient at the configured learning rate.
     pub fn fresh(lr: f32, t: u64) -> Self {
-        PushScalars { lr, lr_max: lr, staleness: 0, t }
+        PushScalars { lr, lr_max: lr, staleness: 0, t, workers: 1 }
     }
 }
 
@@ -391,9 +404,22 @@ pub(crate) struct Derived {
     /// Adam: 1 / (1 − β1^t) and 1 / (1 − β2^t).
     pub adam_bias1: f32,
     pub adam_bias2: f32,
+    /// Delay-nesterov: γ_τ, 1 − γ_τ and the step η/(1 − γ).
+    pub nag_gamma: f32,
+    pub nag_keep: f32,
+    pub nag_lr: f32,
+}
+
+/// Delay-nesterov's momentum for a gradient `staleness` updates old with `workers` pushing:
+/// γ + (max(γ, 0.99) − γ)·min(τ, N)/N.
+pub fn delay_momentum(gamma: f32, staleness: u64, workers: u32) -> f32 {
+    let n = workers.max(1);
+    let frac = staleness.min(u64::from(n)) as f32 / n as f32;
+    gamma + (NAG_GAMMA_MAX.max(gamma) - gamma) * frac
 }
 
 pub(crate) fn derive(hyper: &Hyper, s: &PushScalars) -> Derived {
+    let nag_gamma = delay_momentum(hyper.momentum, s.staleness, s.workers);
     let t = s.t.max(1).min(i32::MAX as u64) as i32;
     let bias = |beta: f32| (1.0 / (1.0 - f64::from(beta).powi(t))) as f32;
     Derived {
@@ -407,6 +433,9 @@ pub(crate) fn derive(hyper: &Hyper, s: &PushScalars) -> Derived {
         lr_max: s.lr_max.max(s.lr),
         adam_bias1: bias(ADAM_BETA1),
         adam_bias2: bias(ADAM_BETA2),
+        nag_gamma,
+        nag_keep: 1.0 - nag_gamma,
+        nag_lr: s.lr / (1.0 - hyper.momentum),
     }
 }
 
@@ -458,13 +487,32 @@ fn in_parallel(bufs: Bufs<'_>, threads: usize, f: impl Fn(usize, Bufs<'_>) + Cop
     });
 }
 
-/// The parameters a pull returns: θ, or for the DANA rules the look-ahead θ − η·γ·S.
-pub fn pull_values(rule: Rule, hyper: &Hyper, lr: f32, params: &[f32], shared: &[f32], out: &mut Vec<f32>) {
+/// The parameters a pull returns: θ, or for the look-ahead rules (DANA, delay-nesterov) θ − η·c·S with c
+/// from [`lookahead_factor`] (`workers`: the live workers, at least 1).
+pub fn pull_values(
+    rule: Rule,
+    hyper: &Hyper,
+    lr: f32,
+    workers: u32,
+    params: &[f32],
+    shared: &[f32],
+    out: &mut Vec<f32>,
+) {
     if rule.layout().lookahead && shared.len() >= params.len() {
-        let c = lr * hyper.momentum;
+        let c = lr * lookahead_factor(rule, hyper.momentum, workers);
         out.extend(params.iter().zip(&shared[..params.len()]).map(|(p, s)| p - c * s));
     } else {
         out.extend_from_slice(params);
+    }
+}
+
+/// The multiple of η·S a pull subtracts (S: shared plane 0): γ for the DANA rules, whose S sums every
+/// worker's momentum; for delay-nesterov, whose S is the averaged momentum m = (1 − γ)·v, γ·N/(1 − γ):
+/// the parameters extrapolated over the N updates expected before the gradient comes back.
+pub fn lookahead_factor(rule: Rule, gamma: f32, workers: u32) -> f32 {
+    match rule {
+        Rule::DelayNesterov => gamma * workers.max(1) as f32 / (1.0 - gamma),
+        _ => gamma,
     }
 }
 

@@ -2,7 +2,7 @@
 //! against. One parameter at a time, each rule written out from docs/ALGORITHMS.md, its per-push constants
 //! computed here independently (f64 powers for the bias corrections).
 
-use crate::{Hyper, PushScalars, Rule, ADAM_BETA1, ADAM_BETA2, ADA_EPS, DC_EPS, GA_BETA, GA_EPS};
+use crate::{Hyper, PushScalars, Rule, ADAM_BETA1, ADAM_BETA2, ADA_EPS, DC_EPS, GA_BETA, GA_EPS, NAG_GAMMA_MAX};
 
 /// Planar state of one block for the reference: `shared` holds `shared_planes × n`, `worker` holds
 /// `worker_planes × n` floats.
@@ -43,6 +43,16 @@ pub fn apply(rule: Rule, hyper: &Hyper, s: &PushScalars, state: &mut State, grad
                 let v = gamma * state.shared[i] + d;
                 state.shared[i] = v;
                 state.params[i] = if rule == Rule::Nesterov { p - lr * (d + gamma * v) } else { p - lr * v };
+            }
+            Rule::DelayNesterov => {
+                // γ_τ from the delay, written out here independently of `delay_momentum`.
+                let n_workers = s.workers.max(1) as f32;
+                let top = if gamma > NAG_GAMMA_MAX { gamma } else { NAG_GAMMA_MAX };
+                let g_tau = gamma + (top - gamma) * (s.staleness as f32).min(n_workers) / n_workers;
+                let d = g + wd * p;
+                let m = g_tau * state.shared[i] + (1.0 - g_tau) * d;
+                state.shared[i] = m;
+                state.params[i] = p - lr / (1.0 - gamma) * m;
             }
             Rule::MultiMomentum => {
                 let v = gamma * state.worker[i] + (g + wd * p);

@@ -61,7 +61,7 @@ fn check_against_reference(n: usize, threads: usize) {
             // The read parameters differ from θ by a small random drift, as after a few other updates.
             let drift = random(n, 2000 + step, -0.01, 0.01);
             let read: Vec<f32> = reference.params.iter().zip(&drift).map(|(p, d)| p + d).collect();
-            let s = PushScalars { lr: 0.05, lr_max: 0.08, staleness: step * 3 + 1, t: step + 1 };
+            let s = PushScalars { lr: 0.05, lr_max: 0.08, staleness: step * 3 + 1, t: step + 1, workers: 6 };
             fast_step(rule, &h, &s, &mut fast, &grad, &read, threads);
             reference::apply(rule, &h, &s, &mut reference, &grad, &read);
         }
@@ -92,7 +92,7 @@ fn gap_aware_at_zero_staleness_is_momentum_bit_for_bit() {
     for step in 0..20u64 {
         let grad = random(n, 300 + step, -1.0, 1.0);
         let read = ga.params.clone(); // nothing moved since the read: Δ = 0, G = 1
-        let s = PushScalars { lr: 0.05, lr_max: 0.05, staleness: 0, t: step + 1 };
+        let s = PushScalars { lr: 0.05, lr_max: 0.05, staleness: 0, t: step + 1, workers: 1 };
         fast_step(Rule::GapAware, &h, &s, &mut ga, &grad, &read, 1);
         fast_step(Rule::Momentum, &h, &s, &mut mom, &grad, &[], 1);
         // Staleness-aware with τ ≤ 1 is momentum too.
@@ -101,6 +101,48 @@ fn gap_aware_at_zero_staleness_is_momentum_bit_for_bit() {
     assert_eq!(ga.params, mom.params);
     assert_eq!(&ga.shared[..n], &mom.shared[..]);
     assert_eq!(sa.params, mom.params);
+}
+
+#[test]
+fn delay_nesterov_with_one_worker_is_nesterov_and_grows_its_momentum_with_the_delay() {
+    // One worker, no delay: the look-ahead pulls follow Nesterov (Bengio form) with the gradient taken at
+    // the pulled point, as for DANA-Zero at N = 1.
+    let (n, h) = (512usize, Hyper { weight_decay: 0.0, ..hyper() });
+    let curvature = random(n, 31, 1e-3, 1.0);
+    let theta0 = random(n, 32, -1.0, 1.0);
+    let mut delayed = State { params: theta0.clone(), shared: vec![0.0; n], worker: vec![] };
+    let mut nesterov = State { params: theta0, shared: vec![0.0; n], worker: vec![] };
+    for step in 0..200u64 {
+        let s = PushScalars { lr: h.lr, lr_max: h.lr, staleness: 0, t: step + 1, workers: 1 };
+        let mut view = Vec::with_capacity(n);
+        pull_values(Rule::DelayNesterov, &h, h.lr, 1, &delayed.params, &delayed.shared, &mut view);
+        fast_step(Rule::DelayNesterov, &h, &s, &mut delayed, &quadratic_grad(&view, &curvature, step), &[], 1);
+        let grad = quadratic_grad(&nesterov.params, &curvature, step);
+        fast_step(Rule::Nesterov, &h, &s, &mut nesterov, &grad, &[], 1);
+    }
+    let mut view = Vec::with_capacity(n);
+    pull_values(Rule::DelayNesterov, &h, h.lr, 1, &delayed.params, &delayed.shared, &mut view);
+    for (i, (a, b)) in view.iter().zip(&nesterov.params).enumerate() {
+        assert!((a - b).abs() <= 1e-4 * b.abs().max(1.0), "θ̂[{i}]: {a} vs Nesterov's {b}");
+    }
+    // The look-ahead extrapolates over N updates of η/(1−γ)·m: with m = 1, η = 0.05, γ = 0.9, N = 8 it
+    // is 0.05/0.1 · 0.9 · 8 = 3.6 below θ.
+    let mut out = Vec::new();
+    pull_values(Rule::DelayNesterov, &h, 0.05, 8, &[0.0], &[1.0], &mut out);
+    assert!((out[0] + 3.6).abs() < 1e-5, "{}", out[0]);
+    // γ_τ: the base momentum without delay, linear in τ up to 0.99 at τ = N, never beyond.
+    assert_eq!(delay_momentum(0.9, 0, 8), 0.9);
+    assert!((delay_momentum(0.9, 4, 8) - 0.945).abs() < 1e-6);
+    assert!((delay_momentum(0.9, 8, 8) - 0.99).abs() < 1e-6);
+    assert!((delay_momentum(0.9, 1000, 8) - 0.99).abs() < 1e-6);
+    assert_eq!(delay_momentum(0.995, 50, 8), 0.995);
+    assert!((delay_momentum(0.0, 3, 0) - 0.99).abs() < 1e-6, "no workers counts as one");
+    // A stale gradient enters the average with weight 1 − γ_τ: the step stays η/(1−γ)·m whatever γ_τ.
+    let mut one = State { params: vec![0.0; 1], shared: vec![0.0; 1], worker: vec![] };
+    let s = PushScalars { lr: 0.05, lr_max: 0.05, staleness: 9, t: 1, workers: 8 };
+    fast_step(Rule::DelayNesterov, &h, &s, &mut one, &[1.0], &[], 1);
+    let expected = -0.05 / 0.1 * (1.0 - 0.99f32);
+    assert!((one.params[0] - expected).abs() < 1e-6, "{} vs {expected}", one.params[0]);
 }
 
 /// Gradient of ½Σ h_j x_j² plus deterministic noise, evaluated at `x`.
@@ -139,7 +181,7 @@ fn dana_slim_equals_dana_zero_lookahead_at_constant_lr() {
         };
         apply(Rule::DanaZero, &h, &s, bufs).expect("zero");
         let mut view = Vec::with_capacity(n);
-        pull_values(Rule::DanaZero, &h, h.lr, &zero.params, &zero.shared, &mut view);
+        pull_values(Rule::DanaZero, &h, h.lr, workers as u32, &zero.params, &zero.shared, &mut view);
         zero_views[i] = view;
 
         let mut u = quadratic_grad(&slim_views[i], &curvature, step);

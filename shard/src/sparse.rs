@@ -479,8 +479,9 @@ impl SparseTable {
     }
 
     /// Applies a push: one gradient row per id (ids must be distinct; the caller checks), `reads` holds the
-    /// rows the gradients were computed on when the rule needs them. Rows that do not exist are skipped and
-    /// counted. Returns the largest staleness.
+    /// rows the gradients were computed on when the rule needs them; `base` gives the push's learning rates
+    /// and worker count (staleness and update count are each row's own). Rows that do not exist are skipped
+    /// and counted. Returns the largest staleness.
     #[allow(clippy::too_many_arguments)]
     pub fn push(
         &mut self,
@@ -489,8 +490,7 @@ impl SparseTable {
         grads: &[f32],
         reads: &[f32],
         hyper: &Hyper,
-        lr: f32,
-        lr_max: f32,
+        base: PushScalars,
         now_s: u32,
     ) -> Result<u64, KernelError> {
         let dim = self.cfg.dim as usize;
@@ -510,7 +510,7 @@ impl SparseTable {
             let (s0, s1) = state.split_at_mut(if planes >= 1 { dim } else { 0 });
             let read = if reads.is_empty() { reads } else { &reads[k * dim..(k + 1) * dim] };
             let bufs = Bufs { params, s0, s1, w0: &mut [], grad: &grads[k * dim..(k + 1) * dim], read };
-            let scalars = PushScalars { lr, lr_max, staleness, t: u64::from(version) + 1 };
+            let scalars = PushScalars { staleness, t: u64::from(version) + 1, ..base };
             gaps_kernels::apply(self.cfg.rule, hyper, &scalars, bufs)?;
             self.versions[r] = version.wrapping_add(1);
             self.touched[r] = now_s;
@@ -580,7 +580,7 @@ mod tests {
         other.pull(&[7], 0, &mut v2, &mut ver2);
         assert_eq!(&v[4..8], &v2[..], "initial values depend on (seed, table, id) only");
         let h = Hyper { lr: 0.1, ..Hyper::default() };
-        let tau = t.push(&[5, 99], &[0, 0], &[1.0; 8], &[], &h, 0.1, 0.1, 1).expect("push");
+        let tau = t.push(&[5, 99], &[0, 0], &[1.0; 8], &[], &h, PushScalars::fresh(0.1, 1), 1).expect("push");
         assert_eq!(tau, 0);
         assert_eq!(t.stats().dropped_updates, 1, "id 99 was never pulled");
         let row = t.row(5).expect("row");
@@ -588,7 +588,7 @@ mod tests {
         let (mut v3, mut ver3) = (Vec::new(), Vec::new());
         t.pull(&[5], 2, &mut v3, &mut ver3);
         assert_eq!(ver3, vec![1]);
-        let tau = t.push(&[5], &[0], &[1.0; 4], &[], &h, 0.1, 0.1, 3).expect("push");
+        let tau = t.push(&[5], &[0], &[1.0; 4], &[], &h, PushScalars::fresh(0.1, 1), 3).expect("push");
         assert_eq!(tau, 1, "read at version 0, applied at version 1");
     }
 

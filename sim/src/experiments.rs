@@ -27,13 +27,14 @@ pub struct Method {
 }
 
 /// The E1 methods.
-pub const METHODS: [Method; 13] = [
+pub const METHODS: [Method; 14] = [
     Method { label: "ASGD (η/(1−γ))", rule: Rule::Sgd, momentum: 0.0, lr_factor: 10.0, sync: false },
     Method {
         label: "GA, no momentum (η/(1−γ))", rule: Rule::GapAware, momentum: 0.0, lr_factor: 10.0, sync: false
     },
     Method { label: "ASGD+M", rule: Rule::Momentum, momentum: 0.9, lr_factor: 1.0, sync: false },
     Method { label: "NAG-ASGD", rule: Rule::Nesterov, momentum: 0.9, lr_factor: 1.0, sync: false },
+    Method { label: "Delay-NAG (our reading)", rule: Rule::DelayNesterov, momentum: 0.9, lr_factor: 1.0, sync: false },
     Method { label: "SA (+M)", rule: Rule::StalenessAware, momentum: 0.9, lr_factor: 1.0, sync: false },
     Method { label: "GA (+M)", rule: Rule::GapAware, momentum: 0.9, lr_factor: 1.0, sync: false },
     Method { label: "DC-ASGD-a (+M)", rule: Rule::DcAsgdAdaptive, momentum: 0.9, lr_factor: 1.0, sync: false },
@@ -328,7 +329,7 @@ fn stable(rule: Rule, gamma: f32, eta: f32, workers: usize, events: usize) -> bo
             return false;
         }
         let mut v = Vec::with_capacity(1);
-        gaps_kernels::pull_values(rule, &h, eta, &theta, &shared, &mut v);
+        gaps_kernels::pull_values(rule, &h, eta, workers as u32, &theta, &shared, &mut v);
         views[w] = v[0];
         if !theta[0].is_finite() || theta[0].abs() > 1e6 {
             return false;

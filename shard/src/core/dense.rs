@@ -88,11 +88,12 @@ impl ShardCore {
             )));
         }
         let mut payload = gaps_common::buffers::take(total);
+        let workers = self.worker_count();
         for index in picked {
             let slot = &self.slots[index];
             let (rule, hyper) = self.tensor_rules[slot.tensor as usize];
             let lr = self.tensor_lr(slot.tensor);
-            gaps_kernels::pull_values(rule, &hyper, lr, &slot.params, &slot.shared, &mut payload);
+            gaps_kernels::pull_values(rule, &hyper, lr, workers, &slot.params, &slot.shared, &mut payload);
         }
         self.stats.pulls += 1;
         Ok(Frame { msg: Message::PullReply(PullReply { chunks: metas }), payload })
@@ -269,6 +270,7 @@ impl ShardCore {
             *max = max.max(*lr);
         }
         let wanted: HashMap<usize, Planned> = plan.iter().map(|p| (p.slot, *p)).collect();
+        let worker_count = self.worker_count();
         let mut work = Vec::with_capacity(plan.len());
         for (index, slot) in self.slots.iter_mut().enumerate() {
             let Some(p) = wanted.get(&index) else { continue };
@@ -279,7 +281,13 @@ impl ShardCore {
             let n = params.len();
             let worker: &mut [f32] =
                 if planes == 0 { &mut [] } else { workers.entry(worker).or_insert_with(|| vec![0.0; planes * n]) };
-            let scalars = PushScalars { lr: lrs[t], lr_max: self.lr_max[t], staleness: p.staleness, t: *version + 1 };
+            let scalars = PushScalars {
+                lr: lrs[t],
+                lr_max: self.lr_max[t],
+                staleness: p.staleness,
+                t: *version + 1,
+                workers: worker_count,
+            };
             let read = p.read_offset.map_or(&[][..], |r| &reads[r..r + n]);
             let grad = &grads[p.offset..p.offset + n];
             work.push(Work { params, shared, worker, grad, read, rule, hyper, scalars });

@@ -631,6 +631,11 @@ impl ShardCore {
         self.leases.len()
     }
 
+    /// The live workers as the update rules' worker count (at least 1).
+    pub(crate) fn worker_count(&self) -> u32 {
+        u32::try_from(self.live_workers()).unwrap_or(u32::MAX).max(1)
+    }
+
     /// Where a checkpoint asked for at `at` stands: taken now, later, or never (the shard is past the step).
     pub fn checkpoint_readiness(&self, at: gaps_common::wire::CheckpointAt) -> Readiness {
         use gaps_common::wire::CheckpointAt;

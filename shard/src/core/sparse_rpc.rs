@@ -90,8 +90,9 @@ impl ShardCore {
             self.accumulate_rows(req, &ids, &read_versions, grads)
         } else {
             let lr = hyper.lr * self.lr_scale;
+            let base = PushScalars { lr, lr_max: lr.max(hyper.lr), staleness: 0, t: 1, workers: self.worker_count() };
             self.tables[req.table as usize]
-                .push(&ids, &read_versions, grads, reads, &hyper, lr, lr.max(hyper.lr), now_s)
+                .push(&ids, &read_versions, grads, reads, &hyper, base, now_s)
                 .map_err(|e| ShardError::WrongShape(e.to_string()))?
         };
         self.stats.pushes_applied += 1;

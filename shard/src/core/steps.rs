@@ -209,6 +209,7 @@ impl ShardCore {
         let inv = 1.0 / pushes as f32;
         let multiplier = self.lr_scale * self.lr_multiplier() as f32;
         let now_s = self.now_s;
+        let workers = self.worker_count();
         for t in 0..self.tables.len() {
             if self.row_accum[t].is_empty() {
                 continue;
@@ -230,8 +231,9 @@ impl ShardCore {
                 }
             }
             let lr = hyper.lr * multiplier;
+            let base = PushScalars { lr, lr_max: lr.max(hyper.lr), staleness: 0, t: 1, workers };
             table
-                .push(&ids, &versions, &sums, &reads, &hyper, lr, lr.max(hyper.lr), now_s)
+                .push(&ids, &versions, &sums, &reads, &hyper, base, now_s)
                 .map_err(|e| ShardError::Device(e.to_string()))?;
         }
         Ok(())
