@@ -44,6 +44,7 @@ pub fn run(rows: u64, dim: u32) -> anyhow::Result<TableResult> {
         dim,
         rule: Rule::Adagrad,
         init_std: 0.01,
+        adagrad_init: 0.1,
         seed: 1,
         admit_after: 0,
         memory_budget: None,

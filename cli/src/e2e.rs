@@ -118,6 +118,7 @@ pub fn single_process(args: &LocalArgs, steps: u64) -> Result<BaselineResult> {
         dim: shape.row_dim() as u32,
         rule: sparse.rule,
         init_std: sparse.init_std,
+        adagrad_init: sparse.adagrad_init,
         seed: args.seed,
         admit_after: sparse.admit_after,
         memory_budget: None,

@@ -104,8 +104,16 @@ pub struct LocalArgs {
     #[arg(long, env = "GAPS_SEED", default_value_t = 1)]
     pub seed: u64,
     /// Samples in the held-out evaluation set.
-    #[arg(long, env = "GAPS_EVAL_SAMPLES", default_value_t = 20_000)]
+    #[arg(long, env = "GAPS_EVAL_SAMPLES", default_value_t = 20_000, value_parser = clap::value_parser!(u32).range(1..=10_000_000))]
     pub eval_samples: u32,
+    /// CTR models: every worker evaluates the cluster's model on the held-out set every this many of its
+    /// steps (0: only at the end); the curve is in the JSON (`heldout_curve`, worker 0's).
+    #[arg(long, env = "GAPS_EVAL_EVERY", default_value_t = 0)]
+    pub eval_every: u64,
+    /// With --eval-every: a worker stops once the held-out log-loss has not improved for this many
+    /// evaluations in a row (0: never stop early).
+    #[arg(long, env = "GAPS_PATIENCE", default_value_t = 3)]
+    pub patience: u32,
     /// Kill shard I with SIGKILL T after training starts: `I@T`, e.g. `1@3s` (repeatable).
     #[arg(long = "kill-shard", env = "GAPS_KILL_SHARDS", value_delimiter = ',', value_parser = parse_kill)]
     pub kill_shards: Vec<Kill>,
@@ -265,6 +273,17 @@ impl LocalArgs {
             (None, false) => Some(if self.ctr() { 300 } else { 150 }),
         }
     }
+    /// The table flags for the servers: as given, except that a run passing over a data file more than
+    /// once (`--epochs` above 1, or `--steps`) starts Adagrad rows at 0.1 unless `--sparse-adagrad-init`
+    /// was given (README, "Real-data defaults").
+    pub fn tables(&self) -> gaps_server::cli::TableArgs {
+        let mut tables = self.tables.clone();
+        let repeats = self.data != "synthetic" && (self.epochs.is_some_and(|e| e > 1) || self.steps.is_some());
+        if repeats && tables.sparse_adagrad_init.is_none() {
+            tables.sparse_adagrad_init = Some(gaps_server::cli::REPEATED_PASSES_ADAGRAD_INIT);
+        }
+        tables
+    }
     /// Samples per step and worker.
     pub fn batch(&self) -> u32 {
         self.batch.unwrap_or(if self.ctr() { 256 } else { 64 })
@@ -310,6 +329,10 @@ pub struct CtrReport {
     pub constant_logloss: f64,
     /// Embedding-row gradients dropped as too stale in sync or gba, all shards.
     pub rows_dropped_stale: u64,
+    /// Worker 0's held-out evaluations (`--eval-every`): (step, epochs, log-loss, AUC).
+    pub heldout_curve: Vec<(u64, f64, f64, f64)>,
+    /// Workers that stopped early (`--patience`).
+    pub stopped_early: u32,
 }
 
 impl LocalReport {
@@ -356,6 +379,7 @@ impl LocalReport {
         });
         if let (Some(c), Some(map)) = (&self.ctr, v.as_object_mut()) {
             map.insert("sparse_rule".into(), args.tables.sparse_rule.name().into());
+            map.insert("sparse_adagrad_init".into(), args.tables().sparse_adagrad_init.unwrap_or(0.0).into());
             map.insert("data".into(), args.data.clone().into());
             map.insert("auc".into(), c.auc.into());
             map.insert("teacher_auc".into(), c.teacher_auc.map_or(serde_json::Value::Null, Into::into));
@@ -367,6 +391,15 @@ impl LocalReport {
             map.insert("epochs".into(), ((c.epochs * 1000.0).round() / 1000.0).into());
             map.insert("constant_logloss".into(), c.constant_logloss.into());
             map.insert("rows_dropped_stale".into(), c.rows_dropped_stale.into());
+            let curve: Vec<serde_json::Value> = c
+                .heldout_curve
+                .iter()
+                .map(|(step, epochs, logloss, auc)| {
+                    serde_json::json!({"step": step, "epochs": epochs, "logloss": logloss, "auc": auc})
+                })
+                .collect();
+            map.insert("heldout_curve".into(), curve.into());
+            map.insert("stopped_early".into(), c.stopped_early.into());
         }
         v.to_string()
     }
@@ -563,7 +596,7 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             a.push(format!("--checkpoint-every={}ms", every.as_millis()));
         }
         a.extend(args.hyper.to_flags());
-        a.extend(args.tables.to_flags());
+        a.extend(args.tables().to_flags());
         a.extend(args.modes.to_flags());
         a
     };
@@ -638,6 +671,11 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             ];
             a.extend(args.steps().map(|n| format!("--steps={n}")));
             a.extend(args.epochs.map(|n| format!("--epochs={n}")));
+            if args.eval_every > 0 {
+                a.push(format!("--eval-every={}", args.eval_every));
+                a.push(format!("--eval-samples={}", args.eval_samples));
+                a.push(format!("--patience={}", args.patience));
+            }
             for st in args.stragglers.iter().filter(|st| st.worker == w) {
                 a.push(format!("--slowdown={}", st.factor));
                 if let Some(until) = st.until {
@@ -779,6 +817,8 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
         let mut samples = 0;
         let mut bad_lines = 0;
         let mut epochs = 0.0f64;
+        let mut heldout_curve = Vec::new();
+        let mut stopped_early = 0u32;
         let mut workers_final = 0;
         let mut pushes_unconfirmed = 0;
         for (i, (p, text)) in workers.iter().zip(&outputs).enumerate() {
@@ -809,6 +849,17 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             samples += v["samples"].as_u64().unwrap_or(0);
             bad_lines = bad_lines.max(v["bad_lines"].as_u64().unwrap_or(0));
             epochs = epochs.max(v["epochs"].as_f64().unwrap_or(0.0));
+            stopped_early += u32::from(v["stopped_early"].as_bool().unwrap_or(false));
+            if heldout_curve.is_empty() {
+                let points = v["heldout_curve"].as_array().map(Vec::as_slice).unwrap_or_default();
+                heldout_curve = points
+                    .iter()
+                    .map(|p| {
+                        let f = |k: &str| p[k].as_f64().unwrap_or(f64::NAN);
+                        (p["step"].as_u64().unwrap_or(0), f("epochs"), f("logloss"), f("auc"))
+                    })
+                    .collect();
+            }
         }
         let stats = observer.stats().await.context("reading shard counters")?;
         let (final_loss, ctr_report) = match &ctr {
@@ -828,6 +879,8 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
                     epochs,
                     constant_logloss: constant_logloss(&labels),
                     rows_dropped_stale: stats.iter().map(|s| s.rows_dropped_stale).sum(),
+                    heldout_curve,
+                    stopped_early,
                 };
                 (logloss as f32, Some(report))
             }

@@ -31,6 +31,9 @@ enum Command {
     Certs(CertsArgs),
     /// Print a built-in model's layout file, for `gaps-server --layout` (and as a start for your own).
     Layout(LayoutArgs),
+    /// Write synthetic Criteo-layout training data (TSV) with a planted logistic teacher, e.g. a file of
+    /// realistic cardinality: `--lines 500000 --max-vocab 2000000`.
+    SynthData(SynthDataArgs),
     /// Ask every shard of a running cluster to write a checkpoint now (shards need --checkpoint-dir).
     Checkpoint(CheckpointArgs),
     /// Measure performance.
@@ -106,6 +109,25 @@ struct CheckpointArgs {
     /// Its private key (PEM).
     #[arg(long, env = "GAPS_KEY")]
     key: PathBuf,
+}
+
+#[derive(Debug, clap::Args)]
+struct SynthDataArgs {
+    /// Lines to write (every 10th is the held-out split when the file is trained on).
+    #[arg(long, default_value_t = 100_000, value_parser = clap::value_parser!(u64).range(1..=(1u64 << 36)))]
+    lines: u64,
+    /// Values of the largest categorical field (fields grow geometrically from 8).
+    #[arg(long, default_value_t = gaps_models::criteo::SYNTHETIC_MAX_VOCAB, value_parser = clap::value_parser!(u32).range(8..=i64::from(gaps_models::criteo::SYNTHETIC_VOCAB_LIMIT)))]
+    max_vocab: u32,
+    /// Exponent of the Zipf law of each field's values (1.01 to 3; nearer 1: a longer tail of rare ids).
+    #[arg(long, default_value_t = gaps_models::criteo::SYNTHETIC_ZIPF)]
+    zipf: f64,
+    /// Seed of the dataset (its vocabularies and teacher).
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Where to write (refuses to overwrite an existing file).
+    #[arg(long)]
+    out: PathBuf,
 }
 
 #[derive(Debug, clap::Args)]
@@ -223,6 +245,7 @@ async fn main() -> Result<()> {
             | Command::Certs(_)
             | Command::Sim(_)
             | Command::Layout(_)
+            | Command::SynthData(_)
             | Command::Checkpoint(_)
     );
     gaps_transport::init_logging(if quiet { "warn" } else { "info" });
@@ -288,6 +311,35 @@ async fn main() -> Result<()> {
                 let line = serde_json::json!({"event": "checkpoint", "id": written.id, "shard": s.shard, "path": s.path, "step": s.step});
                 println!("{line}");
             }
+        }
+        Command::SynthData(args) => {
+            use std::io::Write;
+            if !(1.01..=3.0).contains(&args.zipf) {
+                anyhow::bail!("--zipf must be between 1.01 and 3, got {}", args.zipf);
+            }
+            let file = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&args.out)
+                .with_context(|| format!("creating {}", args.out.display()))?;
+            let mut out = std::io::BufWriter::with_capacity(1 << 20, file);
+            let data = gaps_models::criteo::SyntheticCriteo::with_vocab(args.seed, args.max_vocab, args.zipf);
+            let mut ids = std::collections::HashSet::new();
+            for i in 0..args.lines {
+                let (sample, _) = data.sample(i);
+                ids.extend((0..26).filter_map(|f| sample.feature_id(f)));
+                writeln!(out, "{}", gaps_models::criteo::SyntheticCriteo::to_line(&sample))
+                    .with_context(|| format!("writing {}", args.out.display()))?;
+            }
+            out.flush().with_context(|| format!("writing {}", args.out.display()))?;
+            eprintln!(
+                "[gaps synth-data] {} lines, {} distinct feature ids, largest field {} values, Zipf {}: {}",
+                args.lines,
+                ids.len(),
+                args.max_vocab,
+                args.zipf,
+                args.out.display()
+            );
         }
         Command::Layout(args) => {
             let size =

@@ -449,3 +449,63 @@ fn a_small_file_is_trained_one_pass_by_default_and_does_not_overfit() {
     let (loss, constant) = (one["logloss"].as_f64().expect("logloss"), one["constant_logloss"].as_f64().expect("c"));
     assert!(loss < constant, "held-out log-loss {loss} is not below the constant predictor's {constant}: {one}");
 }
+
+/// Many passes over a small file with --eval-every: the held-out curve turns up, the worker stops after
+/// --patience evaluations without improvement, and the curve is in the JSON.
+#[test]
+fn early_stopping_ends_an_overfitting_run_on_the_held_out_curve() {
+    let data = gaps_models::criteo::SyntheticCriteo::new(6);
+    let lines: Vec<String> =
+        (0..4000).map(|i| gaps_models::criteo::SyntheticCriteo::to_line(&data.sample(i).0)).collect();
+    let path = std::env::temp_dir().join(format!("gaps-criteo-early-{}.tsv", std::process::id()));
+    std::fs::write(&path, lines.join("\n")).expect("write");
+    let file = path.to_str().expect("path");
+    let args = ["--model", "dlrm", "--data", file, "--servers", "1", "--workers", "1", "--epochs", "40"];
+    let v = run_local(&[&["local"], &args[..], &["--eval-every", "7", "--patience", "2", "--json"]].concat());
+    let _ = std::fs::remove_file(&path);
+    // 3,600 training lines in batches of 256: 15 steps a pass, 40 passes are 563 steps.
+    assert_eq!(v["stopped_early"], 1, "{v}");
+    let steps = v["steps"].as_u64().expect("steps");
+    assert!(steps < 563, "ran {steps} steps: {v}");
+    let curve = v["heldout_curve"].as_array().expect("curve");
+    assert_eq!(curve.len() as u64, steps / 7, "one point every 7 steps: {v}");
+    let losses: Vec<f64> = curve.iter().map(|p| p["logloss"].as_f64().expect("logloss")).collect();
+    let best = losses.iter().copied().fold(f64::INFINITY, f64::min);
+    let at = losses.iter().position(|l| *l == best).expect("best");
+    // It stopped two evaluations after its best, and the best beats the constant predictor.
+    assert_eq!(at + 3, losses.len(), "{losses:?}");
+    assert!(best < v["constant_logloss"].as_f64().expect("constant"), "{v}");
+}
+
+/// `gaps synth-data` writes lines the Criteo reader accepts, refuses to overwrite a file, and refuses a
+/// Zipf exponent out of range.
+#[test]
+fn synth_data_writes_a_readable_file_and_refuses_bad_flags() {
+    let dir = std::env::temp_dir().join(format!("gaps-synth-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let path = dir.join("data.tsv");
+    let file = path.to_str().expect("utf-8 path");
+    let gen = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_gaps"))
+            .args([&["synth-data", "--lines", "500", "--max-vocab", "100000", "--out", file][..], extra].concat())
+            .output()
+            .expect("run gaps synth-data")
+    };
+    let ok = gen(&["--zipf", "1.05"]);
+    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    let text = std::fs::read_to_string(&path).expect("read");
+    let mut reader = gaps_models::criteo::CriteoReader::new(std::io::Cursor::new(text.as_bytes()));
+    let mut n = 0;
+    while reader.next_sample().is_some() {
+        n += 1;
+    }
+    assert_eq!((n, reader.bad_lines), (500, 0));
+    let again = gen(&[]);
+    assert!(!again.status.success(), "an existing file is not overwritten");
+    assert_eq!(std::fs::read_to_string(&path).expect("read"), text);
+    std::fs::remove_file(&path).expect("remove");
+    let bad = gen(&["--zipf", "0.5"]);
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--zipf"), "{}", String::from_utf8_lossy(&bad.stderr));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -208,14 +208,33 @@ pub struct SyntheticCriteo {
     bias: f32,
 }
 
+/// The largest field's vocabulary of [`SyntheticCriteo::new`].
+pub const SYNTHETIC_MAX_VOCAB: u32 = 20_000;
+/// The Zipf exponent of [`SyntheticCriteo::new`].
+pub const SYNTHETIC_ZIPF: f64 = 1.2;
+/// The largest vocabulary [`SyntheticCriteo::with_vocab`] accepts (the Criteo Kaggle data's largest field
+/// has about 10 M values).
+pub const SYNTHETIC_VOCAB_LIMIT: u32 = 1 << 25;
+
 impl SyntheticCriteo {
-    /// The dataset of `seed`.
+    /// The dataset of `seed` (vocabularies from 8 to 20,000 values).
     pub fn new(seed: u64) -> Self {
+        Self::with_vocab(seed, SYNTHETIC_MAX_VOCAB, SYNTHETIC_ZIPF)
+    }
+
+    /// The dataset of `seed` with field vocabularies growing geometrically from 8 to `max_vocab` values
+    /// (clamped to 8..=[`SYNTHETIC_VOCAB_LIMIT`]), each value's rank drawn from a Zipf law of exponent `zipf`
+    /// (clamped to 1.01..=3): with a few million values and an exponent near 1 the fields hold millions of
+    /// ids and most of the large fields' values are seen once or never, as in real click logs.
+    pub fn with_vocab(seed: u64, max_vocab: u32, zipf: f64) -> Self {
+        let max_vocab = max_vocab.clamp(8, SYNTHETIC_VOCAB_LIMIT);
+        let zipf = if zipf.is_finite() { zipf.clamp(1.01, 3.0) } else { SYNTHETIC_ZIPF };
         let mut rng = Rng::new(mix(seed, 0xc417));
         let mut vocab = [0u32; NUM_CAT];
         for (f, v) in vocab.iter_mut().enumerate() {
-            // From 8 to ~20,000 values, a few fields large.
-            *v = (8.0 * 2500f64.powf(f as f64 / (NUM_CAT - 1) as f64)).round() as u32;
+            // From 8 to max_vocab values, a few fields large.
+            let ratio = f64::from(max_vocab) / 8.0;
+            *v = (8.0 * ratio.powf(f as f64 / (NUM_CAT - 1) as f64)).round() as u32;
         }
         let cdf = vocab
             .iter()
@@ -223,7 +242,7 @@ impl SyntheticCriteo {
                 let mut acc = 0.0;
                 let mut c: Vec<f64> = (1..=n)
                     .map(|k| {
-                        acc += (k as f64).powf(-1.2);
+                        acc += (k as f64).powf(-zipf);
                         acc
                     })
                     .collect();

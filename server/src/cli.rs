@@ -167,9 +167,19 @@ pub struct TableArgs {
     /// Learning rate of embedding rows.
     #[arg(long, env = "GAPS_SPARSE_LR", default_value_t = 0.05)]
     pub sparse_lr: f32,
+    /// L2 regularization λ of embedding rows, applied lazily: a row's update adds λ·row to its gradient
+    /// each time a batch touches it, so rare ids are held near zero and untouched rows cost nothing.
+    #[arg(long, env = "GAPS_SPARSE_WEIGHT_DECAY", default_value_t = DEFAULT_SPARSE_WEIGHT_DECAY)]
+    pub sparse_weight_decay: f32,
     /// Standard deviation of the embedding initializer.
     #[arg(long, env = "GAPS_EMBEDDING_INIT_STD", default_value_t = 0.01)]
     pub embedding_init_std: f32,
+    /// Adagrad's accumulator of a new embedding row (default 0; `gaps local` uses 0.1 when it passes over
+    /// a data file more than once). With 0 a row's first update moves it by the full learning rate whatever
+    /// its gradient: fastest in one pass, but rows of rarely seen ids memorize their few samples and
+    /// further passes overfit; 0.1 (TensorFlow's default) keeps early steps proportional to the gradient.
+    #[arg(long, env = "GAPS_SPARSE_ADAGRAD_INIT")]
+    pub sparse_adagrad_init: Option<f32>,
     /// Create an embedding row only after its id was seen this many times recently (0: at once; at most
     /// 255; the counts halve every 8 Mi sightings).
     #[arg(long, env = "GAPS_ADMIT_AFTER", default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=i64::from(gaps_shard::sparse::MAX_ADMIT_AFTER)))]
@@ -182,16 +192,27 @@ pub struct TableArgs {
     pub table_ttl: Option<Duration>,
 }
 
+/// Default `--sparse-weight-decay` (README, "Real-data defaults": the sweep behind it).
+pub const DEFAULT_SPARSE_WEIGHT_DECAY: f32 = 0.0;
+/// `--sparse-adagrad-init` of `gaps local` for runs that pass over a data file more than once (README,
+/// "Real-data defaults").
+pub const REPEATED_PASSES_ADAGRAD_INIT: f32 = 0.1;
+
 impl TableArgs {
-    /// The shard's table settings: `--sparse-lr`, no weight decay, and the dense rules' other hyper-parameters
-    /// (momentum, DC λ) as before the flags were shared.
+    /// The shard's table settings: `--sparse-lr`, `--sparse-weight-decay`, and the dense rules' other
+    /// hyper-parameters (momentum, DC λ).
     pub fn settings(&self, dense: &Hyper) -> Result<SparseSettings> {
-        let hyper = Hyper { lr: self.sparse_lr, weight_decay: 0.0, ..*dense };
-        hyper.validate().context("--sparse-lr")?;
+        let hyper = Hyper { lr: self.sparse_lr, weight_decay: self.sparse_weight_decay, ..*dense };
+        hyper.validate().context("--sparse-lr or --sparse-weight-decay")?;
+        let adagrad_init = self.sparse_adagrad_init.unwrap_or(0.0);
+        if !(adagrad_init.is_finite() && adagrad_init >= 0.0) {
+            anyhow::bail!("--sparse-adagrad-init must be a number ≥ 0, got {adagrad_init}");
+        }
         Ok(SparseSettings {
             rule: self.sparse_rule,
             hyper,
             init_std: self.embedding_init_std,
+            adagrad_init,
             admit_after: self.admit_after,
             memory_budget: self.table_memory,
             eviction: match self.table_ttl {
@@ -206,9 +227,11 @@ impl TableArgs {
         let mut flags = vec![
             format!("--sparse-rule={}", self.sparse_rule),
             format!("--sparse-lr={}", self.sparse_lr),
+            format!("--sparse-weight-decay={}", self.sparse_weight_decay),
             format!("--embedding-init-std={}", self.embedding_init_std),
             format!("--admit-after={}", self.admit_after),
         ];
+        flags.extend(self.sparse_adagrad_init.map(|a| format!("--sparse-adagrad-init={a}")));
         flags.extend(self.table_memory.map(|m| format!("--table-memory={m}")));
         flags.extend(self.table_ttl.map(|t| format!("--table-ttl={}ms", t.as_millis())));
         flags

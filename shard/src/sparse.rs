@@ -40,6 +40,9 @@ pub struct TableConfig {
     pub rule: Rule,
     /// Standard deviation of the normal initializer.
     pub init_std: f32,
+    /// Adagrad: the accumulator a new row starts with (0 gives a rarely seen row a full-η first step
+    /// whatever its gradient; TensorFlow's default is 0.1). Ignored by other rules.
+    pub adagrad_init: f32,
     /// Initializer seed.
     pub seed: u64,
     /// A row is created only after its id was seen this many times (0 or 1: at once).
@@ -371,6 +374,10 @@ impl SparseTable {
         self.data.resize(self.data.len() + self.stride, 0.0);
         let dim = self.cfg.dim as usize;
         initial_values(&self.cfg, id, &mut self.data[row * self.stride..row * self.stride + dim]);
+        if self.cfg.rule == Rule::Adagrad && self.cfg.adagrad_init > 0.0 {
+            let state = row * self.stride + dim..row * self.stride + 2 * dim;
+            self.data[state].iter_mut().for_each(|x| *x = self.cfg.adagrad_init);
+        }
         self.insert_index(row as u32);
         self.stats.created += 1;
         row
@@ -559,6 +566,7 @@ mod tests {
             dim: 4,
             rule,
             init_std: 0.1,
+            adagrad_init: 0.0,
             seed: 9,
             admit_after,
             memory_budget: budget,
@@ -590,6 +598,25 @@ mod tests {
         assert_eq!(ver3, vec![1]);
         let tau = t.push(&[5], &[0], &[1.0; 4], &[], &h, PushScalars::fresh(0.1, 1), 3).expect("push");
         assert_eq!(tau, 1, "read at version 0, applied at version 1");
+    }
+
+    #[test]
+    fn adagrad_rows_start_from_the_initial_accumulator() {
+        // With 0, a tiny gradient moves a new row by the full η; with 0.1 by η·g/√(0.1 + g²).
+        let h = Hyper { lr: 0.1, ..Hyper::default() };
+        let g = 1e-3f32;
+        for (init, expected_step) in [(0.0f32, 0.1 * g / (g * g).sqrt()), (0.1, 0.1 * g / (0.1 + g * g).sqrt())] {
+            let mut t = SparseTable::new(TableConfig {
+                adagrad_init: init,
+                ..table(Rule::Adagrad, 0, None, Eviction::Lru).cfg
+            })
+            .expect("table");
+            let (mut v, mut ver) = (Vec::new(), Vec::new());
+            t.pull(&[5], 0, &mut v, &mut ver);
+            t.push(&[5], &[0], &[g; 4], &[], &h, PushScalars::fresh(0.1, 1), 1).expect("push");
+            let step = v[0] - t.row(5).expect("row")[0];
+            assert!((step - expected_step).abs() < 1e-5, "init {init}: step {step} vs {expected_step}");
+        }
     }
 
     #[test]
@@ -648,6 +675,7 @@ mod tests {
             dim: 8,
             rule,
             init_std: 0.0,
+            adagrad_init: 0.0,
             seed: 0,
             admit_after: 0,
             memory_budget: None,

@@ -68,6 +68,18 @@ pub struct WorkerArgs {
     /// Name in logs.
     #[arg(long, env = "GAPS_NAME", default_value = "worker")]
     pub name: String,
+    /// Evaluate the cluster's model on the held-out samples every this many steps (0: never). CTR models
+    /// only; the curve is in the `--json` summary.
+    #[arg(long, env = "GAPS_EVAL_EVERY", default_value_t = 0)]
+    pub eval_every: u64,
+    /// Held-out samples of those evaluations: every 10th line of a data file, or the synthetic
+    /// generator's evaluation range.
+    #[arg(long, env = "GAPS_EVAL_SAMPLES", default_value_t = 5_000, value_parser = clap::value_parser!(u32).range(1..=10_000_000))]
+    pub eval_samples: u32,
+    /// Early stopping: stop once the held-out log-loss has not improved on its best for this many
+    /// evaluations in a row (0: evaluate without stopping).
+    #[arg(long, env = "GAPS_PATIENCE", default_value_t = 3)]
+    pub patience: u32,
     /// Print a one-line JSON summary on stdout at the end.
     #[arg(long, env = "GAPS_JSON")]
     pub json: bool,
@@ -144,6 +156,55 @@ pub struct WorkerSummary {
     pub bad_lines: u64,
     /// Passes over the data file (complete ones plus the share of the current one; 0 for synthetic data).
     pub epochs: f64,
+    /// The held-out evaluations of `--eval-every`, in order.
+    pub heldout_curve: Vec<HeldOutPoint>,
+    /// Training ended because the held-out log-loss stopped improving (`--patience`).
+    pub stopped_early: bool,
+}
+
+/// One held-out evaluation during training.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HeldOutPoint {
+    /// Steps this worker had completed.
+    pub step: u64,
+    /// Passes over the data file by then.
+    pub epochs: f64,
+    /// Held-out log-loss of the cluster's model.
+    pub logloss: f64,
+    /// Held-out AUC.
+    pub auc: f64,
+}
+
+/// Early stopping on a held-out curve: the best log-loss so far, and how many evaluations in a row failed
+/// to improve on it by more than 1e-4 (relative).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EarlyStop {
+    patience: u32,
+    best: f64,
+    since_best: u32,
+}
+
+impl EarlyStop {
+    /// Stops after `patience` evaluations without improvement (0: never).
+    pub fn new(patience: u32) -> Self {
+        EarlyStop { patience, best: f64::INFINITY, since_best: 0 }
+    }
+
+    /// Records one evaluation; true when training should stop. A NaN loss counts as no improvement.
+    pub fn record(&mut self, logloss: f64) -> bool {
+        if logloss < self.best * (1.0 - 1e-4) {
+            self.best = logloss;
+            self.since_best = 0;
+        } else {
+            self.since_best += 1;
+        }
+        self.patience > 0 && self.since_best >= self.patience
+    }
+
+    /// The best log-loss seen.
+    pub fn best(&self) -> f64 {
+        self.best
+    }
 }
 
 impl WorkerArgs {
@@ -175,6 +236,8 @@ impl WorkerSummary {
             samples,
             bad_lines: 0,
             epochs: 0.0,
+            heldout_curve: Vec::new(),
+            stopped_early: false,
         }
     }
 
@@ -194,6 +257,13 @@ impl WorkerSummary {
             "samples": self.samples,
             "bad_lines": self.bad_lines,
             "epochs": self.epochs,
+            "heldout_curve": self.heldout_curve.iter().map(|p| serde_json::json!({
+                "step": p.step,
+                "epochs": (p.epochs * 1000.0).round() / 1000.0,
+                "logloss": p.logloss,
+                "auc": p.auc,
+            })).collect::<Vec<_>>(),
+            "stopped_early": self.stopped_early,
         })
         .to_string()
     }
@@ -227,6 +297,9 @@ fn spawn_tls_reload(args: &WorkerArgs, client: &Client) {
 pub async fn run(args: &WorkerArgs) -> Result<WorkerSummary> {
     if args.epochs.is_some() && args.model.ctr().is_none() {
         anyhow::bail!("--epochs counts passes over a data file; --model logreg trains on synthetic data (use --steps)");
+    }
+    if args.eval_every > 0 && args.model.ctr().is_none() {
+        anyhow::bail!("--eval-every evaluates the CTR models (lr, fm, dlrm) on held-out samples; logreg has none");
     }
     let tls = TlsMaterial::load(&args.ca, &args.cert, &args.key).context("loading the worker's TLS material")?;
     let mut opts = ClientOptions::new(&args.coordinator, tls, Role::Worker, &args.name);
@@ -288,6 +361,14 @@ async fn run_ctr(
     let mut stream = crate::criteo::TrainingStream::new(&data, part, parts)
         .and_then(|s| s.with_epochs(epochs))
         .map_err(anyhow::Error::msg)?;
+    let held = if args.eval_every > 0 {
+        Some(crate::criteo::held_out(&data, args.eval_samples as usize).map_err(anyhow::Error::msg)?.samples)
+    } else {
+        None
+    };
+    let mut curve = Vec::new();
+    let mut early = EarlyStop::new(args.patience);
+    let mut stopped_early = false;
     info!(worker, model = args.model.name(), row_dim = shape.row_dim(), "joined the cluster");
     let lease = Duration::from_millis(u64::from(client.map().lease_ms));
     let heartbeats = client.spawn_heartbeats((lease / 3).max(Duration::from_millis(100)));
@@ -337,6 +418,18 @@ async fn run_ctr(
         if step_limit.is_some_and(|n| n >= 10 && step % (n / 10) == 0) || (step_limit.is_none() && step % 100 == 0) {
             info!(worker, step, epochs = stream.epochs_done(), loss = losses[losses.len() - 1], "progress");
         }
+        if let Some(held) = held.as_deref().filter(|_| step % args.eval_every == 0) {
+            let (logloss, auc) = evaluate_ctr(&client, &shape, held)
+                .await
+                .with_context(|| format!("evaluating on held-out samples at step {step}"))?;
+            curve.push(HeldOutPoint { step, epochs: stream.epochs_done(), logloss, auc });
+            info!(worker, step, logloss, auc, "held-out evaluation");
+            if early.record(logloss) {
+                info!(worker, step, best = early.best(), patience = args.patience, "held-out loss stopped improving");
+                stopped_early = true;
+                break;
+            }
+        }
     }
     heartbeats.abort();
     client.leave().await.context("leaving the cluster")?;
@@ -344,7 +437,13 @@ async fn run_ctr(
         tracing::warn!(%e, "skipped a bad line");
     }
     let summary = WorkerSummary::new(&client, worker, &losses, started, samples_seen);
-    Ok(WorkerSummary { bad_lines: stream.bad_lines, epochs: stream.epochs_done(), ..summary })
+    Ok(WorkerSummary {
+        bad_lines: stream.bad_lines,
+        epochs: stream.epochs_done(),
+        heldout_curve: curve,
+        stopped_early,
+        ..summary
+    })
 }
 /// Log-loss and AUC of the cluster's current model on `samples` (rows are read without being created).
 pub async fn evaluate_ctr(
@@ -372,4 +471,24 @@ pub async fn evaluate_ctr(
     }
     let labels: Vec<u8> = samples.iter().map(|s| s.label).collect();
     Ok((loss / samples.len().max(1) as f64, gaps_models::criteo::auc(&scores, &labels)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::EarlyStop;
+
+    #[test]
+    fn early_stop_waits_patience_evaluations_after_the_best() {
+        let mut e = EarlyStop::new(2);
+        assert!(!e.record(0.60));
+        assert!(!e.record(0.50));
+        assert!(!e.record(0.49995), "a gain under 1e-4 relative is no improvement");
+        assert!(e.record(0.52), "second evaluation without improvement");
+        assert_eq!(e.best(), 0.50);
+        let mut never = EarlyStop::new(0);
+        assert!((0..10).all(|i| !never.record(f64::from(i))));
+        let mut nan = EarlyStop::new(1);
+        assert!(!nan.record(0.7));
+        assert!(nan.record(f64::NAN), "NaN is no improvement");
+    }
 }

@@ -76,6 +76,8 @@ pub struct SparseSettings {
     pub hyper: Hyper,
     /// Standard deviation of the rows' normal initializer.
     pub init_std: f32,
+    /// Adagrad's accumulator of a new row.
+    pub adagrad_init: f32,
     /// Create a row only after its id was seen this many times.
     pub admit_after: u32,
     /// Memory budget of all tables of this shard together, bytes (split evenly over the tables).
@@ -90,6 +92,7 @@ impl Default for SparseSettings {
             rule: Rule::Adagrad,
             hyper: Hyper { lr: 0.05, momentum: 0.0, ..Hyper::default() },
             init_std: 0.01,
+            adagrad_init: 0.0,
             admit_after: 0,
             memory_budget: None,
             eviction: Eviction::Lru,
@@ -443,6 +446,7 @@ impl ShardCore {
                     dim: spec.dim,
                     rule: table_rules[i].0,
                     init_std: cfg.sparse.init_std,
+                    adagrad_init: cfg.sparse.adagrad_init,
                     seed: cfg.init.seed,
                     admit_after: cfg.sparse.admit_after,
                     memory_budget: per_table_budget,
