@@ -136,6 +136,10 @@ pub struct LocalArgs {
     /// Keep the folder with certificates and logs (it is always kept after a failure).
     #[arg(long, env = "GAPS_KEEP_DIR")]
     pub keep_dir: bool,
+    /// Write every worker's time per step to this file (`worker,seconds` lines, the format `gaps sim
+    /// --profile` replays; see `gaps-worker --step-log`).
+    #[arg(long, env = "GAPS_STEP_LOG")]
+    pub step_log: Option<PathBuf>,
     /// End with one JSON line on stdout.
     #[arg(long, env = "GAPS_JSON")]
     pub json: bool,
@@ -516,6 +520,29 @@ pub(crate) fn terminate(p: &Proc) {
     }
 }
 
+/// Where worker `w` of a run writes its `--step-log`.
+fn step_log_part(dir: &Path, w: u32) -> PathBuf {
+    dir.join(format!("steps-{w}.csv"))
+}
+
+/// Concatenates the workers' step logs into `out` under one header; returns the steps written. A killed
+/// worker's log may end in a partial line, which is left out.
+fn merge_step_logs(dir: &Path, workers: u32, out: &Path) -> Result<u64> {
+    let mut text = String::from("worker,seconds\n");
+    let mut lines = 0;
+    for w in 0..workers {
+        let Ok(part) = std::fs::read_to_string(step_log_part(dir, w)) else { continue };
+        let complete = part.rfind('\n').map_or("", |end| &part[..end]);
+        for line in complete.lines().filter(|l| !l.is_empty() && !l.starts_with("worker")) {
+            text.push_str(line);
+            text.push('\n');
+            lines += 1;
+        }
+    }
+    std::fs::write(out, text).with_context(|| format!("writing the step log {}", out.display()))?;
+    Ok(lines)
+}
+
 /// Runs the whole local cluster and returns its report (children are this executable).
 pub async fn run(args: &LocalArgs) -> Result<LocalReport> {
     let exe = std::env::current_exe().context("locating the gaps executable")?;
@@ -676,6 +703,9 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
                 a.push(format!("--eval-samples={}", args.eval_samples));
                 a.push(format!("--patience={}", args.patience));
             }
+            if args.step_log.is_some() {
+                a.push(format!("--step-log={}", step_log_part(dir, w).display()));
+            }
             for st in args.stragglers.iter().filter(|st| st.worker == w) {
                 a.push(format!("--slowdown={}", st.factor));
                 if let Some(until) = st.until {
@@ -809,6 +839,10 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
         }
         let outputs: Vec<String> = outputs.into_iter().map(Option::unwrap_or_default).collect();
         let training_s = training_started.elapsed().as_secs_f64();
+        if let Some(path) = &args.step_log {
+            let lines = merge_step_logs(dir, workers.len() as u32, path)?;
+            eprintln!("[gaps local] {lines} step times of {} workers written to {}", workers.len(), path.display());
+        }
         let mut steps = 0;
         let mut pushes_sent = 0;
         let mut pushes_acknowledged = 0;

@@ -65,6 +65,9 @@ enum SimSub {
         #[arg(long, env = "GAPS_SIM_OUT", default_value = "docs/results")]
         out: PathBuf,
     },
+    /// How many workers are worth having: simulated time to a target metric for each worker count and
+    /// mode, beside the stability bound π/(2·η·h_max) of the delay analysis.
+    Sweep(gaps_sim::sweep::SweepArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -284,13 +287,29 @@ async fn main() -> Result<()> {
             let md = gaps_sim::experiments::run_experiments(&grid, &out, command)?;
             println!("{md}");
         }
+        Command::Sim(SimCommand { experiments: Some(SimSub::Sweep(args)), .. }) => {
+            let sweep = gaps_sim::sweep::run(&args)?;
+            println!("{}", sweep.markdown(&args));
+            if let Some(path) = &args.svg {
+                std::fs::write(path, sweep.svg()).with_context(|| format!("writing {}", path.display()))?;
+            }
+            if args.json {
+                println!("{}", sweep.to_json());
+            }
+        }
         Command::Sim(SimCommand { experiments: None, args }) => {
             let report = gaps_sim::run(&args)?;
             eprintln!(
-                "[gaps sim] {} {} N={} shape {}: metric {:.3}, train loss {:.4}{}, staleness mean {:.2} p99 {}, {} events in {:.0} simulated units ({:.0} events/s)",
-                report.model, report.rule, report.workers, report.shape, report.final_test_metric, report.final_train_loss,
-                if report.diverged { " (diverged)" } else { "" }, report.staleness_mean, report.staleness_p99, report.events, report.sim_wall_time, report.events_per_s
+                "[gaps sim] {} {} N={} {}: metric {:.3}, train loss {:.4}{}, staleness mean {:.2} p99 {}, {} events in {:.1} simulated {} ({:.0} events/s)",
+                report.model, report.rule, report.workers, if args.profile.is_some() { "profile".to_string() } else { format!("shape {}", report.shape) }, report.final_test_metric, report.final_train_loss,
+                if report.diverged { " (diverged)" } else { "" }, report.staleness_mean, report.staleness_p99, report.events, report.sim_wall_time, report.time_unit, report.events_per_s
             );
+            if let Some(target) = args.target {
+                match report.time_to_target {
+                    Some(t) => eprintln!("[gaps sim] reached {target} at simulated time {t:.1} ({})", report.time_unit),
+                    None => eprintln!("[gaps sim] never reached {target}"),
+                }
+            }
             if args.json {
                 println!("{}", report.to_json());
             }

@@ -509,3 +509,75 @@ fn synth_data_writes_a_readable_file_and_refuses_bad_flags() {
     assert!(String::from_utf8_lossy(&bad.stderr).contains("--zipf"), "{}", String::from_utf8_lossy(&bad.stderr));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `gaps local --step-log` writes the workers' times per step; `gaps sim --profile` and `gaps sim sweep
+/// --profile` replay them. The straggler's steps sleep at least 3 × 10 ms, the others at least 10 ms.
+#[test]
+fn a_step_log_of_gaps_local_is_replayed_by_the_simulator() {
+    let path = std::env::temp_dir().join(format!("gaps-step-log-{}.csv", std::process::id()));
+    let p = path.to_str().expect("utf-8 path");
+    let v = run_local(&[
+        "local",
+        "--workers",
+        "2",
+        "--steps",
+        "30",
+        "--straggler",
+        "1:3",
+        "--step-log",
+        p,
+        "--json",
+        "--timeout",
+        "120s",
+    ]);
+    assert_eq!(v["steps"], 60);
+    let text = std::fs::read_to_string(&path).expect("the step log");
+    let mut lines = text.lines();
+    assert_eq!(lines.next(), Some("worker,seconds"));
+    let mut by_worker: std::collections::BTreeMap<u64, Vec<f64>> = Default::default();
+    for line in lines {
+        let (w, s) = line.split_once(',').expect("worker,seconds");
+        by_worker.entry(w.parse().expect("worker id")).or_default().push(s.parse().expect("seconds"));
+    }
+    assert_eq!(by_worker.len(), 2, "{text}");
+    assert!(by_worker.values().all(|t| t.len() == 30), "{text}");
+    let median = |t: &Vec<f64>| {
+        let mut t = t.clone();
+        t.sort_by(f64::total_cmp);
+        t[t.len() / 2]
+    };
+    let mut medians: Vec<f64> = by_worker.values().map(median).collect();
+    medians.sort_by(f64::total_cmp);
+    assert!(medians[0] >= 0.010 && medians[1] >= 0.030, "medians {medians:?}");
+
+    let out = Command::new(env!("CARGO_BIN_EXE_gaps"))
+        .args(["sim", "--profile", p, "--workers", "4", "--mode", "sync", "--epochs", "1", "--json"])
+        .output()
+        .expect("run gaps sim");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let r: serde_json::Value = serde_json::from_str(stdout.lines().last().expect("JSON")).expect("valid JSON");
+    assert_eq!(r["time_unit"], "seconds");
+    // 128 rounds of four workers, each round waiting for a replayed straggler step (≥ 30 ms).
+    let wall = r["sim_wall_time"].as_f64().expect("number");
+    assert!(wall >= 128.0 * 0.030, "{wall}");
+
+    let out = Command::new(env!("CARGO_BIN_EXE_gaps"))
+        .args(["sim", "sweep", "--profile", p, "--workers", "2,4", "--modes", "sync,async", "--epochs", "2", "--json"])
+        .output()
+        .expect("run gaps sim sweep");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("| N | sync | async |") && stdout.contains("N* ≈"), "{stdout}");
+    let s: serde_json::Value = serde_json::from_str(stdout.lines().last().expect("JSON")).expect("valid JSON");
+    assert_eq!(s["cells"].as_array().map(Vec::len), Some(4), "{s}");
+    assert_eq!(s["time_unit"], "seconds");
+
+    // A broken log is refused with its line.
+    std::fs::write(&path, "worker,seconds\n0,0.01\n0,fast\n").expect("write");
+    let out = Command::new(env!("CARGO_BIN_EXE_gaps")).args(["sim", "--profile", p]).output().expect("run gaps sim");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("line 3") && stderr.contains("fast"), "{stderr}");
+    let _ = std::fs::remove_file(&path);
+}

@@ -9,6 +9,8 @@
 //! the same output byte for byte (except `events_per_s`, a wall-clock measurement).
 
 pub mod experiments;
+pub mod profile;
+pub mod sweep;
 pub mod tasks;
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -156,6 +158,19 @@ pub struct SimArgs {
     /// How pulled parameters travel (see --push-dtype).
     #[arg(long, env = "GAPS_SIM_PULL_DTYPE", default_value = "f32")]
     pub pull_dtype: WireDtype,
+    /// Replay a measured straggler profile instead of the Gamma model: a step log (`worker,seconds` per
+    /// line, as `gaps-worker --step-log` writes). Simulated worker w draws each batch's time from profiled
+    /// worker w mod K; --straggler and --heterogeneity still multiply it; times are then in seconds.
+    #[arg(long, env = "GAPS_SIM_PROFILE")]
+    pub profile: Option<PathBuf>,
+    /// Evaluate the test metric this many times per epoch (the curve and --target need it; 0: only at the end).
+    #[arg(long, env = "GAPS_SIM_EVALS_PER_EPOCH", default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=64))]
+    pub evals_per_epoch: u32,
+    /// Report the simulated time at which the test metric first reaches this value (at or above it for
+    /// accuracy and AUC, at or below it for the quadratic's loss); implies 2 evaluations per epoch unless
+    /// --evals-per-epoch says otherwise.
+    #[arg(long, env = "GAPS_SIM_TARGET")]
+    pub target: Option<f64>,
     /// End with one JSON line on stdout.
     #[arg(long, env = "GAPS_JSON")]
     pub json: bool,
@@ -173,7 +188,7 @@ fn parse_kill(text: &str) -> Result<(u32, f64), String> {
 }
 
 /// Parses `WORKER:FACTOR`.
-fn parse_straggler(text: &str) -> Result<(u32, f64), String> {
+pub(crate) fn parse_straggler(text: &str) -> Result<(u32, f64), String> {
     let (w, f) = text.split_once(':').ok_or_else(|| format!("{text:?}: expected WORKER:FACTOR, e.g. 3:4"))?;
     let w: u32 = w.trim().parse().map_err(|_| format!("{text:?}: {w:?} is not a worker index"))?;
     let f: f64 = f.trim().parse().map_err(|_| format!("{text:?}: {f:?} is not a factor"))?;
@@ -218,11 +233,23 @@ impl SimArgs {
             timeout: Duration::from_secs(3600),
             push_dtype: WireDtype::F32,
             pull_dtype: WireDtype::F32,
+            profile: None,
+            evals_per_epoch: 0,
+            target: None,
             json: false,
         }
     }
 
-    fn validate(&self) -> Result<()> {
+    /// Evaluations per epoch in effect (--target alone asks for 2).
+    pub fn evals(&self) -> u32 {
+        if self.evals_per_epoch == 0 && self.target.is_some() {
+            2
+        } else {
+            self.evals_per_epoch
+        }
+    }
+
+    pub(crate) fn validate(&self) -> Result<()> {
         if !(self.shape.is_finite() && self.shape > 0.0) {
             bail!("--shape must be positive, got {}", self.shape);
         }
@@ -258,13 +285,16 @@ impl SimArgs {
                 bail!("--elastic worker counts and --elastic-every must be positive");
             }
         }
+        if let Some(t) = self.target.filter(|t| !t.is_finite()) {
+            bail!("--target must be a finite number, got {t}");
+        }
         if self.batch > self.train {
             bail!("--batch {} is larger than the training set ({})", self.batch, self.train);
         }
         Ok(())
     }
 
-    fn task(&self) -> Box<dyn Task> {
+    pub(crate) fn task(&self) -> Box<dyn Task> {
         match self.model {
             ModelChoice::Mlp => Box::new(tasks::Mlp::new(self.seed, self.train as usize, self.test as usize)),
             ModelChoice::Quadratic => Box::new(tasks::Quadratic::new(100, 0.5, self.seed, self.train as usize)),
@@ -321,6 +351,24 @@ pub struct SimReport {
     pub workers_final: u32,
     /// The shard's learning-rate multiplier of the last update.
     pub lr_multiplier_final: f64,
+    /// The test metric during training (--evals-per-epoch), ending with the final evaluation.
+    pub curve: Vec<CurvePoint>,
+    /// Simulated time at which the metric first reached --target (None: never, or no target).
+    pub time_to_target: Option<f64>,
+    /// Unit of the simulated times: "units" (the Gamma model: a batch takes --batch units on average) or
+    /// "seconds" (a replayed --profile).
+    pub time_unit: &'static str,
+}
+
+/// One evaluation of the test metric during a run.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CurvePoint {
+    /// Epochs of gradients computed so far.
+    pub epoch: f64,
+    /// Simulated time.
+    pub time: f64,
+    /// The test metric at the master parameters.
+    pub metric: f64,
 }
 
 impl SimReport {
@@ -347,6 +395,9 @@ impl SimReport {
             "dropped_stale": self.dropped_stale,
             "workers_final": self.workers_final,
             "lr_multiplier_final": self.lr_multiplier_final,
+            "time_unit": self.time_unit,
+            "time_to_target": self.time_to_target,
+            "curve": self.curve.iter().map(|c| serde_json::json!({"epoch": c.epoch, "time": c.time, "metric": c.metric})).collect::<Vec<_>>(),
         })
         .to_string()
     }
@@ -400,6 +451,69 @@ fn pull(core: &mut ShardCore, wire: WireDtype) -> Result<(Vec<f32>, u64)> {
             Ok((values, version))
         }
         other => Err(anyhow!("the shard refused a pull: {other:?}")),
+    }
+}
+
+/// How long each batch takes: the Gamma model, or draws from a replayed profile.
+struct Durations {
+    shape: f64,
+    /// Gamma scale before the worker's slowness: batch / shape.
+    scale: f64,
+    profile: Option<profile::Profile>,
+}
+
+impl Durations {
+    fn new(args: &SimArgs) -> Result<Self> {
+        let profile = args.profile.as_deref().map(profile::Profile::load).transpose()?;
+        Ok(Durations { shape: args.shape, scale: f64::from(args.batch) / args.shape, profile })
+    }
+
+    /// The next batch time of the worker in `slot` whose speed is divided by `slowness`.
+    fn draw(&self, rng: &mut Rng, slot: usize, slowness: f64) -> f64 {
+        match &self.profile {
+            Some(p) => p.draw(slot, rng) * slowness,
+            None => rng.gamma(self.shape, self.scale * slowness),
+        }
+    }
+
+    fn unit(&self) -> &'static str {
+        if self.profile.is_some() {
+            "seconds"
+        } else {
+            "units"
+        }
+    }
+}
+
+/// Evaluates the test metric every `every` gradients (--evals-per-epoch).
+struct Evaluator {
+    every: u64,
+    next: u64,
+    batches_per_epoch: u64,
+    curve: Vec<CurvePoint>,
+}
+
+impl Evaluator {
+    fn new(args: &SimArgs, batches_per_epoch: usize) -> Self {
+        let every = match args.evals() {
+            0 => 0,
+            k => (batches_per_epoch as u64 / u64::from(k)).max(1),
+        };
+        Evaluator { every, next: every, batches_per_epoch: batches_per_epoch.max(1) as u64, curve: Vec::new() }
+    }
+
+    /// Called after `gradients` gradients in all, at simulated time `now`.
+    fn after(&mut self, gradients: u64, now: f64, task: &dyn Task, core: &ShardCore) -> Result<()> {
+        if self.every == 0 || gradients < self.next {
+            return Ok(());
+        }
+        let params = core.chunk_values(CHUNK).map_err(|e| anyhow!("{e}"))?;
+        let metric = if params.iter().all(|v| v.is_finite()) { task.test_metric(params) } else { f64::NAN };
+        self.curve.push(CurvePoint { epoch: gradients as f64 / self.batches_per_epoch as f64, time: now, metric });
+        while self.next <= gradients {
+            self.next += self.every;
+        }
+        Ok(())
     }
 }
 
@@ -528,6 +642,7 @@ fn run_async(args: &SimArgs) -> Result<SimReport> {
     let n = args.workers as usize;
     let mut timing = Rng::new(mix(args.seed, 0x71e));
     let mut order_rng = Rng::new(mix(args.seed, 0x0d3));
+    let durations = Durations::new(args)?;
     let (view, version) = pull(&mut core, args.pull_dtype)?;
     let new_worker = |w: usize, timing: &mut Rng, view: &[f32], version: u64| {
         let mut slowness = args.stragglers.iter().filter(|(s, _)| *s as usize == w).map(|(_, f)| *f).product::<f64>();
@@ -549,10 +664,9 @@ fn run_async(args: &SimArgs) -> Result<SimReport> {
     for _ in 0..n {
         register(&mut core)?;
     }
-    let scale = f64::from(args.batch) / args.shape;
     let mut heap = BinaryHeap::with_capacity(n);
     for (w, vw) in workers.iter_mut().enumerate() {
-        vw.duration = timing.gamma(args.shape, scale * vw.slowness);
+        vw.duration = durations.draw(&mut timing, w, vw.slowness);
         heap.push(Due { time: vw.duration, worker: w as u32 });
     }
     let mut kills = args.kill_workers.clone();
@@ -564,6 +678,7 @@ fn run_async(args: &SimArgs) -> Result<SimReport> {
     let needs_read = args.rule.layout().needs_read;
     let worker_momentum = args.rule.layout().worker_momentum;
     let mut csv = open_csv(args)?;
+    let mut evaluator = Evaluator::new(args, batches_per_epoch);
 
     let started = Instant::now();
     let mut grad = vec![0.0f32; p];
@@ -606,7 +721,7 @@ fn run_async(args: &SimArgs) -> Result<SimReport> {
             let (view, version) = pull(&mut core, args.pull_dtype)?;
             let w = workers.len();
             let mut vw = new_worker(w, &mut timing, &view, version);
-            vw.duration = timing.gamma(args.shape, scale * vw.slowness);
+            vw.duration = durations.draw(&mut timing, w, vw.slowness);
             heap.push(Due { time: t + vw.duration, worker: w as u32 });
             workers.push(vw);
         }
@@ -623,7 +738,7 @@ fn run_async(args: &SimArgs) -> Result<SimReport> {
         now = due.time;
         let w = due.worker as usize;
         let compute_ms = workers[w].duration.round().clamp(1.0, f64::from(u32::MAX)) as u32;
-        let next = timing.gamma(args.shape, scale * workers[w].slowness);
+        let next = durations.draw(&mut timing, w, workers[w].slowness);
         workers[w].duration = next;
 
         let batch = &order[in_epoch * args.batch as usize..(in_epoch + 1) * args.batch as usize];
@@ -691,13 +806,15 @@ fn run_async(args: &SimArgs) -> Result<SimReport> {
         if let Some(out) = csv.as_mut() {
             writeln!(out, "{event},{epoch},{now},{w},{tau},{loss},{},{gap}", core.lr())?;
         }
+        evaluator.after(events, now, task.as_ref(), &core)?;
     }
     if let Some(mut out) = csv {
         out.flush()?;
     }
     let live = workers.iter().filter(|w| w.alive).count() as u32;
-    let mut report =
-        finish(args, task.as_ref(), &mut core, Outcome { staleness, gap_sum, now, diverged, events, started })?;
+    let outcome =
+        Outcome { staleness, gap_sum, now, diverged, events, started, gradients: events, evaluator, durations };
+    let mut report = finish(args, task.as_ref(), &mut core, outcome)?;
     report.workers_final = live;
     Ok(report)
 }
@@ -740,14 +857,31 @@ struct Outcome {
     diverged: bool,
     events: u64,
     started: Instant,
+    /// Gradients computed.
+    gradients: u64,
+    evaluator: Evaluator,
+    durations: Durations,
 }
 
 fn finish(args: &SimArgs, task: &dyn Task, core: &mut ShardCore, o: Outcome) -> Result<SimReport> {
-    let Outcome { staleness, gap_sum, now, mut diverged, events, started } = o;
+    let Outcome { staleness, gap_sum, now, mut diverged, events, started, gradients, evaluator, durations } = o;
     let real = started.elapsed().as_secs_f64();
     let params = core.chunk_values(CHUNK).map_err(|e| anyhow!("{e}"))?.to_vec();
     diverged |= params.iter().any(|v| !v.is_finite());
     let (metric, train_loss) = if diverged { (f64::NAN, f64::NAN) } else { task.evaluate(&params) };
+    let mut curve = evaluator.curve;
+    if evaluator.every > 0 && curve.last().is_none_or(|c| c.time < now) {
+        curve.push(CurvePoint { epoch: gradients as f64 / evaluator.batches_per_epoch as f64, time: now, metric });
+    }
+    let reached = |m: f64| match args.target {
+        Some(t) if task.higher_is_better() => m >= t,
+        Some(t) => m <= t,
+        None => false,
+    };
+    let time_to_target = curve.iter().find(|c| reached(c.metric)).map(|c| c.time).or_else(|| {
+        // Without intermediate evaluations only the end can reach the target.
+        (curve.is_empty() && reached(metric)).then_some(now)
+    });
     let mut sorted = staleness.clone();
     sorted.sort_unstable();
     let p99 =
@@ -775,6 +909,9 @@ fn finish(args: &SimArgs, task: &dyn Task, core: &mut ShardCore, o: Outcome) -> 
         workers_final: args.workers,
         lr_multiplier_final: f64::from(core.stats().lr_multiplier_milli) / 1000.0,
         params,
+        curve,
+        time_to_target,
+        time_unit: durations.unit(),
     })
 }
 
@@ -791,7 +928,7 @@ fn run_sync(args: &SimArgs) -> Result<SimReport> {
     let p = task.num_params();
     let mut timing = Rng::new(mix(args.seed, 0x71e));
     let mut order_rng = Rng::new(mix(args.seed, 0x0d3));
-    let scale = f64::from(args.batch) / args.shape;
+    let durations = Durations::new(args)?;
     let Schedule { batches_per_epoch, total, warmup, decays } = Schedule::new(args, task.as_ref());
     let workers_at = |gradients: u64| -> u32 {
         if args.elastic.is_empty() {
@@ -802,6 +939,7 @@ fn run_sync(args: &SimArgs) -> Result<SimReport> {
     };
     let needs_read = args.rule.layout().needs_read;
     let mut csv = open_csv(args)?;
+    let mut evaluator = Evaluator::new(args, batches_per_epoch);
     let started = Instant::now();
     let mut order = order_rng.permutation(task.train_size());
     let (mut used, mut now, mut diverged, mut rounds) = (0usize, 0.0f64, false, 0u64);
@@ -849,7 +987,7 @@ fn run_sync(args: &SimArgs) -> Result<SimReport> {
             gradients += 1;
             let slowness =
                 args.stragglers.iter().filter(|(s, _)| *s as usize == slot).map(|(_, f)| *f).product::<f64>();
-            let duration = timing.gamma(args.shape, scale * slowness);
+            let duration = durations.draw(&mut timing, slot, slowness);
             slowest = slowest.max(duration);
             if !loss.is_finite() || grad.iter().any(|g| !g.is_finite()) {
                 diverged = true;
@@ -900,6 +1038,7 @@ fn run_sync(args: &SimArgs) -> Result<SimReport> {
             diverged = true;
             break;
         }
+        evaluator.after(gradients, now, task.as_ref(), &core)?;
     }
     if let Some(mut out) = csv {
         out.flush()?;
@@ -909,12 +1048,9 @@ fn run_sync(args: &SimArgs) -> Result<SimReport> {
         bail!("the shard completed {steps} synchronous steps for {rounds} rounds");
     }
     let staleness = vec![0u32; rounds as usize];
-    let mut report = finish(
-        args,
-        task.as_ref(),
-        &mut core,
-        Outcome { staleness, gap_sum: 0.0, now, diverged, events: rounds, started },
-    )?;
+    let outcome =
+        Outcome { staleness, gap_sum: 0.0, now, diverged, events: rounds, started, gradients, evaluator, durations };
+    let mut report = finish(args, task.as_ref(), &mut core, outcome)?;
     report.workers_final = live.len() as u32;
     Ok(report)
 }

@@ -26,6 +26,14 @@ pub trait Task: Sync {
     fn evaluate(&self, params: &[f32]) -> (f64, f64);
     /// What the metric is.
     fn metric_name(&self) -> &'static str;
+    /// The test metric alone (what a time-to-target curve samples; cheaper than [`Task::evaluate`]).
+    fn test_metric(&self, params: &[f32]) -> f64 {
+        self.evaluate(params).0
+    }
+    /// True when a larger metric is better (accuracy, AUC); false for a loss.
+    fn higher_is_better(&self) -> bool {
+        true
+    }
 }
 
 const IN: usize = 20;
@@ -176,6 +184,9 @@ impl Task for Mlp {
     fn metric_name(&self) -> &'static str {
         "test accuracy %"
     }
+    fn test_metric(&self, params: &[f32]) -> f64 {
+        Self::mean_loss_and_accuracy(params, &self.x_test, &self.y_test).1
+    }
 }
 
 /// The noisy quadratic ½ Σ h_j x_j².
@@ -225,6 +236,9 @@ impl Task for Quadratic {
     }
     fn metric_name(&self) -> &'static str {
         "final loss"
+    }
+    fn higher_is_better(&self) -> bool {
+        false
     }
 }
 
@@ -414,5 +428,9 @@ impl Task for Ctr {
     }
     fn metric_name(&self) -> &'static str {
         "test AUC"
+    }
+    fn test_metric(&self, params: &[f32]) -> f64 {
+        let scores: Vec<f32> = (0..self.test.labels.len()).map(|i| sigmoid64(self.test.logit(params, i))).collect();
+        gaps_models::criteo::auc(&scores, &self.test.labels)
     }
 }

@@ -224,3 +224,88 @@ fn sixteen_bit_wire_rounds_values_but_keeps_accuracy() {
         }
     }
 }
+
+/// A step log where worker 1 takes 4 s per step and worker 0 takes 1 s.
+fn two_speed_profile(name: &str) -> std::path::PathBuf {
+    let path = std::env::temp_dir().join(format!("gaps-sim-profile-{name}-{}.csv", std::process::id()));
+    std::fs::write(&path, "worker,seconds\n0,1.0\n1,4.0\n0,1.0\n").expect("write the profile");
+    path
+}
+
+#[test]
+fn a_replayed_profile_sets_every_batch_time() {
+    let profile = two_speed_profile("replay");
+    let base = SimArgs { epochs: 1, train: 4096, test: 1024, profile: Some(profile.clone()), ..SimArgs::defaults() };
+    // Sync: every round waits for the 4 s worker: 64 rounds of two workers (128 gradients), 4 s each.
+    let sync = run(&SimArgs { mode: SimMode::Sync, workers: 2, ..base.clone() }).expect("sync");
+    assert_eq!(sync.events, 64);
+    assert_eq!((sync.sim_wall_time, sync.time_unit), (256.0, "seconds"));
+    // Async: worker 0 (1 s) computes four gradients per one of worker 1 (4 s): 128 gradients take about 102 s;
+    // four workers replay the profile twice over (0, 1, 0, 1): twice the rate.
+    let two = run(&SimArgs { workers: 2, ..base.clone() }).expect("async 2");
+    let four = run(&SimArgs { workers: 4, ..base.clone() }).expect("async 4");
+    assert!((two.sim_wall_time - 128.0 / 1.25).abs() <= 4.0, "{}", two.sim_wall_time);
+    assert!((four.sim_wall_time - 128.0 / 2.5).abs() <= 4.0, "{}", four.sim_wall_time);
+    // A straggler factor multiplies the replayed time.
+    let slow = run(&SimArgs { mode: SimMode::Sync, workers: 2, stragglers: vec![(0, 8.0)], ..base.clone() })
+        .expect("straggler");
+    assert_eq!(slow.sim_wall_time, 64.0 * 8.0);
+    // Bad files are refused with the line at fault.
+    std::fs::write(&profile, "worker,seconds\n0,1.0\n1,-4\n").expect("write");
+    let err = format!("{:#}", run(&base).expect_err("a negative time"));
+    assert!(err.contains("line 3") && err.contains("positive"), "{err}");
+    let err =
+        format!("{:#}", run(&SimArgs { profile: Some("/nonexistent/steps.csv".into()), ..base }).expect_err("no file"));
+    assert!(err.contains("/nonexistent/steps.csv"), "{err}");
+    let _ = std::fs::remove_file(profile);
+}
+
+#[test]
+fn the_curve_and_the_time_to_target() {
+    let args =
+        SimArgs { epochs: 4, train: 4096, test: 1024, evals_per_epoch: 2, target: Some(60.0), ..SimArgs::defaults() };
+    let r = run(&args).expect("run");
+    // Two evaluations per epoch; the last is the final metric at the end.
+    assert_eq!(r.curve.len(), 8, "{:?}", r.curve);
+    assert_eq!(r.curve.last().map(|c| (c.epoch, c.metric)), Some((4.0, r.final_test_metric)));
+    assert!(r.curve.windows(2).all(|w| w[0].time < w[1].time && w[0].epoch < w[1].epoch));
+    let first = r.curve.iter().find(|c| c.metric >= 60.0).expect("60 % is reached");
+    assert_eq!(r.time_to_target, Some(first.time));
+    let never = run(&SimArgs { target: Some(101.0), ..args.clone() }).expect("run");
+    assert_eq!(never.time_to_target, None);
+    // The same run, the same curve.
+    assert_eq!(run(&args).expect("again").curve, r.curve);
+}
+
+#[test]
+fn a_sweep_fills_every_cell_and_prints_the_bound_beside_the_optimum() {
+    use gaps_sim::sweep::{run as sweep, SweepArgs};
+    let args = SweepArgs {
+        workers: vec![64, 2, 8],
+        modes: vec![SimMode::Sync, SimMode::Async],
+        epochs: 4,
+        ..SweepArgs::defaults()
+    };
+    let s = sweep(&args).expect("sweep");
+    assert_eq!(s.cells.len(), 6);
+    assert_eq!(s.cells.iter().map(|c| c.workers).collect::<Vec<_>>(), [2, 2, 8, 8, 64, 64], "sorted by N");
+    let cell = |n, m| s.cells.iter().find(|c| c.workers == n && c.mode == m).expect("cell");
+    // Momentum ASGD at 64 workers is far past the delay bound: it never reaches 90 % of the best, while
+    // 8 workers reach it sooner than 2 (the same gradients, four times the throughput).
+    assert!(s.target_derived && s.target > 65.0, "target {}", s.target);
+    assert_eq!(cell(64, SimMode::Async).time_to_target, None);
+    let (t2, t8) = (cell(2, SimMode::Async).time_to_target, cell(8, SimMode::Async).time_to_target);
+    assert!(t8.expect("N = 8 reaches it") < t2.expect("N = 2 reaches it"), "{t2:?} {t8:?}");
+    assert_eq!(s.optimum, vec![(SimMode::Sync, Some(8)), (SimMode::Async, Some(8))]);
+    // h_max from power iteration; the bound π/(2ηh) lies between the working and the collapsed N.
+    assert!(s.h_init > 0.5 && s.h_trained > 0.1, "{} {}", s.h_init, s.h_trained);
+    assert!(s.bound > 8.0 && s.bound < 64.0, "bound {}", s.bound);
+    let md = s.markdown(&args);
+    assert!(md.contains("| 64 | never /") && md.contains("Measured optimum") && md.contains("N* ≈"), "{md}");
+    let svg = s.svg();
+    assert!(svg.starts_with("<svg") && svg.contains("polyline") && svg.contains("N* ≈"));
+    let v: serde_json::Value = serde_json::from_str(&s.to_json()).expect("JSON");
+    assert_eq!(v["cells"].as_array().map(Vec::len), Some(6));
+    // Nothing to sweep is an error, not an empty table.
+    assert!(sweep(&SweepArgs { workers: vec![], ..args }).is_err());
+}

@@ -7,7 +7,8 @@ use anyhow::{Context, Result};
 use gaps_common::config::parse_duration;
 use gaps_common::wire::Role;
 use gaps_transport::tls::TlsMaterial;
-use std::path::PathBuf;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use tracing::info;
 
@@ -87,6 +88,55 @@ pub struct WorkerArgs {
     /// supervisor can account for the pushes of a worker that is killed before its summary (`gaps local`).
     #[arg(long, env = "GAPS_LEDGER")]
     pub ledger: bool,
+    /// Write this worker's time per step to this file (created or truncated): a `worker,seconds` header, then
+    /// one line per step with the cluster's id of this worker and the seconds from the pulled parameters to
+    /// the pushed gradient (its computing time, emulated delays included, the network not). `gaps sim
+    /// --profile` replays such a file.
+    #[arg(long, env = "GAPS_STEP_LOG")]
+    pub step_log: Option<PathBuf>,
+}
+
+/// The `--step-log` writer. A write error stops the log with a warning (training goes on).
+#[derive(Debug)]
+pub struct StepLog {
+    out: Option<std::io::BufWriter<std::fs::File>>,
+    worker: u32,
+    path: PathBuf,
+}
+
+impl StepLog {
+    /// Opens the log of `path` for `worker` (None: no log).
+    pub fn open(path: Option<&Path>, worker: u32) -> Result<Self> {
+        let out = match path {
+            Some(p) => {
+                let file =
+                    std::fs::File::create(p).with_context(|| format!("creating the step log {}", p.display()))?;
+                let mut out = std::io::BufWriter::new(file);
+                writeln!(out, "worker,seconds").with_context(|| format!("writing the step log {}", p.display()))?;
+                Some(out)
+            }
+            None => None,
+        };
+        Ok(StepLog { out, worker, path: path.map(Path::to_path_buf).unwrap_or_default() })
+    }
+
+    /// Records one step's computing time.
+    pub fn record(&mut self, took: Duration) {
+        if let Some(out) = self.out.as_mut() {
+            if let Err(e) = writeln!(out, "{},{:.6}", self.worker, took.as_secs_f64()) {
+                tracing::warn!(path = %self.path.display(), %e, "the step log failed; no more steps are logged");
+                self.out = None;
+            }
+        }
+    }
+
+    /// Flushes the log to its file.
+    pub fn finish(&mut self) -> Result<()> {
+        if let Some(out) = self.out.as_mut() {
+            out.flush().with_context(|| format!("writing the step log {}", self.path.display()))?;
+        }
+        Ok(())
+    }
 }
 
 /// Prints the push ledger line of `--ledger` (stdout is line-buffered: each line is out before the next
@@ -317,6 +367,7 @@ pub async fn run(args: &WorkerArgs) -> Result<WorkerSummary> {
     let lease = Duration::from_millis(u64::from(client.map().lease_ms));
     let heartbeats = client.spawn_heartbeats((lease / 3).max(Duration::from_millis(100)));
     let steps = args.steps.unwrap_or(200);
+    let mut step_log = StepLog::open(args.step_log.as_deref(), worker)?;
     let started = Instant::now();
     let mut losses = Vec::with_capacity(steps as usize);
     let batch = args.batch as usize;
@@ -328,6 +379,7 @@ pub async fn run(args: &WorkerArgs) -> Result<WorkerSummary> {
         let (loss, grads) = logreg_loss_and_grad(&snapshot.tensors, &xs, &ys);
         losses.push(loss);
         emulate_compute(args, started, compute.elapsed()).await;
+        step_log.record(compute.elapsed());
         client.push(grads, &snapshot).await.with_context(|| format!("pushing the gradient of step {step}"))?;
         ledger_line(args, &client, step + 1);
         if steps >= 10 && (step + 1) % (steps / 10) == 0 {
@@ -335,6 +387,7 @@ pub async fn run(args: &WorkerArgs) -> Result<WorkerSummary> {
         }
     }
     heartbeats.abort();
+    step_log.finish()?;
     client.leave().await.context("leaving the cluster")?;
     Ok(WorkerSummary::new(&client, worker, &losses, started, steps * batch as u64))
 }
@@ -372,6 +425,7 @@ async fn run_ctr(
     info!(worker, model = args.model.name(), row_dim = shape.row_dim(), "joined the cluster");
     let lease = Duration::from_millis(u64::from(client.map().lease_ms));
     let heartbeats = client.spawn_heartbeats((lease / 3).max(Duration::from_millis(100)));
+    let mut step_log = StepLog::open(args.step_log.as_deref(), worker)?;
     let started = Instant::now();
     let mut losses = Vec::with_capacity(step_limit.unwrap_or(1024).min(1 << 20) as usize);
     let mut samples_seen = 0u64;
@@ -391,6 +445,7 @@ async fn run_ctr(
         samples_seen += samples.len() as u64;
         let (dense, rows) = tokio::join!(client.pull(), client.pull_sparse(0, &batch.ids, true));
         let (dense, rows) = (dense.context("pulling dense parameters")?, rows.context("pulling embedding rows")?);
+        let compute = Instant::now();
         let mut dense_grads: Vec<Vec<f32>> = dense.tensors.iter().map(|t| vec![0.0; t.len()]).collect();
         let mut row_grads = vec![0.0f32; rows.values.len()];
         let loss = forward(
@@ -403,6 +458,8 @@ async fn run_ctr(
             Some((&mut dense_grads, &mut row_grads)),
         );
         losses.push(loss / samples.len().max(1) as f32);
+        emulate_compute(args, started, compute.elapsed()).await;
+        step_log.record(compute.elapsed());
         // `join!` polls in order: both pushes hand their requests to the connection tasks before the next
         // batch is prepared on this thread. The rows go first: in sync and gba the dense push, which ends
         // the step on each shard, waits for their answers there.
@@ -432,6 +489,7 @@ async fn run_ctr(
         }
     }
     heartbeats.abort();
+    step_log.finish()?;
     client.leave().await.context("leaving the cluster")?;
     for e in &stream.first_errors {
         tracing::warn!(%e, "skipped a bad line");
