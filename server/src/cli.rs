@@ -168,7 +168,8 @@ pub struct TableArgs {
     #[arg(long, env = "GAPS_SPARSE_LR", default_value_t = 0.05)]
     pub sparse_lr: f32,
     /// L2 regularization λ of embedding rows, applied lazily: a row's update adds λ·row to its gradient
-    /// each time a batch touches it, so rare ids are held near zero and untouched rows cost nothing.
+    /// each time a batch touches it (untouched rows cost nothing). Off by default: on a 500,000-line
+    /// synthetic file λ of 1e-4 to 1e-2 did not reduce overfitting (README, "Real-data defaults").
     #[arg(long, env = "GAPS_SPARSE_WEIGHT_DECAY", default_value_t = DEFAULT_SPARSE_WEIGHT_DECAY)]
     pub sparse_weight_decay: f32,
     /// Standard deviation of the embedding initializer.

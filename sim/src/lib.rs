@@ -38,8 +38,10 @@ pub enum ModelChoice {
     /// Logistic regression.
     Logreg,
     /// Click-through logistic regression on the synthetic Criteo data with 2^16 hashed feature buckets
-    /// (metric: AUC).
+    /// (metric: AUC); the bucket weights are rows of the shard's sparse table, pulled and pushed per id.
     Ctr,
+    /// The same model with the bucket weights in one dense tensor (the reference of the sparse path).
+    CtrDense,
 }
 
 /// How the simulated cluster trains.
@@ -300,6 +302,7 @@ impl SimArgs {
             ModelChoice::Quadratic => Box::new(tasks::Quadratic::new(100, 0.5, self.seed, self.train as usize)),
             ModelChoice::Logreg => Box::new(tasks::Logreg::new(self.seed, self.train as usize, self.test as usize)),
             ModelChoice::Ctr => Box::new(tasks::Ctr::new(self.seed, self.train as usize, self.test as usize)),
+            ModelChoice::CtrDense => Box::new(tasks::Ctr::dense(self.seed, self.train as usize, self.test as usize)),
         }
     }
 }
@@ -437,6 +440,34 @@ struct VirtualWorker {
     duration: f64,
     /// False once killed.
     alive: bool,
+    /// Steps pushed.
+    steps: u64,
+    /// Embedding tasks: the batch this worker computes now, its rows and their versions when pulled.
+    batch: Vec<u32>,
+    rows: Vec<u64>,
+    row_versions: Vec<u32>,
+}
+
+impl VirtualWorker {
+    /// Takes the parameters for the next batch: the dense part, and for an embedding task the next batch and
+    /// its rows.
+    fn refresh(
+        &mut self,
+        core: &mut ShardCore,
+        task: &dyn Task,
+        batches: &mut Option<Batches>,
+        wire: WireDtype,
+    ) -> Result<()> {
+        if let Some(b) = batches.as_mut() {
+            self.batch = b.next();
+            self.rows = task.batch_rows(&self.batch);
+        }
+        let (view, version, versions) = pull_view(core, task, wire, &self.rows)?;
+        self.view = view;
+        self.version = version;
+        self.row_versions = versions;
+        Ok(())
+    }
 }
 
 const CHUNK: ChunkId = ChunkId { tensor: 0, chunk: 0 };
@@ -451,6 +482,120 @@ fn pull(core: &mut ShardCore, wire: WireDtype) -> Result<(Vec<f32>, u64)> {
             Ok((values, version))
         }
         other => Err(anyhow!("the shard refused a pull: {other:?}")),
+    }
+}
+
+/// An embedding task's worker view: the dense part pulled, and the rows of `ids` pulled (created) from
+/// table 0 into their places; the other rows stay 0 (never read: the batch touches only `ids`). Returns
+/// (values of every parameter, dense version, the rows' versions).
+fn pull_view(core: &mut ShardCore, task: &dyn Task, wire: WireDtype, ids: &[u64]) -> Result<(Vec<f32>, u64, Vec<u32>)> {
+    let rows = task.sparse_rows();
+    let (dense, version) = pull(core, wire)?;
+    if rows == 0 {
+        return Ok((dense, version, Vec::new()));
+    }
+    let mut view = vec![0.0f32; task.num_params()];
+    view[rows..].copy_from_slice(&dense);
+    let (values, versions) = sparse_pull(core, ids, true, wire)?;
+    for (id, v) in ids.iter().zip(values) {
+        view[*id as usize] = v;
+    }
+    Ok((view, version, versions))
+}
+
+/// Pulls rows of dim 1 of table 0: (values, versions).
+fn sparse_pull(core: &mut ShardCore, ids: &[u64], create: bool, wire: WireDtype) -> Result<(Vec<f32>, Vec<u32>)> {
+    let mut words = Vec::with_capacity(2 * ids.len());
+    gaps_common::wire::ids_to_words(ids, &mut words);
+    let req = gaps_common::wire::SparsePull { epoch: 1, table: 0, count: ids.len() as u32, create };
+    let (reply, _) = core.handle(Frame { msg: Message::SparsePull(req), payload: words }, Duration::ZERO);
+    match reply.msg {
+        Message::SparsePullReply(r) if r.dim == 1 && reply.payload.len() == 2 * ids.len() => {
+            let versions = reply.payload[..ids.len()].iter().map(|w| w.to_bits()).collect();
+            let mut values = reply.payload[ids.len()..].to_vec();
+            gaps_common::dtype::round_trip(wire, &mut values);
+            Ok((values, versions))
+        }
+        other => Err(anyhow!("the shard refused a sparse pull: {other:?}")),
+    }
+}
+
+/// Every parameter at the shard: the rows of an embedding task read without creating them, then the dense
+/// part.
+fn master_params(core: &mut ShardCore, task: &dyn Task) -> Result<Vec<f32>> {
+    let rows = task.sparse_rows();
+    let dense = core.chunk_values(CHUNK).map_err(|e| anyhow!("{e}"))?.to_vec();
+    if rows == 0 {
+        return Ok(dense);
+    }
+    let ids: Vec<u64> = (0..rows as u64).collect();
+    let (mut all, _) = sparse_pull(core, &ids, false, WireDtype::F32)?;
+    all.extend_from_slice(&dense);
+    Ok(all)
+}
+
+/// The rows' part of one step of an embedding task: a sparse push of the gradients of `ids` (the batch's
+/// rows, read at `versions`) before the dense push. Returns false when the shard found a non-finite value.
+#[allow(clippy::too_many_arguments)]
+fn push_rows(
+    core: &mut ShardCore,
+    worker: u32,
+    seq: u64,
+    ids: &[u64],
+    versions: &[u32],
+    grad: &[f32],
+    view: &[f32],
+    echo: bool,
+    wire: WireDtype,
+) -> Result<bool> {
+    let mut payload = Vec::with_capacity(3 * ids.len() + 2 * ids.len());
+    gaps_common::wire::ids_to_words(ids, &mut payload);
+    payload.extend(versions.iter().map(|v| f32::from_bits(*v)));
+    let mut grads: Vec<f32> = ids.iter().map(|id| grad[*id as usize]).collect();
+    gaps_common::dtype::round_trip(wire, &mut grads);
+    payload.extend_from_slice(&grads);
+    if echo {
+        payload.extend(ids.iter().map(|id| view[*id as usize]));
+    }
+    let req = gaps_common::wire::SparsePush {
+        epoch: 1,
+        worker,
+        seq,
+        table: 0,
+        count: ids.len() as u32,
+        dim: 1,
+        echo_read: echo,
+    };
+    let (reply, _) = core.handle(Frame { msg: Message::SparsePush(req), payload }, Duration::ZERO);
+    match reply.msg {
+        Message::Ack(_) => Ok(true),
+        Message::Error(e) if e.code == gaps_common::ErrorCode::NonFinite => Ok(false),
+        other => Err(anyhow!("the shard refused a sparse push: {other:?}")),
+    }
+}
+
+/// The batches of an embedding task, taken when a worker starts one (it pulls exactly the batch's rows):
+/// consecutive slices of a seeded permutation, reshuffled at the end of each pass.
+struct Batches {
+    order: Vec<u32>,
+    used: usize,
+    batch: usize,
+    rng: Rng,
+}
+
+impl Batches {
+    fn new(seed: u64, train: usize, batch: usize) -> Self {
+        let mut rng = Rng::new(mix(seed, 0x5ba7));
+        Batches { order: rng.permutation(train), used: 0, batch, rng }
+    }
+
+    fn next(&mut self) -> Vec<u32> {
+        if self.used + self.batch > self.order.len() {
+            self.order = self.rng.permutation(self.order.len());
+            self.used = 0;
+        }
+        self.used += self.batch;
+        self.order[self.used - self.batch..self.used].to_vec()
     }
 }
 
@@ -503,12 +648,12 @@ impl Evaluator {
     }
 
     /// Called after `gradients` gradients in all, at simulated time `now`.
-    fn after(&mut self, gradients: u64, now: f64, task: &dyn Task, core: &ShardCore) -> Result<()> {
+    fn after(&mut self, gradients: u64, now: f64, task: &dyn Task, core: &mut ShardCore) -> Result<()> {
         if self.every == 0 || gradients < self.next {
             return Ok(());
         }
-        let params = core.chunk_values(CHUNK).map_err(|e| anyhow!("{e}"))?;
-        let metric = if params.iter().all(|v| v.is_finite()) { task.test_metric(params) } else { f64::NAN };
+        let params = master_params(core, task)?;
+        let metric = if params.iter().all(|v| v.is_finite()) { task.test_metric(&params) } else { f64::NAN };
         self.curve.push(CurvePoint { epoch: gradients as f64 / self.batches_per_epoch as f64, time: now, metric });
         while self.next <= gradients {
             self.next += self.every;
@@ -538,7 +683,23 @@ fn setup(args: &SimArgs) -> Result<(Box<dyn Task>, ShardCore, Hyper)> {
         dc_ms_decay: 0.95,
     };
     hyper.validate()?;
-    let layout = Layout::new(vec![TensorSpec::new(task.name(), p as u64)], p as u32)?;
+    let rows = task.sparse_rows();
+    let dense = (p - rows) as u64;
+    let tables = if rows > 0 {
+        let l = args.rule.layout();
+        if l.worker_planes > 0 || l.lookahead || l.worker_momentum {
+            bail!(
+                "--model {} keeps its embeddings in a sparse table, whose rule keeps no per-worker state and no \
+                 look-ahead; {} does (use sgd, momentum, nesterov, staleness-aware, dc-asgd, gap-aware, adagrad or adam)",
+                task.name(),
+                args.rule
+            );
+        }
+        vec![gaps_common::layout::SparseSpec::new(format!("{}.rows", task.name()), 1)]
+    } else {
+        Vec::new()
+    };
+    let layout = Layout::with_tables(vec![TensorSpec::new(task.name(), dense)], dense as u32, tables)?;
     let mut core = ShardCore::new(ShardConfig {
         shard: 0,
         num_shards: 1,
@@ -550,7 +711,15 @@ fn setup(args: &SimArgs) -> Result<(Box<dyn Task>, ShardCore, Hyper)> {
         advertise: "simulator".into(),
         epoch: 1,
         threads: 1,
-        sparse: gaps_shard::core::SparseSettings::default(),
+        // Embedding rows: the same rule and hyper-parameters as the dense part, initialised as the task's
+        // init does (0) and with Adagrad's accumulator starting at 0 (the dense rule's).
+        sparse: gaps_shard::core::SparseSettings {
+            rule: args.rule,
+            hyper,
+            init_std: 0.0,
+            adagrad_init: 0.0,
+            ..gaps_shard::core::SparseSettings::default()
+        },
         modes: gaps_shard::modes::ModeConfig {
             mode: match args.mode {
                 SimMode::Async => gaps_shard::modes::Mode::Async,
@@ -566,7 +735,7 @@ fn setup(args: &SimArgs) -> Result<(Box<dyn Task>, ShardCore, Hyper)> {
         },
     })
     .map_err(|e| anyhow!("configuring the shard: {e}"))?;
-    core.overwrite(CHUNK, &task.init(args.seed)).map_err(|e| anyhow!("initialising: {e}"))?;
+    core.overwrite(CHUNK, &task.init(args.seed)[rows..]).map_err(|e| anyhow!("initialising: {e}"))?;
     Ok((task, core, hyper))
 }
 
@@ -643,6 +812,8 @@ fn run_async(args: &SimArgs) -> Result<SimReport> {
     let mut timing = Rng::new(mix(args.seed, 0x71e));
     let mut order_rng = Rng::new(mix(args.seed, 0x0d3));
     let durations = Durations::new(args)?;
+    let rows = task.sparse_rows();
+    let mut batches = (rows > 0).then(|| Batches::new(args.seed, task.train_size(), args.batch as usize));
     let (view, version) = pull(&mut core, args.pull_dtype)?;
     let new_worker = |w: usize, timing: &mut Rng, view: &[f32], version: u64| {
         let mut slowness = args.stragglers.iter().filter(|(s, _)| *s as usize == w).map(|(_, f)| *f).product::<f64>();
@@ -658,11 +829,20 @@ fn run_async(args: &SimArgs) -> Result<SimReport> {
             slowness,
             duration: 0.0,
             alive: true,
+            steps: 0,
+            batch: Vec::new(),
+            rows: Vec::new(),
+            row_versions: Vec::new(),
         }
     };
     let mut workers: Vec<VirtualWorker> = (0..n).map(|w| new_worker(w, &mut timing, &view, version)).collect();
     for _ in 0..n {
         register(&mut core)?;
+    }
+    if batches.is_some() {
+        for vw in &mut workers {
+            vw.refresh(&mut core, task.as_ref(), &mut batches, args.pull_dtype)?;
+        }
     }
     let mut heap = BinaryHeap::with_capacity(n);
     for (w, vw) in workers.iter_mut().enumerate() {
@@ -721,11 +901,14 @@ fn run_async(args: &SimArgs) -> Result<SimReport> {
             let (view, version) = pull(&mut core, args.pull_dtype)?;
             let w = workers.len();
             let mut vw = new_worker(w, &mut timing, &view, version);
+            if batches.is_some() {
+                vw.refresh(&mut core, task.as_ref(), &mut batches, args.pull_dtype)?;
+            }
             vw.duration = durations.draw(&mut timing, w, vw.slowness);
             heap.push(Due { time: t + vw.duration, worker: w as u32 });
             workers.push(vw);
         }
-        release(&mut core, &mut workers, &mut blocked, &mut heap, now, args.pull_dtype)?;
+        release(&mut core, &mut workers, &mut blocked, &mut heap, now, args.pull_dtype, task.as_ref(), &mut batches)?;
         // Entries of killed workers are skipped, so every event is one gradient.
         let due = loop {
             let Some(due) = heap.pop() else {
@@ -741,26 +924,43 @@ fn run_async(args: &SimArgs) -> Result<SimReport> {
         let next = durations.draw(&mut timing, w, workers[w].slowness);
         workers[w].duration = next;
 
-        let batch = &order[in_epoch * args.batch as usize..(in_epoch + 1) * args.batch as usize];
         let vw = &mut workers[w];
+        // An embedding task's worker computes the batch it took (and pulled the rows of) when it started;
+        // a dense one takes the next batch of the global order.
+        let batch = if rows > 0 {
+            &vw.batch[..]
+        } else {
+            &order[in_epoch * args.batch as usize..(in_epoch + 1) * args.batch as usize]
+        };
         let loss = task.loss_grad(&vw.view, batch, event, &mut grad);
         if !loss.is_finite() || grad.iter().any(|g| !g.is_finite()) {
             diverged = true;
             break;
         }
         let master = core.chunk_values(CHUNK).map_err(|e| anyhow!("{e}"))?;
-        let gap = master.iter().zip(&vw.view).map(|(a, b)| f64::from((a - b).abs())).sum::<f64>() / p as f64;
+        let gap =
+            master.iter().zip(&vw.view[rows..]).map(|(a, b)| f64::from((a - b).abs())).sum::<f64>() / (p - rows) as f64;
         gap_sum += gap;
         if worker_momentum {
             gaps_kernels::slim_worker_step(&hyper, &vw.view, &mut vw.momentum, &mut grad);
         }
+        // The rows go first, as a real worker sends them: in sync and gba the dense push ends the step.
+        if rows > 0 {
+            vw.seq += 1;
+            let (ids, versions) = (&vw.rows, &vw.row_versions);
+            if !push_rows(&mut core, w as u32, vw.seq, ids, versions, &grad, &vw.view, needs_read, args.push_dtype)? {
+                diverged = true;
+                break;
+            }
+        }
         vw.seq += 1;
+        vw.steps += 1;
         // The gradient travels as --push-dtype; the read echo as the values were pulled (already
         // representable in --pull-dtype, so that encoding is exact).
-        let mut payload = grad.clone();
+        let mut payload = grad[rows..].to_vec();
         gaps_common::dtype::round_trip(args.push_dtype, &mut payload);
         if needs_read {
-            payload.extend_from_slice(&vw.view);
+            payload.extend_from_slice(&vw.view[rows..]);
         }
         let push = Push {
             epoch: 1,
@@ -769,13 +969,13 @@ fn run_async(args: &SimArgs) -> Result<SimReport> {
             chunks: vec![PushChunk {
                 id: CHUNK,
                 read_version: vw.version,
-                len: p as u32,
+                len: (p - rows) as u32,
                 echo: needs_read,
                 dtype: WireDtype::F32,
             }],
             compute_ms,
             // The sim's single shard is also the coordinator: it knows every decision it made.
-            step: vw.seq - 1,
+            step: vw.steps - 1,
             decisions: Default::default(),
         };
         let (reply, _) = core.handle(Frame { msg: Message::Push(push), payload }, Duration::ZERO);
@@ -793,10 +993,8 @@ fn run_async(args: &SimArgs) -> Result<SimReport> {
             blocked.push(Blocked { worker: w, step: ack.wait_for_step, clock: ack.wait_for_clock, duration: next });
         } else {
             heap.push(Due { time: now + next, worker: w as u32 });
-            let (view, version) = pull(&mut core, args.pull_dtype)?;
             let vw = &mut workers[w];
-            vw.view = view;
-            vw.version = version;
+            vw.refresh(&mut core, task.as_ref(), &mut batches, args.pull_dtype)?;
             if vw.view.iter().any(|v| !v.is_finite()) {
                 diverged = true;
                 break;
@@ -806,7 +1004,7 @@ fn run_async(args: &SimArgs) -> Result<SimReport> {
         if let Some(out) = csv.as_mut() {
             writeln!(out, "{event},{epoch},{now},{w},{tau},{loss},{},{gap}", core.lr())?;
         }
-        evaluator.after(events, now, task.as_ref(), &core)?;
+        evaluator.after(events, now, task.as_ref(), &mut core)?;
     }
     if let Some(mut out) = csv {
         out.flush()?;
@@ -820,6 +1018,7 @@ fn run_async(args: &SimArgs) -> Result<SimReport> {
 }
 
 /// Lets every waiting worker whose condition now holds start its next batch at `now`, on fresh parameters.
+#[allow(clippy::too_many_arguments)]
 fn release(
     core: &mut ShardCore,
     workers: &mut [VirtualWorker],
@@ -827,23 +1026,26 @@ fn release(
     heap: &mut BinaryHeap<Due>,
     now: f64,
     wire: WireDtype,
+    task: &dyn Task,
+    batches: &mut Option<Batches>,
 ) -> Result<()> {
     if blocked.is_empty() {
         return Ok(());
     }
-    let (view, version) = pull(core, wire)?;
     let min_clock = core.stats().ssp_min_clock;
     let step = core.global_step();
     let mut still = Vec::new();
+    let mut ready = Vec::new();
     for b in blocked.drain(..) {
         if step >= b.step && min_clock >= b.clock {
-            let vw = &mut workers[b.worker];
-            vw.view = view.clone();
-            vw.version = version;
-            heap.push(Due { time: now + b.duration, worker: b.worker as u32 });
+            ready.push(b);
         } else {
             still.push(b);
         }
+    }
+    for b in ready {
+        workers[b.worker].refresh(core, task, batches, wire)?;
+        heap.push(Due { time: now + b.duration, worker: b.worker as u32 });
     }
     *blocked = still;
     Ok(())
@@ -866,7 +1068,7 @@ struct Outcome {
 fn finish(args: &SimArgs, task: &dyn Task, core: &mut ShardCore, o: Outcome) -> Result<SimReport> {
     let Outcome { staleness, gap_sum, now, mut diverged, events, started, gradients, evaluator, durations } = o;
     let real = started.elapsed().as_secs_f64();
-    let params = core.chunk_values(CHUNK).map_err(|e| anyhow!("{e}"))?.to_vec();
+    let params = master_params(core, task)?;
     diverged |= params.iter().any(|v| !v.is_finite());
     let (metric, train_loss) = if diverged { (f64::NAN, f64::NAN) } else { task.evaluate(&params) };
     let mut curve = evaluator.curve;
@@ -926,6 +1128,7 @@ fn finish(args: &SimArgs, task: &dyn Task, core: &mut ShardCore, o: Outcome) -> 
 fn run_sync(args: &SimArgs) -> Result<SimReport> {
     let (task, mut core, _hyper) = setup(args)?;
     let p = task.num_params();
+    let rows = task.sparse_rows();
     let mut timing = Rng::new(mix(args.seed, 0x71e));
     let mut order_rng = Rng::new(mix(args.seed, 0x0d3));
     let durations = Durations::new(args)?;
@@ -982,7 +1185,17 @@ fn run_sync(args: &SimArgs) -> Result<SimReport> {
             }
             let batch = &order[used..used + args.batch as usize];
             used += args.batch as usize;
-            let loss = task.loss_grad(&params, batch, gradients, &mut grad);
+            // An embedding task's worker pulls its batch's rows (unchanged within the round: the shard
+            // applies the round's row sums when the step ends).
+            let (ids, row_versions, view) = if rows > 0 {
+                let ids = task.batch_rows(batch);
+                let (view, _, versions) = pull_view(&mut core, task.as_ref(), args.pull_dtype, &ids)?;
+                (ids, versions, view)
+            } else {
+                (Vec::new(), Vec::new(), Vec::new())
+            };
+            let view = if rows > 0 { &view[..] } else { &params[..] };
+            let loss = task.loss_grad(view, batch, gradients, &mut grad);
             loss_sum += loss;
             gradients += 1;
             let slowness =
@@ -993,8 +1206,16 @@ fn run_sync(args: &SimArgs) -> Result<SimReport> {
                 diverged = true;
                 break;
             }
+            if rows > 0 {
+                *seq += 1;
+                if !push_rows(&mut core, *worker, *seq, &ids, &row_versions, &grad, view, needs_read, args.push_dtype)?
+                {
+                    diverged = true;
+                    break;
+                }
+            }
             *seq += 1;
-            let mut payload = grad.clone();
+            let mut payload = grad[rows..].to_vec();
             gaps_common::dtype::round_trip(args.push_dtype, &mut payload);
             if needs_read {
                 payload.extend_from_slice(&params);
@@ -1006,7 +1227,7 @@ fn run_sync(args: &SimArgs) -> Result<SimReport> {
                 chunks: vec![PushChunk {
                     id: CHUNK,
                     read_version: version,
-                    len: p as u32,
+                    len: (p - rows) as u32,
                     echo: needs_read,
                     dtype: WireDtype::F32,
                 }],
@@ -1038,7 +1259,7 @@ fn run_sync(args: &SimArgs) -> Result<SimReport> {
             diverged = true;
             break;
         }
-        evaluator.after(gradients, now, task.as_ref(), &core)?;
+        evaluator.after(gradients, now, task.as_ref(), &mut core)?;
     }
     if let Some(mut out) = csv {
         out.flush()?;

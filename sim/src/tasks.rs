@@ -34,6 +34,16 @@ pub trait Task: Sync {
     fn higher_is_better(&self) -> bool {
         true
     }
+    /// Embedding tasks: the first this many parameters are rows of dim 1 of a sparse table (row id = index),
+    /// pulled and pushed per id through the shard's table 0 as a real recommendation worker does; the rest
+    /// is the dense tensor. 0: a dense task.
+    fn sparse_rows(&self) -> usize {
+        0
+    }
+    /// The distinct row ids a batch touches, ascending (embedding tasks).
+    fn batch_rows(&self, _batch: &[u32]) -> Vec<u64> {
+        Vec::new()
+    }
 }
 
 const IN: usize = 20;
@@ -312,11 +322,14 @@ impl Task for Logreg {
 }
 
 /// Click-through logistic regression on the synthetic Criteo data: each (field, value) feature hashed into
-/// one of 2^16 buckets, plus the 13 log-transformed integer features and a bias. Metric: test AUC.
+/// one of 2^16 buckets, plus the 13 log-transformed integer features and a bias. Metric: test AUC. The
+/// bucket weights are the rows of a sparse table (dim 1), the 14 others a dense tensor.
 #[derive(Debug, Clone)]
 pub struct Ctr {
     train: CtrSamples,
     test: CtrSamples,
+    /// The buckets are rows of a sparse table (false: one dense tensor, the reference of that path).
+    sparse: bool,
 }
 
 const CTR_BUCKETS: usize = 1 << 16;
@@ -368,7 +381,13 @@ impl Ctr {
         Ctr {
             train: CtrSamples::new(&data, 0, train),
             test: CtrSamples::new(&data, gaps_models::criteo::SYNTHETIC_EVAL_BASE, test),
+            sparse: true,
         }
+    }
+
+    /// The same model with the bucket weights in the dense tensor.
+    pub fn dense(seed: u64, train: usize, test: usize) -> Self {
+        Ctr { sparse: false, ..Ctr::new(seed, train, test) }
     }
 }
 
@@ -378,7 +397,11 @@ fn sigmoid64(z: f32) -> f32 {
 
 impl Task for Ctr {
     fn name(&self) -> &'static str {
-        "ctr"
+        if self.sparse {
+            "ctr"
+        } else {
+            "ctr-dense"
+        }
     }
     fn num_params(&self) -> usize {
         CTR_PARAMS
@@ -428,6 +451,22 @@ impl Task for Ctr {
     }
     fn metric_name(&self) -> &'static str {
         "test AUC"
+    }
+    fn sparse_rows(&self) -> usize {
+        if self.sparse {
+            CTR_BUCKETS
+        } else {
+            0
+        }
+    }
+    fn batch_rows(&self, batch: &[u32]) -> Vec<u64> {
+        let mut ids: Vec<u64> = batch
+            .iter()
+            .flat_map(|&i| self.train.buckets[i as usize * 26..(i as usize + 1) * 26].iter().map(|b| u64::from(*b)))
+            .collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids
     }
     fn test_metric(&self, params: &[f32]) -> f64 {
         let scores: Vec<f32> = (0..self.test.labels.len()).map(|i| sigmoid64(self.test.logit(params, i))).collect();

@@ -309,3 +309,44 @@ fn a_sweep_fills_every_cell_and_prints_the_bound_beside_the_optimum() {
     // Nothing to sweep is an error, not an empty table.
     assert!(sweep(&SweepArgs { workers: vec![], ..args }).is_err());
 }
+
+/// The CTR model's bucket weights are rows of the shard's sparse table: each virtual worker pulls its batch's
+/// rows and pushes their gradients per id before its dense push. In sync the shard sums the rows per id over
+/// the round and applies them once, which is exactly what the dense tensor does with the averaged gradient:
+/// the two runs end on the same parameters.
+#[test]
+fn ctr_rows_go_through_the_sparse_table_and_sync_equals_the_dense_reference() {
+    use gaps_sim::ModelChoice;
+    let base = SimArgs {
+        model: ModelChoice::Ctr,
+        rule: Rule::Adagrad,
+        mode: SimMode::Sync,
+        workers: 4,
+        lr: 0.05,
+        momentum: 0.0,
+        warmup_epochs: 0.0,
+        no_lr_decay: true,
+        linear_scaling: false,
+        epochs: 1,
+        batch: 64,
+        train: 8192,
+        test: 2048,
+        ..SimArgs::defaults()
+    };
+    let sparse = run(&base).expect("sparse");
+    let dense = run(&SimArgs { model: ModelChoice::CtrDense, ..base.clone() }).expect("dense");
+    assert_eq!((sparse.model.as_str(), dense.model.as_str()), ("ctr", "ctr-dense"));
+    assert_eq!(sparse.params.len(), dense.params.len());
+    let diff = sparse.params.iter().zip(&dense.params).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    assert!(diff < 1e-6, "largest difference {diff}");
+    assert!(sparse.params.iter().filter(|v| **v != 0.0).count() > 10_000, "rows were trained");
+    assert!(sparse.final_test_metric > 0.75, "AUC {}", sparse.final_test_metric);
+    // Async and gba also train through the table (each worker computes the batch whose rows it pulled).
+    for mode in [SimMode::Async, SimMode::Gba] {
+        let r = run(&SimArgs { mode, ..base.clone() }).expect("run");
+        assert!(!r.diverged && r.final_test_metric > 0.75, "{mode:?}: AUC {}", r.final_test_metric);
+    }
+    // Rules with per-worker state or a look-ahead cannot update table rows.
+    let err = format!("{:#}", run(&SimArgs { rule: Rule::DanaZero, ..base }).expect_err("dana-zero"));
+    assert!(err.contains("sparse table"), "{err}");
+}
