@@ -122,7 +122,12 @@ pub fn run_cpu(sizes: &[usize], threads: usize, min_time: Duration, quick: bool)
             let (rule_rate, stream_rate) = best_alternating(min_time, quick, &mut update, &mut stream)?;
             out.push(KernelResult {
                 rule,
-                device: "cpu",
+                // The vector width the loops ran with (GAPS_KERNEL_ISA can narrow it to compare paths).
+                device: match gaps_kernels::isa() {
+                    gaps_kernels::Isa::Avx512 => "cpu-avx512",
+                    gaps_kernels::Isa::Avx2 => "cpu-avx2",
+                    gaps_kernels::Isa::Baseline => "cpu",
+                },
                 params: n,
                 params_per_s: rule_rate * n as f64,
                 bytes_per_param: rule.bytes_per_param(),
@@ -136,12 +141,12 @@ pub fn run_cpu(sizes: &[usize], threads: usize, min_time: Duration, quick: bool)
 /// Prints the table (stderr) and one JSON line per case (stdout when `json`).
 pub fn print(results: &[KernelResult], json: bool) {
     eprintln!(
-        "{:<18} {:>6} {:>10} {:>8} {:>12} {:>12} {:>9} {:>6}",
+        "{:<18} {:>10} {:>10} {:>8} {:>12} {:>12} {:>9} {:>6}",
         "rule", "device", "params", "B/param", "Mparams/s", "stream Mp/s", "GB/s", "ratio"
     );
     for r in results {
         eprintln!(
-            "{:<18} {:>6} {:>10} {:>8} {:>12.1} {:>12.1} {:>9.2} {:>6.2}",
+            "{:<18} {:>10} {:>10} {:>8} {:>12.1} {:>12.1} {:>9.2} {:>6.2}",
             r.rule.name(),
             r.device,
             r.params,

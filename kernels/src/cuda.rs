@@ -51,6 +51,19 @@ pub fn probe() -> Result<(), KernelError> {
     }
 }
 
+/// Compiles `rules.cu` to PTX with NVRTC. Needs only libnvrtc, no GPU and no driver: `.ci/run` runs it
+/// (`rules_cu_compiles_with_nvrtc`) with the `nvidia-cuda-nvrtc-cu12` wheel's library, so a kernel that does
+/// not compile fails CI on machines without a GPU.
+pub fn compile_rules() -> Result<cudarc::nvrtc::Ptx, KernelError> {
+    #[allow(unsafe_code)]
+    // SAFETY: only tries to dlopen the library by name and drops the handle; no NVRTC call is made.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(KernelError::Device("NVRTC (libnvrtc) is not on this machine".into()));
+    }
+    let opts = cudarc::nvrtc::CompileOptions { fmad: Some(false), ..Default::default() };
+    cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts).map_err(|e| cuda_err("compiling rules.cu with NVRTC", e))
+}
+
 /// The per-push scalars as the kernel receives them (layout of `struct Scalars` in `rules.cu`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
@@ -109,9 +122,7 @@ impl CudaDevice {
         }
         let ctx = CudaContext::new(ordinal).map_err(|e| cuda_err("opening the GPU", e))?;
         let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
-        let opts = cudarc::nvrtc::CompileOptions { fmad: Some(false), ..Default::default() };
-        let ptx = cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts)
-            .map_err(|e| cuda_err("compiling rules.cu with NVRTC", e))?;
+        let ptx = compile_rules()?;
         let module = ctx.load_module(ptx).map_err(|e| cuda_err("loading the compiled kernels", e))?;
         let update = module.load_function("gaps_update").map_err(|e| cuda_err("finding gaps_update", e))?;
         let stream = ctx.default_stream();
@@ -289,6 +300,20 @@ mod tests {
             let err = CudaDevice::for_choice(DeviceChoice::Cuda).expect_err("no GPU");
             assert_eq!(err.to_string(), e.to_string());
             assert!(CudaDevice::for_choice(DeviceChoice::Auto).expect("auto").is_none());
+        }
+    }
+
+    /// NVRTC compiles every rule's kernel (no GPU needed). `.ci/run` installs libnvrtc from PyPI and runs
+    /// this; it fails, rather than passing, when libnvrtc cannot be loaded.
+    #[test]
+    #[ignore = "needs libnvrtc: .ci/run provides it (the nvidia-cuda-nvrtc-cu12 wheel) and runs this"]
+    fn rules_cu_compiles_with_nvrtc() {
+        let ptx = compile_rules().unwrap_or_else(|e| panic!("NVRTC is missing or rules.cu does not compile: {e}"));
+        let text = ptx.to_src();
+        assert!(text.contains(".entry gaps_update"), "no gaps_update entry in the PTX:\n{text:.2000}");
+        // The rules' square roots and divisions compile to the IEEE-rounded forms (no fast-math).
+        for op in ["sqrt.rn.f32", "div.rn.f32"] {
+            assert!(text.contains(op), "no {op} in the PTX:\n{text:.2000}");
         }
     }
 

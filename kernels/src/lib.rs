@@ -528,6 +528,7 @@ pub fn slim_worker_step(hyper: &Hyper, pulled: &[f32], momentum: &mut [f32], gra
 }
 
 mod fast;
+pub use fast::{detected, isa, Isa};
 
 #[cfg(test)]
 mod tests;
