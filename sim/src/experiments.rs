@@ -473,6 +473,44 @@ pub fn e4(workers: &[u32], seeds: &[u64]) -> Result<Vec<E4Row>> {
     Ok(rows)
 }
 
+/// The plots' line colours, in order.
+pub(crate) const COLORS: [&str; 12] = [
+    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
+    "#000000", "#aa3377",
+];
+
+/// The opening of a `w`×`h` SVG chart: the element, a white background and `title` centred at `title_x`.
+pub(crate) fn svg_open(w: f64, h: f64, title_x: f64, title: &str) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">"#
+    );
+    let _ = writeln!(s, r#"<rect width="{w}" height="{h}" fill="white"/>"#);
+    let _ = writeln!(s, r#"<text x="{title_x}" y="18" text-anchor="middle" font-size="14">{title}</text>"#);
+    s
+}
+
+/// One data series: its polyline through `points` and a dot at each.
+pub(crate) fn svg_series(s: &mut String, color: &str, points: &[(f64, f64)]) {
+    let line: Vec<String> = points.iter().map(|(a, b)| format!("{a:.1},{b:.1}")).collect();
+    let _ = writeln!(s, r#"<polyline fill="none" stroke="{color}" stroke-width="2" points="{}"/>"#, line.join(" "));
+    for (a, b) in points {
+        let _ = writeln!(s, r#"<circle cx="{a:.1}" cy="{b:.1}" r="3" fill="{color}"/>"#);
+    }
+}
+
+/// A legend entry: a short line in `color` at (x, y) and its label.
+pub(crate) fn svg_legend(s: &mut String, x: f64, y: f64, color: &str, label: &str) {
+    let _ = writeln!(
+        s,
+        r#"<line x1="{x}" y1="{y}" x2="{}" y2="{y}" stroke="{color}" stroke-width="2"/><text x="{}" y="{}">{label}</text>"#,
+        x + 20.0,
+        x + 26.0,
+        y + 4.0
+    );
+}
+
 /// A line chart of accuracy against worker count, one line per method (SVG text).
 pub fn svg_plot(e: &E1) -> String {
     let (w, h, left, right, top, bottom) = (760.0, 440.0, 60.0, 230.0, 30.0, 50.0);
@@ -482,23 +520,8 @@ pub fn svg_plot(e: &E1) -> String {
     let (xmin, xmax) = (xs.first().copied().unwrap_or(0.0), xs.last().copied().unwrap_or(1.0));
     let x = |v: f64| left + (v - xmin) / (xmax - xmin).max(1e-9) * pw;
     let y = |acc: f64| top + (1.0 - (acc.clamp(0.0, 100.0) - 0.0) / 100.0) * ph;
-    let colors = [
-        "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
-        "#000000", "#aa3377",
-    ];
-    let mut s = String::new();
-    let _ = writeln!(
-        s,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">"#
-    );
-    let _ = writeln!(s, r#"<rect width="{w}" height="{h}" fill="white"/>"#);
-    let _ = writeln!(
-        s,
-        r#"<text x="{}" y="18" text-anchor="middle" font-size="14">Test accuracy vs workers (MLP, Gamma shape {}, η {})</text>"#,
-        left + pw / 2.0,
-        e.shape,
-        e.lr
-    );
+    let title = format!("Test accuracy vs workers (MLP, Gamma shape {}, η {})", e.shape, e.lr);
+    let mut s = svg_open(w, h, left + pw / 2.0, &title);
     for acc in (0..=100).step_by(20) {
         let yy = y(f64::from(acc));
         let _ = writeln!(
@@ -532,19 +555,16 @@ pub fn svg_plot(e: &E1) -> String {
         e.baseline.0
     );
     for (i, (m, cells)) in e.rows.iter().enumerate() {
-        let color = colors[i % colors.len()];
-        let points: Vec<String> = xs
+        let color = COLORS[i % COLORS.len()];
+        let points: Vec<(f64, f64)> = xs
             .iter()
             .zip(cells)
             .filter(|(_, c)| c.accuracy.is_finite())
-            .map(|(xv, c)| format!("{:.1},{:.1}", x(*xv), y(c.accuracy)))
+            .map(|(xv, c)| (x(*xv), y(c.accuracy)))
             .collect();
-        let _ =
-            writeln!(s, r#"<polyline fill="none" stroke="{color}" stroke-width="2" points="{}"/>"#, points.join(" "));
+        svg_series(&mut s, color, &points);
         for (xv, c) in xs.iter().zip(cells) {
-            if c.accuracy.is_finite() {
-                let _ = writeln!(s, r#"<circle cx="{:.1}" cy="{:.1}" r="3" fill="{color}"/>"#, x(*xv), y(c.accuracy));
-            } else {
+            if !c.accuracy.is_finite() {
                 let _ = writeln!(
                     s,
                     r#"<text x="{:.1}" y="{:.1}" fill="{color}" text-anchor="middle">×</text>"#,
@@ -553,16 +573,7 @@ pub fn svg_plot(e: &E1) -> String {
                 );
             }
         }
-        let ly = top + 10.0 + i as f64 * 18.0;
-        let lx = left + pw + 15.0;
-        let _ = writeln!(
-            s,
-            r#"<line x1="{lx}" y1="{ly}" x2="{}" y2="{ly}" stroke="{color}" stroke-width="2"/><text x="{}" y="{}">{}</text>"#,
-            lx + 20.0,
-            lx + 26.0,
-            ly + 4.0,
-            m.label
-        );
+        svg_legend(&mut s, left + pw + 15.0, top + 10.0 + i as f64 * 18.0, color, m.label);
     }
     s.push_str("</svg>\n");
     s

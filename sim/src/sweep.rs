@@ -10,8 +10,9 @@
 //! momentum rule the linear analysis would use the effective step η/(1 − γ) instead of η; both are printed
 //! (on the E1 MLP the plain-η bound is the one that matches the measured optimum).
 
+use crate::experiments::{run_all, svg_legend, svg_open, svg_series, COLORS};
 use crate::tasks::Task;
-use crate::{experiments::run_all, ModelChoice, SimArgs, SimMode, SimReport};
+use crate::{ModelChoice, SimArgs, SimMode, SimReport};
 use anyhow::{bail, Result};
 use gaps_common::rng::{mix, Rng};
 use gaps_kernels::Rule;
@@ -467,20 +468,8 @@ impl Sweep {
         let tmax = times.iter().copied().fold(0.0, f64::max);
         let (tmin, tmax) = if times.is_empty() { (1.0, 10.0) } else { (tmin / 1.3, tmax * 1.3) };
         let y = |t: f64| top + (1.0 - (t.ln() - tmin.ln()) / (tmax.ln() - tmin.ln()).max(1e-9)) * ph;
-        let colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd"];
-        let mut s = String::new();
-        let _ = writeln!(
-            s,
-            r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">"#
-        );
-        let _ = writeln!(s, r#"<rect width="{w}" height="{h}" fill="white"/>"#);
-        let _ = writeln!(
-            s,
-            r#"<text x="{}" y="18" text-anchor="middle" font-size="14">Simulated time to {} {:.3} vs workers</text>"#,
-            left + pw / 2.0,
-            self.metric_name,
-            self.target
-        );
+        let title = format!("Simulated time to {} {:.3} vs workers", self.metric_name, self.target);
+        let mut s = svg_open(w, h, left + pw / 2.0, &title);
         // Decade-ish grid on the time axis: 5 lines, labelled.
         for k in 0..=4 {
             let t = (tmin.ln() + (tmax.ln() - tmin.ln()) * f64::from(k) / 4.0).exp();
@@ -521,17 +510,12 @@ impl Sweep {
             );
         }
         for (i, m) in self.modes().iter().enumerate() {
-            let color = colors[i % colors.len()];
+            let color = COLORS[i % COLORS.len()];
             let pts: Vec<(f64, f64)> = workers
                 .iter()
                 .filter_map(|n| self.cell(*n, *m).and_then(|c| c.time_to_target).map(|t| (x(f64::from(*n)), y(t))))
                 .collect();
-            let line: Vec<String> = pts.iter().map(|(a, b)| format!("{a:.1},{b:.1}")).collect();
-            let _ =
-                writeln!(s, r#"<polyline fill="none" stroke="{color}" stroke-width="2" points="{}"/>"#, line.join(" "));
-            for (a, b) in &pts {
-                let _ = writeln!(s, r#"<circle cx="{a:.1}" cy="{b:.1}" r="3" fill="{color}"/>"#);
-            }
+            svg_series(&mut s, color, &pts);
             for n in &workers {
                 if self.cell(*n, *m).is_some_and(|c| c.time_to_target.is_none()) {
                     let _ = writeln!(
@@ -542,16 +526,7 @@ impl Sweep {
                     );
                 }
             }
-            let ly = top + 10.0 + i as f64 * 18.0;
-            let lx0 = left + pw + 40.0;
-            let _ = writeln!(
-                s,
-                r#"<line x1="{lx0}" y1="{ly}" x2="{}" y2="{ly}" stroke="{color}" stroke-width="2"/><text x="{}" y="{}">{}</text>"#,
-                lx0 + 20.0,
-                lx0 + 26.0,
-                ly + 4.0,
-                mode_name(*m)
-            );
+            svg_legend(&mut s, left + pw + 40.0, top + 10.0 + i as f64 * 18.0, color, mode_name(*m));
         }
         s.push_str("</svg>\n");
         s
