@@ -21,13 +21,12 @@ struct Scalars {
     float nag_gamma, nag_keep, nag_lr;
 };
 
-extern "C" __global__ void gaps_update(
-    int rule, unsigned long long n,
+// One element of one rule's update: element i of every plane.
+__device__ __forceinline__ void update_one(
+    int rule, unsigned long long i,
     float* __restrict__ p, float* __restrict__ s0, float* __restrict__ s1, float* __restrict__ w0,
-    const float* __restrict__ g, const float* __restrict__ r, const Scalars k)
+    const float* __restrict__ g, const float* __restrict__ r, const Scalars& k)
 {
-    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
-    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
         const float pi = p[i];
         const float gi = g[i];
         switch (rule) {
@@ -118,5 +117,41 @@ extern "C" __global__ void gaps_update(
         }
         default: break;
         }
+}
+
+// One block of `n` elements with its planes in separate buffers (the host-resident path).
+extern "C" __global__ void gaps_update(
+    int rule, unsigned long long n,
+    float* __restrict__ p, float* __restrict__ s0, float* __restrict__ s1, float* __restrict__ w0,
+    const float* __restrict__ g, const float* __restrict__ r, const Scalars k)
+{
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        update_one(rule, i, p, s0, s1, w0, g, r, k);
+    }
+}
+
+// One entry of a push's chunk table (layout of gaps_kernels::plan::TableEntry): where a chunk's parameters
+// and shared planes sit in the arenas (the same offset in each), where the pushing worker's plane for it
+// sits, where its gradient and read echo sit in the staged push, its length, its rule and its scalars.
+struct TableEntry {
+    unsigned long long param_offset, worker_offset, grad_offset, read_offset;
+    unsigned int len;
+    int rule;
+    Scalars k;
+};
+
+// Every chunk of one push in one launch: blockIdx.y picks the table entry, x strides over its elements.
+// The state never leaves the device; only the staged gradient (and echo) came in.
+extern "C" __global__ void gaps_update_table(
+    const TableEntry* __restrict__ table, unsigned int first_entry,
+    float* __restrict__ p, float* __restrict__ s0, float* __restrict__ s1, float* __restrict__ w,
+    const float* __restrict__ staged)
+{
+    const TableEntry e = table[first_entry + blockIdx.y];
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < e.len; i += stride) {
+        update_one(e.rule, i, p + e.param_offset, s0 + e.param_offset, s1 + e.param_offset, w + e.worker_offset,
+                   staged + e.grad_offset, staged + e.read_offset, e.k);
     }
 }

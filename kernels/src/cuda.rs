@@ -310,7 +310,9 @@ mod tests {
     fn rules_cu_compiles_with_nvrtc() {
         let ptx = compile_rules().unwrap_or_else(|e| panic!("NVRTC is missing or rules.cu does not compile: {e}"));
         let text = ptx.to_src();
-        assert!(text.contains(".entry gaps_update"), "no gaps_update entry in the PTX:\n{text:.2000}");
+        for entry in [".entry gaps_update(", ".entry gaps_update_table("] {
+            assert!(text.contains(entry), "no {entry} in the PTX:\n{text:.2000}");
+        }
         // The rules' square roots and divisions compile to the IEEE-rounded forms (no fast-math).
         for op in ["sqrt.rn.f32", "div.rn.f32"] {
             assert!(text.contains(op), "no {op} in the PTX:\n{text:.2000}");

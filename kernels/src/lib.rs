@@ -19,6 +19,7 @@ use std::fmt;
 use std::str::FromStr;
 
 pub mod cuda;
+pub mod plan;
 pub mod reference;
 
 /// EMA decay β of Gap-Aware's running mean of squared steps (docs/ALGORITHMS.md §3).
