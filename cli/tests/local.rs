@@ -425,15 +425,21 @@ fn the_example_config_file_is_valid_for_every_role() {
     assert_eq!(l.get_one::<u32>("servers"), Some(&2));
 }
 
+/// 4,000 lines of synthetic Criteo-layout data (seed `seed`) in a temporary file.
+fn synthetic_file(seed: u64, name: &str) -> std::path::PathBuf {
+    let data = gaps_models::criteo::SyntheticCriteo::new(seed);
+    let lines: Vec<String> =
+        (0..4000).map(|i| gaps_models::criteo::SyntheticCriteo::to_line(&data.sample(i).0)).collect();
+    let path = std::env::temp_dir().join(format!("gaps-criteo-{name}-{}.tsv", std::process::id()));
+    std::fs::write(&path, lines.join("\n")).expect("write");
+    path
+}
+
 /// A file of a few thousand lines with default flags: one pass (not a fixed number of steps that would go
 /// over it many times), and a held-out log-loss below the best constant predictor's.
 #[test]
 fn a_small_file_is_trained_one_pass_by_default_and_does_not_overfit() {
-    let data = gaps_models::criteo::SyntheticCriteo::new(5);
-    let lines: Vec<String> =
-        (0..4000).map(|i| gaps_models::criteo::SyntheticCriteo::to_line(&data.sample(i).0)).collect();
-    let path = std::env::temp_dir().join(format!("gaps-criteo-epochs-{}.tsv", std::process::id()));
-    std::fs::write(&path, lines.join("\n")).expect("write");
+    let path = synthetic_file(5, "epochs");
     let file = path.to_str().expect("path");
     let v = run_local(&["local", "--model", "dlrm", "--data", file, "--json"]);
     let twice = run_local(&["local", "--model", "dlrm", "--data", file, "--epochs", "2", "--json"]);
@@ -457,11 +463,7 @@ fn a_small_file_is_trained_one_pass_by_default_and_does_not_overfit() {
 /// --patience evaluations without improvement, and the curve is in the JSON.
 #[test]
 fn early_stopping_ends_an_overfitting_run_on_the_held_out_curve() {
-    let data = gaps_models::criteo::SyntheticCriteo::new(6);
-    let lines: Vec<String> =
-        (0..4000).map(|i| gaps_models::criteo::SyntheticCriteo::to_line(&data.sample(i).0)).collect();
-    let path = std::env::temp_dir().join(format!("gaps-criteo-early-{}.tsv", std::process::id()));
-    std::fs::write(&path, lines.join("\n")).expect("write");
+    let path = synthetic_file(6, "early");
     let file = path.to_str().expect("path");
     let args = ["--model", "dlrm", "--data", file, "--servers", "1", "--workers", "1", "--epochs", "40"];
     let v = run_local(&[&["local"], &args[..], &["--eval-every", "7", "--patience", "2", "--json"]].concat());

@@ -258,7 +258,7 @@ fn apply_loops(rule: Rule, k: &Derived, n: usize, b: Bufs<'_>) {
 /// the same vector width as the rules it is compared with.
 pub(crate) fn stream(b: Bufs<'_>) {
     #[cfg(target_arch = "x86_64")]
-    match isa().min(detected()) {
+    match isa() {
         #[allow(unsafe_code)]
         // SAFETY: `stream_avx512` only requires AVX-512F, whose presence `isa` checked at run time.
         Isa::Avx512 => unsafe { stream_avx512(b) },

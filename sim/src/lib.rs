@@ -363,6 +363,13 @@ pub struct SimReport {
     pub time_unit: &'static str,
 }
 
+/// The simulated time of the first point of `curve` at the target: at or above it when a larger metric is
+/// better, at or below it otherwise.
+pub fn time_to_reach(curve: &[CurvePoint], target: f64, higher_is_better: bool) -> Option<f64> {
+    let reached = |m: f64| if higher_is_better { m >= target } else { m <= target };
+    curve.iter().find(|c| reached(c.metric)).map(|c| c.time)
+}
+
 /// One evaluation of the test metric during a run.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CurvePoint {
@@ -496,11 +503,17 @@ fn pull_view(core: &mut ShardCore, task: &dyn Task, wire: WireDtype, ids: &[u64]
     }
     let mut view = vec![0.0f32; task.num_params()];
     view[rows..].copy_from_slice(&dense);
+    let versions = pull_rows_into(core, wire, ids, &mut view)?;
+    Ok((view, version, versions))
+}
+
+/// Pulls (creating) the rows of `ids` into their places in `view`; returns their versions.
+fn pull_rows_into(core: &mut ShardCore, wire: WireDtype, ids: &[u64], view: &mut [f32]) -> Result<Vec<u32>> {
     let (values, versions) = sparse_pull(core, ids, true, wire)?;
     for (id, v) in ids.iter().zip(values) {
         view[*id as usize] = v;
     }
-    Ok((view, version, versions))
+    Ok(versions)
 }
 
 /// Pulls rows of dim 1 of table 0: (values, versions).
@@ -1075,14 +1088,10 @@ fn finish(args: &SimArgs, task: &dyn Task, core: &mut ShardCore, o: Outcome) -> 
     if evaluator.every > 0 && curve.last().is_none_or(|c| c.time < now) {
         curve.push(CurvePoint { epoch: gradients as f64 / evaluator.batches_per_epoch as f64, time: now, metric });
     }
-    let reached = |m: f64| match args.target {
-        Some(t) if task.higher_is_better() => m >= t,
-        Some(t) => m <= t,
-        None => false,
-    };
-    let time_to_target = curve.iter().find(|c| reached(c.metric)).map(|c| c.time).or_else(|| {
+    let time_to_target = args.target.and_then(|t| {
         // Without intermediate evaluations only the end can reach the target.
-        (curve.is_empty() && reached(metric)).then_some(now)
+        let end = [CurvePoint { epoch: 0.0, time: now, metric }];
+        time_to_reach(if curve.is_empty() { &end } else { &curve }, t, task.higher_is_better())
     });
     let mut sorted = staleness.clone();
     sorted.sort_unstable();
@@ -1148,6 +1157,7 @@ fn run_sync(args: &SimArgs) -> Result<SimReport> {
     let (mut used, mut now, mut diverged, mut rounds) = (0usize, 0.0f64, false, 0u64);
     let mut gradients = 0u64;
     let mut grad = vec![0.0f32; p];
+    let mut round_view = vec![0.0f32; if rows > 0 { p } else { 0 }];
     // The live workers' ids (as the shard handed them out) and sequence numbers, in join order; the slot in
     // this list picks a worker's straggler factor.
     let mut live: Vec<(u32, u64)> = Vec::new();
@@ -1176,6 +1186,10 @@ fn run_sync(args: &SimArgs) -> Result<SimReport> {
         };
         core.set_lr_scale(warm as f32).map_err(|e| anyhow!("{e}"))?;
         let (params, version) = pull(&mut core, args.pull_dtype)?;
+        // An embedding task's view: the dense part, and each worker's rows as it pulls them.
+        if rows > 0 {
+            round_view[rows..].copy_from_slice(&params);
+        }
         let mut slowest = 0.0f64;
         let mut loss_sum = 0.0f32;
         for (slot, (worker, seq)) in live.iter_mut().enumerate() {
@@ -1185,16 +1199,16 @@ fn run_sync(args: &SimArgs) -> Result<SimReport> {
             }
             let batch = &order[used..used + args.batch as usize];
             used += args.batch as usize;
-            // An embedding task's worker pulls its batch's rows (unchanged within the round: the shard
-            // applies the round's row sums when the step ends).
-            let (ids, row_versions, view) = if rows > 0 {
+            // An embedding task's worker pulls its batch's rows into the round's view (rows do not change
+            // within a round: the shard applies the round's row sums when the step ends).
+            let (ids, row_versions) = if rows > 0 {
                 let ids = task.batch_rows(batch);
-                let (view, _, versions) = pull_view(&mut core, task.as_ref(), args.pull_dtype, &ids)?;
-                (ids, versions, view)
+                let versions = pull_rows_into(&mut core, args.pull_dtype, &ids, &mut round_view)?;
+                (ids, versions)
             } else {
-                (Vec::new(), Vec::new(), Vec::new())
+                (Vec::new(), Vec::new())
             };
-            let view = if rows > 0 { &view[..] } else { &params[..] };
+            let view = if rows > 0 { &round_view[..] } else { &params[..] };
             let loss = task.loss_grad(view, batch, gradients, &mut grad);
             loss_sum += loss;
             gradients += 1;

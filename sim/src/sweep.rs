@@ -147,6 +147,8 @@ pub struct Sweep {
     pub target: f64,
     /// True when the target was derived from the sweep (no --target).
     pub target_derived: bool,
+    /// True when a larger metric is better (the target is reached from below).
+    pub higher_is_better: bool,
     /// What the metric is.
     pub metric_name: &'static str,
     /// Largest Hessian eigenvalue at the initial parameters.
@@ -240,7 +242,8 @@ pub fn run(args: &SweepArgs) -> Result<Sweep> {
     let mut workers = args.workers.clone();
     workers.sort_unstable();
     workers.dedup();
-    let jobs: Vec<SimArgs> = workers.iter().flat_map(|n| args.modes.iter().map(move |m| args.sim(*n, *m))).collect();
+    let grid: Vec<(u32, SimMode)> = workers.iter().flat_map(|n| args.modes.iter().map(move |m| (*n, *m))).collect();
+    let jobs: Vec<SimArgs> = grid.iter().map(|(n, m)| args.sim(*n, *m)).collect();
     for job in &jobs {
         job.validate()?;
     }
@@ -263,18 +266,16 @@ pub fn run(args: &SweepArgs) -> Result<Sweep> {
     if !target.is_finite() {
         bail!("--target must be finite");
     }
-    let reached = |m: f64| if higher { m >= target } else { m <= target };
-    let cells: Vec<SweepCell> = reports
+    let cells: Vec<SweepCell> = grid
         .iter()
-        .map(|r| SweepCell {
-            workers: r.workers,
-            mode: SimMode::Async,
-            time_to_target: r.curve.iter().find(|c| reached(c.metric)).map(|c| c.time),
+        .zip(&reports)
+        .map(|((n, m), r)| SweepCell {
+            workers: *n,
+            mode: *m,
+            time_to_target: crate::time_to_reach(&r.curve, target, higher),
             final_metric: if r.diverged { f64::NAN } else { r.final_test_metric },
             wall: r.sim_wall_time,
         })
-        .zip(workers.iter().flat_map(|_| args.modes.iter()))
-        .map(|(c, m)| SweepCell { mode: *m, ..c })
         .collect();
     let init = task.init(args.seed);
     let h_init = curvature(task.as_ref(), &init, args.seed);
@@ -300,6 +301,7 @@ pub fn run(args: &SweepArgs) -> Result<Sweep> {
         cells,
         target,
         target_derived,
+        higher_is_better: higher,
         metric_name: task.metric_name(),
         h_init,
         h_trained,
@@ -370,7 +372,7 @@ impl Sweep {
             s,
             "Target: {} {} {:.4}{}. Each cell: simulated time to the target ({}) / final metric.\n",
             self.metric_name,
-            if self.target_derived && self.metric_name.contains("loss") { "≤" } else { "≥" },
+            if self.higher_is_better { "≥" } else { "≤" },
             self.target,
             if self.target_derived { " (derived from the best final metric of the sweep)" } else { "" },
             self.time_unit
