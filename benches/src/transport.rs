@@ -38,12 +38,16 @@ pub struct TransportOptions {
     pub quick: bool,
     /// Time each measurement at least this long.
     pub min_time: Duration,
-    /// Run only the cases whose name contains this.
+    /// Run only the cases whose name contains this, or only the case named exactly this.
     pub only: Option<String>,
     /// Rows in the sparse case's table (10 M unless quick).
     pub sparse_rows: u64,
     /// Measurements of every case, alternating gaps and its baselines; the medians are reported.
     pub repeats: u32,
+    /// Time gaps alone, without the baselines (for profiling one case; ratios print as 0).
+    pub gaps_only: bool,
+    /// Connections per shard that the gaps client stripes large transfers over (`ClientOptions::lanes`).
+    pub lanes: usize,
 }
 
 impl TransportOptions {
@@ -55,6 +59,8 @@ impl TransportOptions {
             only: None,
             sparse_rows: if quick { 20_000 } else { 10_000_000 },
             repeats: if quick { 1 } else { 3 },
+            gaps_only: false,
+            lanes: gaps_worker::client::DEFAULT_LANES,
         }
     }
 }
@@ -96,14 +102,14 @@ pub struct TransportResult {
 }
 
 impl TransportResult {
-    /// gaps ÷ quinn echo.
+    /// gaps ÷ quinn echo (0 when the baseline was not measured).
     pub fn ratio(&self) -> f64 {
-        self.gaps.gbytes_per_s / self.quinn.gbytes_per_s.max(f64::MIN_POSITIVE)
+        ratio_to(self.gaps.gbytes_per_s, self.quinn.gbytes_per_s)
     }
 
-    /// gaps ÷ TCP + TLS echo.
+    /// gaps ÷ TCP + TLS echo (0 when the baseline was not measured).
     pub fn ratio_tcp_tls(&self) -> f64 {
-        self.gaps.gbytes_per_s / self.tcp_tls.gbytes_per_s.max(f64::MIN_POSITIVE)
+        ratio_to(self.gaps.gbytes_per_s, self.tcp_tls.gbytes_per_s)
     }
 
     /// Milliseconds per round of `m` (the latency of one push+pull, or one echo of the same bytes).
@@ -147,6 +153,14 @@ impl TransportResult {
             "ratio_tcp_tls": round3(self.ratio_tcp_tls()),
         })
         .to_string()
+    }
+}
+
+fn ratio_to(x: f64, baseline: f64) -> f64 {
+    if baseline > 0.0 {
+        x / baseline
+    } else {
+        0.0
     }
 }
 
@@ -194,7 +208,6 @@ pub async fn run(opts: &TransportOptions) -> Result<Vec<TransportResult>> {
     // 1,000 floats: the latency of a small round trip; 1 Mi and 16 Mi: bulk throughput.
     let sizes: &[u64] = if opts.quick { &[1 << 16] } else { &[1000, 1 << 20, 16 << 20] };
     let shard_counts: &[u32] = if opts.quick { &[1] } else { &[1, 2] };
-    let wanted = |case: &str| opts.only.as_deref().is_none_or(|o| case.contains(o));
     let mut out = Vec::new();
     let mut cases: Vec<(String, u32, Option<u64>, u64, WireDtype)> = Vec::new();
     for &n in sizes {
@@ -213,6 +226,13 @@ pub async fn run(opts: &TransportOptions) -> Result<Vec<TransportResult>> {
         let case = format!("sparse_{shards}shard_{SPARSE_ROWS}x{SPARSE_DIM}");
         cases.push((case, shards, Some(SPARSE_ROWS), 0, WireDtype::F32));
     }
+    // A case named exactly by `only` runs alone; otherwise every case whose name contains it.
+    let exact = cases.iter().any(|c| opts.only.as_deref() == Some(c.0.as_str()));
+    let wanted = |case: &str| match opts.only.as_deref() {
+        None => true,
+        Some(o) if exact => case == o,
+        Some(o) => case.contains(o),
+    };
     for (case, shards, rows, n, dtype) in cases {
         if !wanted(&case) {
             continue;
@@ -228,7 +248,8 @@ pub async fn run(opts: &TransportOptions) -> Result<Vec<TransportResult>> {
                 Some(_) => sparse_case(&certs, shards, opts).await?,
                 None => dense_case(&certs, shards, n, dtype, opts).await?,
             };
-            let [quinn, default, tcp, tls] = baselines_for(&certs, bytes / 2, opts).await?;
+            let [quinn, default, tcp, tls] =
+                if opts.gaps_only { [Measured::default(); 4] } else { baselines_for(&certs, bytes / 2, opts).await? };
             runs.push([gaps, quinn, default, tcp, tls]);
         }
         let m = |i: usize| median_of(runs.iter().map(|r| r[i]).collect());
@@ -332,7 +353,8 @@ async fn dense_case(
     spec.wire_dtype = Some(dtype);
     let layout = Layout::new(vec![spec], 1 << 18)?;
     let servers = start_shards(certs, shards, &layout).await?;
-    let options = ClientOptions::new(&servers[0].advertise, certs.worker_material()?, Role::Worker, "bench");
+    let mut options = ClientOptions::new(&servers[0].advertise, certs.worker_material()?, Role::Worker, "bench");
+    options.lanes = opts.lanes;
     let client = Client::connect(options).await?;
     let grads = vec![1e-3f32; n as usize];
     let snapshot = std::cell::RefCell::new(Some(client.pull().await?));

@@ -210,7 +210,7 @@ enum BenchCommand {
         /// One small round per case (a smoke test).
         #[arg(long, env = "GAPS_BENCH_QUICK")]
         quick: bool,
-        /// Run only the cases whose name contains this (e.g. `1shard_1Mi`, `sparse`).
+        /// Run only the cases whose name contains this (e.g. `1shard_1Mi`, `sparse`), or only the case named exactly this.
         #[arg(long)]
         only: Option<String>,
         /// Rows in the sparse cases' table.
@@ -219,6 +219,12 @@ enum BenchCommand {
         /// Measurements per case, alternating gaps and its baselines (medians are reported).
         #[arg(long, default_value_t = 3)]
         repeats: u32,
+        /// Time gaps alone, without the baselines (for profiling one case with perf; ratios print as 0).
+        #[arg(long)]
+        gaps_only: bool,
+        /// Connections per shard the gaps client stripes large pushes and pulls over.
+        #[arg(long, default_value_t = gaps_worker::client::DEFAULT_LANES)]
+        lanes: usize,
     },
 }
 
@@ -237,6 +243,7 @@ fn parse_count(text: &str) -> Result<usize, String> {
 
 #[tokio::main]
 async fn main() -> Result<()> {
+    gaps_common::buffers::tune_allocator();
     let matches = gaps_transport::config_file::parse_args(<Cli as clap::CommandFactory>::command());
     let cli = <Cli as clap::FromArgMatches>::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     // The front door's own commands report through their progress lines; their libraries log warnings only.
@@ -456,7 +463,16 @@ async fn main() -> Result<()> {
             );
             println!("{}", r.to_json());
         }
-        Command::Bench(BenchCommand::Transport { json, seconds, quick, only, sparse_rows, repeats }) => {
+        Command::Bench(BenchCommand::Transport {
+            json,
+            seconds,
+            quick,
+            only,
+            sparse_rows,
+            repeats,
+            gaps_only,
+            lanes,
+        }) => {
             anyhow::ensure!(seconds.is_finite() && seconds > 0.0, "--seconds must be positive");
             anyhow::ensure!(
                 sparse_rows >= 2 * gaps_benches::transport::SPARSE_ROWS,
@@ -465,6 +481,9 @@ async fn main() -> Result<()> {
             let mut opts =
                 gaps_benches::transport::TransportOptions::new(quick, std::time::Duration::from_secs_f64(seconds));
             opts.only = only;
+            opts.gaps_only = gaps_only;
+            anyhow::ensure!((1..=64).contains(&lanes), "--lanes must be 1 to 64");
+            opts.lanes = lanes;
             if !quick {
                 opts.sparse_rows = sparse_rows;
                 opts.repeats = repeats.clamp(1, 50);

@@ -242,6 +242,11 @@ mod simd {
     }
 
     #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn all_finite(values: &[f32]) -> bool {
+        all_finite_portable(values)
+    }
+
+    #[target_feature(enable = "avx2")]
     pub(super) unsafe fn encode_bf16(src: &[f32], dst: &mut [u16]) {
         dst.iter_mut().zip(src).for_each(|(d, x)| *d = f32_to_bf16(*x));
     }
@@ -292,14 +297,46 @@ mod simd {
 /// block that holds a bad value is searched element by element.
 pub fn first_non_finite(values: &[f32]) -> Option<usize> {
     const BLOCK: usize = 512;
-    const INF: u32 = 0x7f80_0000;
     for (b, block) in values.chunks(BLOCK).enumerate() {
-        let largest = block.iter().fold(0u32, |m, v| m.max(v.to_bits() & 0x7fff_ffff));
-        if largest >= INF {
+        if !all_finite(block) {
             return block.iter().position(|v| !v.is_finite()).map(|i| b * BLOCK + i);
         }
     }
     None
+}
+
+/// True when no value of `values` is NaN or infinite: the exponent bits of every value are ORed together as
+/// "all ones" flags, without an early exit, so the loop is a few vector instructions per 8 values (AVX2,
+/// checked at run time) or 4 (SSE2).
+pub fn all_finite(values: &[f32]) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        #[allow(unsafe_code)]
+        // SAFETY: AVX2 was detected just now.
+        return unsafe { simd::all_finite(values) };
+    }
+    all_finite_portable(values)
+}
+
+#[inline(always)]
+fn all_finite_portable(values: &[f32]) -> bool {
+    const INF: u32 = 0x7f80_0000;
+    // (bits & INF) ^ INF is zero exactly for NaN and ±∞; its minimum over the values is zero iff one is.
+    values.iter().fold(u32::MAX, |m, v| m.min((v.to_bits() & INF) ^ INF)) != 0
+}
+
+/// [`decode_extend`] that also tells whether every decoded value is finite (true) or some value is NaN or
+/// infinite (false): each run is checked right after it is decoded, while it is still in the cache, so the
+/// check costs no second pass over memory (a receiver validates a bulk payload this way).
+pub fn decode_extend_finite(dtype: WireDtype, bytes: &[u8], out: &mut Vec<f32>) -> bool {
+    const STEP: usize = 4096;
+    let mut finite = true;
+    for piece in bytes.chunks(STEP * dtype.bytes()) {
+        let start = out.len();
+        decode_extend(dtype, piece, out);
+        finite &= all_finite(&out[start..]);
+    }
+    finite
 }
 
 #[cfg(test)]
@@ -328,6 +365,32 @@ mod tests {
     }
 
     use super::*;
+
+    #[test]
+    fn decoding_with_the_finite_check_flags_exactly_the_payloads_holding_nan_or_infinity() {
+        let clean: Vec<f32> = (0..10_000).map(|i| (i as f32 - 5000.0) * 0.37).collect();
+        assert!(all_finite(&clean) && all_finite(&[]) && all_finite(&[f32::MAX, -0.0, 1e-45]));
+        for dtype in [WireDtype::F32, WireDtype::Bf16, WireDtype::F16] {
+            let mut out = Vec::new();
+            assert!(decode_extend_finite(dtype, &encode_bulk(dtype, &clean), &mut out), "{dtype}");
+            let mut plain = Vec::new();
+            decode_extend(dtype, &encode_bulk(dtype, &clean), &mut plain);
+            assert_eq!(out, plain, "{dtype}: the same values as without the check");
+            for pos in [0, 4095, 4096, 9999] {
+                for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+                    let mut v = clean.clone();
+                    v[pos] = bad;
+                    assert!(!all_finite(&v), "{bad} at {pos}");
+                    let mut out = Vec::new();
+                    assert!(!decode_extend_finite(dtype, &encode_bulk(dtype, &v), &mut out), "{dtype} {bad} at {pos}");
+                    assert_eq!(out.len(), v.len());
+                }
+            }
+        }
+        // A value that overflows half precision becomes infinite on the way: flagged.
+        let mut out = Vec::new();
+        assert!(!decode_extend_finite(WireDtype::F16, &encode_bulk(WireDtype::F16, &[1e6]), &mut out));
+    }
 
     /// Every finite half value as f64, ascending, from the definition (sign, exponent, fraction).
     fn half_values() -> Vec<(f64, u16)> {

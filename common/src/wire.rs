@@ -21,7 +21,7 @@ use crate::layout::{ChunkId, Layout};
 use bincode::{Decode, Encode};
 
 /// Protocol version carried by registrations; a peer with another version is refused.
-pub const PROTOCOL_VERSION: u16 = 6;
+pub const PROTOCOL_VERSION: u16 = 7;
 /// Bytes before the header: the kind byte and the header length.
 pub const FRAME_PREFIX_LEN: usize = 5;
 /// Hard upper bound on an encoded header (also the bincode decode limit).
@@ -340,6 +340,24 @@ pub struct Push {
     pub decisions: ModeDecisions,
 }
 
+/// Most parts one striped push may be cut into.
+pub const MAX_PUSH_PARTS: u16 = 64;
+
+/// One part of a push striped over several connections to one shard: `push` holds this part's chunks (its
+/// payload is their gradients, then their echoes, as for a whole [`Push`]) and every other field of the
+/// whole push, the same in every part. The shard applies the push once, when all `parts` parts of
+/// `(worker, seq)` are there, as if it had come whole (chunks in part order); every part is answered with
+/// the whole push's reply. A part of a push applied before is answered as a duplicate.
+#[derive(Debug, Clone, PartialEq, Eq, Encode, Decode)]
+pub struct PushPart {
+    /// This part's index, below `parts`.
+    pub part: u16,
+    /// How many parts the push was cut into (2 to [`MAX_PUSH_PARTS`]).
+    pub parts: u16,
+    /// The push, with this part's chunks only.
+    pub push: Push,
+}
+
 /// A cluster-wide mode decision of the coordinator under `--mode auto`: from worker step `from_step` on,
 /// every shard runs `mode`. Numbered: a larger `number` supersedes a smaller one. Number 0 is the start
 /// (no decision yet: `auto` starts in sync).
@@ -635,6 +653,8 @@ pub enum Message {
     Authenticate(Authenticate),
     /// Kind 20.
     Authenticated(Authenticated),
+    /// Kind 21 (carries a payload).
+    PushPart(PushPart),
 }
 
 /// Defines `kind()`, header encoding and kind-directed decoding for every variant in one place.
@@ -673,7 +693,7 @@ message_kinds! {
     1 => Register, 2 => RegisterShard, 3 => ClusterMap, 4 => Pull, 5 => PullReply, 6 => Push, 7 => Ack,
     8 => Error, 9 => Heartbeat, 10 => HeartbeatAck, 11 => StatsRequest, 12 => Stats, 13 => Leave,
     14 => SparsePull, 15 => SparsePullReply, 16 => SparsePush, 17 => CheckpointRequest, 18 => CheckpointDone,
-    19 => Authenticate, 20 => Authenticated,
+    19 => Authenticate, 20 => Authenticated, 21 => PushPart,
 }
 
 fn config() -> impl bincode::config::Config {
@@ -688,7 +708,7 @@ impl Message {
     pub fn payload_sections(&self) -> Vec<(u64, WireDtype)> {
         match self {
             Message::PullReply(r) => r.chunks.iter().map(|c| (u64::from(c.len), c.dtype)).collect(),
-            Message::Push(p) => {
+            Message::Push(p) | Message::PushPart(PushPart { push: p, .. }) => {
                 let grads = p.chunks.iter().map(|c| (u64::from(c.len), c.dtype));
                 grads.chain(p.chunks.iter().filter(|c| c.echo).map(|c| (u64::from(c.len), c.dtype))).collect()
             }
@@ -702,7 +722,7 @@ impl Message {
     /// Bytes of payload on the wire (each section's values times its format's size).
     pub fn payload_bytes(&self) -> u64 {
         match self {
-            Message::PullReply(_) | Message::Push(_) => self
+            Message::PullReply(_) | Message::Push(_) | Message::PushPart(_) => self
                 .payload_sections()
                 .iter()
                 .fold(0u64, |sum, (n, d)| sum.saturating_add(n.saturating_mul(d.bytes() as u64))),
@@ -715,7 +735,9 @@ impl Message {
     pub fn payload_elems(&self) -> u64 {
         match self {
             Message::PullReply(r) => r.chunks.iter().map(|c| u64::from(c.len)).sum(),
-            Message::Push(p) => p.chunks.iter().map(|c| u64::from(c.len) * (1 + u64::from(c.echo))).sum(),
+            Message::Push(p) | Message::PushPart(PushPart { push: p, .. }) => {
+                p.chunks.iter().map(|c| u64::from(c.len) * (1 + u64::from(c.echo))).sum()
+            }
             Message::SparsePull(p) => 2 * u64::from(p.count),
             Message::SparsePullReply(r) => u64::from(r.count) * (1 + u64::from(r.dim)),
             Message::SparsePush(p) => u64::from(p.count) * (3 + u64::from(p.dim) * (1 + u64::from(p.echo_read))),

@@ -20,6 +20,7 @@ use gaps_common::wire::{
     CheckpointAt, CheckpointDone, CheckpointRequest, ErrorCode, Frame, Limits, Message, ShardCheckpoint, Stats,
     WireError,
 };
+use gaps_shard::stripes::Assembler;
 use gaps_shard::{CoreEvent, Readiness, ShardConfig, ShardCore};
 use gaps_transport::identity::{PeerIdentity, Role};
 use gaps_transport::net::{self, RpcError};
@@ -146,8 +147,8 @@ const BUDGET_UNIT: u64 = 1024;
 
 /// What the QUIC tasks ask of the core's thread.
 enum Command {
-    /// Handle one request frame.
-    Handle { frame: Box<Frame>, reply: oneshot::Sender<(Frame, Vec<CoreEvent>)> },
+    /// Handle one request frame (`finite`: its payload holds no NaN or ±∞, checked as it was read).
+    Handle { frame: Box<Frame>, finite: bool, reply: oneshot::Sender<(Frame, Vec<CoreEvent>)> },
     /// Expire leases and idle rows; report the counters.
     Tick { reply: oneshot::Sender<(Vec<CoreEvent>, Stats)> },
     /// Read the core (tests, reports).
@@ -197,14 +198,40 @@ fn try_snapshot(core: &ShardCore, p: PendingSnapshot) -> Option<PendingSnapshot>
 /// Runs the core on the calling thread until every sender of `queue` is gone. A checkpoint waiting for its
 /// step is checked after every command, so it is taken right after the request that completed the step,
 /// before any other is handled.
-fn run_actor(mut core: ShardCore, mut queue: mpsc::Receiver<Command>, started: Instant) {
+///
+/// The parts of a push striped over several connections are held here until the push is whole, then handled
+/// as one request and every part answered with its reply; incomplete pushes are given up after `part_wait`.
+fn run_actor(mut core: ShardCore, mut queue: mpsc::Receiver<Command>, started: Instant, part_wait: Duration) {
+    // A part's reply and whether its payload was found finite as it was read.
+    type Reply = (oneshot::Sender<(Frame, Vec<CoreEvent>)>, bool);
     let mut pending: Option<PendingSnapshot> = None;
+    let mut parts: Assembler<Reply> = Assembler::default();
     while let Some(command) = queue.blocking_recv() {
         match command {
-            Command::Handle { frame, reply } => {
-                let _ = reply.send(core.handle(*frame, started.elapsed()));
-            }
+            Command::Handle { frame, finite, reply } => match frame.msg {
+                Message::PushPart(part) if !core.push_applied(part.push.worker, part.push.seq) => {
+                    let offered = parts.offer(part, frame.payload, (reply, finite), started.elapsed());
+                    for ((reply, _), frame) in offered.answer_now {
+                        let _ = reply.send((frame, Vec::new()));
+                    }
+                    if let Some((whole, replies)) = offered.whole {
+                        let finite = replies.iter().all(|(_, f)| *f);
+                        let (answer, mut events) = core.handle_checked(whole, started.elapsed(), finite);
+                        for (reply, _) in replies {
+                            let _ = reply.send((answer.clone(), std::mem::take(&mut events)));
+                        }
+                    }
+                }
+                // A part of a push applied before is answered by the core, as a duplicate.
+                msg => {
+                    let frame = Frame { msg, payload: frame.payload };
+                    let _ = reply.send(core.handle_checked(frame, started.elapsed(), finite));
+                }
+            },
             Command::Tick { reply } => {
+                for ((reply, _), frame) in parts.expire(started.elapsed(), part_wait) {
+                    let _ = reply.send((frame, Vec::new()));
+                }
                 let events = core.tick(started.elapsed());
                 let _ = reply.send((events, core.stats()));
             }
@@ -489,9 +516,11 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
     let chunk_elems = u64::from(core.config().layout.chunk_elems);
     let (queue, receiver) = mpsc::channel(cfg.queue_depth.max(1));
     let started = Instant::now();
+    // A striped push whose parts did not all come within a request's time limit is given up.
+    let part_wait = cfg.request_timeout;
     std::thread::Builder::new()
         .name(format!("gaps-shard-{shard}"))
-        .spawn(move || run_actor(core, receiver, started))
+        .spawn(move || run_actor(core, receiver, started, part_wait))
         .context("starting the shard's core thread")?;
     let budget_units = (cfg.inflight_bytes / BUDGET_UNIT).clamp(1, u64::from(u32::MAX >> 3)) as u32;
     let shared = Arc::new(Shared {
@@ -1044,16 +1073,18 @@ async fn serve_request(
     started: Instant,
 ) {
     let shared = held.shared;
+    let mut finite = false;
     let request = match header {
         Ok(msg) => {
             let read = async {
-                let payload = net::read_payload(recv, &msg).await?;
+                let payload = net::read_payload_finite(recv, &msg).await?;
                 net::expect_end(recv).await.map(|()| payload)
             };
             match tokio::time::timeout(shared.request_timeout, read).await {
                 Err(_) => return cut_off(shared, send, recv, "payload"),
-                Ok(Ok(payload)) => {
+                Ok(Ok((payload, all_finite))) => {
                     held.add(payload.len() as u64 * 4);
+                    finite = all_finite;
                     Ok(Frame { msg, payload })
                 }
                 Ok(Err(e)) => Err(e),
@@ -1091,7 +1122,7 @@ async fn serve_request(
                 let registers_worker = matches!(&frame.msg, Message::Register(r) if r.role == WireRole::Worker);
                 let registers_shard = matches!(frame.msg, Message::RegisterShard(_));
                 let (tx, rx) = oneshot::channel();
-                let reply = match shared.send(Command::Handle { frame: Box::new(frame), reply: tx }).await {
+                let reply = match shared.send(Command::Handle { frame: Box::new(frame), finite, reply: tx }).await {
                     Ok(()) => rx.await.ok(),
                     Err(_) => None,
                 };
@@ -1174,7 +1205,7 @@ enum RpcKind {
 impl RpcKind {
     fn of(msg: &Message) -> Self {
         match msg {
-            Message::Push(_) | Message::SparsePush(_) => RpcKind::Push,
+            Message::Push(_) | Message::PushPart(_) | Message::SparsePush(_) => RpcKind::Push,
             Message::Pull(_) | Message::SparsePull(_) => RpcKind::Pull,
             _ => RpcKind::Other,
         }

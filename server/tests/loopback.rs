@@ -256,6 +256,46 @@ async fn malformed_frames_over_the_network_get_typed_errors_and_change_nothing()
     expect(raw_request(&conn, &trailing).await, ErrorCode::Malformed, "trailing bytes");
     expect(raw_request(&conn, &push(total, f32::NAN)).await, ErrorCode::NonFinite, "NaN gradient");
     expect(raw_request(&conn, &push(total, f32::NEG_INFINITY)).await, ErrorCode::NonFinite, "-Inf gradient");
+    // Parts of a striped push: malformed ones are refused at once; a part holding NaN makes the whole push
+    // refused (every part answered so), and a part cannot act for another worker.
+    let part = |index: u16, parts: u16, seq: u64, acting: u32, value: f32| {
+        let half = ids.len() / 2;
+        let mine = if index == 0 { &ids[..half] } else { &ids[half..] };
+        let chunks: Vec<PushChunk> = mine
+            .iter()
+            .map(|id| PushChunk {
+                id: *id,
+                read_version: 0,
+                len: l.chunk_len(*id).expect("len") as u32,
+                echo: false,
+                dtype: gaps_common::dtype::WireDtype::F32,
+            })
+            .collect();
+        let n: u32 = chunks.iter().map(|c| c.len).sum();
+        let push = Push {
+            epoch: client.map().epoch,
+            worker: acting,
+            seq,
+            chunks,
+            compute_ms: 0,
+            step: 0,
+            decisions: Default::default(),
+        };
+        let msg = Message::PushPart(gaps_common::wire::PushPart { part: index, parts, push });
+        let mut bytes = wire::encode_header(&msg, n as usize).expect("header");
+        bytes.extend((0..n).flat_map(|i| if i == 3 { value } else { 0.25f32 }.to_le_bytes()));
+        bytes
+    };
+    expect(raw_request(&conn, &part(0, 1, 1, worker, 0.1)).await, ErrorCode::WrongShape, "a push of one part");
+    expect(raw_request(&conn, &part(2, 2, 1, worker, 0.1)).await, ErrorCode::WrongShape, "part index out of range");
+    expect(raw_request(&conn, &part(0, 2, 1, worker + 1, 0.1)).await, ErrorCode::Unauthorized, "another worker");
+    let first = part(0, 2, 1, worker, 0.1);
+    let held = {
+        let conn = conn.clone();
+        tokio::spawn(async move { raw_request(&conn, &first).await })
+    };
+    expect(raw_request(&conn, &part(1, 2, 1, worker, f32::NAN)).await, ErrorCode::NonFinite, "NaN in part 1");
+    expect(held.await.expect("part 0"), ErrorCode::NonFinite, "part 0 gets the whole push's answer");
     let mut huge = vec![6u8];
     huge.extend_from_slice(&(64u32 << 20).to_le_bytes());
     expect(raw_request(&conn, &huge).await, ErrorCode::TooLarge, "over-limit header");
@@ -418,4 +458,51 @@ async fn sixteen_bit_tensors_travel_rounded_while_the_shard_keeps_f32() {
     conn.close(0u32.into(), b"done");
     client.leave().await.expect("leave");
     server.shutdown().await.expect("shutdown");
+}
+
+/// A model large enough that each shard's part of a push is cut into stripes (≥ 512 KiB a stripe).
+fn striped_layout() -> Layout {
+    Layout::new(vec![TensorSpec::new("w", 1 << 20), TensorSpec::new("b", 5)], 1 << 16).expect("layout")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_push_striped_over_several_connections_is_applied_once_even_when_parts_are_cut_off() {
+    let certs = ClusterCerts::generate(&[]).expect("certs");
+    let s0 = start_shard_serving(&certs, 0, 2, None, Rule::Sgd, striped_layout(), 0.1).await;
+    let s1 = start_shard_serving(&certs, 1, 2, Some(s0.advertise.clone()), Rule::Sgd, striped_layout(), 0.1).await;
+    let mut striped = options(&certs, &s0.advertise, Role::Worker);
+    striped.lanes = 4;
+    let client = Client::connect(striped).await.expect("connect");
+    let observer = Client::connect(options(&certs, &s0.advertise, Role::Observer)).await.expect("observer");
+    let before = client.pull().await.expect("striped pull");
+    assert_eq!(before, observer.pull().await.expect("plain pull"), "a striped pull reads what a whole one does");
+    let grads: Vec<Vec<f32>> = striped_layout()
+        .tensors
+        .iter()
+        .map(|t| (0..t.len).map(|i| ((i * 13) % 29) as f32 / 29.0 - 0.5).collect())
+        .collect();
+    // Three parts are written in full and their connections cut before the reply: each is sent again on a
+    // new connection, and each shard still applies its push once, whole.
+    client.inject_connection_drops(3);
+    let summary = client.push(grads.clone(), &before).await.expect("striped push survives the drops");
+    assert_eq!(summary.retries, 3);
+    assert_eq!(summary.applied + summary.duplicates, 2, "one acknowledgement per shard");
+    let after = observer.pull().await.expect("pull");
+    for (t, g) in grads.iter().enumerate() {
+        for (i, (a, b)) in after.tensors[t].iter().zip(&before.tensors[t]).enumerate() {
+            assert_eq!(*a, b - LR * g[i], "tensor {t} element {i} must be updated exactly once");
+        }
+    }
+    assert!(after.versions.iter().all(|v| *v == 1), "every chunk applied once: {:?}", after.versions);
+    let stats = observer.stats().await.expect("stats");
+    assert_eq!(stats.iter().map(|s| s.pushes_applied).collect::<Vec<_>>(), vec![1, 1]);
+    // A second striped push, without faults, lands on top; the in-flight bound held throughout.
+    let summary = client.push(grads.clone(), &client.pull().await.expect("pull")).await.expect("push");
+    assert_eq!((summary.applied, summary.retries), (2, 0));
+    assert!(observer.pull().await.expect("pull").versions.iter().all(|v| *v == 2));
+    for s in [&s0, &s1] {
+        assert!(s.peak_inflight_bytes() <= service::DEFAULT_INFLIGHT_BYTES, "{}", s.peak_inflight_bytes());
+    }
+    client.leave().await.expect("leave");
+    shutdown(vec![s0, s1]).await;
 }

@@ -14,6 +14,7 @@ pub mod checkpoint;
 pub mod core;
 pub mod modes;
 pub mod sparse;
+pub mod stripes;
 
 pub use crate::checkpoint::CheckpointError;
 pub use crate::core::{CoreEvent, Init, Readiness, ShardConfig, ShardCore, ShardError, SparseSettings, SEQ_WINDOW};

@@ -645,6 +645,18 @@ pub async fn read_payload(recv: &mut quinn::RecvStream, msg: &Message) -> Result
     Ok(values)
 }
 
+/// [`read_payload`], also telling whether every value is finite (no NaN or ±∞): each run is checked as it
+/// is decoded, while in the cache, instead of in a second pass over the payload.
+pub async fn read_payload_finite(recv: &mut quinn::RecvStream, msg: &Message) -> Result<(Vec<f32>, bool), WireError> {
+    let mut values = gaps_common::buffers::take(msg.payload_elems() as usize);
+    let mut finite = true;
+    read_sections(recv, msg, &mut |dtype, run| {
+        finite &= gaps_common::dtype::decode_extend_finite(dtype, run, &mut values);
+    })
+    .await?;
+    Ok((values, finite))
+}
+
 /// Reads the payload `msg` announced chunk by chunk as quinn received it, decoding its sections and
 /// handing each run of whole values to `emit`.
 async fn read_sections(
@@ -810,6 +822,7 @@ pub fn kind_name(msg: &Message) -> &'static str {
         Message::Pull(_) => "pull",
         Message::PullReply(_) => "pull-reply",
         Message::Push(_) => "push",
+        Message::PushPart(_) => "push-part",
         Message::Ack(_) => "ack",
         Message::Error(_) => "error",
         Message::Heartbeat(_) => "heartbeat",

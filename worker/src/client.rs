@@ -8,8 +8,8 @@ use gaps_common::layout::sparse_owner;
 use gaps_common::layout::{ChunkId, Layout};
 use gaps_common::wire::{
     ids_to_words, Authenticate, CheckpointAt, CheckpointDone, CheckpointRequest, ClusterMap, ErrorCode, Frame,
-    Heartbeat, Leave, Limits, Message, ModeDecisions, Pull, Push, PushChunk, Register, Role, SparsePull, SparsePush,
-    Stats, StatsRequest, PROTOCOL_VERSION,
+    Heartbeat, Leave, Limits, Message, ModeDecisions, Pull, Push, PushChunk, PushPart, Register, Role, SparsePull,
+    SparsePush, Stats, StatsRequest, MAX_PUSH_PARTS, PROTOCOL_VERSION,
 };
 use gaps_kernels::{Hyper, Rule};
 use gaps_transport::tls::TlsMaterial;
@@ -39,7 +39,24 @@ pub struct ClientOptions {
     pub shard_down_timeout: Duration,
     /// Frame limits for replies.
     pub limits: Limits,
+    /// Connections to each shard that one large push or pull is striped over, by chunk (1: no striping).
+    /// One QUIC connection's packets are encrypted and decrypted by one task, so a bulk transfer on one
+    /// connection runs at what one core does; parts on several connections spread that work. Only transfers
+    /// of at least [`STRIPE_MIN_BYTES`] per part use more than the first connection (small models never open
+    /// another); at most [`MAX_PUSH_PARTS`] lanes.
+    pub lanes: usize,
 }
+
+/// Default of [`ClientOptions::lanes`]: one. On loopback with 2 cores for both ends, a bare quinn echo of
+/// 4 MiB each way moved 1.4 GB/s over one connection and 2.0–2.3 over two to four, but only because the
+/// echoes of different connections overlapped the two directions; a gaps push must be applied before the
+/// pull that follows it, and striping measured slower there (`gaps bench transport --lanes 4`: 1 Mi floats
+/// 1.42 against 1.54 GB/s, 16 Mi 0.93 against 1.27), the parts' reassembly costing a copy. Striping is for
+/// hosts where one connection's packet work saturates a core while others idle.
+pub const DEFAULT_LANES: usize = 1;
+
+/// The least payload a striped part carries: smaller transfers go on fewer connections.
+pub const STRIPE_MIN_BYTES: u64 = 512 << 10;
 
 impl ClientOptions {
     /// Options with the defaults used by the binaries.
@@ -53,8 +70,32 @@ impl ClientOptions {
             rpc_timeout: Duration::from_secs(30),
             shard_down_timeout: Duration::from_secs(600),
             limits: Limits::default(),
+            lanes: DEFAULT_LANES,
         }
     }
+}
+
+/// Cuts `chunks` (each with its payload bytes) into at most `lanes` groups of consecutive chunks with about
+/// equal bytes, none under [`STRIPE_MIN_BYTES`] unless there is only one: the index ranges of the groups.
+fn stripe_groups(bytes: &[u64], lanes: usize) -> Vec<std::ops::Range<usize>> {
+    let total: u64 = bytes.iter().sum();
+    let by_size = usize::try_from(total / STRIPE_MIN_BYTES).unwrap_or(usize::MAX);
+    let groups = lanes.min(usize::from(MAX_PUSH_PARTS)).min(bytes.len()).min(by_size).max(1);
+    let mut out = Vec::with_capacity(groups);
+    let (mut start, mut sum) = (0usize, 0u64);
+    for (i, b) in bytes.iter().enumerate() {
+        sum += b;
+        // Close group g once it reaches its share of the total (leaving a chunk for each group still to come).
+        let g = out.len() as u64 + 1;
+        let left = bytes.len() - (i + 1);
+        let remaining_groups = groups - out.len() - 1;
+        if out.len() + 1 < groups && (sum * groups as u64 >= total * g || left == remaining_groups) {
+            out.push(start..i + 1);
+            start = i + 1;
+        }
+    }
+    out.push(start..bytes.len());
+    out
 }
 
 /// A client-side failure, with what was being done.
@@ -216,7 +257,8 @@ struct ShardLink {
     name: String,
     /// Its address when the client joined.
     addr: SocketAddr,
-    conn: Mutex<Option<quinn::Connection>>,
+    /// One connection per lane (lane 0 carries everything that is not striped).
+    conns: Vec<Mutex<Option<quinn::Connection>>>,
     /// Next push sequence number for this shard (starts at 1).
     next_seq: AtomicU64,
     /// Chunks this shard owns, global order, with their global indices.
@@ -417,7 +459,7 @@ impl Client {
                 index: s.index,
                 name: s.addr.clone(),
                 addr,
-                conn: Mutex::new(None),
+                conns: (0..opts.lanes.clamp(1, usize::from(MAX_PUSH_PARTS))).map(|_| Mutex::new(None)).collect(),
                 next_seq: AtomicU64::new(1),
                 chunks,
                 sparse_in_flight: AtomicUsize::new(0),
@@ -450,7 +492,7 @@ impl Client {
         // Connect to every shard now, so a missing or unreachable shard fails fast and by name.
         for s in 0..client.inner.shards.len() {
             let remaining = deadline.saturating_duration_since(Instant::now()).max(Duration::from_secs(1));
-            client.connection(s, remaining).await.map_err(|e| ClientError::JoinTimeout {
+            client.connection(s, 0, remaining).await.map_err(|e| ClientError::JoinTimeout {
                 coordinator: client.inner.opts.coordinator.clone(),
                 waited: started.elapsed(),
                 last: format!("shard {} at {} is unreachable: {e}", s, client.inner.shards[s].addr),
@@ -527,9 +569,10 @@ impl Client {
         self.inner.drop_after_send.store(n, Ordering::SeqCst);
     }
 
-    async fn connection(&self, shard: usize, timeout: Duration) -> Result<quinn::Connection, RpcError> {
+    async fn connection(&self, shard: usize, lane: usize, timeout: Duration) -> Result<quinn::Connection, RpcError> {
         let link = &self.inner.shards[shard];
-        let existing = link.conn.lock().map_err(|_| RpcError::Setup("connection lock poisoned".into()))?.clone();
+        let slot = link.conns.get(lane).ok_or_else(|| RpcError::Setup(format!("no lane {lane}")))?;
+        let existing = slot.lock().map_err(|_| RpcError::Setup("connection lock poisoned".into()))?.clone();
         if let Some(conn) = existing {
             if conn.close_reason().is_none() {
                 return Ok(conn);
@@ -557,7 +600,7 @@ impl Client {
                 }
             }
         }
-        *link.conn.lock().map_err(|_| RpcError::Setup("connection lock poisoned".into()))? = Some(conn.clone());
+        *slot.lock().map_err(|_| RpcError::Setup("connection lock poisoned".into()))? = Some(conn.clone());
         Ok(conn)
     }
 
@@ -576,6 +619,18 @@ impl Client {
         payload: &[net::Bytes],
         sink: &mut S,
     ) -> Result<(Frame, u32), RpcError> {
+        self.request_on(shard, 0, msg, payload, sink).await
+    }
+
+    /// [`Self::request_with`] on one of the shard's lanes (its connections for striped transfers).
+    async fn request_on<S: net::ReplySink + Send + ?Sized>(
+        &self,
+        shard: usize,
+        lane: usize,
+        msg: &Message,
+        payload: &[net::Bytes],
+        sink: &mut S,
+    ) -> Result<(Frame, u32), RpcError> {
         let opts = &self.inner.opts;
         let mut attempt = 0u32;
         let mut down_since: Option<Instant> = None;
@@ -586,7 +641,7 @@ impl Client {
                 let left =
                     down_since.map_or(opts.shard_down_timeout, |t| opts.shard_down_timeout.saturating_sub(t.elapsed()));
                 let bound = opts.rpc_timeout.min(Duration::from_secs(5)).min(left.max(Duration::from_millis(100)));
-                let conn = self.connection(shard, bound).await?;
+                let conn = self.connection(shard, lane, bound).await?;
                 if self.take_injected_drop() {
                     let (mut send, _recv) = conn.open_bi().await.map_err(|e| RpcError::Connection {
                         addr: conn.remote_address().to_string(),
@@ -623,7 +678,7 @@ impl Client {
                             "shard unreachable, retrying on a new connection"
                         );
                     }
-                    if let Ok(mut guard) = self.inner.shards[shard].conn.lock() {
+                    if let Some(Ok(mut guard)) = self.inner.shards[shard].conns.get(lane).map(|c| c.lock()) {
                         *guard = None;
                     }
                     tokio::time::sleep(Duration::from_millis((50 * u64::from(attempt)).min(500))).await;
@@ -661,41 +716,52 @@ impl Client {
         // Chunk slices of every tensor, in chunk order, handed to the shard that owns each chunk.
         let mut slots: Vec<Vec<Option<&mut [f32]>>> =
             tensors.iter_mut().map(|t| t.chunks_mut(chunk_elems).map(Some).collect()).collect();
+        // One request per shard, or per stripe of a shard's chunks on its own connection for a large model
+        // (see `ClientOptions::lanes`): (shard, lane, that request's chunks) with its sink.
         let mut sinks = Vec::with_capacity(self.inner.shards.len());
-        for link in &self.inner.shards {
-            let mut slices = Vec::with_capacity(link.chunks.len());
-            for (id, _) in &link.chunks {
-                let slot = slots.get_mut(id.tensor as usize).and_then(|t| t.get_mut(id.chunk as usize));
-                match slot.and_then(Option::take) {
-                    Some(slice) => slices.push(slice),
-                    None => {
-                        return Err(ClientError::BadMap(format!("chunk {id:?} is not in the layout or owned twice")))
+        let mut requests_of = Vec::with_capacity(self.inner.shards.len());
+        for (s, link) in self.inner.shards.iter().enumerate() {
+            let bytes: Vec<u64> = link
+                .chunks
+                .iter()
+                .map(|(id, _)| (layout.chunk_len(*id).unwrap_or(0) * layout.wire_dtype(id.tensor).bytes()) as u64)
+                .collect();
+            for (lane, range) in stripe_groups(&bytes, link.conns.len()).into_iter().enumerate() {
+                let chunks = &link.chunks[range];
+                let mut slices = Vec::with_capacity(chunks.len());
+                for (id, _) in chunks {
+                    let slot = slots.get_mut(id.tensor as usize).and_then(|t| t.get_mut(id.chunk as usize));
+                    match slot.and_then(Option::take) {
+                        Some(slice) => slices.push(slice),
+                        None => {
+                            return Err(ClientError::BadMap(format!(
+                                "chunk {id:?} is not in the layout or owned twice"
+                            )))
+                        }
                     }
                 }
+                let expected = chunks.iter().map(|(id, _)| (*id, layout.chunk_len(*id).unwrap_or(0) as u32)).collect();
+                sinks.push(PullInto { expected, slices, versions: Vec::new() });
+                requests_of.push((s, lane, chunks));
             }
-            let expected = link.chunks.iter().map(|(id, _)| (*id, layout.chunk_len(*id).unwrap_or(0) as u32)).collect();
-            sinks.push(PullInto { expected, slices, versions: Vec::new() });
         }
         if slots.iter().flatten().any(Option::is_some) {
             return Err(ClientError::BadMap("the shard map leaves a chunk of the layout unowned".into()));
         }
-        let requests = sinks.iter_mut().enumerate().map(|(s, sink)| {
-            let link = &self.inner.shards[s];
-            let msg = Message::Pull(Pull {
-                epoch: self.inner.map.epoch,
-                chunks: link.chunks.iter().map(|(id, _)| *id).collect(),
-            });
-            async move { self.request_with(s, &msg, &[], sink).await }
+        let requests = sinks.iter_mut().zip(&requests_of).map(|(sink, (s, lane, chunks))| {
+            let msg =
+                Message::Pull(Pull { epoch: self.inner.map.epoch, chunks: chunks.iter().map(|(id, _)| *id).collect() });
+            async move { self.request_on(*s, *lane, &msg, &[], sink).await }
         });
-        for (s, outcome) in join_all(requests.collect()).await.into_iter().enumerate() {
+        for ((s, _, _), outcome) in requests_of.iter().zip(join_all(requests.collect()).await) {
             outcome.map_err(|e| match e {
                 RpcError::BadReply { message, .. } => ClientError::BadMap(format!("shard {s}: {message}")),
                 other => other.into(),
             })?;
         }
         let mut versions = vec![0u64; layout.total_chunks() as usize];
-        for (sink, link) in sinks.iter().zip(&self.inner.shards) {
-            for (v, (_, global)) in sink.versions.iter().zip(&link.chunks) {
+        for (sink, (_, _, chunks)) in sinks.iter().zip(&requests_of) {
+            for (v, (_, global)) in sink.versions.iter().zip(chunks.iter()) {
                 versions[*global as usize] = *v;
             }
         }
@@ -703,6 +769,28 @@ impl Client {
             *last = Some(Instant::now());
         }
         Ok(Snapshot { tensors: Arc::new(tensors), versions })
+    }
+
+    /// The payload of a push of `chunks`: every chunk's gradient, then the read parameters of the chunks whose
+    /// rule measures drift, as views of the shared tensors handed to the transport without a copy (f32) or
+    /// converted to the tensor's 16-bit wire format.
+    fn push_payload(
+        &self,
+        chunks: &[(ChunkId, u64)],
+        grads: &Arc<Vec<Vec<f32>>>,
+        read: &Arc<Vec<Vec<f32>>>,
+    ) -> Vec<net::Bytes> {
+        let layout = &self.inner.map.layout;
+        let grad_parts = chunks.iter().map(|(id, _)| (id, grads));
+        let read_parts = chunks.iter().filter(|(id, _)| self.inner.echoes(id)).map(|(id, _)| (id, read));
+        grad_parts
+            .chain(read_parts)
+            .filter_map(|(id, tensors)| {
+                let range = layout.chunk_range(*id).ok()?;
+                let slice = TensorSlice { tensors: tensors.clone(), tensor: id.tensor as usize, range };
+                Some(net::dtype_bytes(layout.wire_dtype(id.tensor), slice))
+            })
+            .collect()
     }
 
     /// The shards' default update rule (a tensor's own rule in the layout takes precedence).
@@ -780,11 +868,10 @@ impl Client {
                 .collect();
             // A slow link costs the step its round trips just as slow compute does: two (the pull and this
             // push), from quinn's smoothed RTT estimate of the connection to this shard.
-            let rtt = link.conn.lock().ok().and_then(|c| c.as_ref().map(quinn::Connection::rtt));
+            let rtt = link.conns[0].lock().ok().and_then(|c| c.as_ref().map(quinn::Connection::rtt));
             let network_ms = rtt.map_or(0, |r| (2 * r.as_micros() / 1000).min(u128::from(u32::MAX / 2)) as u32);
             let compute_ms = if compute_ms > 0 { compute_ms.saturating_add(network_ms) } else { 0 };
-            let msg =
-                Message::Push(Push { epoch: self.inner.map.epoch, worker, seq, chunks, compute_ms, step, decisions });
+            let push = Push { epoch: self.inner.map.epoch, worker, seq, chunks, compute_ms, step, decisions };
             self.inner.pushes_sent.fetch_add(1, Ordering::Relaxed);
             let client = self.clone();
             let grads = grads.clone();
@@ -794,22 +881,43 @@ impl Client {
                 if after_rows {
                     link.sparse_settled().await;
                 }
-                let layout = &client.inner.map.layout;
-                // Every chunk's gradient, then the read parameters of the chunks whose rule measures drift.
-                let grad_parts = link.chunks.iter().map(|(id, _)| (id, &grads));
-                let read_parts =
-                    link.chunks.iter().filter(|(id, _)| client.inner.echoes(id)).map(|(id, _)| (id, &snapshot_tensors));
-                // Views of the shared tensors, handed to the transport without a copy (f32), or converted
-                // to the tensor's 16-bit wire format.
-                let parts: Vec<net::Bytes> = grad_parts
-                    .chain(read_parts)
-                    .filter_map(|(id, tensors)| {
-                        let range = layout.chunk_range(*id).ok()?;
-                        let slice = TensorSlice { tensors: tensors.clone(), tensor: id.tensor as usize, range };
-                        Some(net::dtype_bytes(layout.wire_dtype(id.tensor), slice))
-                    })
+                let bytes: Vec<u64> = push
+                    .chunks
+                    .iter()
+                    .map(|c| u64::from(c.len) * c.dtype.bytes() as u64 * (1 + u64::from(c.echo)))
                     .collect();
-                (s, client.request(s, &msg, &parts).await)
+                let groups = stripe_groups(&bytes, link.conns.len());
+                if groups.len() < 2 {
+                    let parts = client.push_payload(&link.chunks, &grads, &snapshot_tensors);
+                    return (s, client.request(s, &Message::Push(push), &parts).await);
+                }
+                // A large push is cut by chunk into parts, each on its own connection; the shard applies it
+                // once all parts are there and answers every part with the same reply.
+                let mut sent = tokio::task::JoinSet::new();
+                let count = groups.len() as u16;
+                for (lane, range) in groups.into_iter().enumerate() {
+                    let part = PushPart {
+                        part: lane as u16,
+                        parts: count,
+                        push: Push { chunks: push.chunks[range.clone()].to_vec(), ..push.clone() },
+                    };
+                    let (client, grads, snapshot_tensors) = (client.clone(), grads.clone(), snapshot_tensors.clone());
+                    sent.spawn(async move {
+                        let chunks = &client.inner.shards[s].chunks[range];
+                        let payload = client.push_payload(chunks, &grads, &snapshot_tensors);
+                        client.request_on(s, lane, &Message::PushPart(part), &payload, &mut net::InFrame).await
+                    });
+                }
+                let mut outcome: Option<Result<(Frame, u32), RpcError>> = None;
+                while let Some(joined) = sent.join_next().await {
+                    let part = joined.unwrap_or_else(|e| Err(RpcError::Setup(format!("push part task failed: {e}"))));
+                    outcome = Some(match (outcome, part) {
+                        (None, p) => p,
+                        (Some(Err(e)), _) | (Some(Ok(_)), Err(e)) => Err(e),
+                        (Some(Ok((frame, r1))), Ok((_, r2))) => Ok((frame, r1 + r2)),
+                    });
+                }
+                (s, outcome.unwrap_or_else(|| Err(RpcError::Setup("a push of no parts".into()))))
             });
         }
         let mut summary = PushSummary::default();
@@ -1094,8 +1202,8 @@ impl Client {
 
     /// Closes every connection and waits (briefly) for the peers to learn of it.
     pub async fn close(&self) {
-        for link in &self.inner.shards {
-            if let Ok(mut guard) = link.conn.lock() {
+        for slot in self.inner.shards.iter().flat_map(|link| &link.conns) {
+            if let Ok(mut guard) = slot.lock() {
                 if let Some(conn) = guard.take() {
                     conn.close(0u32.into(), b"done");
                 }
@@ -1107,5 +1215,45 @@ impl Client {
     /// Index of each shard, for logs.
     pub fn shard_addrs(&self) -> Vec<(u32, SocketAddr)> {
         self.inner.shards.iter().map(|s| (s.index, s.addr)).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stripes_are_consecutive_balanced_and_never_below_the_minimum() {
+        let mib = 1u64 << 20;
+        let check = |bytes: &[u64], lanes: usize| {
+            let groups = stripe_groups(bytes, lanes);
+            // Consecutive, covering every chunk once, none empty.
+            assert_eq!(groups.first().map(|g| g.start), Some(0));
+            assert_eq!(groups.last().map(|g| g.end), Some(bytes.len()));
+            assert!(groups.windows(2).all(|w| w[0].end == w[1].start));
+            assert!(groups.iter().all(|g| !g.is_empty()) || bytes.is_empty());
+            groups
+        };
+        // Small transfers stay whole: a stripe carries at least STRIPE_MIN_BYTES.
+        assert_eq!(check(&[1000; 8], 4).len(), 1);
+        assert_eq!(check(&[STRIPE_MIN_BYTES; 3], 8).len(), 3);
+        assert_eq!(check(&[mib; 4], 1).len(), 1, "one lane: no striping");
+        // Four equal chunks over four lanes; sixteen over four: four each.
+        assert_eq!(check(&[mib; 4], 4), vec![0..1, 1..2, 2..3, 3..4]);
+        assert_eq!(check(&[mib; 16], 4), vec![0..4, 4..8, 8..12, 12..16]);
+        // Fewer chunks than lanes: one chunk a stripe.
+        assert_eq!(check(&[4 * mib, 4 * mib], 8).len(), 2);
+        // Unequal chunks: no stripe holds more than its share plus one chunk.
+        let bytes = [3 * mib, mib, mib, mib, 2 * mib, mib, mib, 2 * mib];
+        let groups = check(&bytes, 4);
+        assert_eq!(groups.len(), 4);
+        let total: u64 = bytes.iter().sum();
+        for g in &groups {
+            let sum: u64 = bytes[g.clone()].iter().sum();
+            assert!(sum <= total / 4 + 3 * mib, "{g:?}: {sum}");
+        }
+        // Never more stripes than a push may have parts.
+        assert_eq!(check(&vec![mib; 200], 500).len(), usize::from(MAX_PUSH_PARTS));
+        assert_eq!(check(&[], 4), vec![0..0]);
     }
 }

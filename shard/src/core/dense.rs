@@ -105,6 +105,7 @@ impl ShardCore {
         &mut self,
         req: &Push,
         payload: &[f32],
+        checked_finite: bool,
         now: Duration,
         events: &mut Vec<CoreEvent>,
     ) -> Result<Frame, ShardError> {
@@ -169,7 +170,8 @@ impl ShardCore {
             )));
         }
         let (grads, reads) = payload.split_at(grad_total);
-        for (c, p) in req.chunks.iter().zip(&plan) {
+        let unchecked = if checked_finite { &[][..] } else { &plan[..] };
+        for (c, p) in req.chunks.iter().zip(unchecked) {
             let n = c.len as usize;
             let sections =
                 std::iter::once(&grads[p.offset..p.offset + n]).chain(p.read_offset.map(|r| &reads[r..r + n]));

@@ -92,6 +92,11 @@ impl SeqWindow {
 }
 
 impl ShardCore {
+    /// True when `worker`'s push `seq` was applied here (a part of it sent again is a duplicate).
+    pub fn push_applied(&self, worker: u32, seq: u64) -> bool {
+        self.seqs.get(&worker).is_some_and(|w| w.check(seq) == Seen::Applied)
+    }
+
     /// The exactly-once gate shared by dense and sparse pushes: checks the epoch and the sequence window;
     /// returns the acknowledgement of a push applied before (not applied again), or None for a new one.
     pub(super) fn check_push(&mut self, epoch: u64, worker: u32, seq: u64) -> Result<Option<Frame>, ShardError> {

@@ -673,15 +673,31 @@ impl ShardCore {
     /// Handles one request and returns the reply frame (an error reply when the request is refused; a
     /// refused request changes nothing).
     pub fn handle(&mut self, req: Frame, now: Duration) -> (Frame, Vec<CoreEvent>) {
+        self.handle_checked(req, now, false)
+    }
+
+    /// [`Self::handle`] for a request whose payload the caller already found free of NaN and ±∞
+    /// (`finite`: checked while it was decoded, as the service does), so that a dense push is not scanned a
+    /// second time. With `finite` false the core checks, as `handle` does.
+    pub fn handle_checked(&mut self, req: Frame, now: Duration, finite: bool) -> (Frame, Vec<CoreEvent>) {
         let mut events = Vec::new();
         let payload_in = req.payload.len() as u64 * 4;
         self.stats.payload_bytes_in += payload_in;
-        let is_push = matches!(req.msg, Message::Push(_) | Message::SparsePush(_));
+        let is_push = matches!(req.msg, Message::Push(_) | Message::PushPart(_) | Message::SparsePush(_));
         let now_s = now.as_secs().min(u64::from(u32::MAX)) as u32;
         self.now_s = now_s;
         let result = match req.msg {
             Message::Pull(p) => self.pull(&p),
-            Message::Push(p) => self.push(&p, &req.payload, now, &mut events),
+            Message::Push(p) => self.push(&p, &req.payload, finite, now, &mut events),
+            // A part of a push applied before is acknowledged as a duplicate; new parts are put together by
+            // the service (`crate::stripes`), which hands the core whole pushes.
+            Message::PushPart(p) => match self.check_push(p.push.epoch, p.push.worker, p.push.seq) {
+                Ok(Some(duplicate)) => Ok(duplicate),
+                Ok(None) => Err(ShardError::Misconfigured(
+                    "parts of a striped push are put together by the shard service; the core takes whole pushes".into(),
+                )),
+                Err(e) => Err(e),
+            },
             Message::SparsePull(p) => self.sparse_pull(&p, &req.payload, now_s),
             Message::SparsePush(p) => self.sparse_push(&p, &req.payload, now_s),
             Message::SparsePullReply(_) => Err(ShardError::NotARequest("sparse pull reply")),

@@ -16,6 +16,7 @@ struct Cli {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    gaps_common::buffers::tune_allocator();
     gaps_transport::init_logging("info");
     let matches = gaps_transport::config_file::parse_args(<Cli as clap::CommandFactory>::command());
     let cli = <Cli as clap::FromArgMatches>::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
