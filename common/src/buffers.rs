@@ -1,18 +1,21 @@
-//! A small recycler for very large `f32` buffers.
+//! A small recycler for large `f32` buffers.
 //!
 //! glibc serves allocations above its mmap threshold (at most 32 MiB) with a fresh `mmap` and returns them
 //! to the kernel on `free`, so every multi-tensor round trip of a 16 Mi-float model (64 MiB payloads) paid
 //! for its buffers four times over in page faults and page zeroing — 40 % of the process's time in the
-//! transport bench. Buffers at least [`MIN_RECYCLED_BYTES`] large are kept here when dropped through
-//! [`give`] and handed out again by [`take`], at most [`MAX_KEPT`] of them and [`MAX_KEPT_BYTES`] in all, so
-//! the idle memory stays bounded. Smaller buffers go to the allocator, which reuses them itself.
+//! transport bench. And a destination that must be sized before it is written (a pull's snapshot) costs a
+//! memset when it comes from the allocator (`calloc` of reused memory): 5 % of the CPU of a 1 Mi-float
+//! round. Buffers at least [`MIN_RECYCLED_BYTES`] large are kept here when dropped through [`give`] and
+//! handed out again by [`take`] and [`take_filled`] (as they are, no zero-fill), at most [`MAX_KEPT`] of
+//! them and [`MAX_KEPT_BYTES`] in all, so the idle memory stays bounded. Smaller buffers go to the
+//! allocator.
 
 use std::sync::Mutex;
 
-/// Buffers smaller than this are not kept (the allocator recycles them well).
-pub const MIN_RECYCLED_BYTES: usize = 32 << 20;
+/// Buffers smaller than this are not kept (the allocator recycles them well, and zeroing them is cheap).
+pub const MIN_RECYCLED_BYTES: usize = 1 << 20;
 /// Buffers kept at most.
-pub const MAX_KEPT: usize = 4;
+pub const MAX_KEPT: usize = 16;
 /// Bytes kept at most.
 pub const MAX_KEPT_BYTES: usize = 512 << 20;
 

@@ -546,16 +546,41 @@ impl AsRef<[u8]> for HalfOwner {
 /// A copy of `values` in `dtype`'s wire bytes, in one conversion pass (16-bit formats into a recycled
 /// buffer; f32 copied).
 pub fn encode_slice(dtype: gaps_common::dtype::WireDtype, values: &[f32]) -> Bytes {
+    encode_blocks(dtype, values, |_| {})
+}
+
+/// [`encode_slice`] into a 16-bit format, also telling whether every value of `values` is finite: each
+/// block of the source is checked right after it was converted, while it is in the cache, instead of in a
+/// pass of its own. (f32 is copied and checked.)
+pub fn encode_slice_finite(dtype: gaps_common::dtype::WireDtype, values: &[f32]) -> (Bytes, bool) {
+    let mut finite = true;
+    let bytes = encode_blocks(dtype, values, |block| finite &= gaps_common::dtype::all_finite(block));
+    (bytes, finite)
+}
+
+/// `values` in a 16-bit `dtype`'s little-endian wire bytes, converted block by block through a stack buffer
+/// into a buffer from the recycler (no zero-fill first), with `each` called on every source block right
+/// after it was converted (while it is in the cache).
+fn encode_blocks(dtype: gaps_common::dtype::WireDtype, values: &[f32], mut each: impl FnMut(&[f32])) -> Bytes {
+    const BLOCK: usize = 4096;
     if dtype == gaps_common::dtype::WireDtype::F32 {
+        each(values);
         return f32_bytes_copied(values);
     }
     let n = values.len();
-    // Every 16-bit value is written by the encoder: a reused buffer needs no zero-fill.
-    let mut buf = gaps_common::buffers::take_filled(n.div_ceil(2));
-    let halves: &mut [u16] = &mut bytemuck::cast_slice_mut::<f32, u16>(&mut buf)[..n];
-    gaps_common::dtype::encode_u16(dtype, values, halves);
-    if cfg!(target_endian = "big") {
-        halves.iter_mut().for_each(|h| *h = h.to_le());
+    // The 16-bit values' bytes, in order, held in the f32 slots of a recycled buffer (two per slot).
+    let mut buf = gaps_common::buffers::take(n.div_ceil(2));
+    let mut stage = [0f32; BLOCK / 2];
+    for src in values.chunks(BLOCK) {
+        let slots = src.len().div_ceil(2);
+        stage[slots - 1] = 0.0;
+        let halves = &mut bytemuck::cast_slice_mut::<f32, u16>(&mut stage[..slots])[..src.len()];
+        gaps_common::dtype::encode_u16(dtype, src, halves);
+        if cfg!(target_endian = "big") {
+            halves.iter_mut().for_each(|h| *h = h.to_le());
+        }
+        each(src);
+        buf.extend_from_slice(&stage[..slots]);
     }
     Bytes::from_owner(HalfOwner { buf: gaps_common::buffers::Recycled(buf), bytes: 2 * n })
 }
@@ -844,6 +869,23 @@ pub fn kind_name(msg: &Message) -> &'static str {
 mod tests {
     use super::*;
     use gaps_common::dtype::WireDtype;
+
+    #[test]
+    fn sixteen_bit_parts_are_the_bulk_encoding_and_flag_bad_values() {
+        let values: Vec<f32> = (0..9001).map(|i| (i as f32 - 4500.0) * 0.013).collect();
+        for dtype in [WireDtype::Bf16, WireDtype::F16, WireDtype::F32] {
+            let want = gaps_common::dtype::encode_bulk(dtype, &values);
+            assert_eq!(&encode_slice(dtype, &values)[..], &want[..], "{dtype}");
+            let (bytes, finite) = encode_slice_finite(dtype, &values);
+            assert!(finite && bytes[..] == want[..], "{dtype}");
+            for pos in [0, 4095, 4096, 9000] {
+                let mut bad = values.clone();
+                bad[pos] = f32::NAN;
+                assert!(!encode_slice_finite(dtype, &bad).1, "{dtype} NaN at {pos}");
+            }
+        }
+        assert!(encode_slice(WireDtype::Bf16, &[]).is_empty());
+    }
 
     #[test]
     fn f32_parts_are_the_values_own_bytes() {

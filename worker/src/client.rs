@@ -4,6 +4,7 @@
 //! it exactly once.
 
 use crate::net::{self, RpcError};
+use gaps_common::dtype::WireDtype;
 use gaps_common::layout::sparse_owner;
 use gaps_common::layout::{ChunkId, Layout};
 use gaps_common::wire::{
@@ -773,24 +774,37 @@ impl Client {
 
     /// The payload of a push of `chunks`: every chunk's gradient, then the read parameters of the chunks whose
     /// rule measures drift, as views of the shared tensors handed to the transport without a copy (f32) or
-    /// converted to the tensor's 16-bit wire format.
+    /// converted to the tensor's 16-bit wire format. A 16-bit gradient is checked for NaN and ±∞ as it is
+    /// converted (f32 gradients are checked before).
     fn push_payload(
         &self,
         chunks: &[(ChunkId, u64)],
         grads: &Arc<Vec<Vec<f32>>>,
         read: &Arc<Vec<Vec<f32>>>,
-    ) -> Vec<net::Bytes> {
+    ) -> Result<Vec<net::Bytes>, ClientError> {
         let layout = &self.inner.map.layout;
-        let grad_parts = chunks.iter().map(|(id, _)| (id, grads));
-        let read_parts = chunks.iter().filter(|(id, _)| self.inner.echoes(id)).map(|(id, _)| (id, read));
-        grad_parts
-            .chain(read_parts)
-            .filter_map(|(id, tensors)| {
-                let range = layout.chunk_range(*id).ok()?;
-                let slice = TensorSlice { tensors: tensors.clone(), tensor: id.tensor as usize, range };
-                Some(net::dtype_bytes(layout.wire_dtype(id.tensor), slice))
-            })
-            .collect()
+        let mut out = Vec::with_capacity(chunks.len());
+        for (id, _) in chunks {
+            let range = layout.chunk_range(*id).map_err(|e| ClientError::Shape(e.to_string()))?;
+            let dtype = layout.wire_dtype(id.tensor);
+            if dtype == WireDtype::F32 {
+                out.push(net::f32_bytes(TensorSlice { tensors: grads.clone(), tensor: id.tensor as usize, range }));
+                continue;
+            }
+            let values = &grads[id.tensor as usize][range];
+            let (bytes, finite) = net::encode_slice_finite(dtype, values);
+            if !finite {
+                let name = layout.tensors.get(id.tensor as usize).map_or("?", |t| t.name.as_str());
+                check_finite(&format!("the gradient of {name}"), &grads[id.tensor as usize])?;
+            }
+            out.push(bytes);
+        }
+        for (id, _) in chunks.iter().filter(|(id, _)| self.inner.echoes(id)) {
+            let range = layout.chunk_range(*id).map_err(|e| ClientError::Shape(e.to_string()))?;
+            let slice = TensorSlice { tensors: read.clone(), tensor: id.tensor as usize, range };
+            out.push(net::dtype_bytes(layout.wire_dtype(id.tensor), slice));
+        }
+        Ok(out)
     }
 
     /// The shards' default update rule (a tensor's own rule in the layout takes precedence).
@@ -817,8 +831,12 @@ impl Client {
         if !matches(&grads) || !matches(&snapshot.tensors) {
             return Err(ClientError::Shape("gradient or snapshot tensors do not match the model layout".into()));
         }
-        for (g, spec) in grads.iter().zip(&layout.tensors) {
-            check_finite(&format!("the gradient of {}", spec.name), g)?;
+        // Tensors that travel in a 16-bit format are checked as they are converted (below, before anything is
+        // sent); the others here.
+        for (t, (g, spec)) in grads.iter().zip(&layout.tensors).enumerate() {
+            if layout.wire_dtype(t as u32) == WireDtype::F32 {
+                check_finite(&format!("the gradient of {}", spec.name), g)?;
+            }
         }
         let read_versions = &snapshot.versions;
         if read_versions.len() as u64 != layout.total_chunks() {
@@ -839,6 +857,25 @@ impl Client {
             }
         }
         let grads = Arc::new(grads);
+        // Every shard's payload, cut into its stripes, made before any is sent: a bad value found while a
+        // gradient is converted stops the push on every shard.
+        let mut payloads = Vec::with_capacity(self.inner.shards.len());
+        for link in &self.inner.shards {
+            let bytes: Vec<u64> = link
+                .chunks
+                .iter()
+                .map(|(id, _)| {
+                    let width = layout.wire_dtype(id.tensor).bytes() as u64;
+                    layout.chunk_len(*id).unwrap_or(0) as u64 * width * (1 + u64::from(self.inner.echoes(id)))
+                })
+                .collect();
+            let mut stripes = Vec::new();
+            for range in stripe_groups(&bytes, link.conns.len()) {
+                let payload = self.push_payload(&link.chunks[range.clone()], &grads, &snapshot.tensors)?;
+                stripes.push((range, payload));
+            }
+            payloads.push(stripes);
+        }
         let compute_ms = self
             .inner
             .last_pull
@@ -852,7 +889,7 @@ impl Client {
         let mut tasks = tokio::task::JoinSet::new();
         // Every shard gets a push every step, with no chunks where it owns none: the push ends the worker's
         // step there (synchronous steps, the rows summed for it, the coordinator's view of every worker).
-        for s in 0..self.inner.shards.len() {
+        for (s, stripes) in payloads.into_iter().enumerate() {
             let link = &self.inner.shards[s];
             let seq = link.next_seq.fetch_add(1, Ordering::SeqCst);
             let chunks: Vec<PushChunk> = link
@@ -874,37 +911,27 @@ impl Client {
             let push = Push { epoch: self.inner.map.epoch, worker, seq, chunks, compute_ms, step, decisions };
             self.inner.pushes_sent.fetch_add(1, Ordering::Relaxed);
             let client = self.clone();
-            let grads = grads.clone();
-            let snapshot_tensors = snapshot.tensors.clone();
             tasks.spawn(async move {
                 let link = &client.inner.shards[s];
                 if after_rows {
                     link.sparse_settled().await;
                 }
-                let bytes: Vec<u64> = push
-                    .chunks
-                    .iter()
-                    .map(|c| u64::from(c.len) * c.dtype.bytes() as u64 * (1 + u64::from(c.echo)))
-                    .collect();
-                let groups = stripe_groups(&bytes, link.conns.len());
-                if groups.len() < 2 {
-                    let parts = client.push_payload(&link.chunks, &grads, &snapshot_tensors);
-                    return (s, client.request(s, &Message::Push(push), &parts).await);
+                if stripes.len() < 2 {
+                    let payload = stripes.into_iter().flat_map(|(_, p)| p).collect::<Vec<_>>();
+                    return (s, client.request(s, &Message::Push(push), &payload).await);
                 }
                 // A large push is cut by chunk into parts, each on its own connection; the shard applies it
                 // once all parts are there and answers every part with the same reply.
                 let mut sent = tokio::task::JoinSet::new();
-                let count = groups.len() as u16;
-                for (lane, range) in groups.into_iter().enumerate() {
+                let count = stripes.len() as u16;
+                for (lane, (range, payload)) in stripes.into_iter().enumerate() {
                     let part = PushPart {
                         part: lane as u16,
                         parts: count,
-                        push: Push { chunks: push.chunks[range.clone()].to_vec(), ..push.clone() },
+                        push: Push { chunks: push.chunks[range].to_vec(), ..push.clone() },
                     };
-                    let (client, grads, snapshot_tensors) = (client.clone(), grads.clone(), snapshot_tensors.clone());
+                    let client = client.clone();
                     sent.spawn(async move {
-                        let chunks = &client.inner.shards[s].chunks[range];
-                        let payload = client.push_payload(chunks, &grads, &snapshot_tensors);
                         client.request_on(s, lane, &Message::PushPart(part), &payload, &mut net::InFrame).await
                     });
                 }
