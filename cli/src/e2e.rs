@@ -87,6 +87,11 @@ fn local_args(servers: u32, workers: u32, steps: u64) -> Result<LocalArgs> {
     Ok(Wrapper::try_parse_from(&argv).context("building the local-cluster flags")?.args)
 }
 
+/// The cluster shapes (shards, workers) `gaps bench e2e` measures. On one machine each shard adds a round
+/// trip per pull and per push to every step, so with few cores one shard serving several workers trains
+/// fastest (1×4 measured 1.19× the single process on 2 cores, 2×4 1.00–1.03×).
+pub const SHAPES: &[(u32, u32)] = &[(1, 1), (1, 4), (2, 2), (2, 4)];
+
 /// Held-out samples of every run.
 const EVAL_SAMPLES: u32 = 4096;
 

@@ -124,6 +124,10 @@ pub struct LocalArgs {
     /// How long workers wait for an unreachable shard before they give up.
     #[arg(long, env = "GAPS_SHARD_DOWN_TIMEOUT", default_value = "10m", value_parser = parse_duration)]
     pub shard_down_timeout: Duration,
+    /// Connections from each worker to each shard that large pushes and pulls are striped over (see
+    /// `gaps-worker --lanes`).
+    #[arg(long, env = "GAPS_LANES", default_value_t = gaps_worker::client::DEFAULT_LANES as u32, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub lanes: u32,
     /// Where the shards keep checkpoints (default: the run's folder, when checkpoints are asked for).
     #[arg(long, env = "GAPS_CHECKPOINT_DIR")]
     pub checkpoint_dir: Option<PathBuf>,
@@ -693,6 +697,7 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
                 format!("--name=worker-{w}"),
                 format!("--compute-delay={}ms", args.compute_delay().as_millis()),
                 format!("--shard-down-timeout={}ms", args.shard_down_timeout.as_millis()),
+                format!("--lanes={}", args.lanes),
                 "--json".into(),
                 "--ledger".into(),
             ];

@@ -157,7 +157,7 @@ struct LayoutArgs {
 
 #[derive(Debug, Subcommand)]
 enum BenchCommand {
-    /// DLRM training samples per second through local clusters of 1×1, 2×2 and 2×4 shards × workers.
+    /// DLRM training samples per second through local clusters of 1×1, 1×4, 2×2 and 2×4 shards × workers.
     E2e {
         /// Steps per worker.
         #[arg(long, env = "GAPS_BENCH_STEPS", default_value_t = 1200)]
@@ -441,7 +441,7 @@ async fn main() -> Result<()> {
         }
         Command::Bench(BenchCommand::E2e { steps }) => {
             let exe = std::env::current_exe().context("locating the gaps executable")?;
-            let (base, results) = gaps_cli::e2e::run(&exe, &[(1, 1), (2, 2), (2, 4)], steps).await?;
+            let (base, results) = gaps_cli::e2e::run(&exe, gaps_cli::e2e::SHAPES, steps).await?;
             eprintln!("{:<16} {:>12} {:>8} {:>14}", "cluster", "samples/s", "AUC", "÷ 1 process");
             eprintln!("{:<16} {:>12.0} {:>8.4} {:>14}", "single process", base.samples_per_s, base.auc, "1.00");
             println!("{}", base.to_json());

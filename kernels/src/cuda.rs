@@ -185,7 +185,7 @@ impl CudaDevice {
         scalars: &PushScalars,
         block: &mut DeviceBlock,
     ) -> Result<(), KernelError> {
-        let k = derive(hyper, scalars);
+        let k = derive(rule, hyper, scalars);
         let ks = KernelScalars {
             lr: k.lr,
             lr_max: k.lr_max,

@@ -419,10 +419,18 @@ pub fn delay_momentum(gamma: f32, staleness: u64, workers: u32) -> f32 {
     gamma + (NAG_GAMMA_MAX.max(gamma) - gamma) * frac
 }
 
-pub(crate) fn derive(hyper: &Hyper, s: &PushScalars) -> Derived {
+pub(crate) fn derive(rule: Rule, hyper: &Hyper, s: &PushScalars) -> Derived {
     let nag_gamma = delay_momentum(hyper.momentum, s.staleness, s.workers);
     let t = s.t.max(1).min(i32::MAX as u64) as i32;
-    let bias = |beta: f32| (1.0 / (1.0 - f64::from(beta).powi(t))) as f32;
+    // Bias corrections only for the rules that read them: an embedding row's push derives its scalars per
+    // row, where three powers of t cost more than a 16-wide Adagrad update.
+    let needs = match rule {
+        Rule::GapAware | Rule::DanaGa => (true, false),
+        Rule::Adam => (false, true),
+        _ => (false, false),
+    };
+    let power_bias = |beta: f32| (1.0 / (1.0 - f64::from(beta).powi(t))) as f32;
+    let bias = |beta: f32, needed: bool| if needed { power_bias(beta) } else { 1.0 };
     Derived {
         lr: s.lr,
         gamma: hyper.momentum,
@@ -430,10 +438,10 @@ pub(crate) fn derive(hyper: &Hyper, s: &PushScalars) -> Derived {
         lambda: hyper.dc_lambda,
         ms_decay: hyper.dc_ms_decay,
         inv_staleness: 1.0 / s.staleness.max(1) as f32,
-        ga_bias: bias(GA_BETA),
+        ga_bias: bias(GA_BETA, needs.0),
         lr_max: s.lr_max.max(s.lr),
-        adam_bias1: bias(ADAM_BETA1),
-        adam_bias2: bias(ADAM_BETA2),
+        adam_bias1: bias(ADAM_BETA1, needs.1),
+        adam_bias2: bias(ADAM_BETA2, needs.1),
         nag_gamma,
         nag_keep: 1.0 - nag_gamma,
         nag_lr: s.lr / (1.0 - hyper.momentum),
@@ -443,7 +451,7 @@ pub(crate) fn derive(hyper: &Hyper, s: &PushScalars) -> Derived {
 /// Applies `rule` to one block (the fast path, single thread).
 pub fn apply(rule: Rule, hyper: &Hyper, scalars: &PushScalars, bufs: Bufs<'_>) -> Result<(), KernelError> {
     let n = bufs.check(rule)?;
-    let k = derive(hyper, scalars);
+    let k = derive(rule, hyper, scalars);
     fast::apply(rule, &k, n, bufs);
     Ok(())
 }
@@ -460,7 +468,7 @@ pub fn apply_par(
     threads: usize,
 ) -> Result<(), KernelError> {
     bufs.check(rule)?;
-    let k = derive(hyper, scalars);
+    let k = derive(rule, hyper, scalars);
     in_parallel(bufs, threads, move |len, part| fast::apply(rule, &k, len, part));
     Ok(())
 }

@@ -290,7 +290,7 @@ fn every_instruction_set_matches_the_reference_with_zeros_and_subnormals() {
                 read.iter_mut().zip(random(n, 600 + step, -0.01, 0.01)).skip(1).step_by(2).for_each(|(p, d)| *p += d);
                 let s = PushScalars { lr: 0.05, lr_max: 0.08, staleness: step + 1, t: step + 1, workers: 3 };
                 let read_used: &[f32] = if l.needs_read { &read } else { &[] };
-                let k = derive(&h, &s);
+                let k = derive(rule, &h, &s);
                 let bufs = Bufs::from_planes(&mut fast.params, &mut fast.shared, &mut fast.worker, &grad, read_used);
                 fast::apply_with(which, rule, &k, n, bufs);
                 reference::apply(rule, &h, &s, &mut reference, &grad, &read);
