@@ -219,9 +219,9 @@ async fn malformed_frames_over_the_network_get_typed_errors_and_change_nothing()
     net::call(&conn, &auth, &[], &Limits::default(), Duration::from_secs(3)).await.expect("authenticate");
     let l = layout();
     let ids: Vec<ChunkId> = l.chunks().collect();
-    let push = |payload_len: u32, value: f32| {
-        let chunks: Vec<PushChunk> = ids
-            .iter()
+    // Fresh f32 gradients of `of`, computed on version 0.
+    let chunks_of = |of: &[ChunkId]| -> Vec<PushChunk> {
+        of.iter()
             .map(|id| PushChunk {
                 id: *id,
                 read_version: 0,
@@ -229,7 +229,10 @@ async fn malformed_frames_over_the_network_get_typed_errors_and_change_nothing()
                 echo: false,
                 dtype: gaps_common::dtype::WireDtype::F32,
             })
-            .collect();
+            .collect()
+    };
+    let push = |payload_len: u32, value: f32| {
+        let chunks = chunks_of(&ids);
         let total: u32 = chunks.iter().map(|c| c.len).sum();
         let msg = Message::Push(Push {
             epoch: client.map().epoch,
@@ -260,17 +263,7 @@ async fn malformed_frames_over_the_network_get_typed_errors_and_change_nothing()
     // refused (every part answered so), and a part cannot act for another worker.
     let part = |index: u16, parts: u16, seq: u64, acting: u32, value: f32| {
         let half = ids.len() / 2;
-        let mine = if index == 0 { &ids[..half] } else { &ids[half..] };
-        let chunks: Vec<PushChunk> = mine
-            .iter()
-            .map(|id| PushChunk {
-                id: *id,
-                read_version: 0,
-                len: l.chunk_len(*id).expect("len") as u32,
-                echo: false,
-                dtype: gaps_common::dtype::WireDtype::F32,
-            })
-            .collect();
+        let chunks = chunks_of(if index == 0 { &ids[..half] } else { &ids[half..] });
         let n: u32 = chunks.iter().map(|c| c.len).sum();
         let push = Push {
             epoch: client.map().epoch,
