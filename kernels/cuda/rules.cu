@@ -140,6 +140,9 @@ struct TableEntry {
     int rule;
     Scalars k;
 };
+// The host writes these with gaps_kernels::cuda::DeviceEntry (#[repr(C)], 96 bytes); keep the two in step.
+static_assert(sizeof(TableEntry) == 96, "TableEntry must match gaps_kernels::cuda::DeviceEntry");
+
 
 // Every chunk of one push in one launch: blockIdx.y picks the table entry, x strides over its elements.
 // The state never leaves the device; only the staged gradient (and echo) came in.

@@ -285,6 +285,191 @@ impl CudaDevice {
     }
 }
 
+impl From<&crate::Derived> for KernelScalars {
+    fn from(k: &crate::Derived) -> Self {
+        KernelScalars {
+            lr: k.lr,
+            lr_max: k.lr_max,
+            gamma: k.gamma,
+            wd: k.wd,
+            lambda: k.lambda,
+            ms_decay: k.ms_decay,
+            inv_staleness: k.inv_staleness,
+            ga_bias: k.ga_bias,
+            adam_bias1: k.adam_bias1,
+            adam_bias2: k.adam_bias2,
+            nag_gamma: k.nag_gamma,
+            nag_keep: k.nag_keep,
+            nag_lr: k.nag_lr,
+        }
+    }
+}
+
+/// One chunk-table entry as `rules.cu`'s `struct TableEntry` lays it out: four offsets, the length, the
+/// rule, the scalars (96 bytes with the trailing padding both compilers add for the 8-byte alignment).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct DeviceEntry {
+    param_offset: u64,
+    worker_offset: u64,
+    grad_offset: u64,
+    read_offset: u64,
+    len: u32,
+    rule: i32,
+    k: KernelScalars,
+}
+
+#[allow(unsafe_code)]
+// SAFETY: a #[repr(C)] struct of u64, u32, i32 and f32 fields matching `struct TableEntry` in rules.cu.
+unsafe impl DeviceRepr for DeviceEntry {}
+
+/// A GPU as a [`crate::resident::Device`]: arenas in device memory, pushes staged through one pinned
+/// (write-combined) host buffer and applied by `gaps_update_table`, one launch per 65,535 table entries.
+/// Built and NVRTC-compiled in CI; it has run only where a GPU was lent (see README, Update kernels).
+#[derive(Debug)]
+pub struct CudaArenas {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    table_fn: CudaFunction,
+    name: String,
+    /// The staging buffer on the host, allocated by `reserve` (the largest push).
+    pinned: Option<cudarc::driver::PinnedHostSlice<f32>>,
+    /// The chunk table on the device, allocated by `reserve` (one entry per chunk).
+    table: Option<CudaSlice<DeviceEntry>>,
+}
+
+impl CudaArenas {
+    /// Opens GPU `ordinal` and compiles the kernels, after probing for the libraries.
+    pub fn open(ordinal: usize) -> Result<Self, KernelError> {
+        let gpu = CudaDevice::open(ordinal)?;
+        let ptx = compile_rules()?;
+        let module = gpu.ctx.load_module(ptx).map_err(|e| cuda_err("loading the compiled kernels", e))?;
+        let table_fn =
+            module.load_function("gaps_update_table").map_err(|e| cuda_err("finding gaps_update_table", e))?;
+        Ok(CudaArenas { ctx: gpu.ctx, stream: gpu.stream, table_fn, name: gpu.name, pinned: None, table: None })
+    }
+}
+
+impl crate::resident::Device for CudaArenas {
+    type Buf = CudaSlice<f32>;
+
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn reserve(&mut self, staging_floats: u64, table_entries: usize) -> Result<(), KernelError> {
+        let n = usize::try_from(staging_floats).map_err(|_| KernelError::Device("staging too large".into()))?;
+        #[allow(unsafe_code)]
+        // SAFETY: the pinned buffer's contents are unset until a push writes them; only written before read.
+        let pinned =
+            unsafe { self.ctx.alloc_pinned::<f32>(n.max(1)) }.map_err(|e| cuda_err("pinning host memory", e))?;
+        self.pinned = Some(pinned);
+        let zero = DeviceEntry {
+            param_offset: 0,
+            worker_offset: 0,
+            grad_offset: 0,
+            read_offset: 0,
+            len: 0,
+            rule: 0,
+            k: KernelScalars::from(&crate::derive(Rule::Sgd, &Hyper::default(), &PushScalars::fresh(0.0, 1))),
+        };
+        let table = self
+            .stream
+            .clone_htod(&vec![zero; table_entries.max(1)])
+            .map_err(|e| cuda_err("allocating the chunk table", e))?;
+        self.table = Some(table);
+        Ok(())
+    }
+
+    fn alloc_zeroed(&mut self, floats: u64) -> Result<CudaSlice<f32>, KernelError> {
+        let n = usize::try_from(floats).map_err(|_| KernelError::Device(format!("{floats} floats")))?;
+        self.stream.alloc_zeros::<f32>(n).map_err(|e| cuda_err("allocating device memory", e))
+    }
+
+    fn upload(&mut self, src: &[f32], dst: &mut CudaSlice<f32>, offset: u64) -> Result<(), KernelError> {
+        let at = offset as usize;
+        if at + src.len() > dst.len() {
+            return Err(KernelError::Internal("an upload past its device buffer".into()));
+        }
+        let mut view = dst.slice_mut(at..at + src.len());
+        match self.pinned.as_mut() {
+            Some(pinned) if src.len() <= pinned.len() => {
+                let host = pinned.as_mut_slice().map_err(|e| cuda_err("waiting for the staging buffer", e))?;
+                host[..src.len()].copy_from_slice(src);
+                // From page-locked memory: a DMA transfer, no bounce through a driver buffer.
+                self.stream.memcpy_htod(&host[..src.len()], &mut view).map_err(|e| cuda_err("copying to the GPU", e))
+            }
+            _ => self.stream.memcpy_htod(src, &mut view).map_err(|e| cuda_err("copying to the GPU", e)),
+        }
+    }
+
+    fn download(&mut self, src: &CudaSlice<f32>, offset: u64, dst: &mut [f32]) -> Result<(), KernelError> {
+        let at = offset as usize;
+        if at + dst.len() > src.len() {
+            return Err(KernelError::Internal("a download past its device buffer".into()));
+        }
+        let view = src.slice(at..at + dst.len());
+        self.stream.memcpy_dtoh(&view, dst).map_err(|e| cuda_err("copying from the GPU", e))?;
+        self.stream.synchronize().map_err(|e| cuda_err("waiting for the GPU", e))
+    }
+
+    fn apply_table(
+        &mut self,
+        table: &[crate::resident::Launch],
+        arenas: &mut crate::resident::Arenas<CudaSlice<f32>>,
+        staged: &CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        let entries: Vec<DeviceEntry> = table
+            .iter()
+            .map(|l| DeviceEntry {
+                param_offset: l.entry.param_offset,
+                worker_offset: l.entry.worker_offset,
+                grad_offset: l.entry.grad_offset,
+                read_offset: l.entry.read_offset,
+                len: l.entry.len,
+                rule: l.entry.rule,
+                k: KernelScalars::from(&l.k),
+            })
+            .collect();
+        let device_table =
+            self.table.as_mut().ok_or_else(|| KernelError::Internal("no chunk table reserved".into()))?;
+        if entries.is_empty() {
+            return Ok(());
+        }
+        if entries.len() > device_table.len() {
+            return Err(KernelError::Internal("more table entries than chunks".into()));
+        }
+        let mut view = device_table.slice_mut(0..entries.len());
+        self.stream.memcpy_htod(&entries[..], &mut view).map_err(|e| cuda_err("copying the chunk table", e))?;
+        for (group, chunk) in entries.chunks(crate::plan::MAX_ENTRIES_PER_LAUNCH).enumerate() {
+            let longest = chunk.iter().map(|e| e.len).max().unwrap_or(1);
+            // Enough blocks per entry for its length (the kernel strides over the rest), at most 1,024.
+            let blocks_x = longest.div_ceil(256).clamp(1, 1024);
+            let cfg = LaunchConfig {
+                grid_dim: (blocks_x, chunk.len() as u32, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let first = (group * crate::plan::MAX_ENTRIES_PER_LAUNCH) as u32;
+            let mut launch = self.stream.launch_builder(&self.table_fn);
+            launch
+                .arg(&*device_table)
+                .arg(&first)
+                .arg(&mut arenas.params)
+                .arg(&mut arenas.s0)
+                .arg(&mut arenas.s1)
+                .arg(&mut arenas.worker)
+                .arg(staged);
+            #[allow(unsafe_code)]
+            // SAFETY: the arguments match `gaps_update_table` in rules.cu in order and type; every entry's
+            // offsets come from the layout's plan, which keeps each chunk inside its arenas and the staged
+            // push, and the arenas were sized by that layout (`Resident::new`).
+            unsafe { launch.launch(cfg) }.map_err(|e| cuda_err("launching gaps_update_table", e))?;
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -303,6 +488,18 @@ mod tests {
         }
     }
 
+    #[test]
+    fn the_chunk_table_entry_has_the_layout_rules_cu_reads() {
+        // struct TableEntry { u64 ×4; u32 len; int rule; Scalars k (13 floats) }: 92 bytes, padded to the
+        // 8-byte alignment of its first fields.
+        assert_eq!(std::mem::size_of::<KernelScalars>(), 52);
+        assert_eq!(std::mem::size_of::<DeviceEntry>(), 96);
+        assert_eq!(std::mem::align_of::<DeviceEntry>(), 8);
+        assert_eq!(std::mem::offset_of!(DeviceEntry, len), 32);
+        assert_eq!(std::mem::offset_of!(DeviceEntry, rule), 36);
+        assert_eq!(std::mem::offset_of!(DeviceEntry, k), 40);
+    }
+
     /// NVRTC compiles every rule's kernel (no GPU needed). `.ci/run` installs libnvrtc from PyPI and runs
     /// this; it fails, rather than passing, when libnvrtc cannot be loaded.
     #[test]
@@ -316,6 +513,32 @@ mod tests {
         // The rules' square roots and divisions compile to the IEEE-rounded forms (no fast-math).
         for op in ["sqrt.rn.f32", "div.rn.f32"] {
             assert!(text.contains(op), "no {op} in the PTX:\n{text:.2000}");
+        }
+    }
+
+    /// The device-resident executor on a GPU ends where the host executor ends, for every rule, moving the
+    /// same bytes. Needs an NVIDIA GPU; fails, rather than passing, when none can be opened.
+    #[test]
+    #[ignore = "needs an NVIDIA GPU (cargo test -p gaps-kernels -- --ignored)"]
+    fn resident_gpu_state_matches_the_host_executor_for_every_rule() {
+        use crate::resident::tests::run_resident;
+        use crate::resident::HostDevice;
+        for rule in Rule::ALL {
+            let gpu = CudaArenas::open(0).unwrap_or_else(|e| panic!("this test needs a GPU: {e}"));
+            let (dev, host) = (run_resident(gpu, rule), run_resident(HostDevice, rule));
+            assert_eq!((dev.to_device, dev.to_host), (host.to_device, host.to_host), "{rule}: bytes moved");
+            let close = |a: &[f32], b: &[f32], what: &str| {
+                assert_eq!(a.len(), b.len(), "{rule} {what}");
+                for (i, (x, y)) in a.iter().zip(b).enumerate() {
+                    assert!((x - y).abs() <= 1e-5 * y.abs().max(1e-3), "{rule} {what}[{i}]: gpu {x} vs host {y}");
+                }
+            };
+            for (c, (d, h)) in dev.states.iter().zip(&host.states).enumerate() {
+                close(&d.params, &h.params, &format!("chunk {c} params"));
+                close(&d.shared.concat(), &h.shared.concat(), &format!("chunk {c} shared"));
+                close(&d.worker.concat(), &h.worker.concat(), &format!("chunk {c} worker"));
+            }
+            close(&dev.pulled, &host.pulled, "pull");
         }
     }
 

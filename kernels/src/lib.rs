@@ -21,6 +21,7 @@ use std::str::FromStr;
 pub mod cuda;
 pub mod plan;
 pub mod reference;
+pub mod resident;
 
 /// EMA decay β of Gap-Aware's running mean of squared steps (docs/ALGORITHMS.md §3).
 pub const GA_BETA: f32 = 0.999;

@@ -1,14 +1,14 @@
 //! The device-resident layout of a shard's dense state and the copy plan of each push and pull
-//! (issue 16 part 1; the CUDA executor that follows these plans is the next step, this is the CPU-side
-//! planning it will use, and what `rules.cu`'s `gaps_update_table` reads).
+//! (issue 16 part 1): what [`crate::resident::Resident`] follows on a device and what `rules.cu`'s
+//! `gaps_update_table` reads.
 //!
 //! Every dense chunk gets one offset, the same in each arena: parameters, shared plane 0, shared plane 1.
 //! Per-worker planes live in a worker arena, one stripe of `total` floats per worker slot. The arenas are
 //! allocated once, when the shard starts; nothing about the state moves afterwards. A push is staged in one
 //! pinned host buffer (every chunk's gradient, then the read echoes of the chunks whose rule needs them),
 //! copied to the device in one transfer, and applied by one launch over a chunk table (more only past
-//! 65,535 chunks, the grid's y limit). A pull copies back only the parameters (or DANA's look-ahead, which
-//! the device computes into the staging area) of the chunks asked for.
+//! 65,535 chunks, the grid's y limit). A pull copies back only the parameters of the chunks asked for
+//! (for DANA's look-ahead also the momentum plane, from which the host computes it).
 
 use crate::{KernelError, Rule};
 
