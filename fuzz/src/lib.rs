@@ -10,10 +10,11 @@ use gaps_common::dtype::WireDtype;
 use gaps_common::layout::{ChunkId, Layout, SparseSpec, TensorSpec};
 use gaps_common::wire::{
     self, ids_to_words, CheckpointAt, CheckpointRequest, Frame, Heartbeat, Leave, Limits, Message, Pull, Push,
-    PushChunk, Register, RegisterShard, Role, SparsePull, SparsePush, StatsRequest, PROTOCOL_VERSION,
+    PushChunk, PushPart, Register, RegisterShard, Role, SparsePull, SparsePush, StatsRequest, PROTOCOL_VERSION,
 };
 use gaps_kernels::{Hyper, Rule};
 use gaps_shard::modes::{Mode, ModeConfig};
+use gaps_shard::stripes::Assembler;
 use gaps_shard::{Init, ShardConfig, ShardCore, SparseSettings};
 use std::time::Duration;
 
@@ -215,6 +216,58 @@ fn request(c: &mut Choices<'_>, layout: &Layout, chunks: &[ChunkId]) -> Option<F
     })
 }
 
+/// Every reply must encode and decode.
+fn check_reply(reply: &Frame) {
+    let bytes = wire::encode_frame(reply).unwrap_or_else(|e| panic!("a reply that cannot be sent: {e}"));
+    wire::decode_frame(&bytes, &Limits { max_payload_bytes: u64::MAX, ..Limits::default() })
+        .unwrap_or_else(|e| panic!("a reply that does not decode: {e}"));
+}
+
+/// Cuts `push` into parts by chunk (each part's payload: its gradients, then its echoes, where the whole
+/// payload had them), in an order the input picks, sometimes with a part twice, one missing, or one part's
+/// count or index wrong.
+fn split_push(c: &mut Choices<'_>, push: Push, payload: Vec<f32>) -> Vec<(PushPart, Vec<f32>)> {
+    let n = push.chunks.len();
+    let parts = (2 + c.below(3) as usize).min(n.max(2));
+    let grad_total: usize = push.chunks.iter().map(|p| p.len as usize).sum();
+    let (mut grad_at, mut read_at) = (0usize, grad_total);
+    let mut out = Vec::new();
+    for i in 0..parts {
+        let chunks: Vec<PushChunk> =
+            push.chunks.iter().skip(i * n / parts).take((i + 1) * n / parts - i * n / parts).copied().collect();
+        let grads: usize = chunks.iter().map(|p| p.len as usize).sum();
+        let reads: usize = chunks.iter().filter(|p| p.echo).map(|p| p.len as usize).sum();
+        let mut mine: Vec<f32> = payload.get(grad_at..grad_at + grads).map(<[f32]>::to_vec).unwrap_or_default();
+        mine.extend(payload.get(read_at..read_at + reads).map(<[f32]>::to_vec).unwrap_or_default());
+        grad_at += grads;
+        read_at += reads;
+        let mut part = PushPart { part: i as u16, parts: parts as u16, push: Push { chunks, ..push.clone() } };
+        match c.below(24) {
+            0 => part.parts = c.below(4) as u16,
+            1 => part.part = c.below(6) as u16,
+            2 => part.push.step += 1,
+            _ => {}
+        }
+        out.push((part, mine));
+    }
+    // A few swaps, then perhaps a duplicate or a loss.
+    for _ in 0..c.below(4) {
+        let (a, b) = (c.below(out.len() as u64) as usize, c.below(out.len() as u64) as usize);
+        out.swap(a, b);
+    }
+    match c.below(8) {
+        0 => {
+            let again = out[c.below(out.len() as u64) as usize].clone();
+            out.push(again);
+        }
+        1 => {
+            out.pop();
+        }
+        _ => {}
+    }
+    out
+}
+
 /// Shard core: a sequence of requests, ticks, and checkpoint round trips chosen by the input. Nothing may
 /// panic, every reply must encode, every push is counted exactly once as applied, duplicate or refused, and
 /// a checkpoint restores to a core that checkpoints to the same bytes (and keeps serving). Returns the
@@ -233,6 +286,8 @@ pub fn shard_core(data: &[u8]) -> wire::Stats {
     let chunks: Vec<ChunkId> = layout.chunks().filter(|id| core.chunk_values(*id).is_ok()).collect();
     let mut pushes = 0u64;
     let mut now_ms = 0u64;
+    // Striped pushes go through the assembler as the service's actor runs it; the token is the part index.
+    let mut parts: Assembler<u16> = Assembler::default();
     for _ in 0..400 {
         if c.is_empty() {
             break;
@@ -243,6 +298,38 @@ pub fn shard_core(data: &[u8]) -> wire::Stats {
             0..=2 => {
                 core.tick(now);
             }
+            4..=6 => {
+                // A push cut into parts, offered in an order the input picks (a part may come twice, one may
+                // never come, a part may be malformed); a completed push is handled whole, once.
+                let Some(Frame { msg: Message::Push(push), payload }) = request(&mut c, &layout, &chunks) else {
+                    continue;
+                };
+                let pieces = split_push(&mut c, push, payload);
+                for (part, payload) in pieces {
+                    let index = part.part;
+                    let (worker, seq) = (part.push.worker, part.push.seq);
+                    let offered = if core.push_applied(worker, seq) {
+                        pushes += 1;
+                        let (reply, _) = core.handle(Frame { msg: Message::PushPart(part), payload }, now);
+                        check_reply(&reply);
+                        continue;
+                    } else {
+                        parts.offer(part, payload, index, now)
+                    };
+                    for (_, reply) in &offered.answer_now {
+                        check_reply(reply);
+                    }
+                    if let Some((whole, tokens)) = offered.whole {
+                        assert!(!tokens.is_empty(), "a whole push without parts");
+                        pushes += 1;
+                        let (reply, _) = core.handle(whole, now);
+                        check_reply(&reply);
+                    }
+                }
+                for (_, reply) in parts.expire(now, Duration::from_secs(60)) {
+                    check_reply(&reply);
+                }
+            }
             3 => {
                 let bytes = core.checkpoint(7);
                 core = ShardCore::restore(cfg(), &bytes).unwrap_or_else(|e| panic!("restore: {e}"));
@@ -252,9 +339,7 @@ pub fn shard_core(data: &[u8]) -> wire::Stats {
                 let Some(frame) = request(&mut c, &layout, &chunks) else { continue };
                 pushes += u64::from(matches!(frame.msg, Message::Push(_) | Message::SparsePush(_)));
                 let (reply, _) = core.handle(frame, now);
-                let bytes = wire::encode_frame(&reply).unwrap_or_else(|e| panic!("a reply that cannot be sent: {e}"));
-                wire::decode_frame(&bytes, &Limits { max_payload_bytes: u64::MAX, ..Limits::default() })
-                    .unwrap_or_else(|e| panic!("a reply that does not decode: {e}"));
+                check_reply(&reply);
             }
         }
     }
