@@ -403,7 +403,7 @@ impl crate::resident::Device for CudaArenas {
         }
     }
 
-    fn download(&mut self, src: &CudaSlice<f32>, offset: u64, dst: &mut [f32]) -> Result<(), KernelError> {
+    fn download(&self, src: &CudaSlice<f32>, offset: u64, dst: &mut [f32]) -> Result<(), KernelError> {
         let at = offset as usize;
         if at + dst.len() > src.len() {
             return Err(KernelError::Internal("a download past its device buffer".into()));

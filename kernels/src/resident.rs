@@ -53,7 +53,7 @@ pub trait Device {
     /// Copies `src` to `dst` from float `offset` on.
     fn upload(&mut self, src: &[f32], dst: &mut Self::Buf, offset: u64) -> Result<(), KernelError>;
     /// Copies `dst.len()` floats of `src` from float `offset` on into `dst` (complete when it returns).
-    fn download(&mut self, src: &Self::Buf, offset: u64, dst: &mut [f32]) -> Result<(), KernelError>;
+    fn download(&self, src: &Self::Buf, offset: u64, dst: &mut [f32]) -> Result<(), KernelError>;
     /// Applies every entry of `table` to the arenas, gradients and echoes read from `staged`.
     fn apply_table(
         &mut self,
@@ -159,7 +159,7 @@ impl<D: Device> Resident<D> {
     /// shapes [`Self::load_chunk`] takes.
     #[allow(clippy::type_complexity)]
     pub fn read_chunk(
-        &mut self,
+        &self,
         chunk: usize,
         worker_slots: u32,
     ) -> Result<(Vec<f32>, Vec<Vec<f32>>, Vec<Vec<f32>>), KernelError> {
@@ -178,6 +178,23 @@ impl<D: Device> Resident<D> {
             self.device.download(&self.arenas.worker, w as u64 * total + offset, plane)?;
         }
         Ok((params, shared, worker))
+    }
+
+    /// One chunk's parameters (a checkpoint's or a synchronous step's read), appended to `out`.
+    pub fn read_params(&self, chunk: usize, out: &mut Vec<f32>) -> Result<(), KernelError> {
+        let (offset, n, _) = self.chunk_planes(chunk)?;
+        let start = out.len();
+        out.resize(start + n, 0.0);
+        self.device.download(&self.arenas.params, offset, &mut out[start..])
+    }
+
+    /// Replaces one chunk's parameters (its optimizer state stays).
+    pub fn load_params(&mut self, chunk: usize, params: &[f32]) -> Result<(), KernelError> {
+        let (offset, n, _) = self.chunk_planes(chunk)?;
+        if params.len() != n {
+            return Err(internal(format!("chunk {chunk} has {n} values, got {}", params.len())));
+        }
+        self.device.upload(params, &mut self.arenas.params, offset)
     }
 
     /// Applies a push of `chunks` (layout indices) by `worker_slot`: `staged` holds every chunk's gradient,
@@ -263,7 +280,7 @@ impl Device for HostDevice {
         Ok(())
     }
 
-    fn download(&mut self, src: &Vec<f32>, offset: u64, dst: &mut [f32]) -> Result<(), KernelError> {
+    fn download(&self, src: &Vec<f32>, offset: u64, dst: &mut [f32]) -> Result<(), KernelError> {
         let at = offset as usize;
         let from = src.get(at..at + dst.len()).ok_or_else(|| internal("a download past its buffer".into()))?;
         dst.copy_from_slice(from);
@@ -452,5 +469,12 @@ pub(crate) mod tests {
         assert_eq!(r.bytes_to_device(), 0);
         r.push(&[1, 0], 0, &h, &[s, s], &[0.0; 16]).expect("a push of the right shape");
         assert_eq!(r.bytes_to_device(), 64);
+        // Parameters alone can be replaced and read back; the optimizer state stays.
+        assert!(r.load_params(1, &[1.0; 3]).is_err(), "wrong length");
+        r.load_params(1, &[1.0, 2.0, 3.0, 4.0]).expect("load");
+        let mut out = vec![9.0];
+        r.read_params(1, &mut out).expect("read");
+        assert_eq!(out, [9.0, 1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(r.read_chunk(1, 1).expect("read").1.len(), 2, "gap-aware keeps two shared planes");
     }
 }
