@@ -18,8 +18,13 @@ pub struct KernelResult {
     pub params_per_s: f64,
     /// Bytes the rule reads and writes per parameter.
     pub bytes_per_param: usize,
-    /// The streaming baseline over the same bytes, parameters per second.
+    /// The baseline, parameters per second: the streaming loop over the same bytes (`update` path), or for
+    /// the `server` path the CPU per-chunk path of the same push (host-resident) or the pinned-copy bound
+    /// of the bytes that cross PCIe (GPU).
     pub stream_params_per_s: f64,
+    /// `update` (the rule's loop on resident buffers) or `server` (a push and a pull through the shard's
+    /// resident state: host gradient in, update, parameters out).
+    pub path: &'static str,
 }
 
 impl KernelResult {
@@ -33,6 +38,7 @@ impl KernelResult {
         serde_json::json!({
             "rule": self.rule.name(),
             "device": self.device,
+            "path": self.path,
             "params": self.params,
             "params_per_s": self.params_per_s.round(),
             "bytes_per_param": self.bytes_per_param,
@@ -132,6 +138,7 @@ pub fn run_cpu(sizes: &[usize], threads: usize, min_time: Duration, quick: bool)
                 params_per_s: rule_rate * n as f64,
                 bytes_per_param: rule.bytes_per_param(),
                 stream_params_per_s: stream_rate * n as f64,
+                path: "update",
             });
         }
     }
@@ -183,6 +190,138 @@ pub fn run_cuda(device: &gaps_kernels::cuda::CudaDevice, sizes: &[usize], quick:
                 params_per_s: n as f64 / seconds.max(1e-12),
                 bytes_per_param: rule.bytes_per_param(),
                 stream_params_per_s: copy_bytes_per_s / rule.bytes_per_param() as f64,
+                path: "update",
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// Chunk size of the server-path cases (the layout default's order of magnitude).
+const SERVER_CHUNK: usize = 1 << 18;
+
+/// Bytes that cross to and from the device per parameter in one push and one pull: the gradient, the echo
+/// where the rule takes one, and the parameters (DANA's look-ahead also its momentum plane).
+fn server_bytes_per_param(rule: Rule) -> usize {
+    let l = rule.layout();
+    4 * (1 + usize::from(l.needs_read)) + 4 * (1 + usize::from(l.lookahead))
+}
+
+/// One push and one pull of `n` parameters through a shard's resident state on `device`: the staged
+/// gradient (and echo) in, one pass over the chunk table, every chunk's parameters (or look-ahead) out.
+fn resident_round<D: gaps_kernels::resident::Device>(
+    resident: &mut gaps_kernels::resident::Resident<D>,
+    rule: Rule,
+    hyper: &Hyper,
+    staged: &[f32],
+    out: &mut Vec<f32>,
+    t: u64,
+) -> Result<()> {
+    let chunks: Vec<usize> = (0..resident.layout().slots().len()).collect();
+    let s = PushScalars { lr: 1e-3, lr_max: 1e-3, staleness: 3, t, workers: 8 };
+    resident.push(&chunks, 0, hyper, &vec![s; chunks.len()], staged)?;
+    out.clear();
+    resident.pull(&chunks, hyper, 1e-3, 8, out)?;
+    let _ = rule;
+    Ok(())
+}
+
+fn resident_for<D: gaps_kernels::resident::Device>(
+    device: D,
+    rule: Rule,
+    n: usize,
+) -> Result<(gaps_kernels::resident::Resident<D>, Vec<f32>)> {
+    let chunks: Vec<(u32, Rule)> =
+        (0..n.div_ceil(SERVER_CHUNK)).map(|c| ((SERVER_CHUNK.min(n - c * SERVER_CHUNK)) as u32, rule)).collect();
+    let layout = gaps_kernels::plan::DeviceLayout::new(&chunks, 1)?;
+    let mut resident = gaps_kernels::resident::Resident::new(device, layout)?;
+    let l = rule.layout();
+    for (c, (len, _)) in chunks.iter().enumerate() {
+        let len = *len as usize;
+        let shared = vec![0.01f32; len];
+        let planes: Vec<&[f32]> = (0..l.shared_planes).map(|_| shared.as_slice()).collect();
+        let worker: Vec<&[f32]> = (0..l.worker_planes).map(|_| shared.as_slice()).collect();
+        resident.load_chunk(c, &vec![0.5; len], &planes, &worker)?;
+    }
+    let mut staged = vec![1e-3f32; n];
+    if l.needs_read {
+        staged.extend(std::iter::repeat_n(0.4999f32, n));
+    }
+    Ok((resident, staged))
+}
+
+/// The server's push path on the host: a push and a pull of `n` parameters through the resident executor on
+/// host memory (`HostDevice`), against the shard's CPU per-chunk path of the same push in the same run (one
+/// `apply_par` per chunk on its own planes, then the pull's copy of every chunk's parameters).
+pub fn run_server_host(sizes: &[usize], threads: usize, min_time: Duration, quick: bool) -> Result<Vec<KernelResult>> {
+    let hyper = Hyper { lr: 1e-3, momentum: 0.9, weight_decay: 1e-4, dc_lambda: 0.5, dc_ms_decay: 0.95 };
+    let mut out = Vec::new();
+    for &n in sizes {
+        for rule in Rule::ALL {
+            let (mut resident, staged) = resident_for(gaps_kernels::resident::HostDevice, rule, n)?;
+            let mut pulled = Vec::with_capacity(n);
+            let mut t = 0u64;
+            let mut through_resident = || -> Result<()> {
+                t += 1;
+                resident_round(&mut resident, rule, &hyper, &staged, &mut pulled, t)
+            };
+            let mut chunks: Vec<Planes> = (0..n.div_ceil(SERVER_CHUNK))
+                .map(|c| Planes::new(rule, SERVER_CHUNK.min(n - c * SERVER_CHUNK)))
+                .collect();
+            let mut copy = Vec::with_capacity(n);
+            let mut u = 0u64;
+            let mut per_chunk = || -> Result<()> {
+                u += 1;
+                let s = PushScalars { lr: 1e-3, lr_max: 1e-3, staleness: 3, t: u, workers: 8 };
+                copy.clear();
+                for planes in &mut chunks {
+                    gaps_kernels::apply_par(rule, &hyper, &s, planes.bufs(), threads)?;
+                    gaps_kernels::pull_values(rule, &hyper, 1e-3, 8, &planes.params, &planes.shared, &mut copy);
+                }
+                Ok(())
+            };
+            let (resident_rate, cpu_rate) = best_alternating(min_time, quick, &mut through_resident, &mut per_chunk)?;
+            out.push(KernelResult {
+                rule,
+                device: "host-resident",
+                params: n,
+                params_per_s: resident_rate * n as f64,
+                bytes_per_param: server_bytes_per_param(rule),
+                stream_params_per_s: cpu_rate * n as f64,
+                path: "server",
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// The server's push path on the GPU: a push and a pull of `n` parameters through the resident state in GPU
+/// memory (pinned staging, one table launch, parameters copied back), against the bound of the bytes that
+/// cross PCIe copied between pinned memory and the device in the same run.
+pub fn run_server_cuda(sizes: &[usize], quick: bool) -> Result<Vec<KernelResult>> {
+    let hyper = Hyper { lr: 1e-3, momentum: 0.9, weight_decay: 1e-4, dc_lambda: 0.5, dc_ms_decay: 0.95 };
+    let reps = if quick { 1 } else { 20 };
+    let mut out = Vec::new();
+    for &n in sizes {
+        for rule in Rule::ALL {
+            let gpu = gaps_kernels::cuda::CudaArenas::open(0)?;
+            let bound = gpu.pinned_copy_bandwidth(n * server_bytes_per_param(rule), reps)?;
+            let (mut resident, staged) = resident_for(gpu, rule, n)?;
+            let mut pulled = Vec::with_capacity(n);
+            resident_round(&mut resident, rule, &hyper, &staged, &mut pulled, 1)?;
+            let started = Instant::now();
+            for t in 0..reps {
+                resident_round(&mut resident, rule, &hyper, &staged, &mut pulled, u64::from(t) + 2)?;
+            }
+            let seconds = started.elapsed().as_secs_f64() / f64::from(reps);
+            out.push(KernelResult {
+                rule,
+                device: "cuda-resident",
+                params: n,
+                params_per_s: n as f64 / seconds.max(1e-12),
+                bytes_per_param: server_bytes_per_param(rule),
+                stream_params_per_s: bound / server_bytes_per_param(rule) as f64,
+                path: "server",
             });
         }
     }

@@ -198,6 +198,12 @@ enum BenchCommand {
         /// Seconds to time each case.
         #[arg(long, env = "GAPS_BENCH_SECONDS", default_value_t = 0.5)]
         seconds: f64,
+        /// `update`: each rule's loop on resident buffers against a streaming loop over the same bytes.
+        /// `server`: a push and a pull through the shard's device-resident state (host gradient in, update,
+        /// parameters out): on the CPU against the per-chunk CPU path, on a GPU against the pinned-copy
+        /// bound of the bytes that cross.
+        #[arg(long, default_value = "update", value_parser = ["update", "server"])]
+        path: String,
     },
     /// Push+pull payload throughput against one and two shards, with a plain quinn baseline.
     Transport {
@@ -424,18 +430,24 @@ async fn main() -> Result<()> {
             }
             println!("{}", result?.to_json());
         }
-        Command::Bench(BenchCommand::Kernels { json, device, sizes, threads, seconds }) => {
+        Command::Bench(BenchCommand::Kernels { json, device, sizes, threads, seconds, path }) => {
             anyhow::ensure!(seconds.is_finite() && seconds > 0.0, "--seconds must be positive");
             let min_time = std::time::Duration::from_secs_f64(seconds);
             let threads =
                 if threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { threads };
             let choice: gaps_kernels::cuda::DeviceChoice = device.parse()?;
-            let results = match gaps_kernels::cuda::CudaDevice::for_choice(choice)? {
-                Some(gpu) => {
+            let server = path == "server";
+            let results = match (gaps_kernels::cuda::CudaDevice::for_choice(choice)?, server) {
+                (Some(gpu), false) => {
                     eprintln!("[gaps bench] GPU: {}", gpu.name());
                     gaps_benches::kernels::run_cuda(&gpu, &sizes, false)?
                 }
-                None => gaps_benches::kernels::run_cpu(&sizes, threads, min_time, false)?,
+                (Some(gpu), true) => {
+                    eprintln!("[gaps bench] GPU: {}", gpu.name());
+                    gaps_benches::kernels::run_server_cuda(&sizes, false)?
+                }
+                (None, false) => gaps_benches::kernels::run_cpu(&sizes, threads, min_time, false)?,
+                (None, true) => gaps_benches::kernels::run_server_host(&sizes, threads, min_time, false)?,
             };
             gaps_benches::kernels::print(&results, json);
         }

@@ -350,6 +350,35 @@ impl CudaArenas {
     }
 }
 
+impl CudaArenas {
+    /// The bound of a server-path round: bytes per second when `bytes` (half to the device, half back, as
+    /// a push and a pull move them) are copied between page-locked host memory and the device, timed with
+    /// CUDA events over `reps` rounds.
+    pub fn pinned_copy_bandwidth(&self, bytes: usize, reps: u32) -> Result<f64, KernelError> {
+        let n = (bytes / 8).max(1);
+        #[allow(unsafe_code)]
+        // SAFETY: the pinned buffers' contents are unset; they are only copied, never interpreted.
+        let (up, mut down) = unsafe {
+            (
+                self.ctx.alloc_pinned::<f32>(n).map_err(|e| cuda_err("pinning host memory", e))?,
+                self.ctx.alloc_pinned::<f32>(n).map_err(|e| cuda_err("pinning host memory", e))?,
+            )
+        };
+        let mut dev = self.stream.alloc_zeros::<f32>(n).map_err(|e| cuda_err("allocating", e))?;
+        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = self.ctx.new_event(timing).map_err(|e| cuda_err("creating an event", e))?;
+        let end = self.ctx.new_event(timing).map_err(|e| cuda_err("creating an event", e))?;
+        start.record(&self.stream).map_err(|e| cuda_err("recording", e))?;
+        for _ in 0..reps.max(1) {
+            self.stream.memcpy_htod(&up, &mut dev).map_err(|e| cuda_err("copying to the GPU", e))?;
+            self.stream.memcpy_dtoh(&dev, &mut down).map_err(|e| cuda_err("copying from the GPU", e))?;
+        }
+        end.record(&self.stream).map_err(|e| cuda_err("recording", e))?;
+        let ms = start.elapsed_ms(&end).map_err(|e| cuda_err("timing", e))?;
+        Ok((8 * n) as f64 * f64::from(reps.max(1)) / (f64::from(ms) / 1e3).max(1e-12))
+    }
+}
+
 impl crate::resident::Device for CudaArenas {
     type Buf = CudaSlice<f32>;
 
