@@ -167,7 +167,8 @@ class Client:
 
     Registers with the coordinator and connects to every shard. Pushes are exactly-once: a push retried
     after a lost connection keeps its sequence number. Heartbeats run in the background. Use it as a
-    context manager, or call :meth:`close` (which also leaves the job).
+    context manager, or call :meth:`close` (which also leaves the job). ``lanes`` is how many connections
+    to each shard a large push or pull is striped over (1 to 64; see ``gaps-worker --lanes``).
     """
 
     def __init__(
@@ -182,6 +183,7 @@ class Client:
         connect_timeout: float = 30.0,
         rpc_timeout: float = 30.0,
         shard_down_timeout: float = 600.0,
+        lanes: int = 1,
     ):
         self._native = _native(
             _gaps.NativeClient,
@@ -194,6 +196,7 @@ class Client:
             connect_timeout,
             rpc_timeout,
             shard_down_timeout,
+            lanes,
         )
         self.layout = Layout(_native(self._native.layout))
         self._names = list(self.layout.tensors)

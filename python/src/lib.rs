@@ -119,7 +119,7 @@ impl NativeClient {
 impl NativeClient {
     /// Registers with the coordinator and connects to every shard (waiting up to `connect_timeout`).
     #[new]
-    #[pyo3(signature = (coordinator, ca, cert, key, name, observer, connect_timeout, rpc_timeout, shard_down_timeout))]
+    #[pyo3(signature = (coordinator, ca, cert, key, name, observer, connect_timeout, rpc_timeout, shard_down_timeout, lanes=1))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -132,6 +132,7 @@ impl NativeClient {
         connect_timeout: f64,
         rpc_timeout: f64,
         shard_down_timeout: f64,
+        lanes: usize,
     ) -> PyResult<Self> {
         let seconds = |what: &str, s: f64| {
             Duration::try_from_secs_f64(s)
@@ -144,6 +145,10 @@ impl NativeClient {
         opts.connect_timeout = seconds("connect_timeout", connect_timeout)?;
         opts.rpc_timeout = seconds("rpc_timeout", rpc_timeout)?;
         opts.shard_down_timeout = seconds("shard_down_timeout", shard_down_timeout)?;
+        if !(1..=64).contains(&lanes) {
+            return Err(err("config", format!("lanes must be 1 to 64, not {lanes}")));
+        }
+        opts.lanes = lanes;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()

@@ -94,6 +94,16 @@ def test_bad_input_raises_the_right_error_and_changes_nothing(cluster):
         client.push(ok)
     with pytest.raises(gaps.ConfigError):
         gaps.Client(cluster.coordinator, cluster.ca, cluster.ca, cluster.key)
+    for lanes in (0, 65):
+        with pytest.raises(gaps.ConfigError):
+            connect(cluster, lanes=lanes)
+
+
+def test_a_client_with_several_lanes_reads_what_a_plain_one_reads(cluster):
+    with connect(cluster, lanes=3) as striped, connect(cluster, observer=True) as plain:
+        mine, theirs = striped.pull_all(), plain.pull_all()
+        for name in mine:
+            np.testing.assert_array_equal(mine[name], theirs[name])
 
 
 def test_closed_client_and_unreachable_cluster(cluster):
