@@ -185,22 +185,7 @@ impl CudaDevice {
         scalars: &PushScalars,
         block: &mut DeviceBlock,
     ) -> Result<(), KernelError> {
-        let k = derive(rule, hyper, scalars);
-        let ks = KernelScalars {
-            lr: k.lr,
-            lr_max: k.lr_max,
-            gamma: k.gamma,
-            wd: k.wd,
-            lambda: k.lambda,
-            ms_decay: k.ms_decay,
-            inv_staleness: k.inv_staleness,
-            ga_bias: k.ga_bias,
-            adam_bias1: k.adam_bias1,
-            adam_bias2: k.adam_bias2,
-            nag_gamma: k.nag_gamma,
-            nag_keep: k.nag_keep,
-            nag_lr: k.nag_lr,
-        };
+        let ks = KernelScalars::from(&derive(rule, hyper, scalars));
         let id = rule_id(rule);
         let n = block.n as u64;
         // Enough blocks to fill the GPU several times over; the kernel strides over the rest.
