@@ -67,10 +67,10 @@ pub fn run(params: u64, dir: &Path) -> Result<CheckpointResult> {
     };
     let core = ShardCore::new(cfg.clone()).map_err(|e| anyhow!("{e}"))?;
     let started = Instant::now();
-    let bytes = core.checkpoint(1);
+    let bytes = core.checkpoint(1).map_err(|e| anyhow!("{e}"))?;
     let snapshot_s = started.elapsed().as_secs_f64();
     let started = Instant::now();
-    let bytes = core.checkpoint_into(1, bytes);
+    let bytes = core.checkpoint_into(1, bytes).map_err(|e| anyhow!("{e}"))?;
     let snapshot_reused_s = started.elapsed().as_secs_f64();
     drop(core);
     let info = ShardCore::checkpoint_info(&bytes).map_err(|e| anyhow!("{e}"))?;

@@ -219,7 +219,8 @@ fn resident_round<D: gaps_kernels::resident::Device>(
 ) -> Result<()> {
     let chunks: Vec<usize> = (0..resident.layout().slots().len()).collect();
     let s = PushScalars { lr: 1e-3, lr_max: 1e-3, staleness: 3, t, workers: 8 };
-    resident.push(&chunks, 0, hyper, &vec![s; chunks.len()], staged)?;
+    let (grads, reads) = staged.split_at(resident.layout().arena_sizes().params as usize);
+    resident.push(&chunks, 0, &vec![*hyper; chunks.len()], &vec![s; chunks.len()], grads, reads)?;
     out.clear();
     resident.pull(&chunks, hyper, 1e-3, 8, out)?;
     let _ = rule;

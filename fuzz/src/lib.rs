@@ -268,11 +268,73 @@ fn split_push(c: &mut Choices<'_>, push: Push, payload: Vec<f32>) -> Vec<(PushPa
     out
 }
 
+/// The core under test and, when asked, a twin whose dense state is resident in host arenas (the executor a
+/// GPU shard runs, `gaps_kernels::resident::HostDevice`), fed the same requests: every reply, event and
+/// checkpoint must agree bit for bit.
+struct Cores {
+    core: ShardCore,
+    twin: Option<ShardCore>,
+}
+
+/// Worker stripes of the twin: the four workers the inputs use and the synchronous step.
+const TWIN_STRIPES: u32 = 5;
+
+fn resident(mut core: ShardCore) -> ShardCore {
+    core.make_resident(gaps_kernels::resident::HostDevice, TWIN_STRIPES).expect("resident state");
+    core
+}
+
+impl Cores {
+    fn handle(&mut self, frame: Frame, now: Duration) -> Frame {
+        let twin = self.twin.as_mut().map(|t| t.handle(frame.clone(), now));
+        let (reply, events) = self.core.handle(frame, now);
+        if let Some((twin_reply, twin_events)) = twin {
+            assert_eq!(twin_reply, reply, "the device-resident state answers differently");
+            assert_eq!(twin_events, events, "the device-resident state reports different events");
+        }
+        reply
+    }
+
+    fn tick(&mut self, now: Duration) {
+        let events = self.core.tick(now);
+        if let Some(t) = self.twin.as_mut() {
+            assert_eq!(t.tick(now), events, "the device-resident state expires differently");
+        }
+    }
+
+    fn checkpoint(&self, id: u64) -> Vec<u8> {
+        let bytes = self.core.checkpoint(id).expect("checkpoint");
+        if let Some(t) = &self.twin {
+            assert!(t.checkpoint(id).expect("resident checkpoint") == bytes, "the device-resident state differs");
+        }
+        bytes
+    }
+
+    fn restore(&mut self, cfg: ShardConfig, bytes: &[u8]) {
+        let twin = self.twin.is_some();
+        self.core = ShardCore::restore(cfg.clone(), bytes).unwrap_or_else(|e| panic!("restore: {e}"));
+        if twin {
+            let t = ShardCore::restore(cfg, bytes).unwrap_or_else(|e| panic!("restore: {e}"));
+            self.twin = Some(resident(t));
+        }
+    }
+}
+
 /// Shard core: a sequence of requests, ticks, and checkpoint round trips chosen by the input. Nothing may
 /// panic, every reply must encode, every push is counted exactly once as applied, duplicate or refused, and
 /// a checkpoint restores to a core that checkpoints to the same bytes (and keeps serving). Returns the
 /// core's counters.
 pub fn shard_core(data: &[u8]) -> wire::Stats {
+    drive_shard_core(data, false)
+}
+
+/// [`shard_core`] with a twin core whose dense state is resident in host arenas, checked against the
+/// plain core after every request.
+pub fn shard_core_resident(data: &[u8]) -> wire::Stats {
+    drive_shard_core(data, true)
+}
+
+fn drive_shard_core(data: &[u8], twin: bool) -> wire::Stats {
     let mut c = Choices { data };
     let rule = RULES[c.below(RULES.len() as u64) as usize];
     let mode = MODES[c.below(MODES.len() as u64) as usize];
@@ -281,9 +343,11 @@ pub fn shard_core(data: &[u8]) -> wire::Stats {
     // has it, the rest run 400 times faster.
     let admit_after = if c.below(16) == 0 { 2 } else { 0 };
     let cfg = || config(rule, mode, shard, num_shards, admit_after);
-    let mut core = ShardCore::new(cfg()).expect("core");
+    let core = ShardCore::new(cfg()).expect("core");
     let layout = core.config().layout.clone();
     let chunks: Vec<ChunkId> = layout.chunks().filter(|id| core.chunk_values(*id).is_ok()).collect();
+    let twin = twin.then(|| resident(ShardCore::new(cfg()).expect("core")));
+    let mut cores = Cores { core, twin };
     let mut pushes = 0u64;
     let mut now_ms = 0u64;
     // Striped pushes go through the assembler as the service's actor runs it; the token is the part index.
@@ -296,7 +360,7 @@ pub fn shard_core(data: &[u8]) -> wire::Stats {
         let now = Duration::from_millis(now_ms);
         match c.below(64) {
             0..=2 => {
-                core.tick(now);
+                cores.tick(now);
             }
             4..=6 => {
                 // A push cut into parts, offered in an order the input picks (a part may come twice, one may
@@ -308,9 +372,9 @@ pub fn shard_core(data: &[u8]) -> wire::Stats {
                 for (part, payload) in pieces {
                     let index = part.part;
                     let (worker, seq) = (part.push.worker, part.push.seq);
-                    let offered = if core.push_applied(worker, seq) {
+                    let offered = if cores.core.push_applied(worker, seq) {
                         pushes += 1;
-                        let (reply, _) = core.handle(Frame { msg: Message::PushPart(part), payload }, now);
+                        let reply = cores.handle(Frame { msg: Message::PushPart(part), payload }, now);
                         check_reply(&reply);
                         continue;
                     } else {
@@ -322,7 +386,7 @@ pub fn shard_core(data: &[u8]) -> wire::Stats {
                     if let Some((whole, tokens)) = offered.whole {
                         assert!(!tokens.is_empty(), "a whole push without parts");
                         pushes += 1;
-                        let (reply, _) = core.handle(whole, now);
+                        let reply = cores.handle(whole, now);
                         check_reply(&reply);
                     }
                 }
@@ -331,22 +395,22 @@ pub fn shard_core(data: &[u8]) -> wire::Stats {
                 }
             }
             3 => {
-                let bytes = core.checkpoint(7);
-                core = ShardCore::restore(cfg(), &bytes).unwrap_or_else(|e| panic!("restore: {e}"));
-                assert_eq!(core.checkpoint(7), bytes, "{rule} {mode}: a restored core checkpoints differently");
+                let bytes = cores.checkpoint(7);
+                cores.restore(cfg(), &bytes);
+                assert_eq!(cores.checkpoint(7), bytes, "{rule} {mode}: a restored core checkpoints differently");
             }
             _ => {
                 let Some(frame) = request(&mut c, &layout, &chunks) else { continue };
                 pushes += u64::from(matches!(frame.msg, Message::Push(_) | Message::SparsePush(_)));
-                let (reply, _) = core.handle(frame, now);
+                let reply = cores.handle(frame, now);
                 check_reply(&reply);
             }
         }
     }
-    let s = core.stats();
+    let s = cores.core.stats();
     assert_eq!(s.pushes_applied + s.pushes_duplicate + s.pushes_rejected, pushes, "{rule} {mode}: {s:?}");
-    let bytes = core.checkpoint(1);
+    let bytes = cores.checkpoint(1);
     let restored = ShardCore::restore(cfg(), &bytes).unwrap_or_else(|e| panic!("{rule} {mode}: restore: {e}"));
-    assert_eq!(restored.checkpoint(1), bytes, "{rule} {mode}");
+    assert_eq!(restored.checkpoint(1).expect("checkpoint"), bytes, "{rule} {mode}");
     s
 }

@@ -333,6 +333,15 @@ impl CudaArenas {
             module.load_function("gaps_update_table").map_err(|e| cuda_err("finding gaps_update_table", e))?;
         Ok(CudaArenas { ctx: gpu.ctx, stream: gpu.stream, table_fn, name: gpu.name, pinned: None, table: None })
     }
+
+    /// Opens a GPU as `choice` asks: `Ok(None)` means "keep the state on the host".
+    pub fn for_choice(choice: DeviceChoice) -> Result<Option<Self>, KernelError> {
+        match choice {
+            DeviceChoice::Cpu => Ok(None),
+            DeviceChoice::Cuda => CudaArenas::open(0).map(Some),
+            DeviceChoice::Auto => Ok(CudaArenas::open(0).ok()),
+        }
+    }
 }
 
 impl CudaArenas {
@@ -415,6 +424,30 @@ impl crate::resident::Device for CudaArenas {
             }
             _ => self.stream.memcpy_htod(src, &mut view).map_err(|e| cuda_err("copying to the GPU", e)),
         }
+    }
+
+    fn stage(&mut self, parts: &[&[f32]], staging: &mut CudaSlice<f32>) -> Result<(), KernelError> {
+        let total: usize = parts.iter().map(|p| p.len()).sum();
+        if total > staging.len() {
+            return Err(KernelError::Internal("a push larger than its staging buffer".into()));
+        }
+        let pinned = self.pinned.as_mut().ok_or_else(|| KernelError::Internal("no staging buffer reserved".into()))?;
+        if total > pinned.len() {
+            return Err(KernelError::Internal("a push larger than the pinned buffer".into()));
+        }
+        // Waits for the previous push's transfer out of the buffer before writing it again.
+        let host = pinned.as_mut_slice().map_err(|e| cuda_err("waiting for the staging buffer", e))?;
+        let mut at = 0;
+        for part in parts {
+            host[at..at + part.len()].copy_from_slice(part);
+            at += part.len();
+        }
+        if total == 0 {
+            return Ok(());
+        }
+        // Gradients and echoes in one DMA transfer from page-locked memory.
+        let mut view = staging.slice_mut(0..total);
+        self.stream.memcpy_htod(&host[..total], &mut view).map_err(|e| cuda_err("copying the push to the GPU", e))
     }
 
     fn download(&self, src: &CudaSlice<f32>, offset: u64, dst: &mut [f32]) -> Result<(), KernelError> {

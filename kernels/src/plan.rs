@@ -119,6 +119,11 @@ impl DeviceLayout {
         &self.slots
     }
 
+    /// Stripes of the worker arena: how many workers can hold per-worker planes at once.
+    pub fn worker_slots(&self) -> u32 {
+        self.worker_slots
+    }
+
     /// The arenas to allocate once.
     pub fn arena_sizes(&self) -> ArenaSizes {
         let uses = |f: &dyn Fn(Rule) -> bool| self.slots.iter().any(|s| f(s.rule));

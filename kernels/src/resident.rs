@@ -54,6 +54,16 @@ pub trait Device {
     fn upload(&mut self, src: &[f32], dst: &mut Self::Buf, offset: u64) -> Result<(), KernelError>;
     /// Copies `dst.len()` floats of `src` from float `offset` on into `dst` (complete when it returns).
     fn download(&self, src: &Self::Buf, offset: u64, dst: &mut [f32]) -> Result<(), KernelError>;
+    /// Copies `parts`, one after the other, to the start of `staging` (a push's gradients, then its
+    /// echoes). A GPU copies them into its pinned buffer and moves them in one transfer.
+    fn stage(&mut self, parts: &[&[f32]], staging: &mut Self::Buf) -> Result<(), KernelError> {
+        let mut at = 0u64;
+        for part in parts {
+            self.upload(part, staging, at)?;
+            at += part.len() as u64;
+        }
+        Ok(())
+    }
     /// Applies every entry of `table` to the arenas, gradients and echoes read from `staged`.
     fn apply_table(
         &mut self,
@@ -197,34 +207,102 @@ impl<D: Device> Resident<D> {
         self.device.upload(params, &mut self.arenas.params, offset)
     }
 
-    /// Applies a push of `chunks` (layout indices) by `worker_slot`: `staged` holds every chunk's gradient,
-    /// then the echo of each chunk whose rule needs one (the plan's layout); `scalars` one per chunk. One copy
-    /// to the device and one pass over the chunk table; returns the plan followed.
+    /// Applies a push of `chunks` (layout indices) by `worker_slot`: `grads` holds every chunk's gradient in
+    /// the order of `chunks`, `reads` the echo of each chunk whose rule needs one, in the same order (the
+    /// plan's staging layout); `hypers` and `scalars` one per chunk. One copy to the device and one pass over
+    /// the chunk table; returns the plan followed.
     pub fn push(
         &mut self,
         chunks: &[usize],
         worker_slot: u32,
-        hyper: &Hyper,
+        hypers: &[Hyper],
         scalars: &[PushScalars],
-        staged: &[f32],
+        grads: &[f32],
+        reads: &[f32],
     ) -> Result<PushPlan, KernelError> {
         let plan = self.layout.push_plan(chunks, worker_slot)?;
-        if staged.len() as u64 != plan.staged_floats || plan.staged_floats > self.staging_floats {
-            return Err(internal(format!("a push stages {} floats, its plan {}", staged.len(), plan.staged_floats)));
+        let staged = (grads.len() + reads.len()) as u64;
+        if staged != plan.staged_floats || plan.staged_floats > self.staging_floats {
+            return Err(internal(format!("a push stages {staged} floats, its plan {}", plan.staged_floats)));
         }
-        if scalars.len() != chunks.len() {
-            return Err(internal(format!("{} chunks, {} sets of scalars", chunks.len(), scalars.len())));
+        let grad_floats: u64 = plan.table.iter().map(|e| u64::from(e.len)).sum();
+        if grads.len() as u64 != grad_floats {
+            return Err(internal(format!("a push carries {} gradient floats, its chunks {grad_floats}", grads.len())));
         }
-        self.device.upload(staged, &mut self.staging, 0)?;
-        self.to_device += 4 * staged.len() as u64;
+        if scalars.len() != chunks.len() || hypers.len() != chunks.len() {
+            return Err(internal(format!(
+                "{} chunks, {} sets of scalars, {} of hyper-parameters",
+                chunks.len(),
+                scalars.len(),
+                hypers.len()
+            )));
+        }
+        self.device.stage(&[grads, reads], &mut self.staging)?;
+        self.to_device += 4 * staged;
         let table: Vec<Launch> = plan
             .table
             .iter()
-            .zip(scalars)
-            .map(|(entry, s)| Launch { entry: *entry, k: derive(Rule::ALL[entry.rule as usize], hyper, s) })
+            .zip(scalars.iter().zip(hypers))
+            .map(|(entry, (s, h))| Launch { entry: *entry, k: derive(Rule::ALL[entry.rule as usize], h, s) })
             .collect();
         self.device.apply_table(&table, &mut self.arenas, &self.staging)?;
         Ok(plan)
+    }
+
+    /// Where worker slot `stripe`'s plane of `chunk` sits in the worker arena (None when its rule keeps no
+    /// per-worker plane).
+    fn worker_at(&self, chunk: usize, stripe: u32) -> Result<Option<(u64, usize)>, KernelError> {
+        let (offset, n, rule) = self.chunk_planes(chunk)?;
+        if rule.layout().worker_planes == 0 {
+            return Ok(None);
+        }
+        if stripe >= self.layout.worker_slots() {
+            return Err(internal(format!("worker slot {stripe} of {}", self.layout.worker_slots())));
+        }
+        Ok(Some((u64::from(stripe) * self.layout.arena_sizes().params + offset, n)))
+    }
+
+    /// Appends worker slot `stripe`'s plane of `chunk` to `out` (nothing for rules without one).
+    pub fn read_worker(&self, chunk: usize, stripe: u32, out: &mut Vec<f32>) -> Result<(), KernelError> {
+        let Some((at, n)) = self.worker_at(chunk, stripe)? else { return Ok(()) };
+        let start = out.len();
+        out.resize(start + n, 0.0);
+        self.device.download(&self.arenas.worker, at, &mut out[start..])
+    }
+
+    /// Loads worker slot `stripe`'s plane of `chunk` (a restore).
+    pub fn load_worker(&mut self, chunk: usize, stripe: u32, plane: &[f32]) -> Result<(), KernelError> {
+        let Some((at, n)) = self.worker_at(chunk, stripe)? else {
+            return Err(internal(format!("chunk {chunk}'s rule keeps no per-worker plane")));
+        };
+        if plane.len() != n {
+            return Err(internal(format!("chunk {chunk} has {n} values, its worker plane {}", plane.len())));
+        }
+        self.device.upload(plane, &mut self.arenas.worker, at)
+    }
+
+    /// Frees worker slot `stripe` for another worker: its planes are zeroed and, under the rules with a
+    /// look-ahead, first taken out of the shared sum (plane 0), as the host path forgets a worker.
+    pub fn release_worker(&mut self, stripe: u32) -> Result<(), KernelError> {
+        let mut plane = Vec::new();
+        let mut shared = Vec::new();
+        for chunk in 0..self.layout.slots().len() {
+            let Some((at, n)) = self.worker_at(chunk, stripe)? else { continue };
+            let (offset, _, rule) = self.chunk_planes(chunk)?;
+            plane.clear();
+            plane.resize(n, 0.0);
+            self.device.download(&self.arenas.worker, at, &mut plane)?;
+            if rule.layout().lookahead {
+                shared.clear();
+                shared.resize(n, 0.0);
+                self.device.download(&self.arenas.s0, offset, &mut shared)?;
+                shared.iter_mut().zip(&plane).for_each(|(s, v)| *s -= v);
+                self.device.upload(&shared, &mut self.arenas.s0, offset)?;
+            }
+            plane.iter_mut().for_each(|v| *v = 0.0);
+            self.device.upload(&plane, &mut self.arenas.worker, at)?;
+        }
+        Ok(())
     }
 
     /// Appends what a pull of `chunks` reads to `out`: each chunk's parameters, or DANA's look-ahead
@@ -254,6 +332,120 @@ impl<D: Device> Resident<D> {
             }
         }
         Ok(())
+    }
+}
+
+/// A [`Resident`] on whichever device was chosen at run time (what a shard holds): the same operations,
+/// object-safe.
+pub trait ResidentState: std::fmt::Debug + Send {
+    /// See [`Resident::device_name`].
+    fn device_name(&self) -> String;
+    /// See [`Resident::layout`].
+    fn layout(&self) -> &DeviceLayout;
+    /// See [`Resident::bytes_to_device`].
+    fn bytes_to_device(&self) -> u64;
+    /// See [`Resident::bytes_to_host`].
+    fn bytes_to_host(&self) -> u64;
+    /// See [`Resident::load_chunk`] (parameters and shared planes; worker planes with `load_worker`).
+    fn load_chunk(&mut self, chunk: usize, params: &[f32], shared: &[&[f32]]) -> Result<(), KernelError>;
+    /// See [`Resident::read_params`].
+    fn read_params(&self, chunk: usize, out: &mut Vec<f32>) -> Result<(), KernelError>;
+    /// Appends `chunk`'s shared planes, one after the other, to `out`.
+    fn read_shared(&self, chunk: usize, out: &mut Vec<f32>) -> Result<(), KernelError>;
+    /// See [`Resident::load_params`].
+    fn load_params(&mut self, chunk: usize, params: &[f32]) -> Result<(), KernelError>;
+    /// See [`Resident::read_worker`].
+    fn read_worker(&self, chunk: usize, stripe: u32, out: &mut Vec<f32>) -> Result<(), KernelError>;
+    /// See [`Resident::load_worker`].
+    fn load_worker(&mut self, chunk: usize, stripe: u32, plane: &[f32]) -> Result<(), KernelError>;
+    /// See [`Resident::release_worker`].
+    fn release_worker(&mut self, stripe: u32) -> Result<(), KernelError>;
+    /// See [`Resident::push`].
+    #[allow(clippy::too_many_arguments)]
+    fn push(
+        &mut self,
+        chunks: &[usize],
+        worker_slot: u32,
+        hypers: &[Hyper],
+        scalars: &[PushScalars],
+        grads: &[f32],
+        reads: &[f32],
+    ) -> Result<PushPlan, KernelError>;
+    /// See [`Resident::pull`].
+    fn pull(
+        &mut self,
+        chunks: &[usize],
+        hyper: &Hyper,
+        lr: f32,
+        workers: u32,
+        out: &mut Vec<f32>,
+    ) -> Result<(), KernelError>;
+}
+
+impl<D> ResidentState for Resident<D>
+where
+    D: Device + std::fmt::Debug + Send,
+    D::Buf: std::fmt::Debug + Send,
+{
+    fn device_name(&self) -> String {
+        Resident::device_name(self)
+    }
+    fn layout(&self) -> &DeviceLayout {
+        Resident::layout(self)
+    }
+    fn bytes_to_device(&self) -> u64 {
+        Resident::bytes_to_device(self)
+    }
+    fn bytes_to_host(&self) -> u64 {
+        Resident::bytes_to_host(self)
+    }
+    fn load_chunk(&mut self, chunk: usize, params: &[f32], shared: &[&[f32]]) -> Result<(), KernelError> {
+        Resident::load_chunk(self, chunk, params, shared, &[])
+    }
+    fn read_params(&self, chunk: usize, out: &mut Vec<f32>) -> Result<(), KernelError> {
+        Resident::read_params(self, chunk, out)
+    }
+    fn read_shared(&self, chunk: usize, out: &mut Vec<f32>) -> Result<(), KernelError> {
+        let (offset, n, rule) = self.chunk_planes(chunk)?;
+        for k in 0..rule.layout().shared_planes {
+            let start = out.len();
+            out.resize(start + n, 0.0);
+            self.device.download(if k == 0 { &self.arenas.s0 } else { &self.arenas.s1 }, offset, &mut out[start..])?;
+        }
+        Ok(())
+    }
+    fn load_params(&mut self, chunk: usize, params: &[f32]) -> Result<(), KernelError> {
+        Resident::load_params(self, chunk, params)
+    }
+    fn read_worker(&self, chunk: usize, stripe: u32, out: &mut Vec<f32>) -> Result<(), KernelError> {
+        Resident::read_worker(self, chunk, stripe, out)
+    }
+    fn load_worker(&mut self, chunk: usize, stripe: u32, plane: &[f32]) -> Result<(), KernelError> {
+        Resident::load_worker(self, chunk, stripe, plane)
+    }
+    fn release_worker(&mut self, stripe: u32) -> Result<(), KernelError> {
+        Resident::release_worker(self, stripe)
+    }
+    fn push(
+        &mut self,
+        chunks: &[usize],
+        worker_slot: u32,
+        hypers: &[Hyper],
+        scalars: &[PushScalars],
+        grads: &[f32],
+        reads: &[f32],
+    ) -> Result<PushPlan, KernelError> {
+        Resident::push(self, chunks, worker_slot, hypers, scalars, grads, reads)
+    }
+    fn pull(
+        &mut self,
+        chunks: &[usize],
+        hyper: &Hyper,
+        lr: f32,
+        workers: u32,
+        out: &mut Vec<f32>,
+    ) -> Result<(), KernelError> {
+        Resident::pull(self, chunks, hyper, lr, workers, out)
     }
 }
 
@@ -404,10 +596,10 @@ pub(crate) mod tests {
             resident.load_chunk(c, &s.params, &shared, &worker).expect("load");
         }
         for (chunks, slot, scalars, grads, reads) in pushes(rule) {
-            let mut staged: Vec<f32> = grads.concat();
-            staged.extend(reads.concat());
-            let plan = resident.push(&chunks, slot, &hyper(), &scalars, &staged).expect("push");
-            assert_eq!(plan.bytes_to_device(), 4 * staged.len() as u64);
+            let (grads, reads) = (grads.concat(), reads.concat());
+            let hypers = vec![hyper(); chunks.len()];
+            let plan = resident.push(&chunks, slot, &hypers, &scalars, &grads, &reads).expect("push");
+            assert_eq!(plan.bytes_to_device(), 4 * (grads.len() + reads.len()) as u64);
         }
         let states = (0..LENS.len())
             .map(|c| {
@@ -461,13 +653,15 @@ pub(crate) mod tests {
         let mut r = Resident::new(HostDevice, layout).expect("resident");
         let h = Hyper::default();
         let s = PushScalars::fresh(0.1, 1);
-        assert!(r.push(&[0], 0, &h, &[s], &[0.0; 7]).is_err(), "too few floats");
-        assert!(r.push(&[1], 0, &h, &[s], &[0.0; 4]).is_err(), "gap-aware without its echo");
-        assert!(r.push(&[0, 1], 0, &h, &[s], &[0.0; 16]).is_err(), "one set of scalars for two chunks");
-        assert!(r.push(&[2], 0, &h, &[s], &[0.0; 8]).is_err(), "no such chunk");
+        assert!(r.push(&[0], 0, &[h], &[s], &[0.0; 7], &[]).is_err(), "too few floats");
+        assert!(r.push(&[1], 0, &[h], &[s], &[0.0; 4], &[]).is_err(), "gap-aware without its echo");
+        assert!(r.push(&[1], 0, &[h], &[s], &[0.0; 8], &[]).is_err(), "the echo counted as gradient");
+        assert!(r.push(&[0, 1], 0, &[h, h], &[s], &[0.0; 12], &[0.0; 4]).is_err(), "one set of scalars for two");
+        assert!(r.push(&[0, 1], 0, &[h], &[s, s], &[0.0; 12], &[0.0; 4]).is_err(), "one hyper for two chunks");
+        assert!(r.push(&[2], 0, &[h], &[s], &[0.0; 8], &[]).is_err(), "no such chunk");
         assert!(r.load_chunk(0, &[0.0; 8], &[], &[]).is_err(), "momentum's plane missing");
         assert_eq!(r.bytes_to_device(), 0);
-        r.push(&[1, 0], 0, &h, &[s, s], &[0.0; 16]).expect("a push of the right shape");
+        r.push(&[1, 0], 0, &[h, h], &[s, s], &[0.0; 12], &[0.0; 4]).expect("a push of the right shape");
         assert_eq!(r.bytes_to_device(), 64);
         // Parameters alone can be replaced and read back; the optimizer state stays.
         assert!(r.load_params(1, &[1.0; 3]).is_err(), "wrong length");

@@ -65,6 +65,11 @@ pub struct ServerArgs {
     /// Where updates run: cpu, cuda (fails when no GPU can be used) or auto (the GPU when present).
     #[arg(long, env = "GAPS_DEVICE", default_value = "cpu")]
     pub device: gaps_kernels::cuda::DeviceChoice,
+    /// With --device cuda: workers whose per-worker optimizer planes (multi-momentum, dc-asgd-adaptive, the
+    /// DANA rules) the GPU holds at once, plus one for synchronous steps; a push from one worker more is
+    /// refused with a clear error. Each costs one copy of the shard's parameters in GPU memory.
+    #[arg(long, env = "GAPS_DEVICE_WORKER_SLOTS", default_value_t = crate::service::DEFAULT_DEVICE_WORKER_SLOTS, value_parser = clap::value_parser!(u32).range(2..=4096))]
+    pub device_worker_slots: u32,
     /// Threads a large push may use (0: one per core).
     #[arg(long, env = "GAPS_THREADS", default_value_t = 0)]
     pub threads: usize,
@@ -316,6 +321,7 @@ impl ServerArgs {
             join_timeout: self.join_timeout,
             tick_interval: Duration::from_millis(250),
             device: self.device,
+            device_worker_slots: self.device_worker_slots,
             queue_depth: self.queue_depth as usize,
             inflight_bytes: self.inflight_memory,
             max_connections: self.max_connections as usize,

@@ -30,10 +30,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot, watch, Semaphore};
-use tracing::{debug, info, warn, Instrument};
+use tracing::{debug, error, info, warn, Instrument};
 
 /// Largest number of sparse rows one pull or push may carry.
 pub const MAX_SPARSE_ROWS_PER_RPC: u64 = 1 << 20;
+
+/// Per-worker plane stripes a GPU-resident shard holds by default (16 workers and the synchronous step).
+pub const DEFAULT_DEVICE_WORKER_SLOTS: u32 = 17;
 
 /// Everything a shard process needs.
 #[derive(Debug, Clone)]
@@ -54,6 +57,9 @@ pub struct ServiceConfig {
     pub tick_interval: Duration,
     /// Where updates run.
     pub device: gaps_kernels::cuda::DeviceChoice,
+    /// With the state on a GPU: workers whose per-worker optimizer planes the device holds at once (one
+    /// more is set aside for synchronous steps).
+    pub device_worker_slots: u32,
     /// Requests waiting for the core at most (the actor's queue).
     pub queue_depth: usize,
     /// Bytes of request payloads and expected replies held by in-flight RPCs at most.
@@ -86,6 +92,7 @@ impl ServiceConfig {
             join_timeout: Duration::from_secs(60),
             tick_interval: Duration::from_millis(250),
             device: gaps_kernels::cuda::DeviceChoice::Cpu,
+            device_worker_slots: DEFAULT_DEVICE_WORKER_SLOTS,
             queue_depth: DEFAULT_QUEUE_DEPTH,
             inflight_bytes: DEFAULT_INFLIGHT_BYTES,
             max_connections: DEFAULT_MAX_CONNECTIONS,
@@ -163,7 +170,7 @@ struct PendingSnapshot {
     id: u64,
     at: CheckpointAt,
     buf: Vec<u8>,
-    reply: oneshot::Sender<Result<Snapshot, u64>>,
+    reply: oneshot::Sender<Result<Snapshot, NoSnapshot>>,
 }
 
 /// The core's state, copied for a checkpoint.
@@ -175,6 +182,15 @@ struct Snapshot {
     step: u64,
 }
 
+/// Why the core took no snapshot.
+#[derive(Debug)]
+enum NoSnapshot {
+    /// It is past the step asked for (it has applied this many).
+    TooLate(u64),
+    /// The device holding the dense state could not be read.
+    Failed(String),
+}
+
 /// Takes `p` if the core is at its point; keeps it for later if not yet; answers it if never.
 fn try_snapshot(core: &ShardCore, p: PendingSnapshot) -> Option<PendingSnapshot> {
     if p.reply.is_closed() {
@@ -183,13 +199,16 @@ fn try_snapshot(core: &ShardCore, p: PendingSnapshot) -> Option<PendingSnapshot>
     match core.checkpoint_readiness(p.at) {
         Readiness::Later => Some(p),
         Readiness::Never(step) => {
-            let _ = p.reply.send(Err(step));
+            let _ = p.reply.send(Err(NoSnapshot::TooLate(step)));
             None
         }
         Readiness::Ready => {
             let started = Instant::now();
-            let bytes = core.checkpoint_into(p.id, p.buf);
-            let _ = p.reply.send(Ok(Snapshot { bytes, pause: started.elapsed(), step: core.global_step() }));
+            let taken = match core.checkpoint_into(p.id, p.buf) {
+                Ok(bytes) => Ok(Snapshot { bytes, pause: started.elapsed(), step: core.global_step() }),
+                Err(e) => Err(NoSnapshot::Failed(e.to_string())),
+            };
+            let _ = p.reply.send(taken);
             None
         }
     }
@@ -480,10 +499,13 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
         }
         None => (ShardCore::new(cfg.core.clone()).map_err(|e| anyhow!("configuring shard {shard}: {e}"))?, None),
     };
-    match gaps_kernels::cuda::CudaDevice::for_choice(cfg.device).context("--device")? {
+    match gaps_kernels::cuda::CudaArenas::for_choice(cfg.device).context("--device")? {
         Some(gpu) => {
-            info!(shard, gpu = gpu.name(), "updates run on the GPU");
-            core.set_device(Some(Arc::new(gpu)));
+            use gaps_kernels::resident::Device;
+            let name = gpu.name();
+            core.make_resident(gpu, cfg.device_worker_slots)
+                .map_err(|e| anyhow!("moving shard {shard}'s dense state to {name}: {e}"))?;
+            info!(shard, gpu = %name, floats = core.owned_elems(), "dense state resident on the GPU; updates run there");
         }
         None if cfg.device == gaps_kernels::cuda::DeviceChoice::Auto => {
             info!(shard, "no usable GPU; updates run on the CPU")
@@ -687,7 +709,8 @@ async fn take_checkpoint(shared: &Shared, id: Option<u64>, at: CheckpointAt) -> 
         got = tokio::time::timeout(CHECKPOINT_WAIT, rx) => match got {
             Err(_) => return Err(anyhow!("checkpoint {id}: this shard did not reach {at:?} within {CHECKPOINT_WAIT:?}").into()),
             Ok(Err(_)) => return Err(anyhow!("shard core thread stopped").into()),
-            Ok(Ok(Err(step))) => return Err(CheckpointFailure::TooLate(step)),
+            Ok(Ok(Err(NoSnapshot::TooLate(step)))) => return Err(CheckpointFailure::TooLate(step)),
+            Ok(Ok(Err(NoSnapshot::Failed(why)))) => return Err(anyhow!("checkpoint {id}: reading the state: {why}").into()),
             Ok(Ok(Ok(snapshot))) => snapshot,
         },
         _ = shared.stopping.notified() => return Err(anyhow!("checkpoint {id}: the shard is shutting down").into()),
@@ -1232,6 +1255,7 @@ fn log_events(events: &[CoreEvent]) {
             CoreEvent::WorkerLeft(w) => info!(worker = w, "worker left"),
             CoreEvent::WorkerExpired(w) => warn!(worker = w, "worker lease expired"),
             CoreEvent::ShardJoined(s) => info!(joined = s, "shard joined"),
+            CoreEvent::DeviceFault(what) => error!(%what, "device fault"),
             CoreEvent::ModeDecided { number, to, from_step, reason } => {
                 warn!(number, %to, from_step, %reason, "cluster mode decided (every shard switches at that worker step)")
             }

@@ -118,13 +118,17 @@ fn a_restored_shard_continues_exactly_like_the_original() {
         train(&mut original, &workers, 1, 6);
         // Half a synchronous step is in flight: one worker pushed, two did not.
         step(&mut original, workers[0], 6, 0.2);
-        let bytes = original.checkpoint(77);
+        let bytes = original.checkpoint(77).expect("checkpoint");
         let info = ShardCore::checkpoint_info(&bytes).expect("info");
         assert_eq!((info.id, info.shard, info.epoch), (77, 0, EPOCH));
         assert!(info.tensor_versions.iter().all(|v| *v > 0), "{mode}: {:?}", info.tensor_versions);
 
         let mut restored = ShardCore::restore(config(mode, "nesterov"), &bytes).expect("restore");
-        assert_eq!(restored.checkpoint(77), bytes, "{mode}: a restore reproduces every byte of the state");
+        assert_eq!(
+            restored.checkpoint(77).expect("checkpoint"),
+            bytes,
+            "{mode}: a restore reproduces every byte of the state"
+        );
         assert_eq!(restored.stats(), original.stats(), "{mode}");
         // The same traffic afterwards gives the same replies, bit for bit (leases are renewed by it).
         let a = train(&mut original, &workers[1..], 6, 7);
@@ -133,7 +137,7 @@ fn a_restored_shard_continues_exactly_like_the_original() {
         let a = train(&mut original, &workers, 7, 10);
         let b = train(&mut restored, &workers, 7, 10);
         assert_eq!(a, b, "{mode}");
-        assert_eq!(restored.checkpoint(1), original.checkpoint(1), "{mode}");
+        assert_eq!(restored.checkpoint(1).expect("checkpoint"), original.checkpoint(1).expect("checkpoint"), "{mode}");
         // The coordinator's worker counter survives: new workers get new ids.
         assert_eq!(register(&mut restored), 3);
     }
@@ -145,7 +149,7 @@ fn a_push_acknowledged_before_the_checkpoint_is_not_applied_again_after_it() {
     let w = register(&mut core);
     let replies = step(&mut core, w, 1, 0.1);
     assert!(matches!(replies[1].msg, Message::Ack(a) if !a.duplicate));
-    let bytes = core.checkpoint(1);
+    let bytes = core.checkpoint(1).expect("checkpoint");
     let mut restored = ShardCore::restore(config(Mode::Async, "momentum"), &bytes).expect("restore");
     // The worker never saw the ack (say) and retries both pushes with the same numbers.
     let retried = step(&mut restored, w, 1, 0.1);
@@ -159,7 +163,7 @@ fn foreign_truncated_and_corrupt_checkpoints_are_refused_with_a_reason() {
     let mut core = ShardCore::new(config(Mode::Async, "momentum")).expect("core");
     let w = register(&mut core);
     train(&mut core, &[w], 1, 4);
-    let bytes = core.checkpoint(5);
+    let bytes = core.checkpoint(5).expect("checkpoint");
     let refuse = |cfg: ShardConfig, bytes: &[u8]| match ShardCore::restore(cfg, bytes) {
         Ok(_) => panic!("a foreign checkpoint was restored"),
         Err(e) => e,

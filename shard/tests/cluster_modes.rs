@@ -300,7 +300,7 @@ fn a_checkpoint_keeps_the_rows_of_a_step_in_progress_and_the_decision() {
     let (versions, _) = row_pull(core, &[9]);
     ack(core.handle(row_push(0, 1, &[9], &versions, &[2.0; DIM as usize]), Duration::ZERO).0);
     assert!(core.step_in_progress(), "summed rows are a step in progress");
-    let bytes = core.checkpoint(1);
+    let bytes = core.checkpoint(1).expect("checkpoint");
     let mut restored = ShardCore::restore(config(0, 1, Mode::Sync), &bytes).expect("restore");
     let reads = owned_versions(&mut restored);
     for w in 0..2u32 {

@@ -54,6 +54,19 @@ fn shard_core_corpus_and_regressions_reach_deep_into_the_core() {
     assert!(sum(|s| s.steps_sync + s.steps_gba) > 0, "no input completes a synchronous step");
 }
 
+/// Issue 16's CPU-side check of the device-resident path: every committed input drives a plain core and a
+/// core whose dense state lives in the resident executor's arenas (`HostDevice`, the code a GPU shard runs
+/// with its chunk table and copy plan), and every reply, event and checkpoint must agree bit for bit —
+/// pushes of every rule in every mode, pulls (DANA's look-ahead included), synchronous steps, departures
+/// that free a worker's planes, and checkpoints restored into a fresh device.
+#[test]
+fn shard_core_corpus_gives_the_same_answers_with_the_state_resident_on_a_device() {
+    let stats = replay("shard_core", drivers::shard_core_resident);
+    let sum = |f: fn(&gaps_common::wire::Stats) -> u64| stats.iter().map(f).sum::<u64>();
+    assert!(sum(|s| s.pushes_applied) > 0, "no input applies a push");
+    assert!(sum(|s| s.steps_sync + s.steps_gba) > 0, "no input completes a synchronous step");
+}
+
 /// Seeded random inputs through the same drivers (a bounded, deterministic stand-in for the fuzzer that
 /// every `cargo test` runs): random byte strings choose rules, modes, request sequences, ticks and
 /// checkpoint round trips; mutated corpus inputs reach the decoder's corners.

@@ -71,11 +71,11 @@ impl ShardCore {
         for id in &req.chunks {
             let index = self.slot_index(*id)?;
             let slot = &self.slots[index];
-            total += slot.params.len();
+            total += slot.len;
             metas.push(ChunkVersion {
                 id: *id,
                 version: slot.version,
-                len: slot.params.len() as u32,
+                len: slot.len as u32,
                 dtype: self.cfg.layout.wire_dtype(id.tensor),
             });
             picked.push(index);
@@ -88,12 +88,11 @@ impl ShardCore {
             )));
         }
         let mut payload = gaps_common::buffers::take(total);
-        let workers = self.worker_count();
         for index in picked {
-            let slot = &self.slots[index];
-            let (rule, hyper) = self.tensor_rules[slot.tensor as usize];
-            let lr = self.tensor_lr(slot.tensor);
-            gaps_kernels::pull_values(rule, &hyper, lr, workers, &slot.params, &slot.shared, &mut payload);
+            if let Err(e) = self.pull_into(index, &mut payload) {
+                gaps_common::buffers::give(payload);
+                return Err(e);
+            }
         }
         self.stats.pulls += 1;
         Ok(Frame { msg: Message::PullReply(PullReply { chunks: metas }), payload })
@@ -124,7 +123,7 @@ impl ShardCore {
                     c.id.tensor, c.id.chunk
                 )));
             }
-            let expected = self.slots[slot].params.len();
+            let expected = self.slots[slot].len;
             if c.len as usize != expected {
                 return Err(ShardError::WrongShape(format!(
                     "chunk {}/{} has {expected} elements, the push carries {}",
@@ -161,6 +160,12 @@ impl ShardCore {
             });
             grad_total += expected;
             read_total += read_offset.map_or(0, |_| expected);
+        }
+        if self.resident.is_some()
+            && !self.stripes.can_take(req.worker)
+            && plan.iter().any(|p| self.tensor_rules[p.tensor as usize].0.layout().worker_planes > 0)
+        {
+            return Err(resident::exhausted(self.stripes.held()));
         }
         if payload.len() != grad_total + read_total {
             return Err(ShardError::WrongShape(format!(
@@ -220,7 +225,7 @@ impl ShardCore {
                     self.stats.staleness_count += 1;
                     self.stats.staleness_max = self.stats.staleness_max.max(tau);
                     for p in &plan {
-                        let n = self.slots[p.slot].params.len();
+                        let n = self.slots[p.slot].len;
                         let acc = &mut self.accum[p.slot];
                         if acc.is_empty() {
                             acc.resize(n, 0.0);
@@ -271,8 +276,13 @@ impl ShardCore {
         for (max, lr) in self.lr_max.iter_mut().zip(&lrs) {
             *max = max.max(*lr);
         }
-        let wanted: HashMap<usize, Planned> = plan.iter().map(|p| (p.slot, *p)).collect();
         let worker_count = self.worker_count();
+        if self.resident.is_some() {
+            self.apply_resident(plan, worker, grads, reads, &lrs, worker_count)?;
+            self.count_applied(plan);
+            return Ok(());
+        }
+        let wanted: HashMap<usize, Planned> = plan.iter().map(|p| (p.slot, *p)).collect();
         let mut work = Vec::with_capacity(plan.len());
         for (index, slot) in self.slots.iter_mut().enumerate() {
             let Some(p) = wanted.get(&index) else { continue };
@@ -294,13 +304,13 @@ impl ShardCore {
             let grad = &grads[p.offset..p.offset + n];
             work.push(Work { params, shared, worker, grad, read, rule, hyper, scalars });
         }
-        match &self.device {
-            None => apply_work(work, self.threads),
-            Some(gpu) => work.into_iter().try_for_each(|w| {
-                gpu.apply(w.rule, &w.hyper, &w.scalars, Bufs::from_planes(w.params, w.shared, w.worker, w.grad, w.read))
-            }),
-        }
-        .map_err(|e| ShardError::Device(e.to_string()))?;
+        apply_work(work, self.threads).map_err(|e| ShardError::Device(e.to_string()))?;
+        self.count_applied(plan);
+        Ok(())
+    }
+
+    /// Versions and staleness counters after `plan` was applied.
+    fn count_applied(&mut self, plan: &[Planned]) {
         let mut max_staleness = 0;
         let mut touched = BTreeSet::new();
         for p in plan {
@@ -314,6 +324,5 @@ impl ShardCore {
             self.tensor_versions[t as usize] += 1;
         }
         self.stats.staleness_max = self.stats.staleness_max.max(max_staleness);
-        Ok(())
     }
 }

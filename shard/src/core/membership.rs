@@ -211,7 +211,7 @@ impl ShardCore {
 
     pub(super) fn leave(&mut self, l: Leave, events: &mut Vec<CoreEvent>) -> Result<Frame, ShardError> {
         if self.leases.remove(&l.worker).is_some() {
-            self.forget_worker(l.worker);
+            self.forget_worker(l.worker, events);
             events.push(CoreEvent::WorkerLeft(l.worker));
             self.membership_changed(events);
         }
@@ -226,9 +226,18 @@ impl ShardCore {
     /// shared sum S of momenta loses the worker's share: a departed worker takes no more steps, so the
     /// look-ahead stops counting it. (Its exactly-once window stays: a worker whose lease expired during a
     /// partition may still retry a push; the window is 512 bytes.)
-    pub(super) fn forget_worker(&mut self, worker: u32) {
+    pub(super) fn forget_worker(&mut self, worker: u32, events: &mut Vec<CoreEvent>) {
         self.detector.forget(worker);
         self.clocks.remove(&worker);
+        if self.resident.is_some() {
+            if let Err(e) = self.release_resident_worker(worker) {
+                events.push(CoreEvent::DeviceFault(format!(
+                    "freeing the per-worker planes of departed worker {worker}: {e} (its stripe is retired; \
+                     the shared sum of a look-ahead rule may still count its momentum)"
+                )));
+            }
+            return;
+        }
         for slot in &mut self.slots {
             let Some(planes) = slot.workers.remove(&worker) else { continue };
             if self.tensor_rules[slot.tensor as usize].0.layout().lookahead {

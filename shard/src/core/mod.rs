@@ -8,6 +8,7 @@
 mod dense;
 mod exactly_once;
 mod membership;
+mod resident;
 mod snapshot;
 mod sparse_rpc;
 mod steps;
@@ -274,6 +275,9 @@ pub enum CoreEvent {
         /// Why.
         reason: String,
     },
+    /// The device holding the dense state failed at something the shard did on its own (freeing a departed
+    /// worker's planes); the shard goes on, the message says what is affected.
+    DeviceFault(String),
     /// The learning-rate multiplier starts moving toward a new value because the live worker count changed.
     LrRamp {
         /// Live workers now.
@@ -288,10 +292,14 @@ pub enum CoreEvent {
 struct ChunkSlot {
     /// The tensor the chunk belongs to.
     tensor: u32,
+    /// Floats in the chunk.
+    len: usize,
+    /// The parameters (empty while the state is resident on a device).
     params: Vec<f32>,
-    /// The rule's shared planes.
+    /// The rule's shared planes (empty while the state is resident on a device).
     shared: Vec<f32>,
-    /// The rule's per-worker planes, created on a worker's first push (only for rules that have them).
+    /// The rule's per-worker planes, created on a worker's first push (only for rules that have them);
+    /// while the state is resident on a device, an empty marker per worker whose plane the device holds.
     workers: HashMap<u32, Vec<f32>>,
     /// Number of updates applied to this chunk: the per-parameter last-update version (every element of a
     /// dense chunk is updated by the same pushes, so one counter per chunk is exact for all of them).
@@ -349,8 +357,10 @@ pub struct ShardCore {
     clocks: BTreeMap<u32, u64>,
     /// The learning-rate multiplier of the last applied update.
     last_multiplier: f64,
-    /// The GPU that applies updates, when `--device` chose one.
-    device: Option<std::sync::Arc<gaps_kernels::cuda::CudaDevice>>,
+    /// The device holding the dense state, when it was made resident ([`ShardCore::make_resident`]).
+    resident: Option<Box<dyn gaps_kernels::resident::ResidentState>>,
+    /// Which worker holds which stripe of the resident worker arena.
+    stripes: resident::WorkerStripes,
     /// Each tensor's rule and hyper-parameters (the shard's flags with the layout's overrides).
     tensor_rules: Vec<(Rule, Hyper)>,
     /// Each table's rule and hyper-parameters.
@@ -414,6 +424,7 @@ impl ShardCore {
             let params = cfg.init.chunk(global, range.len());
             slots.push(ChunkSlot {
                 tensor: id.tensor,
+                len: params.len(),
                 shared: vec![0.0; params.len() * tensor_rules[id.tensor as usize].0.layout().shared_planes],
                 params,
                 workers: HashMap::new(),
@@ -460,7 +471,7 @@ impl ShardCore {
             m => m,
         };
         let n_slots = slots.len();
-        let owned_elems = slots.iter().map(|s| s.params.len()).sum();
+        let owned_elems = slots.iter().map(|s| s.len).sum();
         let row_accum = cfg.layout.tables.iter().map(|t| RowAccum::new(t.dim as usize)).collect();
         let decisions = ModeDecisions::start(active.code());
         Ok(ShardCore {
@@ -496,14 +507,9 @@ impl ShardCore {
             tensor_rules,
             table_rules,
             threads,
-            device: None,
+            resident: None,
+            stripes: resident::WorkerStripes::default(),
         })
-    }
-
-    /// Applies updates on this GPU from now on (None: the CPU). Each push's chunks are copied to the GPU,
-    /// updated there and copied back; the shard's state stays in host memory.
-    pub fn set_device(&mut self, device: Option<std::sync::Arc<gaps_kernels::cuda::CudaDevice>>) {
-        self.device = device;
     }
 
     /// Elements over all dense chunks this shard owns.
@@ -563,7 +569,8 @@ impl ShardCore {
     /// Floats of optimizer state held per worker over all owned chunks (0 for rules without per-worker
     /// state), for reporting memory.
     pub fn worker_state_floats(&self) -> usize {
-        self.slots.iter().map(|s| s.workers.values().map(Vec::len).sum::<usize>()).sum()
+        let planes = |s: &ChunkSlot| self.tensor_rules[s.tensor as usize].0.layout().worker_planes * s.len;
+        self.slots.iter().map(|s| s.workers.len() * planes(s)).sum()
     }
 
     /// This shard's configuration.
@@ -749,7 +756,7 @@ impl ShardCore {
         let mut events: Vec<CoreEvent> = Vec::new();
         for w in &expired {
             self.leases.remove(w);
-            self.forget_worker(*w);
+            self.forget_worker(*w, &mut events);
             events.push(CoreEvent::WorkerExpired(*w));
         }
         if !expired.is_empty() {
@@ -762,21 +769,30 @@ impl ShardCore {
     /// as the simulator's He initialisation). The chunk's version and optimizer state are kept.
     pub fn overwrite(&mut self, id: ChunkId, values: &[f32]) -> Result<(), ShardError> {
         let slot = self.slot_index(id)?;
-        let params = &mut self.slots[slot].params;
-        if values.len() != params.len() {
-            return Err(ShardError::WrongShape(format!("chunk has {} elements, got {}", params.len(), values.len())));
+        let len = self.slots[slot].len;
+        if values.len() != len {
+            return Err(ShardError::WrongShape(format!("chunk has {len} elements, got {}", values.len())));
         }
         if gaps_common::dtype::first_non_finite(values).is_some() {
             return Err(ShardError::WrongShape("initial values must be finite".into()));
         }
-        params.copy_from_slice(values);
+        match self.resident.as_mut() {
+            None => self.slots[slot].params.copy_from_slice(values),
+            Some(r) => r.load_params(slot, values).map_err(|e| ShardError::Device(e.to_string()))?,
+        }
         Ok(())
     }
 
-    /// Values of an owned chunk (for tests, checkpoints and evaluation inside the process).
-    pub fn chunk_values(&self, id: ChunkId) -> Result<&[f32], ShardError> {
+    /// Values of an owned chunk (for tests, checkpoints and evaluation inside the process): borrowed from the
+    /// host, or copied back from the device holding the state.
+    pub fn chunk_values(&self, id: ChunkId) -> Result<std::borrow::Cow<'_, [f32]>, ShardError> {
         let slot = self.slot_index(id)?;
-        Ok(&self.slots[slot].params)
+        if self.resident.is_none() {
+            return Ok(std::borrow::Cow::Borrowed(&self.slots[slot].params));
+        }
+        let mut out = Vec::with_capacity(self.slots[slot].len);
+        self.read_params_into(slot, &mut out)?;
+        Ok(std::borrow::Cow::Owned(out))
     }
 
     fn check_epoch(&self, got: u64) -> Result<(), ShardError> {

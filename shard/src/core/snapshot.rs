@@ -51,14 +51,15 @@ fn read_info(r: &mut Reader<'_>) -> Result<CheckpointInfo, CheckpointError> {
 }
 
 impl ShardCore {
-    /// A checkpoint of this shard as bytes, labelled `id`.
-    pub fn checkpoint(&self, id: u64) -> Vec<u8> {
+    /// A checkpoint of this shard as bytes, labelled `id`. Fails only when the device holding the dense
+    /// state cannot be read.
+    pub fn checkpoint(&self, id: u64) -> Result<Vec<u8>, ShardError> {
         self.checkpoint_into(id, Vec::new())
     }
 
     /// [`ShardCore::checkpoint`] written into `buf` (cleared first; pass the previous checkpoint's buffer
-    /// to keep the pause short).
-    pub fn checkpoint_into(&self, id: u64, buf: Vec<u8>) -> Vec<u8> {
+    /// to keep the pause short). Resident state is copied back chunk by chunk as it is written.
+    pub fn checkpoint_into(&self, id: u64, buf: Vec<u8>) -> Result<Vec<u8>, ShardError> {
         let mut w = Writer::reusing(buf, self.checkpoint_size_hint());
         w.u64(id);
         w.u32(self.cfg.shard);
@@ -67,16 +68,27 @@ impl ShardCore {
         w.u64(self.cfg.layout.fingerprint());
         w.u64s(&self.tensor_versions);
         w.str(&rule_names(self));
+        let (mut params, mut shared, mut plane) = (Vec::new(), Vec::new(), Vec::new());
         for (i, slot) in self.slots.iter().enumerate() {
             w.u64(slot.version);
-            w.f32s(&slot.params);
-            w.f32s(&slot.shared);
+            let resident = self.resident.is_some();
+            if resident {
+                self.resident_planes(i, &mut params, &mut shared)?;
+            }
+            w.f32s(if resident { &params } else { &slot.params });
+            w.f32s(if resident { &shared } else { &slot.shared });
             let mut workers: Vec<_> = slot.workers.iter().collect();
             workers.sort_by_key(|(id, _)| **id);
             w.u64(workers.len() as u64);
             for (worker, planes) in workers {
                 w.u32(*worker);
-                w.f32s(planes);
+                if resident {
+                    plane.clear();
+                    self.resident_worker_plane(i, *worker, &mut plane)?;
+                    w.f32s(&plane);
+                } else {
+                    w.f32s(planes);
+                }
             }
             w.f32s(&self.accum[i]);
         }
@@ -138,7 +150,7 @@ impl ShardCore {
             w.u64s(&[sw.number, u64::from(sw.from), u64::from(sw.to), sw.from_step, sw.at_global_step]);
             w.str(&sw.reason);
         }
-        w.buf
+        Ok(w.buf)
     }
 
     /// About how many bytes [`ShardCore::checkpoint`] writes: the float planes and tables (the rest is small).
@@ -147,7 +159,10 @@ impl ShardCore {
             .slots
             .iter()
             .zip(&self.accum)
-            .map(|(s, a)| s.params.len() + s.shared.len() + a.len() + s.workers.values().map(Vec::len).sum::<usize>())
+            .map(|(s, a)| {
+                let l = self.tensor_rules[s.tensor as usize].0.layout();
+                s.len * (1 + l.shared_planes + l.worker_planes * s.workers.len()) + a.len()
+            })
             .sum();
         let tables: usize = self.tables.iter().map(|t| t.checkpoint_size_hint()).sum();
         slots * 4 + tables + 64 * self.slots.len() + 600 * self.seqs.len() + 4096
@@ -201,7 +216,7 @@ impl ShardCore {
                 slot.workers.insert(worker, r.f32s_of(planes, &what)?);
             }
             let accum = r.f32s(&what)?;
-            if !accum.is_empty() && accum.len() != slot.params.len() {
+            if !accum.is_empty() && accum.len() != slot.len {
                 return Err(mismatch(format!("{what}: accumulator of {} elements", accum.len())));
             }
             core.accum[i] = accum;

@@ -179,7 +179,7 @@ impl ShardCore {
             let needs_read = self.tensor_rules[tensor as usize].0.layout().needs_read;
             let read_offset = needs_read.then_some(reads.len());
             if needs_read {
-                reads.extend_from_slice(&self.slots[slot].params);
+                self.read_params_into(slot, &mut reads)?;
             }
             plan.push(Planned { slot, tensor, offset: flat.len(), read_offset, staleness: 0 });
             flat.extend(self.accum[slot].iter().map(|g| g * inv));
