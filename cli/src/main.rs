@@ -444,7 +444,11 @@ async fn main() -> Result<()> {
                 }
                 (Some(gpu), true) => {
                     eprintln!("[gaps bench] GPU: {}", gpu.name());
-                    gaps_benches::kernels::run_server_cuda(&sizes, false)?
+                    drop(gpu);
+                    // The CPU path of the same pushes in the same run: the GPU's push must beat it.
+                    let mut rows = gaps_benches::kernels::run_server_cuda(&sizes, false)?;
+                    rows.extend(gaps_benches::kernels::run_server_host(&sizes, threads, min_time, false)?);
+                    rows
                 }
                 (None, false) => gaps_benches::kernels::run_cpu(&sizes, threads, min_time, false)?,
                 (None, true) => gaps_benches::kernels::run_server_host(&sizes, threads, min_time, false)?,

@@ -127,3 +127,38 @@ async fn a_shard_restarts_from_its_newest_intact_checkpoint() {
     assert!(format!("{err:#}").contains(&newest.display().to_string()), "{err:#}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--device cuda` puts the dense state in GPU memory, restored checkpoint included, or stops with the
+/// reason where no GPU can be used; `--device auto` then keeps it on the host.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shard_on_the_gpu_holds_its_state_there_or_stops_with_the_reason() {
+    let dir = std::env::temp_dir().join(format!("gaps-ckpt-device-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let certs = ClusterCerts::generate(&[]).expect("certs");
+    let gpu = gaps_kernels::cuda::CudaArenas::open(0);
+    let cuda =
+        ServiceConfig { device: gaps_kernels::cuda::DeviceChoice::Cuda, ..config(&certs, &dir, None, Restore::Auto) };
+    match (&gpu, service::start(cuda).await) {
+        (Err(_), Err(e)) => {
+            let why = format!("{e:#}");
+            assert!(why.contains("--device") && why.contains("CUDA"), "{why}");
+        }
+        (Err(e), Ok(_)) => panic!("--device cuda started although no GPU can be used ({e})"),
+        (Ok(_), Err(e)) => panic!("a GPU is present but the shard did not start on it: {e:#}"),
+        (Ok(_), Ok(server)) => {
+            let device = server.with_core(|c| c.dense_device()).await.expect("core");
+            assert_ne!(device, "host");
+            server.checkpoint_now().await.expect("a checkpoint reads the GPU");
+            server.shutdown().await.expect("shutdown");
+        }
+    }
+    drop(gpu);
+    let auto =
+        ServiceConfig { device: gaps_kernels::cuda::DeviceChoice::Auto, ..config(&certs, &dir, None, Restore::Auto) };
+    let server = service::start(auto).await.expect("--device auto always starts");
+    let c = client(&certs, &server, Role::Worker).await;
+    assert!(c.pull().await.is_ok());
+    drop(c);
+    server.shutdown().await.expect("shutdown");
+    let _ = std::fs::remove_dir_all(&dir);
+}
