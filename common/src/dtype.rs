@@ -228,6 +228,126 @@ pub fn decode_extend(dtype: WireDtype, bytes: &[u8], out: &mut Vec<f32>) {
     }
 }
 
+/// Wire values laid out in an f32 buffer ("packed"), as a sender hands them to the transport without a
+/// second pass: every run of consecutive sections in one format starts at a new slot; f32 runs hold their
+/// values, 16-bit runs their little-endian halves two to a slot (the first half in the slot's low-address
+/// bytes), the last slot of an odd run padded with zero. [`packed_runs`] tells where each run lies.
+#[derive(Debug)]
+pub struct Packer {
+    out: Vec<f32>,
+    run: Option<WireDtype>,
+    /// A 16-bit run's last half while it waits for its pair.
+    pending: Option<u16>,
+}
+
+/// Two little-endian 16-bit values as the f32 slot whose bytes they are.
+fn pair(first: u16, second: u16) -> f32 {
+    bytemuck::cast::<[u16; 2], f32>([first.to_le(), second.to_le()])
+}
+
+impl Packer {
+    /// Appends to `out` (usually an empty buffer from the recycler).
+    pub fn new(out: Vec<f32>) -> Self {
+        Packer { out, run: None, pending: None }
+    }
+
+    fn end_run(&mut self) {
+        if let Some(h) = self.pending.take() {
+            self.out.push(pair(h, 0));
+        }
+    }
+
+    /// Appends `values` in `dtype`: converted block by block through a stack buffer (16-bit formats), or
+    /// copied (f32). A change of format starts a new run.
+    pub fn push(&mut self, dtype: WireDtype, values: &[f32]) {
+        if self.run != Some(dtype) {
+            self.end_run();
+            self.run = Some(dtype);
+        }
+        if dtype == WireDtype::F32 {
+            self.out.extend_from_slice(values);
+            return;
+        }
+        const BLOCK: usize = 4096;
+        let mut stage = [0f32; BLOCK / 2];
+        self.out.reserve(values.len().div_ceil(2));
+        for src in values.chunks(BLOCK) {
+            let slots = src.len().div_ceil(2);
+            let halves = &mut bytemuck::cast_slice_mut::<f32, u16>(&mut stage[..slots])[..src.len()];
+            encode_u16(dtype, src, halves);
+            match self.pending.take() {
+                // In step with the slots: whole pairs straight from the stage, an odd last half kept.
+                None => {
+                    let whole = src.len() / 2;
+                    if cfg!(target_endian = "big") {
+                        halves.iter_mut().for_each(|h| *h = h.to_le());
+                    }
+                    self.out.extend_from_slice(&stage[..whole]);
+                    if src.len() % 2 == 1 {
+                        let last = bytemuck::cast_slice::<f32, u16>(&stage[..slots])[src.len() - 1];
+                        self.pending = Some(u16::from_le(last));
+                    }
+                }
+                // One half behind (an odd chunk earlier in the run): pair across the slots.
+                Some(first) => {
+                    let mut carry = Some(first);
+                    for h in halves.iter() {
+                        match carry.take() {
+                            Some(c) => self.out.push(pair(c, *h)),
+                            None => carry = Some(*h),
+                        }
+                    }
+                    self.pending = carry;
+                }
+            }
+        }
+    }
+
+    /// The packed buffer.
+    pub fn finish(mut self) -> Vec<f32> {
+        self.end_run();
+        self.out
+    }
+}
+
+/// Where each run of a packed payload of `sections` lies: its format, its slots in the buffer and its
+/// bytes on the wire; and the slots in all.
+pub fn packed_runs(sections: &[(u64, WireDtype)]) -> (Vec<(WireDtype, std::ops::Range<usize>, usize)>, usize) {
+    let mut runs: Vec<(WireDtype, u64)> = Vec::new();
+    for (n, dtype) in sections {
+        match runs.last_mut() {
+            Some((d, count)) if d == dtype => *count += n,
+            _ => runs.push((*dtype, *n)),
+        }
+    }
+    let mut at = 0usize;
+    let out = runs
+        .into_iter()
+        .filter(|(_, n)| *n > 0)
+        .map(|(dtype, n)| {
+            let n = n as usize;
+            let slots = if dtype == WireDtype::F32 { n } else { n.div_ceil(2) };
+            let range = at..at + slots;
+            at += slots;
+            (dtype, range, n * dtype.bytes())
+        })
+        .collect();
+    (out, at)
+}
+
+/// `values` in `dtype`'s little-endian wire bytes, one value at a time (the tests' reference).
+#[cfg(test)]
+fn encode_slice_bytes_for_test(dtype: WireDtype, values: &[f32]) -> Vec<u8> {
+    values
+        .iter()
+        .flat_map(|v| match dtype {
+            WireDtype::F32 => v.to_le_bytes().to_vec(),
+            WireDtype::Bf16 => f32_to_bf16(*v).to_le_bytes().to_vec(),
+            WireDtype::F16 => f32_to_f16(*v).to_le_bytes().to_vec(),
+        })
+        .collect()
+}
+
 /// The vector kernels: the scalar conversions compiled for AVX2 (bfloat16 is integer arithmetic the
 /// compiler vectorizes) and F16C's conversion instructions (half precision, round to nearest even).
 #[cfg(target_arch = "x86_64")]
@@ -538,6 +658,51 @@ mod tests {
             assert_eq!(dtype.name().parse::<WireDtype>(), Ok(dtype));
         }
         assert!("f8".parse::<WireDtype>().is_err());
+    }
+
+    #[test]
+    fn packed_payloads_hold_each_run_as_its_wire_bytes() {
+        use super::{encode_slice_bytes_for_test as wire_bytes, packed_runs, Packer, WireDtype};
+        let values: Vec<f32> = (0..9000).map(|i| (i as f32 * 0.37).sin() * 100.0).collect();
+        // Chunks of odd and even lengths, formats changing and repeating, an empty section.
+        let cases: Vec<Vec<(usize, WireDtype)>> = vec![
+            vec![(4097, WireDtype::Bf16), (3, WireDtype::Bf16), (4100, WireDtype::Bf16)],
+            vec![
+                (1, WireDtype::F16),
+                (5, WireDtype::F32),
+                (7, WireDtype::Bf16),
+                (0, WireDtype::F32),
+                (9, WireDtype::Bf16),
+            ],
+            vec![(8192, WireDtype::F32), (1, WireDtype::Bf16)],
+            vec![(1, WireDtype::Bf16)],
+        ];
+        for sections in cases {
+            let mut packer = Packer::new(Vec::new());
+            let mut at = 0;
+            let mut expected: Vec<Vec<u8>> = Vec::new();
+            let mut run: Option<WireDtype> = None;
+            for (n, dtype) in &sections {
+                packer.push(*dtype, &values[at..at + n]);
+                let bytes = wire_bytes(*dtype, &values[at..at + n]);
+                match run {
+                    Some(d) if d == *dtype => expected.last_mut().expect("run").extend(bytes),
+                    _ => expected.push(bytes),
+                }
+                run = Some(*dtype);
+                at += n;
+            }
+            let packed = packer.finish();
+            let declared: Vec<(u64, WireDtype)> = sections.iter().map(|(n, d)| (*n as u64, *d)).collect();
+            let (runs, slots) = packed_runs(&declared);
+            assert_eq!(packed.len(), slots, "{sections:?}");
+            let got: Vec<Vec<u8>> = runs
+                .iter()
+                .map(|(_, range, bytes)| bytemuck::cast_slice::<f32, u8>(&packed[range.clone()])[..*bytes].to_vec())
+                .collect();
+            expected.retain(|b| !b.is_empty());
+            assert_eq!(got, expected, "{sections:?}");
+        }
     }
 
     #[test]

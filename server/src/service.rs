@@ -499,6 +499,8 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
         }
         None => (ShardCore::new(cfg.core.clone()).map_err(|e| anyhow!("configuring shard {shard}: {e}"))?, None),
     };
+    // Pull replies go out as the core packs them (16-bit values converted straight from the parameters).
+    core.set_packed_replies(true);
     match gaps_kernels::cuda::CudaArenas::for_choice(cfg.device).context("--device")? {
         Some(gpu) => {
             use gaps_kernels::resident::Device;
@@ -1173,7 +1175,12 @@ async fn serve_request(
     };
     held.add(reply.payload.len() as u64 * 4);
     let Frame { msg, payload } = reply;
-    let parts = match net::payload_parts(&msg, payload) {
+    // The core packs its pull replies for the wire (`ShardCore::set_packed_replies`).
+    let parts = match if matches!(msg, Message::PullReply(_)) {
+        net::packed_parts(&msg, payload)
+    } else {
+        net::payload_parts(&msg, payload)
+    } {
         Ok(parts) => parts,
         Err(e) => {
             warn!(error = %e, "a reply's payload does not match its header");

@@ -243,3 +243,59 @@ fn every_rule_answers_the_same_with_the_state_in_gpu_memory() {
         }
     }
 }
+
+/// A shard serving the network packs its pull replies for the wire (16-bit values converted straight from
+/// the parameters): every run holds exactly the bytes the plain reply's values encode to, for every rule
+/// (look-ahead included), on the host and with the state resident on a device, across odd chunk lengths
+/// and changes of format.
+#[test]
+fn packed_pull_replies_carry_the_wire_bytes_of_the_plain_ones() {
+    use gaps_common::dtype::{packed_runs, WireDtype};
+    let mut tensors = vec![TensorSpec::new("a", 173), TensorSpec::new("b", 30), TensorSpec::new("c", 9)];
+    tensors.push(TensorSpec::new("d", 11));
+    tensors[0].wire_dtype = Some(WireDtype::Bf16);
+    tensors[1].wire_dtype = Some(WireDtype::F16);
+    tensors[3].wire_dtype = Some(WireDtype::Bf16);
+    let layout = Layout::new(tensors, 64).expect("layout");
+    for rule in Rule::ALL {
+        for on_device in [false, true] {
+            let cfg = ShardConfig { layout: layout.clone(), ..config(rule, Mode::Async) };
+            let mut plain = ShardCore::new(cfg.clone()).expect("core");
+            let mut packed = ShardCore::new(cfg).expect("core");
+            packed.set_packed_replies(true);
+            if on_device {
+                packed.make_resident(HostDevice, 3).expect("resident");
+            }
+            for core in [&mut plain, &mut packed] {
+                register(core);
+            }
+            let chunks: Vec<ChunkId> = layout.chunks().collect();
+            let pull =
+                |core: &mut ShardCore| call(core, Message::Pull(Pull { epoch: EPOCH, chunks: chunks.clone() }), vec![]);
+            let (a, b) = (pull(&mut plain), pull(&mut packed));
+            assert_eq!(a.msg, b.msg, "{rule}");
+            let sections = a.msg.payload_sections();
+            let (runs, slots) = packed_runs(&sections);
+            assert_eq!(b.payload.len(), slots, "{rule}");
+            assert!(slots < a.payload.len(), "{rule}: 16-bit values take half the room");
+            let mut at = 0;
+            for (dtype, range, bytes) in runs {
+                let n = if dtype == WireDtype::F32 { bytes / 4 } else { bytes / 2 };
+                let expected: Vec<u8> = a.payload[at..at + n]
+                    .iter()
+                    .flat_map(|v| match dtype {
+                        WireDtype::F32 => v.to_le_bytes().to_vec(),
+                        WireDtype::Bf16 => gaps_common::dtype::f32_to_bf16(*v).to_le_bytes().to_vec(),
+                        WireDtype::F16 => gaps_common::dtype::f32_to_f16(*v).to_le_bytes().to_vec(),
+                    })
+                    .collect();
+                // A slot's bytes as they lie in memory, which is what goes on the wire.
+                let memory: Vec<u8> = b.payload[range].iter().flat_map(|f| f.to_ne_bytes()).collect();
+                assert_eq!(&memory[..bytes], &expected[..], "{rule} device={on_device} {dtype:?} run at {at}");
+                at += n;
+            }
+            assert_eq!(at, a.payload.len());
+            assert_eq!(plain.stats().payload_bytes_out, packed.stats().payload_bytes_out, "{rule}");
+        }
+    }
+}

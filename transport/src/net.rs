@@ -615,6 +615,20 @@ pub fn payload_parts(msg: &Message, values: Vec<f32>) -> Result<Vec<Bytes>, Wire
     Ok(parts)
 }
 
+/// The payload parts of a frame whose values were packed for the wire by [`gaps_common::dtype::Packer`]
+/// (the shard's pull replies): slices of the one buffer, sent without a copy or a conversion.
+pub fn packed_parts(msg: &Message, packed: Vec<f32>) -> Result<Vec<Bytes>, WireError> {
+    let (runs, slots) = gaps_common::dtype::packed_runs(&msg.payload_sections());
+    if packed.len() != slots {
+        return Err(WireError::ElementCountMismatch { expected: slots as u64, got: packed.len() as u64 });
+    }
+    if runs.iter().all(|(d, _, _)| *d == gaps_common::dtype::WireDtype::F32) {
+        return payload_parts(msg, packed);
+    }
+    let all = f32_bytes(gaps_common::buffers::Recycled(packed));
+    Ok(runs.into_iter().map(|(_, range, bytes)| all.slice(4 * range.start..4 * range.start + bytes)).collect())
+}
+
 /// Writes one frame whose payload is the concatenation of `payload` parts, already in the formats the
 /// header's sections declare (as made by [`f32_bytes`] or [`dtype_bytes`]); the byte count must match.
 /// The parts go to quinn by reference count, not copied.

@@ -88,10 +88,28 @@ impl ShardCore {
             )));
         }
         let mut payload = gaps_common::buffers::take(total);
-        for index in picked {
-            if let Err(e) = self.pull_into(index, &mut payload) {
-                gaps_common::buffers::give(payload);
-                return Err(e);
+        if self.packed_replies && metas.iter().any(|m| m.dtype != gaps_common::dtype::WireDtype::F32) {
+            // Straight from the planes into their wire format: no f32 copy of the reply first.
+            let mut packer = gaps_common::dtype::Packer::new(payload);
+            let mut scratch = Vec::new();
+            for (index, meta) in picked.into_iter().zip(&metas) {
+                let slot = &self.slots[index];
+                let direct = self.resident.is_none() && !self.tensor_rules[slot.tensor as usize].0.layout().lookahead;
+                if direct {
+                    packer.push(meta.dtype, &slot.params);
+                } else {
+                    scratch.clear();
+                    self.pull_into(index, &mut scratch)?;
+                    packer.push(meta.dtype, &scratch);
+                }
+            }
+            payload = packer.finish();
+        } else {
+            for index in picked {
+                if let Err(e) = self.pull_into(index, &mut payload) {
+                    gaps_common::buffers::give(payload);
+                    return Err(e);
+                }
             }
         }
         self.stats.pulls += 1;

@@ -361,6 +361,8 @@ pub struct ShardCore {
     resident: Option<Box<dyn gaps_kernels::resident::ResidentState>>,
     /// Which worker holds which stripe of the resident worker arena.
     stripes: resident::WorkerStripes,
+    /// Pull replies with 16-bit sections carry their values packed for the wire ([`Self::set_packed_replies`]).
+    packed_replies: bool,
     /// Each tensor's rule and hyper-parameters (the shard's flags with the layout's overrides).
     tensor_rules: Vec<(Rule, Hyper)>,
     /// Each table's rule and hyper-parameters.
@@ -509,7 +511,16 @@ impl ShardCore {
             threads,
             resident: None,
             stripes: resident::WorkerStripes::default(),
+            packed_replies: false,
         })
+    }
+
+    /// With `on`, a pull reply that has a 16-bit section carries its payload packed for the wire
+    /// ([`gaps_common::dtype::Packer`]: each run of one format from a new slot, 16-bit values two to a
+    /// slot), converted straight from the parameters, instead of one f32 per value; the embedding service
+    /// sends such a payload as it is. Off by default (in-process callers read f32 values).
+    pub fn set_packed_replies(&mut self, on: bool) {
+        self.packed_replies = on;
     }
 
     /// Elements over all dense chunks this shard owns.
@@ -739,7 +750,8 @@ impl ShardCore {
                 Frame::new(Message::error(e.code(), e.to_string()))
             }
         };
-        self.stats.payload_bytes_out += reply.payload.len() as u64 * 4;
+        // Values declared (a packed reply holds fewer slots), four bytes each as the receiver holds them.
+        self.stats.payload_bytes_out += reply.msg.payload_elems() * 4;
         // The request's payload was only read; a very large one is recycled for the next request.
         gaps_common::buffers::give(req.payload);
         (reply, events)
