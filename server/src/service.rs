@@ -1176,11 +1176,9 @@ async fn serve_request(
     held.add(reply.payload.len() as u64 * 4);
     let Frame { msg, payload } = reply;
     // The core packs its pull replies for the wire (`ShardCore::set_packed_replies`).
-    let parts = match if matches!(msg, Message::PullReply(_)) {
-        net::packed_parts(&msg, payload)
-    } else {
-        net::payload_parts(&msg, payload)
-    } {
+    let packed =
+        matches!(&msg, Message::PullReply(r) if r.chunks.iter().any(|c| c.dtype != gaps_common::dtype::WireDtype::F32));
+    let parts = match if packed { net::packed_parts(&msg, payload) } else { net::payload_parts(&msg, payload) } {
         Ok(parts) => parts,
         Err(e) => {
             warn!(error = %e, "a reply's payload does not match its header");
