@@ -195,6 +195,20 @@ fn a_worker_beyond_the_device_stripes_is_refused_until_one_leaves() {
     // Once `a` leaves, its stripe (zeroed, its momentum taken out of the sum) serves `b`.
     call(&mut core, Message::Leave(Leave { worker: a }), vec![]);
     assert!(matches!(push(&mut core, b, 1, &pulled, 0.02).msg, Message::Ack(_)));
+    // Summed into synchronous steps, pushes need no stripe of their own: three workers on two stripes.
+    let mut sync = ShardCore::new(config(Rule::DanaZero, Mode::Sync)).expect("core");
+    sync.make_resident(HostDevice, 2).expect("resident");
+    let workers: Vec<u32> = (0..3).map(|_| register(&mut sync)).collect();
+    let mut plain = ShardCore::new(config(Rule::DanaZero, Mode::Sync)).expect("core");
+    (0..3).for_each(|_| {
+        register(&mut plain);
+    });
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    scenario(&mut sync, &workers, 1..3, &mut a);
+    scenario(&mut plain, &workers, 1..3, &mut b);
+    assert!(a.iter().all(|f| !matches!(f.msg, Message::Error(_))), "{a:?}");
+    assert_eq!(a, b);
+    assert_eq!(sync.global_step(), 2);
     // A device too small for a rule with per-worker planes is refused when the state moves.
     let mut small = ShardCore::new(config(Rule::DanaZero, Mode::Async)).expect("core");
     assert!(small.make_resident(HostDevice, 1).is_err());

@@ -179,7 +179,10 @@ impl ShardCore {
             grad_total += expected;
             read_total += read_offset.map_or(0, |_| expected);
         }
+        // Applied now, a push needs the worker's stripe for per-worker planes; summed into a synchronous
+        // step it does not (the step is applied with the step's own stripe).
         if self.resident.is_some()
+            && !matches!(self.active, Mode::Sync | Mode::Gba)
             && !self.stripes.can_take(req.worker)
             && plan.iter().any(|p| self.tensor_rules[p.tensor as usize].0.layout().worker_planes > 0)
         {
