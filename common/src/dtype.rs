@@ -260,11 +260,18 @@ impl Packer {
     /// Appends `values` in `dtype`: converted block by block through a stack buffer (16-bit formats), or
     /// copied (f32). A change of format starts a new run.
     pub fn push(&mut self, dtype: WireDtype, values: &[f32]) {
+        self.push_with(dtype, values, |_| {});
+    }
+
+    /// [`Packer::push`], calling `each` on every block of `values` right after it was converted (while it
+    /// is in the cache; once on all of `values` for f32).
+    pub fn push_with(&mut self, dtype: WireDtype, values: &[f32], mut each: impl FnMut(&[f32])) {
         if self.run != Some(dtype) {
             self.end_run();
             self.run = Some(dtype);
         }
         if dtype == WireDtype::F32 {
+            each(values);
             self.out.extend_from_slice(values);
             return;
         }
@@ -275,6 +282,7 @@ impl Packer {
             let slots = src.len().div_ceil(2);
             let halves = &mut bytemuck::cast_slice_mut::<f32, u16>(&mut stage[..slots])[..src.len()];
             encode_u16(dtype, src, halves);
+            each(src);
             match self.pending.take() {
                 // In step with the slots: whole pairs straight from the stage, an odd last half kept.
                 None => {

@@ -559,30 +559,18 @@ pub fn encode_slice_finite(dtype: gaps_common::dtype::WireDtype, values: &[f32])
 }
 
 /// `values` in a 16-bit `dtype`'s little-endian wire bytes, converted block by block through a stack buffer
-/// into a buffer from the recycler (no zero-fill first), with `each` called on every source block right
-/// after it was converted (while it is in the cache).
+/// into a buffer from the recycler (no zero-fill first, [`gaps_common::dtype::Packer`]), with `each` called
+/// on every source block right after it was converted (while it is in the cache).
 fn encode_blocks(dtype: gaps_common::dtype::WireDtype, values: &[f32], mut each: impl FnMut(&[f32])) -> Bytes {
-    const BLOCK: usize = 4096;
     if dtype == gaps_common::dtype::WireDtype::F32 {
         each(values);
         return f32_bytes_copied(values);
     }
     let n = values.len();
     // The 16-bit values' bytes, in order, held in the f32 slots of a recycled buffer (two per slot).
-    let mut buf = gaps_common::buffers::take(n.div_ceil(2));
-    let mut stage = [0f32; BLOCK / 2];
-    for src in values.chunks(BLOCK) {
-        let slots = src.len().div_ceil(2);
-        stage[slots - 1] = 0.0;
-        let halves = &mut bytemuck::cast_slice_mut::<f32, u16>(&mut stage[..slots])[..src.len()];
-        gaps_common::dtype::encode_u16(dtype, src, halves);
-        if cfg!(target_endian = "big") {
-            halves.iter_mut().for_each(|h| *h = h.to_le());
-        }
-        each(src);
-        buf.extend_from_slice(&stage[..slots]);
-    }
-    Bytes::from_owner(HalfOwner { buf: gaps_common::buffers::Recycled(buf), bytes: 2 * n })
+    let mut packer = gaps_common::dtype::Packer::new(gaps_common::buffers::take(n.div_ceil(2)));
+    packer.push_with(dtype, values, each);
+    Bytes::from_owner(HalfOwner { buf: gaps_common::buffers::Recycled(packer.finish()), bytes: 2 * n })
 }
 
 /// The payload parts of a frame whose values are `values`, in the formats `msg`'s sections declare: the

@@ -69,9 +69,9 @@ impl ShardCore {
         w.u64s(&self.tensor_versions);
         w.str(&rule_names(self));
         let (mut params, mut shared, mut plane) = (Vec::new(), Vec::new(), Vec::new());
+        let resident = self.resident.is_some();
         for (i, slot) in self.slots.iter().enumerate() {
             w.u64(slot.version);
-            let resident = self.resident.is_some();
             if resident {
                 self.resident_planes(i, &mut params, &mut shared)?;
             }
