@@ -14,7 +14,7 @@ pub struct KernelResult {
     pub device: &'static str,
     /// Parameters per update.
     pub params: usize,
-    /// Updates × parameters per second.
+    /// Updates × parameters per second (on the CPU the median of the paired windows).
     pub params_per_s: f64,
     /// Bytes the rule reads and writes per parameter.
     pub bytes_per_param: usize,
@@ -22,15 +22,18 @@ pub struct KernelResult {
     /// the `server` path the CPU per-chunk path of the same push (host-resident) or the pinned-copy bound
     /// of the bytes that cross PCIe (GPU).
     pub stream_params_per_s: f64,
+    /// Rule ÷ baseline: on the CPU the median of paired windows' ratios (see `paired`), on a GPU the
+    /// ratio of the two rates.
+    pub ratio: f64,
     /// `update` (the rule's loop on resident buffers) or `server` (a push and a pull through the shard's
     /// resident state: host gradient in, update, parameters out).
     pub path: &'static str,
 }
 
 impl KernelResult {
-    /// rule ÷ baseline.
+    /// Rule ÷ baseline.
     pub fn ratio(&self) -> f64 {
-        self.params_per_s / self.stream_params_per_s.max(f64::MIN_POSITIVE)
+        self.ratio
     }
 
     /// The JSON line.
@@ -76,35 +79,52 @@ impl Planes {
     }
 }
 
-/// Calls per second of `f` over one timing window of at least `min_time` (at least three calls; one in
-/// quick mode).
-fn rate(min_time: Duration, quick: bool, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
+/// Calls per second of `f` over one timing window of at least `min_time` (at least one call).
+fn rate(min_time: Duration, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
     let started = Instant::now();
     let mut calls = 0u32;
-    while calls == 0 || (!quick && (started.elapsed() < min_time || calls < 3)) {
+    while calls == 0 || started.elapsed() < min_time {
         f()?;
         calls += 1;
     }
     Ok(f64::from(calls) / started.elapsed().as_secs_f64())
 }
 
-/// Best rates of two workloads timed in alternating windows (three each), so both see the same machine
-/// state; the best window is the least disturbed one.
-fn best_alternating(
+/// Middle value (the upper one of an even count); `values` must not be empty.
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+/// Rates of two workloads timed in back-to-back pairs of short windows (nine pairs, the order swapped every
+/// pair; one pair in quick mode), so both sides of a pair see the same machine state: the median rate of
+/// each and the median of the pairs' ratios a ÷ b. On a shared machine whose memory bandwidth drifts by 2×
+/// within seconds, the paired median tracks the ratio where best-of-windows picks each side's luckiest
+/// moment, which need not be the same moment.
+fn paired(
     min_time: Duration,
     quick: bool,
     a: &mut dyn FnMut() -> Result<()>,
     b: &mut dyn FnMut() -> Result<()>,
-) -> Result<(f64, f64)> {
+) -> Result<(f64, f64, f64)> {
     a()?;
     b()?;
-    let rounds = if quick { 1 } else { 3 };
-    let (mut best_a, mut best_b) = (0.0f64, 0.0f64);
-    for _ in 0..rounds {
-        best_a = best_a.max(rate(min_time / 3, quick, a)?);
-        best_b = best_b.max(rate(min_time / 3, quick, b)?);
+    let pairs = if quick { 1 } else { 9 };
+    let window = min_time / (2 * pairs);
+    let (mut rates_a, mut rates_b, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    for pair in 0..pairs {
+        let (ra, rb) = if pair % 2 == 0 {
+            let ra = rate(window, a)?;
+            (ra, rate(window, b)?)
+        } else {
+            let rb = rate(window, b)?;
+            (rate(window, a)?, rb)
+        };
+        rates_a.push(ra);
+        rates_b.push(rb);
+        ratios.push(ra / rb.max(f64::MIN_POSITIVE));
     }
-    Ok((best_a, best_b))
+    Ok((median(rates_a), median(rates_b), median(ratios)))
 }
 
 /// Measures every rule at every size on the CPU with `threads` threads.
@@ -125,7 +145,7 @@ pub fn run_cpu(sizes: &[usize], threads: usize, min_time: Duration, quick: bool)
                 gaps_kernels::stream_baseline(planes.borrow_mut().bufs(), threads);
                 Ok(())
             };
-            let (rule_rate, stream_rate) = best_alternating(min_time, quick, &mut update, &mut stream)?;
+            let (rule_rate, stream_rate, ratio) = paired(min_time, quick, &mut update, &mut stream)?;
             out.push(KernelResult {
                 rule,
                 // The vector width the loops ran with (GAPS_KERNEL_ISA can narrow it to compare paths).
@@ -138,6 +158,7 @@ pub fn run_cpu(sizes: &[usize], threads: usize, min_time: Duration, quick: bool)
                 params_per_s: rule_rate * n as f64,
                 bytes_per_param: rule.bytes_per_param(),
                 stream_params_per_s: stream_rate * n as f64,
+                ratio,
                 path: "update",
             });
         }
@@ -190,6 +211,7 @@ pub fn run_cuda(device: &gaps_kernels::cuda::CudaDevice, sizes: &[usize], quick:
                 params_per_s: n as f64 / seconds.max(1e-12),
                 bytes_per_param: rule.bytes_per_param(),
                 stream_params_per_s: copy_bytes_per_s / rule.bytes_per_param() as f64,
+                ratio: n as f64 / seconds.max(1e-12) / (copy_bytes_per_s / rule.bytes_per_param() as f64),
                 path: "update",
             });
         }
@@ -281,7 +303,7 @@ pub fn run_server_host(sizes: &[usize], threads: usize, min_time: Duration, quic
                 }
                 Ok(())
             };
-            let (resident_rate, cpu_rate) = best_alternating(min_time, quick, &mut through_resident, &mut per_chunk)?;
+            let (resident_rate, cpu_rate, ratio) = paired(min_time, quick, &mut through_resident, &mut per_chunk)?;
             out.push(KernelResult {
                 rule,
                 device: "host-resident",
@@ -289,6 +311,7 @@ pub fn run_server_host(sizes: &[usize], threads: usize, min_time: Duration, quic
                 params_per_s: resident_rate * n as f64,
                 bytes_per_param: server_bytes_per_param(rule),
                 stream_params_per_s: cpu_rate * n as f64,
+                ratio,
                 path: "server",
             });
         }
@@ -322,6 +345,7 @@ pub fn run_server_cuda(sizes: &[usize], quick: bool) -> Result<Vec<KernelResult>
                 params_per_s: n as f64 / seconds.max(1e-12),
                 bytes_per_param: server_bytes_per_param(rule),
                 stream_params_per_s: bound / server_bytes_per_param(rule) as f64,
+                ratio: n as f64 / seconds.max(1e-12) / (bound / server_bytes_per_param(rule) as f64),
                 path: "server",
             });
         }

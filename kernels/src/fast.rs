@@ -4,9 +4,9 @@
 
 use crate::{Bufs, Derived, Rule, ADAM_BETA1, ADAM_BETA2, ADA_EPS, DC_EPS, GA_BETA, GA_EPS};
 
-/// Runs the loops compiled for AVX2 (8 lanes) when the CPU has it, else the baseline build (SSE2's 4);
-/// AVX-512 (16 lanes) when `GAPS_KERNEL_ISA=avx512` asks for it (see [`isa`]). Same operations either
-/// way: no FMA is enabled, so the results are identical.
+/// Runs the loops compiled for the widest vector set the CPU has (see [`isa`]): AVX-512 (16 lanes), AVX2
+/// (8) or the baseline build (SSE2's 4). Same operations either way: no FMA is enabled, so the results are
+/// identical.
 pub(crate) fn apply(rule: Rule, k: &Derived, n: usize, b: Bufs<'_>) {
     apply_with(isa(), rule, k, n, b)
 }
@@ -52,18 +52,20 @@ pub fn detected() -> Isa {
     })
 }
 
-/// The instruction set the loops use: AVX2 where the CPU has it, or the one `GAPS_KERNEL_ISA` names
-/// (`baseline`, `avx2`, `avx512`; one the CPU lacks is not used). AVX-512 is not the default: measured on
-/// the development machine (2 cores, 16 and 64 Mi parameters, `gaps bench kernels`, alternating runs) it
-/// ran the rules at the same parameters per second as AVX2 (the heavy ones within ±3 %, the light ones up
-/// to 8 % faster, within the runs' spread), and 16-lane code lowers the clock on some Intel parts.
+/// The instruction set the loops use: the widest the CPU has, or the one `GAPS_KERNEL_ISA` names
+/// (`baseline`, `avx2`, `avx512`; one the CPU lacks is not used). AVX-512 is the default since the
+/// 2026-11-25 measurement on an AMD EPYC (Zen 4, 2 cores, `gaps bench kernels` at 16 and 64 Mi): every rule
+/// at 0.91–1.08 of the streaming loop with 16 lanes, against 0.79–0.89 for gap-aware, dc-asgd-adaptive
+/// and Adagrad with AVX2; on the Intel Xeon measured before, the two widths ran at the same speed (±3 %).
+/// On Intel parts that lower their clock for 512-bit arithmetic (Skylake-SP, Cascade Lake)
+/// `GAPS_KERNEL_ISA=avx2` keeps the shard's other threads at full clock.
 pub fn isa() -> Isa {
     static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
     *ISA.get_or_init(|| {
         let asked = match std::env::var("GAPS_KERNEL_ISA").as_deref() {
             Ok("baseline") => Isa::Baseline,
-            Ok("avx512") => Isa::Avx512,
-            _ => Isa::Avx2,
+            Ok("avx2") => Isa::Avx2,
+            _ => Isa::Avx512,
         };
         detected().min(asked)
     })
@@ -97,18 +99,26 @@ fn gap_aware<const MOMENTUM: bool>(
     let (p, g, v, ema, r) = (&mut p[..n], &g[..n], &mut v[..n], &mut ema[..n], &r[..n]);
     let (lr, gamma, wd, bias, lr_max) = (k.lr, k.gamma, k.wd, k.ga_bias, k.lr_max);
     for i in 0..n {
+        let (pi, vi) = (p[i], v[i]);
         // The EMA tracks the previous step's direction: the momentum buffer before this update, or the
         // incoming gradient when there is no momentum.
-        let s = if MOMENTUM { v[i] } else { g[i] };
-        ema[i] = GA_BETA * ema[i] + (1.0 - GA_BETA) * s * s;
-        let c = lr_max * ((ema[i] * bias).sqrt() + GA_EPS);
-        let penalty = 1.0 + (p[i] - r[i]).abs() / c;
-        let d = (g[i] + wd * p[i]) / penalty;
-        v[i] = gamma * v[i] + d;
-        p[i] -= lr * v[i];
+        let s = if MOMENTUM { vi } else { g[i] };
+        let e = GA_BETA * ema[i] + (1.0 - GA_BETA) * s * s;
+        ema[i] = e;
+        let c = lr_max * ((e * bias).sqrt() + GA_EPS);
+        let penalty = 1.0 + (pi - r[i]).abs() / c;
+        let d = (g[i] + wd * pi) / penalty;
+        let vi = gamma * vi + d;
+        v[i] = vi;
+        p[i] = pi - lr * vi;
     }
 }
 
+/// Every rule's loop. Each element's planes are read into locals once and each written once: the
+/// slices come out of a struct, so the compiler cannot prove they do not alias one another, and a value
+/// read back after a store to another plane is reloaded from memory. With 64-byte vectors on 16-byte
+/// aligned buffers such a reload spans two cache lines and cannot be forwarded from the store: measured on
+/// an AMD EPYC (Zen 4), Adam at 64 Mi stalled there and ran at 0.80 of the streaming loop, 1.02 without.
 #[inline(always)]
 fn apply_loops(rule: Rule, k: &Derived, n: usize, b: Bufs<'_>) {
     let p = &mut b.params[..n];
@@ -117,8 +127,9 @@ fn apply_loops(rule: Rule, k: &Derived, n: usize, b: Bufs<'_>) {
     match rule {
         Rule::Sgd => {
             for i in 0..n {
-                let d = g[i] + wd * p[i];
-                p[i] -= lr * d;
+                let pi = p[i];
+                let d = g[i] + wd * pi;
+                p[i] = pi - lr * d;
             }
         }
         Rule::DanaSlim => {
@@ -129,65 +140,78 @@ fn apply_loops(rule: Rule, k: &Derived, n: usize, b: Bufs<'_>) {
         Rule::Momentum => {
             let v = &mut b.s0[..n];
             for i in 0..n {
-                let d = g[i] + wd * p[i];
-                v[i] = gamma * v[i] + d;
-                p[i] -= lr * v[i];
+                let pi = p[i];
+                let d = g[i] + wd * pi;
+                let vi = gamma * v[i] + d;
+                v[i] = vi;
+                p[i] = pi - lr * vi;
             }
         }
         Rule::StalenessAware => {
             let v = &mut b.s0[..n];
             let scale = k.inv_staleness;
             for i in 0..n {
-                let d = (g[i] + wd * p[i]) * scale;
-                v[i] = gamma * v[i] + d;
-                p[i] -= lr * v[i];
+                let pi = p[i];
+                let d = (g[i] + wd * pi) * scale;
+                let vi = gamma * v[i] + d;
+                v[i] = vi;
+                p[i] = pi - lr * vi;
             }
         }
         Rule::Nesterov => {
             let v = &mut b.s0[..n];
             for i in 0..n {
-                let d = g[i] + wd * p[i];
-                v[i] = gamma * v[i] + d;
-                p[i] -= lr * (d + gamma * v[i]);
+                let pi = p[i];
+                let d = g[i] + wd * pi;
+                let vi = gamma * v[i] + d;
+                v[i] = vi;
+                p[i] = pi - lr * (d + gamma * vi);
             }
         }
         Rule::DelayNesterov => {
             let m = &mut b.s0[..n];
             let (gt, keep, step) = (k.nag_gamma, k.nag_keep, k.nag_lr);
             for i in 0..n {
-                let d = g[i] + wd * p[i];
-                m[i] = gt * m[i] + keep * d;
-                p[i] -= step * m[i];
+                let pi = p[i];
+                let d = g[i] + wd * pi;
+                let mi = gt * m[i] + keep * d;
+                m[i] = mi;
+                p[i] = pi - step * mi;
             }
         }
         Rule::MultiMomentum => {
             let w = &mut b.w0[..n];
             for i in 0..n {
-                let d = g[i] + wd * p[i];
-                w[i] = gamma * w[i] + d;
-                p[i] -= lr * w[i];
+                let pi = p[i];
+                let d = g[i] + wd * pi;
+                let wi = gamma * w[i] + d;
+                w[i] = wi;
+                p[i] = pi - lr * wi;
             }
         }
         Rule::DcAsgd => {
             let (v, r) = (&mut b.s0[..n], &b.read[..n]);
             let lambda = k.lambda;
             for i in 0..n {
-                let gi = g[i];
-                let d = gi + lambda * gi * gi * (p[i] - r[i]) + wd * p[i];
-                v[i] = gamma * v[i] + d;
-                p[i] -= lr * v[i];
+                let (pi, gi) = (p[i], g[i]);
+                let d = gi + lambda * gi * gi * (pi - r[i]) + wd * pi;
+                let vi = gamma * v[i] + d;
+                v[i] = vi;
+                p[i] = pi - lr * vi;
             }
         }
         Rule::DcAsgdAdaptive => {
             let (v, ms, r) = (&mut b.s0[..n], &mut b.w0[..n], &b.read[..n]);
             let (lambda0, m) = (k.lambda, k.ms_decay);
             for i in 0..n {
-                let gi = g[i];
-                ms[i] = m * ms[i] + (1.0 - m) * gi * gi;
-                let lambda = lambda0 / (ms[i] + DC_EPS).sqrt();
-                let d = gi + lambda * gi * gi * (p[i] - r[i]) + wd * p[i];
-                v[i] = gamma * v[i] + d;
-                p[i] -= lr * v[i];
+                let (pi, gi) = (p[i], g[i]);
+                let msi = m * ms[i] + (1.0 - m) * gi * gi;
+                ms[i] = msi;
+                let lambda = lambda0 / (msi + DC_EPS).sqrt();
+                let d = gi + lambda * gi * gi * (pi - r[i]) + wd * pi;
+                let vi = gamma * v[i] + d;
+                v[i] = vi;
+                p[i] = pi - lr * vi;
             }
         }
         Rule::GapAware => {
@@ -200,55 +224,63 @@ fn apply_loops(rule: Rule, k: &Derived, n: usize, b: Bufs<'_>) {
         Rule::DanaZero => {
             let (sum, w) = (&mut b.s0[..n], &mut b.w0[..n]);
             for i in 0..n {
-                let d = g[i] + wd * p[i];
-                let new = gamma * w[i] + d;
-                sum[i] += new - w[i];
+                let (pi, wi) = (p[i], w[i]);
+                let d = g[i] + wd * pi;
+                let new = gamma * wi + d;
+                sum[i] += new - wi;
                 w[i] = new;
-                p[i] -= lr * new;
+                p[i] = pi - lr * new;
             }
         }
         Rule::DanaDc => {
             let (sum, w, r) = (&mut b.s0[..n], &mut b.w0[..n], &b.read[..n]);
             let lambda = k.lambda;
             for i in 0..n {
-                let gi = g[i];
-                let d = gi + lambda * gi * gi * (p[i] - r[i]) + wd * p[i];
-                let new = gamma * w[i] + d;
-                sum[i] += new - w[i];
+                let (pi, gi, wi) = (p[i], g[i], w[i]);
+                let d = gi + lambda * gi * gi * (pi - r[i]) + wd * pi;
+                let new = gamma * wi + d;
+                sum[i] += new - wi;
                 w[i] = new;
-                p[i] -= lr * new;
+                p[i] = pi - lr * new;
             }
         }
         Rule::DanaGa => {
             let (sum, ema, w, r) = (&mut b.s0[..n], &mut b.s1[..n], &mut b.w0[..n], &b.read[..n]);
             let (bias, lr_max) = (k.ga_bias, k.lr_max);
             for i in 0..n {
-                ema[i] = GA_BETA * ema[i] + (1.0 - GA_BETA) * w[i] * w[i];
-                let c = lr_max * ((ema[i] * bias).sqrt() + GA_EPS);
-                let penalty = 1.0 + (p[i] - r[i]).abs() / c;
-                let d = (g[i] + wd * p[i]) / penalty;
-                let new = gamma * w[i] + d;
-                sum[i] += new - w[i];
+                let (pi, wi) = (p[i], w[i]);
+                let e = GA_BETA * ema[i] + (1.0 - GA_BETA) * wi * wi;
+                ema[i] = e;
+                let c = lr_max * ((e * bias).sqrt() + GA_EPS);
+                let penalty = 1.0 + (pi - r[i]).abs() / c;
+                let d = (g[i] + wd * pi) / penalty;
+                let new = gamma * wi + d;
+                sum[i] += new - wi;
                 w[i] = new;
-                p[i] -= lr * new;
+                p[i] = pi - lr * new;
             }
         }
         Rule::Adagrad => {
             let acc = &mut b.s0[..n];
             for i in 0..n {
-                let d = g[i] + wd * p[i];
-                acc[i] += d * d;
-                p[i] -= lr * d / (acc[i].sqrt() + ADA_EPS);
+                let pi = p[i];
+                let d = g[i] + wd * pi;
+                let a = acc[i] + d * d;
+                acc[i] = a;
+                p[i] = pi - lr * d / (a.sqrt() + ADA_EPS);
             }
         }
         Rule::Adam => {
             let (m, v) = (&mut b.s0[..n], &mut b.s1[..n]);
             let (b1, b2) = (k.adam_bias1, k.adam_bias2);
             for i in 0..n {
-                let d = g[i] + wd * p[i];
-                m[i] = ADAM_BETA1 * m[i] + (1.0 - ADAM_BETA1) * d;
-                v[i] = ADAM_BETA2 * v[i] + (1.0 - ADAM_BETA2) * d * d;
-                p[i] -= lr * (m[i] * b1) / ((v[i] * b2).sqrt() + ADA_EPS);
+                let pi = p[i];
+                let d = g[i] + wd * pi;
+                let mi = ADAM_BETA1 * m[i] + (1.0 - ADAM_BETA1) * d;
+                let vi = ADAM_BETA2 * v[i] + (1.0 - ADAM_BETA2) * d * d;
+                m[i] = mi;
+                v[i] = vi;
+                p[i] = pi - lr * (mi * b1) / ((vi * b2).sqrt() + ADA_EPS);
             }
         }
     }
