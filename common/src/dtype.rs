@@ -754,6 +754,34 @@ mod tests {
     }
 
     #[test]
+    fn decoding_appends_after_what_the_vector_holds_and_ignores_a_partial_value() {
+        use super::{bf16_to_f32, decode_extend, encode_bulk, f16_to_f32, WireDtype};
+        let xs: Vec<f32> = samples().into_iter().take(4099).collect();
+        for dtype in [WireDtype::F32, WireDtype::Bf16, WireDtype::F16] {
+            let bytes = encode_bulk(dtype, &xs);
+            let expected: Vec<f32> = bytes
+                .chunks_exact(dtype.bytes())
+                .map(|b| match dtype {
+                    WireDtype::F32 => f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+                    WireDtype::Bf16 => bf16_to_f32(u16::from_le_bytes([b[0], b[1]])),
+                    WireDtype::F16 => f16_to_f32(u16::from_le_bytes([b[0], b[1]])),
+                })
+                .collect();
+            // Already holding values, with spare room and without; a trailing partial value is not decoded.
+            for spare in [0usize, 10_000] {
+                let mut out = Vec::with_capacity(3 + spare);
+                out.extend_from_slice(&[1.5f32, -2.5, 7.0]);
+                decode_extend(dtype, &bytes[..bytes.len() - 1], &mut out);
+                assert_eq!(out.len(), 3 + xs.len() - 1, "{dtype}");
+                assert_eq!(&out[..3], &[1.5, -2.5, 7.0], "{dtype}: what was there stays");
+                let got: Vec<u32> = out[3..].iter().map(|v| v.to_bits()).collect();
+                let want: Vec<u32> = expected[..xs.len() - 1].iter().map(|v| v.to_bits()).collect();
+                assert_eq!(got, want, "{dtype}");
+            }
+        }
+    }
+
+    #[test]
     fn packed_payloads_hold_each_run_as_its_wire_bytes() {
         use super::{encode_slice_bytes_for_test as wire_bytes, packed_runs, Packer, WireDtype};
         let values: Vec<f32> = (0..9000).map(|i| (i as f32 * 0.37).sin() * 100.0).collect();
