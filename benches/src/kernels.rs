@@ -90,12 +90,6 @@ fn rate(min_time: Duration, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
     Ok(f64::from(calls) / started.elapsed().as_secs_f64())
 }
 
-/// Middle value (the upper one of an even count); `values` must not be empty.
-fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values[values.len() / 2]
-}
-
 /// Rates of two workloads timed in back-to-back pairs of short windows (nine pairs, the order swapped every
 /// pair; one pair in quick mode), so both sides of a pair see the same machine state: the median rate of
 /// each and the median of the pairs' ratios a ÷ b. On a shared machine whose memory bandwidth drifts by 2×
@@ -124,7 +118,7 @@ fn paired(
         rates_b.push(rb);
         ratios.push(ra / rb.max(f64::MIN_POSITIVE));
     }
-    Ok((median(rates_a), median(rates_b), median(ratios)))
+    Ok((crate::median(rates_a), crate::median(rates_b), crate::median(ratios)))
 }
 
 /// Measures every rule at every size on the CPU with `threads` threads.

@@ -9,3 +9,9 @@ pub mod checkpoint;
 pub mod kernels;
 pub mod tables;
 pub mod transport;
+
+/// The middle value of `values` (the upper one of an even count; 0 when there are none).
+pub(crate) fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(0.0)
+}

@@ -271,14 +271,10 @@ pub async fn run(opts: &TransportOptions) -> Result<Vec<TransportResult>> {
 
 /// The median throughput and the median CPU cost (each on its own) of several measurements; rounds add up.
 fn median_of(mut runs: Vec<Measured>) -> Measured {
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v.get(v.len() / 2).copied().unwrap_or(0.0)
-    };
     let rounds = runs.iter().map(|r| r.rounds).sum();
-    let mut rates: Vec<f64> = runs.iter().map(|r| r.gbytes_per_s).collect();
-    let mut cpu: Vec<f64> = runs.drain(..).map(|r| r.cpu_s_per_gb).collect();
-    Measured { rounds, gbytes_per_s: median(&mut rates), cpu_s_per_gb: median(&mut cpu) }
+    let rates: Vec<f64> = runs.iter().map(|r| r.gbytes_per_s).collect();
+    let cpu: Vec<f64> = runs.drain(..).map(|r| r.cpu_s_per_gb).collect();
+    Measured { rounds, gbytes_per_s: crate::median(rates), cpu_s_per_gb: crate::median(cpu) }
 }
 
 /// Rows per sparse round and their dimension.

@@ -315,70 +315,58 @@ impl Packer {
         }
         const BLOCK: usize = 4096;
         self.out.reserve(values.len().div_ceil(2));
-        if self.pending.is_none() && cfg!(target_endian = "little") {
-            // In step with the slots: halves converted straight into the buffer's spare room, block by block.
+        if let Some(first) = self.pending.take() {
+            // One half behind (an odd chunk earlier in the run): pair across the slots, through a stage.
+            let mut carry = Some(first);
+            let mut stage = [0u16; BLOCK];
             for src in values.chunks(BLOCK) {
-                let slots = src.len().div_ceil(2);
-                let start = self.out.len();
-                let room = &mut self.out.spare_capacity_mut()[..slots];
-                // SAFETY: `MaybeUninit<f32>` slots viewed as twice as many `MaybeUninit<u16>` (same alignment
-                // or weaker, same bytes).
-                #[allow(unsafe_code)]
-                let halves = unsafe {
-                    std::slice::from_raw_parts_mut(room.as_mut_ptr().cast::<std::mem::MaybeUninit<u16>>(), 2 * slots)
-                };
-                encode_u16_uninit(dtype, src, &mut halves[..src.len()]);
+                let halves = &mut stage[..src.len()];
+                encode_u16(dtype, src, halves);
                 each(src);
-                let whole = src.len() / 2;
-                if src.len() % 2 == 1 {
-                    // SAFETY: the encoder wrote all `src.len()` halves, this is the last of them.
-                    #[allow(unsafe_code)]
-                    let last = unsafe { halves[src.len() - 1].assume_init() };
-                    self.pending = Some(last);
-                }
-                // SAFETY: the first `whole` slots after `start` hold two encoded halves each.
-                #[allow(unsafe_code)]
-                unsafe {
-                    self.out.set_len(start + whole)
-                };
-                if self.pending.is_some() {
-                    // An odd block can only be the last one; the rest of the run pairs across slots.
-                    break;
+                for h in halves.iter() {
+                    match carry.take() {
+                        Some(c) => self.out.push(pair(c, *h)),
+                        None => carry = Some(*h),
+                    }
                 }
             }
+            self.pending = carry;
             return;
         }
-        let mut stage = [0f32; BLOCK / 2];
+        // In step with the slots: halves converted straight into the buffer's spare room, block by block
+        // (`BLOCK` is even, so only the last block can leave a half over, kept for the next chunk).
         for src in values.chunks(BLOCK) {
             let slots = src.len().div_ceil(2);
-            let halves = &mut bytemuck::cast_slice_mut::<f32, u16>(&mut stage[..slots])[..src.len()];
-            encode_u16(dtype, src, halves);
+            let start = self.out.len();
+            let room = &mut self.out.spare_capacity_mut()[..slots];
+            // SAFETY: `MaybeUninit<f32>` slots viewed as twice as many `MaybeUninit<u16>` (same alignment or
+            // weaker, same bytes).
+            #[allow(unsafe_code)]
+            let halves = unsafe {
+                std::slice::from_raw_parts_mut(room.as_mut_ptr().cast::<std::mem::MaybeUninit<u16>>(), 2 * slots)
+            };
+            encode_u16_uninit(dtype, src, &mut halves[..src.len()]);
             each(src);
-            match self.pending.take() {
-                // In step with the slots: whole pairs straight from the stage, an odd last half kept.
-                None => {
-                    let whole = src.len() / 2;
-                    if cfg!(target_endian = "big") {
-                        halves.iter_mut().for_each(|h| *h = h.to_le());
-                    }
-                    self.out.extend_from_slice(&stage[..whole]);
-                    if src.len() % 2 == 1 {
-                        let last = bytemuck::cast_slice::<f32, u16>(&stage[..slots])[src.len() - 1];
-                        self.pending = Some(u16::from_le(last));
-                    }
-                }
-                // One half behind (an odd chunk earlier in the run): pair across the slots.
-                Some(first) => {
-                    let mut carry = Some(first);
-                    for h in halves.iter() {
-                        match carry.take() {
-                            Some(c) => self.out.push(pair(c, *h)),
-                            None => carry = Some(*h),
-                        }
-                    }
-                    self.pending = carry;
+            let whole = src.len() / 2;
+            if src.len() % 2 == 1 {
+                // SAFETY: the encoder wrote all `src.len()` halves; this is the last of them.
+                #[allow(unsafe_code)]
+                let last = unsafe { halves[src.len() - 1].assume_init() };
+                self.pending = Some(last);
+            }
+            if cfg!(target_endian = "big") {
+                for h in &mut halves[..2 * whole] {
+                    // SAFETY: the encoder wrote these halves.
+                    #[allow(unsafe_code)]
+                    let native = unsafe { h.assume_init() };
+                    h.write(native.to_le());
                 }
             }
+            // SAFETY: the first `whole` slots after `start` hold two encoded halves each.
+            #[allow(unsafe_code)]
+            unsafe {
+                self.out.set_len(start + whole)
+            };
         }
     }
 
@@ -797,6 +785,8 @@ mod tests {
             ],
             vec![(8192, WireDtype::F32), (1, WireDtype::Bf16)],
             vec![(1, WireDtype::Bf16)],
+            // One half behind across several blocks of a long chunk, then back in step.
+            vec![(1, WireDtype::Bf16), (5000, WireDtype::Bf16), (2, WireDtype::Bf16), (3, WireDtype::F16)],
         ];
         for sections in cases {
             let mut packer = Packer::new(Vec::new());

@@ -2,10 +2,10 @@
 //! acknowledged before the checkpoint is not applied again after it; a checkpoint of another shard, layout,
 //! rule or format, or one cut short or corrupted anywhere, is refused with a reason and never panics.
 
+mod common;
+use common::{call, register};
 use gaps_common::layout::{ChunkId, Layout, SparseSpec, TensorSpec};
-use gaps_common::wire::{
-    ids_to_words, Frame, Message, Pull, Push, PushChunk, Register, Role, SparsePull, SparsePush, PROTOCOL_VERSION,
-};
+use gaps_common::wire::{ids_to_words, Frame, Message, Pull, Push, PushChunk, SparsePull, SparsePush};
 use gaps_kernels::{Hyper, Rule};
 use gaps_shard::modes::{Mode, ModeConfig};
 use gaps_shard::{CheckpointError, Init, ShardConfig, ShardCore, SparseSettings};
@@ -35,18 +35,6 @@ fn config(mode: Mode, momentum_rule: &str) -> ShardConfig {
         threads: 1,
         sparse: SparseSettings { admit_after: 2, init_std: 0.1, ..SparseSettings::default() },
         modes: ModeConfig { mode, ..ModeConfig::default() },
-    }
-}
-
-fn call(core: &mut ShardCore, msg: Message, payload: Vec<f32>) -> Frame {
-    core.handle(Frame { msg, payload }, Duration::from_secs(1)).0
-}
-
-fn register(core: &mut ShardCore) -> u32 {
-    let reg = Register { protocol: PROTOCOL_VERSION, role: Role::Worker, name: "w".into() };
-    match call(core, Message::Register(reg), vec![]).msg {
-        Message::ClusterMap(m) => m.worker_id.expect("id"),
-        other => panic!("{other:?}"),
     }
 }
 

@@ -4,8 +4,10 @@
 //! worker's departure and a checkpoint restored into a fresh device; a push copies only its gradient and
 //! echo; a worker more than the device's stripes is refused with nothing changed.
 
+mod common;
+use common::{call, register};
 use gaps_common::layout::{ChunkId, Layout, TensorSpec};
-use gaps_common::wire::{ErrorCode, Frame, Leave, Message, Pull, Push, PushChunk, Register, Role, PROTOCOL_VERSION};
+use gaps_common::wire::{ErrorCode, Frame, Leave, Message, Pull, Push, PushChunk};
 use gaps_kernels::resident::HostDevice;
 use gaps_kernels::{Hyper, Rule};
 use gaps_shard::modes::{Mode, ModeConfig};
@@ -35,18 +37,6 @@ fn config(rule: Rule, mode: Mode) -> ShardConfig {
         threads: 2,
         sparse: gaps_shard::SparseSettings::default(),
         modes: ModeConfig { mode, ..ModeConfig::default() },
-    }
-}
-
-fn call(core: &mut ShardCore, msg: Message, payload: Vec<f32>) -> Frame {
-    core.handle(Frame { msg, payload }, Duration::from_secs(1)).0
-}
-
-fn register(core: &mut ShardCore) -> u32 {
-    let reg = Register { protocol: PROTOCOL_VERSION, role: Role::Worker, name: "w".into() };
-    match call(core, Message::Register(reg), vec![]).msg {
-        Message::ClusterMap(m) => m.worker_id.expect("id"),
-        other => panic!("{other:?}"),
     }
 }
 
