@@ -2,8 +2,9 @@
 //! sparse, beside three baselines that move the same bytes, all measured in the same run, with the process's
 //! CPU time per GB of payload for every case.
 //!
-//! - gaps dense case: one `Client::push` of the whole tensor followed by one `Client::pull` (so 2 × 4 × n
-//!   payload bytes cross the wire per round), against in-process shards on 127.0.0.1 (real QUIC, mutual TLS).
+//! - gaps dense case: one `Client::push_pull` of the whole tensor: the gradient pushed, the new parameters
+//!   answered with the ack (so 2 × 4 × n payload bytes cross the wire per round), against in-process shards
+//!   on 127.0.0.1 (real QUIC, mutual TLS); with `separate`, one `Client::push` then one `Client::pull`.
 //! - gaps sparse case: one `Client::pull_sparse` of 4,096 random ids of a table of dim 16, then one
 //!   `Client::push_sparse` of their gradients (payload: the rows pulled plus the gradients pushed).
 //! - quinn baseline: one bidirectional stream per round on one connection with the same TLS and transport
@@ -48,6 +49,9 @@ pub struct TransportOptions {
     pub gaps_only: bool,
     /// Connections per shard that the gaps client stripes large transfers over (`ClientOptions::lanes`).
     pub lanes: usize,
+    /// Dense rounds as `Client::push` then `Client::pull` (two requests per shard) instead of one
+    /// `Client::push_pull`.
+    pub separate: bool,
 }
 
 impl TransportOptions {
@@ -61,6 +65,7 @@ impl TransportOptions {
             repeats: if quick { 1 } else { 3 },
             gaps_only: false,
             lanes: gaps_worker::client::DEFAULT_LANES,
+            separate: false,
         }
     }
 }
@@ -360,8 +365,12 @@ async fn dense_case(
         // over the memory; the buffer is a recycled one, as a trainer's would be reused).
         let mut gradient = gaps_common::buffers::take(grads.len());
         gradient.extend_from_slice(&grads);
-        client.push(vec![gradient], &taken).await?;
-        let next = client.pull().await?;
+        let next = if opts.separate {
+            client.push(vec![gradient], &taken).await?;
+            client.pull().await?
+        } else {
+            client.push_pull(vec![gradient], &taken).await?.1
+        };
         // Recycled after the pull, as a trainer drops its old snapshot once the new one is there (handing
         // it back before the pull measured 40 % slower at 1 Mi: glibc trims the freed top of its heap and
         // the pull's allocation faults the pages in again).

@@ -231,6 +231,10 @@ enum BenchCommand {
         /// Connections per shard the gaps client stripes large pushes and pulls over.
         #[arg(long, default_value_t = gaps_worker::client::DEFAULT_LANES)]
         lanes: usize,
+        /// Dense rounds as a push then a pull, two requests per shard (`Client::push`, `Client::pull`),
+        /// instead of one push-pull request (`Client::push_pull`, what `gaps-worker` uses).
+        #[arg(long)]
+        separate: bool,
     },
 }
 
@@ -488,6 +492,7 @@ async fn main() -> Result<()> {
             repeats,
             gaps_only,
             lanes,
+            separate,
         }) => {
             anyhow::ensure!(seconds.is_finite() && seconds > 0.0, "--seconds must be positive");
             anyhow::ensure!(
@@ -500,6 +505,7 @@ async fn main() -> Result<()> {
             opts.gaps_only = gaps_only;
             anyhow::ensure!((1..=64).contains(&lanes), "--lanes must be 1 to 64");
             opts.lanes = lanes;
+            opts.separate = separate;
             if !quick {
                 opts.sparse_rows = sparse_rows;
                 opts.repeats = repeats.clamp(1, 50);

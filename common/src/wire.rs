@@ -21,7 +21,7 @@ use crate::layout::{ChunkId, Layout};
 use bincode::{Decode, Encode};
 
 /// Protocol version carried by registrations; a peer with another version is refused.
-pub const PROTOCOL_VERSION: u16 = 7;
+pub const PROTOCOL_VERSION: u16 = 8;
 /// Bytes before the header: the kind byte and the header length.
 pub const FRAME_PREFIX_LEN: usize = 5;
 /// Hard upper bound on an encoded header (also the bincode decode limit).
@@ -340,6 +340,18 @@ pub struct Push {
     pub decisions: ModeDecisions,
 }
 
+/// Answer to [`Message::PushPull`]: the push's acknowledgement and, where the worker may go on at once, the
+/// values a pull of the pushed chunks reads right after the push was applied (or found a duplicate);
+/// payload = those values, in order, as for a [`PullReply`].
+#[derive(Debug, Clone, PartialEq, Eq, Encode, Decode)]
+pub struct PushPullReply {
+    /// The push's acknowledgement, as [`Message::Push`] gets it.
+    pub ack: Ack,
+    /// Every chunk of the push in payload order, or none: when the ack asks the worker to wait (a
+    /// synchronous step or bounded staleness), or the read failed, the worker pulls on its own.
+    pub chunks: Vec<ChunkVersion>,
+}
+
 /// Most parts one striped push may be cut into.
 pub const MAX_PUSH_PARTS: u16 = 64;
 
@@ -655,6 +667,11 @@ pub enum Message {
     Authenticated(Authenticated),
     /// Kind 21 (carries a payload).
     PushPart(PushPart),
+    /// Kind 22 (carries a payload): a [`Push`] answered with the pushed chunks' new values, saving the
+    /// worker the pull that would follow it.
+    PushPull(Push),
+    /// Kind 23 (carries a payload).
+    PushPullReply(PushPullReply),
 }
 
 /// Defines `kind()`, header encoding and kind-directed decoding for every variant in one place.
@@ -693,7 +710,7 @@ message_kinds! {
     1 => Register, 2 => RegisterShard, 3 => ClusterMap, 4 => Pull, 5 => PullReply, 6 => Push, 7 => Ack,
     8 => Error, 9 => Heartbeat, 10 => HeartbeatAck, 11 => StatsRequest, 12 => Stats, 13 => Leave,
     14 => SparsePull, 15 => SparsePullReply, 16 => SparsePush, 17 => CheckpointRequest, 18 => CheckpointDone,
-    19 => Authenticate, 20 => Authenticated, 21 => PushPart,
+    19 => Authenticate, 20 => Authenticated, 21 => PushPart, 22 => PushPull, 23 => PushPullReply,
 }
 
 fn config() -> impl bincode::config::Config {
@@ -707,8 +724,10 @@ impl Message {
     /// The payload's sections in order: `(values, format)`. Sparse payloads and everything else are f32.
     pub fn payload_sections(&self) -> Vec<(u64, WireDtype)> {
         match self {
-            Message::PullReply(r) => r.chunks.iter().map(|c| (u64::from(c.len), c.dtype)).collect(),
-            Message::Push(p) | Message::PushPart(PushPart { push: p, .. }) => {
+            Message::PullReply(PullReply { chunks }) | Message::PushPullReply(PushPullReply { chunks, .. }) => {
+                chunks.iter().map(|c| (u64::from(c.len), c.dtype)).collect()
+            }
+            Message::Push(p) | Message::PushPull(p) | Message::PushPart(PushPart { push: p, .. }) => {
                 let grads = p.chunks.iter().map(|c| (u64::from(c.len), c.dtype));
                 grads.chain(p.chunks.iter().filter(|c| c.echo).map(|c| (u64::from(c.len), c.dtype))).collect()
             }
@@ -722,7 +741,11 @@ impl Message {
     /// Bytes of payload on the wire (each section's values times its format's size).
     pub fn payload_bytes(&self) -> u64 {
         match self {
-            Message::PullReply(_) | Message::Push(_) | Message::PushPart(_) => self
+            Message::PullReply(_)
+            | Message::PushPullReply(_)
+            | Message::Push(_)
+            | Message::PushPull(_)
+            | Message::PushPart(_) => self
                 .payload_sections()
                 .iter()
                 .fold(0u64, |sum, (n, d)| sum.saturating_add(n.saturating_mul(d.bytes() as u64))),
@@ -734,8 +757,10 @@ impl Message {
     /// receivers hold them as f32.
     pub fn payload_elems(&self) -> u64 {
         match self {
-            Message::PullReply(r) => r.chunks.iter().map(|c| u64::from(c.len)).sum(),
-            Message::Push(p) | Message::PushPart(PushPart { push: p, .. }) => {
+            Message::PullReply(PullReply { chunks }) | Message::PushPullReply(PushPullReply { chunks, .. }) => {
+                chunks.iter().map(|c| u64::from(c.len)).sum()
+            }
+            Message::Push(p) | Message::PushPull(p) | Message::PushPart(PushPart { push: p, .. }) => {
                 p.chunks.iter().map(|c| u64::from(c.len) * (1 + u64::from(c.echo))).sum()
             }
             Message::SparsePull(p) => 2 * u64::from(p.count),

@@ -128,7 +128,8 @@ fn request(c: &mut Choices<'_>, layout: &Layout, chunks: &[ChunkId]) -> Option<F
     };
     Some(match c.below(13) {
         0 => Frame::new(Message::Pull(Pull { epoch, chunks: some_chunks(c) })),
-        1 | 2 => {
+        // 2: the push as a push-pull (answered with the pushed chunks' values).
+        kind @ (1 | 2) => {
             let ids = some_chunks(c);
             let push_chunks: Vec<PushChunk> = ids
                 .iter()
@@ -148,18 +149,9 @@ fn request(c: &mut Choices<'_>, layout: &Layout, chunks: &[ChunkId]) -> Option<F
             let payload = (0..carried).map(|_| c.float()).collect();
             let seq = c.below(64);
             let compute_ms = c.below(64) as u32;
-            Frame {
-                msg: Message::Push(Push {
-                    epoch,
-                    worker,
-                    seq,
-                    chunks: push_chunks,
-                    compute_ms,
-                    step: 0,
-                    decisions: Default::default(),
-                }),
-                payload,
-            }
+            let push =
+                Push { epoch, worker, seq, chunks: push_chunks, compute_ms, step: 0, decisions: Default::default() };
+            Frame { msg: if kind == 2 { Message::PushPull(push) } else { Message::Push(push) }, payload }
         }
         3 => {
             let count = c.below(6) as u32;
@@ -401,7 +393,8 @@ fn drive_shard_core(data: &[u8], twin: bool) -> wire::Stats {
             }
             _ => {
                 let Some(frame) = request(&mut c, &layout, &chunks) else { continue };
-                pushes += u64::from(matches!(frame.msg, Message::Push(_) | Message::SparsePush(_)));
+                pushes +=
+                    u64::from(matches!(frame.msg, Message::Push(_) | Message::PushPull(_) | Message::SparsePush(_)));
                 let reply = cores.handle(frame, now);
                 check_reply(&reply);
             }

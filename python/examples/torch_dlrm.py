@@ -66,15 +66,16 @@ def worker(rank: int, args, creds, results):
         loss_fn = torch.nn.BCEWithLogitsLoss()
         started = time.perf_counter()
         nxt = arrays(stream.next_batch(args.batch))
-        for _ in range(args.steps):
+        dense.pull()  # gaps: shards -> parameters
+        for step in range(args.steps):
             labels, ints, ids, present = nxt
             nxt = arrays(stream.next_batch(args.batch))
             emb.prefetch(nxt[2])  # gaps: the next batch's rows arrive while this one computes
-            dense.pull()  # gaps: shards -> parameters
             logits = model(torch.from_numpy(ints), embed(emb, ids, present))
             loss = loss_fn(logits, torch.from_numpy(labels))
             loss.backward()  # (gaps: pushes the rows' gradients)
-            dense.push()  # gaps: pushes the dense gradients
+            # gaps: pushes the dense gradients; the answer brings the next step's parameters
+            dense.push(pull=step + 1 < args.steps)
         elapsed = time.perf_counter() - started
         emb.close()
     results.put((rank, args.steps * args.batch, elapsed))

@@ -226,6 +226,20 @@ class Client:
         Every tensor needs a gradient; arrays must be float32 of the tensor's shape (or its size). NaN or
         infinity raises :class:`NonFiniteError` before anything is sent.
         """
+        _native(self._native.push, self._gradients(grads), compute_seconds)
+
+    def push_pull(self, grads: dict, *, compute_seconds: float | None = None) -> dict[str, np.ndarray]:
+        """:meth:`push`, then what :meth:`pull_all` right after it returns, in one request per shard (each
+        shard answers the push with the new values). Raises as :meth:`push` does, before anything is sent.
+        """
+        raw = _native(self._native.push_pull, self._gradients(grads), compute_seconds)
+        return {
+            name: np.frombuffer(buf, dtype="<f4").reshape(info.shape)
+            for (name, info), buf in zip(self.layout.tensors.items(), raw)
+        }
+
+    def _gradients(self, grads: dict) -> list[bytes]:
+        """One gradient per dense tensor, layout order, as float32 bytes; checked by name and shape."""
         unknown = sorted(set(grads) - set(self._names))
         if unknown:
             raise UnknownNameError(f"the cluster serves no tensor {unknown[0]!r}")
@@ -233,7 +247,7 @@ class Client:
         if missing:
             raise ShapeError(f"no gradient for {missing[0]!r} (push needs one per tensor)")
         arrays = [_float32(f"the gradient of {n}", grads[n], self.layout.tensors[n].shape) for n in self._names]
-        _native(self._native.push, [a.tobytes() for a in arrays], compute_seconds)
+        return [a.tobytes() for a in arrays]
 
     def _table(self, table: str) -> TableInfo:
         info = self.layout.tables.get(table)

@@ -5,11 +5,12 @@ A single-process loop changes by a few lines::
     client = gaps.Client(coordinator, ca, cert, key)
     emb = gaps.torch.ShardedEmbedding(client, "emb")          # rows on the shards
     dense = gaps.torch.DenseParameters(client, model)          # model's parameters on the shards
+    dense.pull()                                               # shards -> model parameters
     for ids, x, y in batches:
-        dense.pull()                                           # shards -> model parameters
         loss = loss_fn(model(emb(ids), x), y)
         loss.backward()                                        # pushes the rows' gradients
-        dense.push()                                           # pushes the dense gradients
+        dense.push(pull=True)                                  # pushes the dense gradients; the
+                                                               # answer brings the new parameters
 
 ``emb.prefetch(next_ids)`` pulls the next batch's rows in the background while this one computes.
 """
@@ -147,13 +148,12 @@ class DenseParameters:
     @torch.no_grad()
     def pull(self) -> None:
         """Copies the shards' values into the module's parameters."""
-        values = self.client.pull_all()
-        for name, p in self.params.items():
-            p.copy_(torch.from_numpy(values[name]).reshape(p.shape))
-        self._pulled_at = time.monotonic()
+        self._copy_in(self.client.pull_all())
 
-    def push(self, *, zero_grad: bool = True) -> None:
-        """Pushes the parameters' gradients (computed on the last pull) and, by default, clears them."""
+    def push(self, *, zero_grad: bool = True, pull: bool = False) -> None:
+        """Pushes the parameters' gradients (computed on the last pull) and, by default, clears them. With
+        ``pull=True`` the shards answer the push with the new values, copied into the parameters as
+        :meth:`pull` would (one request per shard instead of two; the next step needs no :meth:`pull`)."""
         grads = {}
         for name, p in self.params.items():
             g = p.grad
@@ -163,10 +163,19 @@ class DenseParameters:
                 else g.detach().cpu().numpy().astype(np.float32, copy=False)
             )
         compute = None if self._pulled_at is None else time.monotonic() - self._pulled_at
-        self.client.push(grads, compute_seconds=compute)
+        if pull:
+            self._copy_in(self.client.push_pull(grads, compute_seconds=compute))
+        else:
+            self.client.push(grads, compute_seconds=compute)
         if zero_grad:
             for p in self.params.values():
                 p.grad = None
+
+    @torch.no_grad()
+    def _copy_in(self, values: dict) -> None:
+        for name, p in self.params.items():
+            p.copy_(torch.from_numpy(values[name]).reshape(p.shape))
+        self._pulled_at = time.monotonic()
 
 
 def layout_for(module: torch.nn.Module, tables: dict[str, int] | None = None, chunk_elems: int = 65536) -> str:

@@ -87,6 +87,32 @@ struct NativeClient {
 }
 
 impl NativeClient {
+    /// The gradients of a push (one per dense tensor, layout order, float32 bytes) checked against the
+    /// layout, with the client and the snapshot they were computed on (the last pull).
+    fn gradient(
+        &self,
+        grads: Vec<Bound<'_, PyBytes>>,
+        compute_seconds: Option<f64>,
+    ) -> PyResult<(Client, Vec<Vec<f32>>, Snapshot)> {
+        let client = self.client()?;
+        let snapshot = self.last.lock().map_err(poisoned)?.clone();
+        let snapshot = snapshot.ok_or_else(|| err("shape", "push needs a pull first (pull_all or pull)"))?;
+        let layout = client.layout();
+        if grads.len() != layout.tensors.len() {
+            return Err(err("shape", format!("expected {} gradients, got {}", layout.tensors.len(), grads.len())));
+        }
+        let grads = grads
+            .iter()
+            .zip(&layout.tensors)
+            .map(|(g, spec)| floats(&format!("the gradient of {}", spec.name), g.as_bytes(), spec.len as usize))
+            .collect::<PyResult<Vec<_>>>()?;
+        if let Some(s) = compute_seconds {
+            let d = Duration::try_from_secs_f64(s).map_err(|_| err("config", "compute_seconds must be ≥ 0"))?;
+            client.report_compute_time(d);
+        }
+        Ok((client, grads, snapshot))
+    }
+
     fn client(&self) -> PyResult<Client> {
         self.client.lock().map_err(poisoned)?.clone().ok_or_else(|| err("closed", "the client is closed"))
     }
@@ -213,24 +239,26 @@ impl NativeClient {
     /// Pushes one gradient per dense tensor (layout order, float32 bytes) computed on the last pull.
     #[pyo3(signature = (grads, compute_seconds=None))]
     fn push(&self, py: Python<'_>, grads: Vec<Bound<'_, PyBytes>>, compute_seconds: Option<f64>) -> PyResult<()> {
-        let client = self.client()?;
-        let snapshot = self.last.lock().map_err(poisoned)?.clone();
-        let snapshot = snapshot.ok_or_else(|| err("shape", "push needs a pull first (pull_all or pull)"))?;
-        let layout = client.layout();
-        if grads.len() != layout.tensors.len() {
-            return Err(err("shape", format!("expected {} gradients, got {}", layout.tensors.len(), grads.len())));
-        }
-        let grads = grads
-            .iter()
-            .zip(&layout.tensors)
-            .map(|(g, spec)| floats(&format!("the gradient of {}", spec.name), g.as_bytes(), spec.len as usize))
-            .collect::<PyResult<Vec<_>>>()?;
-        if let Some(s) = compute_seconds {
-            let d = Duration::try_from_secs_f64(s).map_err(|_| err("config", "compute_seconds must be ≥ 0"))?;
-            client.report_compute_time(d);
-        }
+        let (client, grads, snapshot) = self.gradient(grads, compute_seconds)?;
         py.allow_threads(|| self.runtime.block_on(client.push(grads, &snapshot))).map_err(client_err)?;
         Ok(())
+    }
+
+    /// `push` then `pull_all`, in one request per shard (each answers the push with the new values):
+    /// every dense tensor as float32 bytes, remembered for the next push.
+    #[pyo3(signature = (grads, compute_seconds=None))]
+    fn push_pull<'py>(
+        &self,
+        py: Python<'py>,
+        grads: Vec<Bound<'_, PyBytes>>,
+        compute_seconds: Option<f64>,
+    ) -> PyResult<Vec<Bound<'py, PyByteArray>>> {
+        let (client, grads, snapshot) = self.gradient(grads, compute_seconds)?;
+        let (_, next) =
+            py.allow_threads(|| self.runtime.block_on(client.push_pull(grads, &snapshot))).map_err(client_err)?;
+        let out = next.tensors.iter().map(|t| to_bytearray(py, t)).collect();
+        *self.last.lock().map_err(poisoned)? = Some(next);
+        Ok(out)
     }
 
     /// Rows of `table` for `ids` (uint64 bytes): `len(ids) × dim` float32 bytes; created on first use

@@ -29,6 +29,30 @@ def test_layout_and_dense_round_trip(cluster):
         np.testing.assert_array_equal(client.pull("b"), after["b"])
 
 
+def test_push_pull_returns_what_a_pull_right_after_reads(cluster):
+    with connect(cluster) as client:
+        before = client.pull_all()
+        g = {"w": np.full((5, 4), 0.25, np.float32), "b": np.arange(4, dtype=np.float32) / 4}
+        after = client.push_pull(g)
+        assert after["w"].shape == (5, 4) and after["w"].dtype == np.float32
+        np.testing.assert_allclose(after["w"], before["w"] - 0.5 * g["w"], rtol=0, atol=1e-6)
+        np.testing.assert_allclose(after["b"], before["b"] - 0.5 * g["b"], rtol=0, atol=1e-6)
+        # The next push is computed on what push_pull returned.
+        again = client.push_pull(g)
+        np.testing.assert_allclose(again["b"], after["b"] - 0.5 * g["b"], rtol=0, atol=1e-6)
+        pulled = client.pull_all()
+        for name in ("w", "b"):
+            np.testing.assert_array_equal(again[name], pulled[name])
+        # Bad input raises before anything is sent, as push does.
+        nan = np.full((5, 4), 0.1, np.float32)
+        nan[2, 3] = np.nan
+        with pytest.raises(gaps.NonFiniteError):
+            client.push_pull({"w": nan, "b": g["b"]})
+        with pytest.raises(gaps.ShapeError):
+            client.push_pull({"w": g["w"]})
+        np.testing.assert_array_equal(client.pull_all()["w"], pulled["w"])
+
+
 def test_sparse_rows_round_trip(cluster):
     with connect(cluster) as client:
         ids = np.array([3, 10**12, 7, 42], dtype=np.uint64)

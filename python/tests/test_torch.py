@@ -41,6 +41,19 @@ def test_rows_and_dense_parameters_move_exactly_as_sgd_says(tmp_path):
         dense.pull()
         for n, p in model.named_parameters():
             torch.testing.assert_close(p.detach(), before[n] - 0.5 * grads[n], rtol=0, atol=1e-6)
+        # push(pull=True): the shards answer with the new values, copied in as pull() would.
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        loss = model(emb(ids)).sum()
+        loss.backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        dense.push(pull=True)
+        for n, p in model.named_parameters():
+            assert p.grad is None
+            torch.testing.assert_close(p.detach(), before[n] - 0.5 * grads[n], rtol=0, atol=1e-6)
+        pushed = {n: p.detach().clone() for n, p in model.named_parameters()}
+        dense.pull()
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.detach(), pushed[n], rtol=0, atol=0)
         rows_after = client.pull_rows("emb", np.array([1, 2, 3, 9], np.uint64))
         assert not np.allclose(rows_after, rows_before), "the rows' gradients were pushed in backward"
         emb.close()
@@ -66,14 +79,14 @@ def test_a_torch_model_with_sharded_embeddings_learns(tmp_path):
 
         losses = []
         nxt = batch()
+        dense.pull()
         for _ in range(150):
             ids, y = nxt
             nxt = batch()
             emb.prefetch(nxt[0])  # the next batch's rows arrive while this one computes
-            dense.pull()
             loss = loss_fn(model(emb(ids)), y)
             loss.backward()
-            dense.push()
+            dense.push(pull=True)  # the new values come back with the push's answer
             losses.append(loss.item())
         emb.close()
         first, last = np.mean(losses[:10]), np.mean(losses[-10:])

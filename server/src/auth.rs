@@ -102,7 +102,9 @@ pub fn load_or_create_key(dir: &Path) -> Result<Token> {
 /// The worker a request acts for, if it is one that must come from that worker.
 pub fn acting_worker(msg: &Message) -> Option<u32> {
     match msg {
-        Message::Push(p) | Message::PushPart(gaps_common::wire::PushPart { push: p, .. }) => Some(p.worker),
+        Message::Push(p) | Message::PushPull(p) | Message::PushPart(gaps_common::wire::PushPart { push: p, .. }) => {
+            Some(p.worker)
+        }
         Message::SparsePush(p) => Some(p.worker),
         Message::Heartbeat(h) => Some(h.worker),
         Message::Leave(l) => Some(l.worker),

@@ -17,8 +17,8 @@ use anyhow::{anyhow, bail, Context, Result};
 use dashmap::DashMap;
 use gaps_common::wire::Role as WireRole;
 use gaps_common::wire::{
-    CheckpointAt, CheckpointDone, CheckpointRequest, ErrorCode, Frame, Limits, Message, ShardCheckpoint, Stats,
-    WireError,
+    CheckpointAt, CheckpointDone, CheckpointRequest, ErrorCode, Frame, Limits, Message, PullReply, PushPullReply,
+    ShardCheckpoint, Stats, WireError,
 };
 use gaps_shard::stripes::Assembler;
 use gaps_shard::{CoreEvent, Readiness, ShardConfig, ShardCore};
@@ -331,6 +331,7 @@ impl Shared {
         let payload = msg.payload_elems() * 4;
         let reply = match msg {
             Message::Pull(p) => p.chunks.len() as u64 * self.chunk_elems * 4,
+            Message::PushPull(p) => p.chunks.len() as u64 * self.chunk_elems * 4,
             Message::SparsePull(p) => u64::from(p.count) * (1 + self.widest_table) * 4,
             _ => 0,
         };
@@ -1132,7 +1133,7 @@ async fn serve_request(
             shared.metrics.bytes_in.increment(frame.msg.payload_bytes());
             let kind = RpcKind::of(&frame.msg);
             let histogram = match kind {
-                RpcKind::Push => &shared.metrics.rpc_push_seconds,
+                RpcKind::Push | RpcKind::PushPull => &shared.metrics.rpc_push_seconds,
                 RpcKind::Pull => &shared.metrics.rpc_pull_seconds,
                 RpcKind::Other => &shared.metrics.rpc_other_seconds,
             };
@@ -1176,8 +1177,12 @@ async fn serve_request(
     held.add(reply.payload.len() as u64 * 4);
     let Frame { msg, payload } = reply;
     // The core packs its pull replies for the wire (`ShardCore::set_packed_replies`).
-    let packed =
-        matches!(&msg, Message::PullReply(r) if r.chunks.iter().any(|c| c.dtype != gaps_common::dtype::WireDtype::F32));
+    let packed = match &msg {
+        Message::PullReply(PullReply { chunks }) | Message::PushPullReply(PushPullReply { chunks, .. }) => {
+            chunks.iter().any(|c| c.dtype != gaps_common::dtype::WireDtype::F32)
+        }
+        _ => false,
+    };
     let parts = match if packed { net::packed_parts(&msg, payload) } else { net::payload_parts(&msg, payload) } {
         Ok(parts) => parts,
         Err(e) => {
@@ -1227,6 +1232,8 @@ fn authenticate(shared: &Shared, peer: &ConnPeer, a: gaps_common::wire::Authenti
 enum RpcKind {
     Push,
     Pull,
+    /// A push answered with the pushed chunks' values: counted as a push and, when it carries them, a pull.
+    PushPull,
     Other,
 }
 
@@ -1234,6 +1241,7 @@ impl RpcKind {
     fn of(msg: &Message) -> Self {
         match msg {
             Message::Push(_) | Message::PushPart(_) | Message::SparsePush(_) => RpcKind::Push,
+            Message::PushPull(_) => RpcKind::PushPull,
             Message::Pull(_) | Message::SparsePull(_) => RpcKind::Pull,
             _ => RpcKind::Other,
         }
@@ -1241,13 +1249,20 @@ impl RpcKind {
 }
 
 fn record(m: &ShardMetrics, request: RpcKind, reply: &Message) {
+    if let (RpcKind::PushPull, Message::PushPullReply(r)) = (request, reply) {
+        record(m, RpcKind::Push, &Message::Ack(r.ack));
+        if !r.chunks.is_empty() {
+            m.pulls.increment(1);
+        }
+        return;
+    }
     match (request, reply) {
         (RpcKind::Push, Message::Ack(ack)) if ack.duplicate => m.push_duplicates.increment(1),
         (RpcKind::Push, Message::Ack(ack)) => {
             m.pushes.increment(1);
             m.staleness.record(ack.max_staleness as f64);
         }
-        (RpcKind::Push, _) => m.push_rejected.increment(1),
+        (RpcKind::Push | RpcKind::PushPull, _) => m.push_rejected.increment(1),
         (RpcKind::Pull, Message::PullReply(_) | Message::SparsePullReply(_)) => m.pulls.increment(1),
         _ => {}
     }

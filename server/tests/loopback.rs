@@ -493,9 +493,57 @@ async fn a_push_striped_over_several_connections_is_applied_once_even_when_parts
     let summary = client.push(grads.clone(), &client.pull().await.expect("pull")).await.expect("push");
     assert_eq!((summary.applied, summary.retries), (2, 0));
     assert!(observer.pull().await.expect("pull").versions.iter().all(|v| *v == 2));
+    // A push-pull striped over lanes is acknowledged part by part, then pulled (striped) on its own.
+    let (summary, next) = client.push_pull(grads.clone(), &after).await.expect("striped push_pull");
+    assert_eq!(summary.applied, 2);
+    assert_eq!(next, observer.pull().await.expect("pull"), "push_pull returns what a pull right after reads");
+    assert!(next.versions.iter().all(|v| *v == 3));
     for s in [&s0, &s1] {
         assert!(s.peak_inflight_bytes() <= service::DEFAULT_INFLIGHT_BYTES, "{}", s.peak_inflight_bytes());
     }
     client.leave().await.expect("leave");
     shutdown(vec![s0, s1]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_push_pull_trains_exactly_as_a_push_then_a_pull_and_survives_lost_connections() {
+    let certs = ClusterCerts::generate(&[]).expect("certs");
+    for rule in [Rule::Sgd, Rule::GapAware, Rule::DanaSlim] {
+        // Two identical clusters of two shards: one driven with push then pull, one with push_pull.
+        let mut clusters = Vec::new();
+        for _ in 0..2 {
+            let s0 = start_shard_with(&certs, 0, 2, None, rule).await;
+            let s1 = start_shard_with(&certs, 1, 2, Some(s0.advertise.clone()), rule).await;
+            let client = Client::connect(options(&certs, &s0.advertise, Role::Worker)).await.expect("connect");
+            clusters.push((client, vec![s0, s1]));
+        }
+        let (separate, fused) = (&clusters[0].0, &clusters[1].0);
+        let mut a = separate.pull().await.expect("pull");
+        let mut b = fused.pull().await.expect("pull");
+        assert_eq!(a, b, "{rule}: the clusters start alike");
+        for step in 0..4 {
+            if step == 2 {
+                // Both shards' push-pulls are written in full, then their connections are cut before the
+                // reply: sent again, each is applied once and still answered with the values.
+                fused.inject_connection_drops(2);
+            }
+            let summary = separate.push(gradient(step), &a).await.expect("push");
+            a = separate.pull().await.expect("pull");
+            let (fused_summary, next) = fused.push_pull(gradient(step), &b).await.expect("push_pull");
+            b = next;
+            assert_eq!(summary.applied, 2, "{rule}");
+            assert_eq!(fused_summary.applied + fused_summary.duplicates, 2, "{rule}");
+            assert_eq!(fused_summary.retries, if step == 2 { 2 } else { 0 }, "{rule} step {step}");
+            assert_eq!(a, b, "{rule} step {step}: push_pull read what push then pull read");
+        }
+        assert!(b.versions.iter().all(|v| *v == 4), "{rule}: {:?}", b.versions);
+        let stats = fused.stats().await.expect("stats");
+        assert_eq!(stats.iter().map(|s| s.pushes_applied).sum::<u64>(), 8, "{rule}: each push applied once");
+        // The first pull, one read per push-pull, and one more for each of the two whose reply was lost.
+        assert_eq!(stats.iter().map(|s| s.pulls).sum::<u64>(), 2 + 8 + 2, "{rule}: reads");
+        for (client, servers) in clusters {
+            client.leave().await.expect("leave");
+            shutdown(servers).await;
+        }
+    }
 }

@@ -2,8 +2,8 @@
 
 use gaps_common::layout::{ChunkId, Layout, TensorSpec};
 use gaps_common::wire::{
-    ErrorCode, Frame, Heartbeat, Message, Pull, Push, PushChunk, Register, RegisterShard, Role, StatsRequest,
-    PROTOCOL_VERSION,
+    ErrorCode, Frame, Heartbeat, Message, Pull, Push, PushChunk, PushPullReply, Register, RegisterShard, Role,
+    StatsRequest, PROTOCOL_VERSION,
 };
 use gaps_kernels::{Hyper, Rule};
 use gaps_shard::{Init, ShardConfig, ShardCore, SEQ_WINDOW};
@@ -116,6 +116,54 @@ fn push_applies_the_rule_once_per_sequence_number_and_reports_staleness() {
     assert_eq!((stats.pushes_applied, stats.pushes_duplicate), (4, 1));
     assert_eq!(stats.staleness_max, 2);
     assert_eq!(core.tensor_versions(), &[4, 4]);
+}
+
+/// A push as a push-pull: the same push, answered with the pushed chunks' values.
+fn as_push_pull(msg: Message) -> Message {
+    let Message::Push(push) = msg else { panic!("a push") };
+    Message::PushPull(push)
+}
+
+#[test]
+fn a_push_pull_applies_the_push_once_and_answers_what_a_pull_right_after_reads() {
+    for rule in [Rule::Sgd, Rule::Momentum, Rule::DanaZero] {
+        let mut plain = ShardCore::new(config(0, 1, rule)).expect("core");
+        let mut fused = ShardCore::new(config(0, 1, rule)).expect("core");
+        let (_, v0) = pull_all(&mut fused);
+        let mut versions = v0.clone();
+        for seq in 1..=3u64 {
+            let (msg, payload) = full_push(0, seq, &versions, &grad(seq as u32));
+            let ack = call(&mut plain, msg.clone(), payload.clone());
+            let (want, want_versions) = pull_all(&mut plain);
+            let reply = call(&mut fused, as_push_pull(msg), payload);
+            let Message::PushPullReply(PushPullReply { ack: got_ack, chunks }) = &reply.msg else {
+                panic!("{rule}: {:?}", reply.msg)
+            };
+            assert_eq!(Message::Ack(*got_ack), ack.msg, "{rule} seq {seq}");
+            assert_eq!(reply.payload, want, "{rule} seq {seq}: the values a pull right after reads");
+            assert_eq!(chunks.iter().map(|c| c.version).collect::<Vec<_>>(), want_versions);
+            assert_eq!(chunks.iter().map(|c| c.id).collect::<Vec<_>>(), layout().chunks().collect::<Vec<_>>());
+            versions = want_versions;
+        }
+        // Sent again (its reply lost): a duplicate, not applied again, and still answered with the values.
+        let (msg, payload) = full_push(0, 3, &v0, &grad(3));
+        let before = pull_all(&mut fused);
+        let reply = call(&mut fused, as_push_pull(msg), payload);
+        let Message::PushPullReply(r) = &reply.msg else { panic!("{:?}", reply.msg) };
+        assert!(r.ack.duplicate, "{rule}");
+        assert_eq!((reply.payload.clone(), r.chunks.iter().map(|c| c.version).collect()), before, "{rule}");
+        assert_eq!(pull_all(&mut fused), before, "{rule}: a duplicate changed the shard");
+        let stats = fused.stats();
+        assert_eq!((stats.pushes_applied, stats.pushes_duplicate), (3, 1), "{rule}");
+        // A refused push-pull is refused as the push is, and changes nothing.
+        let mut nan = grad(4);
+        nan[3] = f32::NAN;
+        let (msg, payload) = full_push(0, 4, &versions, &nan);
+        let reply = call(&mut fused, as_push_pull(msg), payload);
+        assert_eq!(error_code(&reply), Some(ErrorCode::NonFinite), "{rule}: {:?}", reply.msg);
+        assert_eq!(pull_all(&mut fused), before, "{rule}: a refused push-pull changed the shard");
+        assert_eq!(fused.stats().pushes_rejected, 1);
+    }
 }
 
 #[test]

@@ -2,7 +2,9 @@
 //! staleness, automatic switching on a straggler and back, the elastic learning-rate ramp, bounded staleness.
 
 use gaps_common::layout::{ChunkId, Layout, TensorSpec};
-use gaps_common::wire::{Ack, Frame, Heartbeat, Message, Pull, Push, PushChunk, Register, Role, PROTOCOL_VERSION};
+use gaps_common::wire::{
+    Ack, Frame, Heartbeat, Message, Pull, Push, PushChunk, PushPullReply, Register, Role, PROTOCOL_VERSION,
+};
 use gaps_kernels::{Hyper, Rule};
 use gaps_shard::core::SparseSettings;
 use gaps_shard::modes::{Mode, ModeConfig};
@@ -113,6 +115,42 @@ fn a_sync_step_averages_one_gradient_per_live_worker() {
     assert_eq!(a2.wait_for_step, 0, "worker 2's stale gradient is its place in step 3");
     assert_eq!(version(&mut core), 3);
     assert_eq!(core.stats().dropped_stale, 2);
+}
+
+#[test]
+fn a_push_pull_carries_values_only_when_the_worker_may_go_on() {
+    let push_pull = |core: &mut ShardCore, worker: u32, seq: u64, read_version: u64| {
+        let chunk = PushChunk { id: ID, read_version, len: 4, echo: false, dtype: gaps_common::dtype::WireDtype::F32 };
+        let push = Push {
+            epoch: EPOCH,
+            worker,
+            seq,
+            chunks: vec![chunk],
+            compute_ms: 0,
+            step: seq - 1,
+            decisions: Default::default(),
+        };
+        let (r, _) = core.handle(Frame { msg: Message::PushPull(push), payload: vec![1.0; 4] }, ms(1));
+        match r.msg {
+            Message::PushPullReply(PushPullReply { ack, chunks }) => (ack, chunks, r.payload),
+            other => panic!("{other:?}"),
+        }
+    };
+    // Sync: the first of two workers waits for the step and gets no values (a pull now would read the step
+    // before); the push that completes the step is answered with the step's values.
+    let mut sync = core(Mode::Sync, 2);
+    let (ack, chunks, values) = push_pull(&mut sync, 0, 1, 0);
+    assert_eq!((ack.wait_for_step, chunks.len(), values.len()), (1, 0, 0));
+    let (ack, chunks, values) = push_pull(&mut sync, 1, 1, 0);
+    assert_eq!((ack.wait_for_step, chunks.len()), (0, 1));
+    assert_eq!((chunks[0].version, values), (1, sync.chunk_values(ID).expect("chunk").to_vec()));
+    // Bounded staleness: a worker too far ahead of the slowest is told to wait, with no values.
+    let mut ssp = core(Mode::Ssp, 2);
+    let (ack, chunks, _) = push_pull(&mut ssp, 0, 1, 0);
+    assert_eq!((ack.wait_for_clock, chunks.len()), (0, 1));
+    let (ack, chunks, values) = push_pull(&mut ssp, 0, 2, 1);
+    assert!(ack.wait_for_clock > 0, "{ack:?}");
+    assert_eq!((chunks.len(), values.len()), (0, 0));
 }
 
 #[test]

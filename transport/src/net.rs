@@ -850,6 +850,8 @@ pub fn kind_name(msg: &Message) -> &'static str {
         Message::PullReply(_) => "pull-reply",
         Message::Push(_) => "push",
         Message::PushPart(_) => "push-part",
+        Message::PushPull(_) => "push-pull",
+        Message::PushPullReply(_) => "push-pull-reply",
         Message::Ack(_) => "ack",
         Message::Error(_) => "error",
         Message::Heartbeat(_) => "heartbeat",

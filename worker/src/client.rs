@@ -9,8 +9,8 @@ use gaps_common::layout::sparse_owner;
 use gaps_common::layout::{ChunkId, Layout};
 use gaps_common::wire::{
     ids_to_words, Authenticate, CheckpointAt, CheckpointDone, CheckpointRequest, ClusterMap, ErrorCode, Frame,
-    Heartbeat, Leave, Limits, Message, ModeDecisions, Pull, Push, PushChunk, PushPart, Register, Role, SparsePull,
-    SparsePush, Stats, StatsRequest, MAX_PUSH_PARTS, PROTOCOL_VERSION,
+    Heartbeat, Leave, Limits, Message, ModeDecisions, Pull, Push, PushChunk, PushPart, PushPullReply, Register, Role,
+    SparsePull, SparsePush, Stats, StatsRequest, MAX_PUSH_PARTS, PROTOCOL_VERSION,
 };
 use gaps_kernels::{Hyper, Rule};
 use gaps_transport::tls::TlsMaterial;
@@ -134,30 +134,50 @@ fn check_finite(what: &str, values: &[f32]) -> Result<(), ClientError> {
     }
 }
 
-/// Where one shard's pull reply goes: its chunks' slices of the snapshot, in request order.
+/// Where one shard's pull reply goes: its chunks' slices of the snapshot, in request order. Also takes the
+/// reply to a [`Message::PushPull`], which carries the same values or none (`filled` says which).
 struct PullInto<'a> {
     expected: Vec<(gaps_common::layout::ChunkId, u32)>,
     slices: Vec<&'a mut [f32]>,
     versions: Vec<u64>,
+    filled: bool,
+}
+
+impl<'a> PullInto<'a> {
+    fn new(expected: Vec<(gaps_common::layout::ChunkId, u32)>, slices: Vec<&'a mut [f32]>) -> Self {
+        PullInto { expected, slices, versions: Vec::new(), filled: false }
+    }
 }
 
 impl net::ReplySink for PullInto<'_> {
     fn destination<'s>(&'s mut self, msg: &Message) -> Result<Option<Vec<&'s mut [f32]>>, String> {
-        let Message::PullReply(reply) = msg else {
-            return Err(format!("a {} message answered a pull", net::kind_name(msg)));
+        self.filled = false;
+        let chunks = match msg {
+            Message::PullReply(reply) => &reply.chunks,
+            // A push-pull whose ack asks the worker to wait carries no values.
+            Message::PushPullReply(reply) if reply.chunks.is_empty() => return Ok(None),
+            Message::PushPullReply(reply) => &reply.chunks,
+            other => return Err(format!("a {} message answered a pull", net::kind_name(other))),
         };
-        if reply.chunks.len() != self.expected.len() {
-            return Err(format!("{} chunks returned, {} asked for", reply.chunks.len(), self.expected.len()));
+        if chunks.len() != self.expected.len() {
+            return Err(format!("{} chunks returned, {} asked for", chunks.len(), self.expected.len()));
         }
-        for (meta, (id, len)) in reply.chunks.iter().zip(&self.expected) {
+        for (meta, (id, len)) in chunks.iter().zip(&self.expected) {
             if meta.id != *id || meta.len != *len {
                 return Err(format!("chunk {:?} of {} values answered for {id:?} of {len}", meta.id, meta.len));
             }
         }
-        self.versions = reply.chunks.iter().map(|c| c.version).collect();
+        self.versions = chunks.iter().map(|c| c.version).collect();
+        self.filled = true;
         Ok(Some(self.slices.iter_mut().map(|s| &mut **s).collect()))
     }
 }
+
+/// One pull request: (shard, lane, the chunks it reads with their global indices).
+type PullRequest<'t> = (usize, usize, &'t [(ChunkId, u64)]);
+
+/// One stripe of a shard's push: its range of the shard's chunks and its payload parts.
+type Stripe = (std::ops::Range<usize>, Vec<net::Bytes>);
 
 /// Runs `futures` concurrently on the current task and returns their outputs in order.
 async fn join_all<F: std::future::Future>(futures: Vec<F>) -> Vec<F::Output> {
@@ -706,19 +726,47 @@ impl Client {
     /// Pulls the whole model from all shards concurrently. Each shard's reply is read straight into the
     /// snapshot's tensors (no intermediate buffer, no zero-fill).
     pub async fn pull(&self) -> Result<Snapshot, ClientError> {
+        let mut tensors = self.snapshot_buffers();
+        let (mut sinks, requests_of) = self.pull_sinks(&mut tensors, None)?;
+        let requests = sinks.iter_mut().zip(&requests_of).map(|(sink, (s, lane, chunks))| {
+            let msg =
+                Message::Pull(Pull { epoch: self.inner.map.epoch, chunks: chunks.iter().map(|(id, _)| *id).collect() });
+            async move { self.request_on(*s, *lane, &msg, &[], sink).await }
+        });
+        for ((s, _, _), outcome) in requests_of.iter().zip(join_all(requests.collect()).await) {
+            outcome.map_err(|e| match e {
+                RpcError::BadReply { message, .. } => ClientError::BadMap(format!("shard {s}: {message}")),
+                other => other.into(),
+            })?;
+        }
+        let versions = self.pulled_versions(&sinks, &requests_of);
+        drop(sinks);
+        if let Ok(mut last) = self.inner.last_pull.lock() {
+            *last = Some(Instant::now());
+        }
+        Ok(Snapshot { tensors: Arc::new(tensors), versions })
+    }
+
+    /// A snapshot's tensor buffers. Every element is written by exactly one shard's reply before the
+    /// snapshot is returned (every chunk is owned, checked by [`Self::pull_sinks`]), so recycled buffers
+    /// are used as they are, without a memset.
+    fn snapshot_buffers(&self) -> Vec<Vec<f32>> {
+        self.inner.map.layout.tensors.iter().map(|t| gaps_common::buffers::take_filled(t.len as usize)).collect()
+    }
+
+    /// Where the shards' pull replies go: one request per shard, or per stripe of a shard's chunks on its own
+    /// connection for a large model (see `ClientOptions::lanes`; `lanes` overrides it), as (shard, lane, that
+    /// request's chunks) with the sink that reads its reply into `tensors`.
+    fn pull_sinks<'t>(
+        &'t self,
+        tensors: &'t mut [Vec<f32>],
+        lanes: Option<usize>,
+    ) -> Result<(Vec<PullInto<'t>>, Vec<PullRequest<'t>>), ClientError> {
         let layout = &self.inner.map.layout;
         let chunk_elems = layout.chunk_elems.max(1) as usize;
-        let mut tensors: Vec<Vec<f32>> = Vec::with_capacity(layout.tensors.len());
-        for t in &layout.tensors {
-            // Every element is written by exactly one shard's reply before the snapshot is returned (every
-            // chunk is owned, checked below), so a recycled buffer is used as it is, without a memset.
-            tensors.push(gaps_common::buffers::take_filled(t.len as usize));
-        }
         // Chunk slices of every tensor, in chunk order, handed to the shard that owns each chunk.
         let mut slots: Vec<Vec<Option<&mut [f32]>>> =
             tensors.iter_mut().map(|t| t.chunks_mut(chunk_elems).map(Some).collect()).collect();
-        // One request per shard, or per stripe of a shard's chunks on its own connection for a large model
-        // (see `ClientOptions::lanes`): (shard, lane, that request's chunks) with its sink.
         let mut sinks = Vec::with_capacity(self.inner.shards.len());
         let mut requests_of = Vec::with_capacity(self.inner.shards.len());
         for (s, link) in self.inner.shards.iter().enumerate() {
@@ -727,7 +775,8 @@ impl Client {
                 .iter()
                 .map(|(id, _)| (layout.chunk_len(*id).unwrap_or(0) * layout.wire_dtype(id.tensor).bytes()) as u64)
                 .collect();
-            for (lane, range) in stripe_groups(&bytes, link.conns.len()).into_iter().enumerate() {
+            let lanes = lanes.unwrap_or(link.conns.len());
+            for (lane, range) in stripe_groups(&bytes, lanes).into_iter().enumerate() {
                 let chunks = &link.chunks[range];
                 let mut slices = Vec::with_capacity(chunks.len());
                 for (id, _) in chunks {
@@ -742,34 +791,25 @@ impl Client {
                     }
                 }
                 let expected = chunks.iter().map(|(id, _)| (*id, layout.chunk_len(*id).unwrap_or(0) as u32)).collect();
-                sinks.push(PullInto { expected, slices, versions: Vec::new() });
+                sinks.push(PullInto::new(expected, slices));
                 requests_of.push((s, lane, chunks));
             }
         }
         if slots.iter().flatten().any(Option::is_some) {
             return Err(ClientError::BadMap("the shard map leaves a chunk of the layout unowned".into()));
         }
-        let requests = sinks.iter_mut().zip(&requests_of).map(|(sink, (s, lane, chunks))| {
-            let msg =
-                Message::Pull(Pull { epoch: self.inner.map.epoch, chunks: chunks.iter().map(|(id, _)| *id).collect() });
-            async move { self.request_on(*s, *lane, &msg, &[], sink).await }
-        });
-        for ((s, _, _), outcome) in requests_of.iter().zip(join_all(requests.collect()).await) {
-            outcome.map_err(|e| match e {
-                RpcError::BadReply { message, .. } => ClientError::BadMap(format!("shard {s}: {message}")),
-                other => other.into(),
-            })?;
-        }
-        let mut versions = vec![0u64; layout.total_chunks() as usize];
-        for (sink, (_, _, chunks)) in sinks.iter().zip(&requests_of) {
+        Ok((sinks, requests_of))
+    }
+
+    /// Every chunk's version (global order) from the sinks of a pull.
+    fn pulled_versions(&self, sinks: &[PullInto<'_>], requests_of: &[PullRequest<'_>]) -> Vec<u64> {
+        let mut versions = vec![0u64; self.inner.map.layout.total_chunks() as usize];
+        for (sink, (_, _, chunks)) in sinks.iter().zip(requests_of) {
             for (v, (_, global)) in sink.versions.iter().zip(chunks.iter()) {
                 versions[*global as usize] = *v;
             }
         }
-        if let Ok(mut last) = self.inner.last_pull.lock() {
-            *last = Some(Instant::now());
-        }
-        Ok(Snapshot { tensors: Arc::new(tensors), versions })
+        versions
     }
 
     /// The payload of a push of `chunks`: every chunk's gradient, then the read parameters of the chunks whose
@@ -822,7 +862,36 @@ impl Client {
     /// transport failure. Where the rule needs it, the push also carries the snapshot's values (the
     /// parameters the gradient was computed on); under DANA-Slim the worker's momentum turns the gradient
     /// into its Nesterov step here.
-    pub async fn push(&self, mut grads: Vec<Vec<f32>>, snapshot: &Snapshot) -> Result<PushSummary, ClientError> {
+    pub async fn push(&self, grads: Vec<Vec<f32>>, snapshot: &Snapshot) -> Result<PushSummary, ClientError> {
+        Ok(self.push_then(grads, snapshot, false).await?.0)
+    }
+
+    /// [`Self::push`], then what a [`Self::pull`] right after it returns, in one request per shard
+    /// ([`Message::PushPull`]: each shard answers the push with the pushed chunks' values read right after
+    /// applying it, so the pull costs no request of its own). A shard whose ack asks the worker to wait (a
+    /// synchronous step, bounded staleness) or that refused the gradient as computed before its restore
+    /// answers without values, and a push striped over several lanes is answered with an ack only; the
+    /// pull is then made on its own, after the waits, as `push` then `pull` would.
+    pub async fn push_pull(
+        &self,
+        grads: Vec<Vec<f32>>,
+        snapshot: &Snapshot,
+    ) -> Result<(PushSummary, Snapshot), ClientError> {
+        let (summary, next) = self.push_then(grads, snapshot, true).await?;
+        let next = match next {
+            Some(next) => next,
+            None => self.pull().await?,
+        };
+        Ok((summary, next))
+    }
+
+    /// A push, and with `pull` the new values where every shard could send them with its ack.
+    async fn push_then(
+        &self,
+        mut grads: Vec<Vec<f32>>,
+        snapshot: &Snapshot,
+        pull: bool,
+    ) -> Result<(PushSummary, Option<Snapshot>), ClientError> {
         let worker = self.inner.map.worker_id.ok_or_else(|| ClientError::Shape("observers cannot push".into()))?;
         let layout = &self.inner.map.layout;
         let matches = |t: &[Vec<f32>]| {
@@ -886,7 +955,7 @@ impl Client {
         let step = self.inner.steps.fetch_add(1, Ordering::SeqCst);
         let decisions = self.inner.decisions().unwrap_or_default();
         let after_rows = self.inner.synchronous();
-        let mut tasks = tokio::task::JoinSet::new();
+        let mut pushes = Vec::with_capacity(payloads.len());
         // Every shard gets a push every step, with no chunks where it owns none: the push ends the worker's
         // step there (synchronous steps, the rows summed for it, the coordinator's view of every worker).
         for (s, stripes) in payloads.into_iter().enumerate() {
@@ -910,6 +979,63 @@ impl Client {
             let compute_ms = if compute_ms > 0 { compute_ms.saturating_add(network_ms) } else { 0 };
             let push = Push { epoch: self.inner.map.epoch, worker, seq, chunks, compute_ms, step, decisions };
             self.inner.pushes_sent.fetch_add(1, Ordering::Relaxed);
+            pushes.push((s, push, stripes));
+        }
+        let mut summary = PushSummary::default();
+        let mut waits = Vec::new();
+        let mut next = None;
+        if pull && pushes.iter().all(|(_, _, stripes)| stripes.len() < 2) {
+            let mut tensors = self.snapshot_buffers();
+            // One request per shard, in shard order, as the pushes are.
+            let (mut sinks, requests_of) = self.pull_sinks(&mut tensors, Some(1))?;
+            let requests = sinks.iter_mut().zip(pushes).map(|(sink, (s, push, stripes))| {
+                let payload = stripes.into_iter().flat_map(|(_, p)| p).collect::<Vec<_>>();
+                async move {
+                    if after_rows {
+                        self.inner.shards[s].sparse_settled().await;
+                    }
+                    (s, self.request_with(s, &Message::PushPull(push), &payload, sink).await)
+                }
+            });
+            for (s, outcome) in join_all(requests.collect()).await {
+                self.take_ack(s, outcome, &mut summary, &mut waits)?;
+            }
+            if waits.is_empty() && sinks.iter().all(|sink| sink.filled) {
+                let versions = self.pulled_versions(&sinks, &requests_of);
+                drop(sinks);
+                if let Ok(mut last) = self.inner.last_pull.lock() {
+                    *last = Some(Instant::now());
+                }
+                next = Some(Snapshot { tensors: Arc::new(tensors), versions });
+            } else {
+                drop(sinks);
+                tensors.into_iter().for_each(gaps_common::buffers::give);
+            }
+        } else {
+            self.push_spawned(pushes, after_rows, &mut summary, &mut waits).await?;
+        }
+
+        // Very large gradient buffers are recycled (for the next pull's tensors) once the transport let go.
+        if let Ok(grads) = Arc::try_unwrap(grads) {
+            grads.into_iter().for_each(gaps_common::buffers::give);
+        }
+        for (s, version, clock) in waits {
+            self.wait_for(s, version, clock).await?;
+        }
+        Ok((summary, next))
+    }
+
+    /// Sends every shard's push from its own task (a push striped over lanes from one task per part) and
+    /// takes the acks.
+    async fn push_spawned(
+        &self,
+        pushes: Vec<(usize, Push, Vec<Stripe>)>,
+        after_rows: bool,
+        summary: &mut PushSummary,
+        waits: &mut Vec<(usize, u64, u64)>,
+    ) -> Result<(), ClientError> {
+        let mut tasks = tokio::task::JoinSet::new();
+        for (s, push, stripes) in pushes {
             let client = self.clone();
             tasks.spawn(async move {
                 let link = &client.inner.shards[s];
@@ -947,49 +1073,51 @@ impl Client {
                 (s, outcome.unwrap_or_else(|| Err(RpcError::Setup("a push of no parts".into()))))
             });
         }
-        let mut summary = PushSummary::default();
-        let mut waits = Vec::new();
         while let Some(joined) = tasks.join_next().await {
             let (s, outcome) = joined.map_err(|e| ClientError::Shape(format!("push task failed: {e}")))?;
-            let (frame, retries) = match outcome {
-                Err(RpcError::Remote { code: ErrorCode::ReadAhead, message, .. }) => {
-                    warn!(shard = s, %message, "a restored shard refused a gradient computed before its restore");
-                    summary.stale_after_restore += 1;
-                    self.inner.stale_after_restore.fetch_add(1, Ordering::Relaxed);
-                    continue;
-                }
-                other => other?,
-            };
-            summary.retries += retries;
-            match frame.msg {
-                Message::Ack(ack) => {
-                    self.inner.pushes_acknowledged.fetch_add(1, Ordering::Relaxed);
-                    self.inner.learn(&ack.decisions);
-                    if ack.duplicate {
-                        summary.duplicates += 1;
-                    } else {
-                        summary.applied += 1;
-                    }
-                    summary.max_staleness = summary.max_staleness.max(ack.max_staleness);
-                    if ack.wait_for_step > 0 || ack.wait_for_clock > 0 {
-                        waits.push((s, ack.wait_for_step, ack.wait_for_clock));
-                    }
-                }
-                other => {
-                    return Err(
-                        RpcError::Unexpected { addr: "shard".into(), kind: net::kind_name(&other).into() }.into()
-                    )
-                }
+            self.take_ack(s, outcome, summary, waits)?;
+        }
+        Ok(())
+    }
+
+    /// Counts one shard's answer to a push into `summary`, and what it asks the worker to wait for into
+    /// `waits`; the error where it refused the push (a gradient computed before a shard's restore is
+    /// counted and dropped, not an error).
+    fn take_ack(
+        &self,
+        s: usize,
+        outcome: Result<(Frame, u32), RpcError>,
+        summary: &mut PushSummary,
+        waits: &mut Vec<(usize, u64, u64)>,
+    ) -> Result<(), ClientError> {
+        let (frame, retries) = match outcome {
+            Err(RpcError::Remote { code: ErrorCode::ReadAhead, message, .. }) => {
+                warn!(shard = s, %message, "a restored shard refused a gradient computed before its restore");
+                summary.stale_after_restore += 1;
+                self.inner.stale_after_restore.fetch_add(1, Ordering::Relaxed);
+                return Ok(());
             }
+            other => other?,
+        };
+        summary.retries += retries;
+        let ack = match frame.msg {
+            Message::Ack(ack) | Message::PushPullReply(PushPullReply { ack, .. }) => ack,
+            other => {
+                return Err(RpcError::Unexpected { addr: "shard".into(), kind: net::kind_name(&other).into() }.into())
+            }
+        };
+        self.inner.pushes_acknowledged.fetch_add(1, Ordering::Relaxed);
+        self.inner.learn(&ack.decisions);
+        if ack.duplicate {
+            summary.duplicates += 1;
+        } else {
+            summary.applied += 1;
         }
-        // Very large gradient buffers are recycled (for the next pull's tensors) once the transport let go.
-        if let Ok(grads) = Arc::try_unwrap(grads) {
-            grads.into_iter().for_each(gaps_common::buffers::give);
+        summary.max_staleness = summary.max_staleness.max(ack.max_staleness);
+        if ack.wait_for_step > 0 || ack.wait_for_clock > 0 {
+            waits.push((s, ack.wait_for_step, ack.wait_for_clock));
         }
-        for (s, version, clock) in waits {
-            self.wait_for(s, version, clock).await?;
-        }
-        Ok(summary)
+        Ok(())
     }
 
     /// Waits until shard `s` has completed the synchronous step (its global step reaches `step`) and the

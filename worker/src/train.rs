@@ -377,8 +377,14 @@ pub async fn run(args: &WorkerArgs) -> Result<WorkerSummary> {
     let started = Instant::now();
     let mut losses = Vec::with_capacity(steps as usize);
     let batch = args.batch as usize;
+    // The first step pulls; every later one reads the values its previous push was answered with
+    // (`Client::push_pull`: one request per shard and step).
+    let mut pulled = None;
     for step in 0..steps {
-        let snapshot = client.pull().await.with_context(|| format!("pulling parameters at step {step}"))?;
+        let snapshot = match pulled.take() {
+            Some(snapshot) => snapshot,
+            None => client.pull().await.with_context(|| format!("pulling parameters at step {step}"))?,
+        };
         let first = (u64::from(worker) << 40) + step * batch as u64;
         let compute = Instant::now();
         let (xs, ys) = data.batch(first, batch);
@@ -386,7 +392,13 @@ pub async fn run(args: &WorkerArgs) -> Result<WorkerSummary> {
         losses.push(loss);
         emulate_compute(args, started, compute.elapsed()).await;
         step_log.record(compute.elapsed());
-        client.push(grads, &snapshot).await.with_context(|| format!("pushing the gradient of step {step}"))?;
+        let pushed = if step + 1 < steps {
+            client.push_pull(grads, &snapshot).await.map(|(_, next)| pulled = Some(next))
+        } else {
+            client.push(grads, &snapshot).await.map(drop)
+        };
+        pushed.with_context(|| format!("pushing the gradient of step {step}"))?;
+        snapshot.recycle();
         ledger_line(args, &client, step + 1);
         if steps >= 10 && (step + 1) % (steps / 10) == 0 {
             info!(worker, step = step + 1, loss, "progress");
@@ -446,10 +458,15 @@ async fn run_ctr(
     let more = |step: u64| step_limit.is_none_or(|n| step < n);
     let mut next = if more(0) { Some(prepare(&mut stream)?) } else { None };
     let mut step = 0u64;
+    // The dense values the previous step's push was answered with (`Client::push_pull`), if any.
+    let mut pulled: Option<crate::client::Snapshot> = None;
     // The stream ends with an empty batch after the last pass (--epochs).
     while let Some((samples, batch)) = next.take().filter(|(samples, _)| !samples.is_empty()) {
         samples_seen += samples.len() as u64;
-        let (dense, rows) = tokio::join!(client.pull(), client.pull_sparse(0, &batch.ids, true));
+        let (dense, rows) = match pulled.take() {
+            Some(dense) => (Ok(dense), client.pull_sparse(0, &batch.ids, true).await),
+            None => tokio::join!(client.pull(), client.pull_sparse(0, &batch.ids, true)),
+        };
         let (dense, rows) = (dense.context("pulling dense parameters")?, rows.context("pulling embedding rows")?);
         let compute = Instant::now();
         let mut dense_grads: Vec<Vec<f32>> = dense.tensors.iter().map(|t| vec![0.0; t.len()]).collect();
@@ -468,13 +485,22 @@ async fn run_ctr(
         step_log.record(compute.elapsed());
         // `join!` polls in order: both pushes hand their requests to the connection tasks before the next
         // batch is prepared on this thread. The rows go first: in sync and gba the dense push, which ends
-        // the step on each shard, waits for their answers there.
-        let (b, a, prepared) =
-            tokio::join!(client.push_sparse(0, &rows, &row_grads), client.push(dense_grads, &dense), async {
-                more(step + 1).then(|| prepare(&mut stream))
-            });
-        a.with_context(|| format!("pushing dense gradients of step {step}"))?;
+        // the step on each shard, waits for their answers there. Unless this is the last step, the dense
+        // push comes back with the next step's dense values.
+        let last = !more(step + 1);
+        let dense_push = async {
+            if last {
+                client.push(dense_grads, &dense).await.map(|_| None)
+            } else {
+                client.push_pull(dense_grads, &dense).await.map(|(_, next)| Some(next))
+            }
+        };
+        let (b, a, prepared) = tokio::join!(client.push_sparse(0, &rows, &row_grads), dense_push, async {
+            (!last).then(|| prepare(&mut stream))
+        });
+        pulled = a.with_context(|| format!("pushing dense gradients of step {step}"))?;
         b.with_context(|| format!("pushing embedding gradients of step {step}"))?;
+        dense.recycle();
         next = prepared.transpose()?;
         step += 1;
         ledger_line(args, &client, step);

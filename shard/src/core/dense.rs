@@ -116,6 +116,37 @@ impl ShardCore {
         Ok(Frame { msg: Message::PullReply(PullReply { chunks: metas }), payload })
     }
 
+    /// A push answered with what a pull of its chunks reads right after it (see [`PushPullReply`]): the same
+    /// push, applied (or found a duplicate) as [`Self::push`] does, then the same read as [`Self::pull`], so
+    /// the worker needs no second request. Where the ack asks the worker to wait, the reply holds no values
+    /// (the worker pulls once it may); a refused push is refused as a plain push is.
+    pub(super) fn push_pull(
+        &mut self,
+        req: &Push,
+        payload: &[f32],
+        checked_finite: bool,
+        now: Duration,
+        events: &mut Vec<CoreEvent>,
+    ) -> Result<Frame, ShardError> {
+        let pushed = self.push(req, payload, checked_finite, now, events)?;
+        let Message::Ack(ack) = pushed.msg else {
+            return Err(ShardError::Misconfigured("a push was answered with something other than an ack".into()));
+        };
+        let alone = Frame::new(Message::PushPullReply(PushPullReply { ack, chunks: Vec::new() }));
+        if ack.wait_for_step > 0 || ack.wait_for_clock > 0 {
+            return Ok(alone);
+        }
+        let read = Pull { epoch: req.epoch, chunks: req.chunks.iter().map(|c| c.id).collect() };
+        // The push is applied whatever the read gives: a read that fails leaves the values out, and the
+        // worker's own pull then meets the error.
+        match self.pull(&read) {
+            Ok(Frame { msg: Message::PullReply(PullReply { chunks }), payload }) => {
+                Ok(Frame { msg: Message::PushPullReply(PushPullReply { ack, chunks }), payload })
+            }
+            Ok(_) | Err(_) => Ok(alone),
+        }
+    }
+
     /// A push's payload is every chunk's gradient in the order of `chunks`, then the parameters read for the
     /// chunks marked `echo` (exactly those whose tensor's rule measures drift), in the same order.
     pub(super) fn push(

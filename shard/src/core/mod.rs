@@ -25,8 +25,8 @@ use gaps_common::layout::{ChunkId, Layout};
 use gaps_common::rng::{mix, Rng};
 use gaps_common::wire::{
     words_to_ids, Ack, ChunkVersion, ClusterMap, ErrorCode, Frame, Heartbeat, HeartbeatAck, Leave, Message,
-    ModeDecision, ModeDecisions, ModeSwitchRecord, Pull, PullReply, Push, Register, RegisterShard, Role, RuleInfo,
-    ShardAddr, SparsePull, SparsePullReply, SparsePush, Stats, PROTOCOL_VERSION,
+    ModeDecision, ModeDecisions, ModeSwitchRecord, Pull, PullReply, Push, PushPullReply, Register, RegisterShard, Role,
+    RuleInfo, ShardAddr, SparsePull, SparsePullReply, SparsePush, Stats, PROTOCOL_VERSION,
 };
 use gaps_kernels::{Bufs, Hyper, PushScalars, Rule};
 use membership::Coordinator;
@@ -701,12 +701,14 @@ impl ShardCore {
         let mut events = Vec::new();
         let payload_in = req.payload.len() as u64 * 4;
         self.stats.payload_bytes_in += payload_in;
-        let is_push = matches!(req.msg, Message::Push(_) | Message::PushPart(_) | Message::SparsePush(_));
+        let is_push =
+            matches!(req.msg, Message::Push(_) | Message::PushPull(_) | Message::PushPart(_) | Message::SparsePush(_));
         let now_s = now.as_secs().min(u64::from(u32::MAX)) as u32;
         self.now_s = now_s;
         let result = match req.msg {
             Message::Pull(p) => self.pull(&p),
             Message::Push(p) => self.push(&p, &req.payload, finite, now, &mut events),
+            Message::PushPull(p) => self.push_pull(&p, &req.payload, finite, now, &mut events),
             // A part of a push applied before is acknowledged as a duplicate; new parts are put together by
             // the service (`crate::stripes`), which hands the core whole pushes.
             Message::PushPart(p) => match self.check_push(p.push.epoch, p.push.worker, p.push.seq) {
@@ -736,6 +738,7 @@ impl ShardCore {
             Message::Authenticated(_) => Err(ShardError::NotARequest("authenticated")),
             Message::ClusterMap(_) => Err(ShardError::NotARequest("cluster map")),
             Message::PullReply(_) => Err(ShardError::NotARequest("pull reply")),
+            Message::PushPullReply(_) => Err(ShardError::NotARequest("push-pull reply")),
             Message::Ack(_) => Err(ShardError::NotARequest("ack")),
             Message::Error(_) => Err(ShardError::NotARequest("error")),
             Message::HeartbeatAck(_) => Err(ShardError::NotARequest("heartbeat ack")),
