@@ -155,7 +155,7 @@ const BUDGET_UNIT: u64 = 1024;
 /// What the QUIC tasks ask of the core's thread.
 enum Command {
     /// Handle one request frame (`finite`: its payload holds no NaN or ±∞, checked as it was read).
-    Handle { frame: Box<Frame>, finite: bool, reply: oneshot::Sender<(Frame, Vec<CoreEvent>)> },
+    Handle { frame: Box<Frame>, finite: bool, reply: oneshot::Sender<Answer> },
     /// Expire leases and idle rows; report the counters.
     Tick { reply: oneshot::Sender<(Vec<CoreEvent>, Stats)> },
     /// Read the core (tests, reports).
@@ -163,6 +163,19 @@ enum Command {
     /// Snapshot the core as checkpoint `id` into `buf` once it reaches `at`; the reply carries the snapshot,
     /// or the step the core had already passed. Dropping the reply's receiver gives it up.
     Checkpoint(PendingSnapshot),
+}
+
+/// The core's answer to one request: the reply, what changed, and the parameter buffers the reply shares
+/// instead of a payload (`ShardCore::set_shared_replies`).
+type Answer = (Frame, Vec<CoreEvent>, Vec<Arc<Vec<f32>>>);
+
+/// Parameters a reply shares with the core, as the bytes of one payload part.
+struct SharedParams(Arc<Vec<f32>>);
+
+impl AsRef<[f32]> for SharedParams {
+    fn as_ref(&self) -> &[f32] {
+        &self.0
+    }
 }
 
 /// A checkpoint the core takes when it reaches the point asked for.
@@ -222,7 +235,7 @@ fn try_snapshot(core: &ShardCore, p: PendingSnapshot) -> Option<PendingSnapshot>
 /// as one request and every part answered with its reply; incomplete pushes are given up after `part_wait`.
 fn run_actor(mut core: ShardCore, mut queue: mpsc::Receiver<Command>, started: Instant, part_wait: Duration) {
     // A part's reply and whether its payload was found finite as it was read.
-    type Reply = (oneshot::Sender<(Frame, Vec<CoreEvent>)>, bool);
+    type Reply = (oneshot::Sender<Answer>, bool);
     let mut pending: Option<PendingSnapshot> = None;
     let mut parts: Assembler<Reply> = Assembler::default();
     while let Some(command) = queue.blocking_recv() {
@@ -231,25 +244,28 @@ fn run_actor(mut core: ShardCore, mut queue: mpsc::Receiver<Command>, started: I
                 Message::PushPart(part) if !core.push_applied(part.push.worker, part.push.seq) => {
                     let offered = parts.offer(part, frame.payload, (reply, finite), started.elapsed());
                     for ((reply, _), frame) in offered.answer_now {
-                        let _ = reply.send((frame, Vec::new()));
+                        let _ = reply.send((frame, Vec::new(), Vec::new()));
                     }
                     if let Some((whole, replies)) = offered.whole {
                         let finite = replies.iter().all(|(_, f)| *f);
                         let (answer, mut events) = core.handle_checked(whole, started.elapsed(), finite);
+                        // A push's answer is an ack: it shares nothing.
+                        core.take_reply_views();
                         for (reply, _) in replies {
-                            let _ = reply.send((answer.clone(), std::mem::take(&mut events)));
+                            let _ = reply.send((answer.clone(), std::mem::take(&mut events), Vec::new()));
                         }
                     }
                 }
                 // A part of a push applied before is answered by the core, as a duplicate.
                 msg => {
                     let frame = Frame { msg, payload: frame.payload };
-                    let _ = reply.send(core.handle_checked(frame, started.elapsed(), finite));
+                    let (answer, events) = core.handle_checked(frame, started.elapsed(), finite);
+                    let _ = reply.send((answer, events, core.take_reply_views()));
                 }
             },
             Command::Tick { reply } => {
                 for ((reply, _), frame) in parts.expire(started.elapsed(), part_wait) {
-                    let _ = reply.send((frame, Vec::new()));
+                    let _ = reply.send((frame, Vec::new(), Vec::new()));
                 }
                 let events = core.tick(started.elapsed());
                 let _ = reply.send((events, core.stats()));
@@ -502,6 +518,8 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
     };
     // Pull replies go out as the core packs them (16-bit values converted straight from the parameters).
     core.set_packed_replies(true);
+    // f32 replies share the parameters rather than copying them on the core's thread.
+    core.set_shared_replies(true);
     match gaps_kernels::cuda::CudaArenas::for_choice(cfg.device).context("--device")? {
         Some(gpu) => {
             use gaps_kernels::resident::Device;
@@ -1118,7 +1136,7 @@ async fn serve_request(
         }
         Err(e) => Err(e),
     };
-    let (reply, histogram) = match request {
+    let (reply, views, histogram) = match request {
         Err(WireError::Io(message)) => {
             debug!(%message, "stream broke before the request was complete");
             return;
@@ -1127,7 +1145,8 @@ async fn serve_request(
             if let Some(suppressed) = shared.log_malformed.allow() {
                 warn!(error = %e, identity = %peer.identity, suppressed, "refused a malformed request");
             }
-            (Frame::new(Message::error(wire_error_code(&e), e.to_string())), &shared.metrics.rpc_other_seconds)
+            let refusal = Frame::new(Message::error(wire_error_code(&e), e.to_string()));
+            (refusal, Vec::new(), &shared.metrics.rpc_other_seconds)
         }
         Ok(frame) => {
             shared.metrics.bytes_in.increment(frame.msg.payload_bytes());
@@ -1139,11 +1158,11 @@ async fn serve_request(
             };
             let bound = shared.bindings.get(&peer.conn_id).map(|w| *w);
             let handled = if let Err(reason) = crate::auth::authorize(&frame.msg, &peer.identity, bound) {
-                Some((refuse_unauthorized(shared, peer, &reason), Vec::new()))
+                Some((refuse_unauthorized(shared, peer, &reason), Vec::new(), Vec::new()))
             } else if let Message::Authenticate(a) = frame.msg {
-                Some((authenticate(shared, peer, a), Vec::new()))
+                Some((authenticate(shared, peer, a), Vec::new(), Vec::new()))
             } else if let Message::CheckpointRequest(req) = frame.msg {
-                Some((checkpoint_reply(shared, req).await, Vec::new()))
+                Some((checkpoint_reply(shared, req).await, Vec::new(), Vec::new()))
             } else {
                 let registers_worker = matches!(&frame.msg, Message::Register(r) if r.role == WireRole::Worker);
                 let registers_shard = matches!(frame.msg, Message::RegisterShard(_));
@@ -1153,7 +1172,7 @@ async fn serve_request(
                     Err(_) => None,
                 };
                 // Credentials go out with the map: a worker's token to its registrant, the key to a shard.
-                reply.map(|(mut reply, events)| {
+                reply.map(|(mut reply, events, views)| {
                     if let Message::ClusterMap(map) = &mut reply.msg {
                         if let (true, Some(w)) = (registers_worker, map.worker_id) {
                             map.token = Some(shared.credentials.token(w, &peer.identity));
@@ -1162,28 +1181,20 @@ async fn serve_request(
                             map.auth_key = Some(shared.credentials.raw());
                         }
                     }
-                    (reply, events)
+                    (reply, events, views)
                 })
             };
-            let Some((reply, events)) = handled else {
+            let Some((reply, events, views)) = handled else {
                 let _ = send.reset(1u32.into());
                 return;
             };
             log_events(&events);
             record(&shared.metrics, kind, &reply.msg);
-            (reply, histogram)
+            (reply, views, histogram)
         }
     };
-    held.add(reply.payload.len() as u64 * 4);
     let Frame { msg, payload } = reply;
-    // The core packs its pull replies for the wire (`ShardCore::set_packed_replies`).
-    let packed = match &msg {
-        Message::PullReply(PullReply { chunks }) | Message::PushPullReply(PushPullReply { chunks, .. }) => {
-            chunks.iter().any(|c| c.dtype != gaps_common::dtype::WireDtype::F32)
-        }
-        _ => false,
-    };
-    let parts = match if packed { net::packed_parts(&msg, payload) } else { net::payload_parts(&msg, payload) } {
+    let parts = match reply_parts(&msg, payload, views) {
         Ok(parts) => parts,
         Err(e) => {
             warn!(error = %e, "a reply's payload does not match its header");
@@ -1191,12 +1202,37 @@ async fn serve_request(
             return;
         }
     };
+    held.add(parts.iter().map(|p| p.len() as u64).sum());
     match net::write_frame(send, &msg, &parts).await {
         Ok(bytes) => shared.metrics.bytes_out.increment(bytes),
         Err(e) => debug!(error = %e, "writing the reply"),
     }
     let _ = send.finish();
     histogram.record(started.elapsed().as_secs_f64());
+}
+
+/// The payload parts of reply `msg`: the parameter buffers it shares with the core
+/// (`ShardCore::set_shared_replies`), each handed to quinn as it is and held until the peer acknowledged
+/// it; values the core packed for the wire (`ShardCore::set_packed_replies`); or f32 values.
+fn reply_parts(msg: &Message, payload: Vec<f32>, views: Vec<Arc<Vec<f32>>>) -> Result<Vec<net::Bytes>, WireError> {
+    if !views.is_empty() {
+        let elems: u64 = views.iter().map(|v| v.len() as u64).sum();
+        if elems != msg.payload_elems() || !payload.is_empty() {
+            return Err(WireError::ElementCountMismatch { expected: msg.payload_elems(), got: elems });
+        }
+        return Ok(views.into_iter().map(|v| net::f32_bytes(SharedParams(v))).collect());
+    }
+    let packed = match msg {
+        Message::PullReply(PullReply { chunks }) | Message::PushPullReply(PushPullReply { chunks, .. }) => {
+            chunks.iter().any(|c| c.dtype != gaps_common::dtype::WireDtype::F32)
+        }
+        _ => false,
+    };
+    if packed {
+        net::packed_parts(msg, payload)
+    } else {
+        net::payload_parts(msg, payload)
+    }
 }
 
 /// Refuses a request its peer may not send: counted, logged at a bounded rate, and answered with a reason

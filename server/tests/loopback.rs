@@ -547,3 +547,36 @@ async fn a_push_pull_trains_exactly_as_a_push_then_a_pull_and_survives_lost_conn
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_gradient_is_pushed_as_it_is_and_left_unchanged_for_the_caller() {
+    let certs = ClusterCerts::generate(&[]).expect("certs");
+    // DANA-Slim turns the gradient into the worker's Nesterov step on the client: into a copy of a shared one.
+    for rule in [Rule::Sgd, Rule::DanaSlim] {
+        let mut clusters = Vec::new();
+        for _ in 0..2 {
+            let s0 = start_shard_with(&certs, 0, 1, None, rule).await;
+            let client = Client::connect(options(&certs, &s0.advertise, Role::Worker)).await.expect("connect");
+            clusters.push((client, vec![s0]));
+        }
+        let (owned, shared) = (&clusters[0].0, &clusters[1].0);
+        let (mut a, mut b) = (owned.pull().await.expect("pull"), shared.pull().await.expect("pull"));
+        let kept = std::sync::Arc::new(gradient(1));
+        for step in 0..3 {
+            owned.push(gradient(1), &a).await.expect("push");
+            a = owned.pull().await.expect("pull");
+            b = if step == 1 {
+                shared.push_shared(kept.clone(), &b).await.expect("push_shared");
+                shared.pull().await.expect("pull")
+            } else {
+                shared.push_pull_shared(kept.clone(), &b).await.expect("push_pull_shared").1
+            };
+            assert_eq!(a, b, "{rule} step {step}");
+            assert_eq!(*kept, gradient(1), "{rule}: the caller's gradient is untouched");
+        }
+        for (client, servers) in clusters {
+            client.leave().await.expect("leave");
+            shutdown(servers).await;
+        }
+    }
+}

@@ -167,6 +167,56 @@ fn a_push_pull_applies_the_push_once_and_answers_what_a_pull_right_after_reads()
 }
 
 #[test]
+fn shared_replies_keep_the_values_they_were_made_with_while_later_pushes_write_copies() {
+    for rule in [Rule::Sgd, Rule::Momentum, Rule::DanaZero] {
+        let mut plain = ShardCore::new(config(0, 1, rule)).expect("core");
+        let mut shared = ShardCore::new(config(0, 1, rule)).expect("core");
+        shared.set_shared_replies(true);
+        let chunks: Vec<ChunkId> = layout().chunks().collect();
+        let pull = Message::Pull(Pull { epoch: EPOCH, chunks });
+        let (_, v0) = pull_all(&mut plain);
+        let (msg, payload) = full_push(0, 1, &v0, &grad(1));
+        call(&mut plain, msg.clone(), payload.clone());
+        call(&mut shared, msg, payload);
+        let want = call(&mut plain, pull.clone(), vec![]);
+        let reply = call(&mut shared, pull.clone(), vec![]);
+        assert_eq!(reply.msg, want.msg, "{rule}");
+        let views = shared.take_reply_views();
+        if rule.layout().lookahead {
+            // A look-ahead is computed for the reply: nothing to share, the payload carries it.
+            assert!(views.is_empty(), "{rule}");
+            assert_eq!(reply.payload, want.payload, "{rule}");
+            continue;
+        }
+        assert!(reply.payload.is_empty(), "{rule}: the values travel as shared buffers");
+        assert_eq!(views.iter().flat_map(|v| v.iter().copied()).collect::<Vec<_>>(), want.payload, "{rule}");
+        assert!(shared.take_reply_views().is_empty(), "{rule}: handed out once");
+        // While the reply still holds the buffers, a push writes into copies: the reply keeps what it read.
+        let (msg, payload) = full_push(0, 2, &[1; 4], &grad(2));
+        call(&mut plain, msg.clone(), payload.clone());
+        call(&mut shared, msg, payload);
+        assert_eq!(views.iter().flat_map(|v| v.iter().copied()).collect::<Vec<_>>(), want.payload, "{rule}");
+        let now = call(&mut plain, pull.clone(), vec![]).payload;
+        assert_ne!(now, want.payload, "{rule}: the second push moved the values");
+        call(&mut shared, pull.clone(), vec![]);
+        let fresh = shared.take_reply_views();
+        assert_eq!(fresh.iter().flat_map(|v| v.iter().copied()).collect::<Vec<_>>(), now, "{rule}");
+        // Once no reply holds them, an update writes in place (no copy).
+        drop(views);
+        let before: Vec<*const f32> = fresh.iter().map(|v| v.as_ptr()).collect();
+        drop(fresh);
+        let (msg, payload) = full_push(0, 3, &[2; 4], &grad(3));
+        call(&mut shared, msg, payload);
+        call(&mut shared, pull.clone(), vec![]);
+        let after: Vec<*const f32> = shared.take_reply_views().iter().map(|v| v.as_ptr()).collect();
+        assert_eq!(before, after, "{rule}: updated in place");
+        // The checkpoint holds the core's values, not a reply's.
+        call(&mut plain, full_push(0, 3, &[2; 4], &grad(3)).0, grad(3));
+        assert_eq!(shared.checkpoint(1).expect("checkpoint"), plain.checkpoint(1).expect("checkpoint"), "{rule}");
+    }
+}
+
+#[test]
 fn bad_pushes_get_typed_errors_and_leave_the_shard_unchanged() {
     let mut core = ShardCore::new(config(0, 1, Rule::Momentum)).expect("core");
     let (before, v0) = pull_all(&mut core);

@@ -863,6 +863,17 @@ impl Client {
     /// parameters the gradient was computed on); under DANA-Slim the worker's momentum turns the gradient
     /// into its Nesterov step here.
     pub async fn push(&self, grads: Vec<Vec<f32>>, snapshot: &Snapshot) -> Result<PushSummary, ClientError> {
+        Ok(self.push_then(Arc::new(grads), snapshot, false).await?.0)
+    }
+
+    /// [`Self::push`] of a gradient the caller keeps: the transport sends straight from the shared buffers
+    /// (no copy), so the same buffers can be pushed again or refilled once the push returned. (A rule
+    /// with worker momentum writes its step into a copy.)
+    pub async fn push_shared(
+        &self,
+        grads: Arc<Vec<Vec<f32>>>,
+        snapshot: &Snapshot,
+    ) -> Result<PushSummary, ClientError> {
         Ok(self.push_then(grads, snapshot, false).await?.0)
     }
 
@@ -877,6 +888,15 @@ impl Client {
         grads: Vec<Vec<f32>>,
         snapshot: &Snapshot,
     ) -> Result<(PushSummary, Snapshot), ClientError> {
+        self.push_pull_shared(Arc::new(grads), snapshot).await
+    }
+
+    /// [`Self::push_pull`] of a gradient the caller keeps (see [`Self::push_shared`]).
+    pub async fn push_pull_shared(
+        &self,
+        grads: Arc<Vec<Vec<f32>>>,
+        snapshot: &Snapshot,
+    ) -> Result<(PushSummary, Snapshot), ClientError> {
         let (summary, next) = self.push_then(grads, snapshot, true).await?;
         let next = match next {
             Some(next) => next,
@@ -888,7 +908,7 @@ impl Client {
     /// A push, and with `pull` the new values where every shard could send them with its ack.
     async fn push_then(
         &self,
-        mut grads: Vec<Vec<f32>>,
+        mut grads: Arc<Vec<Vec<f32>>>,
         snapshot: &Snapshot,
         pull: bool,
     ) -> Result<(PushSummary, Option<Snapshot>), ClientError> {
@@ -918,14 +938,14 @@ impl Client {
             if momentum.is_empty() {
                 *momentum = grads.iter().map(|g| vec![0.0; g.len()]).collect();
             }
-            let tensors = grads.iter_mut().zip(momentum.iter_mut()).zip(snapshot.tensors.iter()).zip(rules);
+            let tensors =
+                Arc::make_mut(&mut grads).iter_mut().zip(momentum.iter_mut()).zip(snapshot.tensors.iter()).zip(rules);
             for (((g, v), pulled), (rule, hyper)) in tensors {
                 if rule.layout().worker_momentum {
                     gaps_kernels::slim_worker_step(hyper, pulled, v, g);
                 }
             }
         }
-        let grads = Arc::new(grads);
         // Every shard's payload, cut into its stripes, made before any is sent: a bad value found while a
         // gradient is converted stops the push on every shard.
         let mut payloads = Vec::with_capacity(self.inner.shards.len());

@@ -87,6 +87,18 @@ impl ShardCore {
                 "pull asks for {total} elements, more than four copies of this shard's {owned_elems}"
             )));
         }
+        let plain =
+            |core: &Self, index: usize| !core.tensor_rules[core.slots[index].tensor as usize].0.layout().lookahead;
+        if self.shared_replies
+            && self.resident.is_none()
+            && metas.iter().all(|m| m.dtype == gaps_common::dtype::WireDtype::F32)
+            && picked.iter().all(|i| plain(self, *i))
+        {
+            // The reply shares the parameters (`set_shared_replies`): no copy on the core's thread.
+            self.reply_views = picked.iter().map(|i| self.slots[*i].params.clone()).collect();
+            self.stats.pulls += 1;
+            return Ok(Frame::new(Message::PullReply(PullReply { chunks: metas })));
+        }
         let mut payload = gaps_common::buffers::take(total);
         if self.packed_replies && metas.iter().any(|m| m.dtype != gaps_common::dtype::WireDtype::F32) {
             // Straight from the planes into their wire format: no f32 copy of the reply first.
@@ -96,7 +108,7 @@ impl ShardCore {
                 let slot = &self.slots[index];
                 let direct = self.resident.is_none() && !self.tensor_rules[slot.tensor as usize].0.layout().lookahead;
                 if direct {
-                    packer.push(meta.dtype, &slot.params);
+                    packer.push(meta.dtype, &slot.params[..]);
                 } else {
                     scratch.clear();
                     self.pull_into(index, &mut scratch)?;
@@ -342,6 +354,8 @@ impl ShardCore {
             let (rule, hyper) = self.tensor_rules[t];
             let planes = rule.layout().worker_planes;
             let ChunkSlot { params, shared, workers, version, .. } = slot;
+            // Copied first only where a reply still sends these values.
+            let params = &mut Arc::make_mut(params)[..];
             let n = params.len();
             let worker: &mut [f32] =
                 if planes == 0 { &mut [] } else { workers.entry(worker).or_insert_with(|| vec![0.0; planes * n]) };

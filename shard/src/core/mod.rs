@@ -31,6 +31,7 @@ use gaps_common::wire::{
 use gaps_kernels::{Bufs, Hyper, PushScalars, Rule};
 use membership::Coordinator;
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::sync::Arc;
 use std::time::Duration;
 use steps::RowAccum;
 
@@ -294,8 +295,10 @@ struct ChunkSlot {
     tensor: u32,
     /// Floats in the chunk.
     len: usize,
-    /// The parameters (empty while the state is resident on a device).
-    params: Vec<f32>,
+    /// The parameters (empty while the state is resident on a device). Shared with the replies that are
+    /// still sending them ([`ShardCore::set_shared_replies`]): an update writes into its own copy when a
+    /// reply holds them (copy on write), so a reply never sees a later update.
+    params: Arc<Vec<f32>>,
     /// The rule's shared planes (empty while the state is resident on a device).
     shared: Vec<f32>,
     /// The rule's per-worker planes, created on a worker's first push (only for rules that have them);
@@ -363,6 +366,10 @@ pub struct ShardCore {
     stripes: resident::WorkerStripes,
     /// Pull replies with 16-bit sections carry their values packed for the wire ([`Self::set_packed_replies`]).
     packed_replies: bool,
+    /// f32 pull replies share the parameters instead of copying them ([`Self::set_shared_replies`]).
+    shared_replies: bool,
+    /// The parameters the last reply shares, in payload order ([`Self::take_reply_views`]).
+    reply_views: Vec<Arc<Vec<f32>>>,
     /// Each tensor's rule and hyper-parameters (the shard's flags with the layout's overrides).
     tensor_rules: Vec<(Rule, Hyper)>,
     /// Each table's rule and hyper-parameters.
@@ -428,7 +435,7 @@ impl ShardCore {
                 tensor: id.tensor,
                 len: params.len(),
                 shared: vec![0.0; params.len() * tensor_rules[id.tensor as usize].0.layout().shared_planes],
-                params,
+                params: Arc::new(params),
                 workers: HashMap::new(),
                 version: 0,
             });
@@ -512,7 +519,24 @@ impl ShardCore {
             resident: None,
             stripes: resident::WorkerStripes::default(),
             packed_replies: false,
+            shared_replies: false,
+            reply_views: Vec::new(),
         })
+    }
+
+    /// With `on`, a reply that reads plain parameters in f32 (a pull or a push-pull of chunks whose rule has
+    /// no look-ahead, the state on the host) carries no payload of its own: it shares the chunks' parameter
+    /// buffers, handed out by [`Self::take_reply_views`] right after the request, instead of copying them
+    /// on the core's thread. The next update of a chunk a reply still holds writes into a fresh copy. Off
+    /// by default (in-process callers read the payload).
+    pub fn set_shared_replies(&mut self, on: bool) {
+        self.shared_replies = on;
+    }
+
+    /// The parameter buffers the last request's reply shares instead of a payload (see
+    /// [`Self::set_shared_replies`]): the whole payload, in order, or nothing.
+    pub fn take_reply_views(&mut self) -> Vec<Arc<Vec<f32>>> {
+        std::mem::take(&mut self.reply_views)
     }
 
     /// With `on`, a pull reply that has a 16-bit section carries its payload packed for the wire
@@ -699,6 +723,7 @@ impl ShardCore {
     /// second time. With `finite` false the core checks, as `handle` does.
     pub fn handle_checked(&mut self, req: Frame, now: Duration, finite: bool) -> (Frame, Vec<CoreEvent>) {
         let mut events = Vec::new();
+        self.reply_views.clear();
         let payload_in = req.payload.len() as u64 * 4;
         self.stats.payload_bytes_in += payload_in;
         let is_push =
@@ -792,7 +817,7 @@ impl ShardCore {
             return Err(ShardError::WrongShape("initial values must be finite".into()));
         }
         match self.resident.as_mut() {
-            None => self.slots[slot].params.copy_from_slice(values),
+            None => Arc::make_mut(&mut self.slots[slot].params).copy_from_slice(values),
             Some(r) => r.load_params(slot, values).map_err(|e| ShardError::Device(e.to_string()))?,
         }
         Ok(())
@@ -803,7 +828,7 @@ impl ShardCore {
     pub fn chunk_values(&self, id: ChunkId) -> Result<std::borrow::Cow<'_, [f32]>, ShardError> {
         let slot = self.slot_index(id)?;
         if self.resident.is_none() {
-            return Ok(std::borrow::Cow::Borrowed(&self.slots[slot].params));
+            return Ok(std::borrow::Cow::Borrowed(&self.slots[slot].params[..]));
         }
         let mut out = Vec::with_capacity(self.slots[slot].len);
         self.read_params_into(slot, &mut out)?;

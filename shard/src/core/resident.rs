@@ -110,7 +110,7 @@ impl ShardCore {
         let mut resident = Resident::new(device, layout).map_err(device_err)?;
         for (chunk, slot) in self.slots.iter().enumerate() {
             let planes: Vec<&[f32]> = if slot.len == 0 { Vec::new() } else { slot.shared.chunks(slot.len).collect() };
-            resident.load_chunk(chunk, &slot.params, &planes, &[]).map_err(device_err)?;
+            resident.load_chunk(chunk, &slot.params[..], &planes, &[]).map_err(device_err)?;
             let mut workers: Vec<_> = slot.workers.iter().collect();
             workers.sort_by_key(|(w, _)| **w);
             for (worker, plane) in workers {
@@ -120,7 +120,7 @@ impl ShardCore {
         }
         // The device holds the only copy from here on.
         for slot in &mut self.slots {
-            slot.params = Vec::new();
+            slot.params = Arc::default();
             slot.shared = Vec::new();
             slot.workers.values_mut().for_each(|plane| *plane = Vec::new());
         }

@@ -75,7 +75,7 @@ impl ShardCore {
             if resident {
                 self.resident_planes(i, &mut params, &mut shared)?;
             }
-            w.f32s(if resident { &params } else { &slot.params });
+            w.f32s(if resident { &params[..] } else { &slot.params[..] });
             w.f32s(if resident { &shared } else { &slot.shared });
             let mut workers: Vec<_> = slot.workers.iter().collect();
             workers.sort_by_key(|(id, _)| **id);
@@ -206,7 +206,7 @@ impl ShardCore {
             let what = format!("chunk slot {i}");
             let slot = &mut core.slots[i];
             slot.version = r.u64()?;
-            slot.params = r.f32s_of(slot.params.len(), &what)?;
+            slot.params = Arc::new(r.f32s_of(slot.params.len(), &what)?);
             slot.shared = r.f32s_of(slot.shared.len(), &what)?;
             let planes = core.tensor_rules[slot.tensor as usize].0.layout().worker_planes * slot.params.len();
             let workers = r.u64()?;
