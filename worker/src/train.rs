@@ -1,4 +1,5 @@
-//! The training loop of one worker: pull, compute the gradient on the next batch, push, repeat.
+//! The training loop of one worker: pull, compute the gradient on the next batch, push, repeat (after the
+//! first step the pull comes with the push's answer: `Client::push_pull`).
 
 use crate::client::{Client, ClientOptions};
 use crate::data::SyntheticLogreg;
