@@ -249,8 +249,6 @@ fn run_actor(mut core: ShardCore, mut queue: mpsc::Receiver<Command>, started: I
                     if let Some((whole, replies)) = offered.whole {
                         let finite = replies.iter().all(|(_, f)| *f);
                         let (answer, mut events) = core.handle_checked(whole, started.elapsed(), finite);
-                        // A push's answer is an ack: it shares nothing.
-                        core.take_reply_views();
                         for (reply, _) in replies {
                             let _ = reply.send((answer.clone(), std::mem::take(&mut events), Vec::new()));
                         }

@@ -87,12 +87,9 @@ impl ShardCore {
                 "pull asks for {total} elements, more than four copies of this shard's {owned_elems}"
             )));
         }
-        let plain =
-            |core: &Self, index: usize| !core.tensor_rules[core.slots[index].tensor as usize].0.layout().lookahead;
         if self.shared_replies
-            && self.resident.is_none()
             && metas.iter().all(|m| m.dtype == gaps_common::dtype::WireDtype::F32)
-            && picked.iter().all(|i| plain(self, *i))
+            && picked.iter().all(|i| self.reads_params_in_place(*i))
         {
             // The reply shares the parameters (`set_shared_replies`): no copy on the core's thread.
             self.reply_views = picked.iter().map(|i| self.slots[*i].params.clone()).collect();
@@ -105,10 +102,8 @@ impl ShardCore {
             let mut packer = gaps_common::dtype::Packer::new(payload);
             let mut scratch = Vec::new();
             for (index, meta) in picked.into_iter().zip(&metas) {
-                let slot = &self.slots[index];
-                let direct = self.resident.is_none() && !self.tensor_rules[slot.tensor as usize].0.layout().lookahead;
-                if direct {
-                    packer.push(meta.dtype, &slot.params[..]);
+                if self.reads_params_in_place(index) {
+                    packer.push(meta.dtype, &self.slots[index].params[..]);
                 } else {
                     scratch.clear();
                     self.pull_into(index, &mut scratch)?;

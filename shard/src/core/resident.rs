@@ -198,6 +198,12 @@ impl ShardCore {
         }
     }
 
+    /// Whether a pull of chunk slot `slot` reads the parameters as the host holds them (no look-ahead to
+    /// compute, no device to copy from), so a reply can be made straight from them.
+    pub(super) fn reads_params_in_place(&self, slot: usize) -> bool {
+        self.resident.is_none() && !self.tensor_rules[self.slots[slot].tensor as usize].0.layout().lookahead
+    }
+
     /// Appends what a pull of chunk slot `slot` reads (parameters or DANA's look-ahead) to `out`.
     pub(super) fn pull_into(&mut self, slot: usize, out: &mut Vec<f32>) -> Result<(), ShardError> {
         let workers = self.worker_count();
