@@ -52,6 +52,9 @@ pub struct TransportOptions {
     /// Dense rounds as `Client::push` then `Client::pull` (two requests per shard) instead of one
     /// `Client::push_pull`.
     pub separate: bool,
+    /// Dense sizes in floats (1,000, 1 Mi and 16 Mi unless set; 64 Ki when quick); the bulk ones (64 Ki
+    /// and more) also run with bfloat16 on the wire.
+    pub floats: Option<Vec<u64>>,
 }
 
 impl TransportOptions {
@@ -65,6 +68,7 @@ impl TransportOptions {
             repeats: if quick { 1 } else { 3 },
             gaps_only: false,
             lanes: gaps_worker::client::DEFAULT_LANES,
+            floats: None,
             separate: false,
         }
     }
@@ -211,7 +215,8 @@ where
 pub async fn run(opts: &TransportOptions) -> Result<Vec<TransportResult>> {
     let certs = ClusterCerts::generate(&[]).context("making certificates")?;
     // 1,000 floats: the latency of a small round trip; 1 Mi and 16 Mi: bulk throughput.
-    let sizes: &[u64] = if opts.quick { &[1 << 16] } else { &[1000, 1 << 20, 16 << 20] };
+    let standard: &[u64] = if opts.quick { &[1 << 16] } else { &[1000, 1 << 20, 16 << 20] };
+    let sizes = opts.floats.as_deref().unwrap_or(standard);
     let shard_counts: &[u32] = if opts.quick { &[1] } else { &[1, 2] };
     let mut out = Vec::new();
     let mut cases: Vec<(String, u32, Option<u64>, u64, WireDtype)> = Vec::new();

@@ -235,6 +235,10 @@ enum BenchCommand {
         /// instead of one push-pull request (`Client::push_pull`, what `gaps-worker` uses).
         #[arg(long)]
         separate: bool,
+        /// Dense sizes in floats, comma-separated (suffixes Ki and Mi allowed); sizes of 64Ki and more also
+        /// run with bfloat16 on the wire. Default 1000,1Mi,16Mi.
+        #[arg(long, value_delimiter = ',', value_parser = parse_count)]
+        floats: Vec<usize>,
     },
 }
 
@@ -493,6 +497,7 @@ async fn main() -> Result<()> {
             gaps_only,
             lanes,
             separate,
+            floats,
         }) => {
             anyhow::ensure!(seconds.is_finite() && seconds > 0.0, "--seconds must be positive");
             anyhow::ensure!(
@@ -506,6 +511,13 @@ async fn main() -> Result<()> {
             anyhow::ensure!((1..=64).contains(&lanes), "--lanes must be 1 to 64");
             opts.lanes = lanes;
             opts.separate = separate;
+            anyhow::ensure!(
+                floats.iter().all(|n| (1..=1 << 26).contains(n)),
+                "--floats: each size must be 1 to 64Mi floats"
+            );
+            if !floats.is_empty() {
+                opts.floats = Some(floats.iter().map(|n| *n as u64).collect());
+            }
             if !quick {
                 opts.sparse_rows = sparse_rows;
                 opts.repeats = repeats.clamp(1, 50);

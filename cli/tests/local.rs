@@ -41,6 +41,35 @@ fn gaps_local_refuses_bad_flags_with_a_clear_message() {
 }
 
 #[test]
+fn the_transport_bench_measures_the_sizes_it_is_given() {
+    let bench = |floats: &str| {
+        Command::new(env!("CARGO_BIN_EXE_gaps"))
+            .args(["bench", "transport", "--quick", "--gaps-only", "--json", "--only", "push_pull", "--floats", floats])
+            .env("GAPS_LOG", "warn")
+            .output()
+            .expect("run gaps bench transport")
+    };
+    let out = bench("1000,64Ki");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let cases: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).expect("a JSON line")["case"]
+                .as_str()
+                .expect("a case name")
+                .to_string()
+        })
+        .collect();
+    // The small size in f32 only; the bulk size in f32 and bfloat16.
+    assert_eq!(cases, ["push_pull_1shard_1000", "push_pull_1shard_64Ki", "push_pull_1shard_64Ki_bf16"]);
+    for bad in ["0", "65Mi", "lots"] {
+        let out = bench(bad);
+        assert!(!out.status.success(), "--floats {bad} was taken");
+        assert!(String::from_utf8_lossy(&out.stderr).contains("--floats"), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+}
+
+#[test]
 fn gaps_certs_writes_a_loadable_cluster_ca_and_certificates() {
     let dir = std::env::temp_dir().join(format!("gaps-certs-test-{}", std::process::id()));
     let out = Command::new(env!("CARGO_BIN_EXE_gaps"))
