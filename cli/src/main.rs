@@ -516,7 +516,11 @@ async fn main() -> Result<()> {
                 "--floats: each size must be 1 to 64Mi floats"
             );
             if !floats.is_empty() {
-                opts.floats = Some(floats.iter().map(|n| *n as u64).collect());
+                // Each size once (a case is named by its size), smallest first.
+                let mut sizes: Vec<u64> = floats.iter().map(|n| *n as u64).collect();
+                sizes.sort_unstable();
+                sizes.dedup();
+                opts.floats = Some(sizes);
             }
             if !quick {
                 opts.sparse_rows = sparse_rows;

@@ -49,7 +49,7 @@ fn the_transport_bench_measures_the_sizes_it_is_given() {
             .output()
             .expect("run gaps bench transport")
     };
-    let out = bench("1000,64Ki");
+    let out = bench("64Ki,1000,65536");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let cases: Vec<String> = String::from_utf8_lossy(&out.stdout)
         .lines()
@@ -60,7 +60,7 @@ fn the_transport_bench_measures_the_sizes_it_is_given() {
                 .to_string()
         })
         .collect();
-    // The small size in f32 only; the bulk size in f32 and bfloat16.
+    // Each size once, smallest first; the small size in f32 only, the bulk size in f32 and bfloat16.
     assert_eq!(cases, ["push_pull_1shard_1000", "push_pull_1shard_64Ki", "push_pull_1shard_64Ki_bf16"]);
     for bad in ["0", "65Mi", "lots"] {
         let out = bench(bad);
