@@ -741,10 +741,16 @@ impl Client {
         }
         let versions = self.pulled_versions(&sinks, &requests_of);
         drop(sinks);
+        Ok(self.pulled_snapshot(tensors, versions))
+    }
+
+    /// The snapshot a pull (or a push-pull's answer) filled: `tensors` with their chunks' `versions`. The
+    /// time is remembered: the next push's compute time counts from it.
+    fn pulled_snapshot(&self, tensors: Vec<Vec<f32>>, versions: Vec<u64>) -> Snapshot {
         if let Ok(mut last) = self.inner.last_pull.lock() {
             *last = Some(Instant::now());
         }
-        Ok(Snapshot { tensors: Arc::new(tensors), versions })
+        Snapshot { tensors: Arc::new(tensors), versions }
     }
 
     /// A snapshot's tensor buffers. Every element is written by exactly one shard's reply before the
@@ -1023,10 +1029,7 @@ impl Client {
             if waits.is_empty() && sinks.iter().all(|sink| sink.filled) {
                 let versions = self.pulled_versions(&sinks, &requests_of);
                 drop(sinks);
-                if let Ok(mut last) = self.inner.last_pull.lock() {
-                    *last = Some(Instant::now());
-                }
-                next = Some(Snapshot { tensors: Arc::new(tensors), versions });
+                next = Some(self.pulled_snapshot(tensors, versions));
             } else {
                 drop(sinks);
                 tensors.into_iter().for_each(gaps_common::buffers::give);
