@@ -95,7 +95,7 @@ fn rate(min_time: Duration, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
 /// each and the median of the pairs' ratios a ÷ b. On a shared machine whose memory bandwidth drifts by 2×
 /// within seconds, the paired median tracks the ratio where best-of-windows picks each side's luckiest
 /// moment, which need not be the same moment.
-fn paired(
+pub(crate) fn paired(
     min_time: Duration,
     quick: bool,
     a: &mut dyn FnMut() -> Result<()>,

@@ -4,8 +4,10 @@
 //! - [`kernels`]: `gaps bench kernels`.
 //! - [`tables`]: `gaps bench tables`.
 //! - [`checkpoint`]: `gaps bench checkpoint`.
+//! - [`codec`]: `cargo bench --bench codec` (wire-format decoding into large buffers).
 
 pub mod checkpoint;
+pub mod codec;
 pub mod kernels;
 pub mod tables;
 pub mod transport;

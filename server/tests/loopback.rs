@@ -580,3 +580,91 @@ async fn a_shared_gradient_is_pushed_as_it_is_and_left_unchanged_for_the_caller(
         }
     }
 }
+
+/// Payloads of megabytes are written past the cache on both sides (the pulled snapshot, the shard's copy of
+/// a push) and checked on their wire bytes: the values are exactly those of the small-payload path, and a
+/// NaN or infinity deep inside a bf16 or an f32 section is still refused with nothing changed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn megabyte_payloads_go_past_the_cache_and_are_still_checked_value_by_value() {
+    use gaps_common::dtype::{bf16_to_f32, f32_to_bf16, WireDtype};
+    let certs = ClusterCerts::generate(&[]).expect("certs");
+    let mut big = TensorSpec::new("e", 700_000);
+    big.wire_dtype = Some(WireDtype::Bf16);
+    let l = Layout::new(vec![big, TensorSpec::new("d", 300_003)], 1 << 16).expect("layout");
+    let server = start_shard_serving(&certs, 0, 1, None, Rule::Sgd, l.clone(), 0.0).await;
+    let client = Client::connect(options(&certs, &server.advertise, Role::Worker)).await.expect("connect");
+    let round = |x: f32| bf16_to_f32(f32_to_bf16(x));
+    let grads: Vec<Vec<f32>> = l
+        .tensors
+        .iter()
+        .map(|spec| (0..spec.len as u32).map(|i| ((i * 31) % 17) as f32 / 17.0 * 1.001_234_5 - 0.4999).collect())
+        .collect();
+    let s0 = client.pull().await.expect("pull");
+    assert!(s0.tensors.iter().flatten().all(|v| *v == 0.0));
+    let (_, s1) = client.push_pull(grads.clone(), &s0).await.expect("push-pull");
+    for (i, g) in grads[0].iter().enumerate() {
+        assert_eq!(s1.tensors[0][i], round(-LR * round(*g)), "bf16 element {i}");
+    }
+    for (i, g) in grads[1].iter().enumerate() {
+        assert_eq!(s1.tensors[1][i], -LR * g, "f32 element {i}");
+    }
+
+    // Raw pushes with one bad value far into a section.
+    let tls = certs.worker_material().expect("tls");
+    let endpoint = net::client_endpoint(&tls, server.addr).expect("endpoint");
+    let conn = net::connect(&endpoint, server.addr, Duration::from_secs(3)).await.expect("connect");
+    let worker = client.worker_id().expect("id");
+    let (_, token) = client.credential().expect("credential");
+    let auth = Message::Authenticate(gaps_common::wire::Authenticate { worker, token });
+    net::call(&conn, &auth, &[], &Limits::default(), Duration::from_secs(3)).await.expect("authenticate");
+    let ids: Vec<ChunkId> = l.chunks().collect();
+    let chunks: Vec<PushChunk> = ids
+        .iter()
+        .zip(&s1.versions)
+        .map(|(id, v)| PushChunk {
+            id: *id,
+            read_version: *v,
+            len: l.chunk_len(*id).expect("len") as u32,
+            echo: false,
+            dtype: l.wire_dtype(id.tensor),
+        })
+        .collect();
+    let msg = Message::Push(Push {
+        epoch: client.map().epoch,
+        worker,
+        seq: 99,
+        chunks,
+        compute_ms: 0,
+        step: 0,
+        decisions: Default::default(),
+    });
+    let total = l.total_elems() as usize;
+    // 0.25 everywhere but one value: `bad_half` at bf16 index `at_half`, `bad` at f32 index `at`.
+    let frame = |at_half: usize, bad_half: u16, at: usize, bad: f32| {
+        let mut bytes = wire::encode_header(&msg, total).expect("header");
+        bytes.extend((0..700_000).flat_map(|i| if i == at_half { bad_half } else { 0x3e80u16 }.to_le_bytes()));
+        bytes.extend((0..300_003).flat_map(|i| if i == at { bad } else { 0.25f32 }.to_le_bytes()));
+        bytes
+    };
+    let expect = |reply: Message, what: &str| match reply {
+        Message::Error(e) => assert_eq!(e.code, ErrorCode::NonFinite, "{what}: {}", e.message),
+        other => panic!("{what}: expected an error, got {other:?}"),
+    };
+    let none = usize::MAX;
+    expect(raw_request(&conn, &frame(650_001, 0x7fc0, none, 0.0)).await, "bf16 NaN");
+    expect(raw_request(&conn, &frame(none, 0, 299_999, f32::NEG_INFINITY)).await, "f32 -infinity");
+    expect(raw_request(&conn, &frame(none, 0, 123_457, f32::from_bits(0x7f80_0001))).await, "f32 signalling NaN");
+    let again = client.pull().await.expect("pull");
+    assert_eq!((&again.tensors, &again.versions), (&s1.tensors, &s1.versions), "a refused push changed the shard");
+    match raw_request(&conn, &frame(none, 0, none, 0.0)).await {
+        Message::Ack(a) => assert!(!a.duplicate),
+        other => panic!("expected an ack, got {other:?}"),
+    }
+    let s2 = client.pull().await.expect("pull");
+    // The shard's f32 state went on from the unrounded value; the pull rounds it once.
+    assert_eq!(s2.tensors[0][650_001], round(-LR * round(grads[0][650_001]) - LR * 0.25));
+    assert_eq!(s2.tensors[1][299_999], s1.tensors[1][299_999] - LR * 0.25);
+    conn.close(0u32.into(), b"done");
+    client.leave().await.expect("leave");
+    server.shutdown().await.expect("shutdown");
+}

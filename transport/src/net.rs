@@ -673,14 +673,18 @@ pub async fn read_payload(recv: &mut quinn::RecvStream, msg: &Message) -> Result
 }
 
 /// [`read_payload`], also telling whether every value is finite (no NaN or ±∞): each run is checked as it
-/// is decoded, while in the cache, instead of in a second pass over the payload.
+/// is decoded, while in the cache, instead of in a second pass over the payload. A payload of megabytes is
+/// checked on its wire bytes and written past the cache ([`STREAMING_DESTINATION`]).
 pub async fn read_payload_finite(recv: &mut quinn::RecvStream, msg: &Message) -> Result<(Vec<f32>, bool), WireError> {
-    let mut values = gaps_common::buffers::take(msg.payload_elems() as usize);
+    let n = msg.payload_elems() as usize;
+    let mut values = gaps_common::buffers::take(n);
     let mut finite = true;
-    read_sections(recv, msg, &mut |dtype, run| {
-        finite &= gaps_common::dtype::decode_extend_finite(dtype, run, &mut values);
-    })
-    .await?;
+    let decode = if n.saturating_mul(4) >= STREAMING_DESTINATION {
+        gaps_common::dtype::decode_extend_finite_streaming
+    } else {
+        gaps_common::dtype::decode_extend_finite
+    };
+    read_sections(recv, msg, &mut |dtype, run| finite &= decode(dtype, run, &mut values)).await?;
     Ok((values, finite))
 }
 
@@ -733,15 +737,22 @@ pub async fn read_payload_into(
     if room != n {
         return Err(WireError::Io(format!("the reply carries {n} values where {room} were expected")));
     }
-    let mut fill = SliceFiller { dest, slice: 0, offset: 0 };
+    let streaming = room.saturating_mul(4) >= STREAMING_DESTINATION;
+    let mut fill = SliceFiller { dest, slice: 0, offset: 0, streaming };
     read_sections(recv, msg, &mut |dtype, run| fill.put(dtype, run)).await
 }
+
+/// Destinations of at least this many bytes (a core's L2 cache here) are written with non-temporal stores
+/// ([`gaps_common::dtype::decode_into_streaming`]): they do not stay in the cache anyway.
+const STREAMING_DESTINATION: usize = 2 << 20;
 
 /// Writes runs of whole values into a sequence of slices, splitting runs at slice boundaries.
 struct SliceFiller<'d, 'b> {
     dest: &'d mut [&'b mut [f32]],
     slice: usize,
     offset: usize,
+    /// The slices are large: written past the caches.
+    streaming: bool,
 }
 
 impl SliceFiller<'_, '_> {
@@ -756,7 +767,12 @@ impl SliceFiller<'_, '_> {
             }
             let target = &mut self.dest[self.slice][self.offset..];
             let count = target.len().min(run.len() / width);
-            gaps_common::dtype::decode_into(dtype, &run[..count * width], &mut target[..count]);
+            let (from, to) = (&run[..count * width], &mut target[..count]);
+            if self.streaming {
+                gaps_common::dtype::decode_into_streaming(dtype, from, to);
+            } else {
+                gaps_common::dtype::decode_into(dtype, from, to);
+            }
             self.offset += count;
             run = &run[count * width..];
         }
@@ -917,19 +933,20 @@ mod tests {
         let bytes: Vec<u8> = parts.iter().flat_map(|p| p.iter().copied()).collect();
         assert_eq!(bytes.len() as u64, msg.payload_bytes());
         assert_eq!(bytes.len(), 300 * 2 + 77 * 4 + 400 * 2);
-        for cut in [1usize, 3, 4, 6, 100, 3108] {
+        // Both ways of writing: through the cache, and past it (as into a destination of megabytes).
+        for (cut, streaming) in [1usize, 3, 4, 6, 100, 3108].into_iter().flat_map(|c| [(c, false), (c, true)]) {
             let mut a = vec![0f32; 5];
             let mut b = vec![0f32; 0];
             let mut c = vec![0f32; 772];
             let mut dest: Vec<&mut [f32]> = vec![&mut a, &mut b, &mut c];
-            let mut fill = SliceFiller { dest: &mut dest, slice: 0, offset: 0 };
+            let mut fill = SliceFiller { dest: &mut dest, slice: 0, offset: 0, streaming };
             let mut decoder = PayloadDecoder::new(&msg);
             for part in bytes.chunks(cut) {
                 decoder.feed(part, &mut |dtype, run| fill.put(dtype, run));
             }
             assert!(decoder.is_done());
             let joined: Vec<f32> = a.iter().chain(&b).chain(&c).copied().collect();
-            assert_eq!(joined, values, "chunks of {cut} bytes");
+            assert_eq!(joined, values, "chunks of {cut} bytes, streaming {streaming}");
         }
     }
 
