@@ -564,3 +564,34 @@ fn auto_mode_treats_a_slow_link_as_a_straggler_and_switches_back_when_it_recover
     assert_eq!(after.mode_switches, 2, "{after:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `scripts/bench-link` runs the transport bench over a loopback held to the rate it is given: the plain
+/// TCP echo, which alone moves 2–5 GB/s here, stays under the link's 800 Mbit/s (100 MB/s), and the gaps
+/// cases still run and report.
+#[test]
+#[ignore = "needs root and network namespaces: cargo test -p gaps-cli --test netns -- --ignored (.ci/run runs it)"]
+fn the_link_bench_moves_its_bytes_at_the_rate_it_was_given() {
+    let is_root = Command::new("id").arg("-u").output().is_ok_and(|o| o.stdout.starts_with(b"0"));
+    assert!(is_root, "the link bench needs root (tc, ip netns); CI runs it as root");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/bench-link");
+    let out = Command::new(&script)
+        .args(["800mbit", "--only", "push_pull_1shard", "--floats", "256Ki", "--repeats", "1", "--seconds", "0.5"])
+        .arg("--json")
+        .env("GAPS", env!("CARGO_BIN_EXE_gaps"))
+        .output()
+        .expect("running scripts/bench-link");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "bench-link failed: {text}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("tbf") && text.contains("800Mbit"), "the loopback was not shaped: {text}");
+    let rows: Vec<serde_json::Value> =
+        text.lines().filter(|l| l.starts_with('{')).map(|l| serde_json::from_str(l).expect("a JSON row")).collect();
+    let cases: Vec<&str> = rows.iter().filter_map(|r| r["case"].as_str()).collect();
+    assert_eq!(cases, ["push_pull_1shard_256Ki", "push_pull_1shard_256Ki_bf16"], "{text}");
+    for row in &rows {
+        let (tcp, gaps) =
+            (row["tcp_gbytes_per_s"].as_f64().unwrap_or(0.0), row["gbytes_per_s"].as_f64().unwrap_or(0.0));
+        // One direction at a time at most 0.1 GB/s, plus what the 512 KiB bucket lets through at once.
+        assert!(tcp > 0.0 && tcp < 0.13, "TCP moved {tcp} GB/s over an 800 Mbit/s link: {row}");
+        assert!(gaps > 0.0 && gaps < 0.13, "gaps moved {gaps} GB/s over an 800 Mbit/s link: {row}");
+    }
+}
