@@ -100,6 +100,53 @@ fn gradient(seed: u32) -> Vec<Vec<f32>> {
         .collect()
 }
 
+/// A connection of its own to `server`, authenticated as `client`'s worker (for raw requests).
+async fn connection_as(
+    certs: &ClusterCerts,
+    server: &RunningServer,
+    client: &Client,
+) -> (quinn::Endpoint, quinn::Connection) {
+    let tls = certs.worker_material().expect("tls");
+    let endpoint = net::client_endpoint(&tls, server.addr).expect("endpoint");
+    let conn = net::connect(&endpoint, server.addr, Duration::from_secs(3)).await.expect("connect");
+    let worker = client.worker_id().expect("id");
+    let (_, token) = client.credential().expect("credential");
+    let auth = Message::Authenticate(gaps_common::wire::Authenticate { worker, token });
+    net::call(&conn, &auth, &[], &Limits::default(), Duration::from_secs(3)).await.expect("authenticate");
+    (endpoint, conn)
+}
+
+/// A push of every chunk of `layout` by `client`'s worker, chunk i read at `versions[i]`, each tensor's
+/// values in `dtype(tensor)`.
+fn whole_push(
+    layout: &Layout,
+    client: &Client,
+    seq: u64,
+    versions: &[u64],
+    dtype: impl Fn(u32) -> gaps_common::dtype::WireDtype,
+) -> Message {
+    let chunks = layout
+        .chunks()
+        .zip(versions)
+        .map(|(id, v)| PushChunk {
+            id,
+            read_version: *v,
+            len: layout.chunk_len(id).expect("len") as u32,
+            echo: false,
+            dtype: dtype(id.tensor),
+        })
+        .collect();
+    Message::Push(Push {
+        epoch: client.map().epoch,
+        worker: client.worker_id().expect("id"),
+        seq,
+        chunks,
+        compute_ms: 0,
+        step: 0,
+        decisions: Default::default(),
+    })
+}
+
 async fn shutdown(servers: Vec<RunningServer>) {
     for s in servers {
         s.shutdown().await.expect("shutdown");
@@ -398,34 +445,9 @@ async fn sixteen_bit_tensors_travel_rounded_while_the_shard_keeps_f32() {
     assert!(rounded_somewhere, "the test's values must exercise rounding");
 
     // Bad 16-bit payloads over the network: a NaN pattern and a truncated value are refused.
-    let tls = certs.worker_material().expect("tls");
-    let endpoint = net::client_endpoint(&tls, server.addr).expect("endpoint");
-    let conn = net::connect(&endpoint, server.addr, Duration::from_secs(3)).await.expect("connect");
-    let worker = client.worker_id().expect("id");
-    let (_, token) = client.credential().expect("credential");
-    let auth = Message::Authenticate(gaps_common::wire::Authenticate { worker, token });
-    net::call(&conn, &auth, &[], &Limits::default(), Duration::from_secs(3)).await.expect("authenticate");
-    let ids: Vec<ChunkId> = layout().chunks().collect();
+    let (_endpoint, conn) = connection_as(&certs, &server, &client).await;
     let l = layout();
-    let chunks: Vec<PushChunk> = ids
-        .iter()
-        .map(|id| PushChunk {
-            id: *id,
-            read_version: 2,
-            len: l.chunk_len(*id).expect("len") as u32,
-            echo: false,
-            dtype: WireDtype::Bf16,
-        })
-        .collect();
-    let msg = Message::Push(Push {
-        epoch: client.map().epoch,
-        worker,
-        seq: 3,
-        chunks,
-        compute_ms: 0,
-        step: 0,
-        decisions: Default::default(),
-    });
+    let msg = whole_push(&l, &client, 3, &vec![2; l.chunks().count()], |_| WireDtype::Bf16);
     let total = l.total_elems() as usize;
     let frame = |pattern: u16, halves: usize, extra: usize| {
         let mut bytes = wire::encode_header(&msg, total).expect("header");
@@ -610,34 +632,8 @@ async fn megabyte_payloads_go_past_the_cache_and_are_still_checked_value_by_valu
     }
 
     // Raw pushes with one bad value far into a section.
-    let tls = certs.worker_material().expect("tls");
-    let endpoint = net::client_endpoint(&tls, server.addr).expect("endpoint");
-    let conn = net::connect(&endpoint, server.addr, Duration::from_secs(3)).await.expect("connect");
-    let worker = client.worker_id().expect("id");
-    let (_, token) = client.credential().expect("credential");
-    let auth = Message::Authenticate(gaps_common::wire::Authenticate { worker, token });
-    net::call(&conn, &auth, &[], &Limits::default(), Duration::from_secs(3)).await.expect("authenticate");
-    let ids: Vec<ChunkId> = l.chunks().collect();
-    let chunks: Vec<PushChunk> = ids
-        .iter()
-        .zip(&s1.versions)
-        .map(|(id, v)| PushChunk {
-            id: *id,
-            read_version: *v,
-            len: l.chunk_len(*id).expect("len") as u32,
-            echo: false,
-            dtype: l.wire_dtype(id.tensor),
-        })
-        .collect();
-    let msg = Message::Push(Push {
-        epoch: client.map().epoch,
-        worker,
-        seq: 99,
-        chunks,
-        compute_ms: 0,
-        step: 0,
-        decisions: Default::default(),
-    });
+    let (_endpoint, conn) = connection_as(&certs, &server, &client).await;
+    let msg = whole_push(&l, &client, 99, &s1.versions, |t| l.wire_dtype(t));
     let total = l.total_elems() as usize;
     // 0.25 everywhere but one value: `bad_half` at bf16 index `at_half`, `bad` at f32 index `at`.
     let frame = |at_half: usize, bad_half: u16, at: usize, bad: f32| {
