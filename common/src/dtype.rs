@@ -284,6 +284,18 @@ pub fn decode_into_streaming_uninit(dtype: WireDtype, bytes: &[u8], dst: &mut [s
 /// and ±∞ are the patterns whose exponent bits are all set, in each format): a receiver that writes the
 /// decoded values past the cache checks them here, on the bytes it just received.
 pub fn wire_all_finite(dtype: WireDtype, bytes: &[u8]) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if simd::available(WireDtype::Bf16) {
+        // SAFETY: AVX2 was checked just now.
+        #[allow(unsafe_code)]
+        return unsafe { simd::wire_all_finite(dtype, bytes) };
+    }
+    wire_all_finite_portable(dtype, bytes)
+}
+
+/// [`wire_all_finite`] as plain code (a branch-free min the compiler vectorizes).
+#[inline(always)]
+fn wire_all_finite_portable(dtype: WireDtype, bytes: &[u8]) -> bool {
     match dtype {
         WireDtype::F32 => {
             const INF: u32 = 0x7f80_0000;
@@ -476,6 +488,11 @@ mod simd {
     pub(super) fn available(dtype: WireDtype) -> bool {
         std::arch::is_x86_feature_detected!("avx2")
             && (dtype != WireDtype::F16 || std::arch::is_x86_feature_detected!("f16c"))
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn wire_all_finite(dtype: WireDtype, bytes: &[u8]) -> bool {
+        wire_all_finite_portable(dtype, bytes)
     }
 
     #[target_feature(enable = "avx2")]
