@@ -21,7 +21,7 @@ pub struct CodecResult {
     pub ratio: f64,
 }
 
-/// Bytes of wire data per piece handed to the decoder (about what one quinn read returns here).
+/// Bytes of wire data per piece handed to the decoder (about one 64 KiB loopback datagram's stream data).
 const PIECE: usize = 64 << 10;
 
 /// Decodes `values`-value replies of each format into destinations cycled over at least 96 MB (so each
