@@ -144,7 +144,7 @@ fn a_users_layout_file_is_served_by_shard_processes_and_trained() {
     let path = |f: &str| dir.join(f).display().to_string();
     let out = Command::new(env!("CARGO_BIN_EXE_gaps"))
         .args(["checkpoint", "--coordinator", &coordinator, "--ca", &path("ca.pem")])
-        .args(["--cert", &path("worker.pem"), "--key", &path("worker.key")])
+        .args(["--cert", &path("shard-0.pem"), "--key", &path("shard-0.key")])
         .env("RUST_BACKTRACE", "0")
         .output()
         .expect("gaps checkpoint");

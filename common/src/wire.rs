@@ -129,6 +129,9 @@ pub enum ErrorCode {
     TooLate,
     /// The peer's certificate or credential does not allow this request.
     Unauthorized,
+    /// The server had no room for the request's bytes in time (its in-flight memory budget was taken by
+    /// other requests); nothing of it was applied, and the same request may be sent again after a pause.
+    Busy,
 }
 
 /// The role a registering client asks for.

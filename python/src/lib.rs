@@ -39,6 +39,7 @@ fn client_err(e: ClientError) -> PyErr {
             ErrorCode::WrongShape => err("shape", text),
             ErrorCode::NonFinite => err("nonfinite", text),
             ErrorCode::Unauthorized => err("unauthorized", text),
+            ErrorCode::Busy => err("unavailable", text),
             _ => err("server", text),
         },
         ClientError::Rpc(RpcError::Connection { .. } | RpcError::Timeout { .. }) => err("unavailable", text),

@@ -9,13 +9,13 @@
 //!   `w` and the registrant's certificate identity, under a key only the shards hold. So no other worker
 //!   (even one holding the same certificate) can act as `w`, and a credential is useless with another
 //!   certificate;
-//! - checkpoint requests with an id come from the coordinator only.
+//! - checkpoint requests come from the coordinator's certificate only (its schedule, or an operator holding it).
 //!
 //! Refusals are typed (`Unauthorized`), say nothing about the model, are counted, and logged at a bounded
 //! rate.
 
 use anyhow::{Context, Result};
-use gaps_common::wire::{CheckpointRequest, Message, Role as WireRole, Token};
+use gaps_common::wire::{Message, Role as WireRole, Token};
 use gaps_transport::identity::{PeerIdentity, Role};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -121,8 +121,11 @@ pub fn authorize(msg: &Message, peer: &PeerIdentity, bound: Option<u32>) -> Resu
         (Message::Register(r), Role::Shard(_)) if r.role == WireRole::Worker => {
             Err(format!("{peer} is a shard certificate; it cannot register a worker"))
         }
-        (Message::CheckpointRequest(CheckpointRequest { id, .. }), role) if *id != 0 && *role != Role::Shard(0) => {
-            Err(format!("{peer} cannot name a checkpoint id (only the coordinator does)"))
+        // Checkpoints are the coordinator's to order: its schedule asks every shard, and an operator's
+        // on-demand checkpoint (`gaps checkpoint`) presents the coordinator's certificate. A worker that
+        // could order them could make shards write without end, or wait for a step never reached.
+        (Message::CheckpointRequest(_), role) if *role != Role::Shard(0) => {
+            Err(format!("{peer} cannot ask for checkpoints (only the coordinator's certificate can)"))
         }
         _ => match acting_worker(msg) {
             Some(w) if bound == Some(w) => Ok(()),
@@ -215,6 +218,19 @@ mod tests {
         assert!(authorize(&Message::Leave(Leave { worker: 7 }), &id(Role::Shard(0)), None).is_err());
         let err = authorize(&join(2), &id(Role::Shard(1)), None).expect_err("refused");
         assert!(!err.contains("fingerprint") && !err.contains("layout"), "{err}");
+    }
+
+    #[test]
+    fn only_the_coordinators_certificate_asks_for_checkpoints() {
+        use gaps_common::wire::{CheckpointAt, CheckpointRequest};
+        for (req_id, at) in [(0, CheckpointAt::Quiescent), (0, CheckpointAt::Step(1 << 62)), (9, CheckpointAt::Now)] {
+            let req = Message::CheckpointRequest(CheckpointRequest { id: req_id, at });
+            assert!(authorize(&req, &id(Role::Shard(0)), None).is_ok(), "{req:?}");
+            assert!(authorize(&req, &id(Role::Shard(2)), None).is_err(), "another shard: {req:?}");
+            let worker = id(Role::Worker("w".into()));
+            assert!(authorize(&req, &worker, None).is_err(), "a worker: {req:?}");
+            assert!(authorize(&req, &worker, Some(3)).is_err(), "an authenticated worker: {req:?}");
+        }
     }
 
     #[test]

@@ -35,13 +35,18 @@ pub struct Found {
 
 fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
     let tmp = path.with_extension("tmp");
-    {
+    let written = (|| {
         let mut f = File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
         f.write_all(bytes).with_context(|| format!("writing {}", tmp.display()))?;
         f.sync_all().with_context(|| format!("flushing {}", tmp.display()))?;
+        drop(f);
+        fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
+    })();
+    if written.is_err() {
+        // A write that failed (disk full, I/O error) leaves no partial file behind to fill the disk further.
+        let _ = fs::remove_file(&tmp);
     }
-    fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
-    Ok(())
+    written
 }
 
 fn sync_dir(dir: &Path) -> Result<()> {
@@ -164,4 +169,26 @@ pub fn load_verified(bin: &Path, manifest: &Path) -> Result<Vec<u8>> {
 pub fn load_path(path: &Path) -> Result<Vec<u8>> {
     let (bin, manifest) = (path.with_extension("bin"), path.with_extension("json"));
     load_verified(&bin, &manifest)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_write_leaves_no_temporary_file() {
+        let dir = std::env::temp_dir().join(format!("gaps-ckpt-tmp-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).expect("dir");
+        // The destination is a non-empty directory, so the final rename fails after the data was written.
+        let path = dir.join("ckpt-1.bin");
+        fs::create_dir_all(path.join("in-the-way")).expect("obstacle");
+        assert!(write_atomically(&path, &[7u8; 4096]).is_err());
+        assert!(!path.with_extension("tmp").exists(), "the temporary file was removed");
+        let ok = dir.join("ckpt-2.bin");
+        write_atomically(&ok, b"state").expect("a write that can succeed");
+        assert_eq!(fs::read(&ok).expect("read"), b"state");
+        assert!(!ok.with_extension("tmp").exists());
+        let _ = fs::remove_dir_all(&dir);
+    }
 }

@@ -102,6 +102,16 @@ pub struct ServerArgs {
     /// cut off (and counted).
     #[arg(long, env = "GAPS_REQUEST_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
     pub request_timeout: Duration,
+    /// A request of which no byte arrives for this long is cut off (and counted).
+    #[arg(long, env = "GAPS_STALL_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub stall_timeout: Duration,
+    /// How long a request waits for room in the in-flight memory before it is refused as busy (the client
+    /// sends it again after a pause).
+    #[arg(long, env = "GAPS_BUDGET_WAIT", default_value = "2s", value_parser = parse_duration)]
+    pub budget_wait: Duration,
+    /// A connection that opens no request for this long is closed (clients reconnect when they need to).
+    #[arg(long, env = "GAPS_IDLE_TIMEOUT", default_value = "300s", value_parser = parse_duration)]
+    pub idle_timeout: Duration,
     /// Keep checkpoints under this directory (each shard in `shard-<i>/`); a shard started with a directory
     /// that holds a complete checkpoint restores it (see --restore) and rejoins the cluster.
     #[arg(long, env = "GAPS_CHECKPOINT_DIR")]
@@ -327,6 +337,9 @@ impl ServerArgs {
             max_connections: self.max_connections as usize,
             max_connections_per_ip: self.max_connections_per_ip,
             request_timeout: self.request_timeout,
+            stall_timeout: self.stall_timeout,
+            budget_wait: self.budget_wait,
+            idle_timeout: self.idle_timeout,
             checkpoint: self.checkpoint_dir.as_ref().map(|dir| crate::service::CheckpointConfig {
                 dir: dir.clone(),
                 every: self.checkpoint_every,

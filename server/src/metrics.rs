@@ -141,8 +141,11 @@ pub struct ShardMetrics {
     pub dropped_stale: Counter,
     /// The learning-rate multiplier of the last update.
     pub lr_multiplier: Gauge,
-    /// Requests cut off because their header or payload did not arrive within the request timeout.
+    /// Requests cut off because their header or payload did not arrive within the request timeout, no
+    /// byte came for the stall timeout, or the peer did not take its reply.
     pub requests_timed_out: Counter,
+    /// Requests refused as busy: no room in the in-flight budget within the budget wait.
+    pub requests_busy: Counter,
     /// Connections refused because the shard already served its maximum (or the peer address its share).
     pub connections_refused: Counter,
     /// Requests and connections refused because the certificate or credential does not allow them.
@@ -191,6 +194,7 @@ impl ShardMetrics {
             dropped_stale: metrics::counter!("gaps_dropped_stale_total", "shard" => shard.clone()),
             lr_multiplier: metrics::gauge!("gaps_lr_multiplier", "shard" => shard.clone()),
             requests_timed_out: metrics::counter!("gaps_requests_timed_out_total", "shard" => shard.clone()),
+            requests_busy: metrics::counter!("gaps_requests_busy_total", "shard" => shard.clone()),
             connections_refused: metrics::counter!("gaps_connections_refused_total", "shard" => shard.clone()),
             unauthorized: metrics::counter!("gaps_unauthorized_total", "shard" => shard),
         }
@@ -213,7 +217,11 @@ pub fn install_recorder() -> anyhow::Result<PrometheusHandle> {
     metrics::describe_counter!("gaps_pulls_total", "Parameter pulls served.");
     metrics::describe_counter!(
         "gaps_requests_timed_out_total",
-        "Requests cut off because their header or payload did not arrive within the request timeout."
+        "Requests cut off: not whole within the request timeout, stalled, or their reply not taken."
+    );
+    metrics::describe_counter!(
+        "gaps_requests_busy_total",
+        "Requests refused as busy (sent again by the client): no room in the in-flight budget in time."
     );
     metrics::describe_counter!(
         "gaps_connections_refused_total",

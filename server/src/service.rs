@@ -23,7 +23,7 @@ use gaps_common::wire::{
 use gaps_shard::stripes::Assembler;
 use gaps_shard::{CoreEvent, Readiness, ShardConfig, ShardCore};
 use gaps_transport::identity::{PeerIdentity, Role};
-use gaps_transport::net::{self, RpcError};
+use gaps_transport::net::{self, Admission as _, RpcError};
 use gaps_transport::tls::TlsMaterial;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -68,9 +68,18 @@ pub struct ServiceConfig {
     pub max_connections: usize,
     /// Connections from one IP address at most (so one host cannot take every connection slot).
     pub max_connections_per_ip: u32,
-    /// How long a request's header, and then its payload, may take to arrive; a slower or stalled sender
-    /// is cut off.
+    /// How long a request's header, and then its payload, may take to arrive, and its reply to be taken by
+    /// the peer; a slower sender or reader is cut off.
     pub request_timeout: Duration,
+    /// A request of which no byte arrived for this long is cut off (its sender stalled, or holds the stream
+    /// open on purpose).
+    pub stall_timeout: Duration,
+    /// How long a request waits for room in the in-flight budget before it is refused as busy (the client
+    /// sends it again).
+    pub budget_wait: Duration,
+    /// A connection that opens no request for this long is closed (workers heartbeat far more often; a
+    /// client whose connection was closed opens a new one).
+    pub idle_timeout: Duration,
     /// Where checkpoints go and how often (None: no checkpoints).
     pub checkpoint: Option<CheckpointConfig>,
     /// Whether to start from a checkpoint.
@@ -98,6 +107,9 @@ impl ServiceConfig {
             max_connections: DEFAULT_MAX_CONNECTIONS,
             max_connections_per_ip: DEFAULT_MAX_CONNECTIONS_PER_IP,
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
+            stall_timeout: DEFAULT_STALL_TIMEOUT,
+            budget_wait: DEFAULT_BUDGET_WAIT,
+            idle_timeout: DEFAULT_IDLE_TIMEOUT,
             checkpoint: None,
             restore: Restore::Never,
             health: None,
@@ -149,6 +161,15 @@ pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
 pub const DEFAULT_MAX_CONNECTIONS_PER_IP: u32 = 512;
 /// Default of [`ServiceConfig::request_timeout`].
 pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
+/// Default of [`ServiceConfig::stall_timeout`].
+pub const DEFAULT_STALL_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default of [`ServiceConfig::budget_wait`].
+pub const DEFAULT_BUDGET_WAIT: Duration = Duration::from_secs(2);
+/// Default of [`ServiceConfig::idle_timeout`].
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(300);
+/// One connection's requests together hold at most this fraction of the in-flight budget (1/4), so that no
+/// peer can take all of it; a single request larger than that share is admitted at the share.
+const CONNECTION_SHARE_DIVISOR: u32 = 4;
 /// The in-flight budget is counted in units of this many bytes (the semaphore counts permits in u32).
 const BUDGET_UNIT: u64 = 1024;
 
@@ -293,6 +314,14 @@ struct Shared {
     /// Connections served now, at most the configured maximum.
     connections: Arc<Semaphore>,
     request_timeout: Duration,
+    stall_timeout: Duration,
+    budget_wait: Duration,
+    idle_timeout: Duration,
+    /// Budget units one connection's requests may hold together.
+    connection_units: u32,
+    /// Requests refused as busy, and connections closed for idling.
+    busy: AtomicU64,
+    idle_closed: AtomicU64,
     /// Requests cut off for taking too long, and connections refused (also exported as metrics).
     timed_out: AtomicU64,
     refused: AtomicU64,
@@ -340,16 +369,14 @@ impl Shared {
         self.queue.send(command).await.map_err(|_| anyhow!("shard {} core thread stopped", self.shard))
     }
 
-    /// Bytes a request may hold while in flight: its payload plus the largest reply it can get.
-    fn request_bytes(&self, msg: &Message) -> u64 {
-        let payload = msg.payload_elems() * 4;
-        let reply = match msg {
+    /// Bytes the largest reply to `msg` can hold (admitted once the request is whole, before it is handled).
+    fn reply_bytes(&self, msg: &Message) -> u64 {
+        match msg {
             Message::Pull(p) => p.chunks.len() as u64 * self.chunk_elems * 4,
             Message::PushPull(p) => p.chunks.len() as u64 * self.chunk_elems * 4,
             Message::SparsePull(p) => u64::from(p.count) * (1 + self.widest_table) * 4,
             _ => 0,
-        };
-        payload + reply
+        }
     }
 }
 
@@ -402,6 +429,16 @@ impl RunningServer {
     /// Requests cut off because their header or payload took longer than the request timeout.
     pub fn requests_timed_out(&self) -> u64 {
         self.shared.timed_out.load(Ordering::Relaxed)
+    }
+
+    /// Requests refused as busy: the in-flight budget had no room for them within the budget wait.
+    pub fn requests_busy(&self) -> u64 {
+        self.shared.busy.load(Ordering::Relaxed)
+    }
+
+    /// Connections closed because they opened no request for the idle timeout.
+    pub fn connections_idle_closed(&self) -> u64 {
+        self.shared.idle_closed.load(Ordering::Relaxed)
     }
 
     /// Connections refused because the shard already served its maximum.
@@ -574,6 +611,12 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
         limits,
         connections: Arc::new(Semaphore::new(cfg.max_connections.max(1))),
         request_timeout: cfg.request_timeout,
+        stall_timeout: cfg.stall_timeout,
+        budget_wait: cfg.budget_wait,
+        idle_timeout: cfg.idle_timeout,
+        connection_units: (budget_units / CONNECTION_SHARE_DIVISOR).max(1),
+        busy: AtomicU64::new(0),
+        idle_closed: AtomicU64::new(0),
         timed_out: AtomicU64::new(0),
         refused: AtomicU64::new(0),
         endpoint: endpoint.clone(),
@@ -713,7 +756,6 @@ async fn checkpoint_reply(shared: &Shared, req: CheckpointRequest) -> Frame {
 /// blocking thread. `id` None picks a fresh one.
 async fn take_checkpoint(shared: &Shared, id: Option<u64>, at: CheckpointAt) -> Result<Written, CheckpointFailure> {
     let Some(store) = shared.store.clone() else { return Err(anyhow!("this shard has no --checkpoint-dir").into()) };
-    let mut spare = shared.checkpoint_lock.lock().await;
     let id = match id {
         Some(id) => {
             shared.next_checkpoint.fetch_max(id + 1, Ordering::Relaxed);
@@ -722,7 +764,12 @@ async fn take_checkpoint(shared: &Shared, id: Option<u64>, at: CheckpointAt) -> 
         None => next_id(shared),
     };
     let (tx, rx) = oneshot::channel();
-    let buf = std::mem::take(&mut *spare);
+    // The lock is held only to take the spare buffer and, below, while writing: waiting for the step (up to
+    // CHECKPOINT_WAIT) holds nothing that the next scheduled checkpoint needs.
+    let buf = match shared.checkpoint_lock.try_lock() {
+        Ok(mut spare) => std::mem::take(&mut *spare),
+        Err(_) => Vec::new(),
+    };
     shared.send(Command::Checkpoint(PendingSnapshot { id, at, buf, reply: tx })).await?;
     let snapshot = tokio::select! {
         got = tokio::time::timeout(CHECKPOINT_WAIT, rx) => match got {
@@ -740,6 +787,7 @@ async fn take_checkpoint(shared: &Shared, id: Option<u64>, at: CheckpointAt) -> 
         _ => None,
     };
     let info = ShardCore::checkpoint_info(&bytes).map_err(|e| anyhow!("reading back checkpoint {id}: {e}"))?;
+    let mut spare = shared.checkpoint_lock.lock().await;
     let started = Instant::now();
     let size = bytes.len();
     let (written, bytes) = tokio::task::spawn_blocking(move || (store.write(&info, step, at_step, &bytes), bytes))
@@ -1022,18 +1070,29 @@ async fn serve_connection(
     let conn_peer = Arc::new(ConnPeer { identity, conn_id: conn.stable_id() });
     debug!(%peer, identity = %conn_peer.identity, "connection");
     let _unbind = Unbind { shared: shared.clone(), conn_id: conn_peer.conn_id };
+    // This connection's share of the in-flight budget, which its requests together cannot exceed.
+    let share = Arc::new(Semaphore::new(shared.connection_units as usize));
     loop {
         let stream = tokio::select! {
             _ = shutdown.changed() => return,
-            s = conn.accept_bi() => s,
+            s = tokio::time::timeout(shared.idle_timeout, conn.accept_bi()) => match s {
+                Ok(s) => s,
+                Err(_) => {
+                    shared.idle_closed.fetch_add(1, Ordering::Relaxed);
+                    debug!(%peer, idle = ?shared.idle_timeout, "closing an idle connection");
+                    conn.close(4u32.into(), b"idle: no request within the idle timeout");
+                    return;
+                }
+            },
         };
         match stream {
             Ok((send, recv)) => {
                 let shared = shared.clone();
                 let token = inflight.clone();
                 let conn_peer = conn_peer.clone();
+                let share = share.clone();
                 tokio::spawn(async move {
-                    serve_stream(&shared, &conn_peer, send, recv).await;
+                    serve_stream(&shared, &conn_peer, &share, send, recv).await;
                     drop(token);
                 });
             }
@@ -1057,31 +1116,142 @@ impl Drop for Unbind {
     }
 }
 
-async fn serve_stream(shared: &Shared, peer: &ConnPeer, mut send: quinn::SendStream, mut recv: quinn::RecvStream) {
+async fn serve_stream(
+    shared: &Shared,
+    peer: &ConnPeer,
+    share: &Semaphore,
+    mut send: quinn::SendStream,
+    mut recv: quinn::RecvStream,
+) {
     let started = Instant::now();
-    let header = match tokio::time::timeout(shared.request_timeout, net::read_header(&mut recv, &shared.limits)).await {
-        Err(_) => return cut_off(shared, &mut send, &mut recv, "header"),
-        Ok(Ok(msg)) => Ok(msg),
-        Ok(Err(WireError::Io(message))) => {
-            debug!(%message, "stream broke before the request was complete");
-            return;
+    // Memory is admitted as the request's bytes arrive (header, then payload), and the reply's only once
+    // the request is whole: a stream that declares much and sends little holds next to nothing.
+    let mut reservation = Reservation { shared, share, units: 0 };
+    let read = async {
+        let header = net::read_request_header(&mut recv, &shared.limits, shared.stall_timeout, &mut reservation).await;
+        let msg = match header {
+            Ok(msg) => msg,
+            Err(net::RequestReadError::Wire(e)) => return Ok(Err(e)),
+            Err(e) => return Err(e),
+        };
+        let already = reservation.units as u64 * BUDGET_UNIT;
+        let payload = net::read_request_payload(&mut recv, &msg, shared.stall_timeout, already, &mut reservation);
+        let (payload, all_finite) = match payload.await {
+            Ok(read) => read,
+            Err(net::RequestReadError::Wire(e)) => return Ok(Err(e)),
+            Err(e) => return Err(e),
+        };
+        if let Err(e) = net::expect_end(&mut recv).await {
+            return Ok(Err(e));
         }
-        Ok(Err(e)) => Err(e),
+        let whole = reservation.units as u64 * BUDGET_UNIT + shared.reply_bytes(&msg);
+        reservation.grow_to(whole).await.map_err(net::RequestReadError::Busy)?;
+        Ok(Ok((Frame { msg, payload }, all_finite)))
     };
-    // Reserve the request's bytes before reading its payload: while the budget is spent this stream is not
-    // read, and QUIC flow control holds the sender back.
-    let bytes = header.as_ref().map_or(0, |msg| shared.request_bytes(msg));
-    let units = bytes.div_ceil(BUDGET_UNIT).clamp(1, u64::from(shared.budget_units)) as u32;
-    let Ok(_permit) = shared.budget.acquire_many(units).await else { return };
+    let request = match tokio::time::timeout(shared.request_timeout, read).await {
+        Err(_) => return cut_off(shared, &mut send, &mut recv, "request"),
+        Ok(Err(net::RequestReadError::Stalled)) => return cut_off(shared, &mut send, &mut recv, "stalled request"),
+        Ok(Err(net::RequestReadError::Busy(reason))) => {
+            return refuse_busy(shared, peer, &mut send, &mut recv, &reason).await
+        }
+        Ok(Err(net::RequestReadError::Wire(e))) | Ok(Ok(Err(e))) => Err(e),
+        Ok(Ok(Ok(request))) => Ok(request),
+    };
     let mut held = Held { shared, bytes: 0 };
-    serve_request(&mut held, peer, &mut send, &mut recv, header, started).await;
+    serve_request(&mut held, peer, &mut send, &mut recv, request, started).await;
+    drop(reservation);
+}
+
+/// A request's share of the in-flight budget (in [`BUDGET_UNIT`]s), taken from the shard's budget and from
+/// its connection's share as the request's bytes arrive, and given back to both when the request ends.
+struct Reservation<'a> {
+    shared: &'a Shared,
+    share: &'a Semaphore,
+    units: u32,
+}
+
+impl net::Admission for Reservation<'_> {
+    async fn grow_to(&mut self, bytes: u64) -> Result<(), String> {
+        // A request larger than a connection's share is admitted at the share (the largest model pushes are
+        // bounded by the payload limit instead).
+        let want = bytes.div_ceil(BUDGET_UNIT).min(u64::from(self.shared.connection_units)) as u32;
+        if want <= self.units {
+            return Ok(());
+        }
+        // What is held goes back and the whole amount is taken at once (first the connection's share, then
+        // the shard's budget, always in that order): a request never holds part of the budget while it
+        // waits for more, so requests that wait on one another cannot deadlock.
+        self.release();
+        let wait = self.shared.budget_wait;
+        let take = async {
+            let own = self.share.acquire_many(want).await.map_err(|_| "the shard is stopping".to_string())?;
+            let all = self.shared.budget.acquire_many(want).await.map_err(|_| "the shard is stopping".to_string())?;
+            own.forget();
+            all.forget();
+            Ok::<(), String>(())
+        };
+        match tokio::time::timeout(wait, take).await {
+            Ok(Ok(())) => {
+                self.units = want;
+                Ok(())
+            }
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(format!(
+                "no room for {want} KiB of this request within {wait:?} (in-flight budget {} KiB, {} KiB per connection)",
+                self.shared.budget_units, self.shared.connection_units
+            )),
+        }
+    }
+}
+
+impl Reservation<'_> {
+    fn release(&mut self) {
+        self.share.add_permits(self.units as usize);
+        self.shared.budget.add_permits(self.units as usize);
+        self.units = 0;
+    }
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+/// Refuses a request the in-flight budget had no room for in time: answered [`ErrorCode::Busy`] (nothing of
+/// it was applied, the client sends it again), then the rest of it is not read.
+async fn refuse_busy(
+    shared: &Shared,
+    peer: &ConnPeer,
+    send: &mut quinn::SendStream,
+    recv: &mut quinn::RecvStream,
+    reason: &str,
+) {
+    shared.busy.fetch_add(1, Ordering::Relaxed);
+    shared.metrics.requests_busy.increment(1);
+    if let Some(suppressed) = shared.log_malformed.allow() {
+        warn!(identity = %peer.identity, %reason, suppressed, "refused a request: no room in the in-flight budget");
+    }
+    let refusal = Message::error(ErrorCode::Busy, format!("shard {} is busy: {reason}", shared.shard));
+    let _ = recv.stop(0u32.into());
+    match tokio::time::timeout(shared.stall_timeout, net::write_frame(send, &refusal, &[])).await {
+        Ok(Ok(_)) => {
+            let _ = send.finish();
+        }
+        _ => {
+            let _ = send.reset(2u32.into());
+        }
+    }
 }
 
 /// Ends a stream whose sender is too slow or stalled: resets both directions and counts it.
 fn cut_off(shared: &Shared, send: &mut quinn::SendStream, recv: &mut quinn::RecvStream, part: &str) {
     shared.timed_out.fetch_add(1, Ordering::Relaxed);
     shared.metrics.requests_timed_out.increment(1);
-    warn!(part, timeout = ?shared.request_timeout, "cut off a request that did not arrive in time");
+    if let Some(suppressed) = shared.log_malformed.allow() {
+        warn!(part, request_timeout = ?shared.request_timeout, stall_timeout = ?shared.stall_timeout, suppressed,
+            "cut off a request that did not arrive in time");
+    }
     let _ = recv.stop(2u32.into());
     let _ = send.reset(2u32.into());
 }
@@ -1111,29 +1281,16 @@ async fn serve_request(
     peer: &ConnPeer,
     send: &mut quinn::SendStream,
     recv: &mut quinn::RecvStream,
-    header: Result<Message, WireError>,
+    request: Result<(Frame, bool), WireError>,
     started: Instant,
 ) {
     let shared = held.shared;
     let mut finite = false;
-    let request = match header {
-        Ok(msg) => {
-            let read = async {
-                let payload = net::read_payload_finite(recv, &msg).await?;
-                net::expect_end(recv).await.map(|()| payload)
-            };
-            match tokio::time::timeout(shared.request_timeout, read).await {
-                Err(_) => return cut_off(shared, send, recv, "payload"),
-                Ok(Ok((payload, all_finite))) => {
-                    held.add(payload.len() as u64 * 4);
-                    finite = all_finite;
-                    Ok(Frame { msg, payload })
-                }
-                Ok(Err(e)) => Err(e),
-            }
-        }
-        Err(e) => Err(e),
-    };
+    let request = request.map(|(frame, all_finite)| {
+        held.add(frame.payload.len() as u64 * 4);
+        finite = all_finite;
+        frame
+    });
     let (reply, views, histogram) = match request {
         Err(WireError::Io(message)) => {
             debug!(%message, "stream broke before the request was complete");
@@ -1201,9 +1358,11 @@ async fn serve_request(
         }
     };
     held.add(parts.iter().map(|p| p.len() as u64).sum());
-    match net::write_frame(send, &msg, &parts).await {
-        Ok(bytes) => shared.metrics.bytes_out.increment(bytes),
-        Err(e) => debug!(error = %e, "writing the reply"),
+    // A peer that does not take its reply is cut off at the request's time limit, which frees the reply.
+    match tokio::time::timeout(shared.request_timeout, net::write_frame(send, &msg, &parts)).await {
+        Ok(Ok(bytes)) => shared.metrics.bytes_out.increment(bytes),
+        Ok(Err(e)) => debug!(error = %e, "writing the reply"),
+        Err(_) => return cut_off(shared, send, recv, "reply"),
     }
     let _ = send.finish();
     histogram.record(started.elapsed().as_secs_f64());

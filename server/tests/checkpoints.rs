@@ -75,8 +75,21 @@ async fn a_shard_restarts_from_its_newest_intact_checkpoint() {
     }
     tokio::time::sleep(Duration::from_millis(400)).await;
     assert!(server.checkpoints_written() >= 1, "periodic checkpoints are written");
-    // On demand, through the protocol (what `gaps checkpoint` sends).
-    let written = c.checkpoint().await.expect("checkpoint on demand");
+    // A worker's certificate may not order checkpoints: refused, and nothing is written.
+    let before_refusal = server.checkpoints_written();
+    match c.checkpoint().await {
+        Err(gaps_worker::ClientError::Rpc(gaps_transport::net::RpcError::Remote { code, .. })) => {
+            assert_eq!(code, gaps_common::ErrorCode::Unauthorized)
+        }
+        other => panic!("a worker's checkpoint request must be refused, got {other:?}"),
+    }
+    assert!(server.unauthorized() >= 1);
+    // On demand, through the protocol, with the coordinator's certificate (what `gaps checkpoint` sends).
+    let mut o = ClientOptions::new(&server.advertise, certs.shard_material(0).expect("tls"), Role::Observer, "op");
+    o.rpc_timeout = Duration::from_secs(10);
+    let operator = Client::connect(o).await.expect("connect");
+    let written = operator.checkpoint().await.expect("checkpoint on demand");
+    assert!(server.checkpoints_written() > before_refusal);
     assert_eq!(written.shards.len(), 1);
     assert_eq!(written.shards[0].shard, 0);
     assert!(Path::new(&written.shards[0].path).exists(), "{written:?}");

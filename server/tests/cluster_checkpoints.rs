@@ -135,7 +135,7 @@ async fn in_async_every_shard_writes_the_coordinators_id_and_gaps_checkpoint_rea
     assert!(common >= 2, "shard 0 {a:?}, shard 1 {b:?}");
 
     // What `gaps checkpoint` sends: the coordinator answers with every shard's file of one id.
-    let mut o = ClientOptions::new(&s0.advertise, certs.worker_material().expect("tls"), Role::Observer, "op");
+    let mut o = ClientOptions::new(&s0.advertise, certs.shard_material(0).expect("tls"), Role::Observer, "op");
     o.rpc_timeout = Duration::from_secs(20);
     let c = Client::connect(o).await.expect("connect");
     let done = c.checkpoint().await.expect("checkpoint");

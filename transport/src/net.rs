@@ -688,6 +688,135 @@ pub async fn read_payload_finite(recv: &mut quinn::RecvStream, msg: &Message) ->
     Ok((values, finite))
 }
 
+/// Why a server stopped reading a request before it was whole.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RequestReadError {
+    /// The bytes do not make a valid request (answered with the reason).
+    Wire(WireError),
+    /// No byte arrived for the stall limit: the sender is stuck or holding the stream open on purpose.
+    Stalled,
+    /// The server's memory budget had no room for the request's bytes in time (answered
+    /// [`gaps_common::ErrorCode::Busy`]; the client may send it again).
+    Busy(String),
+}
+
+impl From<WireError> for RequestReadError {
+    fn from(e: WireError) -> Self {
+        RequestReadError::Wire(e)
+    }
+}
+
+/// A server's reservation of memory for one request, grown as the request's bytes arrive, so that a request
+/// holds budget for what it sent rather than for what it declared.
+pub trait Admission {
+    /// Makes room for `bytes` bytes of this request in all (the reservation never shrinks); an error
+    /// refuses the request with that reason.
+    fn grow_to(&mut self, bytes: u64) -> impl std::future::Future<Output = Result<(), String>> + Send;
+}
+
+/// The first room a request's payload gets when its first byte arrives: one stream window, what a sender
+/// can have in flight before the server reads. The rest, if any, is admitted once this much has arrived.
+pub const FIRST_PAYLOAD_ADMISSION: u64 = STREAM_WINDOW as u64;
+
+/// The next byte chunk of a request, or [`RequestReadError::Stalled`] when none came within `stall`.
+async fn next_chunk(
+    recv: &mut quinn::RecvStream,
+    max: usize,
+    stall: Duration,
+) -> Result<Option<quinn::Chunk>, RequestReadError> {
+    match tokio::time::timeout(stall, recv.read_chunk(max, true)).await {
+        Err(_) => Err(RequestReadError::Stalled),
+        Ok(Err(e)) => Err(WireError::Io(e.to_string()).into()),
+        Ok(Ok(chunk)) => Ok(chunk),
+    }
+}
+
+/// Reads a request's prefix and header as a server must: the header's buffer grows with the bytes that
+/// arrived (never to the declared length up front), each byte is admitted by `admission` before it is
+/// kept, and a sender that sends nothing for `stall` is given up on.
+pub async fn read_request_header(
+    recv: &mut quinn::RecvStream,
+    limits: &Limits,
+    stall: Duration,
+    admission: &mut impl Admission,
+) -> Result<Message, RequestReadError> {
+    let mut prefix = [0u8; wire::FRAME_PREFIX_LEN];
+    let mut got = 0;
+    while got < prefix.len() {
+        match next_chunk(recv, prefix.len() - got, stall).await? {
+            Some(chunk) => {
+                prefix[got..got + chunk.bytes.len()].copy_from_slice(&chunk.bytes);
+                got += chunk.bytes.len();
+            }
+            None => return Err(WireError::Truncated { needed: prefix.len() as u64, got: got as u64 }.into()),
+        }
+    }
+    let (kind, header_len) = wire::parse_prefix(&prefix, limits)?;
+    let mut header = Vec::new();
+    while header.len() < header_len {
+        match next_chunk(recv, header_len - header.len(), stall).await? {
+            Some(chunk) => {
+                let total = (prefix.len() + header.len() + chunk.bytes.len()) as u64;
+                admission.grow_to(total).await.map_err(RequestReadError::Busy)?;
+                header.extend_from_slice(&chunk.bytes);
+            }
+            None => {
+                let needed = header_len as u64;
+                return Err(WireError::Truncated { needed, got: header.len() as u64 }.into());
+            }
+        }
+    }
+    Ok(wire::decode_header(kind, &header, limits)?)
+}
+
+/// [`read_payload_finite`] as a server must read it: memory for the decoded values is admitted by
+/// `admission` (on top of `already` bytes the request holds) and allocated only as the payload arrives —
+/// one stream window ([`FIRST_PAYLOAD_ADMISSION`]) at its first byte, the rest once that much came — and a
+/// sender that sends nothing for `stall` is given up on.
+pub async fn read_request_payload(
+    recv: &mut quinn::RecvStream,
+    msg: &Message,
+    stall: Duration,
+    already: u64,
+    admission: &mut impl Admission,
+) -> Result<(Vec<f32>, bool), RequestReadError> {
+    let n = msg.payload_elems() as usize;
+    let decoded_bytes = msg.payload_elems() * 4;
+    let needed = msg.payload_bytes();
+    let mut values = Vec::new();
+    let mut admitted = 0u64;
+    let mut finite = true;
+    let decode = if n.saturating_mul(4) >= STREAMING_DESTINATION {
+        gaps_common::dtype::decode_extend_finite_streaming
+    } else {
+        gaps_common::dtype::decode_extend_finite
+    };
+    let mut decoder = wire::PayloadDecoder::new(msg);
+    while !decoder.is_done() {
+        let missing = usize::try_from(decoder.bytes_missing()).unwrap_or(usize::MAX);
+        let Some(chunk) = next_chunk(recv, missing, stall).await? else {
+            return Err(WireError::Truncated { needed, got: needed - decoder.bytes_missing() }.into());
+        };
+        // The decoded bytes this chunk brings the payload to, in proportion to its wire bytes.
+        let arrived = needed - decoder.bytes_missing() + chunk.bytes.len() as u64;
+        let decoded_so_far = (u128::from(decoded_bytes) * u128::from(arrived)).div_ceil(u128::from(needed.max(1)));
+        let decoded_so_far = u64::try_from(decoded_so_far).unwrap_or(decoded_bytes).min(decoded_bytes);
+        if decoded_so_far > admitted {
+            let next = if admitted == 0 { FIRST_PAYLOAD_ADMISSION.max(decoded_so_far) } else { decoded_bytes };
+            admitted = next.min(decoded_bytes);
+            admission.grow_to(already + admitted).await.map_err(RequestReadError::Busy)?;
+            let floats = (admitted / 4) as usize;
+            if values.capacity() == 0 {
+                values = gaps_common::buffers::take(floats);
+            } else {
+                values.reserve_exact(floats.saturating_sub(values.len()));
+            }
+        }
+        decoder.feed(&chunk.bytes, &mut |dtype, run| finite &= decode(dtype, run, &mut values));
+    }
+    Ok((values, finite))
+}
+
 /// Reads the payload `msg` announced chunk by chunk as quinn received it, decoding its sections and
 /// handing each run of whole values to `emit`.
 async fn read_sections(
@@ -820,7 +949,17 @@ pub async fn call_with(
             message: conn.close_reason().map_or(message, |reason| describe_connection_error(&reason)),
         };
         let (mut send, mut recv) = conn.open_bi().await.map_err(|e| conn_err(e.to_string()))?;
-        write_frame(&mut send, msg, payload).await.map_err(|e| conn_err(e.to_string()))?;
+        if let Err(e) = write_frame(&mut send, msg, payload).await {
+            // A server that refuses a request before reading it all (busy, too large) answers, then stops
+            // the stream: its answer says why better than the write's error does.
+            if conn.close_reason().is_none() {
+                let answer = tokio::time::timeout(Duration::from_secs(1), read_frame(&mut recv, limits)).await;
+                if let Ok(Ok(Frame { msg: Message::Error(refusal), .. })) = answer {
+                    return Err(RpcError::Remote { addr: addr.clone(), code: refusal.code, message: refusal.message });
+                }
+            }
+            return Err(conn_err(e.to_string()));
+        }
         send.finish().map_err(|e| conn_err(e.to_string()))?;
         let wire_err = |e: WireError| match e {
             WireError::Io(m) => conn_err(m),

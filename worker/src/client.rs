@@ -655,6 +655,7 @@ impl Client {
         let opts = &self.inner.opts;
         let mut attempt = 0u32;
         let mut down_since: Option<Instant> = None;
+        let mut busy_since: Option<Instant> = None;
         loop {
             let result = async {
                 // A handshake with a live shard takes milliseconds; a short bound lets a restarted shard be
@@ -683,6 +684,19 @@ impl Client {
             .await;
             match result {
                 Ok(frame) => return Ok((frame, attempt)),
+                // The shard had no memory free for the request in time: nothing was applied; the same request
+                // goes again on the same connection after a short, jittered pause.
+                Err(RpcError::Remote { code: ErrorCode::Busy, message, .. })
+                    if busy_since.get_or_insert_with(Instant::now).elapsed() < opts.rpc_timeout =>
+                {
+                    attempt += 1;
+                    self.inner.retries.fetch_add(1, Ordering::Relaxed);
+                    if attempt == 1 || attempt % 20 == 0 {
+                        warn!(shard, attempt, %message, "shard busy, sending the request again");
+                    }
+                    let pause = (10 * u64::from(attempt)).min(200);
+                    tokio::time::sleep(Duration::from_millis(pause + jitter_ms(pause))).await;
+                }
                 Err(e) if e.is_retryable() && down_since.is_none_or(|t| t.elapsed() < opts.shard_down_timeout) => {
                     let since = *down_since.get_or_insert_with(Instant::now);
                     attempt += 1;
@@ -1394,6 +1408,14 @@ impl Client {
     pub fn shard_addrs(&self) -> Vec<(u32, SocketAddr)> {
         self.inner.shards.iter().map(|s| (s.index, s.addr)).collect()
     }
+}
+
+/// A pseudo-random pause of 0..=`max_ms` milliseconds (the clock's nanoseconds, mixed), so that clients
+/// that were refused together do not come back together.
+pub(crate) fn jitter_ms(max_ms: u64) -> u64 {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+    let mixed = u64::from(nanos).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 17;
+    mixed % (max_ms + 1)
 }
 
 #[cfg(test)]
