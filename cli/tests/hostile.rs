@@ -1,0 +1,137 @@
+//! A real `gaps server` process under a flood of request prefixes from a certificate of the cluster: 4,000
+//! streams that each send only a frame's 5-byte prefix, declaring a header of 1 MiB. Before headers were
+//! admitted as their bytes arrived, each such stream allocated its declared header at once (VmSize
+//! 350 MB → 4.5 GB). The attacker is a raw QUIC client writing the prefix by hand (a kind byte, then the
+//! header's length as u32 LE).
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+const LAYOUT: &str = r#"
+chunk_elems = 64
+
+[[tensor]]
+name = "w"
+shape = [1000]
+rule = "sgd"
+lr = 0.1
+
+[[table]]
+name = "emb"
+dim = 8
+rule = "sgd"
+lr = 0.1
+"#;
+
+struct Shard(Child);
+
+impl Drop for Shard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// (VmRSS, VmSize) of a process, in bytes.
+fn memory_of(pid: u32) -> (u64, u64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc status");
+    let field = |name: &str| -> u64 {
+        let line = status.lines().find(|l| l.starts_with(name)).unwrap_or_else(|| panic!("no {name}"));
+        let kb: u64 = line.split_whitespace().nth(1).and_then(|v| v.parse().ok()).expect("a number of kB");
+        kb * 1024
+    };
+    (field("VmRSS:"), field("VmSize:"))
+}
+
+#[test]
+fn four_thousand_prefix_only_streams_leave_the_shards_memory_near_where_it_was() {
+    if !std::path::Path::new("/proc/self/status").exists() {
+        eprintln!("skipped: no /proc on this system to read a process's memory from");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("gaps-hostile-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let certs = gaps_transport::tls::ClusterCerts::generate(&[]).expect("certs");
+    certs.write_to(&dir).expect("write certs");
+    let layout = dir.join("layout.toml");
+    std::fs::write(&layout, LAYOUT).expect("layout");
+    let path = |f: &str| dir.join(f).display().to_string();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_gaps"))
+        .args(["server", "--listen", "127.0.0.1:0", "--shard-index=0", "--num-shards=1"])
+        .arg(format!("--layout={}", layout.display()))
+        .arg(format!("--ca={}", path("ca.pem")))
+        .arg(format!("--cert={}", path("shard-0.pem")))
+        .arg(format!("--key={}", path("shard-0.key")))
+        // Long enough that no limit cuts the streams off while memory is measured.
+        .args(["--stall-timeout=120s", "--request-timeout=300s"])
+        .env("GAPS_LOG", "error")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start gaps server");
+    let pid = child.id();
+    let stdout = child.stdout.take().expect("stdout");
+    let shard = Shard(child);
+    let mut line = String::new();
+    BufReader::new(stdout).read_line(&mut line).expect("the listening line");
+    let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"));
+    let addr: std::net::SocketAddr = v["addr"].as_str().expect("addr").parse().expect("socket address");
+
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("rt");
+    runtime.block_on(async {
+        let tls = gaps_transport::tls::TlsMaterial::load(
+            &dir.join("ca.pem"),
+            &dir.join("worker.pem"),
+            &dir.join("worker.key"),
+        )
+        .expect("worker tls");
+        // A first connection and request settle the shard's own allocations before the baseline is read.
+        let endpoint = gaps_transport::net::client_endpoint(&tls, addr).expect("endpoint");
+        let probe = gaps_transport::net::connect(&endpoint, addr, Duration::from_secs(10)).await.expect("connect");
+        let stats = gaps_common::wire::Message::StatsRequest(gaps_common::wire::StatsRequest);
+        let limits = gaps_common::wire::Limits::default();
+        gaps_transport::net::call(&probe, &stats, &[], &limits, Duration::from_secs(10)).await.expect("stats");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let (rss_before, size_before) = memory_of(pid);
+
+        // SparsePull (kind 14), header of 1,048,576 bytes declared, not one of them sent.
+        let prefix = [14u8, 0x00, 0x00, 0x10, 0x00];
+        let mut streams = Vec::new();
+        let mut conns = Vec::new();
+        for _ in 0..4 {
+            let conn = gaps_transport::net::connect(&endpoint, addr, Duration::from_secs(10)).await.expect("connect");
+            for _ in 0..1000 {
+                let (mut send, recv) = conn.open_bi().await.expect("stream");
+                send.write_all(&prefix).await.expect("write a prefix");
+                streams.push((send, recv));
+            }
+            conns.push(conn);
+        }
+        // Every stream has reached the shard once a request behind them on the same connections is answered.
+        for conn in &conns {
+            gaps_transport::net::call(conn, &stats, &[], &limits, Duration::from_secs(30)).await.expect("stats");
+        }
+        let (mut rss_peak, mut size_peak) = (0, 0);
+        for _ in 0..10 {
+            let (rss, size) = memory_of(pid);
+            (rss_peak, size_peak) = (rss_peak.max(rss), size_peak.max(size));
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let mib = |b: u64| b as f64 / (1 << 20) as f64;
+        eprintln!(
+            "4,000 prefix-only streams: RSS {:.1} -> {:.1} MiB, VmSize {:.1} -> {:.1} MiB",
+            mib(rss_before),
+            mib(rss_peak),
+            mib(size_before),
+            mib(size_peak)
+        );
+        assert!(rss_peak < rss_before + (64 << 20), "RSS grew {:.1} MiB", mib(rss_peak - rss_before.min(rss_peak)));
+        assert!(size_peak < 1 << 30, "VmSize {:.1} MiB", mib(size_peak));
+        // The shard still serves.
+        gaps_transport::net::call(&probe, &stats, &[], &limits, Duration::from_secs(10)).await.expect("stats after");
+        drop(streams);
+    });
+    drop(shard);
+    let _ = std::fs::remove_dir_all(&dir);
+}
