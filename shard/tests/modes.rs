@@ -173,6 +173,37 @@ fn a_dead_worker_holds_a_sync_step_no_longer_than_its_lease() {
 }
 
 #[test]
+fn a_worker_that_heartbeats_but_never_pushes_holds_a_sync_step_at_most_one_lease() {
+    let mut core = core(Mode::Sync, 3);
+    push(&mut core, 0, 1, 0, 1.0, 0, ms(100));
+    push(&mut core, 1, 1, 0, 1.0, 0, ms(100));
+    // Worker 2 keeps its lease with heartbeats but sends no gradient; 0 and 1 wait at the step.
+    let mut t = 100;
+    while t < 100 + LEASE_MS {
+        for w in 0..3 {
+            core.handle(Frame::new(Message::Heartbeat(Heartbeat { worker: w })), ms(t));
+        }
+        core.tick(ms(t));
+        assert_eq!(version(&mut core), 0, "within a lease of the step's first gradient it waits ({t} ms)");
+        t += 200;
+    }
+    for w in 0..3 {
+        core.handle(Frame::new(Message::Heartbeat(Heartbeat { worker: w })), ms(100 + LEASE_MS));
+    }
+    let events = core.tick(ms(100 + LEASE_MS));
+    assert!(!events.iter().any(|e| matches!(e, CoreEvent::WorkerExpired(_))), "every lease holds: {events:?}");
+    assert_eq!(version(&mut core), 1, "a lease after the step's first gradient, it went on without worker 2");
+    assert_eq!(core.stats().live_workers, 3, "worker 2 is still a live worker");
+    // A worker that does push is waited for as before: the next step needs all three.
+    let t = 200 + LEASE_MS;
+    push(&mut core, 0, 2, 1, 1.0, 0, ms(t));
+    push(&mut core, 2, 1, 1, 1.0, 0, ms(t));
+    assert_eq!(version(&mut core), 1, "the step waits for worker 1");
+    push(&mut core, 1, 2, 1, 1.0, 0, ms(t));
+    assert_eq!(version(&mut core), 2);
+}
+
+#[test]
 fn gba_applies_one_update_per_k_gradients_and_drops_very_stale_ones() {
     let mut core = core(Mode::Gba, 2);
     let (a, _) = push(&mut core, 0, 1, 0, 1.0, 0, ms(1));

@@ -270,6 +270,8 @@ impl ShardCore {
                         // (their versions move at different moments around a mode switch), each shard would
                         // wait for a worker that waits on the other.
                         self.contributors.insert(req.worker);
+                        self.clock = self.clock.max(now);
+                        self.step_started.get_or_insert(now);
                         if self.step_ready() {
                             self.complete_step()?;
                         } else if self.accum_pushes > 0 {
@@ -277,6 +279,7 @@ impl ShardCore {
                         } else if self.leases.keys().all(|w| self.contributors.contains(w)) {
                             // Every live worker sent only stale gradients: nothing to apply, a fresh step.
                             self.contributors.clear();
+                            self.step_started = None;
                         }
                     }
                 } else {
@@ -294,6 +297,8 @@ impl ShardCore {
                     }
                     self.accum_pushes += 1;
                     self.contributors.insert(req.worker);
+                    self.clock = self.clock.max(now);
+                    self.step_started.get_or_insert(now);
                     if self.step_ready() {
                         self.complete_step()?;
                     } else if self.active == Mode::Sync {

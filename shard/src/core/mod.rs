@@ -331,6 +331,12 @@ pub struct ShardCore {
     tables: Vec<SparseTable>,
     /// Live workers (by heartbeat, registration or push) and the time their lease ends.
     leases: BTreeMap<u32, Duration>,
+    /// When the first gradient of the synchronous step in progress arrived. A step does not wait longer than
+    /// a lease for the workers that have not sent theirs: one that heartbeats but never pushes is a
+    /// straggler, not a member whose gradient the step must have.
+    step_started: Option<Duration>,
+    /// The latest time the core was driven with.
+    clock: Duration,
     /// The mode in force (never `Auto`: auto runs `Sync` or `Gba`).
     active: Mode,
     /// Synchronous modes: summed gradients per slot (allocated on first use) and how many were summed.
@@ -493,6 +499,8 @@ impl ShardCore {
             owned_elems,
             tables,
             leases: BTreeMap::new(),
+            step_started: None,
+            clock: Duration::ZERO,
             active,
             accum: vec![Vec::new(); n_slots],
             accum_counts: vec![0; n_slots],
@@ -792,6 +800,7 @@ impl ShardCore {
         for t in &mut self.tables {
             t.tick(now_s);
         }
+        self.clock = self.clock.max(now);
         let expired: Vec<u32> = self.leases.iter().filter(|(_, until)| **until <= now).map(|(w, _)| *w).collect();
         let mut events: Vec<CoreEvent> = Vec::new();
         for w in &expired {
@@ -801,6 +810,13 @@ impl ShardCore {
         }
         if !expired.is_empty() {
             self.membership_changed(&mut events);
+        }
+        // A step that has waited a lease for workers that push nothing (they only heartbeat, or stalled)
+        // completes without them.
+        if self.active == Mode::Sync && self.step_ready() {
+            if let Err(e) = self.complete_step() {
+                events.push(CoreEvent::DeviceFault(format!("completing a step without an idle worker: {e}")));
+            }
         }
         events
     }

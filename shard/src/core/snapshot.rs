@@ -256,6 +256,8 @@ impl ShardCore {
         core.active = Mode::from_code(r.u8()?).ok_or_else(|| CheckpointError::Corrupt("mode".into()))?;
         core.accum_pushes = r.u32()?;
         core.contributors = r.u32s("contributors")?.into_iter().collect();
+        // A step saved in progress waits at most a lease from the restored core's start for the rest.
+        core.step_started = (!core.contributors.is_empty()).then_some(Duration::ZERO);
         core.global_step = r.u64()?;
         core.ramp = crate::modes::LrRamp::read_from(&mut r)?;
         core.clocks.clear();

@@ -157,7 +157,10 @@ impl ShardCore {
             return false;
         }
         match self.active {
-            Mode::Sync => self.leases.keys().all(|w| self.contributors.contains(w)),
+            Mode::Sync => {
+                self.leases.keys().all(|w| self.contributors.contains(w))
+                    || self.step_started.is_some_and(|t| self.clock.saturating_sub(t) >= self.cfg.lease)
+            }
             Mode::Gba => self.accum_pushes as usize >= self.leases.len().max(1),
             _ => false,
         }
@@ -195,6 +198,7 @@ impl ShardCore {
             _ => self.stats.steps_sync += 1,
         }
         self.contributors.clear();
+        self.step_started = None;
         self.accum_pushes = 0;
         Ok(())
     }
