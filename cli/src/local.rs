@@ -31,7 +31,7 @@ pub struct LocalArgs {
     #[arg(long, env = "GAPS_SERVERS", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub servers: u32,
     /// Number of workers.
-    #[arg(long, env = "GAPS_WORKERS", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=256))]
+    #[arg(long, env = "GAPS_WORKERS", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub workers: u32,
     /// Model to train.
     #[arg(long, env = "GAPS_MODEL", default_value = "logreg")]
@@ -616,6 +616,9 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             format!("--wire-dtype={}", args.wire_dtype),
             format!("--seed={}", args.seed),
             format!("--lease={}ms", args.lease.as_millis()),
+            // Every worker connects from 127.0.0.1 (one connection per shard, plus a short-lived one to
+            // register, the observer and added workers): the per-address limit must not refuse them.
+            format!("--max-connections-per-ip={}", (2 * args.workers + 64).max(512)),
         ];
         if let Some(c) = coordinator {
             a.push(format!("--coordinator={c}"));

@@ -615,3 +615,23 @@ fn a_step_log_of_gaps_local_is_replayed_by_the_simulator() {
     assert!(stderr.contains("line 3") && stderr.contains("fast"), "{stderr}");
     let _ = std::fs::remove_file(&path);
 }
+
+/// Hundreds of worker processes started at once on a small machine all join (registration and shard
+/// connections are tried again with a jittered backoff) and every push is applied once.
+#[test]
+fn five_hundred_and_twelve_workers_started_at_once_all_join_and_every_push_is_applied() {
+    let out = Command::new(env!("CARGO_BIN_EXE_gaps"))
+        .args(["local", "--workers", "512", "--steps", "50", "--json", "--timeout", "600s"])
+        .env("GAPS_LOG", "warn")
+        .output()
+        .expect("run gaps local");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "gaps local --workers 512 failed:\n{}", &stderr[stderr.len().saturating_sub(4000)..]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout.lines().last().expect("a JSON line");
+    let v: serde_json::Value = serde_json::from_str(line).expect("valid JSON");
+    assert_eq!(v["workers"], 512);
+    assert_eq!(v["workers_final"], 512, "{line}");
+    assert_eq!(v["pushes_sent"], v["pushes_applied"], "{line}");
+    assert_eq!(v["pushes_applied"], 512 * 50 * 2, "{line}");
+}

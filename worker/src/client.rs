@@ -401,10 +401,13 @@ impl Client {
         let (endpoint, path) = net::client_endpoint_tuned(&opts.tls, coordinator)?;
         let register =
             Message::Register(Register { protocol: PROTOCOL_VERSION, role: opts.role, name: opts.name.clone() });
+        let mut tries = 0u32;
         let map = loop {
-            // `connect_timeout` bounds the whole wait: every attempt gets at most the time that is left.
+            // `connect_timeout` bounds the whole wait: every attempt gets at most the time that is left, and at
+            // most a quarter of it (but 2 s at least), so that a handshake lost on a loaded machine is tried
+            // again rather than waited for until the end.
             let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-            let per_call = opts.rpc_timeout.min(left);
+            let per_call = opts.rpc_timeout.min(left).min((left / 4).max(Duration::from_secs(2)));
             let attempt = async {
                 let conn = net::connect(&endpoint, coordinator, per_call).await?;
                 net::expect_shard(&conn, &cluster, 0)?;
@@ -427,11 +430,14 @@ impl Client {
                     }
                     .into())
                 }
-                Err(RpcError::Remote { code: ErrorCode::ClusterIncomplete, message, .. }) => message,
+                Err(RpcError::Remote { code: ErrorCode::ClusterIncomplete | ErrorCode::Busy, message, .. }) => message,
                 Err(e) if e.is_retryable() => e.to_string(),
                 Err(e) => return Err(e.into()),
             };
-            let pause = Duration::from_millis(200);
+            // Exponential backoff with jitter: hundreds of workers started at once do not come back at once.
+            tries += 1;
+            let base = (100u64 << tries.min(4)).min(1_600);
+            let pause = Duration::from_millis(base / 2 + jitter_ms(base / 2));
             // Give up when no further attempt fits (a pause and at least as long again for the attempt): the
             // error reports what the last complete attempt said.
             if Instant::now() + 2 * pause >= deadline {
@@ -510,14 +516,30 @@ impl Client {
                 decisions: Mutex::new(None),
             }),
         };
-        // Connect to every shard now, so a missing or unreachable shard fails fast and by name.
+        // Connect to every shard now, so a missing or unreachable shard fails by name — tried again with a
+        // jittered backoff until the connect timeout, since a handshake can be lost on a loaded machine.
         for s in 0..client.inner.shards.len() {
-            let remaining = deadline.saturating_duration_since(Instant::now()).max(Duration::from_secs(1));
-            client.connection(s, 0, remaining).await.map_err(|e| ClientError::JoinTimeout {
-                coordinator: client.inner.opts.coordinator.clone(),
-                waited: started.elapsed(),
-                last: format!("shard {} at {} is unreachable: {e}", s, client.inner.shards[s].addr),
-            })?;
+            let mut tries = 0u32;
+            loop {
+                let remaining = deadline.saturating_duration_since(Instant::now()).max(Duration::from_secs(1));
+                let bound = remaining.min((remaining / 4).max(Duration::from_secs(2)));
+                match client.connection(s, 0, bound).await {
+                    Ok(_) => break,
+                    Err(e) if Instant::now() + Duration::from_millis(200) < deadline => {
+                        tries += 1;
+                        let base = (100u64 << tries.min(4)).min(1_600);
+                        debug!(shard = s, error = %e, "connecting to a shard, trying again");
+                        tokio::time::sleep(Duration::from_millis(base / 2 + jitter_ms(base / 2))).await;
+                    }
+                    Err(e) => {
+                        return Err(ClientError::JoinTimeout {
+                            coordinator: client.inner.opts.coordinator.clone(),
+                            waited: started.elapsed(),
+                            last: format!("shard {} at {} is unreachable: {e}", s, client.inner.shards[s].addr),
+                        })
+                    }
+                }
+            }
         }
         Ok(client)
     }
