@@ -698,6 +698,9 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
                 format!("--data={}", args.data),
                 format!("--data-shard={}/{}", w % args.workers, args.workers),
                 format!("--name=worker-{w}"),
+                // Hundreds of worker processes starting at once on a small machine take a while to join:
+                // a fifth of a second each, 30 s at least.
+                format!("--connect-timeout={}ms", (200 * u64::from(args.workers)).max(30_000)),
                 format!("--compute-delay={}ms", args.compute_delay().as_millis()),
                 format!("--shard-down-timeout={}ms", args.shard_down_timeout.as_millis()),
                 format!("--lanes={}", args.lanes),

@@ -21,7 +21,7 @@ use crate::layout::{ChunkId, Layout};
 use bincode::{Decode, Encode};
 
 /// Protocol version carried by registrations; a peer with another version is refused.
-pub const PROTOCOL_VERSION: u16 = 8;
+pub const PROTOCOL_VERSION: u16 = 9;
 /// Bytes before the header: the kind byte and the header length.
 pub const FRAME_PREFIX_LEN: usize = 5;
 /// Hard upper bound on an encoded header (also the bincode decode limit).
@@ -583,6 +583,42 @@ pub struct CheckpointRequest {
     pub at: CheckpointAt,
 }
 
+/// What a [`Rollback`] asks for: the steps of returning the whole cluster to one checkpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Encode, Decode)]
+pub enum RollbackStage {
+    /// From a shard that restarted from checkpoint `id`, to the coordinator: return the cluster to the
+    /// newest checkpoint, no newer than `id`, that every shard holds.
+    Restored,
+    /// From the coordinator to a shard: which intact checkpoints no newer than `id` do you hold?
+    List,
+    /// From the coordinator to a shard: restore checkpoint `id` now, in place, keeping the live workers.
+    Apply,
+}
+
+/// Consistent recovery (answered by the service, not the core): see [`RollbackStage`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Encode, Decode)]
+pub struct Rollback {
+    /// The checkpoint id the stage is about.
+    pub id: u64,
+    /// What is asked.
+    pub stage: RollbackStage,
+}
+
+/// Answer to [`Rollback`].
+#[derive(Debug, Clone, PartialEq, Eq, Encode, Decode)]
+pub struct RollbackReply {
+    /// The answering shard.
+    pub shard: u32,
+    /// `List`: the intact checkpoint ids held, newest first (at most [`MAX_ROLLBACK_IDS`]); otherwise the
+    /// one id the shard (`Apply`) or the cluster (`Restored`) returned to.
+    pub held: Vec<u64>,
+    /// The synchronous step the shard is at (after the rollback, for `Apply` and `Restored`).
+    pub step: u64,
+}
+
+/// Most checkpoint ids a [`RollbackReply`] lists.
+pub const MAX_ROLLBACK_IDS: usize = 64;
+
 /// One shard's file of a checkpoint.
 #[derive(Debug, Clone, PartialEq, Eq, Encode, Decode)]
 pub struct ShardCheckpoint {
@@ -675,6 +711,10 @@ pub enum Message {
     PushPull(Push),
     /// Kind 23 (carries a payload).
     PushPullReply(PushPullReply),
+    /// Kind 24.
+    Rollback(Rollback),
+    /// Kind 25.
+    RollbackReply(RollbackReply),
 }
 
 /// Defines `kind()`, header encoding and kind-directed decoding for every variant in one place.
@@ -714,6 +754,7 @@ message_kinds! {
     8 => Error, 9 => Heartbeat, 10 => HeartbeatAck, 11 => StatsRequest, 12 => Stats, 13 => Leave,
     14 => SparsePull, 15 => SparsePullReply, 16 => SparsePush, 17 => CheckpointRequest, 18 => CheckpointDone,
     19 => Authenticate, 20 => Authenticated, 21 => PushPart, 22 => PushPull, 23 => PushPullReply,
+    24 => Rollback, 25 => RollbackReply,
 }
 
 fn config() -> impl bincode::config::Config {
@@ -1131,6 +1172,10 @@ mod tests {
                 id: 7,
                 shards: vec![ShardCheckpoint { shard: 1, path: "/ckpt/shard-1/x.bin".into(), step: 4 }],
             })),
+            Frame::new(Message::Rollback(Rollback { id: 1 << 40, stage: RollbackStage::Restored })),
+            Frame::new(Message::Rollback(Rollback { id: 9, stage: RollbackStage::List })),
+            Frame::new(Message::Rollback(Rollback { id: 9, stage: RollbackStage::Apply })),
+            Frame::new(Message::RollbackReply(RollbackReply { shard: 2, held: vec![9, 7, 3], step: 41 })),
             Frame::new(Message::Stats(Stats {
                 shard: 1,
                 pushes_applied: 10,
@@ -1179,7 +1224,7 @@ mod tests {
     fn every_message_round_trips() {
         let frames = samples();
         let kinds: std::collections::BTreeSet<u8> = frames.iter().map(|f| f.msg.kind()).collect();
-        assert_eq!(kinds.len(), 20, "one sample per kind");
+        assert_eq!(kinds.len(), 22, "one sample per kind");
         for f in frames {
             let bytes = encode_frame(&f).expect("encode");
             let back = decode_frame(&bytes, &Limits::default()).expect("decode");

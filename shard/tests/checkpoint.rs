@@ -190,3 +190,39 @@ fn foreign_truncated_and_corrupt_checkpoints_are_refused_with_a_reason() {
         }
     }
 }
+
+#[test]
+fn a_rollback_returns_the_training_state_to_the_checkpoint_and_keeps_who_is_in_the_cluster() {
+    for mode in [Mode::Async, Mode::Sync, Mode::Gba] {
+        let mut live = ShardCore::new(config(mode, "nesterov")).expect("core");
+        let workers: Vec<u32> = (0..3).map(|_| register(&mut live)).collect();
+        train(&mut live, &workers, 1, 4);
+        let bytes = live.checkpoint(5).expect("checkpoint");
+        let at_checkpoint = ShardCore::restore(config(mode, "nesterov"), &bytes).expect("restore");
+        // Training goes on; worker 2 leaves and a fourth worker joins after the checkpoint.
+        train(&mut live, &workers, 4, 8);
+        call(&mut live, Message::Leave(gaps_common::wire::Leave { worker: workers[2] }), vec![]);
+        let late = register(&mut live);
+        assert_ne!(live.stats().pushes_applied, at_checkpoint.stats().pushes_applied, "{mode}: training moved on");
+
+        let mut back = live.rolled_back(&bytes).expect("roll back");
+        let chunks: Vec<ChunkId> = layout_of(&back).chunks().collect();
+        for c in &chunks {
+            assert_eq!(
+                back.chunk_values(*c).expect("values"),
+                at_checkpoint.chunk_values(*c).expect("values"),
+                "{mode}"
+            );
+        }
+        assert_eq!(back.global_step(), at_checkpoint.global_step(), "{mode}: the step went back");
+        assert_eq!(back.stats().pushes_applied, at_checkpoint.stats().pushes_applied, "{mode}");
+        assert_eq!(back.live_workers(), 3, "{mode}: workers 0, 1 and the late one are live, 2 left");
+        assert_eq!(register(&mut back), late + 1, "{mode}: worker ids are never handed out twice");
+        // The cluster trains on from there: the remaining and the late workers' pushes are applied.
+        let replies = train(&mut back, &[workers[0], workers[1], late], 8, 10);
+        assert!(replies.iter().all(|f| !matches!(f.msg, Message::Error(_))), "{mode}: {replies:?}");
+        // A checkpoint of another shard configuration is refused with the reason, and nothing changes.
+        let mut other = ShardCore::new(config(mode, "momentum")).expect("core");
+        assert!(other.rolled_back(&bytes).is_err(), "{mode}: another rule set");
+    }
+}

@@ -1021,6 +1021,8 @@ pub fn kind_name(msg: &Message) -> &'static str {
         Message::SparsePull(_) => "sparse-pull",
         Message::SparsePullReply(_) => "sparse-pull-reply",
         Message::SparsePush(_) => "sparse-push",
+        Message::Rollback(_) => "rollback",
+        Message::RollbackReply(_) => "rollback-reply",
     }
 }
 

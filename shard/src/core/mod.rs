@@ -764,6 +764,10 @@ impl ShardCore {
                 Err(ShardError::Misconfigured("checkpoints are written by the shard service, not the core".into()))
             }
             Message::CheckpointDone(_) => Err(ShardError::NotARequest("checkpoint done")),
+            Message::Rollback(_) => {
+                Err(ShardError::Misconfigured("rollbacks are run by the shard service, not the core".into()))
+            }
+            Message::RollbackReply(_) => Err(ShardError::NotARequest("rollback reply")),
             // Credentials are checked by the service, which knows the connection's certificate.
             Message::Authenticate(_) => {
                 Err(ShardError::Misconfigured("credentials are checked by the shard service, not the core".into()))

@@ -168,6 +168,43 @@ impl ShardCore {
         slots * 4 + tables + 64 * self.slots.len() + 600 * self.seqs.len() + 4096
     }
 
+    /// This shard returned to its checkpoint `bytes` (a cluster rollback, every shard to the same checkpoint).
+    /// The training state — parameters, optimizer planes, versions, the step, exactly-once windows, tables,
+    /// counters, mode decisions — comes from the checkpoint; who is in the cluster stays as it is now (the
+    /// live workers and their leases, the shards' addresses, the worker ids handed out, the straggler
+    /// record), since those did not go back in time. A worker that held planes in the checkpoint but has
+    /// left since is forgotten as if it left now. GPU-resident state is not carried over: the caller makes
+    /// the returned core resident again.
+    pub fn rolled_back(&mut self, bytes: &[u8]) -> Result<ShardCore, CheckpointError> {
+        let mut core = ShardCore::restore(self.cfg.clone(), bytes)?;
+        if core.epoch != self.epoch {
+            return Err(mismatch(format!(
+                "it was taken in cluster epoch {}, this shard is in {}",
+                core.epoch, self.epoch
+            )));
+        }
+        let mut events = Vec::new();
+        let gone: Vec<u32> = core.leases.keys().filter(|w| !self.leases.contains_key(w)).copied().collect();
+        for w in gone {
+            core.leases.remove(&w);
+            core.forget_worker(w, &mut events);
+        }
+        core.leases = self.leases.clone();
+        if let (Some(now), Some(then)) = (self.coordinator.as_ref(), core.coordinator.as_mut()) {
+            then.shard_addrs = now.shard_addrs.clone();
+            then.next_worker = then.next_worker.max(now.next_worker);
+            then.registered = then.registered.max(now.registered);
+        }
+        core.detector = std::mem::take(&mut self.detector);
+        core.clock = self.clock;
+        core.now_s = self.now_s;
+        core.shared_replies = self.shared_replies;
+        core.packed_replies = self.packed_replies;
+        core.step_started = (!core.contributors.is_empty()).then_some(self.clock);
+        core.membership_changed(&mut events);
+        Ok(core)
+    }
+
     /// Reads the header of a checkpoint without restoring it.
     pub fn checkpoint_info(bytes: &[u8]) -> Result<CheckpointInfo, CheckpointError> {
         read_info(&mut Reader::new(bytes)?)
