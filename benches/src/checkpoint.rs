@@ -76,7 +76,7 @@ pub fn run(params: u64, dir: &Path) -> Result<CheckpointResult> {
     let info = ShardCore::checkpoint_info(&bytes).map_err(|e| anyhow!("{e}"))?;
     let store = CheckpointStore::open(dir, 0, 1)?;
     let started = Instant::now();
-    let path = store.write(&info, 0, None, &bytes).context("writing the checkpoint")?;
+    let path = store.write(&info, 0, None, true, &bytes).context("writing the checkpoint")?;
     let write_s = started.elapsed().as_secs_f64();
     let size = bytes.len() as u64;
     drop(bytes);

@@ -9,13 +9,14 @@
 //!   `w` and the registrant's certificate identity, under a key only the shards hold. So no other worker
 //!   (even one holding the same certificate) can act as `w`, and a credential is useless with another
 //!   certificate;
-//! - checkpoint requests come from the coordinator's certificate only (its schedule, or an operator holding it).
+//! - checkpoint requests come from the coordinator's certificate only (its schedule, or an operator holding it);
+//!   so do rollbacks, which any shard may ask the coordinator for after it restarted.
 //!
 //! Refusals are typed (`Unauthorized`), say nothing about the model, are counted, and logged at a bounded
 //! rate.
 
 use anyhow::{Context, Result};
-use gaps_common::wire::{Message, Role as WireRole, Token};
+use gaps_common::wire::{Message, Role as WireRole, Rollback, RollbackStage, Token};
 use gaps_transport::identity::{PeerIdentity, Role};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -127,6 +128,12 @@ pub fn authorize(msg: &Message, peer: &PeerIdentity, bound: Option<u32>) -> Resu
         (Message::CheckpointRequest(_), role) if *role != Role::Shard(0) => {
             Err(format!("{peer} cannot ask for checkpoints (only the coordinator's certificate can)"))
         }
+        // A restarted shard asks the coordinator to roll the cluster back; only the coordinator lists a
+        // shard's checkpoints or makes it restore one.
+        (Message::Rollback(Rollback { stage: RollbackStage::Restored, .. }), Role::Shard(_)) => Ok(()),
+        (Message::Rollback(_), role) if *role != Role::Shard(0) => {
+            Err(format!("{peer} cannot roll shards back (only the coordinator's certificate can)"))
+        }
         _ => match acting_worker(msg) {
             Some(w) if bound == Some(w) => Ok(()),
             Some(w) => Err(format!("this connection is not authenticated as worker {w}")),
@@ -230,6 +237,19 @@ mod tests {
             let worker = id(Role::Worker("w".into()));
             assert!(authorize(&req, &worker, None).is_err(), "a worker: {req:?}");
             assert!(authorize(&req, &worker, Some(3)).is_err(), "an authenticated worker: {req:?}");
+        }
+    }
+
+    #[test]
+    fn only_shards_start_a_rollback_and_only_the_coordinator_runs_one() {
+        let restored = Message::Rollback(Rollback { id: 5, stage: RollbackStage::Restored });
+        assert!(authorize(&restored, &id(Role::Shard(3)), None).is_ok());
+        assert!(authorize(&restored, &id(Role::Worker("w".into())), Some(1)).is_err());
+        for stage in [RollbackStage::List, RollbackStage::Apply] {
+            let req = Message::Rollback(Rollback { id: 5, stage });
+            assert!(authorize(&req, &id(Role::Shard(0)), None).is_ok());
+            assert!(authorize(&req, &id(Role::Shard(1)), None).is_err());
+            assert!(authorize(&req, &id(Role::Worker("w".into())), Some(1)).is_err());
         }
     }
 

@@ -95,7 +95,18 @@ impl CheckpointStore {
     /// `step` is the synchronous/GBA steps applied and `at_step` the step the checkpoint was asked for (a
     /// cluster checkpoint in `sync`: every shard's file has `step` = `at_step`), both recorded in the
     /// manifest.
-    pub fn write(&self, info: &CheckpointInfo, step: u64, at_step: Option<u64>, bytes: &[u8]) -> Result<PathBuf> {
+    /// `cluster`: the coordinator chose the id for every shard (a cluster checkpoint, which a rollback can
+    /// return the whole cluster to); the newest `keep` of those and of this shard's own are kept apart, so
+    /// that checkpoints a shard takes alone while the coordinator is down never push the last cluster
+    /// checkpoints out.
+    pub fn write(
+        &self,
+        info: &CheckpointInfo,
+        step: u64,
+        at_step: Option<u64>,
+        cluster: bool,
+        bytes: &[u8],
+    ) -> Result<PathBuf> {
         let (bin, manifest) = self.paths(info.id);
         write_atomically(&bin, bytes)?;
         let written = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
@@ -110,6 +121,7 @@ impl CheckpointStore {
             "tensor_versions": info.tensor_versions,
             "step": step,
             "at_step": at_step,
+            "cluster": cluster,
             "written_unix_ms": written as u64,
         });
         write_atomically(&manifest, m.to_string().as_bytes())?;
@@ -119,18 +131,45 @@ impl CheckpointStore {
     }
 
     fn prune(&self) -> Result<()> {
-        let ids = self.ids()?;
-        for id in ids.iter().take(ids.len().saturating_sub(self.keep)) {
-            let (bin, manifest) = self.paths(*id);
-            // The manifest goes first: a checkpoint without one is never used.
-            let _ = fs::remove_file(&manifest);
-            let _ = fs::remove_file(&bin);
+        let (cluster, own): (Vec<u64>, Vec<u64>) = self.ids()?.into_iter().partition(|id| self.is_cluster(*id));
+        for ids in [cluster, own] {
+            for id in ids.iter().take(ids.len().saturating_sub(self.keep)) {
+                let (bin, manifest) = self.paths(*id);
+                // The manifest goes first: a checkpoint without one is never used.
+                let _ = fs::remove_file(&manifest);
+                let _ = fs::remove_file(&bin);
+            }
         }
         Ok(())
     }
 
+    /// Whether checkpoint `id`'s manifest says it is a cluster checkpoint.
+    fn is_cluster(&self, id: u64) -> bool {
+        let (_, manifest) = self.paths(id);
+        fs::read_to_string(manifest)
+            .ok()
+            .and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok())
+            .is_some_and(|m| m["cluster"].as_bool() == Some(true))
+    }
+
+    /// Ids of the complete, intact checkpoints no newer than `max`, newest first, at most `limit` (each one
+    /// is read and checked against its manifest).
+    pub fn intact_ids(&self, max: u64, limit: usize) -> Result<Vec<u64>> {
+        let mut out = Vec::new();
+        for id in self.ids()?.into_iter().rev().filter(|id| *id <= max) {
+            if out.len() == limit {
+                break;
+            }
+            match self.load(id) {
+                Ok(_) => out.push(id),
+                Err(e) => warn!(error = format!("{e:#}"), "skipping a damaged checkpoint"),
+            }
+        }
+        Ok(out)
+    }
+
     /// Checkpoint `id` if it is complete and intact.
-    fn load(&self, id: u64) -> Result<Found> {
+    pub fn load(&self, id: u64) -> Result<Found> {
         let (bin, manifest) = self.paths(id);
         load_verified(&bin, &manifest).map(|bytes| Found { path: bin, bytes })
     }

@@ -18,7 +18,7 @@ use dashmap::DashMap;
 use gaps_common::wire::Role as WireRole;
 use gaps_common::wire::{
     CheckpointAt, CheckpointDone, CheckpointRequest, ErrorCode, Frame, Limits, Message, PullReply, PushPullReply,
-    ShardCheckpoint, Stats, WireError,
+    Rollback, RollbackReply, RollbackStage, ShardCheckpoint, Stats, WireError,
 };
 use gaps_shard::stripes::Assembler;
 use gaps_shard::{CoreEvent, Readiness, ShardConfig, ShardCore};
@@ -181,6 +181,9 @@ enum Command {
     Tick { reply: oneshot::Sender<(Vec<CoreEvent>, Stats)> },
     /// Read the core (tests, reports).
     Inspect(Box<dyn FnOnce(&ShardCore) + Send>),
+    /// Change the core between two requests (a rollback replaces it); a checkpoint waiting for a point is
+    /// given up, since the core it waited on is gone.
+    Replace(Box<dyn FnOnce(&mut ShardCore) + Send>),
     /// Snapshot the core as checkpoint `id` into `buf` once it reaches `at`; the reply carries the snapshot,
     /// or the step the core had already passed. Dropping the reply's receiver gives it up.
     Checkpoint(PendingSnapshot),
@@ -290,6 +293,10 @@ fn run_actor(mut core: ShardCore, mut queue: mpsc::Receiver<Command>, started: I
                 let _ = reply.send((events, core.stats()));
             }
             Command::Inspect(f) => f(&core),
+            Command::Replace(f) => {
+                f(&mut core);
+                pending = None;
+            }
             Command::Checkpoint(p) => pending = Some(p),
         }
         if let Some(p) = pending.take() {
@@ -331,6 +338,17 @@ struct Shared {
     /// Held while a checkpoint is taken; keeps the last snapshot's buffer for the next one (one more copy
     /// of the shard's state in memory, so that the core's pause is a warm copy).
     checkpoint_lock: tokio::sync::Mutex<Vec<u8>>,
+    /// Held by the coordinator while it takes a cluster checkpoint or rolls the cluster back, so the two
+    /// never interleave.
+    cluster_lock: tokio::sync::Mutex<()>,
+    /// Where updates run, for a core rebuilt by a rollback.
+    device: gaps_kernels::cuda::DeviceChoice,
+    device_worker_slots: u32,
+    /// The coordinator's address (shards ≥ 1), which a restored shard asks for a cluster rollback.
+    coordinator: Option<String>,
+    /// Rollbacks this shard went through, and the checkpoint and step of the last.
+    rollbacks: AtomicU64,
+    last_rollback: std::sync::Mutex<Option<(u64, u64)>>,
     checkpoints_written: AtomicU64,
     /// When this shard last wrote a checkpoint (milliseconds since `started`).
     last_checkpoint_ms: AtomicU64,
@@ -429,6 +447,12 @@ impl RunningServer {
     /// Requests cut off because their header or payload took longer than the request timeout.
     pub fn requests_timed_out(&self) -> u64 {
         self.shared.timed_out.load(Ordering::Relaxed)
+    }
+
+    /// Rollbacks this shard went through, and the checkpoint id and step of the last one.
+    pub fn rollbacks(&self) -> (u64, Option<(u64, u64)>) {
+        let last = self.shared.last_rollback.lock().ok().and_then(|l| *l);
+        (self.shared.rollbacks.load(Ordering::Relaxed), last)
     }
 
     /// Requests refused as busy: the in-flight budget had no room for them within the budget wait.
@@ -640,6 +664,12 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
         }),
         store,
         checkpoint_lock: tokio::sync::Mutex::new(Vec::new()),
+        cluster_lock: tokio::sync::Mutex::new(()),
+        device: cfg.device,
+        device_worker_slots: cfg.device_worker_slots,
+        coordinator: cfg.coordinator.clone(),
+        rollbacks: AtomicU64::new(0),
+        last_rollback: std::sync::Mutex::new(None),
         checkpoints_written: AtomicU64::new(0),
         chunk_elems,
         widest_table: widest.unwrap_or(0),
@@ -681,6 +711,11 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
                 }
             }
         });
+    }
+    if let (Some(info), true) = (&restored, cfg.core.modes.mode != gaps_shard::Mode::Async) {
+        // Consistent recovery: every shard goes back to one cluster checkpoint (async keeps the cheaper
+        // per-shard restore, see README).
+        tokio::spawn(roll_back_cluster_after_restore(shared.clone(), info.id, shutdown_rx.clone()));
     }
     let task = tokio::spawn(
         serve(endpoint, shared.clone(), shutdown_rx, cfg.tick_interval).instrument(tracing::info_span!("shard", shard)),
@@ -756,6 +791,8 @@ async fn checkpoint_reply(shared: &Shared, req: CheckpointRequest) -> Frame {
 /// blocking thread. `id` None picks a fresh one.
 async fn take_checkpoint(shared: &Shared, id: Option<u64>, at: CheckpointAt) -> Result<Written, CheckpointFailure> {
     let Some(store) = shared.store.clone() else { return Err(anyhow!("this shard has no --checkpoint-dir").into()) };
+    // An id given by the coordinator names the same checkpoint on every shard (a cluster checkpoint).
+    let chosen_by_coordinator = id.is_some();
     let id = match id {
         Some(id) => {
             shared.next_checkpoint.fetch_max(id + 1, Ordering::Relaxed);
@@ -790,9 +827,11 @@ async fn take_checkpoint(shared: &Shared, id: Option<u64>, at: CheckpointAt) -> 
     let mut spare = shared.checkpoint_lock.lock().await;
     let started = Instant::now();
     let size = bytes.len();
-    let (written, bytes) = tokio::task::spawn_blocking(move || (store.write(&info, step, at_step, &bytes), bytes))
-        .await
-        .context("writing a checkpoint")?;
+    let cluster = chosen_by_coordinator;
+    let (written, bytes) =
+        tokio::task::spawn_blocking(move || (store.write(&info, step, at_step, cluster, &bytes), bytes))
+            .await
+            .context("writing a checkpoint")?;
     *spare = bytes;
     let path = written?;
     shared.checkpoints_written.fetch_add(1, Ordering::Relaxed);
@@ -835,12 +874,164 @@ async fn peer_checkpoint(
     }
 }
 
+/// Answers a [`Rollback`]: lists this shard's checkpoints, restores one in place, or (on the coordinator,
+/// from a shard that restarted) returns the whole cluster to one checkpoint.
+async fn rollback_reply(shared: &Shared, req: Rollback) -> Frame {
+    let answer = match req.stage {
+        RollbackStage::List => {
+            own_checkpoints(shared, req.id).map(|held| RollbackReply { shard: shared.shard, held, step: 0 })
+        }
+        RollbackStage::Apply => apply_rollback(shared, req.id).await.map(|step| RollbackReply {
+            shard: shared.shard,
+            held: vec![req.id],
+            step,
+        }),
+        RollbackStage::Restored if shared.shard == 0 => cluster_rollback(shared, req.id)
+            .await
+            .map(|(id, step)| RollbackReply { shard: shared.shard, held: vec![id], step }),
+        RollbackStage::Restored => Err(anyhow!("only the coordinator (shard 0) rolls the cluster back")),
+    };
+    Frame::new(match answer {
+        Ok(reply) => Message::RollbackReply(reply),
+        Err(e) => Message::error(ErrorCode::Misconfigured, format!("{e:#}")),
+    })
+}
+
+/// The intact checkpoints this shard holds, no newer than `max`, newest first.
+fn own_checkpoints(shared: &Shared, max: u64) -> Result<Vec<u64>> {
+    let store = shared.store.as_ref().context("this shard has no --checkpoint-dir")?;
+    store.intact_ids(max, gaps_common::wire::MAX_ROLLBACK_IDS)
+}
+
+/// Restores checkpoint `id` of this shard in place: the training state goes back to it, the live workers
+/// stay (`ShardCore::rolled_back`); the new core is made GPU-resident again where the shard runs on one.
+/// Returns the step the shard is at afterwards.
+async fn apply_rollback(shared: &Shared, id: u64) -> Result<u64> {
+    let store = shared.store.clone().context("this shard has no --checkpoint-dir")?;
+    let found = tokio::task::spawn_blocking(move || store.load(id)).await.context("reading a checkpoint")??;
+    let gpu = gaps_kernels::cuda::CudaArenas::for_choice(shared.device).context("--device")?;
+    let slots = shared.device_worker_slots;
+    let (tx, rx) = oneshot::channel();
+    shared
+        .send(Command::Replace(Box::new(move |core: &mut ShardCore| {
+            let result = core.rolled_back(&found.bytes).map_err(|e| anyhow!("{e}")).and_then(|mut back| {
+                if let Some(gpu) = gpu {
+                    back.make_resident(gpu, slots)
+                        .map_err(|e| anyhow!("moving the rolled-back state to the GPU: {e}"))?;
+                }
+                let step = back.global_step();
+                *core = back;
+                Ok(step)
+            });
+            let _ = tx.send(result);
+        })))
+        .await?;
+    let step = rx.await.map_err(|_| anyhow!("shard core thread stopped"))??;
+    shared.rollbacks.fetch_add(1, Ordering::Relaxed);
+    if let Ok(mut last) = shared.last_rollback.lock() {
+        *last = Some((id, step));
+    }
+    warn!(shard = shared.shard, checkpoint = id, step, "rolled back to a cluster checkpoint");
+    Ok(step)
+}
+
+/// Asks shard `index` at `addr` (the coordinator's request) for one rollback stage.
+async fn peer_rollback(shared: &Shared, index: u32, addr: &str, req: Rollback) -> Result<RollbackReply> {
+    let config = shared.rotated.lock().ok().and_then(|c| c.clone());
+    let target = net::resolve(addr).await.map_err(|e| anyhow!("shard {index} at {addr}: {e}"))?;
+    let conn = net::connect_with(&shared.endpoint, config, target, Duration::from_secs(5))
+        .await
+        .map_err(|e| anyhow!("shard {index} at {addr}: {e}"))?;
+    net::expect_shard(&conn, &shared.own.cluster, index).map_err(|e| anyhow!("shard {index} at {addr}: {e}"))?;
+    let reply = net::call(&conn, &Message::Rollback(req), &[], &Limits::default(), CHECKPOINT_WAIT).await;
+    conn.close(0u32.into(), b"rollback");
+    match reply {
+        Ok(Frame { msg: Message::RollbackReply(r), .. }) => Ok(r),
+        Ok(other) => bail!("shard {index} answered a rollback with {}", net::kind_name(&other.msg)),
+        Err(e) => bail!("shard {index} at {addr}: {e}"),
+    }
+}
+
+/// The coordinator returns the whole cluster to one checkpoint after shard restarts from `restored`: the
+/// newest checkpoint no newer than it that every shard holds intact (a cluster checkpoint: the same id
+/// everywhere). Every shard restores it in place, so all shards agree on the step and the parameters
+/// again; what was applied after it anywhere is lost, and workers notice (a push read on newer versions
+/// is refused as read-ahead; a wait for a step the shard went back from ends) and pull again.
+async fn cluster_rollback(shared: &Shared, restored: u64) -> Result<(u64, u64)> {
+    let _cluster = shared.cluster_lock.lock().await;
+    let (tx, rx) = oneshot::channel();
+    shared
+        .send(Command::Inspect(Box::new(move |core| {
+            let _ = tx.send((core.peer_shards(), core.config().num_shards));
+        })))
+        .await?;
+    let (peers, num_shards) = rx.await.map_err(|_| anyhow!("shard core thread stopped"))?;
+    if peers.len() + 1 < num_shards as usize {
+        bail!("only {} of {num_shards} shards have joined: no cluster rollback yet", peers.len() + 1);
+    }
+    let ask = Rollback { id: restored, stage: RollbackStage::List };
+    let mut common: std::collections::BTreeSet<u64> = own_checkpoints(shared, restored)?.into_iter().collect();
+    for (index, addr) in &peers {
+        let held = peer_rollback(shared, *index, addr, ask).await?.held;
+        common.retain(|id| held.contains(id));
+    }
+    let Some(&id) = common.last() else {
+        bail!("no checkpoint no newer than {restored} is held by every shard: the cluster cannot go back to one")
+    };
+    let apply = Rollback { id, stage: RollbackStage::Apply };
+    let mut steps = vec![(shared.shard, apply_rollback(shared, id).await?)];
+    for (index, addr) in &peers {
+        steps.push((*index, peer_rollback(shared, *index, addr, apply).await?.step));
+    }
+    let step = steps[0].1;
+    if steps.iter().any(|(_, s)| *s != step) {
+        warn!(
+            checkpoint = id,
+            ?steps,
+            "the shards' steps differ after the rollback (a checkpoint not taken at one step)"
+        );
+    }
+    warn!(checkpoint = id, restored, step, shards = steps.len(), "the cluster rolled back to one checkpoint");
+    Ok((id, step))
+}
+
+/// After this shard started from checkpoint `id`: in every mode but async, the cluster goes back to one
+/// checkpoint that every shard holds. The coordinator runs it; another shard asks the coordinator. Tried
+/// until it succeeds or the shard stops (the other shards may still be joining).
+async fn roll_back_cluster_after_restore(shared: Arc<Shared>, id: u64, mut stop: watch::Receiver<bool>) {
+    for attempt in 1u32.. {
+        let result = if shared.shard == 0 {
+            cluster_rollback(&shared, id).await
+        } else {
+            let coordinator = shared.coordinator.clone().unwrap_or_default();
+            peer_rollback(&shared, 0, &coordinator, Rollback { id, stage: RollbackStage::Restored })
+                .await
+                .and_then(|r| Ok((r.held.first().copied().context("an empty rollback reply")?, r.step)))
+        };
+        match result {
+            Ok((back_to, step)) => {
+                info!(shard = shared.shard, restored = id, checkpoint = back_to, step, "cluster rollback done");
+                return;
+            }
+            Err(e) if attempt % 10 == 1 => {
+                warn!(shard = shared.shard, attempt, error = format!("{e:#}"), "cluster rollback failed; trying again")
+            }
+            Err(_) => {}
+        }
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+        }
+    }
+}
+
 /// The coordinator's cluster checkpoint: one id, every shard at the same synchronous step (in `sync`, the
 /// step after next; a shard that is already past it makes the coordinator try again further ahead) or at
 /// its next quiescent point (async modes, GBA, no live worker). Returns every shard's file; fails, naming
 /// the shards, when one could not write it (the others' files stay: each is a complete checkpoint of its
 /// shard).
 async fn cluster_checkpoint(shared: &Shared) -> Result<CheckpointDone> {
+    let _cluster = shared.cluster_lock.lock().await;
     let mut margin = 2;
     for _attempt in 0..4 {
         let (tx, rx) = oneshot::channel();
@@ -1318,6 +1509,8 @@ async fn serve_request(
                 Some((authenticate(shared, peer, a), Vec::new(), Vec::new()))
             } else if let Message::CheckpointRequest(req) = frame.msg {
                 Some((checkpoint_reply(shared, req).await, Vec::new(), Vec::new()))
+            } else if let Message::Rollback(req) = frame.msg {
+                Some((rollback_reply(shared, req).await, Vec::new(), Vec::new()))
             } else {
                 let registers_worker = matches!(&frame.msg, Message::Register(r) if r.role == WireRole::Worker);
                 let registers_shard = matches!(frame.msg, Message::RegisterShard(_));

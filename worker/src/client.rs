@@ -335,6 +335,8 @@ struct Inner {
     pushes_acknowledged: AtomicU64,
     /// Shard pushes a restored shard refused (computed before its restore).
     stale_after_restore: AtomicU64,
+    /// Waits for a step that ended because the shard had gone back (a cluster rollback).
+    rollbacks_seen: AtomicU64,
     retries: AtomicU64,
     /// The shards' default update rule.
     rule: Rule,
@@ -506,6 +508,7 @@ impl Client {
                 pushes_sent: AtomicU64::new(0),
                 pushes_acknowledged: AtomicU64::new(0),
                 stale_after_restore: AtomicU64::new(0),
+                rollbacks_seen: AtomicU64::new(0),
                 retries: AtomicU64::new(0),
                 rule,
                 tensor_rules,
@@ -604,6 +607,11 @@ impl Client {
     /// Shard pushes a restored shard refused because they were computed before its restore.
     pub fn stale_after_restore(&self) -> u64 {
         self.inner.stale_after_restore.load(Ordering::Relaxed)
+    }
+
+    /// Waits for a synchronous step that ended because the shard had rolled back to a cluster checkpoint.
+    pub fn rollbacks_seen(&self) -> u64 {
+        self.inner.rollbacks_seen.load(Ordering::Relaxed)
     }
 
     /// Test and chaos hook: the next `n` requests are written completely and then their connection is
@@ -1191,6 +1199,19 @@ impl Client {
             if let Message::Stats(st) = &frame.msg {
                 self.inner.learn(&st.decisions);
                 if st.global_step >= step && st.ssp_min_clock >= clock {
+                    return Ok(());
+                }
+                // The wait was for the step after the one the shard was at; a shard now further back than
+                // that rolled back to a cluster checkpoint, and the step waited for will not come as it was:
+                // go on (the next pull reads the restored parameters).
+                if st.global_step.saturating_add(1) < step {
+                    warn!(
+                        shard = s,
+                        waited_for = step,
+                        now_at = st.global_step,
+                        "the shard went back a step: rolled back"
+                    );
+                    self.inner.rollbacks_seen.fetch_add(1, Ordering::Relaxed);
                     return Ok(());
                 }
             }
