@@ -290,6 +290,10 @@ impl LocalArgs {
         if repeats && tables.sparse_adagrad_init.is_none() {
             tables.sparse_adagrad_init = Some(gaps_server::cli::REPEATED_PASSES_ADAGRAD_INIT);
         }
+        // The shards share this machine: each gets its share of the default budget.
+        if tables.table_memory.is_none() {
+            tables.table_memory = Some(gaps_server::cli::default_table_memory() / u64::from(self.servers.max(1)));
+        }
         tables
     }
     /// Samples per step and worker.

@@ -112,6 +112,44 @@ pub fn tune_allocator() {
     }
 }
 
+/// Gives memory that is kept but not in use back to the kernel: the recycled buffers, and the free pages
+/// of glibc's heap (`malloc_trim`, which [`tune_allocator`] otherwise leaves to keep them for the next
+/// round). A shard calls it every few seconds, so a burst of large requests raises its resident memory for
+/// that long only, and what it holds stays near what its budgets allow. Returns the recycled bytes dropped.
+pub fn release_idle() -> usize {
+    let dropped = KEPT
+        .lock()
+        .map(|mut kept| {
+            let bytes = kept.iter().map(|b| b.capacity() * 4).sum();
+            kept.clear();
+            bytes
+        })
+        .unwrap_or(0);
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    #[allow(unsafe_code)]
+    // SAFETY: malloc_trim only returns free heap pages to the kernel, under the allocator's own locks.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+    dropped
+}
+
+/// The memory this process may use, in bytes: the machine's (`MemTotal` of `/proc/meminfo`), or the
+/// cgroup's limit where one is set lower (a container's, `memory.max` or v1's `memory.limit_in_bytes`).
+/// None where neither can be read (not Linux).
+pub fn usable_memory() -> Option<u64> {
+    let total = std::fs::read_to_string("/proc/meminfo").ok().and_then(|text| {
+        let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+        line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kib| kib * 1024)
+    })?;
+    let limit = ["/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"]
+        .iter()
+        .filter_map(|path| std::fs::read_to_string(path).ok())
+        .filter_map(|text| text.trim().parse::<u64>().ok())
+        .min();
+    Some(limit.map_or(total, |l| l.min(total)))
+}
+
 /// Buffers and bytes kept now (for tests and diagnostics).
 pub fn kept() -> (usize, usize) {
     KEPT.lock().map(|k| (k.len(), k.iter().map(|b| b.capacity() * 4).sum())).unwrap_or((0, 0))

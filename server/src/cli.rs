@@ -200,7 +200,9 @@ pub struct TableArgs {
     /// 255; the counts halve every 8 Mi sightings).
     #[arg(long, env = "GAPS_ADMIT_AFTER", default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=i64::from(gaps_shard::sparse::MAX_ADMIT_AFTER)))]
     pub admit_after: u32,
-    /// Memory budget of this shard's embedding tables, e.g. 2GiB (none: unbounded).
+    /// Memory budget of this shard's embedding tables, e.g. 2GiB (default: a quarter of the memory this
+    /// process may use — the machine's, or its container's limit — said at start-up); beyond it the least
+    /// recently used rows are evicted.
     #[arg(long, env = "GAPS_TABLE_MEMORY", value_parser = parse_bytes)]
     pub table_memory: Option<u64>,
     /// Evict embedding rows idle this long (TTL); the budget is enforced by LRU either way.
@@ -213,6 +215,12 @@ pub const DEFAULT_SPARSE_WEIGHT_DECAY: f32 = 0.0;
 /// `--sparse-adagrad-init` of `gaps local` for runs that pass over a data file more than once (README,
 /// "Real-data defaults").
 pub const REPEATED_PASSES_ADAGRAD_INIT: f32 = 0.1;
+
+/// The embedding tables' memory budget when `--table-memory` is not given: a quarter of what this process
+/// may use (`buffers::usable_memory`), at least 64 MiB; 1 GiB where that cannot be read.
+pub fn default_table_memory() -> u64 {
+    gaps_common::buffers::usable_memory().map_or(1 << 30, |m| (m / 4).max(64 << 20))
+}
 
 impl TableArgs {
     /// The shard's table settings: `--sparse-lr`, `--sparse-weight-decay`, and the dense rules' other
@@ -230,7 +238,7 @@ impl TableArgs {
             init_std: self.embedding_init_std,
             adagrad_init,
             admit_after: self.admit_after,
-            memory_budget: self.table_memory,
+            memory_budget: Some(self.table_memory.unwrap_or_else(default_table_memory)),
             eviction: match self.table_ttl {
                 Some(ttl) => Eviction::Ttl { ttl_s: ttl.as_secs().clamp(1, u64::from(u32::MAX)) as u32 },
                 None => Eviction::Lru,
@@ -386,6 +394,15 @@ pub async fn run(args: &ServerArgs) -> Result<()> {
         anyhow::bail!("--shard-index {} must be below --num-shards {}", args.shard_index, args.num_shards);
     }
     let mut cfg = args.service_config()?;
+    if let Some(budget) = cfg.core.sparse.memory_budget.filter(|_| !cfg.core.layout.tables.is_empty()) {
+        let how = if args.tables.table_memory.is_some() {
+            "--table-memory".to_string()
+        } else {
+            let usable = gaps_common::buffers::usable_memory().map_or("unknown".into(), |m| format!("{} MiB", m >> 20));
+            format!("a quarter of the {usable} this process may use; --table-memory to change it")
+        };
+        tracing::info!(budget_mib = budget >> 20, "embedding tables: memory budget {} MiB ({how})", budget >> 20);
+    }
     let metrics_addr = match args.metrics_addr {
         Some(addr) => {
             let handle = crate::metrics::install_recorder().context("installing the metrics recorder")?;

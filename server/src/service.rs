@@ -161,6 +161,8 @@ pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
 pub const DEFAULT_MAX_CONNECTIONS_PER_IP: u32 = 512;
 /// Default of [`ServiceConfig::request_timeout`].
 pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
+/// How often a shard gives memory kept for reuse back to the kernel (`buffers::release_idle`).
+const RELEASE_IDLE_EVERY: Duration = Duration::from_secs(5);
 /// Default of [`ServiceConfig::stall_timeout`].
 pub const DEFAULT_STALL_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default of [`ServiceConfig::budget_wait`].
@@ -1136,8 +1138,15 @@ async fn serve(endpoint: quinn::Endpoint, shared: Arc<Shared>, mut shutdown: wat
         let shared = shared.clone();
         tokio::spawn(async move {
             let mut interval = tokio::time::interval(tick);
+            let mut last_release = Instant::now();
             loop {
                 interval.tick().await;
+                // Memory kept for reuse (recycled buffers, the allocator's free heap) goes back to the
+                // kernel every few seconds, so that the shard's resident memory follows what it holds.
+                if last_release.elapsed() >= RELEASE_IDLE_EVERY {
+                    last_release = Instant::now();
+                    tokio::task::spawn_blocking(gaps_common::buffers::release_idle);
+                }
                 let (tx, rx) = oneshot::channel();
                 if shared.send(Command::Tick { reply: tx }).await.is_err() {
                     return;
