@@ -98,6 +98,9 @@ pub struct ServerArgs {
     /// Connections from one IP address served at once at most.
     #[arg(long, env = "GAPS_MAX_CONNECTIONS_PER_IP", default_value_t = crate::service::DEFAULT_MAX_CONNECTIONS_PER_IP, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_connections_per_ip: u32,
+    /// Live workers one certificate may have registered at once; further registrations are refused.
+    #[arg(long, env = "GAPS_MAX_WORKERS_PER_CERTIFICATE", default_value_t = crate::service::DEFAULT_MAX_WORKERS_PER_CERTIFICATE, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_workers_per_certificate: u32,
     /// How long a request's header, and then its payload, may take to arrive; a slower or stalled sender is
     /// cut off (and counted).
     #[arg(long, env = "GAPS_REQUEST_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
@@ -344,6 +347,7 @@ impl ServerArgs {
             inflight_bytes: self.inflight_memory,
             max_connections: self.max_connections as usize,
             max_connections_per_ip: self.max_connections_per_ip,
+            max_workers_per_certificate: self.max_workers_per_certificate,
             request_timeout: self.request_timeout,
             stall_timeout: self.stall_timeout,
             budget_wait: self.budget_wait,

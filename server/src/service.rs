@@ -68,6 +68,9 @@ pub struct ServiceConfig {
     pub max_connections: usize,
     /// Connections from one IP address at most (so one host cannot take every connection slot).
     pub max_connections_per_ip: u32,
+    /// Live workers one certificate may have registered at once (so one certificate cannot fill the
+    /// coordinator's tables with workers).
+    pub max_workers_per_certificate: u32,
     /// How long a request's header, and then its payload, may take to arrive, and its reply to be taken by
     /// the peer; a slower sender or reader is cut off.
     pub request_timeout: Duration,
@@ -106,6 +109,7 @@ impl ServiceConfig {
             inflight_bytes: DEFAULT_INFLIGHT_BYTES,
             max_connections: DEFAULT_MAX_CONNECTIONS,
             max_connections_per_ip: DEFAULT_MAX_CONNECTIONS_PER_IP,
+            max_workers_per_certificate: DEFAULT_MAX_WORKERS_PER_CERTIFICATE,
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
             stall_timeout: DEFAULT_STALL_TIMEOUT,
             budget_wait: DEFAULT_BUDGET_WAIT,
@@ -157,6 +161,8 @@ pub const DEFAULT_QUEUE_DEPTH: usize = 256;
 pub const DEFAULT_INFLIGHT_BYTES: u64 = 512 << 20;
 /// Default of [`ServiceConfig::max_connections`].
 pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
+/// Default of [`ServiceConfig::max_workers_per_certificate`].
+pub const DEFAULT_MAX_WORKERS_PER_CERTIFICATE: u32 = 4096;
 /// Default of [`ServiceConfig::max_connections_per_ip`].
 pub const DEFAULT_MAX_CONNECTIONS_PER_IP: u32 = 512;
 /// Default of [`ServiceConfig::request_timeout`].
@@ -371,6 +377,10 @@ struct Shared {
     /// Connections open per peer IP address, and the most allowed.
     per_ip: DashMap<std::net::IpAddr, u32>,
     max_per_ip: u32,
+    /// Live registered workers: who registered each, how many each certificate holds, and the most.
+    registrants: DashMap<u32, PeerIdentity>,
+    per_certificate: DashMap<PeerIdentity, u32>,
+    max_per_certificate: u32,
     /// Requests and connections refused for authorization.
     unauthorized: AtomicU64,
     /// Rate limits of the warnings for refused requests, malformed requests and refused connections.
@@ -654,6 +664,9 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
         bindings: DashMap::new(),
         per_ip: DashMap::new(),
         max_per_ip: cfg.max_connections_per_ip.max(1),
+        registrants: DashMap::new(),
+        per_certificate: DashMap::new(),
+        max_per_certificate: cfg.max_workers_per_certificate.max(1),
         unauthorized: AtomicU64::new(0),
         log_unauthorized: LogLimiter::new(Duration::from_secs(1)),
         log_malformed: LogLimiter::new(Duration::from_secs(1)),
@@ -1154,6 +1167,7 @@ async fn serve(endpoint: quinn::Endpoint, shared: Arc<Shared>, mut shutdown: wat
                 let Ok((events, stats)) = rx.await else { return };
                 shared.metrics.observe(&stats);
                 log_events(&events);
+                forget_registrations(&shared, &events);
             }
         })
     };
@@ -1520,6 +1534,15 @@ async fn serve_request(
                 Some((checkpoint_reply(shared, req).await, Vec::new(), Vec::new()))
             } else if let Message::Rollback(req) = frame.msg {
                 Some((rollback_reply(shared, req).await, Vec::new(), Vec::new()))
+            } else if matches!(&frame.msg, Message::Register(r) if r.role == WireRole::Worker)
+                && shared.per_certificate.get(&peer.identity).is_some_and(|n| *n >= shared.max_per_certificate)
+            {
+                let reason = format!(
+                    "this certificate already holds {} live workers, the most one may register \
+                     (--max-workers-per-certificate)",
+                    shared.max_per_certificate
+                );
+                Some((refuse_unauthorized(shared, peer, &reason), Vec::new(), Vec::new()))
             } else {
                 let registers_worker = matches!(&frame.msg, Message::Register(r) if r.role == WireRole::Worker);
                 let registers_shard = matches!(frame.msg, Message::RegisterShard(_));
@@ -1533,6 +1556,8 @@ async fn serve_request(
                     if let Message::ClusterMap(map) = &mut reply.msg {
                         if let (true, Some(w)) = (registers_worker, map.worker_id) {
                             map.token = Some(shared.credentials.token(w, &peer.identity));
+                            shared.registrants.insert(w, peer.identity.clone());
+                            *shared.per_certificate.entry(peer.identity.clone()).or_insert(0) += 1;
                         }
                         if registers_shard {
                             map.auth_key = Some(shared.credentials.raw());
@@ -1546,6 +1571,7 @@ async fn serve_request(
                 return;
             };
             log_events(&events);
+            forget_registrations(shared, &events);
             record(&shared.metrics, kind, &reply.msg);
             (reply, views, histogram)
         }
@@ -1660,6 +1686,20 @@ fn record(m: &ShardMetrics, request: RpcKind, reply: &Message) {
         (RpcKind::Push | RpcKind::PushPull, _) => m.push_rejected.increment(1),
         (RpcKind::Pull, Message::PullReply(_) | Message::SparsePullReply(_)) => m.pulls.increment(1),
         _ => {}
+    }
+}
+
+/// A worker that left or whose lease expired no longer counts against its registrant's certificate.
+fn forget_registrations(shared: &Shared, events: &[CoreEvent]) {
+    for e in events {
+        if let CoreEvent::WorkerLeft(w) | CoreEvent::WorkerExpired(w) = e {
+            if let Some((_, identity)) = shared.registrants.remove(w) {
+                shared.per_certificate.remove_if_mut(&identity, |_, n| {
+                    *n = n.saturating_sub(1);
+                    *n == 0
+                });
+            }
+        }
     }
 }
 

@@ -243,3 +243,60 @@ async fn certificates_rotate_without_a_restart() {
     }
     s0.shutdown().await.expect("shutdown");
 }
+
+/// One certificate may hold at most `max_workers_per_certificate` live workers: a flood of registrations
+/// from a raw client is refused past the cap, another certificate still registers, and a worker that
+/// leaves makes room again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_certificate_registers_at_most_its_cap_of_live_workers() {
+    let certs = certs();
+    let core = ShardConfig {
+        shard: 0,
+        num_shards: 1,
+        layout: layout(),
+        rule: Rule::Sgd,
+        hyper: Hyper { lr: 0.1, momentum: 0.0, ..Hyper::default() },
+        init: Init { seed: 1, std: 0.1 },
+        lease: Duration::from_secs(30),
+        advertise: String::new(),
+        epoch: 31,
+        threads: 1,
+        sparse: gaps_shard::SparseSettings::default(),
+        modes: gaps_shard::ModeConfig::default(),
+    };
+    let cfg = ServiceConfig {
+        max_workers_per_certificate: 3,
+        ..ServiceConfig::new("127.0.0.1:0".parse().expect("addr"), certs.shard_material(0).expect("tls"), core)
+    };
+    let server = service::start(cfg).await.expect("start");
+    let mallory = certs.named_worker_material("mallory").expect("tls");
+    let conn = raw(&mallory, server.addr).await;
+    let register = || Message::Register(Register { protocol: PROTOCOL_VERSION, role: Role::Worker, name: "m".into() });
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        match ask(&conn, register(), &[]).await.expect("registered").msg {
+            Message::ClusterMap(map) => ids.push((map.worker_id.expect("id"), map.token.expect("token"))),
+            other => panic!("{other:?}"),
+        }
+    }
+    for _ in 0..20 {
+        match ask(&conn, register(), &[]).await {
+            Err(net::RpcError::Remote { code: ErrorCode::Unauthorized, message, .. }) => {
+                assert!(message.contains("max-workers-per-certificate"), "{message}")
+            }
+            other => panic!("a registration past the cap must be refused, got {other:?}"),
+        }
+    }
+    // Another certificate is not affected.
+    let mut o = ClientOptions::new(&server.advertise, certs.worker_material().expect("tls"), Role::Worker, "honest");
+    o.rpc_timeout = Duration::from_secs(10);
+    let honest = Client::connect(o).await.expect("another certificate registers");
+    // One of mallory's workers leaves (on a connection authenticated as it): one more may register.
+    let (w, token) = ids[0].clone();
+    let leaving = raw(&mallory, server.addr).await;
+    ask(&leaving, Message::Authenticate(Authenticate { worker: w, token }), &[]).await.expect("authenticate");
+    ask(&leaving, Message::Leave(Leave { worker: w }), &[]).await.expect("leave");
+    assert!(matches!(ask(&conn, register(), &[]).await.expect("room again").msg, Message::ClusterMap(_)));
+    honest.leave().await.expect("leave");
+    server.shutdown().await.expect("shutdown");
+}
