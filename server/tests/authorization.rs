@@ -292,7 +292,7 @@ async fn a_certificate_registers_at_most_its_cap_of_live_workers() {
     o.rpc_timeout = Duration::from_secs(10);
     let honest = Client::connect(o).await.expect("another certificate registers");
     // One of mallory's workers leaves (on a connection authenticated as it): one more may register.
-    let (w, token) = ids[0].clone();
+    let (w, token) = ids[0];
     let leaving = raw(&mallory, server.addr).await;
     ask(&leaving, Message::Authenticate(Authenticate { worker: w, token }), &[]).await.expect("authenticate");
     ask(&leaving, Message::Leave(Leave { worker: w }), &[]).await.expect("leave");
