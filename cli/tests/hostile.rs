@@ -44,13 +44,18 @@ fn memory_of(pid: u32) -> (u64, u64) {
     (field("VmRSS:"), field("VmSize:"))
 }
 
-#[test]
-fn four_thousand_prefix_only_streams_leave_the_shards_memory_near_where_it_was() {
-    if !std::path::Path::new("/proc/self/status").exists() {
-        eprintln!("skipped: no /proc on this system to read a process's memory from");
-        return;
-    }
-    let dir = std::env::temp_dir().join(format!("gaps-hostile-{}", std::process::id()));
+/// A `gaps server` process (shard 0 of 1, the layout above) started in a fresh folder with certificates,
+/// with `extra` flags and `GAPS_LOG=log`; its log output is piped when `log` is not "error".
+struct Started {
+    shard: Shard,
+    dir: std::path::PathBuf,
+    addr: std::net::SocketAddr,
+    pid: u32,
+    stderr: Option<std::process::ChildStderr>,
+}
+
+fn start_server(name: &str, extra: &[&str], log: &str) -> Started {
+    let dir = std::env::temp_dir().join(format!("gaps-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("dir");
     let certs = gaps_transport::tls::ClusterCerts::generate(&[]).expect("certs");
     certs.write_to(&dir).expect("write certs");
@@ -63,29 +68,41 @@ fn four_thousand_prefix_only_streams_leave_the_shards_memory_near_where_it_was()
         .arg(format!("--ca={}", path("ca.pem")))
         .arg(format!("--cert={}", path("shard-0.pem")))
         .arg(format!("--key={}", path("shard-0.key")))
-        // Long enough that no limit cuts the streams off while memory is measured.
-        .args(["--stall-timeout=120s", "--request-timeout=300s"])
-        .env("GAPS_LOG", "error")
+        .args(extra)
+        .env("GAPS_LOG", log)
+        .env("NO_COLOR", "1")
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(if log == "error" { Stdio::null() } else { Stdio::piped() })
         .spawn()
         .expect("start gaps server");
     let pid = child.id();
     let stdout = child.stdout.take().expect("stdout");
+    let stderr = child.stderr.take();
     let shard = Shard(child);
     let mut line = String::new();
     BufReader::new(stdout).read_line(&mut line).expect("the listening line");
     let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"));
-    let addr: std::net::SocketAddr = v["addr"].as_str().expect("addr").parse().expect("socket address");
+    let addr = v["addr"].as_str().expect("addr").parse().expect("socket address");
+    Started { shard, dir, addr, pid, stderr }
+}
 
+fn worker_tls(dir: &std::path::Path) -> gaps_transport::tls::TlsMaterial {
+    gaps_transport::tls::TlsMaterial::load(&dir.join("ca.pem"), &dir.join("worker.pem"), &dir.join("worker.key"))
+        .expect("worker tls")
+}
+
+#[test]
+fn four_thousand_prefix_only_streams_leave_the_shards_memory_near_where_it_was() {
+    if !std::path::Path::new("/proc/self/status").exists() {
+        eprintln!("skipped: no /proc on this system to read a process's memory from");
+        return;
+    }
+    // Long enough that no limit cuts the streams off while memory is measured.
+    let Started { shard, dir, addr, pid, .. } =
+        start_server("hostile", &["--stall-timeout=120s", "--request-timeout=300s"], "error");
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("rt");
     runtime.block_on(async {
-        let tls = gaps_transport::tls::TlsMaterial::load(
-            &dir.join("ca.pem"),
-            &dir.join("worker.pem"),
-            &dir.join("worker.key"),
-        )
-        .expect("worker tls");
+        let tls = worker_tls(&dir);
         // A first connection and request settle the shard's own allocations before the baseline is read.
         let endpoint = gaps_transport::net::client_endpoint(&tls, addr).expect("endpoint");
         let probe = gaps_transport::net::connect(&endpoint, addr, Duration::from_secs(10)).await.expect("connect");
@@ -143,41 +160,13 @@ fn four_thousand_prefix_only_streams_leave_the_shards_memory_near_where_it_was()
 /// 882 MB, and with `--table-memory 100MiB` it settled at 751 MB.)
 #[test]
 fn six_creating_sparse_pulls_of_a_million_new_ids_keep_the_shard_near_its_table_budget() {
-    let dir = std::env::temp_dir().join(format!("gaps-table-budget-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("dir");
-    let certs = gaps_transport::tls::ClusterCerts::generate(&[]).expect("certs");
-    certs.write_to(&dir).expect("write certs");
-    let layout = dir.join("layout.toml");
-    std::fs::write(&layout, LAYOUT).expect("layout");
-    let path = |f: &str| dir.join(f).display().to_string();
     let budget: u64 = 64 << 20;
-    let mut child = Command::new(env!("CARGO_BIN_EXE_gaps"))
-        .args(["server", "--listen", "127.0.0.1:0", "--shard-index=0", "--num-shards=1"])
-        .arg(format!("--layout={}", layout.display()))
-        .arg(format!("--ca={}", path("ca.pem")))
-        .arg(format!("--cert={}", path("shard-0.pem")))
-        .arg(format!("--key={}", path("shard-0.key")))
-        .arg(format!("--table-memory={budget}"))
-        .env("GAPS_LOG", "error")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start gaps server");
-    let pid = child.id();
-    let stdout = child.stdout.take().expect("stdout");
-    let shard = Shard(child);
-    let mut line = String::new();
-    BufReader::new(stdout).read_line(&mut line).expect("the listening line");
-    let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"));
-    let addr = v["addr"].as_str().expect("addr").to_string();
+    let Started { shard, dir, addr, pid, .. } =
+        start_server("table-budget", &[&format!("--table-memory={budget}")], "error");
+    let addr = addr.to_string();
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("rt");
     runtime.block_on(async {
-        let tls = gaps_transport::tls::TlsMaterial::load(
-            &dir.join("ca.pem"),
-            &dir.join("worker.pem"),
-            &dir.join("worker.key"),
-        )
-        .expect("worker tls");
+        let tls = worker_tls(&dir);
         let mut opts = gaps_worker::ClientOptions::new(&addr, tls, gaps_common::wire::Role::Worker, "rows");
         opts.rpc_timeout = Duration::from_secs(120);
         let client = gaps_worker::Client::connect(opts).await.expect("connect");
@@ -206,30 +195,8 @@ fn six_creating_sparse_pulls_of_a_million_new_ids_keep_the_shard_near_its_table_
 /// when it starts.
 #[test]
 fn a_shard_announces_its_default_table_budget() {
-    let dir = std::env::temp_dir().join(format!("gaps-table-default-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("dir");
-    let certs = gaps_transport::tls::ClusterCerts::generate(&[]).expect("certs");
-    certs.write_to(&dir).expect("write certs");
-    let layout = dir.join("layout.toml");
-    std::fs::write(&layout, LAYOUT).expect("layout");
-    let path = |f: &str| dir.join(f).display().to_string();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_gaps"))
-        .args(["server", "--listen", "127.0.0.1:0", "--shard-index=0", "--num-shards=1"])
-        .arg(format!("--layout={}", layout.display()))
-        .arg(format!("--ca={}", path("ca.pem")))
-        .arg(format!("--cert={}", path("shard-0.pem")))
-        .arg(format!("--key={}", path("shard-0.key")))
-        .env("GAPS_LOG", "info")
-        .env("NO_COLOR", "1")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start gaps server");
-    let stderr = child.stderr.take().expect("stderr");
-    let stdout = child.stdout.take().expect("stdout");
-    let _shard = Shard(child);
-    let mut line = String::new();
-    BufReader::new(stdout).read_line(&mut line).expect("the listening line");
+    let Started { shard: _shard, dir, stderr, .. } = start_server("table-default", &[], "info");
+    let stderr = stderr.expect("the log");
     let said = BufReader::new(stderr)
         .lines()
         .map_while(Result::ok)

@@ -20,8 +20,8 @@ fn layout() -> Layout {
     Layout::new(vec![TensorSpec::new("w", 40)], 16).expect("layout")
 }
 
-async fn start_shard(certs: &ClusterCerts, shard: u32, num_shards: u32, coordinator: Option<String>) -> RunningServer {
-    let core = ShardConfig {
+fn core_config(shard: u32, num_shards: u32) -> ShardConfig {
+    ShardConfig {
         shard,
         num_shards,
         layout: layout(),
@@ -34,7 +34,11 @@ async fn start_shard(certs: &ClusterCerts, shard: u32, num_shards: u32, coordina
         threads: 1,
         sparse: gaps_shard::SparseSettings::default(),
         modes: gaps_shard::ModeConfig::default(),
-    };
+    }
+}
+
+async fn start_shard(certs: &ClusterCerts, shard: u32, num_shards: u32, coordinator: Option<String>) -> RunningServer {
+    let core = core_config(shard, num_shards);
     let cfg = ServiceConfig {
         coordinator,
         join_timeout: Duration::from_secs(10),
@@ -250,20 +254,7 @@ async fn certificates_rotate_without_a_restart() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_certificate_registers_at_most_its_cap_of_live_workers() {
     let certs = certs();
-    let core = ShardConfig {
-        shard: 0,
-        num_shards: 1,
-        layout: layout(),
-        rule: Rule::Sgd,
-        hyper: Hyper { lr: 0.1, momentum: 0.0, ..Hyper::default() },
-        init: Init { seed: 1, std: 0.1 },
-        lease: Duration::from_secs(30),
-        advertise: String::new(),
-        epoch: 31,
-        threads: 1,
-        sparse: gaps_shard::SparseSettings::default(),
-        modes: gaps_shard::ModeConfig::default(),
-    };
+    let core = core_config(0, 1);
     let cfg = ServiceConfig {
         max_workers_per_certificate: 3,
         ..ServiceConfig::new("127.0.0.1:0".parse().expect("addr"), certs.shard_material(0).expect("tls"), core)
