@@ -58,9 +58,17 @@ pub struct LocalArgs {
     /// Learning rate of the dense tensors (default: 0.1 for logreg, 0.02 for the CTR models).
     #[arg(long, env = "GAPS_LR")]
     pub lr: Option<f32>,
-    /// Training data of the CTR models: `synthetic` or the path of a Criteo-layout TSV file.
+    /// Training data of the CTR models: `synthetic` or Criteo-layout TSV files (comma-separated).
     #[arg(long, env = "GAPS_DATA", default_value = "synthetic")]
     pub data: String,
+    /// How the CTR models' workers get their data: `dynamic` (the coordinator deals splits of
+    /// `--split-lines` to whichever worker asks, so fast workers train more of it) or `static` (worker W of N
+    /// reads the lines numbered W modulo N; every mode is as slow as the slowest worker's share).
+    #[arg(long, env = "GAPS_DATA_SHARDING", default_value = "dynamic")]
+    pub data_sharding: gaps_worker::train::DataSharding,
+    /// Lines (or synthetic samples) per dealt split under `--data-sharding dynamic`.
+    #[arg(long, env = "GAPS_SPLIT_LINES", default_value_t = gaps_server::data::DEFAULT_SPLIT_LINES, value_parser = clap::value_parser!(u64).range(1..=(1u64 << 32)))]
+    pub split_lines: u64,
     /// Embedding dimension of the CTR models.
     #[arg(long, env = "GAPS_EMBEDDING_DIM", default_value_t = 8)]
     pub embedding_dim: u32,
@@ -212,6 +220,25 @@ pub struct LocalReport {
     /// `pushes_acknowledged ≤ pushes_applied + pushes_lost ≤ pushes_acknowledged + pushes_unconfirmed`,
     /// with equality on the left when no worker was killed.
     pub pushes_unconfirmed: u64,
+    /// Dynamic data sharding: the dealer's account at the end (None: static shares).
+    pub data: Option<DataReport>,
+}
+
+/// What the coordinator's dealer did (dynamic data sharding).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct DataReport {
+    /// Splits finished, all epochs together.
+    pub splits_done: u64,
+    /// Splits in one pass over the data (0: synthetic data).
+    pub splits_per_epoch: u64,
+    /// Splits given back unfinished (dead, departed or rolled-back holders) and dealt again.
+    pub splits_returned: u64,
+    /// Splits still waiting to be dealt again when the run ended.
+    pub splits_pending: u64,
+    /// Samples trained under grants that did not finish (trained again in the split's next deal).
+    pub samples_replayed: u64,
+    /// Every pass dealt and finished.
+    pub finished: bool,
 }
 
 /// An injected straggler.
@@ -279,6 +306,19 @@ impl LocalArgs {
             (Some(n), _) => Some(n),
             (None, true) => None,
             (None, false) => Some(if self.ctr() { 300 } else { 150 }),
+        }
+    }
+    /// Whether the coordinator deals the data (dynamic sharding of a CTR model's data).
+    pub fn deals_data(&self) -> bool {
+        self.ctr() && self.data_sharding == gaps_worker::train::DataSharding::Dynamic
+    }
+    /// Passes over a data file the coordinator deals: `--epochs`, 1 by default, no end (0) when `--steps`
+    /// bounds the run instead.
+    pub fn data_epochs(&self) -> u64 {
+        match (self.epochs, self.steps) {
+            (Some(e), _) => e,
+            (None, Some(_)) => 0,
+            (None, None) => 1,
         }
     }
     /// The table flags for the servers: as given, except that a run passing over a data file more than
@@ -388,7 +428,16 @@ impl LocalReport {
             "pushes_lost": self.pushes_lost,
             "pushes_unconfirmed": self.pushes_unconfirmed,
             "stale_after_restore": self.stale_after_restore,
+            "data_sharding": if self.data.is_some() { "dynamic" } else { "static" },
         });
+        if let (Some(d), Some(map)) = (&self.data, v.as_object_mut()) {
+            map.insert("splits_done".into(), d.splits_done.into());
+            map.insert("splits_per_epoch".into(), d.splits_per_epoch.into());
+            map.insert("splits_returned".into(), d.splits_returned.into());
+            map.insert("splits_pending".into(), d.splits_pending.into());
+            map.insert("samples_replayed".into(), d.samples_replayed.into());
+            map.insert("data_finished".into(), d.finished.into());
+        }
         if let (Some(c), Some(map)) = (&self.ctr, v.as_object_mut()) {
             map.insert("sparse_rule".into(), args.tables.sparse_rule.name().into());
             map.insert("sparse_adagrad_init".into(), args.tables().sparse_adagrad_init.unwrap_or(0.0).into());
@@ -633,6 +682,11 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
         if let Some(every) = args.checkpoint_every {
             a.push(format!("--checkpoint-every={}ms", every.as_millis()));
         }
+        if shard == 0 && args.deals_data() {
+            a.push(format!("--data={}", args.data));
+            a.push(format!("--split-lines={}", args.split_lines));
+            a.push(format!("--data-epochs={}", args.data_epochs()));
+        }
         a.extend(args.hyper.to_flags());
         a.extend(args.tables().to_flags());
         a.extend(args.modes.to_flags());
@@ -701,6 +755,7 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
                 format!("--data-seed={}", args.seed),
                 format!("--data={}", args.data),
                 format!("--data-shard={}/{}", w % args.workers, args.workers),
+                format!("--data-sharding={}", args.data_sharding),
                 format!("--name=worker-{w}"),
                 // Hundreds of worker processes starting at once on a small machine take a while to join:
                 // a fifth of a second each, 30 s at least.
@@ -896,7 +951,10 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             stale_after_restore += v["stale_after_restore"].as_u64().unwrap_or(0);
             retries += v["retries"].as_u64().unwrap_or(0);
             samples += v["samples"].as_u64().unwrap_or(0);
-            bad_lines = bad_lines.max(v["bad_lines"].as_u64().unwrap_or(0));
+            // A fixed share is read from the whole file (every worker meets every bad line); dealt splits are
+            // read by one worker each (first pass only).
+            let theirs = v["bad_lines"].as_u64().unwrap_or(0);
+            bad_lines = if v["data_sharding"] == "dynamic" { bad_lines + theirs } else { bad_lines.max(theirs) };
             epochs = epochs.max(v["epochs"].as_f64().unwrap_or(0.0));
             stopped_early += u32::from(v["stopped_early"].as_bool().unwrap_or(false));
             if heldout_curve.is_empty() {
@@ -911,6 +969,19 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             }
         }
         let stats = observer.stats().await.context("reading shard counters")?;
+        let data_report = if args.deals_data() {
+            let status = observer.data_status().await.context("reading the data dealer's state")?;
+            status.first().and_then(|s| s.dealer.as_ref()).map(|d| DataReport {
+                splits_done: d.splits_done,
+                splits_per_epoch: d.splits_per_epoch,
+                splits_returned: d.splits_returned,
+                splits_pending: d.splits_pending,
+                samples_replayed: d.samples_replayed,
+                finished: d.finished,
+            })
+        } else {
+            None
+        };
         let (final_loss, ctr_report) = match &ctr {
             Some((shape, held)) => {
                 let (logloss, auc) =
@@ -995,6 +1066,7 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             },
             pushes_unconfirmed,
             stale_after_restore,
+            data: data_report,
         })
     }
     .await;

@@ -21,7 +21,7 @@ use crate::layout::{ChunkId, Layout};
 use bincode::{Decode, Encode};
 
 /// Protocol version carried by registrations; a peer with another version is refused.
-pub const PROTOCOL_VERSION: u16 = 9;
+pub const PROTOCOL_VERSION: u16 = 10;
 /// Bytes before the header: the kind byte and the header length.
 pub const FRAME_PREFIX_LEN: usize = 5;
 /// Hard upper bound on an encoded header (also the bincode decode limit).
@@ -341,6 +341,20 @@ pub struct Push {
     /// The newest two mode decisions the worker knows (from any shard's answers), so that every shard
     /// learns a decision before the step it takes effect at.
     pub decisions: ModeDecisions,
+    /// Where the step's samples came from, under dynamic data sharding (None: a fixed share of the data,
+    /// or no data at all). Every shard counts the samples per grant ([`DataStatus`]).
+    pub data: Option<DataTag>,
+}
+
+/// The samples of one step: all from one dealt split ([`DataSplit`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Encode, Decode)]
+pub struct DataTag {
+    /// The grant the split was dealt under ([`DataSplit::grant`]).
+    pub grant: u64,
+    /// The split's key ([`DataSplit::key`]).
+    pub split: u64,
+    /// Samples of the split in this step.
+    pub samples: u32,
 }
 
 /// Answer to [`Message::PushPull`]: the push's acknowledgement and, where the worker may go on at once, the
@@ -661,6 +675,124 @@ pub struct Authenticated {
     pub worker: u32,
 }
 
+/// A worker asks the coordinator for its next split of the training data (dynamic data sharding). Any
+/// split it holds other than `finished` is given back unfinished (it returns to the queue).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Encode, Decode)]
+pub struct SplitRequest {
+    /// Cluster epoch of the worker's map.
+    pub epoch: u64,
+    /// The worker id.
+    pub worker: u32,
+    /// The grant whose every batch this worker pushed and had acknowledged, if any.
+    pub finished: Option<u64>,
+}
+
+/// One dealt split: a range of lines of one file, or a range of synthetic sample indices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Encode, Decode)]
+pub struct DataSplit {
+    /// This deal's unique number (a split dealt again gets a new one).
+    pub grant: u64,
+    /// The split: `data epoch << 32 | index in the epoch`.
+    pub key: u64,
+    /// Index of the file in the dealer's list (0 for synthetic data).
+    pub file: u32,
+    /// Files: the 1-based number of the split's first line in its file. Synthetic: 0.
+    pub first_line: u64,
+    /// Files: the byte range `[start, end)` (line-aligned). Synthetic: the sample indices `[start, end)`.
+    pub start: u64,
+    /// See `start`.
+    pub end: u64,
+    /// Files: lines in the range (held-out and bad lines included). Synthetic: samples.
+    pub lines: u64,
+}
+
+/// Answer to [`SplitRequest`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Encode, Decode)]
+pub struct SplitGrant {
+    /// The next split (None: every epoch is dealt; the worker is done).
+    pub split: Option<DataSplit>,
+    /// Files the dealer deals from (0: synthetic data).
+    pub files: u32,
+    /// Whether `finished` of the request was accepted as this worker's (false: it was not the worker's,
+    /// e.g. given back after its lease expired; its samples count as replayed).
+    pub finished_accepted: bool,
+}
+
+/// Ask a shard for its per-grant sample counts (and, the coordinator, for its dealer's state): the
+/// grants after `after_grant`, in order, a page at a time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Encode, Decode)]
+pub struct DataStatusRequest {
+    /// Only grants above this (0: from the start).
+    pub after_grant: u64,
+}
+
+/// Samples a shard accepted in pushes tagged with one grant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Encode, Decode)]
+pub struct GrantCount {
+    /// The grant.
+    pub grant: u64,
+    /// Its split's key.
+    pub split: u64,
+    /// Samples (each accepted push once; duplicates not counted).
+    pub samples: u64,
+}
+
+/// A split on loan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Encode, Decode)]
+pub struct GrantLease {
+    /// The grant.
+    pub grant: u64,
+    /// Its split's key.
+    pub split: u64,
+    /// The worker holding it.
+    pub worker: u32,
+}
+
+/// Most entries of each list in one [`DataStatus`] page.
+pub const DATA_STATUS_PAGE: usize = 4096;
+
+/// The coordinator's dealer, as [`DataStatus`] reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Encode, Decode)]
+pub struct DealerStatus {
+    /// The data epoch being dealt (0-based).
+    pub data_epoch: u64,
+    /// Epochs to deal (0: no end).
+    pub epochs: u64,
+    /// Splits in one epoch (0: synthetic data, no end).
+    pub splits_per_epoch: u64,
+    /// Splits finished, all epochs together.
+    pub splits_done: u64,
+    /// Splits waiting to be dealt again (given back unfinished).
+    pub splits_pending: u64,
+    /// Splits given back unfinished so far (dead, departed or rolled-back holders).
+    pub splits_returned: u64,
+    /// Samples trained under grants that did not finish (counted by this shard's pushes): trained again.
+    pub samples_replayed: u64,
+    /// Every epoch dealt and finished.
+    pub finished: bool,
+    /// Splits on loan now.
+    pub leased: Vec<GrantLease>,
+    /// This page's finished grants (after the request's `after_grant`, in order): `(grant, split)`.
+    pub completed: Vec<(u64, u64)>,
+    /// This page's abandoned grants (given back unfinished), in order.
+    pub abandoned: Vec<u64>,
+}
+
+/// Answer to [`DataStatusRequest`].
+#[derive(Debug, Clone, PartialEq, Eq, Encode, Decode)]
+pub struct DataStatus {
+    /// The answering shard.
+    pub shard: u32,
+    /// This page's counts, grant order.
+    pub counts: Vec<GrantCount>,
+    /// More grants follow this page: ask again with this `after_grant` (None: this was the last page).
+    pub next_after: Option<u64>,
+    /// Grants whose counts were dropped to bound memory (the oldest go first).
+    pub counts_evicted: u64,
+    /// The dealer (coordinator with dynamic data sharding only).
+    pub dealer: Option<DealerStatus>,
+}
+
 /// Every message of the protocol. The kind byte on the wire is [`Message::kind`].
 #[derive(Debug, Clone, PartialEq)]
 pub enum Message {
@@ -715,6 +847,14 @@ pub enum Message {
     Rollback(Rollback),
     /// Kind 25.
     RollbackReply(RollbackReply),
+    /// Kind 26.
+    SplitRequest(SplitRequest),
+    /// Kind 27.
+    SplitGrant(SplitGrant),
+    /// Kind 28.
+    DataStatusRequest(DataStatusRequest),
+    /// Kind 29.
+    DataStatus(DataStatus),
 }
 
 /// Defines `kind()`, header encoding and kind-directed decoding for every variant in one place.
@@ -754,7 +894,8 @@ message_kinds! {
     8 => Error, 9 => Heartbeat, 10 => HeartbeatAck, 11 => StatsRequest, 12 => Stats, 13 => Leave,
     14 => SparsePull, 15 => SparsePullReply, 16 => SparsePush, 17 => CheckpointRequest, 18 => CheckpointDone,
     19 => Authenticate, 20 => Authenticated, 21 => PushPart, 22 => PushPull, 23 => PushPullReply,
-    24 => Rollback, 25 => RollbackReply,
+    24 => Rollback, 25 => RollbackReply, 26 => SplitRequest, 27 => SplitGrant, 28 => DataStatusRequest,
+    29 => DataStatus,
 }
 
 fn config() -> impl bincode::config::Config {
@@ -1148,6 +1289,7 @@ mod tests {
                         latest: ModeDecision { number: 3, mode: 2, from_step: 40 },
                         previous: ModeDecision { number: 2, mode: 1, from_step: 30 },
                     },
+                    data: Some(DataTag { grant: 7 << 32 | 5, split: 1 << 32 | 3, samples: 64 }),
                 }),
                 // Gradients (bf16 ×2, f32, f16), then the echoes (bf16 ×2, f16): all exact in their format.
                 payload: vec![0.5, f32::MIN_POSITIVE, 1.1, -3.0, -1.0, 2.0, 0.125],
@@ -1176,6 +1318,40 @@ mod tests {
             Frame::new(Message::Rollback(Rollback { id: 9, stage: RollbackStage::List })),
             Frame::new(Message::Rollback(Rollback { id: 9, stage: RollbackStage::Apply })),
             Frame::new(Message::RollbackReply(RollbackReply { shard: 2, held: vec![9, 7, 3], step: 41 })),
+            Frame::new(Message::SplitRequest(SplitRequest { epoch: 3, worker: 9, finished: Some(1 << 33) })),
+            Frame::new(Message::SplitGrant(SplitGrant {
+                split: Some(DataSplit {
+                    grant: 5,
+                    key: 1 << 32 | 2,
+                    file: 1,
+                    first_line: 2001,
+                    start: 1 << 20,
+                    end: 3 << 20,
+                    lines: 1000,
+                }),
+                files: 2,
+                finished_accepted: true,
+            })),
+            Frame::new(Message::DataStatusRequest(DataStatusRequest { after_grant: 77 })),
+            Frame::new(Message::DataStatus(DataStatus {
+                shard: 1,
+                counts: vec![GrantCount { grant: 78, split: 4, samples: 900 }],
+                next_after: Some(78),
+                counts_evicted: 2,
+                dealer: Some(DealerStatus {
+                    data_epoch: 1,
+                    epochs: 2,
+                    splits_per_epoch: 60,
+                    splits_done: 61,
+                    splits_pending: 1,
+                    splits_returned: 3,
+                    samples_replayed: 412,
+                    finished: false,
+                    leased: vec![GrantLease { grant: 80, split: 1 << 32 | 7, worker: 2 }],
+                    completed: vec![(78, 4)],
+                    abandoned: vec![79],
+                }),
+            })),
             Frame::new(Message::Stats(Stats {
                 shard: 1,
                 pushes_applied: 10,
@@ -1224,7 +1400,7 @@ mod tests {
     fn every_message_round_trips() {
         let frames = samples();
         let kinds: std::collections::BTreeSet<u8> = frames.iter().map(|f| f.msg.kind()).collect();
-        assert_eq!(kinds.len(), 22, "one sample per kind");
+        assert_eq!(kinds.len(), 26, "one sample per kind");
         for f in frames {
             let bytes = encode_frame(&f).expect("encode");
             let back = decode_frame(&bytes, &Limits::default()).expect("decode");
@@ -1309,6 +1485,7 @@ mod tests {
             compute_ms: 0,
             step: 0,
             decisions: Default::default(),
+            data: None,
         });
         let mut bytes = vec![push.kind(), 0, 0, 0, 0];
         let len = push.encode_body(&mut bytes).expect("encode body");
@@ -1340,6 +1517,7 @@ mod tests {
             compute_ms: 0,
             step: 0,
             decisions: Default::default(),
+            data: None,
         });
         assert!(matches!(
             encode_frame(&Frame { msg: push.clone(), payload: vec![1.0; 2] }),

@@ -149,8 +149,16 @@ fn request(c: &mut Choices<'_>, layout: &Layout, chunks: &[ChunkId]) -> Option<F
             let payload = (0..carried).map(|_| c.float()).collect();
             let seq = c.below(64);
             let compute_ms = c.below(64) as u32;
-            let push =
-                Push { epoch, worker, seq, chunks: push_chunks, compute_ms, step: 0, decisions: Default::default() };
+            let push = Push {
+                epoch,
+                worker,
+                seq,
+                chunks: push_chunks,
+                compute_ms,
+                step: 0,
+                decisions: Default::default(),
+                data: None,
+            };
             Frame { msg: if kind == 2 { Message::PushPull(push) } else { Message::Push(push) }, payload }
         }
         3 => {

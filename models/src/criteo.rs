@@ -350,8 +350,8 @@ pub enum DataSpec {
         /// Seed.
         seed: u64,
     },
-    /// A TSV file.
-    File(std::path::PathBuf),
+    /// One or more TSV files, read in this order (never empty).
+    Files(Vec<std::path::PathBuf>),
 }
 
 impl std::str::FromStr for DataSpec {
@@ -359,8 +359,14 @@ impl std::str::FromStr for DataSpec {
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
             "synthetic" => Ok(DataSpec::Synthetic { seed: 1 }),
-            "" => Err("--data needs `synthetic` or a file path".into()),
-            path => Ok(DataSpec::File(path.into())),
+            "" => Err("--data needs `synthetic` or one or more file paths separated by commas".into()),
+            list => {
+                let paths: Vec<std::path::PathBuf> = list.split(',').map(|p| p.trim().into()).collect();
+                if paths.iter().any(|p| p.as_os_str().is_empty()) {
+                    return Err(format!("--data {list:?}: an empty file name in the list"));
+                }
+                Ok(DataSpec::Files(paths))
+            }
         }
     }
 }
@@ -388,12 +394,24 @@ pub struct TrainingStream {
     finished: bool,
     /// Training lines of this worker in one pass (known after the first).
     lines_per_pass: u64,
+    /// Bad lines of the files of the first pass read to their end.
+    bad_in_done_files: u64,
 }
 
 #[derive(Debug)]
 enum StreamSource {
-    Synthetic { data: Box<SyntheticCriteo>, next: u64 },
-    File { path: std::path::PathBuf, reader: CriteoReader<std::io::BufReader<std::fs::File>>, part: u64, parts: u64 },
+    Synthetic {
+        data: Box<SyntheticCriteo>,
+        next: u64,
+    },
+    File {
+        paths: Vec<std::path::PathBuf>,
+        /// The file being read.
+        current: usize,
+        reader: CriteoReader<std::io::BufReader<std::fs::File>>,
+        part: u64,
+        parts: u64,
+    },
 }
 
 fn open(path: &std::path::Path) -> Result<CriteoReader<std::io::BufReader<std::fs::File>>, String> {
@@ -408,8 +426,9 @@ impl TrainingStream {
             DataSpec::Synthetic { seed } => {
                 StreamSource::Synthetic { data: Box::new(SyntheticCriteo::new(*seed)), next: part << 40 }
             }
-            DataSpec::File(path) => {
-                StreamSource::File { path: path.clone(), reader: open(path)?, part, parts: parts.max(1) }
+            DataSpec::Files(paths) => {
+                let first = paths.first().ok_or("--data names no file")?;
+                StreamSource::File { paths: paths.clone(), current: 0, reader: open(first)?, part, parts: parts.max(1) }
             }
         };
         Ok(TrainingStream {
@@ -421,6 +440,7 @@ impl TrainingStream {
             epochs: None,
             finished: false,
             lines_per_pass: 0,
+            bad_in_done_files: 0,
         })
     }
 
@@ -464,7 +484,7 @@ impl TrainingStream {
                     *next += 1;
                 }
             }
-            StreamSource::File { path, reader, part, parts } => {
+            StreamSource::File { paths, current, reader, part, parts } => {
                 while out.len() < n {
                     match reader.next_sample() {
                         Some((line, s)) => {
@@ -473,10 +493,22 @@ impl TrainingStream {
                                 self.used_this_pass += 1;
                             }
                         }
+                        None if *current + 1 < paths.len() => {
+                            // The next file of the list; bad lines add up over the files of the first pass.
+                            if self.passes == 0 {
+                                self.bad_in_done_files += reader.bad_lines;
+                                let room = 20usize.saturating_sub(self.first_errors.len());
+                                self.first_errors.extend(reader.first_errors.iter().take(room).cloned());
+                            }
+                            *current += 1;
+                            *reader = open(&paths[*current])?;
+                        }
                         None => {
                             if self.passes == 0 {
-                                self.bad_lines = reader.bad_lines;
-                                self.first_errors = reader.first_errors.clone();
+                                self.bad_in_done_files += reader.bad_lines;
+                                self.bad_lines = self.bad_in_done_files;
+                                let room = 20usize.saturating_sub(self.first_errors.len());
+                                self.first_errors.extend(reader.first_errors.iter().take(room).cloned());
                                 self.lines_per_pass = self.used_this_pass;
                             }
                             self.passes += 1;
@@ -485,8 +517,8 @@ impl TrainingStream {
                             if self.used_this_pass == 0 {
                                 return Err(format!(
                                     "{} has no usable training lines for worker {part} of {parts} ({} bad lines)",
-                                    path.display(),
-                                    reader.bad_lines
+                                    names(paths),
+                                    self.bad_lines
                                 ));
                             }
                             self.used_this_pass = 0;
@@ -494,17 +526,122 @@ impl TrainingStream {
                                 self.finished = true;
                                 break;
                             }
-                            *reader = open(path)?;
+                            *current = 0;
+                            *reader = open(&paths[0])?;
                         }
                     }
                 }
                 if self.passes == 0 {
-                    self.bad_lines = reader.bad_lines;
+                    self.bad_lines = self.bad_in_done_files + reader.bad_lines;
                 }
             }
         }
         Ok(out)
     }
+}
+
+/// The training samples of one dealt split (dynamic data sharding): the lines of a byte range of a file,
+/// numbered from the split's first line, held-out lines skipped (the same every-10th rule as a whole
+/// file); or a range of synthetic sample indices.
+#[derive(Debug)]
+pub struct SplitSamples {
+    source: SplitSource,
+    /// Samples handed out so far.
+    pub used: u64,
+}
+
+#[derive(Debug)]
+enum SplitSource {
+    File { path: std::path::PathBuf, reader: CriteoReader<std::io::BufReader<std::io::Take<std::fs::File>>>, end: u64 },
+    Synthetic { data: std::sync::Arc<SyntheticCriteo>, next: u64, end: u64 },
+}
+
+impl SplitSamples {
+    /// Lines `first_line..` in bytes `[start, end)` of `path`. A file that is gone, or shorter than `end`, is
+    /// an error naming it.
+    pub fn file(path: &std::path::Path, first_line: u64, start: u64, end: u64) -> Result<Self, String> {
+        use std::io::{Read as _, Seek as _};
+        let mut file =
+            std::fs::File::open(path).map_err(|e| format!("opening the data file {}: {e}", path.display()))?;
+        let len = file.metadata().map_err(|e| format!("reading the data file {}: {e}", path.display()))?.len();
+        if len < end || start > end {
+            return Err(shrank(path, start, end, len));
+        }
+        file.seek(std::io::SeekFrom::Start(start))
+            .map_err(|e| format!("reading the data file {}: {e}", path.display()))?;
+        let mut reader = CriteoReader::new(std::io::BufReader::with_capacity(1 << 18, file.take(end - start)));
+        reader.line = first_line.saturating_sub(1);
+        Ok(SplitSamples { source: SplitSource::File { path: path.to_path_buf(), reader, end }, used: 0 })
+    }
+
+    /// Synthetic samples `[start, end)` of `data`.
+    pub fn synthetic(data: std::sync::Arc<SyntheticCriteo>, start: u64, end: u64) -> Self {
+        SplitSamples { source: SplitSource::Synthetic { data, next: start, end: end.max(start) }, used: 0 }
+    }
+
+    /// The next (up to) `n` training samples of the split; empty once it is used up. A file that shrank or
+    /// vanished while its split was read is an error naming it.
+    pub fn next_batch(&mut self, n: usize) -> Result<Vec<Sample>, String> {
+        let mut out = Vec::with_capacity(n);
+        match &mut self.source {
+            SplitSource::Synthetic { data, next, end } => {
+                while out.len() < n && *next < *end {
+                    out.push(data.sample(*next).0);
+                    *next += 1;
+                }
+            }
+            SplitSource::File { path, reader, end } => {
+                while out.len() < n {
+                    match reader.next_sample() {
+                        Some((line, s)) if line % HOLD_OUT_EVERY != 0 => out.push(s),
+                        Some(_) => {}
+                        None => {
+                            // The range ended: either where the dealer cut it, or early because the file
+                            // lost bytes under us.
+                            let len = std::fs::metadata(&*path).map(|m| m.len()).unwrap_or(0);
+                            if len < *end {
+                                return Err(shrank(path, 0, *end, len));
+                            }
+                            if let Some(e) = reader.first_errors.iter().find(|e| e.reason.starts_with("reading")) {
+                                return Err(format!("reading the data file {}: {}", path.display(), e.reason));
+                            }
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        self.used += out.len() as u64;
+        Ok(out)
+    }
+
+    /// Bad lines met in the split so far.
+    pub fn bad_lines(&self) -> u64 {
+        match &self.source {
+            SplitSource::File { reader, .. } => reader.bad_lines,
+            SplitSource::Synthetic { .. } => 0,
+        }
+    }
+
+    /// The first bad lines of the split, with their line numbers.
+    pub fn first_errors(&self) -> &[LineError] {
+        match &self.source {
+            SplitSource::File { reader, .. } => &reader.first_errors,
+            SplitSource::Synthetic { .. } => &[],
+        }
+    }
+}
+
+fn shrank(path: &std::path::Path, start: u64, end: u64, len: u64) -> String {
+    format!(
+        "the data file {} changed under the run: a dealt split needs bytes {start}..{end}, the file now has {len} \
+         (a training file must not shrink or be replaced while a run reads it)",
+        path.display()
+    )
+}
+
+fn names(paths: &[std::path::PathBuf]) -> String {
+    paths.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
 }
 
 /// The held-out evaluation set.
@@ -527,23 +664,30 @@ pub fn held_out(spec: &DataSpec, n: usize) -> Result<HeldOut, String> {
                 (0..n as u64).map(|i| data.sample(SYNTHETIC_EVAL_BASE + i)).unzip();
             Ok(HeldOut { samples, teacher: Some(probs), bad_lines: 0 })
         }
-        DataSpec::File(path) => {
-            let mut reader = open(path)?;
+        DataSpec::Files(paths) => {
             let mut out = Vec::new();
-            while out.len() < n {
-                match reader.next_sample() {
-                    Some((line, s)) if line % HOLD_OUT_EVERY == 0 => out.push(s),
-                    Some(_) => {}
-                    None => break,
+            let mut bad_lines = 0;
+            for path in paths {
+                let mut reader = open(path)?;
+                while out.len() < n {
+                    match reader.next_sample() {
+                        Some((line, s)) if line % HOLD_OUT_EVERY == 0 => out.push(s),
+                        Some(_) => {}
+                        None => break,
+                    }
+                }
+                bad_lines += reader.bad_lines;
+                if out.len() >= n {
+                    break;
                 }
             }
             if out.is_empty() {
                 return Err(format!(
                     "{} has no held-out lines (every {HOLD_OUT_EVERY}th line is held out)",
-                    path.display()
+                    names(paths)
                 ));
             }
-            Ok(HeldOut { samples: out, teacher: None, bad_lines: reader.bad_lines })
+            Ok(HeldOut { samples: out, teacher: None, bad_lines })
         }
     }
 }
@@ -646,7 +790,7 @@ mod tests {
         let text: String = (0..2000).map(|i| SyntheticCriteo::to_line(&data.sample(i).0) + "\n").collect();
         let path = std::env::temp_dir().join(format!("gaps-epoch-boundary-{}.tsv", std::process::id()));
         std::fs::write(&path, text).expect("write");
-        let mut stream = TrainingStream::new(&DataSpec::File(path.clone()), 0, 1).expect("stream");
+        let mut stream = TrainingStream::new(&DataSpec::Files(vec![path.clone()]), 0, 1).expect("stream");
         for batch in 0..40 {
             let b = stream.next_batch(200).unwrap_or_else(|e| panic!("batch {batch}: {e}"));
             assert_eq!(b.len(), 200);
@@ -680,7 +824,7 @@ mod tests {
         let text: Vec<String> = (0..50).map(|i| SyntheticCriteo::to_line(&data.sample(i).0)).collect();
         let path = std::env::temp_dir().join(format!("gaps-epochs-unit-{}.tsv", std::process::id()));
         std::fs::write(&path, text.join("\n")).expect("write");
-        let spec = DataSpec::File(path.clone());
+        let spec = DataSpec::Files(vec![path.clone()]);
         // 45 training lines (lines 0, 10, ... are held out), two passes, batches of 20: 20, 20, 20, 20, 10.
         let mut stream = TrainingStream::new(&spec, 0, 1).and_then(|s| s.with_epochs(Some(2))).expect("stream");
         let mut sizes = Vec::new();

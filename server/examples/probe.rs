@@ -63,6 +63,7 @@ async fn main() -> anyhow::Result<()> {
                 compute_ms: 0,
                 step: 0,
                 decisions: Default::default(),
+                data: None,
             }),
         ),
         (format!("heartbeat as worker {victim}"), Message::Heartbeat(Heartbeat { worker: victim })),

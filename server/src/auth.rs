@@ -109,6 +109,7 @@ pub fn acting_worker(msg: &Message) -> Option<u32> {
         Message::SparsePush(p) => Some(p.worker),
         Message::Heartbeat(h) => Some(h.worker),
         Message::Leave(l) => Some(l.worker),
+        Message::SplitRequest(r) => Some(r.worker),
         _ => None,
     }
 }
@@ -133,6 +134,10 @@ pub fn authorize(msg: &Message, peer: &PeerIdentity, bound: Option<u32>) -> Resu
         (Message::Rollback(Rollback { stage: RollbackStage::Restored, .. }), Role::Shard(_)) => Ok(()),
         (Message::Rollback(_), role) if *role != Role::Shard(0) => {
             Err(format!("{peer} cannot roll shards back (only the coordinator's certificate can)"))
+        }
+        // Data is dealt to workers only (a split dealt to anyone else would never be trained).
+        (Message::SplitRequest(_), Role::Shard(_)) => {
+            Err(format!("{peer} is not a worker certificate; only workers are dealt data"))
         }
         _ => match acting_worker(msg) {
             Some(w) if bound == Some(w) => Ok(()),

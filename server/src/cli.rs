@@ -129,6 +129,19 @@ pub struct ServerArgs {
     /// --checkpoint-dir, if any), `never`, or the path of a checkpoint's .bin or .json file.
     #[arg(long, env = "GAPS_RESTORE", default_value = "auto")]
     pub restore: crate::service::Restore,
+    /// The coordinator deals this training data to the workers in splits, each to whichever worker asks next
+    /// (dynamic data sharding): `synthetic`, or Criteo-layout files separated by commas (dealt in order;
+    /// every worker must read the same files, in the same order, under its own `--data`). Shard 0 only; not
+    /// given, workers read a fixed share (`gaps-worker --data-sharding static`).
+    #[arg(long, env = "GAPS_DATA")]
+    pub data: Option<crate::data::DataSource>,
+    /// Lines of a file (or synthetic samples) per dealt split.
+    #[arg(long, env = "GAPS_SPLIT_LINES", default_value_t = crate::data::DEFAULT_SPLIT_LINES, value_parser = clap::value_parser!(u64).range(1..=(1u64 << 32)))]
+    pub split_lines: u64,
+    /// Passes over the data files to deal (0: no end, for runs bounded by the workers' --steps). Synthetic
+    /// data has no passes: it is dealt without end.
+    #[arg(long, env = "GAPS_DATA_EPOCHS", default_value_t = 1)]
+    pub data_epochs: u64,
     /// Serve Prometheus metrics on http://ADDR/metrics.
     #[arg(long, env = "GAPS_METRICS_ADDR")]
     pub metrics_addr: Option<SocketAddr>,
@@ -359,7 +372,29 @@ impl ServerArgs {
             }),
             restore: self.restore.clone(),
             health: None,
+            data: self.dealer_config()?,
         })
+    }
+}
+
+impl ServerArgs {
+    /// The dealer of `--data` (shard 0 only): the files cut into splits here, at start.
+    pub fn dealer_config(&self) -> Result<Option<gaps_shard::dealer::DealerConfig>> {
+        let Some(source) = &self.data else { return Ok(None) };
+        if self.shard_index != 0 {
+            anyhow::bail!("--data is the coordinator's (shard 0): it deals the data; other shards take none");
+        }
+        let started = std::time::Instant::now();
+        let table = crate::data::cut(source, self.split_lines)?;
+        info!(splits = table.per_epoch(), took_ms = started.elapsed().as_millis() as u64, "cut the training data");
+        // Grants of this process are numbered from its start second (high 32 bits), so a restarted
+        // coordinator never deals a number its previous life dealt.
+        let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_secs());
+        let epochs = match source {
+            crate::data::DataSource::Synthetic => None,
+            crate::data::DataSource::Files(_) => (self.data_epochs > 0).then_some(self.data_epochs),
+        };
+        Ok(Some(gaps_shard::dealer::DealerConfig { table, epochs, grant_floor: (secs & 0xffff_ffff) << 32 }))
     }
 }
 

@@ -4,6 +4,7 @@
 //!   bounded queue; joins the coordinator; ticks leases.
 //! - [`auth`]: who may send what (certificate roles, worker credentials), and rate-limited refusal logs.
 //! - [`metrics`]: Prometheus export over a small hyper service.
+//! - [`data`]: cuts the training files into the coordinator's dealt splits (dynamic data sharding).
 //! - [`cli`]: flags and the process entry point (bin `gaps-server`).
 //!
 //! Architecture invariant: this crate links neither the worker, nor the models, nor the data readers
@@ -13,6 +14,7 @@
 pub mod auth;
 pub mod checkpoint;
 pub mod cli;
+pub mod data;
 pub mod metrics;
 pub mod service;
 

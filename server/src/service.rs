@@ -89,6 +89,9 @@ pub struct ServiceConfig {
     pub restore: Restore,
     /// Where `/healthz` and `/readyz` read the shard's state (None: no health endpoints).
     pub health: Option<Arc<crate::metrics::Health>>,
+    /// The coordinator deals the training data in splits (dynamic data sharding; None: workers read their
+    /// own fixed share).
+    pub data: Option<gaps_shard::dealer::DealerConfig>,
 }
 
 impl ServiceConfig {
@@ -117,6 +120,7 @@ impl ServiceConfig {
             checkpoint: None,
             restore: Restore::Never,
             health: None,
+            data: None,
         }
     }
 }
@@ -587,6 +591,18 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
         }
         None => (ShardCore::new(cfg.core.clone()).map_err(|e| anyhow!("configuring shard {shard}: {e}"))?, None),
     };
+    if let Some(data) = cfg.data.clone() {
+        core.set_dealer(data).map_err(|e| anyhow!("shard {shard}: dealing data: {e}"))?;
+        if let Some(d) = core.dealer() {
+            info!(
+                shard,
+                data_epoch = d.epoch(),
+                splits_done = d.splits_done(),
+                splits_per_epoch = d.config().table.per_epoch(),
+                "dealing the training data in splits"
+            );
+        }
+    }
     // Pull replies go out as the core packs them (16-bit values converted straight from the parameters).
     core.set_packed_replies(true);
     // f32 replies share the parameters rather than copying them on the core's thread.

@@ -148,6 +148,7 @@ fn push_started_bytes(worker: u32) -> Vec<u8> {
         compute_ms: 0,
         step: 0,
         decisions: wire::ModeDecisions::default(),
+        data: None,
     };
     let mut bytes = wire::encode_header(&Message::Push(push), 20_008).expect("header");
     assert_eq!(bytes[0], KIND_PUSH);

@@ -87,7 +87,16 @@ fn push(worker: u32, seq: u64) -> (Message, Vec<f32>) {
         .collect::<Vec<_>>();
     let n: usize = chunks.iter().map(|c| c.len as usize).sum();
     (
-        Message::Push(Push { epoch: 31, worker, seq, chunks, compute_ms: 1, step: 0, decisions: Default::default() }),
+        Message::Push(Push {
+            epoch: 31,
+            worker,
+            seq,
+            chunks,
+            compute_ms: 1,
+            step: 0,
+            decisions: Default::default(),
+            data: None,
+        }),
         vec![0.5; n],
     )
 }

@@ -64,6 +64,7 @@ async fn stalled_senders_are_cut_off_and_the_shard_keeps_serving() {
         compute_ms: 0,
         step: 0,
         decisions: Default::default(),
+        data: None,
     });
     send.write_all(&wire::encode_header(&push, 1 << 16).expect("header")).await.expect("write");
     send.write_all(&[0u8; 10]).await.expect("write");

@@ -144,6 +144,7 @@ fn whole_push(
         compute_ms: 0,
         step: 0,
         decisions: Default::default(),
+        data: None,
     })
 }
 
@@ -289,6 +290,7 @@ async fn malformed_frames_over_the_network_get_typed_errors_and_change_nothing()
             compute_ms: 0,
             step: 0,
             decisions: Default::default(),
+            data: None,
         });
         let mut bytes = wire::encode_header(&msg, total as usize).expect("header");
         bytes.extend((0..payload_len).flat_map(|i| if i == 5 { value } else { 0.25f32 }.to_le_bytes()));
@@ -320,6 +322,7 @@ async fn malformed_frames_over_the_network_get_typed_errors_and_change_nothing()
             compute_ms: 0,
             step: 0,
             decisions: Default::default(),
+            data: None,
         };
         let msg = Message::PushPart(gaps_common::wire::PushPart { part: index, parts, push });
         let mut bytes = wire::encode_header(&msg, n as usize).expect("header");
@@ -354,6 +357,7 @@ async fn malformed_frames_over_the_network_get_typed_errors_and_change_nothing()
         compute_ms: 0,
         step: 0,
         decisions: Default::default(),
+        data: None,
     });
     let header = wire::encode_header(&big, u32::MAX as usize).expect("header");
     expect(raw_request(&conn, &header).await, ErrorCode::TooLarge, "over-limit payload");

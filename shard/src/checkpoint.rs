@@ -8,8 +8,12 @@
 //! the bytes that remain before anything is allocated, so a truncated or corrupt file is an error, never a
 //! panic or a huge allocation. Integrity (a checksum per file) is the caller's; this module only parses.
 
-/// The format written by this version of gaps; a snapshot of another version is refused.
-pub const FORMAT_VERSION: u32 = 2;
+/// The format written by this version of gaps; a snapshot of a format outside
+/// [`OLDEST_FORMAT_VERSION`]`..=FORMAT_VERSION` is refused.
+pub const FORMAT_VERSION: u32 = 3;
+/// The oldest format this version still reads (format 2 lacks the data dealer and the per-grant sample
+/// counts of format 3; they restore empty).
+pub const OLDEST_FORMAT_VERSION: u32 = 2;
 const MAGIC: &[u8; 8] = b"GAPSSHRD";
 
 /// Why a snapshot could not be read.
@@ -19,7 +23,7 @@ pub enum CheckpointError {
     #[error("not a gaps shard checkpoint (bad magic)")]
     Magic,
     /// Written by an incompatible version.
-    #[error("checkpoint format {found} is not supported by this gaps (format {FORMAT_VERSION}); restore it with the version that wrote it")]
+    #[error("checkpoint format {found} is not supported by this gaps (formats {OLDEST_FORMAT_VERSION} to {FORMAT_VERSION}); restore it with the version that wrote it")]
     Version {
         /// The version in the file.
         found: u32,
@@ -97,6 +101,7 @@ impl Writer {
 pub(crate) struct Reader<'a> {
     data: &'a [u8],
     pos: usize,
+    format: u32,
 }
 
 impl<'a> Reader<'a> {
@@ -104,12 +109,30 @@ impl<'a> Reader<'a> {
         if data.len() < MAGIC.len() + 4 || &data[..MAGIC.len()] != MAGIC {
             return Err(CheckpointError::Magic);
         }
-        let mut r = Reader { data, pos: MAGIC.len() };
+        let mut r = Reader { data, pos: MAGIC.len(), format: 0 };
         let found = r.u32()?;
-        if found != FORMAT_VERSION {
+        if !(OLDEST_FORMAT_VERSION..=FORMAT_VERSION).contains(&found) {
             return Err(CheckpointError::Version { found });
         }
+        r.format = found;
         Ok(r)
+    }
+
+    /// A reader over a section of a checkpoint of `format` (no magic, no version of its own).
+    pub(crate) fn section(data: &'a [u8], format: u32) -> Self {
+        Reader { data, pos: 0, format }
+    }
+
+    /// Everything not read yet.
+    pub(crate) fn rest(&mut self) -> &'a [u8] {
+        let out = &self.data[self.pos..];
+        self.pos = self.data.len();
+        out
+    }
+
+    /// The format version of what is read.
+    pub(crate) fn format(&self) -> u32 {
+        self.format
     }
 
     fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8], CheckpointError> {

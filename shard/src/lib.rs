@@ -12,6 +12,7 @@
 
 pub mod checkpoint;
 pub mod core;
+pub mod dealer;
 pub mod modes;
 pub mod sparse;
 pub mod stripes;

@@ -206,7 +206,7 @@ mod tests {
     }
 
     fn push(seq: u64, chunks: Vec<PushChunk>) -> Push {
-        Push { epoch: 3, worker: 7, seq, chunks, compute_ms: 5, step: 2, decisions: Default::default() }
+        Push { epoch: 3, worker: 7, seq, chunks, compute_ms: 5, step: 2, decisions: Default::default(), data: None }
     }
 
     /// Part `i` of 3 of push `seq`: chunk i of 2 values (grad i.0, i.1; echo 10+i.0, 10+i.1 on chunk 1).

@@ -67,6 +67,7 @@ fn step(core: &mut ShardCore, worker: u32, seq: u64, salt: f32) -> Vec<Frame> {
             compute_ms: 5,
             step: 0,
             decisions: Default::default(),
+            data: None,
         }),
         grads,
     );

@@ -110,7 +110,10 @@ fn dense_push(
         .map(|(id, v)| PushChunk { id: *id, read_version: *v, len: 8, echo: false, dtype: Default::default() })
         .collect();
     let payload = vec![0.01; chunks.len() * 8];
-    Frame { msg: Message::Push(Push { epoch: EPOCH, worker, seq, chunks, compute_ms, step, decisions }), payload }
+    Frame {
+        msg: Message::Push(Push { epoch: EPOCH, worker, seq, chunks, compute_ms, step, decisions, data: None }),
+        payload,
+    }
 }
 
 fn row_pull(core: &mut ShardCore, ids: &[u64]) -> (Vec<u32>, Vec<f32>) {

@@ -77,6 +77,7 @@ fn full_push(worker: u32, seq: u64, versions: &[u64], grad: &[f32]) -> (Message,
             compute_ms: 0,
             step: 0,
             decisions: Default::default(),
+            data: None,
         }),
         grad.to_vec(),
     )

@@ -74,6 +74,7 @@ fn push(
         // Each worker's pushes are its steps.
         step: seq - 1,
         decisions: Default::default(),
+        data: None,
     });
     let (r, events) = core.handle(Frame { msg, payload: vec![grad; 4] }, now);
     match r.msg {
@@ -129,6 +130,7 @@ fn a_push_pull_carries_values_only_when_the_worker_may_go_on() {
             compute_ms: 0,
             step: seq - 1,
             decisions: Default::default(),
+            data: None,
         };
         let (r, _) = core.handle(Frame { msg: Message::PushPull(push), payload: vec![1.0; 4] }, ms(1));
         match r.msg {

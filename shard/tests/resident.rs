@@ -78,6 +78,7 @@ fn push(core: &mut ShardCore, worker: u32, seq: u64, pulled: &Frame, salt: f32) 
         compute_ms: 5,
         step: seq,
         decisions: Default::default(),
+        data: None,
     });
     call(core, msg, grads)
 }

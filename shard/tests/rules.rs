@@ -72,6 +72,7 @@ fn push(core: &mut ShardCore, worker: u32, seq: u64, versions: &[u64], grad: &[f
         compute_ms: 0,
         step: 0,
         decisions: Default::default(),
+        data: None,
     });
     core.handle(Frame { msg, payload }, Duration::ZERO).0.msg
 }

@@ -118,6 +118,7 @@ fn sparse_rows_are_created_updated_once_and_validated() {
         compute_ms: 0,
         step: 0,
         decisions: Default::default(),
+        data: None,
     });
     assert!(
         matches!(core.handle(Frame { msg: dense, payload: vec![0.5; 8] }, Duration::ZERO).0.msg, Message::Ack(a) if a.duplicate)

@@ -990,6 +990,7 @@ fn run_async(args: &SimArgs) -> Result<SimReport> {
             // The sim's single shard is also the coordinator: it knows every decision it made.
             step: vw.steps - 1,
             decisions: Default::default(),
+            data: None,
         };
         let (reply, _) = core.handle(Frame { msg: Message::Push(push), payload }, Duration::ZERO);
         let ack = match reply.msg {
@@ -1248,6 +1249,7 @@ fn run_sync(args: &SimArgs) -> Result<SimReport> {
                 compute_ms: duration.round().clamp(1.0, f64::from(u32::MAX)) as u32,
                 step: 0,
                 decisions: Default::default(),
+                data: None,
             };
             let (reply, _) = core.handle(Frame { msg: Message::Push(push), payload }, Duration::ZERO);
             if !matches!(reply.msg, Message::Ack(_)) {

@@ -1023,6 +1023,10 @@ pub fn kind_name(msg: &Message) -> &'static str {
         Message::SparsePush(_) => "sparse-push",
         Message::Rollback(_) => "rollback",
         Message::RollbackReply(_) => "rollback-reply",
+        Message::SplitRequest(_) => "split-request",
+        Message::SplitGrant(_) => "split-grant",
+        Message::DataStatusRequest(_) => "data-status-request",
+        Message::DataStatus(_) => "data-status",
     }
 }
 

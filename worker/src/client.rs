@@ -349,6 +349,8 @@ struct Inner {
     table_rules: Vec<Rule>,
     /// When the last dense pull finished: the next push reports the time since as its compute time.
     last_pull: Mutex<Option<Instant>>,
+    /// Where the next dense push's samples came from (dynamic data sharding; [`Client::set_data_tag`]).
+    data_tag: Mutex<Option<gaps_common::wire::DataTag>>,
     /// Dense pushes made (the step number the next push carries).
     steps: AtomicU64,
     /// The newest two mode decisions any shard answered with (None before the first answer); passed on
@@ -515,6 +517,7 @@ impl Client {
                 slim_momentum: Mutex::new(Vec::new()),
                 table_rules,
                 last_pull: Mutex::new(None),
+                data_tag: Mutex::new(None),
                 steps: AtomicU64::new(0),
                 decisions: Mutex::new(None),
             }),
@@ -1024,6 +1027,7 @@ impl Client {
             .unwrap_or(0);
         let step = self.inner.steps.fetch_add(1, Ordering::SeqCst);
         let decisions = self.inner.decisions().unwrap_or_default();
+        let data = self.inner.data_tag.lock().ok().and_then(|t| *t);
         let after_rows = self.inner.synchronous();
         let mut pushes = Vec::with_capacity(payloads.len());
         // Every shard gets a push every step, with no chunks where it owns none: the push ends the worker's
@@ -1047,7 +1051,7 @@ impl Client {
             let rtt = link.conns[0].lock().ok().and_then(|c| c.as_ref().map(quinn::Connection::rtt));
             let network_ms = rtt.map_or(0, |r| (2 * r.as_micros() / 1000).min(u128::from(u32::MAX / 2)) as u32);
             let compute_ms = if compute_ms > 0 { compute_ms.saturating_add(network_ms) } else { 0 };
-            let push = Push { epoch: self.inner.map.epoch, worker, seq, chunks, compute_ms, step, decisions };
+            let push = Push { epoch: self.inner.map.epoch, worker, seq, chunks, compute_ms, step, decisions, data };
             self.inner.pushes_sent.fetch_add(1, Ordering::Relaxed);
             pushes.push((s, push, stripes));
         }
@@ -1390,6 +1394,70 @@ impl Client {
             }
             .into()),
         }
+    }
+
+    /// Tags the next dense pushes with the dealt split their samples came from (None: untagged). Every
+    /// shard counts the samples per grant ([`Client::data_status`]).
+    pub fn set_data_tag(&self, tag: Option<gaps_common::wire::DataTag>) {
+        if let Ok(mut t) = self.inner.data_tag.lock() {
+            *t = tag;
+        }
+    }
+
+    /// Asks the coordinator's dealer for this worker's next split of the training data, reporting the grant
+    /// `finished` (every batch of it pushed and acknowledged). A split it holds otherwise is given back.
+    pub async fn next_split(&self, finished: Option<u64>) -> Result<gaps_common::wire::SplitGrant, ClientError> {
+        let worker = self.inner.map.worker_id.ok_or_else(|| {
+            ClientError::BadMap("this client has no worker id (an observer); only a worker is dealt data".into())
+        })?;
+        let request =
+            Message::SplitRequest(gaps_common::wire::SplitRequest { epoch: self.inner.map.epoch, worker, finished });
+        let (frame, _) = self.request(0, &request, &[]).await?;
+        match frame.msg {
+            Message::SplitGrant(grant) => Ok(grant),
+            other => Err(RpcError::Unexpected {
+                addr: self.inner.shards[0].addr.to_string(),
+                kind: net::kind_name(&other).into(),
+            }
+            .into()),
+        }
+    }
+
+    /// Every shard's per-grant sample counts and the coordinator's dealer state (every page), index order.
+    pub async fn data_status(&self) -> Result<Vec<gaps_common::wire::DataStatus>, ClientError> {
+        let mut out = Vec::with_capacity(self.inner.shards.len());
+        for s in 0..self.inner.shards.len() {
+            let mut after = 0;
+            let mut whole: Option<gaps_common::wire::DataStatus> = None;
+            loop {
+                let request = Message::DataStatusRequest(gaps_common::wire::DataStatusRequest { after_grant: after });
+                let (frame, _) = self.request(s, &request, &[]).await?;
+                let Message::DataStatus(page) = frame.msg else {
+                    return Err(RpcError::Unexpected {
+                        addr: self.inner.shards[s].addr.to_string(),
+                        kind: net::kind_name(&frame.msg).into(),
+                    }
+                    .into());
+                };
+                let next = page.next_after;
+                match whole.as_mut() {
+                    None => whole = Some(page),
+                    Some(w) => {
+                        w.counts.extend(page.counts);
+                        if let (Some(d), Some(p)) = (w.dealer.as_mut(), page.dealer) {
+                            d.completed.extend(p.completed);
+                            d.abandoned.extend(p.abandoned);
+                        }
+                    }
+                }
+                match next {
+                    Some(n) if n > after => after = n,
+                    _ => break,
+                }
+            }
+            out.extend(whole);
+        }
+        Ok(out)
     }
 
     /// Counters of every shard, index order.

@@ -2,6 +2,7 @@
 //! and the training loop of the built-in models.
 
 pub mod client;
+pub mod feed;
 pub mod train;
 
 pub use client::{Client, ClientError, ClientOptions, PushSummary, Snapshot};

@@ -45,7 +45,16 @@ pub struct WorkerArgs {
     /// Training data of the CTR models: `synthetic` or the path of a Criteo-layout TSV file.
     #[arg(long, env = "GAPS_DATA", default_value = "synthetic")]
     pub data: crate::criteo::DataSpec,
-    /// This worker's share of a data file, `I/N`: lines whose number is I modulo N.
+    /// How this worker gets its training data. `dynamic`: it asks the coordinator for one split at a time
+    /// (a range of lines, or of synthetic samples) and asks again when it has pushed it, so a fast worker
+    /// trains on more of the data than a slow one; a coordinator started without `--data` deals nothing, and
+    /// the worker then reads its fixed share (with a warning). `static`: it reads its fixed share,
+    /// `--data-shard`, whatever the coordinator deals (every mode is then as slow as the slowest worker's
+    /// share).
+    #[arg(long, env = "GAPS_DATA_SHARDING", default_value = "dynamic")]
+    pub data_sharding: DataSharding,
+    /// This worker's share of a data file under `--data-sharding static`, `I/N`: lines whose number is I
+    /// modulo N.
     #[arg(long, env = "GAPS_DATA_SHARD", default_value = "0/1", value_parser = parse_shard)]
     pub data_shard: (u64, u64),
     /// Seed of the synthetic dataset (same on every worker and the servers' evaluator).
@@ -100,6 +109,35 @@ pub struct WorkerArgs {
     /// --profile` replays such a file.
     #[arg(long, env = "GAPS_STEP_LOG")]
     pub step_log: Option<PathBuf>,
+}
+
+/// How a worker gets its training data (`--data-sharding`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DataSharding {
+    /// Splits dealt by the coordinator to whoever asks.
+    Dynamic,
+    /// A fixed share per worker (line number modulo the worker count).
+    Static,
+}
+
+impl std::str::FromStr for DataSharding {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "dynamic" => Ok(DataSharding::Dynamic),
+            "static" => Ok(DataSharding::Static),
+            other => Err(format!("unknown data sharding {other:?}; use dynamic or static")),
+        }
+    }
+}
+
+impl std::fmt::Display for DataSharding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DataSharding::Dynamic => "dynamic",
+            DataSharding::Static => "static",
+        })
+    }
 }
 
 /// The `--step-log` writer. A write error stops the log with a warning (training goes on).
@@ -216,6 +254,10 @@ pub struct WorkerSummary {
     pub heldout_curve: Vec<HeldOutPoint>,
     /// Training ended because the held-out log-loss stopped improving (`--patience`).
     pub stopped_early: bool,
+    /// How the worker got its data (dynamic falls back to static where the coordinator deals nothing).
+    pub data_sharding: DataSharding,
+    /// Splits dealt to this worker (dynamic sharding).
+    pub splits: u64,
 }
 
 /// One held-out evaluation during training.
@@ -294,6 +336,8 @@ impl WorkerSummary {
             epochs: 0.0,
             heldout_curve: Vec::new(),
             stopped_early: false,
+            data_sharding: DataSharding::Static,
+            splits: 0,
         }
     }
 
@@ -320,6 +364,8 @@ impl WorkerSummary {
                 "auc": p.auc,
             })).collect::<Vec<_>>(),
             "stopped_early": self.stopped_early,
+            "data_sharding": self.data_sharding.to_string(),
+            "splits": self.splits,
         })
         .to_string()
     }
@@ -430,9 +476,17 @@ async fn run_ctr(
         _ => args.data_shard,
     };
     let (step_limit, epochs) = args.limits();
-    let mut stream = crate::criteo::TrainingStream::new(&data, part, parts)
-        .and_then(|s| s.with_epochs(epochs))
-        .map_err(anyhow::Error::msg)?;
+    let fixed = || crate::feed::Feed::fixed(&data, part, parts, epochs);
+    let mut feed = match args.data_sharding {
+        DataSharding::Static => fixed()?,
+        DataSharding::Dynamic => {
+            // Passes over a file are the coordinator's to count (`gaps-server --data-epochs`).
+            if epochs.is_some() && args.epochs.is_some() {
+                info!(worker, "--epochs is the coordinator's with dynamic data sharding (gaps-server --data-epochs)");
+            }
+            crate::feed::Feed::dealt(&data)
+        }
+    };
     let held = if args.eval_every > 0 {
         Some(crate::criteo::held_out(&data, args.eval_samples as usize).map_err(anyhow::Error::msg)?.samples)
     } else {
@@ -451,18 +505,37 @@ async fn run_ctr(
     let mut logits = Vec::new();
     // The next batch is read and indexed while this step's pushes are on the wire: it needs no parameters, so
     // the worker's thread does it in the round trip it would otherwise spend waiting (same order, same data).
-    let prepare = |stream: &mut crate::criteo::TrainingStream| -> Result<_> {
-        let samples = stream.next_batch(args.batch as usize).map_err(anyhow::Error::msg)?;
-        let batch = index_batch(&samples);
-        Ok((samples, batch))
+    // A dealt split's last batch is followed by a request for the next split, made once its pushes are
+    // acknowledged (so a split is reported finished only when all of it is in the model).
+    let prepare = |batch: crate::feed::Batch| {
+        let indexed = index_batch(&batch.samples);
+        (batch, indexed)
     };
     let more = |step: u64| step_limit.is_none_or(|n| step < n);
-    let mut next = if more(0) { Some(prepare(&mut stream)?) } else { None };
+    let n = args.batch as usize;
+    let mut next = if more(0) {
+        match feed.next_dealt(&client, n).await {
+            Ok(batch) => Some(prepare(batch)),
+            Err(e) if no_dealer(&e) => {
+                tracing::warn!(
+                    worker,
+                    "the coordinator deals no data (it was started without --data): this worker reads its fixed \
+                     share, --data-shard {part}/{parts}"
+                );
+                feed = fixed()?;
+                Some(prepare(feed.next_dealt(&client, n).await?))
+            }
+            Err(e) => return Err(e),
+        }
+    } else {
+        None
+    };
     let mut step = 0u64;
     // The dense values the previous step's push was answered with (`Client::push_pull`), if any.
     let mut pulled: Option<crate::client::Snapshot> = None;
-    // The stream ends with an empty batch after the last pass (--epochs).
-    while let Some((samples, batch)) = next.take().filter(|(samples, _)| !samples.is_empty()) {
+    // The feed ends with an empty batch once the data is used up (--epochs, or the dealer's last split).
+    while let Some((crate::feed::Batch { samples, tag }, batch)) = next.take().filter(|(b, _)| !b.samples.is_empty()) {
+        client.set_data_tag(tag);
         samples_seen += samples.len() as u64;
         let (dense, rows) = match pulled.take() {
             Some(dense) => (Ok(dense), client.pull_sparse(0, &batch.ids, true).await),
@@ -497,22 +570,33 @@ async fn run_ctr(
             }
         };
         let (b, a, prepared) = tokio::join!(client.push_sparse(0, &rows, &row_grads), dense_push, async {
-            (!last).then(|| prepare(&mut stream))
+            if last {
+                Ok(None)
+            } else {
+                feed.next_local(n)
+            }
         });
         pulled = a.with_context(|| format!("pushing dense gradients of step {step}"))?;
         b.with_context(|| format!("pushing embedding gradients of step {step}"))?;
         dense.recycle();
-        next = prepared.transpose()?;
+        let dropped = feed.follow_rollbacks(&client);
+        next = match prepared? {
+            // The cluster went back to a checkpoint since the split was dealt: its batch is not trained.
+            Some(_) if dropped && !last => Some(prepare(feed.next_dealt(&client, n).await?)),
+            Some(batch) => Some(prepare(batch)),
+            None if last => None,
+            None => Some(prepare(feed.next_dealt(&client, n).await?)),
+        };
         step += 1;
         ledger_line(args, &client, step);
         if step_limit.is_some_and(|n| n >= 10 && step % (n / 10) == 0) || (step_limit.is_none() && step % 100 == 0) {
-            info!(worker, step, epochs = stream.epochs_done(), loss = losses[losses.len() - 1], "progress");
+            info!(worker, step, epochs = feed.epochs_done(), loss = losses[losses.len() - 1], "progress");
         }
         if let Some(held) = held.as_deref().filter(|_| step % args.eval_every == 0) {
             let (logloss, auc) = evaluate_ctr(&client, &shape, held)
                 .await
                 .with_context(|| format!("evaluating on held-out samples at step {step}"))?;
-            curve.push(HeldOutPoint { step, epochs: stream.epochs_done(), logloss, auc });
+            curve.push(HeldOutPoint { step, epochs: feed.epochs_done(), logloss, auc });
             info!(worker, step, logloss, auc, "held-out evaluation");
             if early.record(logloss) {
                 info!(worker, step, best = early.best(), patience = args.patience, "held-out loss stopped improving");
@@ -524,18 +608,32 @@ async fn run_ctr(
     heartbeats.abort();
     step_log.finish()?;
     client.leave().await.context("leaving the cluster")?;
-    for e in &stream.first_errors {
+    for e in &feed.first_errors() {
         tracing::warn!(%e, "skipped a bad line");
     }
     let summary = WorkerSummary::new(&client, worker, &losses, started, samples_seen);
+    let dealt = feed.dealt_state();
     Ok(WorkerSummary {
-        bad_lines: stream.bad_lines,
-        epochs: stream.epochs_done(),
+        bad_lines: feed.bad_lines(),
+        epochs: feed.epochs_done(),
+        data_sharding: if dealt.is_some() { DataSharding::Dynamic } else { DataSharding::Static },
+        splits: dealt.map_or(0, |d| d.splits),
         heldout_curve: curve,
         stopped_early,
         ..summary
     })
 }
+/// Whether `e` is the coordinator's refusal of a split request because it deals no data.
+fn no_dealer(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        matches!(
+            c.downcast_ref::<crate::ClientError>(),
+            Some(crate::ClientError::Rpc(gaps_transport::net::RpcError::Remote { message, .. }))
+                if message.contains("deals no data")
+        )
+    })
+}
+
 /// Log-loss and AUC of the cluster's current model on `samples` (rows are read without being created).
 pub async fn evaluate_ctr(
     client: &crate::Client,

@@ -251,6 +251,7 @@ impl ShardCore {
             }
         }
         self.observe_push(req.worker, req.compute_ms, now, events);
+        self.count_samples(req.data);
         self.follow_decisions(req.step, &req.decisions, events);
         self.ramp.fix_reference();
         let tau = plan.iter().map(|p| p.staleness).max().unwrap_or(0);

@@ -5,6 +5,7 @@
 //! [`ShardCore::tick`]; time is an argument (`now`, any monotonic origin), never read from a clock.
 //! The QUIC service, the simulator and the tests all drive this same type.
 
+mod data;
 mod dense;
 mod exactly_once;
 mod membership;
@@ -383,6 +384,12 @@ pub struct ShardCore {
     /// Largest learning rate used so far per tensor (Gap-Aware's η_max).
     lr_max: Vec<f32>,
     threads: usize,
+    /// Dynamic data sharding: samples accepted per grant, and how many grants' counts were dropped.
+    data: data::GrantCounts,
+    /// The coordinator's data dealer ([`Self::set_dealer`]).
+    dealer: Option<crate::dealer::Dealer>,
+    /// A restored checkpoint's dealer section, read once the dealer's settings are known.
+    restored_dealer: Option<Vec<u8>>,
 }
 
 impl ShardCore {
@@ -529,6 +536,9 @@ impl ShardCore {
             packed_replies: false,
             shared_replies: false,
             reply_views: Vec::new(),
+            data: data::GrantCounts::default(),
+            dealer: None,
+            restored_dealer: None,
         })
     }
 
@@ -758,6 +768,10 @@ impl ShardCore {
             Message::RegisterShard(r) => self.register_shard(&r, &mut events),
             Message::Heartbeat(h) => self.heartbeat(h, now, &mut events),
             Message::Leave(l) => self.leave(l, &mut events),
+            Message::SplitRequest(r) => self.split_request(&r),
+            Message::DataStatusRequest(r) => Ok(Frame::new(Message::DataStatus(self.data_status(r.after_grant)))),
+            Message::SplitGrant(_) => Err(ShardError::NotARequest("split grant")),
+            Message::DataStatus(_) => Err(ShardError::NotARequest("data status")),
             Message::StatsRequest(_) => Ok(Frame::new(Message::Stats(self.stats()))),
             // Files are the service's business: a core on its own cannot write one.
             Message::CheckpointRequest(_) => {

@@ -150,6 +150,16 @@ impl ShardCore {
             w.u64s(&[sw.number, u64::from(sw.from), u64::from(sw.to), sw.from_step, sw.at_global_step]);
             w.str(&sw.reason);
         }
+        // Format 3: per-grant sample counts, then the dealer (last: its settings come later, at
+        // `set_dealer`).
+        self.data.write_to(&mut w);
+        match &self.dealer {
+            Some(d) => {
+                w.u8(1);
+                d.write_to(&mut w);
+            }
+            None => w.u8(0),
+        }
         Ok(w.buf)
     }
 
@@ -201,6 +211,11 @@ impl ShardCore {
         core.shared_replies = self.shared_replies;
         core.packed_replies = self.packed_replies;
         core.step_started = (!core.contributors.is_empty()).then_some(self.clock);
+        // The dealer goes back with the model: splits finished since the checkpoint are dealt again (their
+        // training is gone), and those on loan then are given back (their holders drop them).
+        if let Some(d) = &self.dealer {
+            core.set_dealer(d.config().clone()).map_err(CheckpointError::Mismatch)?;
+        }
         core.membership_changed(&mut events);
         Ok(core)
     }
@@ -344,6 +359,12 @@ impl ShardCore {
         }
         if core.switches.len() > super::steps::SWITCH_LOG {
             return Err(corrupt());
+        }
+        if r.format() >= 3 {
+            core.data = super::data::GrantCounts::read_from(&mut r)?;
+            if r.u8()? == 1 {
+                core.restored_dealer = Some(r.rest().to_vec());
+            }
         }
         r.finish()?;
         if !core.lr_scale.is_finite() || core.lr_scale <= 0.0 {

@@ -1,0 +1,173 @@
+//! Dynamic data sharding in the core: the coordinator's dealer ([`crate::dealer`]) answers split requests,
+//! gets back the splits of workers that leave or expire, and goes back with the cluster to a checkpoint;
+//! every shard counts the samples of accepted pushes per grant, so that whether each line was trained once
+//! can be read from the shards rather than from the workers' own reports.
+
+use super::*;
+use crate::checkpoint::{CheckpointError, Reader, Writer};
+use crate::dealer::{Dealer, DealerConfig, GiveBack};
+use gaps_common::wire::{DataStatus, DataTag, DealerStatus, GrantCount, SplitGrant, SplitRequest, DATA_STATUS_PAGE};
+
+/// Grants whose sample counts a shard keeps at most; beyond, the oldest grant's count is dropped (and
+/// counted), so a worker cannot grow a shard's memory without bound by inventing grants.
+pub const MAX_GRANT_COUNTS: usize = 1 << 20;
+
+/// Samples accepted per grant on one shard.
+#[derive(Debug, Clone, Default)]
+pub(super) struct GrantCounts {
+    counts: BTreeMap<u64, (u64, u64)>,
+    evicted: u64,
+}
+
+impl GrantCounts {
+    fn add(&mut self, tag: DataTag) {
+        let entry = self.counts.entry(tag.grant).or_insert((tag.split, 0));
+        entry.1 += u64::from(tag.samples);
+        if self.counts.len() > MAX_GRANT_COUNTS {
+            self.counts.pop_first();
+            self.evicted += 1;
+        }
+    }
+
+    fn samples(&self, grant: u64) -> u64 {
+        self.counts.get(&grant).map_or(0, |(_, n)| *n)
+    }
+
+    pub(super) fn write_to(&self, w: &mut Writer) {
+        w.u64(self.evicted);
+        w.u64s(&self.counts.iter().flat_map(|(g, (k, n))| [*g, *k, *n]).collect::<Vec<_>>());
+    }
+
+    pub(super) fn read_from(r: &mut Reader<'_>) -> Result<Self, CheckpointError> {
+        let evicted = r.u64()?;
+        let raw = r.u64s("grant counts")?;
+        if raw.len() % 3 != 0 || raw.len() / 3 > MAX_GRANT_COUNTS {
+            return Err(CheckpointError::Corrupt("grant counts".into()));
+        }
+        Ok(GrantCounts { counts: raw.chunks_exact(3).map(|c| (c[0], (c[1], c[2]))).collect(), evicted })
+    }
+}
+
+impl ShardCore {
+    /// Deals the training data from this coordinator (dynamic data sharding). A checkpoint this core was
+    /// restored from continues its dealer where it was when it fits `cfg` (the same cut of the same data);
+    /// splits on loan then are dealt again (what their holders trained since is not in the model). Only the
+    /// coordinator deals; the error says why a configuration or checkpoint does not fit.
+    pub fn set_dealer(&mut self, cfg: DealerConfig) -> Result<(), String> {
+        if self.coordinator.is_none() {
+            return Err(format!("shard {} is not the coordinator; only shard 0 deals data", self.cfg.shard));
+        }
+        let dealer = match self.restored_dealer.take() {
+            Some(bytes) => {
+                let mut r = Reader::section(&bytes, crate::checkpoint::FORMAT_VERSION);
+                let mut d = Dealer::read_from(cfg, &mut r).map_err(|e| format!("the checkpoint's data dealer: {e}"))?;
+                r.finish().map_err(|e| format!("the checkpoint's data dealer: {e}"))?;
+                d.give_back_all();
+                d
+            }
+            None => Dealer::new(cfg),
+        };
+        self.dealer = Some(dealer);
+        Ok(())
+    }
+
+    /// The dealer, if this coordinator deals data.
+    pub fn dealer(&self) -> Option<&Dealer> {
+        self.dealer.as_ref()
+    }
+
+    pub(super) fn split_request(&mut self, r: &SplitRequest) -> Result<Frame, ShardError> {
+        self.coordinator()?;
+        self.check_epoch(r.epoch)?;
+        if !self.leases.contains_key(&r.worker) {
+            return Err(ShardError::NotRegistered(format!(
+                "worker {} holds no lease (it left, or its lease expired): register again",
+                r.worker
+            )));
+        }
+        let Some(dealer) = self.dealer.as_mut() else {
+            return Err(ShardError::Misconfigured(
+                "this cluster deals no data: start the coordinator with --data to shard data dynamically, or the \
+                 workers with --data-sharding static"
+                    .into(),
+            ));
+        };
+        let (split, finished_accepted) = dealer.deal(r.worker, r.finished);
+        let files = match &dealer.config().table {
+            crate::dealer::SplitTable::Files { files, .. } => files.len() as u32,
+            crate::dealer::SplitTable::Synthetic { .. } => 0,
+        };
+        Ok(Frame::new(Message::SplitGrant(SplitGrant { split, files, finished_accepted })))
+    }
+
+    /// Counts an accepted push's samples under its grant.
+    pub(super) fn count_samples(&mut self, tag: Option<DataTag>) {
+        if let Some(tag) = tag {
+            self.data.add(tag);
+        }
+    }
+
+    /// A departed worker's splits go back to the dealer's queue.
+    pub(super) fn data_worker_gone(&mut self, worker: u32) {
+        if let Some(d) = self.dealer.as_mut() {
+            d.give_back(worker, GiveBack::Departed);
+        }
+    }
+
+    /// Samples trained under grants that ended unfinished, as this shard counted them.
+    pub fn samples_replayed(&self) -> u64 {
+        self.dealer.as_ref().map_or(0, |d| d.abandoned().map(|g| self.data.samples(*g)).sum())
+    }
+
+    /// This shard's per-grant counts after `after` (one page), and the dealer's state on the coordinator.
+    pub fn data_status(&self, after: u64) -> DataStatus {
+        use std::ops::Bound::{Excluded, Unbounded};
+        let mut counts: Vec<GrantCount> = self
+            .data
+            .counts
+            .range((Excluded(after), Unbounded))
+            .take(DATA_STATUS_PAGE + 1)
+            .map(|(g, (k, n))| GrantCount { grant: *g, split: *k, samples: *n })
+            .collect();
+        let (mut completed, mut abandoned): (Vec<(u64, u64)>, Vec<u64>) = match &self.dealer {
+            Some(d) => (
+                d.completed().filter(|(g, _)| *g > after).copied().collect(),
+                d.abandoned().filter(|g| **g > after).copied().collect(),
+            ),
+            None => (Vec::new(), Vec::new()),
+        };
+        completed.sort_unstable();
+        abandoned.sort_unstable();
+        // A page ends at the first grant where one of the lists is cut; every list stops there.
+        let cut = [
+            counts.get(DATA_STATUS_PAGE - 1).map(|c| c.grant).filter(|_| counts.len() > DATA_STATUS_PAGE),
+            completed.get(DATA_STATUS_PAGE - 1).map(|c| c.0).filter(|_| completed.len() > DATA_STATUS_PAGE),
+            abandoned.get(DATA_STATUS_PAGE - 1).copied().filter(|_| abandoned.len() > DATA_STATUS_PAGE),
+        ]
+        .into_iter()
+        .flatten()
+        .min();
+        if let Some(cut) = cut {
+            counts.retain(|c| c.grant <= cut);
+            completed.retain(|c| c.0 <= cut);
+            abandoned.retain(|g| *g <= cut);
+        }
+        let dealer = self.dealer.as_ref().map(|d| DealerStatus {
+            data_epoch: d.epoch(),
+            epochs: d.config().epochs.unwrap_or(0),
+            splits_per_epoch: match d.config().table {
+                crate::dealer::SplitTable::Files { .. } => d.config().table.per_epoch(),
+                crate::dealer::SplitTable::Synthetic { .. } => 0,
+            },
+            splits_done: d.splits_done(),
+            splits_pending: d.splits_pending(),
+            splits_returned: d.splits_returned(),
+            samples_replayed: self.samples_replayed(),
+            finished: d.finished(),
+            leased: d.leases().into_iter().take(DATA_STATUS_PAGE).collect(),
+            completed,
+            abandoned,
+        });
+        DataStatus { shard: self.cfg.shard, counts, next_after: cut, counts_evicted: self.data.evicted, dealer }
+    }
+}

@@ -1,0 +1,442 @@
+//! The data dealer of dynamic data sharding (the coordinator's): the training input cut into splits, dealt
+//! one at a time to whichever worker asks, each under a grant that ends when its worker reports it finished
+//! or gives it back (it left, its lease expired, the cluster rolled back). A split given back goes to the
+//! front of the queue and is dealt again under a new grant; every split is finished once per data epoch.
+//! Fast workers ask more often, so they train on more of the data: the run is no longer as slow as the
+//! slowest worker's fixed share.
+//!
+//! Sans-IO like the rest of the core: the file scan that cuts a file into line-aligned splits is the
+//! caller's ([`SplitTable`] is its result); the dealer only counts.
+
+use crate::checkpoint::{CheckpointError, Reader, Writer};
+use gaps_common::wire::{DataSplit, GrantLease};
+use std::collections::{BTreeMap, VecDeque};
+
+/// One split of a file: a line-aligned byte range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FileSplit {
+    /// Index of the file in [`SplitTable::files`].
+    pub file: u32,
+    /// The 1-based number of its first line in the file.
+    pub first_line: u64,
+    /// First byte.
+    pub start: u64,
+    /// One past the last byte.
+    pub end: u64,
+    /// Lines in the range.
+    pub lines: u64,
+}
+
+/// What the dealer deals.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SplitTable {
+    /// Files cut into splits, in file order (every epoch deals these).
+    Files {
+        /// The files, as the coordinator names them (workers map an index to their own `--data` list).
+        files: Vec<String>,
+        /// The splits.
+        splits: Vec<FileSplit>,
+    },
+    /// Synthetic data: split `i` of an endless stream is samples `[i·n, (i+1)·n)`.
+    Synthetic {
+        /// Samples per split.
+        samples_per_split: u64,
+    },
+}
+
+impl SplitTable {
+    /// Splits in one data epoch (synthetic data: `u32::MAX`, never reached in practice).
+    pub fn per_epoch(&self) -> u64 {
+        match self {
+            SplitTable::Files { splits, .. } => splits.len() as u64,
+            SplitTable::Synthetic { .. } => u64::from(u32::MAX),
+        }
+    }
+
+    /// A fingerprint of the cut (a checkpoint's dealer state only fits the same cut).
+    pub fn fingerprint(&self) -> u64 {
+        let mut h = 0xcbf2_9ce4_8422_2325u64;
+        let mut eat = |x: u64| {
+            for b in x.to_le_bytes() {
+                h ^= u64::from(b);
+                h = h.wrapping_mul(0x0100_0000_01b3);
+            }
+        };
+        match self {
+            SplitTable::Files { files, splits } => {
+                eat(1);
+                eat(files.len() as u64);
+                for s in splits {
+                    for x in [u64::from(s.file), s.first_line, s.start, s.end, s.lines] {
+                        eat(x);
+                    }
+                }
+            }
+            SplitTable::Synthetic { samples_per_split } => {
+                eat(2);
+                eat(*samples_per_split);
+            }
+        }
+        h
+    }
+
+    fn split(&self, key: u64, grant: u64) -> DataSplit {
+        let index = key & 0xffff_ffff;
+        match self {
+            SplitTable::Files { splits, .. } => {
+                let s = splits[index as usize];
+                DataSplit {
+                    grant,
+                    key,
+                    file: s.file,
+                    first_line: s.first_line,
+                    start: s.start,
+                    end: s.end,
+                    lines: s.lines,
+                }
+            }
+            SplitTable::Synthetic { samples_per_split: n } => {
+                // Each data epoch of synthetic data would be the same samples again; there is only one.
+                let start = index * n;
+                DataSplit { grant, key, file: 0, first_line: 0, start, end: start + n, lines: *n }
+            }
+        }
+    }
+}
+
+/// The dealer's settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DealerConfig {
+    /// The splits.
+    pub table: SplitTable,
+    /// Data epochs to deal (None: no end).
+    pub epochs: Option<u64>,
+    /// Grants are numbered from at least this (the service passes its start time in the high 32 bits, so a
+    /// restarted coordinator never hands out a number its previous life did).
+    pub grant_floor: u64,
+}
+
+/// Most finished and abandoned grants remembered (for [`gaps_common::wire::DataStatus`]); older ones are
+/// only counted.
+pub const GRANT_LOG: usize = 1 << 18;
+
+/// Why a grant ended without its split being finished.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GiveBack {
+    /// The worker left or its lease expired.
+    Departed,
+    /// The worker asked for another split without finishing it.
+    Abandoned,
+    /// The cluster went back to a checkpoint.
+    RolledBack,
+}
+
+/// The dealer. See the module documentation.
+#[derive(Debug, Clone)]
+pub struct Dealer {
+    cfg: DealerConfig,
+    /// The data epoch being dealt.
+    epoch: u64,
+    /// The next never-dealt split index of `epoch`.
+    next_fresh: u64,
+    /// Splits given back, dealt before fresh ones (front first).
+    pending: VecDeque<u64>,
+    /// Grants on loan: grant → (split key, worker).
+    leased: BTreeMap<u64, (u64, u32)>,
+    /// Splits finished, all epochs together.
+    done: u64,
+    next_grant: u64,
+    /// Finished grants, oldest first: (grant, split).
+    completed: VecDeque<(u64, u64)>,
+    /// Grants that ended unfinished, oldest first.
+    abandoned: VecDeque<u64>,
+    /// Splits given back.
+    returned: u64,
+}
+
+impl Dealer {
+    /// A dealer at the start of the first epoch.
+    pub fn new(cfg: DealerConfig) -> Self {
+        let next_grant = cfg.grant_floor.max(1);
+        Dealer {
+            cfg,
+            epoch: 0,
+            next_fresh: 0,
+            pending: VecDeque::new(),
+            leased: BTreeMap::new(),
+            done: 0,
+            next_grant,
+            completed: VecDeque::new(),
+            abandoned: VecDeque::new(),
+            returned: 0,
+        }
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &DealerConfig {
+        &self.cfg
+    }
+
+    /// Deals `worker` its next split, after recording `finished` (a grant of this worker whose every batch
+    /// it pushed). Any other grant the worker holds is given back. Returns the split (None: nothing is left
+    /// to deal, every epoch is dealt) and whether `finished` was accepted as this worker's.
+    pub fn deal(&mut self, worker: u32, finished: Option<u64>) -> (Option<DataSplit>, bool) {
+        let accepted = match finished {
+            Some(g) => match self.leased.get(&g) {
+                Some((key, holder)) if *holder == worker => {
+                    let key = *key;
+                    self.leased.remove(&g);
+                    self.done += 1;
+                    push_bounded(&mut self.completed, (g, key));
+                    true
+                }
+                // Not this worker's (given back after its lease expired, or dealt before the coordinator
+                // went back to a checkpoint): what it trained counts as replayed.
+                _ => {
+                    if !self.abandoned.contains(&g) && !self.completed.iter().any(|(c, _)| *c == g) {
+                        push_bounded(&mut self.abandoned, g);
+                    }
+                    false
+                }
+            },
+            None => false,
+        };
+        self.give_back(worker, GiveBack::Abandoned);
+        let Some(key) = self.next_key() else { return (None, accepted) };
+        let grant = self.next_grant;
+        self.next_grant += 1;
+        self.leased.insert(grant, (key, worker));
+        (Some(self.cfg.table.split(key, grant)), accepted)
+    }
+
+    fn next_key(&mut self) -> Option<u64> {
+        if let Some(key) = self.pending.pop_front() {
+            return Some(key);
+        }
+        let per_epoch = self.cfg.table.per_epoch();
+        if per_epoch == 0 {
+            return None;
+        }
+        if self.next_fresh >= per_epoch {
+            if self.cfg.epochs.is_some_and(|e| self.epoch + 1 >= e) {
+                return None;
+            }
+            self.epoch += 1;
+            self.next_fresh = 0;
+        }
+        let key = (self.epoch << 32) | self.next_fresh;
+        self.next_fresh += 1;
+        Some(key)
+    }
+
+    /// Gives back every split `worker` holds (it left, its lease expired, or it asked for another one).
+    pub fn give_back(&mut self, worker: u32, _why: GiveBack) -> usize {
+        let mine: Vec<u64> = self.leased.iter().filter(|(_, (_, w))| *w == worker).map(|(g, _)| *g).collect();
+        for g in mine.iter().rev() {
+            if let Some((key, _)) = self.leased.remove(g) {
+                self.pending.push_front(key);
+                push_bounded(&mut self.abandoned, *g);
+                self.returned += 1;
+            }
+        }
+        mine.len()
+    }
+
+    /// Gives back every split on loan (the cluster went back to a checkpoint: what was trained under them
+    /// since is gone from the model, and their holders are told to drop them).
+    pub fn give_back_all(&mut self) {
+        let workers: Vec<u32> = self.leased.values().map(|(_, w)| *w).collect();
+        for w in workers {
+            self.give_back(w, GiveBack::RolledBack);
+        }
+    }
+
+    /// Every epoch dealt and every split finished.
+    pub fn finished(&self) -> bool {
+        self.cfg.epochs.is_some_and(|e| self.epoch + 1 >= e)
+            && self.next_fresh >= self.cfg.table.per_epoch()
+            && self.pending.is_empty()
+            && self.leased.is_empty()
+    }
+
+    /// The data epoch being dealt.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Splits finished so far.
+    pub fn splits_done(&self) -> u64 {
+        self.done
+    }
+
+    /// Splits waiting to be dealt again.
+    pub fn splits_pending(&self) -> u64 {
+        self.pending.len() as u64
+    }
+
+    /// Splits given back so far.
+    pub fn splits_returned(&self) -> u64 {
+        self.returned
+    }
+
+    /// Grants on loan.
+    pub fn leases(&self) -> Vec<GrantLease> {
+        self.leased.iter().map(|(g, (key, w))| GrantLease { grant: *g, split: *key, worker: *w }).collect()
+    }
+
+    /// Finished grants `(grant, split)` remembered, oldest first.
+    pub fn completed(&self) -> impl Iterator<Item = &(u64, u64)> {
+        self.completed.iter()
+    }
+
+    /// Grants that ended unfinished, remembered, oldest first.
+    pub fn abandoned(&self) -> impl Iterator<Item = &u64> {
+        self.abandoned.iter()
+    }
+
+    /// Writes the state (not the settings beyond the table's fingerprint and the epoch count).
+    pub(crate) fn write_to(&self, w: &mut Writer) {
+        w.u64(self.cfg.table.fingerprint());
+        w.u64(self.cfg.epochs.unwrap_or(0));
+        w.u64s(&[self.epoch, self.next_fresh, self.done, self.next_grant, self.returned]);
+        w.u64s(&self.pending.iter().copied().collect::<Vec<_>>());
+        let leased: Vec<u64> = self.leased.iter().flat_map(|(g, (k, w))| [*g, *k, u64::from(*w)]).collect();
+        w.u64s(&leased);
+        w.u64s(&self.completed.iter().flat_map(|(g, k)| [*g, *k]).collect::<Vec<_>>());
+        w.u64s(&self.abandoned.iter().copied().collect::<Vec<_>>());
+    }
+
+    /// Reads a state written by [`Dealer::write_to`] into a dealer of `cfg`; refused when the checkpoint
+    /// was cut from other data or with another split size.
+    pub(crate) fn read_from(cfg: DealerConfig, r: &mut Reader<'_>) -> Result<Dealer, CheckpointError> {
+        let corrupt = |what: &str| CheckpointError::Corrupt(format!("data dealer: {what}"));
+        let fingerprint = r.u64()?;
+        if fingerprint != cfg.table.fingerprint() {
+            return Err(CheckpointError::Mismatch(
+                "its data dealer cut other data into splits (another --data, --split-lines, or the file changed)"
+                    .into(),
+            ));
+        }
+        let _epochs = r.u64()?;
+        let fields = r.u64s("data dealer")?;
+        let [epoch, next_fresh, done, next_grant, returned] = fields[..] else { return Err(corrupt("counters")) };
+        let per_epoch = cfg.table.per_epoch();
+        let valid_key = |k: u64| (k & 0xffff_ffff) < per_epoch && (k >> 32) <= epoch;
+        let pending: VecDeque<u64> = r.u64s("data dealer")?.into();
+        if next_fresh > per_epoch || pending.iter().any(|k| !valid_key(*k)) {
+            return Err(corrupt("queue"));
+        }
+        let raw = r.u64s("data dealer")?;
+        if raw.len() % 3 != 0 {
+            return Err(corrupt("leases"));
+        }
+        let mut leased = BTreeMap::new();
+        for l in raw.chunks_exact(3) {
+            let worker = u32::try_from(l[2]).map_err(|_| corrupt("leases"))?;
+            if !valid_key(l[1]) {
+                return Err(corrupt("leases"));
+            }
+            leased.insert(l[0], (l[1], worker));
+        }
+        let raw = r.u64s("data dealer")?;
+        if raw.len() % 2 != 0 || raw.len() / 2 > GRANT_LOG {
+            return Err(corrupt("finished grants"));
+        }
+        let completed = raw.chunks_exact(2).map(|c| (c[0], c[1])).collect();
+        let abandoned: VecDeque<u64> = r.u64s("data dealer")?.into();
+        if abandoned.len() > GRANT_LOG {
+            return Err(corrupt("abandoned grants"));
+        }
+        let next_grant = next_grant.max(cfg.grant_floor).max(1);
+        Ok(Dealer { cfg, epoch, next_fresh, pending, leased, done, next_grant, completed, abandoned, returned })
+    }
+}
+
+fn push_bounded<T>(log: &mut VecDeque<T>, item: T) {
+    if log.len() >= GRANT_LOG {
+        log.pop_front();
+    }
+    log.push_back(item);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn files(n: u64) -> DealerConfig {
+        let splits = (0..n)
+            .map(|i| FileSplit { file: 0, first_line: 1 + 10 * i, start: 100 * i, end: 100 * (i + 1), lines: 10 })
+            .collect();
+        DealerConfig {
+            table: SplitTable::Files { files: vec!["a.tsv".into()], splits },
+            epochs: Some(2),
+            grant_floor: 0,
+        }
+    }
+
+    #[test]
+    fn every_split_is_finished_once_per_epoch_and_a_departed_workers_split_is_dealt_again() {
+        let mut d = Dealer::new(files(3));
+        let (a, _) = d.deal(0, None);
+        let (b, _) = d.deal(1, None);
+        let (a, b) = (a.expect("a split"), b.expect("a split"));
+        assert_eq!((a.key, b.key, a.first_line, b.start), (0, 1, 1, 100));
+        // Worker 1 dies: its split goes back to the front of the queue.
+        assert_eq!(d.give_back(1, GiveBack::Departed), 1);
+        let (next, ok) = d.deal(0, Some(a.grant));
+        assert!(ok);
+        let next = next.expect("split 1 again");
+        assert_eq!(next.key, 1);
+        assert_ne!(next.grant, b.grant, "a new grant for the second deal");
+        // A late report of the dead worker's grant is not accepted.
+        let (late, ok) = d.deal(1, Some(b.grant));
+        assert!(!ok);
+        assert_eq!(late.map(|s| s.key), Some(2));
+        let mut keys = vec![];
+        let mut held = vec![(0u32, next.grant), (1, late.expect("late").grant)];
+        while let Some((w, g)) = held.pop() {
+            if let (Some(s), true) = d.deal(w, Some(g)) {
+                keys.push(s.key);
+                held.push((w, s.grant));
+            }
+        }
+        assert_eq!(keys, vec![1 << 32, (1 << 32) | 1, (1 << 32) | 2]);
+        assert!(d.finished());
+        assert_eq!(d.splits_done(), 6);
+        assert_eq!(d.splits_returned(), 1);
+        assert_eq!(d.abandoned().copied().collect::<Vec<_>>(), vec![b.grant]);
+        assert_eq!(d.deal(0, None).0, None, "nothing is left");
+    }
+
+    #[test]
+    fn the_state_round_trips_and_refuses_another_cut() {
+        let mut d = Dealer::new(files(4));
+        let (a, _) = d.deal(3, None);
+        d.deal(5, None);
+        d.deal(3, a.map(|s| s.grant));
+        d.give_back(5, GiveBack::Departed);
+        let mut w = Writer::reusing(Vec::new(), 0);
+        d.write_to(&mut w);
+        let bytes = w.buf;
+        let mut r = Reader::new(&bytes).expect("header");
+        let back = Dealer::read_from(files(4), &mut r).expect("same cut");
+        assert_eq!(format!("{back:?}"), format!("{d:?}"));
+        let mut r = Reader::new(&bytes).expect("header");
+        let err = Dealer::read_from(files(5), &mut r).expect_err("another cut");
+        assert!(err.to_string().contains("--split-lines"), "{err}");
+    }
+
+    #[test]
+    fn synthetic_splits_are_consecutive_sample_ranges_without_end() {
+        let cfg = DealerConfig {
+            table: SplitTable::Synthetic { samples_per_split: 500 },
+            epochs: None,
+            grant_floor: 7 << 32,
+        };
+        let mut d = Dealer::new(cfg);
+        let s: Vec<DataSplit> = (0..3).filter_map(|w| d.deal(w, None).0).collect();
+        assert_eq!(s.iter().map(|s| (s.start, s.end)).collect::<Vec<_>>(), vec![(0, 500), (500, 1000), (1000, 1500)]);
+        assert_eq!(s[0].grant, 7 << 32);
+        assert!(!d.finished());
+    }
+}
