@@ -152,6 +152,10 @@ pub struct LocalArgs {
     /// --profile` replays; see `gaps-worker --step-log`).
     #[arg(long, env = "GAPS_STEP_LOG")]
     pub step_log: Option<PathBuf>,
+    /// With dynamic data sharding: write every shard's samples per grant and the dealer's finished and
+    /// given-back grants to this JSON file at the end (to check that every line was trained once a pass).
+    #[arg(long, env = "GAPS_DATA_STATUS_OUT")]
+    pub data_status_out: Option<PathBuf>,
     /// End with one JSON line on stdout.
     #[arg(long, env = "GAPS_JSON")]
     pub json: bool,
@@ -239,6 +243,38 @@ pub struct DataReport {
     pub samples_replayed: u64,
     /// Every pass dealt and finished.
     pub finished: bool,
+}
+
+/// Writes the shards' data status as JSON: `{"shards":[{"shard","counts":[[grant,split,samples]…],
+/// "dealer":{…,"completed":[[grant,split]…],"abandoned":[grant…]}}…]}`.
+fn write_data_status(path: &std::path::Path, status: &[gaps_common::wire::DataStatus]) -> Result<()> {
+    let shards: Vec<serde_json::Value> = status
+        .iter()
+        .map(|s| {
+            let dealer = s.dealer.as_ref().map(|d| {
+                serde_json::json!({
+                    "data_epoch": d.data_epoch,
+                    "splits_per_epoch": d.splits_per_epoch,
+                    "splits_done": d.splits_done,
+                    "splits_returned": d.splits_returned,
+                    "splits_pending": d.splits_pending,
+                    "samples_replayed": d.samples_replayed,
+                    "finished": d.finished,
+                    "completed": d.completed.iter().map(|(g, k)| [*g, *k]).collect::<Vec<_>>(),
+                    "abandoned": d.abandoned,
+                    "leased": d.leased.iter().map(|l| [l.grant, l.split, u64::from(l.worker)]).collect::<Vec<_>>(),
+                })
+            });
+            serde_json::json!({
+                "shard": s.shard,
+                "counts": s.counts.iter().map(|c| [c.grant, c.split, c.samples]).collect::<Vec<_>>(),
+                "counts_evicted": s.counts_evicted,
+                "dealer": dealer,
+            })
+        })
+        .collect();
+    let text = serde_json::json!({ "shards": shards }).to_string();
+    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
 }
 
 /// An injected straggler.
@@ -971,6 +1007,9 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
         let stats = observer.stats().await.context("reading shard counters")?;
         let data_report = if args.deals_data() {
             let status = observer.data_status().await.context("reading the data dealer's state")?;
+            if let Some(out) = &args.data_status_out {
+                write_data_status(out, &status)?;
+            }
             status.first().and_then(|s| s.dealer.as_ref()).map(|d| DataReport {
                 splits_done: d.splits_done,
                 splits_per_epoch: d.splits_per_epoch,

@@ -714,3 +714,122 @@ fn a_shard_restart_in_sync_or_gba_returns_every_shard_to_the_same_checkpoint_and
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
+
+/// Dynamic data sharding under faults: a worker SIGKILLed mid-pass and the coordinator (which deals the
+/// splits) SIGKILLed and restarted from its checkpoint. Reading the shards' own per-grant sample counts
+/// (not the workers' reports) and the file itself: every split of both passes was finished under exactly
+/// one grant, whose samples every shard counted exactly once; what was trained under grants that did not
+/// finish is what the dealer reports as replayed.
+#[test]
+fn every_line_is_trained_once_a_pass_through_a_killed_worker_and_a_restarted_coordinator() {
+    const LINES: u64 = 8000;
+    const SPLIT: u64 = 400;
+    let data = gaps_models::criteo::SyntheticCriteo::new(11);
+    let bad = [15u64, 1234, 5001, 7999];
+    let text: Vec<String> = (1..=LINES)
+        .map(|line| {
+            if bad.contains(&line) {
+                "1\tnot\ta\tsample".to_string()
+            } else {
+                gaps_models::criteo::SyntheticCriteo::to_line(&data.sample(line).0)
+            }
+        })
+        .collect();
+    let dir = std::env::temp_dir().join(format!("gaps-dealing-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let path = dir.join("train.tsv");
+    std::fs::write(&path, text.join("\n") + "\n").expect("write");
+    let status = dir.join("status.json");
+    let v = run_local(&[
+        "local",
+        "--model",
+        "dlrm",
+        "--data",
+        path.to_str().expect("path"),
+        "--split-lines",
+        &SPLIT.to_string(),
+        "--epochs",
+        "2",
+        "--batch",
+        "64",
+        "--servers",
+        "2",
+        "--workers",
+        "4",
+        "--mode",
+        "sync",
+        "--compute-delay",
+        "15ms",
+        "--lease",
+        "3s",
+        "--checkpoint-every",
+        "300ms",
+        "--kill-worker",
+        "3@700ms",
+        "--kill-shard",
+        "0@1500ms",
+        "--restart-shard",
+        "0@2000ms",
+        "--data-status-out",
+        status.to_str().expect("path"),
+        "--json",
+        "--timeout",
+        "300s",
+    ]);
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&status).expect("status file")).expect("status JSON");
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(v["shard_restarts"], 1, "{v}");
+    assert_eq!(v["data_finished"], true, "{v}");
+    // The file's own training lines per split: lines k·400+1 ..= (k+1)·400, less every 10th (held out) and
+    // the bad ones.
+    let splits = LINES / SPLIT;
+    let expected =
+        |k: u64| (k * SPLIT + 1..=(k + 1) * SPLIT).filter(|l| l % 10 != 0 && !bad.contains(l)).count() as u64;
+    let shards = report["shards"].as_array().expect("shards");
+    assert_eq!(shards.len(), 2);
+    let dealer = &shards[0]["dealer"];
+    assert_eq!(dealer["splits_per_epoch"], splits, "{dealer}");
+    let counts: Vec<std::collections::BTreeMap<u64, u64>> = shards
+        .iter()
+        .map(|s| {
+            s["counts"]
+                .as_array()
+                .expect("counts")
+                .iter()
+                .map(|c| (c[0].as_u64().expect("grant"), c[2].as_u64().expect("samples")))
+                .collect()
+        })
+        .collect();
+    let mut finished: std::collections::BTreeMap<u64, Vec<u64>> = std::collections::BTreeMap::new();
+    for c in dealer["completed"].as_array().expect("completed") {
+        finished.entry(c[1].as_u64().expect("split")).or_default().push(c[0].as_u64().expect("grant"));
+    }
+    for epoch in 0..2u64 {
+        for k in 0..splits {
+            let key = epoch << 32 | k;
+            let grants = finished.get(&key).cloned().unwrap_or_default();
+            assert_eq!(grants.len(), 1, "split {k} of pass {epoch} finished under grants {grants:?}: {dealer}");
+            for (s, shard) in counts.iter().enumerate() {
+                assert_eq!(
+                    shard.get(&grants[0]).copied().unwrap_or(0),
+                    expected(k),
+                    "shard {s}, split {k} of pass {epoch} (grant {})",
+                    grants[0]
+                );
+            }
+        }
+    }
+    assert_eq!(finished.values().map(Vec::len).sum::<usize>() as u64, 2 * splits, "{dealer}");
+    // The killed worker held a split, and the coordinator's restart gave back those on loan at its
+    // checkpoint: what was trained under them is the replay the dealer reports.
+    assert!(dealer["splits_returned"].as_u64().expect("returned") >= 1, "{dealer}");
+    let replayed: u64 = dealer["abandoned"]
+        .as_array()
+        .expect("abandoned")
+        .iter()
+        .map(|g| counts[0].get(&g.as_u64().expect("grant")).copied().unwrap_or(0))
+        .sum();
+    assert_eq!(replayed, dealer["samples_replayed"].as_u64().expect("replayed"), "{dealer}");
+    assert_eq!(v["samples_replayed"], dealer["samples_replayed"], "{v}");
+}

@@ -76,14 +76,21 @@ impl ShardCore {
         self.dealer.as_ref()
     }
 
-    pub(super) fn split_request(&mut self, r: &SplitRequest) -> Result<Frame, ShardError> {
-        self.coordinator()?;
+    pub(super) fn split_request(
+        &mut self,
+        r: &SplitRequest,
+        now: Duration,
+        events: &mut Vec<CoreEvent>,
+    ) -> Result<Frame, ShardError> {
+        let next_worker = self.coordinator()?.next_worker;
         self.check_epoch(r.epoch)?;
-        if !self.leases.contains_key(&r.worker) {
-            return Err(ShardError::NotRegistered(format!(
-                "worker {} holds no lease (it left, or its lease expired): register again",
-                r.worker
-            )));
+        // A request renews the worker's lease as a heartbeat does (one that expired while the coordinator
+        // restarted comes back).
+        if r.worker >= next_worker {
+            return Err(ShardError::NotRegistered(format!("worker {} never registered", r.worker)));
+        }
+        if self.leases.insert(r.worker, now + self.cfg.lease).is_none() {
+            self.membership_changed(events);
         }
         let Some(dealer) = self.dealer.as_mut() else {
             return Err(ShardError::Misconfigured(

@@ -768,7 +768,7 @@ impl ShardCore {
             Message::RegisterShard(r) => self.register_shard(&r, &mut events),
             Message::Heartbeat(h) => self.heartbeat(h, now, &mut events),
             Message::Leave(l) => self.leave(l, &mut events),
-            Message::SplitRequest(r) => self.split_request(&r),
+            Message::SplitRequest(r) => self.split_request(&r, now, &mut events),
             Message::DataStatusRequest(r) => Ok(Frame::new(Message::DataStatus(self.data_status(r.after_grant)))),
             Message::SplitGrant(_) => Err(ShardError::NotARequest("split grant")),
             Message::DataStatus(_) => Err(ShardError::NotARequest("data status")),
