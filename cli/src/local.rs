@@ -226,6 +226,8 @@ pub struct LocalReport {
     pub pushes_unconfirmed: u64,
     /// Dynamic data sharding: the dealer's account at the end (None: static shares).
     pub data: Option<DataReport>,
+    /// Gradients dropped at mode switches (computed in the mode before, too stale for the new), all shards.
+    pub pushes_dropped_at_switch: u64,
 }
 
 /// What the coordinator's dealer did (dynamic data sharding).
@@ -456,6 +458,7 @@ impl LocalReport {
             "steps_gba": self.steps_gba,
             "workers_final": self.workers_final,
             "dropped_stale": self.dropped_stale,
+            "pushes_dropped_at_switch": self.pushes_dropped_at_switch,
             "lr_multiplier_final": self.lr_multiplier_final,
             "shard_restarts": self.shard_restarts,
             "checkpoints_written": self.checkpoints_written,
@@ -1092,6 +1095,7 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             steps_gba: stats.first().map_or(0, |s| s.steps_gba),
             workers_final,
             dropped_stale: stats.iter().map(|s| s.dropped_stale).sum(),
+            pushes_dropped_at_switch: stats.iter().map(|s| s.pushes_dropped_at_switch).sum(),
             lr_multiplier_final: stats.first().map_or(1.0, |s| f64::from(s.lr_multiplier_milli) / 1000.0),
             shard_restarts,
             checkpoints_written: checkpoints_seen.len() as u64,

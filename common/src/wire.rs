@@ -568,6 +568,9 @@ pub struct Stats {
     pub decisions: ModeDecisions,
     /// The mode switches this shard carried out, oldest first (the last 64).
     pub switches: Vec<ModeSwitchRecord>,
+    /// Gradients dropped because they were computed in the mode before a switch and are too stale for
+    /// the new one (also counted in `dropped_stale`). (Added in protocol 10; keep it last.)
+    pub pushes_dropped_at_switch: u64,
 }
 
 /// When a shard takes a checkpoint it was asked for.

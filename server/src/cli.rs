@@ -295,6 +295,13 @@ pub struct ModeArgs {
     /// count ratio when growing, at once when shrinking).
     #[arg(long, env = "GAPS_LR_RAMP_STEPS")]
     pub lr_ramp_steps: Option<u64>,
+    /// auto: a worker becomes a straggler (and stops being one) only after this many of its reports in a
+    /// row agree; each report is judged on the median of its last 5 step times against the median worker's.
+    #[arg(long, env = "GAPS_STRAGGLER_PERSIST", default_value_t = gaps_shard::modes::DEFAULT_STRAGGLER_PERSIST, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub straggler_persist: u32,
+    /// auto: the least time spent in a mode before switching again.
+    #[arg(long, env = "GAPS_MIN_MODE_TIME", default_value = "2s", value_parser = parse_duration)]
+    pub min_mode_time: Duration,
 }
 
 impl ModeArgs {
@@ -305,6 +312,8 @@ impl ModeArgs {
             gba_threshold: self.gba_threshold,
             ssp_bound: self.ssp_bound,
             lr_ramp_steps: self.lr_ramp_steps,
+            straggler_persist: self.straggler_persist,
+            min_mode_time: self.min_mode_time,
             ..ModeConfig::default()
         }
     }
@@ -315,6 +324,8 @@ impl ModeArgs {
             format!("--mode={}", self.mode),
             format!("--gba-threshold={}", self.gba_threshold),
             format!("--ssp-bound={}", self.ssp_bound),
+            format!("--straggler-persist={}", self.straggler_persist),
+            format!("--min-mode-time={}ms", self.min_mode_time.as_millis()),
         ];
         flags.extend(self.lr_ramp_steps.map(|t| format!("--lr-ramp-steps={t}")));
         flags

@@ -91,6 +91,14 @@ pub struct ModeConfig {
     pub straggler_exit: f64,
     /// Reports a worker needs before the detector judges it.
     pub min_observations: u32,
+    /// Consecutive judgments (one per report of the worker) that must agree before a worker becomes a
+    /// straggler or stops being one: a few slow steps on a loaded machine change nothing.
+    pub straggler_persist: u32,
+    /// `auto` stays at least this long in a mode before it switches again.
+    pub min_mode_time: std::time::Duration,
+    /// Step times are compared with the median worker's or this many milliseconds, whichever is more: a
+    /// worker 3 ms slower than a 1 ms median costs a step 3 ms, no reason to give up synchronous training.
+    pub straggler_floor_ms: f64,
 }
 
 impl Default for ModeConfig {
@@ -103,61 +111,133 @@ impl Default for ModeConfig {
             straggler_enter: 2.0,
             straggler_exit: 1.3,
             min_observations: 3,
+            straggler_persist: DEFAULT_STRAGGLER_PERSIST,
+            min_mode_time: DEFAULT_MIN_MODE_TIME,
+            straggler_floor_ms: DEFAULT_STRAGGLER_FLOOR_MS,
         }
     }
 }
 
-/// Tracks each worker's compute time per step (an EMA of what the worker reports) and who straggles.
+/// Default of [`ModeConfig::straggler_persist`].
+pub const DEFAULT_STRAGGLER_PERSIST: u32 = 4;
+/// Default of [`ModeConfig::straggler_floor_ms`].
+pub const DEFAULT_STRAGGLER_FLOOR_MS: f64 = 5.0;
+/// Default of [`ModeConfig::min_mode_time`].
+pub const DEFAULT_MIN_MODE_TIME: std::time::Duration = std::time::Duration::from_secs(2);
+/// Compute times a worker's window holds: the detector judges the window's median, so a burst of fewer
+/// than half this many slow steps moves nothing.
+pub const DETECTOR_WINDOW: usize = 5;
+
+/// One worker's record: its last [`DETECTOR_WINDOW`] compute times, how many it reported, and how many
+/// judgments in a row went against its current standing.
+#[derive(Debug, Clone, Default)]
+struct WorkerTimes {
+    window: std::collections::VecDeque<f64>,
+    reports: u32,
+    /// Consecutive judgments, since its last report, that said the opposite of its standing.
+    against: u32,
+    /// Whether the last judgment counted was after a new report (one vote per report).
+    fresh: bool,
+}
+
+impl WorkerTimes {
+    fn median(&self) -> f64 {
+        let mut v: Vec<f64> = self.window.iter().copied().collect();
+        v.sort_by(f64::total_cmp);
+        v.get(v.len().saturating_sub(1) / 2).copied().unwrap_or(0.0)
+    }
+}
+
+/// Tracks each worker's compute time per step (the median of its last [`DETECTOR_WINDOW`] reports) and who
+/// straggles: a worker whose median exceeds `straggler_enter` × the median over workers (or
+/// `straggler_floor_ms`, whichever is more) for `straggler_persist` of its reports in a row, until its
+/// median stays below `straggler_exit` × for as many.
 #[derive(Debug, Clone, Default)]
 pub struct StragglerDetector {
-    ema_ms: BTreeMap<u32, (f64, u32)>,
+    times: BTreeMap<u32, WorkerTimes>,
     stragglers: BTreeSet<u32>,
+    /// Why the set of stragglers last changed.
+    last_change: Vec<String>,
 }
 
 impl StragglerDetector {
     /// Records one step's compute time of `worker`.
     pub fn observe(&mut self, worker: u32, compute_ms: f64) {
-        let e = self.ema_ms.entry(worker).or_insert((compute_ms, 0));
-        e.0 = if e.1 == 0 { compute_ms } else { 0.7 * e.0 + 0.3 * compute_ms };
-        e.1 = e.1.saturating_add(1);
+        let e = self.times.entry(worker).or_default();
+        if e.window.len() == DETECTOR_WINDOW {
+            e.window.pop_front();
+        }
+        e.window.push_back(compute_ms);
+        e.reports = e.reports.saturating_add(1);
+        e.fresh = true;
     }
 
     /// Forgets a worker that left.
     pub fn forget(&mut self, worker: u32) {
-        self.ema_ms.remove(&worker);
+        self.times.remove(&worker);
         self.stragglers.remove(&worker);
     }
 
-    /// Re-judges every live worker against the median; returns the stragglers and, for each change, why.
+    /// Re-judges every live worker against the median; returns why the set of stragglers changed, if it
+    /// did. Each worker's new report counts once toward the `straggler_persist` judgments in a row.
     pub fn judge(&mut self, live: &BTreeSet<u32>, cfg: &ModeConfig) -> Vec<String> {
-        let mut times: Vec<f64> = self
-            .ema_ms
+        let mut medians: Vec<f64> = self
+            .times
             .iter()
-            .filter(|(w, (_, n))| live.contains(w) && *n >= cfg.min_observations)
-            .map(|(_, (t, _))| *t)
+            .filter(|(w, t)| live.contains(w) && t.reports >= cfg.min_observations)
+            .map(|(_, t)| t.median())
             .collect();
-        let mut reasons = Vec::new();
+        let mut reasons: Vec<String> = self
+            .stragglers
+            .iter()
+            .filter(|w| !live.contains(w))
+            .map(|w| format!("straggler worker {w} left"))
+            .collect();
         self.stragglers.retain(|w| live.contains(w));
-        if times.len() < 2 {
+        if !reasons.is_empty() {
+            self.last_change = reasons.clone();
+        }
+        if medians.len() < 2 {
             return reasons;
         }
-        times.sort_by(f64::total_cmp);
-        let median = times[(times.len() - 1) / 2].max(1e-3);
-        for (w, (t, n)) in &self.ema_ms {
-            if !live.contains(w) || *n < cfg.min_observations {
+        medians.sort_by(f64::total_cmp);
+        let median = medians[(medians.len() - 1) / 2].max(cfg.straggler_floor_ms).max(1e-3);
+        let persist = cfg.straggler_persist.max(1);
+        for (w, t) in &mut self.times {
+            if !live.contains(w) || t.reports < cfg.min_observations || !t.fresh {
                 continue;
             }
-            let ratio = t / median;
-            if !self.stragglers.contains(w) && ratio > cfg.straggler_enter {
-                self.stragglers.insert(*w);
-                reasons.push(format!("worker {w} takes {t:.0} ms per step, {ratio:.1}x the median {median:.0} ms"));
-            } else if self.stragglers.contains(w) && ratio < cfg.straggler_exit {
+            t.fresh = false;
+            let m = t.median();
+            let ratio = m / median;
+            let straggling = self.stragglers.contains(w);
+            let against = if straggling { ratio < cfg.straggler_exit } else { ratio > cfg.straggler_enter };
+            t.against = if against { t.against + 1 } else { 0 };
+            if t.against < persist {
+                continue;
+            }
+            t.against = 0;
+            if straggling {
                 self.stragglers.remove(w);
-                reasons
-                    .push(format!("worker {w} recovered: {t:.0} ms per step, {ratio:.1}x the median {median:.0} ms"));
+                reasons.push(format!(
+                    "worker {w} recovered: {m:.0} ms per step, {ratio:.1}x the median {median:.0} ms, {persist} reports in a row"
+                ));
+            } else {
+                self.stragglers.insert(*w);
+                reasons.push(format!(
+                    "worker {w} takes {m:.0} ms per step, {ratio:.1}x the median {median:.0} ms, {persist} reports in a row"
+                ));
             }
         }
+        if !reasons.is_empty() {
+            self.last_change = reasons.clone();
+        }
         reasons
+    }
+
+    /// Why the set of stragglers last changed (empty before it first did).
+    pub fn last_change(&self) -> &[String] {
+        &self.last_change
     }
 
     /// The current stragglers.
@@ -257,34 +337,69 @@ impl LrRamp {
 mod tests {
     use super::*;
 
-    #[test]
-    fn the_detector_flags_a_slow_worker_and_clears_it_with_hysteresis() {
+    /// Every worker reports once per round (worker 1 with `slow`), the detector judging after each report.
+    fn rounds(d: &mut StragglerDetector, live: &BTreeSet<u32>, n: usize, slow: impl Fn(usize) -> f64) -> Vec<String> {
         let cfg = ModeConfig::default();
-        let live: BTreeSet<u32> = (0..4).collect();
-        let mut d = StragglerDetector::default();
-        for _ in 0..3 {
+        let mut reasons = Vec::new();
+        for r in 0..n {
             for w in 0..4 {
-                d.observe(w, if w == 1 { 400.0 } else { 100.0 });
+                d.observe(w, if w == 1 { slow(r) } else { 100.0 });
+                reasons.extend(d.judge(live, &cfg));
             }
         }
-        let reasons = d.judge(&live, &cfg);
+        reasons
+    }
+
+    #[test]
+    fn the_detector_flags_a_slow_worker_after_it_persists_and_clears_it_with_hysteresis() {
+        let live: BTreeSet<u32> = (0..4).collect();
+        let mut d = StragglerDetector::default();
+        // Judged from its 3rd report on; 4 judgments in a row: a straggler at its 6th report, not before.
+        rounds(&mut d, &live, 5, |_| 400.0);
+        assert!(d.stragglers().is_empty());
+        let reasons = rounds(&mut d, &live, 1, |_| 400.0);
         assert_eq!(d.stragglers().iter().copied().collect::<Vec<_>>(), vec![1]);
-        assert!(reasons[0].contains("worker 1"), "{reasons:?}");
+        assert!(reasons[0].contains("worker 1") && reasons[0].contains("in a row"), "{reasons:?}");
         // Between the thresholds nothing changes (hysteresis) ...
-        for _ in 0..20 {
-            d.observe(1, 160.0);
-        }
-        assert!(d.judge(&live, &cfg).is_empty());
+        assert!(rounds(&mut d, &live, 20, |_| 160.0).is_empty());
         assert!(d.stragglers().contains(&1));
         // ... and below the exit threshold it recovers.
-        for _ in 0..20 {
-            d.observe(1, 105.0);
-        }
-        assert_eq!(d.judge(&live, &cfg).len(), 1);
+        assert_eq!(rounds(&mut d, &live, 20, |_| 105.0).len(), 1);
         assert!(d.stragglers().is_empty());
         // A worker that left is not judged.
         d.observe(9, 1000.0);
-        assert!(d.judge(&live, &cfg).is_empty());
+        assert!(d.judge(&live, &ModeConfig::default()).is_empty());
+    }
+
+    #[test]
+    fn bursts_of_slow_steps_on_a_loaded_machine_make_no_straggler() {
+        let live: BTreeSet<u32> = (0..4).collect();
+        let mut d = StragglerDetector::default();
+        // Two slow steps in every five (a worker descheduled now and then): the window's median stays fast.
+        assert!(rounds(&mut d, &live, 200, |r| if r % 5 < 2 { 900.0 } else { 100.0 }).is_empty());
+        // A burst of three slow steps in a row: three windows in a row see a slow median, not four.
+        assert!(rounds(&mut d, &live, 3, |_| 900.0).is_empty(), "{:?}", d.stragglers());
+        assert!(rounds(&mut d, &live, 10, |_| 100.0).is_empty());
+        assert!(d.stragglers().is_empty());
+        // Against a 1 ms median, 4 ms steps are no straggler (under the 5 ms floor × 2), 12 ms ones are.
+        let mut fast = StragglerDetector::default();
+        let cfg = ModeConfig::default();
+        for _ in 0..20 {
+            for w in 0..4 {
+                fast.observe(w, if w == 1 { 4.0 } else { 1.0 });
+                fast.judge(&live, &cfg);
+            }
+        }
+        assert!(fast.stragglers().is_empty());
+        for _ in 0..20 {
+            fast.observe(1, 12.0);
+            fast.judge(&live, &cfg);
+        }
+        assert!(fast.stragglers().contains(&1));
+        // Four in a row are a straggler (the window holds a slow median until two fast reports later).
+        rounds(&mut d, &live, 4, |_| 900.0);
+        rounds(&mut d, &live, 2, |_| 100.0);
+        assert!(d.stragglers().contains(&1));
     }
 
     #[test]

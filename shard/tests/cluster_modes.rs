@@ -183,7 +183,7 @@ fn uneven_run(seed: u64) {
             shards[2] = fresh;
             assert_eq!(shards[2].decisions().latest.number, 0);
         }
-        // Worker 1 straggles from step 10 to 25.
+        // Worker 1 straggles from step 10 to 25 (a step takes 100 ms of the shards' clock).
         let compute = |w: u32| if w == 1 && (10..25).contains(&step) { 400 } else { 100 };
         let reads: Vec<Vec<(ChunkId, u64)>> = shards.iter_mut().map(owned_versions).collect();
         let mut messages: Vec<(usize, u32, Frame)> = Vec::new();
@@ -195,7 +195,7 @@ fn uneven_run(seed: u64) {
             let (versions, _) = row_pull(&mut shards[owner], &[id]);
             seqs[w as usize][owner] += 1;
             let frame = row_push(w, seqs[w as usize][owner], &[id], &versions, &[0.5; DIM as usize]);
-            let reply = ack(shards[owner].handle(frame, Duration::from_millis(step)).0);
+            let reply = ack(shards[owner].handle(frame, Duration::from_millis(100 * step)).0);
             known[w as usize].merge(&reply.decisions);
             for s in 0..3 {
                 seqs[w as usize][s] += 1;
@@ -209,7 +209,7 @@ fn uneven_run(seed: u64) {
         }
         let mut learned = known.clone();
         for (s, w, frame) in messages {
-            let reply = ack(shards[s].handle(frame, Duration::from_millis(step)).0);
+            let reply = ack(shards[s].handle(frame, Duration::from_millis(100 * step)).0);
             ran.push((s, step, shards[s].active_mode().code()));
             learned[w as usize].merge(&reply.decisions);
         }

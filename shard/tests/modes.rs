@@ -227,21 +227,29 @@ fn auto_switches_to_gba_when_a_worker_straggles_and_back_when_it_recovers() {
     assert_eq!(core.active_mode(), Mode::Sync);
     let mut seqs = [0u64; 4];
     let mut switches = Vec::new();
+    // A round of steps takes 100 ms of the shard's clock.
+    let mut now = 0u64;
     let mut run = |core: &mut ShardCore, rounds: u32, slow: u32| {
         for _ in 0..rounds {
+            now += 100;
             for w in 0..4u32 {
                 seqs[w as usize] += 1;
                 let v = version(core);
                 let compute = if w == 1 { slow } else { 100 };
-                let (_, events) = push(core, w, seqs[w as usize], v, 0.1, compute, ms(10));
+                let (_, events) = push(core, w, seqs[w as usize], v, 0.1, compute, ms(now));
                 switches.extend(events.into_iter().filter(|e| matches!(e, CoreEvent::ModeSwitch { .. })));
             }
         }
     };
-    // Three reports make the verdict (at step 2); the decision takes effect two steps later.
-    run(&mut core, 5, 400);
+    // Judged from the 3rd report, 4 judgments in a row make the verdict (at the 6th); the decision takes
+    // effect two steps later.
+    run(&mut core, 9, 400);
     assert_eq!(core.active_mode(), Mode::Gba);
+    // Recovered: the window's median is fast from the 3rd fast report, 4 judgments later the verdict; the
+    // switch back waits for the minimum time in a mode (2 s, 20 rounds) to pass.
     run(&mut core, 10, 100);
+    assert_eq!(core.active_mode(), Mode::Gba, "held by the minimum time in a mode");
+    run(&mut core, 15, 100);
     assert_eq!(core.active_mode(), Mode::Sync);
     assert_eq!(switches.len(), 2, "{switches:?}");
     match &switches[0] {

@@ -258,12 +258,20 @@ impl ShardCore {
         let mut ack = Ack { seq: req.seq, max_staleness: tau, ..Ack::default() };
         match self.active {
             Mode::Sync | Mode::Gba => {
+                // A gradient computed before the cluster's last switch (in flight when it happened) was
+                // computed in the mode before: in sync it is summed into the step as GBA would have taken it
+                // (within GBA's threshold), so a switch drops no gradient it need not.
+                let before_switch = self.switches.back().is_some_and(|sw| req.step < sw.from_step);
+                let threshold = self.cfg.modes.gba_threshold;
                 let too_stale = match self.active {
-                    Mode::Sync => tau > 0,
-                    _ => tau > self.cfg.modes.gba_threshold,
+                    Mode::Sync => tau > 0 && !(before_switch && tau <= threshold),
+                    _ => tau > threshold,
                 };
                 if too_stale {
                     self.stats.dropped_stale += 1;
+                    if before_switch {
+                        self.stats.pushes_dropped_at_switch += 1;
+                    }
                     if self.active == Mode::Sync {
                         // The worker's place in this step is filled by the dropped gradient: it waits for the
                         // step like everyone else. Left out, it would pull and compute again while the others

@@ -57,6 +57,7 @@ impl ShardCore {
     /// A push renews its worker's lease and reports its compute time (to the detector of the shard that
     /// decides modes).
     pub(super) fn observe_push(&mut self, worker: u32, compute_ms: u32, now: Duration, events: &mut Vec<CoreEvent>) {
+        self.clock = self.clock.max(now);
         let joined = self.leases.insert(worker, now + self.cfg.lease).is_none();
         if compute_ms > 0 && self.decides_modes() {
             self.detector.observe(worker, f64::from(compute_ms));

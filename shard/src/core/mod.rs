@@ -386,6 +386,8 @@ pub struct ShardCore {
     threads: usize,
     /// Dynamic data sharding: samples accepted per grant, and how many grants' counts were dropped.
     data: data::GrantCounts,
+    /// When the coordinator made its last mode decision (auto; not kept in checkpoints).
+    decided_at: Option<Duration>,
     /// The coordinator's data dealer ([`Self::set_dealer`]).
     dealer: Option<crate::dealer::Dealer>,
     /// A restored checkpoint's dealer section, read once the dealer's settings are known.
@@ -539,6 +541,7 @@ impl ShardCore {
             data: data::GrantCounts::default(),
             dealer: None,
             restored_dealer: None,
+            decided_at: None,
         })
     }
 

@@ -28,6 +28,27 @@ pub struct CheckpointInfo {
     pub tensor_versions: Vec<u64>,
 }
 
+/// The counters of a checkpoint, kept as an encoded [`Stats`] frame. Stats of format 2 (protocol 9) lack the
+/// trailing `pushes_dropped_at_switch`: one zero byte (a varint 0) is appended to their header to read them.
+fn decode_stats(frame: &[u8], format: u32) -> Option<Stats> {
+    let limits = gaps_common::wire::Limits::default();
+    let decoded = if format >= 3 {
+        gaps_common::wire::decode_frame(frame, &limits).ok()
+    } else {
+        let len = u32::from_le_bytes(frame.get(1..5)?.try_into().ok()?).checked_add(1)?;
+        let mut patched = Vec::with_capacity(frame.len() + 1);
+        patched.push(*frame.first()?);
+        patched.extend_from_slice(&len.to_le_bytes());
+        patched.extend_from_slice(frame.get(5..)?);
+        patched.push(0);
+        gaps_common::wire::decode_frame(&patched, &limits).ok()
+    };
+    match decoded {
+        Some(Frame { msg: Message::Stats(s), .. }) => Some(s),
+        _ => None,
+    }
+}
+
 fn mismatch(what: String) -> CheckpointError {
     CheckpointError::Mismatch(what)
 }
@@ -206,6 +227,7 @@ impl ShardCore {
             then.registered = then.registered.max(now.registered);
         }
         core.detector = std::mem::take(&mut self.detector);
+        core.decided_at = self.decided_at;
         core.clock = self.clock;
         core.now_s = self.now_s;
         core.shared_replies = self.shared_replies;
@@ -298,9 +320,9 @@ impl ShardCore {
             c.registered = r.u32()?;
         }
         let stats = r.bytes("counters")?;
-        core.stats = match gaps_common::wire::decode_frame(&stats, &gaps_common::wire::Limits::default()) {
-            Ok(Frame { msg: Message::Stats(s), .. }) => s,
-            _ => return Err(CheckpointError::Corrupt("counters".into())),
+        core.stats = match decode_stats(&stats, r.format()) {
+            Some(s) => s,
+            None => return Err(CheckpointError::Corrupt("counters".into())),
         };
         core.lr_scale = f32::from_bits(r.u32()?);
         core.lr_max = r.f32s_of(core.tensor_rules.len(), "η_max")?;
@@ -371,5 +393,24 @@ impl ShardCore {
             return Err(CheckpointError::Corrupt("learning-rate scale".into()));
         }
         Ok(core)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counters_of_a_format_2_checkpoint_read_with_the_new_counter_zero() {
+        let stats = Stats { shard: 3, pushes_applied: 41, dropped_stale: 7, ..Stats::default() };
+        let frame = gaps_common::wire::encode_frame(&Frame::new(Message::Stats(stats.clone()))).expect("encode");
+        assert_eq!(decode_stats(&frame, 3), Some(stats.clone()));
+        // Protocol 9's encoding: the same without the trailing varint 0 of `pushes_dropped_at_switch`.
+        let mut old = frame[..frame.len() - 1].to_vec();
+        let len = u32::from_le_bytes(old[1..5].try_into().expect("len")) - 1;
+        old[1..5].copy_from_slice(&len.to_le_bytes());
+        assert_eq!(decode_stats(&old, 2), Some(stats));
+        assert_eq!(decode_stats(&old, 3), None, "format 3 is not patched");
+        assert_eq!(decode_stats(&[12, 1], 2), None, "a short frame is refused, not a panic");
     }
 }

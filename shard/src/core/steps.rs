@@ -76,8 +76,16 @@ impl ShardCore {
         let reasons = self.detector.judge(&live, &self.cfg.modes);
         let latest = self.decisions.latest;
         let wanted = if self.detector.stragglers().is_empty() { Mode::Sync } else { Mode::Gba };
-        if wanted.code() != latest.mode && self.max_step >= latest.from_step {
-            let reason = if reasons.is_empty() { "membership changed".to_string() } else { reasons.join("; ") };
+        // A mode is kept at least `min_mode_time` (the first decision, out of the initial sync, at once).
+        let settled = self.decided_at.is_none_or(|at| self.clock >= at + self.cfg.modes.min_mode_time);
+        if wanted.code() != latest.mode && self.max_step >= latest.from_step && settled {
+            self.decided_at = Some(self.clock);
+            // The reasons of this judgment, or of the change a minimum time in the mode held back.
+            let reason = match (reasons.is_empty(), self.detector.last_change().is_empty()) {
+                (false, _) => reasons.join("; "),
+                (true, false) => self.detector.last_change().join("; "),
+                (true, true) => "membership changed".to_string(),
+            };
             let decision = ModeDecision {
                 number: latest.number.saturating_add(1),
                 mode: wanted.code(),
