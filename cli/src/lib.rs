@@ -11,3 +11,4 @@
 pub mod cluster;
 pub mod e2e;
 pub mod local;
+pub mod stragglers;

@@ -156,6 +156,11 @@ pub struct LocalArgs {
     /// given-back grants to this JSON file at the end (to check that every line was trained once a pass).
     #[arg(long, env = "GAPS_DATA_STATUS_OUT")]
     pub data_status_out: Option<PathBuf>,
+    /// CTR models: the observer (not a worker, so no worker is slowed) evaluates the cluster's model on the
+    /// held-out set this often while training runs; the points are the JSON's `timeline` (seconds since
+    /// training started, AUC, log-loss), from which `gaps bench stragglers` reads the time to a target AUC.
+    #[arg(long, env = "GAPS_EVAL_INTERVAL", value_parser = parse_duration)]
+    pub eval_interval: Option<Duration>,
     /// End with one JSON line on stdout.
     #[arg(long, env = "GAPS_JSON")]
     pub json: bool,
@@ -423,6 +428,9 @@ pub struct CtrReport {
     pub heldout_curve: Vec<(u64, f64, f64, f64)>,
     /// Workers that stopped early (`--patience`).
     pub stopped_early: u32,
+    /// The observer's evaluations during training (`--eval-interval`) and the final one: (seconds since
+    /// training started, AUC, log-loss).
+    pub timeline: Vec<(f64, f64, f64)>,
 }
 
 impl LocalReport {
@@ -500,6 +508,12 @@ impl LocalReport {
                 .collect();
             map.insert("heldout_curve".into(), curve.into());
             map.insert("stopped_early".into(), c.stopped_early.into());
+            let timeline: Vec<serde_json::Value> = c
+                .timeline
+                .iter()
+                .map(|(t, auc, logloss)| serde_json::json!({"t_s": t, "auc": auc, "logloss": logloss}))
+                .collect();
+            map.insert("timeline".into(), timeline.into());
         }
         v.to_string()
     }
@@ -843,6 +857,7 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
         let mut shard_restarts_due: Vec<Kill> = args.restart_shards.clone();
         let (mut shard_restarts, mut restored_version) = (0u32, 0u64);
         let mut checkpoints_seen = std::collections::BTreeSet::new();
+        let mut timeline: Vec<(f64, f64, f64)> = Vec::new();
         loop {
             let since = training_started.elapsed();
             if let Some(d) = &checkpoint_dir {
@@ -921,6 +936,21 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
                 bail!("timed out after {:?} waiting for the workers", started.elapsed());
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
+            if let (Some(every), Some((shape, held))) = (args.eval_interval, &ctr) {
+                let due = every.as_secs_f64() * (timeline.len() + 1) as f64;
+                if training_started.elapsed().as_secs_f64() >= due {
+                    let at = training_started.elapsed().as_secs_f64();
+                    // Best effort, as progress: a shard that is down skips the point.
+                    if let Ok(Ok((logloss, auc))) = tokio::time::timeout(
+                        every.max(Duration::from_secs(1)),
+                        evaluate(&observer, shape, &held.samples),
+                    )
+                    .await
+                    {
+                        timeline.push((at, auc, logloss));
+                    }
+                }
+            }
             if since.as_millis() / 500 != training_started.elapsed().as_millis() / 500 {
                 // Progress is best effort: a shard that is down must not hold up the schedule.
                 let stats = tokio::time::timeout(Duration::from_millis(500), observer.stats()).await;
@@ -1043,6 +1073,11 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
                     rows_dropped_stale: stats.iter().map(|s| s.rows_dropped_stale).sum(),
                     heldout_curve,
                     stopped_early,
+                    timeline: {
+                        let mut t = timeline.clone();
+                        t.push((training_s, auc, logloss));
+                        t
+                    },
                 };
                 (logloss as f32, Some(report))
             }

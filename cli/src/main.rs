@@ -163,6 +163,10 @@ enum BenchCommand {
         #[arg(long, env = "GAPS_BENCH_STEPS", default_value_t = 1200)]
         steps: u64,
     },
+    /// Sync, gba, async and auto on the same data under three straggler profiles (none, one worker 4×
+    /// slower, one that stalls): wall time, speed-up over sync beside the simulator's prediction, time to a
+    /// target AUC, final AUC and log-loss, gradients dropped.
+    Stragglers(gaps_cli::stragglers::StragglerBenchArgs),
     /// Checkpoint of one shard: snapshot pause, file write, read and restore times.
     Checkpoint {
         /// Parameters of the shard (with momentum state: 8 bytes each); suffixes Ki and Mi allowed.
@@ -473,6 +477,16 @@ async fn main() -> Result<()> {
                 let name = format!("{}x{}", r.servers, r.workers);
                 eprintln!("{name:<16} {:>12.0} {:>8.4} {:>14.2}", r.samples_per_s, r.auc, r.ratio);
                 println!("{}", r.to_json());
+            }
+        }
+        Command::Bench(BenchCommand::Stragglers(args)) => {
+            let exe = std::env::current_exe().context("locating the gaps executable")?;
+            let runs = gaps_cli::stragglers::run(&args, &exe).await?;
+            eprint!("{}", gaps_cli::stragglers::table(&runs, args.target_auc));
+            if args.json {
+                for r in &runs {
+                    println!("{}", r.to_json());
+                }
             }
         }
         Command::Bench(BenchCommand::Tables { rows, dim }) => {

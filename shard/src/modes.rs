@@ -175,7 +175,9 @@ impl StragglerDetector {
     /// Forgets a worker that left.
     pub fn forget(&mut self, worker: u32) {
         self.times.remove(&worker);
-        self.stragglers.remove(&worker);
+        if self.stragglers.remove(&worker) {
+            self.last_change = vec![format!("straggler worker {worker} left")];
+        }
     }
 
     /// Re-judges every live worker against the median; returns why the set of stragglers changed, if it

@@ -634,6 +634,21 @@ impl Durations {
         }
     }
 
+    /// Milliseconds of a simulated duration as a worker reports it: a replayed profile is in seconds, the
+    /// Gamma model's units count as milliseconds.
+    fn millis(&self, t: f64) -> f64 {
+        if self.profile.is_some() {
+            t * 1000.0
+        } else {
+            t
+        }
+    }
+
+    /// The shard's clock at simulated time `t` (units as milliseconds, a profile's seconds as seconds).
+    fn clock(&self, t: f64) -> Duration {
+        Duration::from_secs_f64((self.millis(t) / 1000.0).clamp(0.0, 1e12))
+    }
+
     fn unit(&self) -> &'static str {
         if self.profile.is_some() {
             "seconds"
@@ -933,7 +948,7 @@ fn run_async(args: &SimArgs) -> Result<SimReport> {
         };
         now = due.time;
         let w = due.worker as usize;
-        let compute_ms = workers[w].duration.round().clamp(1.0, f64::from(u32::MAX)) as u32;
+        let compute_ms = durations.millis(workers[w].duration).round().clamp(1.0, f64::from(u32::MAX)) as u32;
         let next = durations.draw(&mut timing, w, workers[w].slowness);
         workers[w].duration = next;
 
@@ -992,7 +1007,8 @@ fn run_async(args: &SimArgs) -> Result<SimReport> {
             decisions: Default::default(),
             data: None,
         };
-        let (reply, _) = core.handle(Frame { msg: Message::Push(push), payload }, Duration::ZERO);
+        // The shard's clock is the simulated time (auto's minimum time in a mode counts in it).
+        let (reply, _) = core.handle(Frame { msg: Message::Push(push), payload }, durations.clock(now));
         let ack = match reply.msg {
             Message::Ack(ack) => ack,
             Message::Error(e) if e.code == gaps_common::ErrorCode::NonFinite => {
@@ -1246,7 +1262,7 @@ fn run_sync(args: &SimArgs) -> Result<SimReport> {
                     echo: needs_read,
                     dtype: WireDtype::F32,
                 }],
-                compute_ms: duration.round().clamp(1.0, f64::from(u32::MAX)) as u32,
+                compute_ms: durations.millis(duration).round().clamp(1.0, f64::from(u32::MAX)) as u32,
                 step: 0,
                 decisions: Default::default(),
                 data: None,

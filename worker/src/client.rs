@@ -349,6 +349,8 @@ struct Inner {
     table_rules: Vec<Rule>,
     /// When the last dense pull finished: the next push reports the time since as its compute time.
     last_pull: Mutex<Option<Instant>>,
+    /// Time spent waiting for synchronous steps or bounded staleness after pushes, microseconds.
+    waited_us: AtomicU64,
     /// Where the next dense push's samples came from (dynamic data sharding; [`Client::set_data_tag`]).
     data_tag: Mutex<Option<gaps_common::wire::DataTag>>,
     /// Dense pushes made (the step number the next push carries).
@@ -518,6 +520,7 @@ impl Client {
                 table_rules,
                 last_pull: Mutex::new(None),
                 data_tag: Mutex::new(None),
+                waited_us: AtomicU64::new(0),
                 steps: AtomicU64::new(0),
                 decisions: Mutex::new(None),
             }),
@@ -1090,9 +1093,12 @@ impl Client {
         if let Ok(grads) = Arc::try_unwrap(grads) {
             grads.into_iter().for_each(gaps_common::buffers::give);
         }
+        let waiting = Instant::now();
         for (s, version, clock) in waits {
             self.wait_for(s, version, clock).await?;
         }
+        let waited = waiting.elapsed().as_micros().min(u128::from(u64::MAX)) as u64;
+        self.inner.waited_us.fetch_add(waited, Ordering::Relaxed);
         Ok((summary, next))
     }
 
@@ -1394,6 +1400,12 @@ impl Client {
             }
             .into()),
         }
+    }
+
+    /// Time this client spent after its pushes waiting for a synchronous step to complete (or for the
+    /// slowest worker, under bounded staleness), in all.
+    pub fn waited(&self) -> Duration {
+        Duration::from_micros(self.inner.waited_us.load(Ordering::Relaxed))
     }
 
     /// Tags the next dense pushes with the dealt split their samples came from (None: untagged). Every

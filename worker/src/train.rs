@@ -104,9 +104,10 @@ pub struct WorkerArgs {
     #[arg(long, env = "GAPS_LEDGER")]
     pub ledger: bool,
     /// Write this worker's time per step to this file (created or truncated): a `worker,seconds` header, then
-    /// one line per step with the cluster's id of this worker and the seconds from the pulled parameters to
-    /// the pushed gradient (its computing time, emulated delays included, the network not). `gaps sim
-    /// --profile` replays such a file.
+    /// one line per step with the cluster's id of this worker and its seconds per step. CTR models: from the
+    /// step's pulls to its pushes' acknowledgements, computing (emulated delays included) and the round
+    /// trips, not the waits for a synchronous step; logreg: from the pulled parameters to the pushed
+    /// gradient. `gaps sim --profile` replays such a file.
     #[arg(long, env = "GAPS_STEP_LOG")]
     pub step_log: Option<PathBuf>,
 }
@@ -537,6 +538,7 @@ async fn run_ctr(
     while let Some((crate::feed::Batch { samples, tag }, batch)) = next.take().filter(|(b, _)| !b.samples.is_empty()) {
         client.set_data_tag(tag);
         samples_seen += samples.len() as u64;
+        let (step_started, waited_before) = (Instant::now(), client.waited());
         let (dense, rows) = match pulled.take() {
             Some(dense) => (Ok(dense), client.pull_sparse(0, &batch.ids, true).await),
             None => tokio::join!(client.pull(), client.pull_sparse(0, &batch.ids, true)),
@@ -556,7 +558,6 @@ async fn run_ctr(
         );
         losses.push(loss / samples.len().max(1) as f32);
         emulate_compute(args, started, compute.elapsed()).await;
-        step_log.record(compute.elapsed());
         // `join!` polls in order: both pushes hand their requests to the connection tasks before the next
         // batch is prepared on this thread. The rows go first: in sync and gba the dense push, which ends
         // the step on each shard, waits for their answers there. Unless this is the last step, the dense
@@ -578,6 +579,9 @@ async fn run_ctr(
         });
         pulled = a.with_context(|| format!("pushing dense gradients of step {step}"))?;
         b.with_context(|| format!("pushing embedding gradients of step {step}"))?;
+        // The step as the simulator replays it: pulls, compute and pushes, not the waits for a synchronous
+        // step (which would make every worker as slow as the slowest).
+        step_log.record(step_started.elapsed().saturating_sub(client.waited().saturating_sub(waited_before)));
         dense.recycle();
         let dropped = feed.follow_rollbacks(&client);
         next = match prepared? {
