@@ -10,6 +10,14 @@ A training loop becomes a gaps worker::
 
 Embedding rows live on the shards: ``client.pull_rows(table, ids)`` and ``client.push_rows(table, ids,
 grads)``. Errors are :class:`GapsError` subclasses carrying the server's typed reason.
+
+Training data can be dealt by the coordinator (started with ``--data``) to whichever worker asks next, so a
+fast worker trains on more of it than a slow one::
+
+    for split in client.splits("train.tsv"):          # the coordinator's --data, in its order
+        for batch in split.batches(256):              # numpy arrays of this split's lines
+            grads = compute_gradients(params, batch)
+            params = client.push_pull(grads)          # one push per batch: tagged with the split
 """
 
 from __future__ import annotations
@@ -20,6 +28,9 @@ from . import _gaps
 
 __all__ = [
     "Client",
+    "Split",
+    "CriteoBatch",
+    "read_split",
     "Layout",
     "TensorInfo",
     "TableInfo",
@@ -273,6 +284,37 @@ class Client:
         """Each shard's counters."""
         return _native(self._native.stats)
 
+    def splits(self, data: str, *, seed: int = 1):
+        """The splits of the training data the coordinator deals this worker, one at a time, until every pass
+        is dealt (dynamic data sharding; the coordinator needs ``--data``).
+
+        ``data`` names the same files as the coordinator's ``--data`` (comma-separated, same order; the paths
+        as this machine sees them), or ``"synthetic"`` (with the coordinator's seed). Each :class:`Split`
+        yields numpy batches of its lines (:meth:`Split.batches`); push once per batch. A split whose
+        batches were all taken is reported finished when the next one is asked for (every push of it was
+        acknowledged by then); one left early is given back and dealt again. Every split is trained once
+        per pass, whoever asks.
+        """
+        finished = None
+        try:
+            while True:
+                raw = _native(self._native.next_split, finished)
+                finished = None
+                if raw is None:
+                    return
+                split = Split(self, raw, data, seed)
+                yield split
+                if split.done:
+                    finished = split.grant
+        finally:
+            _native(self._native.set_data_tag, None)
+
+    def data_status(self) -> list[dict]:
+        """Every shard's samples per grant (``counts``: (grant, split key, samples)) and, on shard 0, the
+        dealer's state (``dealer``: ``completed`` (grant, key) pairs, ``abandoned`` grants,
+        ``samples_replayed``, ``splits_done``...)."""
+        return _native(self._native.data_status)
+
     def close(self) -> None:
         """Leaves the job and closes the connections (idempotent)."""
         _native(self._native.close)
@@ -285,3 +327,76 @@ class Client:
 
     def __repr__(self) -> str:
         return f"gaps.Client(worker_id={self.worker_id}, {self.layout!r})"
+
+
+class CriteoBatch:
+    """Samples in the Criteo layout as numpy arrays: ``labels`` (n,) float32 0/1, ``ints`` (n, 13) float32
+    (log(1 + max(x, 0)) of the integer features, as the built-in models use), ``ids`` (n, 26) uint64
+    feature ids (``2**64 - 1`` where the field is missing)."""
+
+    __slots__ = ("labels", "ints", "ids")
+
+    def __init__(self, labels: np.ndarray, ints: np.ndarray, ids: np.ndarray):
+        self.labels, self.ints, self.ids = labels, ints, ids
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __repr__(self) -> str:
+        return f"gaps.CriteoBatch({len(self)} samples)"
+
+
+def _batch(raw) -> CriteoBatch:
+    labels, ints, ids = raw
+    labels = np.frombuffer(labels, dtype="<f4")
+    n = len(labels)
+    return CriteoBatch(labels, np.frombuffer(ints, dtype="<f4").reshape(n, 13), np.frombuffer(ids, dtype="<u8").reshape(n, 26))
+
+
+def read_split(data: str, split: dict, *, seed: int = 1, batch: int = 256):
+    """Yields :class:`CriteoBatch` es of one dealt split (a dict of :meth:`Client.splits`' grants): the lines
+    of its byte range of its file of ``data`` (every 10th line is held out, as the built-in workers do;
+    bad lines are skipped and counted), or its synthetic samples. A file that shrank or vanished raises
+    :class:`ConfigError` naming it."""
+    if batch < 1:
+        raise ConfigError(f"batch must be at least 1, got {batch}")
+    reader = _native(
+        _gaps.SplitReader,
+        data,
+        seed,
+        split["files"],
+        split["file"],
+        split["first_line"],
+        split["start"],
+        split["end"],
+    )
+    while True:
+        b = _batch(_native(reader.next_batch, batch))
+        if len(b) == 0:
+            return
+        yield b
+
+
+class Split:
+    """One split of the training data dealt to this worker (see :meth:`Client.splits`): ``grant`` (this
+    deal's number), ``key`` (``epoch << 32 | index``), ``epoch``, ``index``, ``lines``."""
+
+    def __init__(self, client: Client, raw: dict, data: str, seed: int):
+        self._client, self._raw, self._data, self._seed = client, raw, data, seed
+        self.grant: int = raw["grant"]
+        self.key: int = raw["key"]
+        self.epoch: int = raw["epoch"]
+        self.index: int = raw["index"]
+        self.lines: int = raw["lines"]
+        self.done = False
+
+    def batches(self, batch: int = 256):
+        """Yields the split's samples as :class:`CriteoBatch` es of up to ``batch`` (the last one short), and
+        tags the pushes that follow each with it: push once per batch."""
+        for b in read_split(self._data, self._raw, seed=self._seed, batch=batch):
+            _native(self._client._native.set_data_tag, self.grant, self.key, len(b))
+            yield b
+        self.done = True
+
+    def __repr__(self) -> str:
+        return f"gaps.Split(epoch={self.epoch}, index={self.index}, lines={self.lines}, grant={self.grant})"

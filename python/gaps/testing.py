@@ -98,12 +98,14 @@ def local_cluster(
     mode: str = "async",
     init_std: float = 0.0,
     extra_args: list[str] | None = None,
+    coordinator_args: list[str] | None = None,
     start_timeout: float = 60.0,
 ):
     """Starts ``servers`` shards serving the layout file ``layout``; yields a :class:`LocalCluster`.
 
     ``rule``, ``lr``, ``mode`` and ``init_std`` (the standard deviation of the dense tensors' random
-    initial values; 0 starts them at zero) are the shards' flags; ``extra_args`` adds others.
+    initial values; 0 starts them at zero) are the shards' flags; ``extra_args`` adds others;
+    ``coordinator_args`` adds flags of shard 0 alone (``["--data", path]`` to deal a file).
     """
     gaps = find_gaps()
     workdir = tempfile.mkdtemp(prefix="gaps-cluster-")
@@ -136,6 +138,8 @@ def local_cluster(
             if coordinator:
                 args.append(f"--coordinator={coordinator}")
             args.extend(extra_args or [])
+            if i == 0:
+                args.extend(coordinator_args or [])
             log_path = os.path.join(workdir, f"shard-{i}.log")
             log = open(log_path, "wb")
             logs.append(log)

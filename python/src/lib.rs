@@ -339,6 +339,71 @@ impl NativeClient {
             .collect()
     }
 
+    /// Asks the coordinator's dealer for this worker's next split of the training data, reporting `finished`
+    /// (the grant of a split whose every batch was pushed and acknowledged). A dict (`grant`, `key`, `epoch`,
+    /// `index`, `file`, `first_line`, `start`, `end`, `lines`, `files`, `finished_accepted`), or None when
+    /// every pass is dealt.
+    #[pyo3(signature = (finished=None))]
+    fn next_split<'py>(&self, py: Python<'py>, finished: Option<u64>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let client = self.client()?;
+        let grant = py.allow_threads(|| self.runtime.block_on(client.next_split(finished))).map_err(client_err)?;
+        let Some(s) = grant.split else { return Ok(None) };
+        let d = PyDict::new(py);
+        d.set_item("grant", s.grant)?;
+        d.set_item("key", s.key)?;
+        d.set_item("epoch", s.key >> 32)?;
+        d.set_item("index", s.key & 0xffff_ffff)?;
+        d.set_item("file", s.file)?;
+        d.set_item("first_line", s.first_line)?;
+        d.set_item("start", s.start)?;
+        d.set_item("end", s.end)?;
+        d.set_item("lines", s.lines)?;
+        d.set_item("files", grant.files)?;
+        d.set_item("finished_accepted", grant.finished_accepted)?;
+        Ok(Some(d))
+    }
+
+    /// Tags the next dense pushes with the split their samples came from (`grant` None: untagged).
+    #[pyo3(signature = (grant=None, key=0, samples=0))]
+    fn set_data_tag(&self, grant: Option<u64>, key: u64, samples: u32) -> PyResult<()> {
+        let tag = grant.map(|grant| gaps_common::wire::DataTag { grant, split: key, samples });
+        self.client()?.set_data_tag(tag);
+        Ok(())
+    }
+
+    /// Every shard's samples per grant and the coordinator's dealer: a list of dicts (`shard`, `counts`: a
+    /// list of (grant, key, samples), `dealer`: a dict or None).
+    fn data_status<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let client = self.client()?;
+        let status = py.allow_threads(|| self.runtime.block_on(client.data_status())).map_err(client_err)?;
+        status
+            .into_iter()
+            .map(|s| {
+                let d = PyDict::new(py);
+                d.set_item("shard", s.shard)?;
+                let counts: Vec<(u64, u64, u64)> = s.counts.iter().map(|c| (c.grant, c.split, c.samples)).collect();
+                d.set_item("counts", counts)?;
+                match s.dealer {
+                    Some(dealer) => {
+                        let dd = PyDict::new(py);
+                        dd.set_item("data_epoch", dealer.data_epoch)?;
+                        dd.set_item("splits_per_epoch", dealer.splits_per_epoch)?;
+                        dd.set_item("splits_done", dealer.splits_done)?;
+                        dd.set_item("splits_returned", dealer.splits_returned)?;
+                        dd.set_item("splits_pending", dealer.splits_pending)?;
+                        dd.set_item("samples_replayed", dealer.samples_replayed)?;
+                        dd.set_item("finished", dealer.finished)?;
+                        dd.set_item("completed", dealer.completed)?;
+                        dd.set_item("abandoned", dealer.abandoned)?;
+                        d.set_item("dealer", dd)?;
+                    }
+                    None => d.set_item("dealer", py.None())?,
+                }
+                Ok(d)
+            })
+            .collect()
+    }
+
     /// Test hook: the next `n` requests are sent and then their connection is cut before the reply, so the
     /// client must retry them (with the same sequence numbers).
     fn inject_connection_drops(&self, n: u32) -> PyResult<()> {
@@ -465,6 +530,57 @@ impl CriteoStream {
     }
 }
 
+/// The training samples of one dealt split (see `NativeClient.next_split`): the lines of its byte range of
+/// file `file` of `data` (held-out lines skipped, as the built-in workers do), or its synthetic samples.
+#[pyclass(module = "gaps._gaps")]
+struct SplitReader {
+    samples: Mutex<gaps_models::criteo::SplitSamples>,
+}
+
+#[pymethods]
+impl SplitReader {
+    #[new]
+    #[pyo3(signature = (data, seed, files, file, first_line, start, end))]
+    fn new(data: &str, seed: u64, files: u32, file: u32, first_line: u64, start: u64, end: u64) -> PyResult<Self> {
+        let samples = match data_spec(data, seed)? {
+            DataSpec::Synthetic { seed } if files == 0 => gaps_models::criteo::SplitSamples::synthetic(
+                std::sync::Arc::new(gaps_models::criteo::SyntheticCriteo::new(seed)),
+                start,
+                end,
+            ),
+            DataSpec::Files(paths) if files as usize == paths.len() => {
+                let path = paths.get(file as usize).ok_or_else(|| err("config", format!("no data file {file}")))?;
+                gaps_models::criteo::SplitSamples::file(path, first_line, start, end).map_err(|e| err("config", e))?
+            }
+            _ => return Err(err(
+                "config",
+                format!(
+                    "the coordinator deals {files} data file(s) (0: synthetic data), this reader was given {data:?}: \
+                         give every worker the coordinator's --data, in the same order"
+                ),
+            )),
+        };
+        Ok(SplitReader { samples: Mutex::new(samples) })
+    }
+
+    /// The next (up to) `n` samples as (labels, integer features, ids) bytes (see `held_out`); empty once the
+    /// split is used up.
+    #[allow(clippy::type_complexity)]
+    fn next_batch<'py>(
+        &self,
+        py: Python<'py>,
+        n: usize,
+    ) -> PyResult<(Bound<'py, PyByteArray>, Bound<'py, PyByteArray>, Bound<'py, PyByteArray>)> {
+        let samples = self.samples.lock().map_err(poisoned)?.next_batch(n).map_err(|e| err("config", e))?;
+        Ok(sample_bytes(py, &samples))
+    }
+
+    /// Bad lines met in the split so far.
+    fn bad_lines(&self) -> PyResult<u64> {
+        Ok(self.samples.lock().map_err(poisoned)?.bad_lines())
+    }
+}
+
 /// The held-out samples the built-in evaluation uses: (labels, integer features, ids) as bytes, with
 /// labels float32, features `n × 13` float32, ids `n × 26` uint64 (`2**64 − 1` where missing).
 #[pyfunction]
@@ -497,6 +613,7 @@ fn auc(scores: &[u8], labels: &[u8]) -> PyResult<f64> {
 fn _gaps(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<NativeClient>()?;
     m.add_class::<CriteoStream>()?;
+    m.add_class::<SplitReader>()?;
     m.add_function(wrap_pyfunction!(held_out, m)?)?;
     m.add_function(wrap_pyfunction!(auc, m)?)?;
     m.add("NativeError", m.py().get_type::<NativeError>())?;
