@@ -844,6 +844,55 @@ mod tests {
     }
 
     #[test]
+    fn dealt_splits_read_the_lines_a_whole_pass_reads_and_a_changed_file_is_an_error_naming_it() {
+        let data = SyntheticCriteo::new(4);
+        let lines: Vec<String> = (0..95).map(|i| SyntheticCriteo::to_line(&data.sample(i).0)).collect();
+        let text = lines.join("\n") + "\n";
+        let path = std::env::temp_dir().join(format!("gaps-split-unit-{}.tsv", std::process::id()));
+        std::fs::write(&path, &text).expect("write");
+        // Cut at every 30th line end, as the coordinator does: lines 1-30, 31-60, 61-90, 91-95.
+        let ends: Vec<usize> = text.match_indices('\n').map(|(i, _)| i + 1).collect();
+        let cuts =
+            [(1u64, 0usize, ends[29]), (31, ends[29], ends[59]), (61, ends[59], ends[89]), (91, ends[89], text.len())];
+        let mut dealt = Vec::new();
+        for (first, start, end) in cuts {
+            let mut split = SplitSamples::file(&path, first, start as u64, end as u64).expect("split");
+            loop {
+                let batch = split.next_batch(7).expect("batch");
+                if batch.is_empty() {
+                    break;
+                }
+                dealt.extend(batch);
+            }
+        }
+        let mut whole = TrainingStream::new(&DataSpec::Files(vec![path.clone()]), 0, 1)
+            .and_then(|s| s.with_epochs(Some(1)))
+            .expect("stream");
+        let all = whole.next_batch(1000).expect("pass");
+        assert_eq!(dealt.len(), 95 - 9, "every 10th line held out");
+        assert_eq!(dealt, all, "the same samples in the same order");
+        // The file shrinks under a split being read: an error naming it.
+        let mut split = SplitSamples::file(&path, 61, ends[59] as u64, ends[89] as u64).expect("split");
+        split.next_batch(2).expect("the first lines");
+        std::fs::write(&path, &text[..ends[69]]).expect("truncate");
+        let mut outcome = Ok(vec![]);
+        for _ in 0..30 {
+            outcome = split.next_batch(2);
+            if outcome.as_ref().map_or(true, Vec::is_empty) {
+                break;
+            }
+        }
+        let err = outcome.expect_err("a shrunk file");
+        assert!(err.contains(&path.display().to_string()) && err.contains("changed"), "{err}");
+        // A split past the end of the (now shorter) file, and a file that is gone: errors naming it.
+        let err = SplitSamples::file(&path, 91, ends[89] as u64, text.len() as u64).expect_err("past the end");
+        assert!(err.contains(&path.display().to_string()), "{err}");
+        std::fs::remove_file(&path).expect("remove");
+        let err = SplitSamples::file(&path, 1, 0, ends[29] as u64).expect_err("gone");
+        assert!(err.contains(&path.display().to_string()), "{err}");
+    }
+
+    #[test]
     fn auc_of_known_cases() {
         assert_eq!(auc(&[0.1, 0.9], &[0, 1]), 1.0);
         assert_eq!(auc(&[0.9, 0.1], &[0, 1]), 0.0);

@@ -552,13 +552,15 @@ impl SplitReader {
                 let path = paths.get(file as usize).ok_or_else(|| err("config", format!("no data file {file}")))?;
                 gaps_models::criteo::SplitSamples::file(path, first_line, start, end).map_err(|e| err("config", e))?
             }
-            _ => return Err(err(
-                "config",
-                format!(
+            _ => {
+                return Err(err(
+                    "config",
+                    format!(
                     "the coordinator deals {files} data file(s) (0: synthetic data), this reader was given {data:?}: \
                          give every worker the coordinator's --data, in the same order"
                 ),
-            )),
+                ))
+            }
         };
         Ok(SplitReader { samples: Mutex::new(samples) })
     }

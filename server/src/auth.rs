@@ -228,6 +228,12 @@ mod tests {
         assert!(authorize(&hb, &w, Some(6)).is_err());
         assert!(authorize(&hb, &w, None).is_err());
         assert!(authorize(&Message::Leave(Leave { worker: 7 }), &id(Role::Shard(0)), None).is_err());
+        let split =
+            |worker| Message::SplitRequest(gaps_common::wire::SplitRequest { epoch: 1, worker, finished: None });
+        assert!(authorize(&split(7), &w, Some(7)).is_ok());
+        assert!(authorize(&split(7), &w, Some(6)).is_err(), "another worker's split");
+        assert!(authorize(&split(7), &w, None).is_err(), "an unbound connection");
+        assert!(authorize(&split(7), &id(Role::Shard(0)), Some(7)).is_err(), "a shard certificate");
         let err = authorize(&join(2), &id(Role::Shard(1)), None).expect_err("refused");
         assert!(!err.contains("fingerprint") && !err.contains("layout"), "{err}");
     }

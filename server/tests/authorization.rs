@@ -148,6 +148,11 @@ async fn no_certificate_of_the_cluster_acts_as_another_shard_or_worker() {
         }
         refused(ask(&to_s1, Message::Heartbeat(Heartbeat { worker: victim }), &[]).await, "a foreign heartbeat");
         refused(ask(&to_s1, Message::Leave(Leave { worker: victim }), &[]).await, "a foreign leave");
+        // Nor take (or give back) the real worker's data split at the coordinator.
+        let split = |worker| {
+            Message::SplitRequest(gaps_common::wire::SplitRequest { epoch: map.epoch, worker, finished: None })
+        };
+        refused(ask(&to_s0, split(victim), &[]).await, &format!("{what}: a split request as worker {victim}"));
         let steal = Message::Authenticate(Authenticate { worker: victim, token: own_token });
         refused(ask(&to_s1, steal, &[]).await, &format!("{what}: its own token for worker {victim}"));
         // A heartbeat for an id nobody registered (what stalled synchronous training) is refused too.
@@ -159,6 +164,13 @@ async fn no_certificate_of_the_cluster_acts_as_another_shard_or_worker() {
         assert!(matches!(hb.msg, Message::HeartbeatAck(_)));
         let leave = ask(&to_s1, Message::Leave(Leave { worker: own_id }), &[]).await.expect("own leave");
         assert!(matches!(leave.msg, Message::HeartbeatAck(_)));
+    }
+    // A shard certificate is dealt no data, whoever it names (on a bound connection or not).
+    let shard1 = raw(&certs.shard_material(1).expect("tls"), s0.addr).await;
+    for worker in [0, victim, 999] {
+        let split = Message::SplitRequest(gaps_common::wire::SplitRequest { epoch: 0, worker, finished: None });
+        let why = refused(ask(&shard1, split, &[]).await, "a shard certificate asking for a split");
+        assert!(why.contains("not a worker certificate"), "{why}");
     }
     // 4. A credential does not travel to another certificate: the real worker's token from mallory's
     //    certificate is refused (it is bound to the registrant's identity).
