@@ -483,6 +483,10 @@ async fn main() -> Result<()> {
             let exe = std::env::current_exe().context("locating the gaps executable")?;
             let runs = gaps_cli::stragglers::run(&args, &exe).await?;
             eprint!("{}", gaps_cli::stragglers::table(&runs, args.target_auc));
+            if let Some(path) = &args.svg {
+                std::fs::write(path, gaps_cli::stragglers::svg(&runs))
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
             if args.json {
                 for r in &runs {
                     println!("{}", r.to_json());

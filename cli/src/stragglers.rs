@@ -50,6 +50,10 @@ pub struct StragglerBenchArgs {
     /// Print one JSON line per run on stdout.
     #[arg(long)]
     pub json: bool,
+    /// Write a plot of held-out AUC against time for every mode of each profile (the first run of each) to
+    /// this SVG file.
+    #[arg(long)]
+    pub svg: Option<PathBuf>,
 }
 
 /// One run's results.
@@ -73,8 +77,10 @@ pub struct StragglerRun {
     pub switches: u64,
     /// The simulator's speed-up of this mode over sync for this run's step-time profile.
     pub predicted_speedup: f64,
-    /// Splits replayed (given back unfinished).
+    /// Samples trained under grants that did not finish.
     pub samples_replayed: u64,
+    /// The observer's evaluations: (seconds since training started, AUC, log-loss).
+    pub timeline: Vec<(f64, f64, f64)>,
 }
 
 /// The `gaps local` flags of one run.
@@ -139,7 +145,6 @@ pub async fn run(args: &StragglerBenchArgs, exe: &Path) -> Result<Vec<StragglerR
     let mut out = Vec::new();
     for profile in &args.profiles {
         let mut rows: Vec<StragglerRun> = Vec::new();
-        let mut timelines: Vec<Vec<(f64, f64, f64)>> = Vec::new();
         for mode in &args.modes {
             for run in 0..args.runs {
                 let log = dir.join(format!("steps-{profile}-{mode}-{run}.csv"));
@@ -159,15 +164,14 @@ pub async fn run(args: &StragglerBenchArgs, exe: &Path) -> Result<Vec<StragglerR
                     switches: report.mode_switches,
                     predicted_speedup: predicted,
                     samples_replayed: report.data.as_ref().map_or(0, |d| d.samples_replayed),
+                    timeline: ctr.timeline,
                 });
-                // The timeline stays with the row for the target below.
-                timelines.push(ctr.timeline);
             }
         }
         let sync_auc = mean(rows.iter().filter(|r| r.mode == "sync").map(|r| r.auc));
         let target = args.target_auc.unwrap_or(0.99 * sync_auc.unwrap_or(0.0));
-        for (row, timeline) in rows.iter_mut().zip(timelines.drain(..)) {
-            row.time_to_target_s = timeline.iter().find(|(_, auc, _)| *auc >= target).map(|(t, _, _)| *t);
+        for row in &mut rows {
+            row.time_to_target_s = row.timeline.iter().find(|(_, auc, _)| *auc >= target).map(|(t, _, _)| *t);
         }
         out.extend(rows);
     }
@@ -226,6 +230,77 @@ pub fn table(runs: &[StragglerRun], target: Option<f64>) -> String {
     } else {
         s.push_str("target AUC: 0.99 × sync's final AUC under the same profile\n");
     }
+    s
+}
+
+/// Held-out AUC against seconds of training, one panel per profile, one line per mode (the first run of
+/// each), as an SVG document.
+pub fn svg(runs: &[StragglerRun]) -> String {
+    let colors = [("sync", "#1f77b4"), ("gba", "#ff7f0e"), ("async", "#2ca02c"), ("auto", "#d62728")];
+    let mut profiles: Vec<&str> = Vec::new();
+    for r in runs {
+        if !profiles.contains(&r.profile.as_str()) {
+            profiles.push(&r.profile);
+        }
+    }
+    let (pw, ph, left, top) = (300.0, 220.0, 50.0, 30.0);
+    let width = left + profiles.len() as f64 * (pw + 20.0) + 20.0;
+    let height = top + ph + 60.0;
+    let points = runs.iter().flat_map(|r| r.timeline.iter());
+    let t_max = points.clone().map(|p| p.0).fold(1e-9, f64::max);
+    let (lo, hi) = points.map(|p| p.1).fold((1.0f64, 0.5f64), |(lo, hi), a| (lo.min(a), hi.max(a)));
+    let lo = (lo.max(0.5) * 50.0).floor() / 50.0;
+    let hi = (hi * 50.0).ceil() / 50.0;
+    let mut s = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width}\" height=\"{height}\" font-family=\"sans-serif\" font-size=\"11\">\n"
+    );
+    for (i, profile) in profiles.iter().enumerate() {
+        let x0 = left + i as f64 * (pw + 20.0);
+        s.push_str(&format!(
+            "<rect x=\"{x0}\" y=\"{top}\" width=\"{pw}\" height=\"{ph}\" fill=\"none\" stroke=\"#888\"/>\n\
+             <text x=\"{}\" y=\"{}\" text-anchor=\"middle\">straggler profile: {profile}</text>\n\
+             <text x=\"{}\" y=\"{}\" text-anchor=\"middle\">seconds of training (0 to {t_max:.1})</text>\n",
+            x0 + pw / 2.0,
+            top - 8.0,
+            x0 + pw / 2.0,
+            top + ph + 16.0
+        ));
+        if i == 0 {
+            s.push_str(&format!(
+                "<text x=\"4\" y=\"{}\">{hi:.2}</text><text x=\"4\" y=\"{}\">{lo:.2}</text>\
+                 <text x=\"4\" y=\"{}\">AUC</text>\n",
+                top + 10.0,
+                top + ph,
+                top + ph / 2.0
+            ));
+        }
+        for (mode, color) in colors {
+            let Some(run) = runs.iter().find(|r| r.profile == *profile && r.mode == mode) else { continue };
+            let pts: Vec<String> = run
+                .timeline
+                .iter()
+                .map(|(t, auc, _)| {
+                    let x = x0 + pw * t / t_max;
+                    let y = top + ph * (1.0 - ((auc - lo) / (hi - lo).max(1e-9)).clamp(0.0, 1.0));
+                    format!("{x:.1},{y:.1}")
+                })
+                .collect();
+            s.push_str(&format!(
+                "<polyline fill=\"none\" stroke=\"{color}\" stroke-width=\"1.5\" points=\"{}\"/>\n",
+                pts.join(" ")
+            ));
+        }
+    }
+    for (k, (mode, color)) in colors.iter().enumerate() {
+        let x = left + k as f64 * 70.0;
+        s.push_str(&format!(
+            "<rect x=\"{x}\" y=\"{}\" width=\"12\" height=\"3\" fill=\"{color}\"/><text x=\"{}\" y=\"{}\">{mode}</text>\n",
+            top + ph + 32.0,
+            x + 16.0,
+            top + ph + 36.0
+        ));
+    }
+    s.push_str("</svg>\n");
     s
 }
 

@@ -833,3 +833,47 @@ fn every_line_is_trained_once_a_pass_through_a_killed_worker_and_a_restarted_coo
     assert_eq!(replayed, dealer["samples_replayed"].as_u64().expect("replayed"), "{dealer}");
     assert_eq!(v["samples_replayed"], dealer["samples_replayed"], "{v}");
 }
+
+/// `gaps bench stragglers` on a small file: a row per (profile, mode) with a wall time, an AUC, a
+/// simulated speed-up, and an SVG of the AUC curves.
+#[test]
+fn the_straggler_bench_runs_every_mode_and_predicts_its_speed_up() {
+    let dir = std::env::temp_dir().join(format!("gaps-bench-stragglers-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let svg = dir.join("curves.svg");
+    let out = Command::new(env!("CARGO_BIN_EXE_gaps"))
+        .args([
+            "bench",
+            "stragglers",
+            "--lines",
+            "3000",
+            "--epochs",
+            "1",
+            "--profiles",
+            "slow",
+            "--modes",
+            "sync,async",
+        ])
+        .args(["--json", "--svg", svg.to_str().expect("path")])
+        .env("GAPS_LOG", "warn")
+        .output()
+        .expect("run the bench");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let rows: Vec<serde_json::Value> =
+        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).expect("a JSON line")).collect();
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    for r in &rows {
+        assert_eq!(r["profile"], "slow");
+        assert!(r["wall_s"].as_f64().expect("wall") > 0.0, "{r}");
+        assert!(r["auc"].as_f64().expect("auc") > 0.6, "{r}");
+        assert!(r["predicted_speedup"].as_f64().expect("predicted") > 0.0, "{r}");
+    }
+    // The simulator replays a 4x straggler: async is predicted well ahead of sync.
+    let asyncrow = rows.iter().find(|r| r["mode"] == "async").expect("async");
+    assert!(asyncrow["predicted_speedup"].as_f64().expect("predicted") > 1.5, "{asyncrow}");
+    assert!(stderr.contains("speed-up") && stderr.contains("predicted"), "{stderr}");
+    let plot = std::fs::read_to_string(&svg).expect("svg");
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(plot.starts_with("<svg") && plot.matches("<polyline").count() == 2, "{plot}");
+}
