@@ -796,6 +796,23 @@ pub struct DataStatus {
     pub dealer: Option<DealerStatus>,
 }
 
+/// Wait until the shard's global step reaches `step` and its slowest live worker's clock reaches `clock`
+/// (what an [`Ack`] asked the worker to wait for), or at most `max_wait_ms`; answered with the shard's
+/// [`Stats`] either way (the caller checks them, and sees a rollback as a step gone back). The shard holds
+/// the request instead of being polled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Encode, Decode)]
+pub struct WaitStep {
+    /// The global step to wait for ([`Ack::wait_for_step`]; 0: none).
+    pub step: u64,
+    /// The clock to wait for ([`Ack::wait_for_clock`]; 0: none).
+    pub clock: u64,
+    /// The longest the shard may hold the request (it caps this at [`MAX_WAIT_STEP_MS`]).
+    pub max_wait_ms: u32,
+}
+
+/// The longest a shard holds a [`WaitStep`].
+pub const MAX_WAIT_STEP_MS: u32 = 1000;
+
 /// Every message of the protocol. The kind byte on the wire is [`Message::kind`].
 #[derive(Debug, Clone, PartialEq)]
 pub enum Message {
@@ -858,6 +875,8 @@ pub enum Message {
     DataStatusRequest(DataStatusRequest),
     /// Kind 29.
     DataStatus(DataStatus),
+    /// Kind 30 (answered with [`Message::Stats`]).
+    WaitStep(WaitStep),
 }
 
 /// Defines `kind()`, header encoding and kind-directed decoding for every variant in one place.
@@ -898,7 +917,7 @@ message_kinds! {
     14 => SparsePull, 15 => SparsePullReply, 16 => SparsePush, 17 => CheckpointRequest, 18 => CheckpointDone,
     19 => Authenticate, 20 => Authenticated, 21 => PushPart, 22 => PushPull, 23 => PushPullReply,
     24 => Rollback, 25 => RollbackReply, 26 => SplitRequest, 27 => SplitGrant, 28 => DataStatusRequest,
-    29 => DataStatus,
+    29 => DataStatus, 30 => WaitStep,
 }
 
 fn config() -> impl bincode::config::Config {
@@ -1336,6 +1355,7 @@ mod tests {
                 finished_accepted: true,
             })),
             Frame::new(Message::DataStatusRequest(DataStatusRequest { after_grant: 77 })),
+            Frame::new(Message::WaitStep(WaitStep { step: 12, clock: 3, max_wait_ms: 250 })),
             Frame::new(Message::DataStatus(DataStatus {
                 shard: 1,
                 counts: vec![GrantCount { grant: 78, split: 4, samples: 900 }],
@@ -1403,7 +1423,7 @@ mod tests {
     fn every_message_round_trips() {
         let frames = samples();
         let kinds: std::collections::BTreeSet<u8> = frames.iter().map(|f| f.msg.kind()).collect();
-        assert_eq!(kinds.len(), 26, "one sample per kind");
+        assert_eq!(kinds.len(), 27, "one sample per kind");
         for f in frames {
             let bytes = encode_frame(&f).expect("encode");
             let back = decode_frame(&bytes, &Limits::default()).expect("decode");

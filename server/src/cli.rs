@@ -131,8 +131,8 @@ pub struct ServerArgs {
     pub restore: crate::service::Restore,
     /// The coordinator deals this training data to the workers in splits, each to whichever worker asks next
     /// (dynamic data sharding): `synthetic`, or Criteo-layout files separated by commas (dealt in order;
-    /// every worker must read the same files, in the same order, under its own `--data`). Shard 0 only; not
-    /// given, workers read a fixed share (`gaps-worker --data-sharding static`).
+    /// every worker must read the same files, in the same order, under its own `--data`). Only shard 0
+    /// deals (other shards ignore it); not given, workers read a fixed share (`gaps-worker --data-shard`).
     #[arg(long, env = "GAPS_DATA")]
     pub data: Option<crate::data::DataSource>,
     /// Lines of a file (or synthetic samples) per dealt split.
@@ -393,7 +393,9 @@ impl ServerArgs {
     pub fn dealer_config(&self) -> Result<Option<gaps_shard::dealer::DealerConfig>> {
         let Some(source) = &self.data else { return Ok(None) };
         if self.shard_index != 0 {
-            anyhow::bail!("--data is the coordinator's (shard 0): it deals the data; other shards take none");
+            // One setting for every shard (a StatefulSet's environment) is fine: only shard 0 deals.
+            info!(shard = self.shard_index, "--data is the coordinator's (shard 0) to deal; this shard ignores it");
+            return Ok(None);
         }
         let started = std::time::Instant::now();
         let table = crate::data::cut(source, self.split_lines)?;

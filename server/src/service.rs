@@ -274,6 +274,7 @@ fn run_actor(mut core: ShardCore, mut queue: mpsc::Receiver<Command>, started: I
     type Reply = (oneshot::Sender<Answer>, bool);
     let mut pending: Option<PendingSnapshot> = None;
     let mut parts: Assembler<Reply> = Assembler::default();
+    let mut parked: Vec<ParkedWait> = Vec::new();
     while let Some(command) = queue.blocking_recv() {
         match command {
             Command::Handle { frame, finite, reply } => match frame.msg {
@@ -290,6 +291,12 @@ fn run_actor(mut core: ShardCore, mut queue: mpsc::Receiver<Command>, started: I
                         }
                     }
                 }
+                // A wait for a step not reached yet is held here (not in the core, which never blocks) until the
+                // step comes or its time is up, instead of the worker polling.
+                Message::WaitStep(wait) if !core.wait_satisfied(&wait) && parked.len() < MAX_PARKED_WAITS => {
+                    let ms = wait.max_wait_ms.min(gaps_common::wire::MAX_WAIT_STEP_MS);
+                    parked.push((wait, started.elapsed() + Duration::from_millis(u64::from(ms)), reply));
+                }
                 // A part of a push applied before is answered by the core, as a duplicate.
                 msg => {
                     let frame = Frame { msg, payload: frame.payload };
@@ -298,6 +305,7 @@ fn run_actor(mut core: ShardCore, mut queue: mpsc::Receiver<Command>, started: I
                 }
             },
             Command::Tick { reply } => {
+                release_waits(&core, &mut parked, Some(started.elapsed()));
                 for ((reply, _), frame) in parts.expire(started.elapsed(), part_wait) {
                     let _ = reply.send((frame, Vec::new(), Vec::new()));
                 }
@@ -314,6 +322,30 @@ fn run_actor(mut core: ShardCore, mut queue: mpsc::Receiver<Command>, started: I
         if let Some(p) = pending.take() {
             pending = try_snapshot(&core, p);
         }
+        if !parked.is_empty() {
+            release_waits(&core, &mut parked, None);
+        }
+    }
+}
+
+/// Most [`Message::WaitStep`] requests a shard holds at once (one per worker is the norm); more are
+/// answered at once.
+const MAX_PARKED_WAITS: usize = 8192;
+
+/// A held [`Message::WaitStep`]: what it waits for, until when, and where its answer goes.
+type ParkedWait = (gaps_common::wire::WaitStep, Duration, oneshot::Sender<Answer>);
+
+/// Answers the held waits whose step came, and (with `now`) those whose time is up, with the shard's stats.
+fn release_waits(core: &ShardCore, parked: &mut Vec<ParkedWait>, now: Option<Duration>) {
+    let due = |(wait, until, _): &ParkedWait| core.wait_satisfied(wait) || now.is_some_and(|t| t >= *until);
+    if !parked.iter().any(due) {
+        return;
+    }
+    let stats = Frame::new(Message::Stats(core.stats()));
+    let (ready, waiting): (Vec<ParkedWait>, Vec<ParkedWait>) = std::mem::take(parked).into_iter().partition(due);
+    *parked = waiting;
+    for (_, _, reply) in ready {
+        let _ = reply.send((stats.clone(), Vec::new(), Vec::new()));
     }
 }
 

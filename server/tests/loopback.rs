@@ -668,3 +668,62 @@ async fn megabyte_payloads_go_past_the_cache_and_are_still_checked_value_by_valu
     client.leave().await.expect("leave");
     server.shutdown().await.expect("shutdown");
 }
+
+/// A worker waiting for a synchronous step is held by the shard until the step completes (a `WaitStep`),
+/// or answered when its time is up with the step not reached — never polled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_for_a_step_is_held_until_the_step_or_its_time_is_up() {
+    let certs = ClusterCerts::generate(&[]).expect("certs");
+    let core = ShardConfig {
+        shard: 0,
+        num_shards: 1,
+        layout: layout(),
+        rule: Rule::Sgd,
+        hyper: Hyper { lr: LR, momentum: 0.0, weight_decay: 0.0, ..Hyper::default() },
+        init: Init { seed: 5, std: 0.0 },
+        lease: Duration::from_secs(30),
+        advertise: String::new(),
+        epoch: 77,
+        threads: 1,
+        sparse: gaps_shard::core::SparseSettings::default(),
+        modes: gaps_shard::modes::ModeConfig { mode: gaps_shard::Mode::Sync, ..Default::default() },
+    };
+    let cfg = ServiceConfig {
+        tick_interval: Duration::from_millis(50),
+        ..ServiceConfig::new("127.0.0.1:0".parse().expect("addr"), certs.shard_material(0).expect("tls"), core)
+    };
+    let server = service::start(cfg).await.expect("start");
+    let a = Client::connect(options(&certs, &server.advertise, Role::Worker)).await.expect("a");
+    let b = Client::connect(options(&certs, &server.advertise, Role::Worker)).await.expect("b");
+    let (_endpoint, raw) = connection_as(&certs, &server, &a).await;
+    let wait = |step, max_wait_ms| Message::WaitStep(wire::WaitStep { step, clock: 0, max_wait_ms });
+    let ask = |msg: Message| {
+        let raw = raw.clone();
+        async move {
+            match net::call(&raw, &msg, &[], &Limits::default(), Duration::from_secs(10)).await.expect("call").msg {
+                Message::Stats(s) => s.global_step,
+                other => panic!("a wait was answered with {other:?}"),
+            }
+        }
+    };
+    // Only a's gradient of step 1 is in: a wait for step 1 is answered when its time is up, step not reached.
+    let sa = a.pull().await.expect("pull");
+    let a_push = tokio::spawn({
+        let a = a.clone();
+        async move { a.push(gradient(1), &sa).await.map(drop) }
+    });
+    let observer = Client::connect(options(&certs, &server.advertise, Role::Observer)).await.expect("observer");
+    while observer.stats().await.expect("stats")[0].pushes_applied < 1 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(ask(wait(1, 100)).await, 0, "released by its deadline, the step not reached");
+    // A wait held while b's gradient completes the step is answered with it.
+    let held = tokio::spawn(ask(wait(1, 1000)));
+    let sb = b.pull().await.expect("pull");
+    b.push(gradient(2), &sb).await.expect("b's push");
+    a_push.await.expect("join").expect("a's push");
+    assert_eq!(held.await.expect("join"), 1, "released by the step");
+    // A wait for a step already reached is answered at once.
+    assert_eq!(ask(wait(1, 1000)).await, 1);
+    shutdown(vec![server]).await;
+}

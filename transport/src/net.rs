@@ -1027,6 +1027,7 @@ pub fn kind_name(msg: &Message) -> &'static str {
         Message::SplitGrant(_) => "split-grant",
         Message::DataStatusRequest(_) => "data-status-request",
         Message::DataStatus(_) => "data-status",
+        Message::WaitStep(_) => "wait-step",
     }
 }
 

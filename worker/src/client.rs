@@ -1203,9 +1203,11 @@ impl Client {
     async fn wait_for(&self, s: usize, step: u64, clock: u64) -> Result<(), ClientError> {
         let limit = Duration::from_millis(3 * u64::from(self.inner.map.lease_ms)).max(Duration::from_secs(5));
         let started = Instant::now();
-        let mut pause = Duration::from_micros(500);
+        // The shard holds the request until the step comes (or a quarter second passes): no polling.
+        let wait = Message::WaitStep(gaps_common::wire::WaitStep { step, clock, max_wait_ms: 250 });
         loop {
-            let (frame, _) = self.request(s, &Message::StatsRequest(StatsRequest), &[]).await?;
+            let asked = Instant::now();
+            let (frame, _) = self.request(s, &wait, &[]).await?;
             if let Message::Stats(st) = &frame.msg {
                 self.inner.learn(&st.decisions);
                 if st.global_step >= step && st.ssp_min_clock >= clock {
@@ -1230,8 +1232,10 @@ impl Client {
                     "shard {s} did not finish the step (step {step}, clock {clock}) within {limit:?}"
                 )));
             }
-            tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(Duration::from_millis(10));
+            // Answered at once without the step (a shard holding too many waits): do not spin.
+            if asked.elapsed() < Duration::from_millis(1) {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
         }
     }
 

@@ -639,6 +639,11 @@ impl ShardCore {
         self.epoch
     }
 
+    /// Whether what `wait` waits for has come: the global step and the slowest live worker's clock.
+    pub fn wait_satisfied(&self, wait: &gaps_common::wire::WaitStep) -> bool {
+        self.global_step >= wait.step && self.min_clock() >= wait.clock
+    }
+
     /// Counters since start.
     pub fn stats(&self) -> Stats {
         let mut s = self.stats.clone();
@@ -775,7 +780,8 @@ impl ShardCore {
             Message::DataStatusRequest(r) => Ok(Frame::new(Message::DataStatus(self.data_status(r.after_grant)))),
             Message::SplitGrant(_) => Err(ShardError::NotARequest("split grant")),
             Message::DataStatus(_) => Err(ShardError::NotARequest("data status")),
-            Message::StatsRequest(_) => Ok(Frame::new(Message::Stats(self.stats()))),
+            // The core answers at once; the service holds the request until `wait_satisfied`.
+            Message::StatsRequest(_) | Message::WaitStep(_) => Ok(Frame::new(Message::Stats(self.stats()))),
             // Files are the service's business: a core on its own cannot write one.
             Message::CheckpointRequest(_) => {
                 Err(ShardError::Misconfigured("checkpoints are written by the shard service, not the core".into()))
