@@ -295,17 +295,42 @@ fn run_actor(mut core: ShardCore, mut queue: mpsc::Receiver<Command>, started: I
                 // step comes or its time is up, instead of the worker polling.
                 Message::WaitStep(wait) if !core.wait_satisfied(&wait) && parked.len() < MAX_PARKED_WAITS => {
                     let ms = wait.max_wait_ms.min(gaps_common::wire::MAX_WAIT_STEP_MS);
-                    parked.push((wait, started.elapsed() + Duration::from_millis(u64::from(ms)), reply));
+                    parked.push((
+                        HeldRequest::Wait(wait),
+                        started.elapsed() + Duration::from_millis(u64::from(ms)),
+                        reply,
+                    ));
                 }
                 // A part of a push applied before is answered by the core, as a duplicate.
                 msg => {
+                    let pull = match &msg {
+                        Message::PushPull(p) => Some(gaps_common::wire::Pull {
+                            epoch: p.epoch,
+                            chunks: p.chunks.iter().map(|c| c.id).collect(),
+                        }),
+                        _ => None,
+                    };
                     let frame = Frame { msg, payload: frame.payload };
                     let (answer, events) = core.handle_checked(frame, started.elapsed(), finite);
-                    let _ = reply.send((answer, events, core.take_reply_views()));
+                    match (pull, &answer.msg) {
+                        // A push-pull whose ack asks the worker to wait for the step: held until the step is
+                        // applied, then answered with the new values (no wait request, no pull after it).
+                        (Some(pull), Message::PushPullReply(PushPullReply { ack, chunks }))
+                            if chunks.is_empty()
+                                && (ack.wait_for_step > 0 || ack.wait_for_clock > 0)
+                                && parked.len() < MAX_PARKED_WAITS =>
+                        {
+                            let held = HeldRequest::PushPull { ack: *ack, pull, events };
+                            parked.push((held, started.elapsed() + HOLD_PUSH_PULL, reply));
+                        }
+                        _ => {
+                            let _ = reply.send((answer, events, core.take_reply_views()));
+                        }
+                    }
                 }
             },
             Command::Tick { reply } => {
-                release_waits(&core, &mut parked, Some(started.elapsed()));
+                release_waits(&mut core, &mut parked, started.elapsed(), true);
                 for ((reply, _), frame) in parts.expire(started.elapsed(), part_wait) {
                     let _ = reply.send((frame, Vec::new(), Vec::new()));
                 }
@@ -323,7 +348,7 @@ fn run_actor(mut core: ShardCore, mut queue: mpsc::Receiver<Command>, started: I
             pending = try_snapshot(&core, p);
         }
         if !parked.is_empty() {
-            release_waits(&core, &mut parked, None);
+            release_waits(&mut core, &mut parked, started.elapsed(), false);
         }
     }
 }
@@ -332,20 +357,65 @@ fn run_actor(mut core: ShardCore, mut queue: mpsc::Receiver<Command>, started: I
 /// answered at once.
 const MAX_PARKED_WAITS: usize = 8192;
 
-/// A held [`Message::WaitStep`]: what it waits for, until when, and where its answer goes.
-type ParkedWait = (gaps_common::wire::WaitStep, Duration, oneshot::Sender<Answer>);
+/// How long a push-pull whose step is not complete is held for the step's values before it is answered
+/// with its ack alone (the worker then waits with [`Message::WaitStep`] and pulls).
+const HOLD_PUSH_PULL: Duration = Duration::from_secs(1);
 
-/// Answers the held waits whose step came, and (with `now`) those whose time is up, with the shard's stats.
-fn release_waits(core: &ShardCore, parked: &mut Vec<ParkedWait>, now: Option<Duration>) {
-    let due = |(wait, until, _): &ParkedWait| core.wait_satisfied(wait) || now.is_some_and(|t| t >= *until);
-    if !parked.iter().any(due) {
+/// What a held request waits for.
+enum HeldRequest {
+    /// A [`Message::WaitStep`]: answered with the shard's stats.
+    Wait(gaps_common::wire::WaitStep),
+    /// A push-pull applied into a step not yet complete: answered with `ack` and the values `pull` reads once
+    /// the step is applied (with the events of the push).
+    PushPull { ack: gaps_common::wire::Ack, pull: gaps_common::wire::Pull, events: Vec<CoreEvent> },
+}
+
+/// A held request: what it waits for, until when, and where its answer goes.
+type ParkedWait = (HeldRequest, Duration, oneshot::Sender<Answer>);
+
+/// Answers the held requests whose step came, and (with `expire`) those whose time is up at `now`.
+fn release_waits(core: &mut ShardCore, parked: &mut Vec<ParkedWait>, now: Duration, expire: bool) {
+    let satisfied = |core: &ShardCore, held: &HeldRequest| match held {
+        HeldRequest::Wait(wait) => core.wait_satisfied(wait),
+        HeldRequest::PushPull { ack, .. } => core.wait_satisfied(&gaps_common::wire::WaitStep {
+            step: ack.wait_for_step,
+            clock: ack.wait_for_clock,
+            max_wait_ms: 0,
+        }),
+    };
+    if !parked.iter().any(|(held, until, _)| satisfied(core, held) || (expire && now >= *until)) {
         return;
     }
-    let stats = Frame::new(Message::Stats(core.stats()));
-    let (ready, waiting): (Vec<ParkedWait>, Vec<ParkedWait>) = std::mem::take(parked).into_iter().partition(due);
-    *parked = waiting;
-    for (_, _, reply) in ready {
-        let _ = reply.send((stats.clone(), Vec::new(), Vec::new()));
+    let mut stats = None;
+    for (held, until, reply) in std::mem::take(parked) {
+        let ready = satisfied(core, &held);
+        if !(ready || (expire && now >= until)) {
+            parked.push((held, until, reply));
+            continue;
+        }
+        let answer = match held {
+            HeldRequest::Wait(_) => {
+                let stats = stats.get_or_insert_with(|| Frame::new(Message::Stats(core.stats())));
+                (stats.clone(), Vec::new(), Vec::new())
+            }
+            HeldRequest::PushPull { ack, pull, events } => {
+                let alone = Frame::new(Message::PushPullReply(PushPullReply { ack, chunks: Vec::new() }));
+                if !ready {
+                    (alone, events, Vec::new())
+                } else {
+                    match core.handle(Frame::new(Message::Pull(pull)), now).0 {
+                        Frame { msg: Message::PullReply(PullReply { chunks }), payload } => {
+                            let go_on = gaps_common::wire::Ack { wait_for_step: 0, wait_for_clock: 0, ..ack };
+                            let msg = Message::PushPullReply(PushPullReply { ack: go_on, chunks });
+                            (Frame { msg, payload }, events, core.take_reply_views())
+                        }
+                        // The read failed: the ack alone, and the worker pulls on its own.
+                        _ => (alone, events, Vec::new()),
+                    }
+                }
+            }
+        };
+        let _ = reply.send(answer);
     }
 }
 

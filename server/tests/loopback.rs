@@ -725,5 +725,31 @@ async fn a_wait_for_a_step_is_held_until_the_step_or_its_time_is_up() {
     assert_eq!(held.await.expect("join"), 1, "released by the step");
     // A wait for a step already reached is answered at once.
     assert_eq!(ask(wait(1, 1000)).await, 1);
+    // A push-pull into a step not complete is held and answered, once b's gradient completes the step, with
+    // the step's new values and nothing left to wait for.
+    let Message::Push(push) = whole_push(&layout(), &a, 2, &[1, 1], |_| gaps_common::dtype::WireDtype::F32) else {
+        panic!("a push")
+    };
+    let n: usize = push.chunks.iter().map(|c| c.len as usize).sum();
+    let held = tokio::spawn({
+        let raw = raw.clone();
+        async move {
+            let msg = Message::PushPull(push);
+            net::call(&raw, &msg, &[net::f32_bytes(vec![0.25f32; n])], &Limits::default(), Duration::from_secs(10))
+                .await
+                .expect("call")
+        }
+    });
+    let sb = b.pull().await.expect("pull");
+    b.push(gradient(3), &sb).await.expect("b's second push");
+    let reply = held.await.expect("join");
+    match reply.msg {
+        Message::PushPullReply(wire::PushPullReply { ack, chunks }) => {
+            assert_eq!((ack.wait_for_step, ack.duplicate), (0, false), "{ack:?}");
+            assert_eq!(chunks.iter().map(|c| c.version).collect::<Vec<_>>(), vec![2, 2], "the step's values");
+            assert_eq!(reply.payload.len(), n);
+        }
+        other => panic!("a push-pull was answered with {other:?}"),
+    }
     shutdown(vec![server]).await;
 }
