@@ -582,7 +582,7 @@ impl SplitSamples {
     /// The next (up to) `n` training samples of the split; empty once it is used up. A file that shrank or
     /// vanished while its split was read is an error naming it.
     pub fn next_batch(&mut self, n: usize) -> Result<Vec<Sample>, String> {
-        let mut out = Vec::with_capacity(n);
+        let mut out = Vec::with_capacity(n.min(4096));
         match &mut self.source {
             SplitSource::Synthetic { data, next, end } => {
                 while out.len() < n && *next < *end {

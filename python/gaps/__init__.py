@@ -393,10 +393,14 @@ class Split:
     def batches(self, batch: int = 256):
         """Yields the split's samples as :class:`CriteoBatch` es of up to ``batch`` (the last one short), and
         tags the pushes that follow each with it: push once per batch."""
-        for b in read_split(self._data, self._raw, seed=self._seed, batch=batch):
-            _native(self._client._native.set_data_tag, self.grant, self.key, len(b))
-            yield b
-        self.done = True
+        try:
+            for b in read_split(self._data, self._raw, seed=self._seed, batch=batch):
+                _native(self._client._native.set_data_tag, self.grant, self.key, len(b))
+                yield b
+            self.done = True
+        finally:
+            # Pushes after the split (or after leaving it early) are not counted under it.
+            _native(self._client._native.set_data_tag, None)
 
     def __repr__(self) -> str:
         return f"gaps.Split(epoch={self.epoch}, index={self.index}, lines={self.lines}, grant={self.grant})"

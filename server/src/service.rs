@@ -293,7 +293,9 @@ fn run_actor(mut core: ShardCore, mut queue: mpsc::Receiver<Command>, started: I
                 }
                 // A wait for a step not reached yet is held here (not in the core, which never blocks) until the
                 // step comes or its time is up, instead of the worker polling.
-                Message::WaitStep(wait) if !core.wait_satisfied(&wait) && parked.len() < MAX_PARKED_WAITS => {
+                Message::WaitStep(wait)
+                    if wait.max_wait_ms > 0 && !core.wait_satisfied(&wait) && parked.len() < MAX_PARKED_WAITS =>
+                {
                     let ms = wait.max_wait_ms.min(gaps_common::wire::MAX_WAIT_STEP_MS);
                     parked.push((
                         HeldRequest::Wait(wait),

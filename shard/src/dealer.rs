@@ -10,7 +10,7 @@
 
 use crate::checkpoint::{CheckpointError, Reader, Writer};
 use gaps_common::wire::{DataSplit, GrantLease};
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 /// One split of a file: a line-aligned byte range.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,7 +49,10 @@ impl SplitTable {
     pub fn per_epoch(&self) -> u64 {
         match self {
             SplitTable::Files { splits, .. } => splits.len() as u64,
-            SplitTable::Synthetic { .. } => u64::from(u32::MAX),
+            // Synthetic splits stay below the evaluation range (sample indices from 2^62).
+            SplitTable::Synthetic { samples_per_split } => {
+                u64::from(u32::MAX).min((1u64 << 62) / (*samples_per_split).max(1))
+            }
         }
     }
 
@@ -97,8 +100,8 @@ impl SplitTable {
             }
             SplitTable::Synthetic { samples_per_split: n } => {
                 // Each data epoch of synthetic data would be the same samples again; there is only one.
-                let start = index * n;
-                DataSplit { grant, key, file: 0, first_line: 0, start, end: start + n, lines: *n }
+                let start = index.saturating_mul(*n);
+                DataSplit { grant, key, file: 0, first_line: 0, start, end: start.saturating_add(*n), lines: *n }
             }
         }
     }
@@ -150,6 +153,8 @@ pub struct Dealer {
     completed: VecDeque<(u64, u64)>,
     /// Grants that ended unfinished, oldest first.
     abandoned: VecDeque<u64>,
+    /// The grants of `completed` and `abandoned` (membership without a scan).
+    known: BTreeSet<u64>,
     /// Splits given back.
     returned: u64,
 }
@@ -168,7 +173,46 @@ impl Dealer {
             next_grant,
             completed: VecDeque::new(),
             abandoned: VecDeque::new(),
+            known: BTreeSet::new(),
             returned: 0,
+        }
+    }
+
+    fn log_completed(&mut self, grant: u64, key: u64) {
+        if self.completed.len() >= GRANT_LOG {
+            if let Some((old, _)) = self.completed.pop_front() {
+                self.known.remove(&old);
+            }
+        }
+        self.completed.push_back((grant, key));
+        self.known.insert(grant);
+    }
+
+    fn log_abandoned(&mut self, grant: u64) {
+        if self.abandoned.len() >= GRANT_LOG {
+            if let Some(old) = self.abandoned.pop_front() {
+                self.known.remove(&old);
+            }
+        }
+        self.abandoned.push_back(grant);
+        self.known.insert(grant);
+    }
+
+    /// Whether `worker` holds `grant` now.
+    pub fn holds(&self, worker: u32, grant: u64) -> bool {
+        self.leased.get(&grant).is_some_and(|(_, w)| *w == worker)
+    }
+
+    /// After the cluster went back to a checkpoint: this dealer (restored from it) numbers its grants on from
+    /// where `before` (the dealer before the rollback) was, so no number is dealt twice, and counts the
+    /// grants `before` had on loan that the checkpoint does not know as abandoned (their holders' pushes
+    /// since count as replayed).
+    pub fn continue_after(&mut self, before: &Dealer) {
+        self.next_grant = self.next_grant.max(before.next_grant);
+        let unknown: Vec<u64> =
+            before.leased.keys().filter(|g| !self.leased.contains_key(g) && !self.known.contains(g)).copied().collect();
+        for g in unknown {
+            self.log_abandoned(g);
         }
     }
 
@@ -187,14 +231,17 @@ impl Dealer {
                     let key = *key;
                     self.leased.remove(&g);
                     self.done += 1;
-                    push_bounded(&mut self.completed, (g, key));
+                    self.log_completed(g, key);
                     true
                 }
                 // Not this worker's (given back after its lease expired, or dealt before the coordinator
-                // went back to a checkpoint): what it trained counts as replayed.
-                _ => {
-                    if !self.abandoned.contains(&g) && !self.completed.iter().any(|(c, _)| *c == g) {
-                        push_bounded(&mut self.abandoned, g);
+                // went back to a checkpoint): what it trained counts as replayed. Only a number this dealer
+                // has dealt, that nobody holds and no log knows, is recorded (a worker cannot enter another's
+                // grant, or a future one).
+                Some(_) => false,
+                None => {
+                    if g < self.next_grant && !self.known.contains(&g) {
+                        self.log_abandoned(g);
                     }
                     false
                 }
@@ -235,7 +282,7 @@ impl Dealer {
         for g in mine.iter().rev() {
             if let Some((key, _)) = self.leased.remove(g) {
                 self.pending.push_front(key);
-                push_bounded(&mut self.abandoned, *g);
+                self.log_abandoned(*g);
                 self.returned += 1;
             }
         }
@@ -347,16 +394,14 @@ impl Dealer {
         if abandoned.len() > GRANT_LOG {
             return Err(corrupt("abandoned grants"));
         }
+        if epoch >= 1 << 40 {
+            return Err(corrupt("epoch"));
+        }
         let next_grant = next_grant.max(cfg.grant_floor).max(1);
-        Ok(Dealer { cfg, epoch, next_fresh, pending, leased, done, next_grant, completed, abandoned, returned })
+        let completed: VecDeque<(u64, u64)> = completed;
+        let known = completed.iter().map(|(g, _)| *g).chain(abandoned.iter().copied()).collect();
+        Ok(Dealer { cfg, epoch, next_fresh, pending, leased, done, next_grant, completed, abandoned, known, returned })
     }
-}
-
-fn push_bounded<T>(log: &mut VecDeque<T>, item: T) {
-    if log.len() >= GRANT_LOG {
-        log.pop_front();
-    }
-    log.push_back(item);
 }
 
 #[cfg(test)]
@@ -406,6 +451,46 @@ mod tests {
         assert_eq!(d.splits_returned(), 1);
         assert_eq!(d.abandoned().copied().collect::<Vec<_>>(), vec![b.grant]);
         assert_eq!(d.deal(0, None).0, None, "nothing is left");
+    }
+
+    #[test]
+    fn a_finished_grant_that_is_not_the_workers_changes_nothing_it_should_not() {
+        let mut d = Dealer::new(files(4));
+        let (a, _) = d.deal(0, None);
+        let a = a.expect("a split");
+        // Worker 1 reports worker 0's grant, and a number never dealt: neither is finished nor logged.
+        let (_, ok) = d.deal(1, Some(a.grant));
+        assert!(!ok);
+        let (_, ok) = d.deal(2, Some(a.grant + 1000));
+        assert!(!ok);
+        assert!(d.holds(0, a.grant));
+        assert_eq!(d.abandoned().count(), 0);
+        assert_eq!(d.splits_done(), 0);
+        // A dealt number nobody holds any more (given back) is a replay, logged once.
+        d.give_back(0, GiveBack::Departed);
+        d.deal(0, Some(a.grant));
+        assert_eq!(d.abandoned().copied().collect::<Vec<_>>(), vec![a.grant]);
+    }
+
+    #[test]
+    fn after_a_rollback_grant_numbers_go_on_and_unknown_loans_are_abandoned() {
+        let mut before = Dealer::new(files(6));
+        let (a, _) = before.deal(0, None);
+        let mut w = Writer::reusing(Vec::new(), 0);
+        before.write_to(&mut w);
+        // After the checkpoint: two more deals.
+        let (b, _) = before.deal(1, None);
+        let (c, _) = before.deal(2, None);
+        let mut back = Dealer::read_from(files(6), &mut Reader::new(&w.buf).expect("header")).expect("restore");
+        back.give_back_all();
+        back.continue_after(&before);
+        let (next, _) = back.deal(3, None);
+        let next = next.expect("a split");
+        assert!(next.grant > c.expect("c").grant, "no grant number is dealt twice");
+        let abandoned: Vec<u64> = back.abandoned().copied().collect();
+        for g in [a.expect("a").grant, b.expect("b").grant] {
+            assert!(abandoned.contains(&g), "{g} in {abandoned:?}");
+        }
     }
 
     #[test]

@@ -12,20 +12,30 @@ use gaps_common::wire::{DataStatus, DataTag, DealerStatus, GrantCount, SplitGran
 /// counted), so a worker cannot grow a shard's memory without bound by inventing grants.
 pub const MAX_GRANT_COUNTS: usize = 1 << 20;
 
-/// Samples accepted per grant on one shard.
+/// Samples accepted per grant on one shard, and the grants in the order they were first counted (the
+/// oldest are dropped first when there are too many).
 #[derive(Debug, Clone, Default)]
 pub(super) struct GrantCounts {
     counts: BTreeMap<u64, (u64, u64)>,
+    order: VecDeque<u64>,
     evicted: u64,
 }
 
 impl GrantCounts {
     fn add(&mut self, tag: DataTag) {
-        let entry = self.counts.entry(tag.grant).or_insert((tag.split, 0));
-        entry.1 += u64::from(tag.samples);
-        if self.counts.len() > MAX_GRANT_COUNTS {
-            self.counts.pop_first();
-            self.evicted += 1;
+        let entry = self.counts.entry(tag.grant).or_insert_with(|| {
+            self.order.push_back(tag.grant);
+            (tag.split, 0)
+        });
+        entry.1 = entry.1.saturating_add(u64::from(tag.samples));
+        while self.counts.len() > MAX_GRANT_COUNTS {
+            match self.order.pop_front() {
+                Some(oldest) => {
+                    self.counts.remove(&oldest);
+                    self.evicted += 1;
+                }
+                None => break,
+            }
         }
     }
 
@@ -33,9 +43,12 @@ impl GrantCounts {
         self.counts.get(&grant).map_or(0, |(_, n)| *n)
     }
 
+    /// Written in the order the grants were first counted.
     pub(super) fn write_to(&self, w: &mut Writer) {
         w.u64(self.evicted);
-        w.u64s(&self.counts.iter().flat_map(|(g, (k, n))| [*g, *k, *n]).collect::<Vec<_>>());
+        let rows: Vec<u64> =
+            self.order.iter().filter_map(|g| self.counts.get(g).map(|(k, n)| [*g, *k, *n])).flatten().collect();
+        w.u64s(&rows);
     }
 
     pub(super) fn read_from(r: &mut Reader<'_>) -> Result<Self, CheckpointError> {
@@ -44,7 +57,14 @@ impl GrantCounts {
         if raw.len() % 3 != 0 || raw.len() / 3 > MAX_GRANT_COUNTS {
             return Err(CheckpointError::Corrupt("grant counts".into()));
         }
-        Ok(GrantCounts { counts: raw.chunks_exact(3).map(|c| (c[0], (c[1], c[2]))).collect(), evicted })
+        let mut out = GrantCounts { evicted, ..GrantCounts::default() };
+        for c in raw.chunks_exact(3) {
+            if out.counts.insert(c[0], (c[1], c[2])).is_some() {
+                return Err(CheckpointError::Corrupt("grant counts: a grant twice".into()));
+            }
+            out.order.push_back(c[0]);
+        }
+        Ok(out)
     }
 }
 
@@ -99,7 +119,10 @@ impl ShardCore {
                     .into(),
             ));
         };
-        let (split, finished_accepted) = dealer.deal(r.worker, r.finished);
+        // A finished grant this worker does not hold is taken as a replay only where this shard counted
+        // samples under it (someone trained it); an invented number changes nothing.
+        let finished = r.finished.filter(|g| dealer.holds(r.worker, *g) || self.data.counts.contains_key(g));
+        let (split, finished_accepted) = dealer.deal(r.worker, finished);
         let files = match &dealer.config().table {
             crate::dealer::SplitTable::Files { files, .. } => files.len() as u32,
             crate::dealer::SplitTable::Synthetic { .. } => 0,

@@ -237,6 +237,9 @@ impl ShardCore {
         // training is gone), and those on loan then are given back (their holders drop them).
         if let Some(d) = &self.dealer {
             core.set_dealer(d.config().clone()).map_err(CheckpointError::Mismatch)?;
+            if let Some(back) = core.dealer.as_mut() {
+                back.continue_after(d);
+            }
         }
         core.membership_changed(&mut events);
         Ok(core)
