@@ -321,7 +321,7 @@ unsafe impl DeviceRepr for DeviceEntry {}
 
 /// A GPU as a [`crate::resident::Device`]: arenas in device memory, pushes staged through one pinned
 /// (write-combined) host buffer and applied by `gaps_update_table`, one launch per 65,535 table entries.
-/// Built and NVRTC-compiled in CI; it has run only where a GPU was lent (see README, Update kernels).
+/// Built and NVRTC-compiled in CI; it has run only where a GPU was lent (see docs/results.md, Update kernels).
 #[derive(Debug)]
 pub struct CudaArenas {
     ctx: Arc<CudaContext>,

@@ -7,9 +7,9 @@ use gaps_shard::dealer::{FileSplit, SplitTable};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
-/// Lines per split when `--split-lines` is not given (see README, "Data dealing": at batch 64 a split is
-/// 16 steps, short enough that the slowest worker's last split does not hold up the end of an epoch,
-/// long enough that the request per split is lost in the steps).
+/// Lines per split when `--split-lines` is not given (docs/stragglers.md, "Splits": 256, 1,024 and 4,096
+/// lines measured; a request per split costs nothing measurable, a long split makes the slowest worker's
+/// last one the tail of a pass).
 pub const DEFAULT_SPLIT_LINES: u64 = 1024;
 
 /// What `--data` names on the coordinator.

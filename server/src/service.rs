@@ -849,7 +849,7 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
     }
     if let (Some(info), true) = (&restored, cfg.core.modes.mode != gaps_shard::Mode::Async) {
         // Consistent recovery: every shard goes back to one cluster checkpoint (async keeps the cheaper
-        // per-shard restore, see README).
+        // per-shard restore, see docs/manual.md, "Failures and recovery").
         tokio::spawn(roll_back_cluster_after_restore(shared.clone(), info.id, shutdown_rx.clone()));
     }
     let task = tokio::spawn(

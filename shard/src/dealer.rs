@@ -123,17 +123,6 @@ pub struct DealerConfig {
 /// only counted.
 pub const GRANT_LOG: usize = 1 << 18;
 
-/// Why a grant ended without its split being finished.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GiveBack {
-    /// The worker left or its lease expired.
-    Departed,
-    /// The worker asked for another split without finishing it.
-    Abandoned,
-    /// The cluster went back to a checkpoint.
-    RolledBack,
-}
-
 /// The dealer. See the module documentation.
 #[derive(Debug, Clone)]
 pub struct Dealer {
@@ -248,7 +237,7 @@ impl Dealer {
             },
             None => false,
         };
-        self.give_back(worker, GiveBack::Abandoned);
+        self.give_back(worker);
         let Some(key) = self.next_key() else { return (None, accepted) };
         let grant = self.next_grant;
         self.next_grant += 1;
@@ -277,7 +266,7 @@ impl Dealer {
     }
 
     /// Gives back every split `worker` holds (it left, its lease expired, or it asked for another one).
-    pub fn give_back(&mut self, worker: u32, _why: GiveBack) -> usize {
+    pub fn give_back(&mut self, worker: u32) -> usize {
         let mine: Vec<u64> = self.leased.iter().filter(|(_, (_, w))| *w == worker).map(|(g, _)| *g).collect();
         for g in mine.iter().rev() {
             if let Some((key, _)) = self.leased.remove(g) {
@@ -294,7 +283,7 @@ impl Dealer {
     pub fn give_back_all(&mut self) {
         let workers: Vec<u32> = self.leased.values().map(|(_, w)| *w).collect();
         for w in workers {
-            self.give_back(w, GiveBack::RolledBack);
+            self.give_back(w);
         }
     }
 
@@ -427,7 +416,7 @@ mod tests {
         let (a, b) = (a.expect("a split"), b.expect("a split"));
         assert_eq!((a.key, b.key, a.first_line, b.start), (0, 1, 1, 100));
         // Worker 1 dies: its split goes back to the front of the queue.
-        assert_eq!(d.give_back(1, GiveBack::Departed), 1);
+        assert_eq!(d.give_back(1), 1);
         let (next, ok) = d.deal(0, Some(a.grant));
         assert!(ok);
         let next = next.expect("split 1 again");
@@ -467,7 +456,7 @@ mod tests {
         assert_eq!(d.abandoned().count(), 0);
         assert_eq!(d.splits_done(), 0);
         // A dealt number nobody holds any more (given back) is a replay, logged once.
-        d.give_back(0, GiveBack::Departed);
+        d.give_back(0);
         d.deal(0, Some(a.grant));
         assert_eq!(d.abandoned().copied().collect::<Vec<_>>(), vec![a.grant]);
     }
@@ -499,7 +488,7 @@ mod tests {
         let (a, _) = d.deal(3, None);
         d.deal(5, None);
         d.deal(3, a.map(|s| s.grant));
-        d.give_back(5, GiveBack::Departed);
+        d.give_back(5);
         let mut w = Writer::reusing(Vec::new(), 0);
         d.write_to(&mut w);
         let bytes = w.buf;

@@ -207,7 +207,7 @@ fn sync_and_elastic_runs_are_the_shards_own_sync_steps_and_ramp() {
 
 /// A 16-bit wire changes the run (the rounding is applied) but not what it learns: at 16 workers with
 /// bf16 gradient pushes (and f16 pulls), Gap-Aware and DANA-GA end within a point of the f32 run of the same
-/// seed. (The full E1 check at 32 workers over 15 seeds is in README, Transport.)
+/// seed. (The full E1 check at 32 workers over 15 seeds is in docs/results.md.)
 #[test]
 fn sixteen_bit_wire_rounds_values_but_keeps_accuracy() {
     use gaps_common::dtype::WireDtype;

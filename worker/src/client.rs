@@ -1380,30 +1380,34 @@ impl Client {
     async fn ask_each<T>(&self, msg: &Message, reply: impl Fn(Message) -> Option<T>) -> Result<Vec<T>, ClientError> {
         let mut out = Vec::with_capacity(self.inner.shards.len());
         for s in 0..self.inner.shards.len() {
-            let (frame, _) = self.request(s, msg, &[]).await?;
-            let kind = net::kind_name(&frame.msg);
-            let value = reply(frame.msg).ok_or_else(|| RpcError::Unexpected {
-                addr: self.inner.shards[s].addr.to_string(),
-                kind: kind.into(),
-            })?;
-            out.push(value);
+            out.push(self.ask(s, msg, &reply).await?);
         }
         Ok(out)
+    }
+
+    /// Sends `msg` to shard `s` and takes what `reply` extracts from the answer; an answer of another kind is
+    /// an error naming the shard.
+    async fn ask<T>(
+        &self,
+        s: usize,
+        msg: &Message,
+        reply: impl FnOnce(Message) -> Option<T>,
+    ) -> Result<T, ClientError> {
+        let (frame, _) = self.request(s, msg, &[]).await?;
+        let kind = net::kind_name(&frame.msg);
+        Ok(reply(frame.msg)
+            .ok_or_else(|| RpcError::Unexpected { addr: self.inner.shards[s].addr.to_string(), kind: kind.into() })?)
     }
 
     /// Asks the coordinator for a cluster checkpoint (every shard at the same synchronous step, or at its
     /// next quiescent point); returns its id and each shard's (shard, path, step), index order.
     pub async fn checkpoint(&self) -> Result<CheckpointDone, ClientError> {
         let request = Message::CheckpointRequest(CheckpointRequest { id: 0, at: CheckpointAt::Quiescent });
-        let (frame, _) = self.request(0, &request, &[]).await?;
-        match frame.msg {
-            Message::CheckpointDone(done) => Ok(done),
-            other => Err(RpcError::Unexpected {
-                addr: self.inner.shards[0].addr.to_string(),
-                kind: net::kind_name(&other).into(),
-            }
-            .into()),
-        }
+        self.ask(0, &request, |m| match m {
+            Message::CheckpointDone(done) => Some(done),
+            _ => None,
+        })
+        .await
     }
 
     /// Time this client spent after its pushes waiting for a synchronous step to complete (or for the
@@ -1428,15 +1432,11 @@ impl Client {
         })?;
         let request =
             Message::SplitRequest(gaps_common::wire::SplitRequest { epoch: self.inner.map.epoch, worker, finished });
-        let (frame, _) = self.request(0, &request, &[]).await?;
-        match frame.msg {
-            Message::SplitGrant(grant) => Ok(grant),
-            other => Err(RpcError::Unexpected {
-                addr: self.inner.shards[0].addr.to_string(),
-                kind: net::kind_name(&other).into(),
-            }
-            .into()),
-        }
+        self.ask(0, &request, |m| match m {
+            Message::SplitGrant(grant) => Some(grant),
+            _ => None,
+        })
+        .await
     }
 
     /// Every shard's per-grant sample counts and the coordinator's dealer state (every page), index order.
@@ -1447,14 +1447,12 @@ impl Client {
             let mut whole: Option<gaps_common::wire::DataStatus> = None;
             loop {
                 let request = Message::DataStatusRequest(gaps_common::wire::DataStatusRequest { after_grant: after });
-                let (frame, _) = self.request(s, &request, &[]).await?;
-                let Message::DataStatus(page) = frame.msg else {
-                    return Err(RpcError::Unexpected {
-                        addr: self.inner.shards[s].addr.to_string(),
-                        kind: net::kind_name(&frame.msg).into(),
-                    }
-                    .into());
-                };
+                let page = self
+                    .ask(s, &request, |m| match m {
+                        Message::DataStatus(page) => Some(page),
+                        _ => None,
+                    })
+                    .await?;
                 let next = page.next_after;
                 match whole.as_mut() {
                     None => whole = Some(page),

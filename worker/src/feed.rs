@@ -41,10 +41,6 @@ pub struct Dealt {
     rollbacks: u64,
     /// Splits dealt to this worker.
     pub splits: u64,
-    /// Finished splits the coordinator did not accept as this worker's (it had given them back).
-    pub refused: u64,
-    /// Splits dropped unfinished because the cluster went back to a checkpoint.
-    pub dropped_at_rollback: u64,
     /// The highest data epoch dealt to this worker (0-based).
     pub last_epoch: u64,
     bad_lines: u64,
@@ -73,8 +69,6 @@ impl Feed {
             done: false,
             rollbacks: 0,
             splits: 0,
-            refused: 0,
-            dropped_at_rollback: 0,
             last_epoch: 0,
             bad_lines: 0,
             first_errors: Vec::new(),
@@ -160,9 +154,7 @@ impl Feed {
             return false;
         }
         d.rollbacks = seen;
-        if d.current.take().is_some() {
-            d.dropped_at_rollback += 1;
-        }
+        d.current = None;
         d.finished = None;
         true
     }
@@ -189,10 +181,7 @@ impl Dealt {
     }
 
     async fn deal(&mut self, client: &Client) -> Result<()> {
-        let grant = client.next_split(self.finished).await.context("asking the coordinator for a data split")?;
-        if self.finished.take().is_some() && !grant.finished_accepted {
-            self.refused += 1;
-        }
+        let grant = client.next_split(self.finished.take()).await.context("asking the coordinator for a data split")?;
         self.rollbacks = client.rollbacks_seen();
         let Some(split) = grant.split else {
             self.done = true;

@@ -5,7 +5,7 @@
 
 use super::*;
 use crate::checkpoint::{CheckpointError, Reader, Writer};
-use crate::dealer::{Dealer, DealerConfig, GiveBack};
+use crate::dealer::{Dealer, DealerConfig};
 use gaps_common::wire::{DataStatus, DataTag, DealerStatus, GrantCount, SplitGrant, SplitRequest, DATA_STATUS_PAGE};
 
 /// Grants whose sample counts a shard keeps at most; beyond, the oldest grant's count is dropped (and
@@ -102,16 +102,11 @@ impl ShardCore {
         now: Duration,
         events: &mut Vec<CoreEvent>,
     ) -> Result<Frame, ShardError> {
-        let next_worker = self.coordinator()?.next_worker;
+        self.coordinator()?;
         self.check_epoch(r.epoch)?;
         // A request renews the worker's lease as a heartbeat does (one that expired while the coordinator
         // restarted comes back).
-        if r.worker >= next_worker {
-            return Err(ShardError::NotRegistered(format!("worker {} never registered", r.worker)));
-        }
-        if self.leases.insert(r.worker, now + self.cfg.lease).is_none() {
-            self.membership_changed(events);
-        }
+        self.renew_lease(r.worker, now, events)?;
         let Some(dealer) = self.dealer.as_mut() else {
             return Err(ShardError::Misconfigured(
                 "this cluster deals no data: start the coordinator with --data to shard data dynamically, or the \
@@ -140,7 +135,7 @@ impl ShardCore {
     /// A departed worker's splits go back to the dealer's queue.
     pub(super) fn data_worker_gone(&mut self, worker: u32) {
         if let Some(d) = self.dealer.as_mut() {
-            d.give_back(worker, GiveBack::Departed);
+            d.give_back(worker);
         }
     }
 

@@ -189,21 +189,32 @@ impl ShardCore {
         })))
     }
 
+    /// Renews `worker`'s lease (a heartbeat, a split request); a worker without one joins the live set.
+    /// The coordinator knows every id it handed out and refuses others; other shards learn workers this way.
+    pub(super) fn renew_lease(
+        &mut self,
+        worker: u32,
+        now: Duration,
+        events: &mut Vec<CoreEvent>,
+    ) -> Result<(), ShardError> {
+        if let Some(c) = &self.coordinator {
+            if worker >= c.next_worker {
+                return Err(ShardError::NotRegistered(format!("worker {worker} never registered")));
+            }
+        }
+        if self.leases.insert(worker, now + self.cfg.lease).is_none() {
+            self.membership_changed(events);
+        }
+        Ok(())
+    }
+
     pub(super) fn heartbeat(
         &mut self,
         h: Heartbeat,
         now: Duration,
         events: &mut Vec<CoreEvent>,
     ) -> Result<Frame, ShardError> {
-        // The coordinator knows every id it handed out; other shards learn workers from their heartbeats.
-        if let Some(c) = &self.coordinator {
-            if h.worker >= c.next_worker {
-                return Err(ShardError::NotRegistered(format!("worker {} never registered", h.worker)));
-            }
-        }
-        if self.leases.insert(h.worker, now + self.cfg.lease).is_none() {
-            self.membership_changed(events);
-        }
+        self.renew_lease(h.worker, now, events)?;
         Ok(Frame::new(Message::HeartbeatAck(HeartbeatAck {
             epoch: self.epoch,
             live_workers: self.leases.len() as u32,
