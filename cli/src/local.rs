@@ -220,8 +220,12 @@ pub struct LocalReport {
     pub restored_version: u64,
     /// Shard pushes the workers saw acknowledged.
     pub pushes_acknowledged: u64,
-    /// Acknowledged pushes a crash lost: applied by a shard after its last checkpoint, then killed.
+    /// Acknowledged pushes a crash lost (applied by a shard after the checkpoint it returned to): per worker
+    /// and shard, the pushes the worker saw acknowledged beyond those the shard's state holds of it (the
+    /// shard's own per-worker ledger, [`gaps_common::wire::Stats::applied_by_worker`]).
     pub pushes_lost: u64,
+    /// Pushes a shard applied although its ledger held them already (0 unless exactly-once failed).
+    pub pushes_applied_twice: u64,
     /// Gradients a restored shard refused because they were computed before its restore.
     pub stale_after_restore: u64,
     /// Pushes a killed worker may have sent in the step it was killed in, without seeing them acknowledged
@@ -473,6 +477,7 @@ impl LocalReport {
             "restored_version": self.restored_version,
             "pushes_acknowledged": self.pushes_acknowledged,
             "pushes_lost": self.pushes_lost,
+            "pushes_applied_twice": self.pushes_applied_twice,
             "pushes_unconfirmed": self.pushes_unconfirmed,
             "stale_after_restore": self.stale_after_restore,
             "data_sharding": if self.data.is_some() { "dynamic" } else { "static" },
@@ -633,6 +638,32 @@ pub(crate) fn terminate(p: &Proc) {
 /// Where worker `w` of a run writes its `--step-log`.
 fn step_log_part(dir: &Path, w: u32) -> PathBuf {
     dir.join(format!("steps-{w}.csv"))
+}
+
+/// A worker's id and its acknowledged pushes per shard, from its JSON summary or ledger line.
+fn acknowledged_by_shard(v: &serde_json::Value) -> (Option<u32>, Vec<u64>) {
+    let worker = v["worker"].as_u64().and_then(|w| u32::try_from(w).ok());
+    let counts = v["acknowledged_by_shard"].as_array().map(Vec::as_slice).unwrap_or_default();
+    (worker, counts.iter().map(|c| c.as_u64().unwrap_or(0)).collect())
+}
+
+/// Acknowledged pushes that no shard's state holds: for each worker and shard, what the worker saw
+/// acknowledged beyond the shard's own count of that worker's pushes applied (a worker whose id is unknown
+/// is held against nothing). Independent of the shards' totals, so a push applied twice cannot hide a lost one.
+fn pushes_lost(acknowledged: &[(Option<u32>, Vec<u64>)], stats: &[gaps_common::wire::Stats]) -> u64 {
+    let mut lost = 0;
+    for (worker, per_shard) in acknowledged {
+        let Some(worker) = worker else { continue };
+        for (shard, acked) in per_shard.iter().enumerate() {
+            let Some(st) = stats.iter().find(|s| s.shard as usize == shard) else { continue };
+            let applied = match st.applied_by_worker.binary_search_by_key(worker, |a| a.worker) {
+                Ok(i) => st.applied_by_worker[i].applied,
+                Err(_) => 0,
+            };
+            lost += acked.saturating_sub(applied);
+        }
+    }
+    lost
 }
 
 /// Concatenates the workers' step logs into `out` under one header; returns the steps written. A killed
@@ -994,6 +1025,7 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
         let mut stopped_early = 0u32;
         let mut workers_final = 0;
         let mut pushes_unconfirmed = 0;
+        let mut acknowledged_by = Vec::new();
         for (i, (p, text)) in workers.iter().zip(&outputs).enumerate() {
             if killed.contains(&i) {
                 // Its ledger up to the last step it finished; the step it was in when killed may have sent
@@ -1003,6 +1035,7 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
                     pushes_sent += v["pushes_sent"].as_u64().unwrap_or(0);
                     pushes_acknowledged += v["pushes_acknowledged"].as_u64().unwrap_or(0);
                     stale_after_restore += v["stale_after_restore"].as_u64().unwrap_or(0);
+                    acknowledged_by.push(acknowledged_by_shard(&v));
                 }
                 pushes_unconfirmed += per_step;
                 continue;
@@ -1017,6 +1050,7 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             steps += v["steps"].as_u64().unwrap_or(0);
             pushes_sent += v["pushes_sent"].as_u64().unwrap_or(0);
             pushes_acknowledged += v["pushes_acknowledged"].as_u64().unwrap_or(0);
+            acknowledged_by.push(acknowledged_by_shard(&v));
             stale_after_restore += v["stale_after_restore"].as_u64().unwrap_or(0);
             retries += v["retries"].as_u64().unwrap_or(0);
             samples += v["samples"].as_u64().unwrap_or(0);
@@ -1136,12 +1170,8 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             checkpoints_written: checkpoints_seen.len() as u64,
             restored_version,
             pushes_acknowledged,
-            // Only a shard's crash loses acknowledged pushes.
-            pushes_lost: if shard_restarts > 0 || !args.kill_shards.is_empty() {
-                pushes_acknowledged.saturating_sub(pushes_applied)
-            } else {
-                0
-            },
+            pushes_lost: pushes_lost(&acknowledged_by, &stats),
+            pushes_applied_twice: stats.iter().map(|s| s.pushes_applied_twice).sum(),
             pushes_unconfirmed,
             stale_after_restore,
             data: data_report,

@@ -21,7 +21,7 @@ use crate::layout::{ChunkId, Layout};
 use bincode::{Decode, Encode};
 
 /// Protocol version carried by registrations; a peer with another version is refused.
-pub const PROTOCOL_VERSION: u16 = 10;
+pub const PROTOCOL_VERSION: u16 = 11;
 /// Bytes before the header: the kind byte and the header length.
 pub const FRAME_PREFIX_LEN: usize = 5;
 /// Hard upper bound on an encoded header (also the bincode decode limit).
@@ -569,8 +569,23 @@ pub struct Stats {
     /// The mode switches this shard carried out, oldest first (the last 64).
     pub switches: Vec<ModeSwitchRecord>,
     /// Gradients dropped because they were computed in the mode before a switch and are too stale for
-    /// the new one (also counted in `dropped_stale`). (Added in protocol 10; keep it last.)
+    /// the new one (also counted in `dropped_stale`). (Added in protocol 10.)
     pub pushes_dropped_at_switch: u64,
+    /// Pushes this shard applied although its ledger held their `(worker, seq)` already: 0 unless the
+    /// exactly-once gate failed. (Added in protocol 11, as the next field; keep them last.)
+    pub pushes_applied_twice: u64,
+    /// Pushes applied per worker as the shard's state holds them now (after a restore: what the restored
+    /// state holds), ascending worker ids. A worker's acknowledged pushes beyond its count here were lost.
+    pub applied_by_worker: Vec<WorkerApplied>,
+}
+
+/// One worker's pushes applied by a shard (see [`Stats::applied_by_worker`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Encode, Decode)]
+pub struct WorkerApplied {
+    /// The worker id.
+    pub worker: u32,
+    /// Its pushes applied (distinct sequence numbers).
+    pub applied: u64,
 }
 
 /// When a shard takes a checkpoint it was asked for.

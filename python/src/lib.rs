@@ -330,6 +330,12 @@ impl NativeClient {
                 d.set_item("shard", s.shard)?;
                 d.set_item("pushes_applied", s.pushes_applied)?;
                 d.set_item("pushes_duplicate", s.pushes_duplicate)?;
+                d.set_item("pushes_applied_twice", s.pushes_applied_twice)?;
+                let by_worker = PyDict::new(py);
+                for w in &s.applied_by_worker {
+                    by_worker.set_item(w.worker, w.applied)?;
+                }
+                d.set_item("applied_by_worker", by_worker)?;
                 d.set_item("pushes_rejected", s.pushes_rejected)?;
                 d.set_item("pulls", s.pulls)?;
                 d.set_item("table_rows", s.table_rows)?;

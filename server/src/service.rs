@@ -1160,9 +1160,9 @@ async fn roll_back_cluster_after_restore(shared: Arc<Shared>, id: u64, mut stop:
     }
 }
 
-/// The coordinator's cluster checkpoint: one id, every shard at the same synchronous step (in `sync`, the
+/// The coordinator's cluster checkpoint: one id, every shard at the same step (in `sync` and `gba`, the
 /// step after next; a shard that is already past it makes the coordinator try again further ahead) or at
-/// its next quiescent point (async modes, GBA, no live worker). Returns every shard's file; fails, naming
+/// its next quiescent point (async modes, no live worker). Returns every shard's file; fails, naming
 /// the shards, when one could not write it (the others' files stay: each is a complete checkpoint of its
 /// shard).
 async fn cluster_checkpoint(shared: &Shared) -> Result<CheckpointDone> {
@@ -1172,15 +1172,18 @@ async fn cluster_checkpoint(shared: &Shared) -> Result<CheckpointDone> {
         let (tx, rx) = oneshot::channel();
         shared
             .send(Command::Inspect(Box::new(move |core| {
-                let sync = core.active_mode() == gaps_shard::Mode::Sync && core.live_workers() > 0;
-                let _ = tx.send((sync, core.global_step(), core.peer_shards(), core.config().num_shards));
+                // GBA's steps are counted per shard, but every shard sums the same workers' gradients, so
+                // each reaches step N: a checkpoint at one step there too makes a rollback agree on it.
+                let stepped = matches!(core.active_mode(), gaps_shard::Mode::Sync | gaps_shard::Mode::Gba)
+                    && core.live_workers() > 0;
+                let _ = tx.send((stepped, core.global_step(), core.peer_shards(), core.config().num_shards));
             })))
             .await?;
-        let (sync, step, peers, num_shards) = rx.await.map_err(|_| anyhow!("shard core thread stopped"))?;
+        let (stepped, step, peers, num_shards) = rx.await.map_err(|_| anyhow!("shard core thread stopped"))?;
         if peers.len() + 1 < num_shards as usize {
             warn!(joined = peers.len() + 1, num_shards, "not every shard has joined: the checkpoint leaves them out");
         }
-        let at = if sync { CheckpointAt::Step(step + margin) } else { CheckpointAt::Quiescent };
+        let at = if stepped { CheckpointAt::Step(step + margin) } else { CheckpointAt::Quiescent };
         let id = next_id(shared);
         let mut tasks = tokio::task::JoinSet::new();
         for (index, addr) in peers.iter().cloned() {

@@ -148,6 +148,27 @@ fn a_push_acknowledged_before_the_checkpoint_is_not_applied_again_after_it() {
 }
 
 #[test]
+fn the_per_worker_ledger_goes_back_with_the_checkpoint_and_counts_what_its_state_holds() {
+    let mut core = ShardCore::new(config(Mode::Async, "momentum")).expect("core");
+    let (a, b) = (register(&mut core), register(&mut core));
+    train(&mut core, &[a, b], 1, 3);
+    let bytes = core.checkpoint(1).expect("checkpoint");
+    train(&mut core, &[a], 4, 6);
+    let applied = |core: &ShardCore| -> Vec<(u32, u64)> {
+        core.stats().applied_by_worker.iter().map(|w| (w.worker, w.applied)).collect()
+    };
+    // Two pushes (dense and sparse) per step, steps 1-2 for both and 4-5 for `a`.
+    assert_eq!(applied(&core), vec![(a, 8), (b, 4)]);
+    let mut restored = ShardCore::restore(config(Mode::Async, "momentum"), &bytes).expect("restore");
+    assert_eq!(applied(&restored), vec![(a, 4), (b, 4)], "what the restored state holds");
+    // The steps after the checkpoint sent again with their numbers are applied once each, nothing twice.
+    train(&mut restored, &[a], 4, 6);
+    assert_eq!(applied(&restored), vec![(a, 8), (b, 4)]);
+    let st = restored.stats();
+    assert_eq!((st.pushes_applied, st.pushes_applied_twice), (12, 0));
+}
+
+#[test]
 fn foreign_truncated_and_corrupt_checkpoints_are_refused_with_a_reason() {
     let mut core = ShardCore::new(config(Mode::Async, "momentum")).expect("core");
     let w = register(&mut core);

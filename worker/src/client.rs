@@ -282,6 +282,8 @@ struct ShardLink {
     conns: Vec<Mutex<Option<quinn::Connection>>>,
     /// Next push sequence number for this shard (starts at 1).
     next_seq: AtomicU64,
+    /// Pushes this shard acknowledged (applied now or before).
+    acknowledged: AtomicU64,
     /// Chunks this shard owns, global order, with their global indices.
     chunks: Vec<(ChunkId, u64)>,
     /// Sparse pushes to this shard not answered yet, and the signal that one was: in sync and gba the
@@ -361,6 +363,14 @@ struct Inner {
 }
 
 impl Inner {
+    /// Counts one push acknowledged by shard `s` (applied now or before).
+    fn count_acknowledged(&self, s: usize) {
+        self.pushes_acknowledged.fetch_add(1, Ordering::Relaxed);
+        if let Some(link) = self.shards.get(s) {
+            link.acknowledged.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
     /// Keeps the newest two of the known decisions and a shard's.
     fn learn(&self, decisions: &ModeDecisions) {
         if let Ok(mut known) = self.decisions.lock() {
@@ -494,6 +504,7 @@ impl Client {
                 addr,
                 conns: (0..opts.lanes.clamp(1, usize::from(MAX_PUSH_PARTS))).map(|_| Mutex::new(None)).collect(),
                 next_seq: AtomicU64::new(1),
+                acknowledged: AtomicU64::new(0),
                 chunks,
                 sparse_in_flight: AtomicUsize::new(0),
                 sparse_answered: tokio::sync::Notify::new(),
@@ -608,6 +619,12 @@ impl Client {
     /// Shard pushes acknowledged since connecting (each applied exactly once by its shard).
     pub fn pushes_acknowledged(&self) -> u64 {
         self.inner.pushes_acknowledged.load(Ordering::Relaxed)
+    }
+
+    /// [`Client::pushes_acknowledged`] per shard, in shard order (to hold against each shard's
+    /// [`Stats::applied_by_worker`]).
+    pub fn pushes_acknowledged_by_shard(&self) -> Vec<u64> {
+        self.inner.shards.iter().map(|l| l.acknowledged.load(Ordering::Relaxed)).collect()
     }
 
     /// Shard pushes a restored shard refused because they were computed before its restore.
@@ -1183,7 +1200,7 @@ impl Client {
                 return Err(RpcError::Unexpected { addr: "shard".into(), kind: net::kind_name(&other).into() }.into())
             }
         };
-        self.inner.pushes_acknowledged.fetch_add(1, Ordering::Relaxed);
+        self.inner.count_acknowledged(s);
         self.inner.learn(&ack.decisions);
         if ack.duplicate {
             summary.duplicates += 1;
@@ -1345,23 +1362,23 @@ impl Client {
             self.inner.shards[s].sparse_in_flight.fetch_add(1, Ordering::SeqCst);
             tasks.spawn(async move {
                 let _in_flight = InFlight(&client.inner.shards[s]);
-                client.request(s, &msg, &payload).await
+                client.request(s, &msg, &payload).await.map(|answer| (s, answer))
             });
         }
         let mut summary = PushSummary::default();
         while let Some(joined) = tasks.join_next().await {
-            let (frame, retries) =
+            let (s, (frame, retries)) =
                 joined.map_err(|e| ClientError::Shape(format!("sparse push task failed: {e}")))??;
             summary.retries += retries;
             match frame.msg {
                 Message::Ack(ack) if ack.duplicate => {
                     self.inner.learn(&ack.decisions);
-                    self.inner.pushes_acknowledged.fetch_add(1, Ordering::Relaxed);
+                    self.inner.count_acknowledged(s);
                     summary.duplicates += 1;
                 }
                 Message::Ack(ack) => {
                     self.inner.learn(&ack.decisions);
-                    self.inner.pushes_acknowledged.fetch_add(1, Ordering::Relaxed);
+                    self.inner.count_acknowledged(s);
                     summary.applied += 1;
                     summary.max_staleness = summary.max_staleness.max(ack.max_staleness);
                 }

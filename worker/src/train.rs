@@ -193,6 +193,8 @@ fn ledger_line(args: &WorkerArgs, client: &crate::Client, step: u64) {
             "step": step,
             "pushes_sent": client.pushes_sent(),
             "pushes_acknowledged": client.pushes_acknowledged(),
+            "acknowledged_by_shard": client.pushes_acknowledged_by_shard(),
+            "worker": client.worker_id(),
             "stale_after_restore": client.stale_after_restore(),
         });
         println!("{line}");
@@ -235,6 +237,8 @@ pub struct WorkerSummary {
     pub pushes_sent: u64,
     /// Shard pushes acknowledged by their shard.
     pub pushes_acknowledged: u64,
+    /// The same per shard, in shard order.
+    pub acknowledged_by_shard: Vec<u64>,
     /// Shard pushes a restored shard refused (computed before its restore; dropped, not lost silently).
     pub stale_after_restore: u64,
     /// Requests resent after transport failures.
@@ -327,6 +331,7 @@ impl WorkerSummary {
             steps: losses.len() as u64,
             pushes_sent: client.pushes_sent(),
             pushes_acknowledged: client.pushes_acknowledged(),
+            acknowledged_by_shard: client.pushes_acknowledged_by_shard(),
             stale_after_restore: client.stale_after_restore(),
             retries: client.retries(),
             first_loss: losses.first().copied().unwrap_or(f32::NAN),
@@ -350,6 +355,7 @@ impl WorkerSummary {
             "steps": self.steps,
             "pushes_sent": self.pushes_sent,
             "pushes_acknowledged": self.pushes_acknowledged,
+            "acknowledged_by_shard": self.acknowledged_by_shard,
             "stale_after_restore": self.stale_after_restore,
             "retries": self.retries,
             "first_loss": self.first_loss,

@@ -327,10 +327,7 @@ impl ShardCore {
                 }
             }
         }
-        self.stats.pushes_applied += 1;
-        if let Some(window) = self.seqs.get_mut(&req.worker) {
-            window.insert(req.seq);
-        }
+        self.record_applied(req.worker, req.seq);
         ack.decisions = self.decisions;
         Ok(Frame::new(Message::Ack(ack)))
     }

@@ -19,15 +19,15 @@ pub use snapshot::CheckpointInfo;
 use crate::modes::{LrRamp, Mode, ModeConfig, StragglerDetector};
 use crate::sparse::{Eviction, SparseTable, TableConfig};
 use dense::Planned;
-use exactly_once::SeqWindow;
 pub use exactly_once::SEQ_WINDOW;
+use exactly_once::{AppliedSeqs, SeqWindow};
 use gaps_common::layout::sparse_owner;
 use gaps_common::layout::{ChunkId, Layout};
 use gaps_common::rng::{mix, Rng};
 use gaps_common::wire::{
     words_to_ids, Ack, ChunkVersion, ClusterMap, ErrorCode, Frame, Heartbeat, HeartbeatAck, Leave, Message,
     ModeDecision, ModeDecisions, ModeSwitchRecord, Pull, PullReply, Push, PushPullReply, Register, RegisterShard, Role,
-    RuleInfo, ShardAddr, SparsePull, SparsePullReply, SparsePush, Stats, PROTOCOL_VERSION,
+    RuleInfo, ShardAddr, SparsePull, SparsePullReply, SparsePush, Stats, WorkerApplied, PROTOCOL_VERSION,
 };
 use gaps_kernels::{Bufs, Hyper, PushScalars, Rule};
 use membership::Coordinator;
@@ -324,6 +324,8 @@ pub struct ShardCore {
     /// Pushes applied per tensor on this shard (the tensor's global version).
     tensor_versions: Vec<u64>,
     seqs: HashMap<u32, SeqWindow>,
+    /// Per worker, the pushes applied here (checkpointed; kept after the worker leaves).
+    ledger: HashMap<u32, AppliedSeqs>,
     coordinator: Option<Coordinator>,
     stats: Stats,
     /// Multiplier of the configured learning rate (schedules, elastic ramps).
@@ -526,6 +528,7 @@ impl ShardCore {
             slots,
             tensor_versions,
             seqs: HashMap::new(),
+            ledger: HashMap::new(),
             coordinator,
             stats,
             lr_scale: 1.0,
@@ -658,6 +661,7 @@ impl ShardCore {
         s.global_step = self.global_step;
         s.decisions = self.decisions;
         s.switches = self.switches.iter().cloned().collect();
+        s.applied_by_worker = self.applied_by_worker();
         for t in &self.tables {
             let ts = t.stats();
             s.table_rows += ts.rows;

@@ -2,7 +2,7 @@
 //! [`ShardCore::restore`] builds a shard from it. The byte format is [`crate::checkpoint`]'s.
 //!
 //! Kept: parameters, every optimizer plane (per-worker planes included), per-chunk and per-tensor versions,
-//! the exactly-once windows, sparse tables (rows, state, versions, last touches, admission sketch), the
+//! the exactly-once windows and per-worker push ledgers, sparse tables (rows, state, versions, last touches, admission sketch), the
 //! synchronous-step accumulators, global step, SSP clocks, learning-rate scale, ramp and η_max, the
 //! coordinator's shard table and worker counter, the cluster epoch, the counters, and which workers held a
 //! lease (each gets a fresh lease at restore). Not kept: the straggler detector's averages (re-learned
@@ -28,19 +28,26 @@ pub struct CheckpointInfo {
     pub tensor_versions: Vec<u64>,
 }
 
-/// The counters of a checkpoint, kept as an encoded [`Stats`] frame. Stats of format 2 (protocol 9) lack the
-/// trailing `pushes_dropped_at_switch`: one zero byte (a varint 0) is appended to their header to read them.
+/// The counters of a checkpoint, kept as an encoded [`Stats`] frame. Older formats lack the trailing fields
+/// added since: format 2 (protocol 9) `pushes_dropped_at_switch`, formats 2 and 3 (protocol 10)
+/// `pushes_applied_twice` and `applied_by_worker`; a zero byte (a varint 0, an empty list) is appended to
+/// their header for each to read them.
 fn decode_stats(frame: &[u8], format: u32) -> Option<Stats> {
     let limits = gaps_common::wire::Limits::default();
-    let decoded = if format >= 3 {
+    let missing: u32 = match format {
+        0..=2 => 3,
+        3 => 2,
+        _ => 0,
+    };
+    let decoded = if missing == 0 {
         gaps_common::wire::decode_frame(frame, &limits).ok()
     } else {
-        let len = u32::from_le_bytes(frame.get(1..5)?.try_into().ok()?).checked_add(1)?;
-        let mut patched = Vec::with_capacity(frame.len() + 1);
+        let len = u32::from_le_bytes(frame.get(1..5)?.try_into().ok()?).checked_add(missing)?;
+        let mut patched = Vec::with_capacity(frame.len() + missing as usize);
         patched.push(*frame.first()?);
         patched.extend_from_slice(&len.to_le_bytes());
         patched.extend_from_slice(frame.get(5..)?);
-        patched.push(0);
+        patched.extend(std::iter::repeat_n(0, missing as usize));
         gaps_common::wire::decode_frame(&patched, &limits).ok()
     };
     match decoded {
@@ -174,6 +181,14 @@ impl ShardCore {
         // Format 3: per-grant sample counts, then the dealer (last: its settings come later, at
         // `set_dealer`).
         self.data.write_to(&mut w);
+        // Format 4: the per-worker push ledgers.
+        let mut ledger: Vec<_> = self.ledger.iter().collect();
+        ledger.sort_by_key(|(id, _)| **id);
+        w.u64(ledger.len() as u64);
+        for (worker, l) in ledger {
+            w.u32(*worker);
+            l.write_to(&mut w);
+        }
         match &self.dealer {
             Some(d) => {
                 w.u8(1);
@@ -387,6 +402,16 @@ impl ShardCore {
         }
         if r.format() >= 3 {
             core.data = super::data::GrantCounts::read_from(&mut r)?;
+            if r.format() >= 4 {
+                let workers = r.u64()?;
+                if workers > super::exactly_once::LEDGER_WORKERS as u64 {
+                    return Err(CheckpointError::Corrupt(format!("{workers} push ledgers")));
+                }
+                for _ in 0..workers {
+                    let worker = r.u32()?;
+                    core.ledger.insert(worker, AppliedSeqs::read_from(&mut r)?);
+                }
+            }
             if r.u8()? == 1 {
                 core.restored_dealer = Some(r.rest().to_vec());
             }
@@ -404,16 +429,21 @@ mod tests {
     use super::*;
 
     #[test]
-    fn counters_of_a_format_2_checkpoint_read_with_the_new_counter_zero() {
+    fn counters_of_older_checkpoints_read_with_the_new_counters_zero() {
         let stats = Stats { shard: 3, pushes_applied: 41, dropped_stale: 7, ..Stats::default() };
         let frame = gaps_common::wire::encode_frame(&Frame::new(Message::Stats(stats.clone()))).expect("encode");
-        assert_eq!(decode_stats(&frame, 3), Some(stats.clone()));
-        // Protocol 9's encoding: the same without the trailing varint 0 of `pushes_dropped_at_switch`.
-        let mut old = frame[..frame.len() - 1].to_vec();
-        let len = u32::from_le_bytes(old[1..5].try_into().expect("len")) - 1;
-        old[1..5].copy_from_slice(&len.to_le_bytes());
-        assert_eq!(decode_stats(&old, 2), Some(stats));
-        assert_eq!(decode_stats(&old, 3), None, "format 3 is not patched");
+        assert_eq!(decode_stats(&frame, 4), Some(stats.clone()));
+        // Older encodings: the same without the trailing zero bytes of the fields added since (protocol 10:
+        // two fewer, protocol 9: three fewer).
+        let older = |missing: usize| {
+            let mut old = frame[..frame.len() - missing].to_vec();
+            let len = u32::from_le_bytes(old[1..5].try_into().expect("len")) - missing as u32;
+            old[1..5].copy_from_slice(&len.to_le_bytes());
+            old
+        };
+        assert_eq!(decode_stats(&older(2), 3), Some(stats.clone()));
+        assert_eq!(decode_stats(&older(3), 2), Some(stats));
+        assert_eq!(decode_stats(&older(2), 4), None, "format 4 is not patched");
         assert_eq!(decode_stats(&[12, 1], 2), None, "a short frame is refused, not a panic");
     }
 }

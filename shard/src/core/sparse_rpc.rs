@@ -95,11 +95,8 @@ impl ShardCore {
                 .push(&ids, &read_versions, grads, reads, &hyper, base, now_s)
                 .map_err(|e| ShardError::WrongShape(e.to_string()))?
         };
-        self.stats.pushes_applied += 1;
         self.stats.staleness_max = self.stats.staleness_max.max(max_staleness);
-        if let Some(window) = self.seqs.get_mut(&req.worker) {
-            window.insert(req.seq);
-        }
+        self.record_applied(req.worker, req.seq);
         Ok(Frame::new(Message::Ack(Ack { seq: req.seq, max_staleness, decisions: self.decisions, ..Ack::default() })))
     }
 
