@@ -149,3 +149,82 @@ async fn in_async_every_shard_writes_the_coordinators_id_and_gaps_checkpoint_rea
     s0.shutdown().await.expect("shutdown");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A `CheckpointRequest` written by hand from the wire format (`common/src/wire.rs`): kind 17, the header's
+/// length as u32 LE, then the bincode-2 header — `id` 0 (varint), `at` variant 2 (`Step`) and the step
+/// 2^62 (varint marker 253, then 8 bytes LE). Before, such a request from any certificate held the
+/// checkpoint lock for 20 s while it waited for the step.
+fn checkpoint_at_a_far_step() -> Vec<u8> {
+    let mut header = vec![0u8, 2, 253];
+    header.extend_from_slice(&(1u64 << 62).to_le_bytes());
+    let mut frame = vec![17u8];
+    frame.extend_from_slice(&(header.len() as u32).to_le_bytes());
+    frame.extend_from_slice(&header);
+    frame
+}
+
+#[test]
+fn the_hand_written_checkpoint_request_is_what_the_wire_format_says() {
+    use gaps_common::wire::{decode_frame, CheckpointAt, Limits, Message};
+    let frame = decode_frame(&checkpoint_at_a_far_step(), &Limits::default()).expect("decodes");
+    match frame.msg {
+        Message::CheckpointRequest(r) => assert_eq!((r.id, r.at), (0, CheckpointAt::Step(1 << 62))),
+        other => panic!("decoded as {other:?}"),
+    }
+}
+
+/// Scheduled checkpoints under attack: while workers train in sync, a raw client holding a worker
+/// certificate keeps asking both shards for a checkpoint at a step that never comes. Every request is
+/// refused at once, and the coordinator's schedule goes on: cluster checkpoints keep being written on both
+/// shards, none far apart. (Before, three such requests gave 58 s without a cluster checkpoint.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_certificates_checkpoint_requests_are_refused_and_the_schedule_keeps_its_interval() {
+    use gaps_common::wire::{decode_frame, Limits, Message};
+    let dir = std::env::temp_dir().join(format!("gaps-cluster-ckpt-attack-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let certs = ClusterCerts::generate(&[]).expect("certs");
+    let s0 = start_shard(&certs, &dir, 0, None, Mode::Sync).await;
+    let s1 = start_shard(&certs, &dir, 1, Some(s0.advertise.clone()), Mode::Sync).await;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut attackers = Vec::new();
+    for server in [&s0, &s1] {
+        let (tls, addr, stop) = (certs.worker_material().expect("tls"), server.addr, stop.clone());
+        attackers.push(tokio::spawn(async move {
+            let endpoint = gaps_transport::net::client_endpoint(&tls, addr).expect("endpoint");
+            let conn = gaps_transport::net::connect(&endpoint, addr, Duration::from_secs(5)).await.expect("connect");
+            let mut refused = 0u32;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let (mut send, mut recv) = conn.open_bi().await.expect("stream");
+                send.write_all(&checkpoint_at_a_far_step()).await.expect("write");
+                send.finish().expect("finish");
+                let reply = tokio::time::timeout(Duration::from_secs(30), recv.read_to_end(1 << 16))
+                    .await
+                    .expect("answered, not held")
+                    .expect("a reply");
+                match decode_frame(&reply, &Limits::default()).expect("a frame").msg {
+                    Message::Error(e) => assert!(e.message.contains("coordinator"), "{e:?}"),
+                    other => panic!("a worker certificate's checkpoint request was taken: {other:?}"),
+                }
+                refused += 1;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            refused
+        }));
+    }
+    train(&certs, &s0.advertise, 3, 150).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for a in attackers {
+        assert!(a.await.expect("attacker") >= 3, "the attack ran through the training");
+    }
+    let (a, b) = (steps(&dir, 0), steps(&dir, 1));
+    let at_step: Vec<u64> = a.keys().filter(|id| b.contains_key(id) && a[id].1.is_some()).copied().collect();
+    assert!(at_step.len() >= 3, "cluster checkpoints kept being written: shard 0 {a:?}, shard 1 {b:?}");
+    // Ids are the milliseconds at which the coordinator asked: consecutive ones of a 200 ms schedule, each
+    // held up by one attacker's 20 s wait before, stay far below that.
+    let longest = at_step.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
+    eprintln!("{} cluster checkpoints under attack, longest interval {longest} ms", at_step.len());
+    assert!(longest < 10_000, "a cluster checkpoint waited {longest} ms: {at_step:?}");
+    s1.shutdown().await.expect("shutdown");
+    s0.shutdown().await.expect("shutdown");
+    let _ = std::fs::remove_dir_all(&dir);
+}
