@@ -22,6 +22,8 @@ fast worker trains on more of it than a slow one::
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from . import _gaps
@@ -155,7 +157,10 @@ def _float32(name: str, value, shape: tuple[int, ...] | None = None) -> np.ndarr
     array = np.asarray(value)
     if array.dtype != np.float32:
         raise DTypeError(f"{name}: expected float32 values, got {array.dtype}")
-    if shape is not None and array.shape != shape and array.size == int(np.prod(shape, dtype=np.int64)):
+    # A flat array (or a scalar for a one-element tensor) is taken in row-major order; any other shape must be
+    # the tensor's own: a transposed gradient of the same size is refused, not read in the wrong order.
+    size = int(np.prod(shape, dtype=np.int64)) if shape is not None else 0
+    if shape is not None and array.shape != shape and array.ndim <= 1 and array.size == size:
         array = array.reshape(shape)
     if shape is not None and array.shape != shape:
         raise ShapeError(f"{name}: expected shape {shape}, got {array.shape}")
@@ -322,8 +327,16 @@ class Client:
     def __enter__(self) -> "Client":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        # Leaving may fail for the same reason the block did (a shard is down): that error stays the one
+        # raised, the failure to leave is logged (the lease expires on its own).
+        try:
+            self.close()
+        except GapsError as e:
+            logging.getLogger("gaps").warning("leaving the cluster after an error failed: %s", e)
 
     def __repr__(self) -> str:
         return f"gaps.Client(worker_id={self.worker_id}, {self.layout!r})"
@@ -404,3 +417,6 @@ class Split:
 
     def __repr__(self) -> str:
         return f"gaps.Split(epoch={self.epoch}, index={self.index}, lines={self.lines}, grant={self.grant})"
+
+# `gaps.testing.local_cluster` as the README spells it (the module needs only the standard library).
+from . import testing  # noqa: E402

@@ -7,7 +7,9 @@
 
 It runs ``gaps certs`` and ``gaps server`` processes from the ``gaps`` executable found through the
 ``GAPS_BIN_DIR`` environment variable or on ``PATH``, on 127.0.0.1 with ephemeral ports, and stops them
-(SIGTERM, then SIGKILL) on exit.
+(SIGTERM, then SIGKILL) on exit. On Linux the shards also get SIGTERM when the Python process that started
+them dies in any way (SIGTERM, SIGKILL, a crash), so a killed script leaves no shard running: keep the
+thread that entered ``local_cluster`` alive while the cluster is in use (the signal follows that thread).
 """
 
 from __future__ import annotations
@@ -24,6 +26,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["find_gaps", "local_cluster", "LocalCluster"]
+
+
+try:  # Linux: a shard gets SIGTERM when the process that started it dies, even by SIGKILL.
+    import ctypes
+    import signal as _signal
+
+    _LIBC = ctypes.CDLL(None, use_errno=True)
+    _PR_SET_PDEATHSIG = 1
+
+    def _die_with_parent() -> None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, int(_signal.SIGTERM), 0, 0, 0)
+
+    if not hasattr(_LIBC, "prctl"):
+        _die_with_parent = None  # type: ignore[assignment]
+except (OSError, AttributeError):  # not Linux: shards are stopped on exit only
+    _die_with_parent = None  # type: ignore[assignment]
 
 
 def find_gaps() -> str:
@@ -144,7 +162,9 @@ def local_cluster(
             log = open(log_path, "wb")
             logs.append(log)
             env = dict(os.environ, GAPS_LOG=os.environ.get("GAPS_LOG", "warn"))
-            proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+            proc = subprocess.Popen(
+                args, stdout=subprocess.PIPE, stderr=log, text=True, env=env, preexec_fn=_die_with_parent
+            )
             proc.log_path = log_path
             shards.append(proc)
             event = _read_listening(proc, f"shard {i}", start_timeout)

@@ -141,7 +141,9 @@ class DenseParameters:
         if extra:
             raise UnknownNameError(f"the module's parameter {extra[0]!r} is not served by the cluster")
         for name, p in self.params.items():
-            if p.numel() != served[name].size:
+            scalar = p.dim() == 0 and served[name].size == 1
+            if tuple(p.shape) != served[name].shape and not scalar:
+                # Same size is not enough: a transposed weight would be filled in the wrong order.
                 raise ShapeError(f"{name}: the module has shape {tuple(p.shape)}, the cluster {served[name].shape}")
         self._pulled_at: float | None = None
 

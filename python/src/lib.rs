@@ -17,6 +17,8 @@ use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList};
 use std::collections::HashMap;
+
+mod logs;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -46,6 +48,40 @@ fn client_err(e: ClientError) -> PyErr {
         ClientError::Rpc(RpcError::Identity { .. } | RpcError::Setup(_)) => err("config", text),
         ClientError::Rpc(_) => err("server", text),
     }
+}
+
+/// How often a blocked call looks for a signal (Ctrl-C) and hands the client's log records to Python.
+const SIGNAL_CHECK: Duration = Duration::from_millis(100);
+
+/// Runs `fut` on `runtime` with the GIL released. Every [`SIGNAL_CHECK`] it takes the GIL back briefly to
+/// run Python's signal handlers — so Ctrl-C raises `KeyboardInterrupt` within a fraction of a second even
+/// while the client waits minutes for a shard (the call is abandoned: a push in flight was applied once or
+/// not at all, and the next push carries the next sequence number) — and to pass the client's log records
+/// to the `gaps` logger.
+fn block<T: Send>(
+    py: Python<'_>,
+    runtime: &tokio::runtime::Runtime,
+    fut: impl std::future::Future<Output = T> + Send,
+) -> PyResult<T> {
+    let out = py.allow_threads(|| {
+        runtime.block_on(async {
+            tokio::pin!(fut);
+            let mut tick = tokio::time::interval(SIGNAL_CHECK);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            tick.tick().await;
+            loop {
+                tokio::select! {
+                    out = &mut fut => return Ok(out),
+                    _ = tick.tick() => Python::with_gil(|py| {
+                        logs::forward(py);
+                        py.check_signals()
+                    })?,
+                }
+            }
+        })
+    });
+    logs::forward(py);
+    out
 }
 
 /// The floats in `bytes` (little-endian float32), checked against `expected` elements.
@@ -182,7 +218,7 @@ impl NativeClient {
             .thread_name("gaps-client")
             .build()
             .map_err(|e| err("config", format!("starting the client's runtime: {e}")))?;
-        let client = py.allow_threads(|| runtime.block_on(Client::connect(opts))).map_err(client_err)?;
+        let client = block(py, &runtime, Client::connect(opts))?.map_err(client_err)?;
         let heartbeats = client.worker_id().map(|_| {
             let lease = Duration::from_millis(u64::from(client.map().lease_ms));
             let _guard = runtime.enter();
@@ -231,7 +267,7 @@ impl NativeClient {
     /// Pulls every dense tensor (layout order) as float32 bytes; remembered for the next push.
     fn pull_all<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyByteArray>>> {
         let client = self.client()?;
-        let snapshot = py.allow_threads(|| self.runtime.block_on(client.pull())).map_err(client_err)?;
+        let snapshot = block(py, &self.runtime, client.pull())?.map_err(client_err)?;
         let out = snapshot.tensors.iter().map(|t| to_bytearray(py, t)).collect();
         *self.last.lock().map_err(poisoned)? = Some(snapshot);
         Ok(out)
@@ -241,7 +277,7 @@ impl NativeClient {
     #[pyo3(signature = (grads, compute_seconds=None))]
     fn push(&self, py: Python<'_>, grads: Vec<Bound<'_, PyBytes>>, compute_seconds: Option<f64>) -> PyResult<()> {
         let (client, grads, snapshot) = self.gradient(grads, compute_seconds)?;
-        py.allow_threads(|| self.runtime.block_on(client.push(grads, &snapshot))).map_err(client_err)?;
+        block(py, &self.runtime, client.push(grads, &snapshot))?.map_err(client_err)?;
         Ok(())
     }
 
@@ -255,8 +291,7 @@ impl NativeClient {
         compute_seconds: Option<f64>,
     ) -> PyResult<Vec<Bound<'py, PyByteArray>>> {
         let (client, grads, snapshot) = self.gradient(grads, compute_seconds)?;
-        let (_, next) =
-            py.allow_threads(|| self.runtime.block_on(client.push_pull(grads, &snapshot))).map_err(client_err)?;
+        let (_, next) = block(py, &self.runtime, client.push_pull(grads, &snapshot))?.map_err(client_err)?;
         let out = next.tensors.iter().map(|t| to_bytearray(py, t)).collect();
         *self.last.lock().map_err(poisoned)? = Some(next);
         Ok(out)
@@ -275,8 +310,7 @@ impl NativeClient {
         let t = self.table_index(table)?;
         let ids = Self::ids(ids)?;
         let client = self.client()?;
-        let rows =
-            py.allow_threads(|| self.runtime.block_on(client.pull_sparse(t, &ids, create))).map_err(client_err)?;
+        let rows = block(py, &self.runtime, client.pull_sparse(t, &ids, create))?.map_err(client_err)?;
         let out = to_bytearray(py, &rows.values);
         let mut remembered = self.rows.lock().map_err(poisoned)?;
         let pulls = remembered.entry(t).or_default();
@@ -308,21 +342,22 @@ impl NativeClient {
             let grads = floats(&format!("the row gradients of {table}"), grads, pulls[at].values.len())?;
             (pulls.remove(at), grads)
         };
-        let pushed = py.allow_threads(|| self.runtime.block_on(client.push_sparse(t, &rows, &grads)));
+        let pushed = block(py, &self.runtime, client.push_sparse(t, &rows, &grads))
+            .and_then(|pushed| pushed.map_err(client_err));
         if pushed.is_err() {
             // Not pushed: the pull stays usable for another attempt.
             if let Ok(mut remembered) = self.rows.lock() {
                 remembered.entry(t).or_default().push(rows);
             }
         }
-        pushed.map_err(client_err)?;
+        pushed?;
         Ok(())
     }
 
     /// Per-shard counters: a list of dicts.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
         let client = self.client()?;
-        let stats = py.allow_threads(|| self.runtime.block_on(client.stats())).map_err(client_err)?;
+        let stats = block(py, &self.runtime, client.stats())?.map_err(client_err)?;
         stats
             .into_iter()
             .map(|s| {
@@ -352,7 +387,7 @@ impl NativeClient {
     #[pyo3(signature = (finished=None))]
     fn next_split<'py>(&self, py: Python<'py>, finished: Option<u64>) -> PyResult<Option<Bound<'py, PyDict>>> {
         let client = self.client()?;
-        let grant = py.allow_threads(|| self.runtime.block_on(client.next_split(finished))).map_err(client_err)?;
+        let grant = block(py, &self.runtime, client.next_split(finished))?.map_err(client_err)?;
         let Some(s) = grant.split else { return Ok(None) };
         let d = PyDict::new(py);
         d.set_item("grant", s.grant)?;
@@ -381,7 +416,7 @@ impl NativeClient {
     /// list of (grant, key, samples), `dealer`: a dict or None).
     fn data_status<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
         let client = self.client()?;
-        let status = py.allow_threads(|| self.runtime.block_on(client.data_status())).map_err(client_err)?;
+        let status = block(py, &self.runtime, client.data_status())?.map_err(client_err)?;
         status
             .into_iter()
             .map(|s| {
@@ -421,17 +456,15 @@ impl NativeClient {
     /// in Rust without returning to Python: the baseline of the binding's bench. Returns seconds.
     fn bench_dense(&self, py: Python<'_>, iterations: u32) -> PyResult<f64> {
         let client = self.client()?;
-        py.allow_threads(|| {
-            self.runtime.block_on(async {
-                let started = std::time::Instant::now();
-                for _ in 0..iterations {
-                    let snapshot = client.pull().await?;
-                    let grads = snapshot.tensors.iter().map(|t| vec![0.0; t.len()]).collect();
-                    client.push(grads, &snapshot).await?;
-                }
-                Ok(started.elapsed().as_secs_f64())
-            })
-        })
+        block(py, &self.runtime, async {
+            let started = std::time::Instant::now();
+            for _ in 0..iterations {
+                let snapshot = client.pull().await?;
+                let grads = snapshot.tensors.iter().map(|t| vec![0.0; t.len()]).collect();
+                client.push(grads, &snapshot).await?;
+            }
+            Ok(started.elapsed().as_secs_f64())
+        })?
         .map_err(client_err)
     }
 
@@ -440,17 +473,15 @@ impl NativeClient {
         let t = self.table_index(table)?;
         let ids = Self::ids(ids)?;
         let client = self.client()?;
-        py.allow_threads(|| {
-            self.runtime.block_on(async {
-                let started = std::time::Instant::now();
-                for _ in 0..iterations {
-                    let rows = client.pull_sparse(t, &ids, true).await?;
-                    let grads = vec![0.0; rows.values.len()];
-                    client.push_sparse(t, &rows, &grads).await?;
-                }
-                Ok(started.elapsed().as_secs_f64())
-            })
-        })
+        block(py, &self.runtime, async {
+            let started = std::time::Instant::now();
+            for _ in 0..iterations {
+                let rows = client.pull_sparse(t, &ids, true).await?;
+                let grads = vec![0.0; rows.values.len()];
+                client.push_sparse(t, &rows, &grads).await?;
+            }
+            Ok(started.elapsed().as_secs_f64())
+        })?
         .map_err(client_err)
     }
 
@@ -466,13 +497,11 @@ impl NativeClient {
         }
         let client = self.client.lock().map_err(poisoned)?.take();
         if let Some(client) = client {
-            let left = py.allow_threads(|| {
-                self.runtime.block_on(async {
-                    let left = client.leave().await;
-                    client.close().await;
-                    left
-                })
-            });
+            let left = block(py, &self.runtime, async {
+                let left = client.leave().await;
+                client.close().await;
+                left
+            })?;
             left.map_err(client_err)?;
         }
         Ok(())
@@ -625,5 +654,6 @@ fn _gaps(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(held_out, m)?)?;
     m.add_function(wrap_pyfunction!(auc, m)?)?;
     m.add("NativeError", m.py().get_type::<NativeError>())?;
+    logs::install();
     Ok(())
 }

@@ -111,3 +111,15 @@ def test_mismatched_models_are_refused(tmp_path):
         assert bag(ids).shape == (2, 4)
         emb.close()
         bag.close()
+
+
+def test_dense_parameters_refuse_a_module_whose_shape_differs_but_size_matches(cluster):
+    class Transposed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(4, 5))  # the cluster serves w as (5, 4)
+            self.b = torch.nn.Parameter(torch.zeros(4))
+
+    with gaps.Client(cluster.coordinator, cluster.ca, cluster.cert, cluster.key) as client:
+        with pytest.raises(gaps.ShapeError, match=r"\(4, 5\).*\(5, 4\)"):
+            gt.DenseParameters(client, Transposed())

@@ -1,0 +1,136 @@
+"""A user's script as a process: `gaps.testing` through `import gaps`, Ctrl-C during a blocked call, no shard
+left behind by a killed script, the client's log records in Python's logging, and same-size wrong shapes."""
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import gaps
+
+
+def script(tmp_path, body: str) -> list[str]:
+    path = tmp_path / "user_script.py"
+    path.write_text(textwrap.dedent(body))
+    return [sys.executable, str(path)]
+
+
+def gone(pid: int) -> bool:
+    """True once `pid` has exited (a zombie nobody reaps counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return True
+
+
+def test_gaps_testing_is_reached_through_import_gaps(tmp_path):
+    # The README's spelling, in a fresh interpreter (this test's own imports would hide the bug).
+    out = subprocess.run(
+        script(tmp_path, "import gaps\nprint(gaps.testing.local_cluster.__name__)\n"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "local_cluster"
+
+
+def test_ctrl_c_interrupts_a_call_blocked_on_a_dead_shard(tmp_path, layout_file):
+    cmd = script(
+        tmp_path,
+        f"""
+        import time, gaps
+        with gaps.testing.local_cluster({str(layout_file)!r}, servers=2) as c:
+            client = gaps.Client(c.coordinator, c.ca, c.cert, c.key, shard_down_timeout=600.0)
+            client.pull_all()
+            c.kill_shard(1)
+            print("blocking", flush=True)
+            started = time.monotonic()
+            try:
+                client.pull_all()
+                print("returned", flush=True)
+            except KeyboardInterrupt:
+                print(f"interrupted after {{time.monotonic() - started:.2f}} s", flush=True)
+        """,
+    )
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Should the interrupt not come, the script is killed (its output ends) rather than the test hanging.
+    watchdog = threading.Timer(90, proc.kill)
+    watchdog.start()
+    try:
+        assert proc.stdout.readline().strip() == "blocking"
+        time.sleep(1.0)  # well inside the 600 s the call would wait for the shard
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        line = proc.stdout.readline().strip()
+        waited = time.monotonic() - sent
+        print(f"{line}; KeyboardInterrupt {waited:.2f} s after SIGINT")
+        assert line.startswith("interrupted"), (line, proc.stderr.read() if proc.poll() is not None else "")
+        assert waited < 30, f"the interrupt came {waited:.1f} s after the signal"
+        assert proc.wait(timeout=60) == 0
+    finally:
+        watchdog.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+def test_a_killed_script_leaves_no_shard_behind(tmp_path, layout_file, how):
+    cmd = script(
+        tmp_path,
+        f"""
+        import os, signal, time, gaps
+        with gaps.testing.local_cluster({str(layout_file)!r}, servers=2) as c:
+            print(" ".join(str(p.pid) for p in c.shards), flush=True)
+            os.kill(os.getpid(), signal.{how})
+            time.sleep(60)
+        """,
+    )
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == -getattr(signal, how), out
+    pids = [int(p) for p in out.stdout.split()]
+    assert len(pids) == 2, out
+    deadline = time.monotonic() + 30
+    while not all(gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p for p in pids if not gone(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"shards {left} outlived the script killed with {how}"
+
+
+def test_the_clients_log_records_reach_pythons_logging(layout_file, caplog):
+    caplog.set_level(logging.INFO, logger="gaps")
+    with gaps.testing.local_cluster(layout_file, servers=2) as c:
+        client = gaps.Client(c.coordinator, c.ca, c.cert, c.key, shard_down_timeout=2.0, rpc_timeout=5.0)
+        client.pull_all()
+        c.kill_shard(1)
+        # The block's error is the one raised; leaving (which fails too, shard 1 is gone) is only logged.
+        with pytest.raises(gaps.UnavailableError, match="shard 1"):
+            with client:
+                client.pull_all()
+    waiting = [r for r in caplog.records if r.name == "gaps" and "shard unreachable" in r.getMessage()]
+    assert waiting, [r.getMessage() for r in caplog.records]
+    assert waiting[0].levelno == logging.WARNING
+    assert "shard=1" in waiting[0].getMessage()
+    assert any("leaving the cluster after an error failed" in r.getMessage() for r in caplog.records)
+
+
+def test_a_gradient_of_the_right_size_but_another_shape_is_refused(cluster):
+    with gaps.Client(cluster.coordinator, cluster.ca, cluster.cert, cluster.key, rpc_timeout=10.0) as client:
+        before = client.pull_all()
+        g = np.ones((5, 4), np.float32)
+        with pytest.raises(gaps.ShapeError, match=r"\(5, 4\)"):
+            client.push({"w": g.T.copy(), "b": np.zeros(4, np.float32)})
+        # Flat in row-major order is still taken.
+        client.push({"w": g.reshape(-1) * 0, "b": np.zeros(4, np.float32)})
+        np.testing.assert_array_equal(client.pull_all()["w"], before["w"])
