@@ -46,6 +46,9 @@ __all__ = [
     "ServerError",
     "ClosedError",
     "ConfigError",
+    "CertificateError",
+    "OrderError",
+    "IdError",
 ]
 
 
@@ -80,6 +83,14 @@ class UnauthorizedError(GapsError, PermissionError):
     """The certificate or credential does not allow the request."""
 
 
+class OrderError(GapsError, RuntimeError):
+    """A call came out of order: a push before any pull, rows pushed that were not pulled."""
+
+
+class IdError(GapsError, ValueError):
+    """Embedding ids that cannot be ids (negative)."""
+
+
 class ServerError(GapsError):
     """A shard refused the request for another reason."""
 
@@ -92,6 +103,11 @@ class ConfigError(GapsError):
     """Bad client settings or TLS files, or a cluster that does not match them."""
 
 
+class CertificateError(ConfigError, PermissionError):
+    """A certificate was refused (from another CA, expired, of the wrong role): raised at once, with the
+    reason, since trying again with the same files cannot succeed."""
+
+
 _KINDS = {
     "shape": ShapeError,
     "dtype": DTypeError,
@@ -102,6 +118,8 @@ _KINDS = {
     "server": ServerError,
     "closed": ClosedError,
     "config": ConfigError,
+    "certificate": CertificateError,
+    "order": OrderError,
 }
 
 
@@ -172,7 +190,7 @@ def _ids(table: str, ids) -> np.ndarray:
     if array.dtype.kind not in "ui":
         raise DTypeError(f"ids of {table}: expected unsigned 64-bit integers, got {array.dtype}")
     if array.dtype.kind == "i" and array.size and array.min() < 0:
-        raise ShapeError(f"ids of {table}: ids must not be negative")
+        raise IdError(f"ids of {table}: ids must not be negative")
     if array.ndim != 1:
         raise ShapeError(f"ids of {table}: expected a 1-d array, got shape {array.shape}")
     return np.ascontiguousarray(array, dtype="<u8")

@@ -98,11 +98,14 @@ def _read_listening(proc: subprocess.Popen, what: str, timeout: float) -> dict:
         proc.wait()
         try:
             with open(proc.log_path, encoding="utf-8", errors="replace") as f:
-                tail = "".join(f.readlines()[-15:])
+                lines = f.readlines()
         except (OSError, AttributeError):
-            tail = "(no log)"
+            lines = ["(no log)"]
+        # The reason first: the error line (and a panic's message) rather than whatever followed it.
+        reason = [line for line in lines if line.startswith("Error:") or "panicked at" in line]
+        tail = "".join(reason[:3] + ["...\n"] + lines[-8:] if reason else lines[-15:])
         state = "exited" if exited else f"did not start within {timeout}s"
-        raise RuntimeError(f"{what} {state}; its log ends with:\n{tail}")
+        raise RuntimeError(f"{what} {state}: {reason[0].strip() if reason else 'see its log'}; its log ends with:\n{tail}")
     return result
 
 
@@ -162,6 +165,7 @@ def local_cluster(
             log = open(log_path, "wb")
             logs.append(log)
             env = dict(os.environ, GAPS_LOG=os.environ.get("GAPS_LOG", "warn"))
+            env.setdefault("RUST_BACKTRACE", "0")  # a refused flag is one line, not a backtrace
             proc = subprocess.Popen(
                 args, stdout=subprocess.PIPE, stderr=log, text=True, env=env, preexec_fn=_die_with_parent
             )

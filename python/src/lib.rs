@@ -24,8 +24,8 @@ use std::time::Duration;
 
 pyo3::create_exception!(_gaps, NativeError, PyException, "An error of the gaps client: args are (kind, message).");
 
-/// A `NativeError` of `kind` (`shape`, `dtype`, `unknown`, `nonfinite`, `unavailable`, `server`, `closed`,
-/// `config`).
+/// A `NativeError` of `kind` (`shape`, `dtype`, `unknown`, `nonfinite`, `unavailable`, `unauthorized`,
+/// `order`, `certificate`, `server`, `closed`, `config`).
 fn err(kind: &str, message: impl Into<String>) -> PyErr {
     NativeError::new_err((kind.to_string(), message.into()))
 }
@@ -45,7 +45,8 @@ fn client_err(e: ClientError) -> PyErr {
             _ => err("server", text),
         },
         ClientError::Rpc(RpcError::Connection { .. } | RpcError::Timeout { .. }) => err("unavailable", text),
-        ClientError::Rpc(RpcError::Identity { .. } | RpcError::Setup(_)) => err("config", text),
+        ClientError::Rpc(RpcError::Identity { .. }) => err("certificate", text),
+        ClientError::Rpc(RpcError::Setup(_)) => err("config", text),
         ClientError::Rpc(_) => err("server", text),
     }
 }
@@ -132,8 +133,11 @@ impl NativeClient {
         compute_seconds: Option<f64>,
     ) -> PyResult<(Client, Vec<Vec<f32>>, Snapshot)> {
         let client = self.client()?;
+        if client.worker_id().is_none() {
+            return Err(err("unauthorized", "an observer client cannot push (it was connected with observer=True)"));
+        }
         let snapshot = self.last.lock().map_err(poisoned)?.clone();
-        let snapshot = snapshot.ok_or_else(|| err("shape", "push needs a pull first (pull_all or pull)"))?;
+        let snapshot = snapshot.ok_or_else(|| err("order", "push needs a pull first (pull_all or pull)"))?;
         let layout = client.layout();
         if grads.len() != layout.tensors.len() {
             return Err(err("shape", format!("expected {} gradients, got {}", layout.tensors.len(), grads.len())));
@@ -327,12 +331,18 @@ impl NativeClient {
         let t = self.table_index(table)?;
         let ids = Self::ids(ids)?;
         let client = self.client()?;
+        if client.worker_id().is_none() {
+            return Err(err(
+                "unauthorized",
+                "an observer client cannot push rows (it was connected with observer=True)",
+            ));
+        }
         let (rows, grads) = {
             let mut remembered = self.rows.lock().map_err(poisoned)?;
             let pulls = remembered.entry(t).or_default();
             let Some(at) = pulls.iter().rposition(|r| r.ids == ids) else {
                 return Err(err(
-                    "shape",
+                    "order",
                     format!(
                         "push_rows({table:?}) needs ids pulled with pull_rows (one of the last {REMEMBERED_PULLS})"
                     ),

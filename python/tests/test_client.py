@@ -103,7 +103,7 @@ def test_bad_input_raises_the_right_error_and_changes_nothing(cluster):
             client.push({**ok, "w": nan})
         with pytest.raises(gaps.DTypeError):
             client.pull_rows("emb", np.array([1.5]))
-        with pytest.raises(gaps.ShapeError):
+        with pytest.raises(gaps.OrderError):  # rows that were never pulled
             client.push_rows("emb", np.array([1, 2], np.uint64), np.zeros((2, 3), np.float32))
         rows_ids = np.array([5], np.uint64)
         client.pull_rows("emb", rows_ids)

@@ -134,3 +134,55 @@ def test_a_gradient_of_the_right_size_but_another_shape_is_refused(cluster):
         # Flat in row-major order is still taken.
         client.push({"w": g.reshape(-1) * 0, "b": np.zeros(4, np.float32)})
         np.testing.assert_array_equal(client.pull_all()["w"], before["w"])
+
+
+def test_mistakes_raise_their_own_error_classes(cluster):
+    with gaps.Client(cluster.coordinator, cluster.ca, cluster.cert, cluster.key, rpc_timeout=10.0) as client:
+        g = {"w": np.zeros((5, 4), np.float32), "b": np.zeros(4, np.float32)}
+        with pytest.raises(gaps.OrderError, match="pull first"):
+            client.push(g)
+        with pytest.raises(gaps.OrderError, match="pull_rows"):
+            client.push_rows("emb", np.array([1, 2], np.uint64), np.zeros((2, 3), np.float32))
+        with pytest.raises(gaps.IdError, match="negative"):
+            client.pull_rows("emb", np.array([3, -1]))
+        ids = np.array([5, 6], np.uint64)
+        client.pull_rows("emb", ids)
+        bad = np.zeros((2, 3), np.float32)
+        bad[1, 2] = np.nan
+        with pytest.raises(gaps.NonFiniteError, match='"emb"'):
+            client.push_rows("emb", ids, bad)
+    with gaps.Client(cluster.coordinator, cluster.ca, cluster.cert, cluster.key, observer=True) as observer:
+        observer.pull_all()
+        with pytest.raises(gaps.UnauthorizedError, match="observer"):
+            observer.push({"w": np.zeros((5, 4), np.float32), "b": np.zeros(4, np.float32)})
+        observer.pull_rows("emb", np.array([5], np.uint64), create=False)
+        with pytest.raises(gaps.UnauthorizedError, match="observer"):
+            observer.push_rows("emb", np.array([5], np.uint64), np.zeros((1, 3), np.float32))
+
+
+def test_a_certificate_from_another_ca_fails_at_once_with_the_reason(cluster, tmp_path):
+    other = tmp_path / "other"
+    subprocess.run([gaps.testing.find_gaps(), "certs", "--out", str(other), "--shards", "1"], check=True, capture_output=True)
+    cases = {
+        # The shard refuses the client's certificate.
+        "our CA, their certificate": (cluster.ca, str(other / "worker.pem"), str(other / "worker.key")),
+        # The client refuses the shard's certificate.
+        "their CA, our certificate": (str(other / "ca.pem"), cluster.cert, cluster.key),
+    }
+    for what, (ca, cert, key) in cases.items():
+        started = time.monotonic()
+        with pytest.raises(gaps.CertificateError) as raised:
+            gaps.Client(cluster.coordinator, ca, cert, key, connect_timeout=60.0)
+        took = time.monotonic() - started
+        print(f"{what}: CertificateError after {took:.2f} s: {raised.value}")
+        assert "TLS alert" in str(raised.value) or "certificate" in str(raised.value), (what, str(raised.value))
+        assert took < 30, f"{what}: retried for {took:.1f} s with files that cannot work"
+
+
+def test_a_shard_that_cannot_start_says_why_first(layout_file):
+    with pytest.raises(RuntimeError) as raised:
+        with gaps.testing.local_cluster(layout_file, servers=1, lr=-1.0):
+            pass
+    message = str(raised.value)
+    assert "lr must be a positive number" in message.splitlines()[0], message
+    assert "Stack backtrace" not in message, message

@@ -436,7 +436,7 @@ pub async fn connect_with(
     .map_err(|e| conn_err(e.to_string()))?;
     match tokio::time::timeout(timeout, connecting).await {
         Ok(Ok(conn)) => Ok(conn),
-        Ok(Err(e)) => Err(conn_err(describe_connection_error(&e))),
+        Ok(Err(e)) => Err(connection_failure(&addr.to_string(), &e)),
         Err(_) => Err(RpcError::Timeout { addr: addr.to_string(), timeout }),
     }
 }
@@ -456,6 +456,29 @@ fn tls_alert(alert: u8) -> String {
         _ => ("alert", "see RFC 8446 §6"),
     };
     format!("TLS alert {alert} {name}: {hint}")
+}
+
+/// TLS alerts that refuse a certificate: trying again with the same certificates cannot succeed.
+const CERTIFICATE_ALERTS: [u8; 7] = [42, 44, 45, 46, 48, 51, 116];
+
+/// A closed connection as an error: [`RpcError::Identity`] (not retried) when a TLS alert refused a
+/// certificate — a certificate from another CA, an expired one, none at all — so a client with the wrong
+/// files fails at once with the reason; [`RpcError::Connection`] (retried) otherwise.
+pub fn connection_failure(addr: &str, e: &quinn::ConnectionError) -> RpcError {
+    use quinn::ConnectionError as E;
+    let code = match e {
+        E::ConnectionClosed(c) => Some(u64::from(c.error_code)),
+        E::TransportError(t) => Some(u64::from(t.code)),
+        _ => None,
+    };
+    let refused =
+        code.is_some_and(|c| (0x100..0x200).contains(&c) && CERTIFICATE_ALERTS.contains(&((c - 0x100) as u8)));
+    let message = describe_connection_error(e);
+    if refused {
+        RpcError::Identity { addr: addr.to_string(), message }
+    } else {
+        RpcError::Connection { addr: addr.to_string(), message }
+    }
 }
 
 /// A connection failure in words: which side refused what, and why, where TLS or the peer said so.
@@ -951,9 +974,9 @@ pub async fn call_with(
     let fut = async {
         // When the connection itself closed, say why (a TLS alert, the peer's reason) rather than how the
         // stream noticed.
-        let conn_err = |message: String| RpcError::Connection {
-            addr: addr.clone(),
-            message: conn.close_reason().map_or(message, |reason| describe_connection_error(&reason)),
+        let conn_err = |message: String| match conn.close_reason() {
+            Some(reason) => connection_failure(&addr, &reason),
+            None => RpcError::Connection { addr: addr.clone(), message },
         };
         let (mut send, mut recv) = conn.open_bi().await.map_err(|e| conn_err(e.to_string()))?;
         if let Err(e) = write_frame(&mut send, msg, payload).await {

@@ -1324,7 +1324,8 @@ impl Client {
     pub async fn push_sparse(&self, table: u32, rows: &SparseRows, grads: &[f32]) -> Result<PushSummary, ClientError> {
         let worker = self.inner.map.worker_id.ok_or_else(|| ClientError::Shape("observers cannot push".into()))?;
         let dim = self.table_dim(table)?;
-        check_finite(&format!("the row gradients of table {table}"), grads)?;
+        let name = self.inner.map.layout.tables.get(table as usize).map_or("?", |t| t.name.as_str());
+        check_finite(&format!("the row gradients of table {name:?} ({table})"), grads)?;
         if rows.dim != dim || grads.len() != rows.ids.len() * dim || rows.values.len() != grads.len() {
             return Err(ClientError::Shape("sparse gradients do not match the pulled rows".into()));
         }
