@@ -23,7 +23,7 @@ import time
 import numpy as np
 import torch
 
-from . import Client, ShapeError, UnknownNameError
+from . import Client, IdError, ShapeError, UnknownNameError, _native
 
 __all__ = ["ShardedEmbedding", "ShardedEmbeddingBag", "DenseParameters", "layout_for"]
 
@@ -35,22 +35,82 @@ class _PullRows:
         self._client = client
         self._table = table
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"gaps-{table}")
-        self._pending: dict[bytes, concurrent.futures.Future] = {}
+        self._pending: dict[tuple[bytes, bool, bool], concurrent.futures.Future] = {}
 
-    def start(self, unique: np.ndarray) -> None:
-        key = unique.tobytes()
+    def _pull(self, unique: np.ndarray, create: bool, remember: bool):
+        raw, token = _native(self._client._native.pull_rows_tagged, self._table, unique.tobytes(), create, remember)
+        return raw, token
+
+    def start(self, unique: np.ndarray, create: bool, remember: bool) -> None:
+        key = (unique.tobytes(), create, remember)
         if key not in self._pending:
-            self._pending[key] = self._pool.submit(self._client.pull_rows, self._table, unique)
+            self._pending[key] = self._pool.submit(self._pull, unique, create, remember)
 
-    def get(self, unique: np.ndarray) -> np.ndarray:
-        future = self._pending.pop(unique.tobytes(), None)
+    def get(self, unique: np.ndarray, create: bool, remember: bool):
+        future = self._pending.pop((unique.tobytes(), create, remember), None)
         if future is not None:
             return future.result()
-        return self._client.pull_rows(self._table, unique)
+        return self._pull(unique, create, remember)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        for future in self._pending.values():
+            if future.done() and future.exception() is None and future.result()[1] is not None:
+                _native(self._client._native.forget_rows, [future.result()[1]])
         self._pending.clear()
+
+
+class _RowStep:
+    """One table's row traffic of one step, shared by every lookup of the table through one client: the
+    pulls read (tokens), and the gradients backward produced for them, summed per id and pushed **once**,
+    when the backward pass ends (a callback queued on the autograd engine). A second backward over the same
+    forward (another loss) pushes its own gradients the same way; the next forward starts a new step."""
+
+    def __init__(self, client: Client, table: str, dim: int):
+        self.client, self.table, self.dim = client, table, dim
+        self.tokens: list[int] = []
+        self.ids: list[np.ndarray] = []
+        self.grads: list[np.ndarray] = []
+        self.queued = False
+        self.pushed = False
+
+    @staticmethod
+    def of(client: Client, table: str, dim: int) -> "_RowStep":
+        steps = client.__dict__.setdefault("_gaps_row_steps", {})
+        if table not in steps:
+            steps[table] = _RowStep(client, table, dim)
+        return steps[table]
+
+    def read(self, token: int) -> None:
+        if self.pushed:  # a new step: the last one's pulls will not be pushed again
+            _native(self.client._native.forget_rows, self.tokens)
+            self.tokens, self.pushed = [], False
+        self.tokens.append(token)
+
+    def gradient(self, unique: np.ndarray, grad: np.ndarray) -> None:
+        self.ids.append(unique)
+        self.grads.append(grad)
+        if not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.push)
+
+    def push(self) -> None:
+        self.queued = False
+        if not self.ids:
+            return
+        ids, grads = np.concatenate(self.ids), np.concatenate(self.grads)
+        self.ids, self.grads = [], []
+        unique, inverse = np.unique(ids, return_inverse=True)
+        summed = np.zeros((len(unique), self.dim), np.float32)
+        np.add.at(summed, inverse.reshape(-1), grads)
+        self.pushed = True
+        _native(
+            self.client._native.push_rows_merged,
+            self.table,
+            list(self.tokens),
+            np.ascontiguousarray(unique, dtype="<u8").tobytes(),
+            np.ascontiguousarray(summed, dtype="<f4").tobytes(),
+        )
 
 
 class ShardedEmbedding(torch.nn.Module):
@@ -58,11 +118,15 @@ class ShardedEmbedding(torch.nn.Module):
 
     ``forward(ids)`` takes an integer tensor of any shape (ids ≥ 0), pulls each distinct id's row once,
     and returns ``ids.shape + (dim,)`` (or, with ``mode="sum"``/``"mean"``, reduces over the last axis of
-    ``ids`` like ``torch.nn.EmbeddingBag``). The backward pass pushes the summed gradient of every distinct
-    row once. Rows are created on the shards on first use.
+    ``ids`` like ``torch.nn.EmbeddingBag``). A table may be looked up any number of times per step, through
+    one module or several (one shared table looked up per field, say): the backward pass sums each row's
+    gradients over every lookup and pushes them once per table. Rows are created on the shards on first use
+    in training; a lookup with gradients off (evaluation, ``torch.no_grad()``), from an observer client, or
+    with ``create=False`` never creates rows (a missing row reads as the initial value it would get, and is
+    not stored) and pushes nothing.
     """
 
-    def __init__(self, client: Client, table: str, mode: str | None = None):
+    def __init__(self, client: Client, table: str, mode: str | None = None, *, create: bool = True):
         super().__init__()
         if table not in client.layout.tables:
             raise UnknownNameError(f"the cluster serves no table {table!r}")
@@ -72,6 +136,7 @@ class ShardedEmbedding(torch.nn.Module):
         self.table = table
         self.dim = client.layout.tables[table].dim
         self.mode = mode
+        self.create = create
         self._rows = _PullRows(client, table)
 
     @staticmethod
@@ -81,31 +146,61 @@ class ShardedEmbedding(torch.nn.Module):
             raise TypeError(f"ids must be integers, not {ids.dtype}")
         unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
         if unique.numel() and int(unique[0]) < 0:
-            raise ShapeError("ids must not be negative")
+            raise IdError("ids must not be negative")
         return unique.cpu().numpy().astype(np.uint64), inverse
 
+    def _training(self) -> bool:
+        return torch.is_grad_enabled() and self.client.worker_id is not None
+
     def prefetch(self, ids) -> None:
-        """Starts pulling the rows of a later batch's ``ids`` now."""
+        """Starts pulling the rows of a later batch's ``ids`` now (for a training step)."""
         unique, _ = self._unique(ids)
-        self._rows.start(unique)
+        self._rows.start(unique, self.create, True)
 
-    def forward(self, ids) -> torch.Tensor:
-        ids = torch.as_tensor(ids)
+    def _lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of the distinct ids (a leaf whose gradient is pushed) and the index of each id."""
         unique, inverse = self._unique(ids)
-        rows = torch.from_numpy(self._rows.get(unique))
-        if torch.is_grad_enabled():
+        training = self._training()
+        raw, token = self._rows.get(unique, self.create and training, training)
+        rows = torch.from_numpy(np.frombuffer(raw, dtype="<f4").reshape(len(unique), self.dim))
+        if training and token is not None:
+            step = _RowStep.of(self.client, self.table, self.dim)
+            step.read(token)
             rows.requires_grad_(True)
-            client, table = self.client, self.table
 
-            def push(grad: torch.Tensor) -> None:
-                client.push_rows(table, unique, grad.detach().cpu().numpy().astype(np.float32, copy=False))
+            def gradient(grad: torch.Tensor) -> None:
+                step.gradient(unique, grad.detach().cpu().numpy().astype(np.float32, copy=False))
 
-            rows.register_hook(push)
+            rows.register_hook(gradient)
+        return rows, inverse
+
+    def forward(self, ids, offsets=None) -> torch.Tensor:
+        ids = torch.as_tensor(ids)
+        rows, inverse = self._lookup(ids)
+        if offsets is not None:
+            return self._bags(rows[inverse], ids, torch.as_tensor(offsets))
         out = rows[inverse].reshape(*ids.shape, self.dim)
         if self.mode == "sum":
             out = out.sum(dim=-2)
         elif self.mode == "mean":
             out = out.mean(dim=-2)
+        return out
+
+    def _bags(self, values: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Ragged bags as ``torch.nn.EmbeddingBag`` takes them: 1-d ``ids``, ``offsets`` the start of each bag."""
+        if self.mode is None:
+            raise ValueError("offsets need a reducing mode: ShardedEmbeddingBag, or mode='sum' or 'mean'")
+        if ids.dim() != 1 or offsets.dim() != 1:
+            raise ShapeError(f"with offsets, ids and offsets are 1-d (got {tuple(ids.shape)} and {tuple(offsets.shape)})")
+        n = ids.numel()
+        starts = offsets.to(torch.int64)
+        if starts.numel() and (int(starts[0]) != 0 or bool((starts[1:] < starts[:-1]).any()) or int(starts[-1]) > n):
+            raise ShapeError("offsets must start at 0, never decrease and stay within the ids")
+        bag = torch.bucketize(torch.arange(n), starts, right=True) - 1
+        out = torch.zeros(starts.numel(), self.dim, dtype=values.dtype).index_add(0, bag, values)
+        if self.mode == "mean":
+            counts = torch.bincount(bag, minlength=starts.numel()).clamp(min=1).to(values.dtype)
+            out = out / counts.unsqueeze(1)
         return out
 
     def close(self) -> None:
@@ -115,12 +210,13 @@ class ShardedEmbedding(torch.nn.Module):
 
 class ShardedEmbeddingBag(ShardedEmbedding):
     """``torch.nn.EmbeddingBag`` over a table on the shards: sums (or, ``mode="mean"``, averages) the rows of
-    each bag, the last axis of ``ids``."""
+    each bag — the last axis of ``ids``, or ragged bags given by ``offsets`` (1-d ids, the start of each
+    bag), as ``torch.nn.EmbeddingBag(ids, offsets)`` takes them."""
 
-    def __init__(self, client: Client, table: str, mode: str = "sum"):
+    def __init__(self, client: Client, table: str, mode: str = "sum", *, create: bool = True):
         if mode not in ("sum", "mean"):
             raise ValueError(f"mode must be 'sum' or 'mean', not {mode!r}")
-        super().__init__(client, table, mode=mode)
+        super().__init__(client, table, mode=mode, create=create)
 
 
 class DenseParameters:

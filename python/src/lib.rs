@@ -122,7 +122,14 @@ struct NativeClient {
     last: Mutex<Option<Snapshot>>,
     /// Recent row pulls per table, newest last: a push of rows refers to the pull of the same ids.
     rows: Mutex<HashMap<u32, Vec<SparseRows>>>,
+    /// Row pulls kept under a token until a step's merged push takes them (`pull_rows_tagged`,
+    /// `push_rows_merged`), at most [`TAGGED_PULLS`], the oldest forgotten first.
+    tagged: Mutex<std::collections::BTreeMap<u64, (u32, SparseRows)>>,
+    next_token: std::sync::atomic::AtomicU64,
 }
+
+/// Tagged row pulls a client keeps (a step of a model that looks a table up per field holds tens).
+const TAGGED_PULLS: usize = 4096;
 
 impl NativeClient {
     /// The gradients of a push (one per dense tensor, layout order, float32 bytes) checked against the
@@ -234,6 +241,8 @@ impl NativeClient {
             heartbeats: Mutex::new(heartbeats),
             last: Mutex::new(None),
             rows: Mutex::new(HashMap::new()),
+            tagged: Mutex::new(std::collections::BTreeMap::new()),
+            next_token: std::sync::atomic::AtomicU64::new(1),
         })
     }
 
@@ -324,6 +333,96 @@ impl NativeClient {
             pulls.remove(0);
         }
         Ok(out)
+    }
+
+    /// `pull_rows`, kept under a token (returned with the rows) for a later `push_rows_merged` instead of
+    /// being remembered by its ids; with `remember` false nothing is kept (evaluation) and the token is None.
+    #[pyo3(signature = (table, ids, create=true, remember=true))]
+    fn pull_rows_tagged<'py>(
+        &self,
+        py: Python<'py>,
+        table: &str,
+        ids: &[u8],
+        create: bool,
+        remember: bool,
+    ) -> PyResult<(Bound<'py, PyByteArray>, Option<u64>)> {
+        let t = self.table_index(table)?;
+        let ids = Self::ids(ids)?;
+        let client = self.client()?;
+        let rows = block(py, &self.runtime, client.pull_sparse(t, &ids, create))?.map_err(client_err)?;
+        let out = to_bytearray(py, &rows.values);
+        if !remember {
+            return Ok((out, None));
+        }
+        let token = self.next_token.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut tagged = self.tagged.lock().map_err(poisoned)?;
+        tagged.insert(token, (t, rows));
+        while tagged.len() > TAGGED_PULLS {
+            tagged.pop_first();
+        }
+        Ok((out, Some(token)))
+    }
+
+    /// Forgets tagged pulls that will not be pushed.
+    fn forget_rows(&self, tokens: Vec<u64>) -> PyResult<()> {
+        let mut tagged = self.tagged.lock().map_err(poisoned)?;
+        for t in tokens {
+            tagged.remove(&t);
+        }
+        Ok(())
+    }
+
+    /// One push of a step's row gradients of `table`: `ids` (distinct uint64) with `len(ids) × dim` float32
+    /// gradients, each row read in one of the tagged pulls `tokens` (the first that holds it gives the
+    /// version the gradient was computed on). The tokens are used up, pushed or not.
+    fn push_rows_merged(
+        &self,
+        py: Python<'_>,
+        table: &str,
+        tokens: Vec<u64>,
+        ids: &[u8],
+        grads: &[u8],
+    ) -> PyResult<()> {
+        let t = self.table_index(table)?;
+        let ids = Self::ids(ids)?;
+        let client = self.client()?;
+        if client.worker_id().is_none() {
+            return Err(err(
+                "unauthorized",
+                "an observer client cannot push rows (it was connected with observer=True)",
+            ));
+        }
+        let pulls: Vec<SparseRows> = {
+            let mut tagged = self.tagged.lock().map_err(poisoned)?;
+            tokens.iter().filter_map(|k| tagged.remove(k)).filter(|(table, _)| *table == t).map(|(_, r)| r).collect()
+        };
+        let dim = client.layout().tables.get(t as usize).map_or(0, |spec| spec.dim as usize);
+        let grads = floats(&format!("the row gradients of {table}"), grads, ids.len() * dim)?;
+        let mut rows = SparseRows { ids: Vec::with_capacity(ids.len()), values: Vec::new(), versions: Vec::new(), dim };
+        let mut at: HashMap<u64, (usize, usize)> = HashMap::new();
+        for (p, pull) in pulls.iter().enumerate() {
+            for (k, id) in pull.ids.iter().enumerate() {
+                at.entry(*id).or_insert((p, k));
+            }
+        }
+        for id in &ids {
+            let Some(&(p, k)) = at.get(id) else {
+                return Err(err(
+                    "order",
+                    format!(
+                        "push of {table:?}: row {id} was not read in this step's pulls (or they were pushed already)"
+                    ),
+                ));
+            };
+            rows.ids.push(*id);
+            rows.versions.push(pulls[p].versions[k]);
+            rows.values.extend_from_slice(&pulls[p].values[k * dim..(k + 1) * dim]);
+        }
+        if rows.ids.is_empty() {
+            return Ok(());
+        }
+        block(py, &self.runtime, client.push_sparse(t, &rows, &grads))?.map_err(client_err)?;
+        Ok(())
     }
 
     /// Pushes gradients (`len(ids) × dim` float32 bytes) for the rows of `table` last pulled with `ids`.

@@ -123,3 +123,58 @@ def test_dense_parameters_refuse_a_module_whose_shape_differs_but_size_matches(c
     with gaps.Client(cluster.coordinator, cluster.ca, cluster.cert, cluster.key) as client:
         with pytest.raises(gaps.ShapeError, match=r"\(4, 5\).*\(5, 4\)"):
             gt.DenseParameters(client, Transposed())
+
+
+def test_one_table_looked_up_per_field_pushes_each_row_once_with_its_summed_gradient(tmp_path):
+    path = tmp_path / "layout.toml"
+    path.write_text(gt.layout_for(Tiny(), {"emb": 4}, chunk_elems=8))
+    sgd_rows = ["--sparse-rule=sgd", "--sparse-lr=0.5"]
+    with local_cluster(path, servers=2, rule="sgd", lr=0.5, extra_args=sgd_rows) as c, gaps.Client(
+        c.coordinator, c.ca, c.cert, c.key
+    ) as client:
+        shared, other = gt.ShardedEmbedding(client, "emb"), gt.ShardedEmbedding(client, "emb")
+        ids = torch.tensor([[1, 2, 3], [3, 2, 9]])
+        every = np.array([1, 2, 3, 9], np.uint64)
+        before = client.pull_rows("emb", every).copy()
+        applied = [s["pushes_applied"] for s in client.stats()]
+        # 26 per-field lookups of one table, through two modules, each weighted by its field number.
+        loss = sum((j + 1) * (shared if j % 2 else other)(ids[:, j % 3]).sum() for j in range(26))
+        loss.backward()
+        expected = np.zeros((4, 4), np.float32)
+        for j in range(26):
+            for b in range(2):
+                expected[list(every).index(int(ids[b, j % 3]))] += j + 1
+        after = client.pull_rows("emb", every)
+        np.testing.assert_allclose(after, before - 0.5 * expected, rtol=0, atol=1e-4)
+        # One push per shard that holds any of the rows (two shards: at most one each).
+        pushes = [s["pushes_applied"] - a for s, a in zip(client.stats(), applied)]
+        assert all(p <= 1 for p in pushes) and sum(pushes) >= 1, pushes
+        # A second step through the same modules works the same way (the last step's pulls are forgotten).
+        before = after.copy()
+        loss = shared(ids).sum() + other(ids[:, :1]).sum()
+        loss.backward()
+        expected = np.zeros((4, 4), np.float32)
+        for i in ids.reshape(-1).tolist() + ids[:, 0].tolist():
+            expected[list(every).index(i)] += 1
+        np.testing.assert_allclose(client.pull_rows("emb", every), before - 0.5 * expected, rtol=0, atol=1e-4)
+
+        # Ragged bags, as torch.nn.EmbeddingBag takes them.
+        bag = gt.ShardedEmbeddingBag(client, "emb", mode="mean")
+        rows = {int(i): r for i, r in zip(every, client.pull_rows("emb", every))}
+        with torch.no_grad():
+            out = bag(torch.tensor([1, 2, 3, 9]), torch.tensor([0, 1, 3]))
+        want = np.stack([rows[1], (rows[2] + rows[3]) / 2, rows[9]])
+        np.testing.assert_allclose(out.numpy(), want, rtol=0, atol=1e-6)
+
+        # Evaluation and observers never create rows.
+        held = sum(s["table_rows"] for s in client.stats())
+        with torch.no_grad():
+            unseen = shared(torch.tensor([[10**9, 10**9 + 1]]))
+        # An unseen row reads as the initial value it would get, without being stored.
+        np.testing.assert_array_equal(unseen[0].numpy(), client.pull_rows("emb", np.array([10**9, 10**9 + 1], np.uint64), create=False))
+        with gaps.Client(c.coordinator, c.ca, c.cert, c.key, observer=True) as observer:
+            seen = gt.ShardedEmbedding(observer, "emb")(torch.tensor([[10**9 + 2, 1]]))
+            np.testing.assert_array_equal(seen[0, 1].detach().numpy(), client.pull_rows("emb", np.array([1], np.uint64))[0])
+        assert sum(s["table_rows"] for s in client.stats()) == held, "a lookup without training created rows"
+        for e in (shared, other, bag):
+            e.close()
