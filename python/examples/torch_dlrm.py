@@ -22,11 +22,10 @@ import torch
 
 import gaps
 import gaps.torch as gt
-from gaps import _gaps
 from gaps.testing import local_cluster
 
 NUM_INT, NUM_CAT = 13, 26
-MISSING = np.uint64(2**64 - 1)
+MISSING = gaps.data.MISSING
 
 
 class DLRM(torch.nn.Module):
@@ -40,14 +39,10 @@ class DLRM(torch.nn.Module):
         return self.w2(torch.relu(self.w1(z))).squeeze(1)
 
 
-def arrays(raw):
-    """(labels, ints, ids, present) from the native bytes."""
-    labels, ints, ids = raw
-    labels = np.frombuffer(labels, np.float32)
-    ints = np.frombuffer(ints, np.float32).reshape(-1, NUM_INT)
-    ids = np.frombuffer(ids, np.uint64).reshape(-1, NUM_CAT)
-    present = ids != MISSING
-    return labels, ints, np.where(present, ids, 0).astype(np.int64, copy=False), present
+def arrays(batch):
+    """(labels, ints, ids, present) of a gaps.CriteoBatch."""
+    present = batch.ids != MISSING
+    return batch.labels, batch.ints, np.where(present, batch.ids, 0).astype(np.int64, copy=False), present
 
 
 def embed(emb, ids, present):
@@ -62,7 +57,7 @@ def worker(rank: int, args, creds, results):
     with gaps.Client(*creds, worker_name=f"torch-{rank}") as client:  # gaps: join the cluster
         emb = gt.ShardedEmbedding(client, "emb")  # gaps: the table lives on the shards
         dense = gt.DenseParameters(client, model)  # gaps: so do the dense parameters
-        stream = _gaps.CriteoStream(args.data, args.seed, rank, args.workers)
+        stream = gaps.data.CriteoReader(args.data, part=rank, parts=args.workers, seed=args.seed)
         loss_fn = torch.nn.BCEWithLogitsLoss()
         started = time.perf_counter()
         nxt = arrays(stream.next_batch(args.batch))
@@ -83,7 +78,7 @@ def worker(rank: int, args, creds, results):
 
 def evaluate(args, creds, layout_model):
     """Held-out AUC and log-loss of the cluster's model (read by an observer)."""
-    labels, ints, ids, present = arrays(_gaps.held_out(args.data, args.seed, args.eval_samples))
+    labels, ints, ids, present = arrays(gaps.data.held_out(args.data, args.eval_samples, seed=args.seed))
     with gaps.Client(*creds, observer=True) as client, torch.no_grad():
         dense = gt.DenseParameters(client, layout_model)
         dense.pull()
@@ -97,7 +92,7 @@ def evaluate(args, creds, layout_model):
             e = torch.from_numpy(rows)[torch.from_numpy(idx)] * torch.from_numpy(present[sl]).unsqueeze(-1)
             scores.append(torch.sigmoid(layout_model(torch.from_numpy(ints[sl]), e)).numpy())
     p = np.concatenate(scores).astype(np.float32)
-    auc = _gaps.auc(p.tobytes(), labels.astype(np.float32).tobytes())
+    auc = gaps.metrics.auc(p, labels)
     eps = 1e-7
     logloss = float(-np.mean(labels * np.log(p + eps) + (1 - labels) * np.log(1 - p + eps)))
     return auc, logloss

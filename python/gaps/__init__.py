@@ -338,6 +338,14 @@ class Client:
         ``samples_replayed``, ``splits_done``...)."""
         return _native(self._native.data_status)
 
+    def checkpoint(self) -> dict:
+        """Asks every shard to write a checkpoint now (shards need ``--checkpoint-dir``), all at one point;
+        returns ``{"id": …, "shards": [{"shard", "path", "step"}, …]}``. Only the coordinator's certificate
+        may ask (an operator's client: ``observer=True`` with ``shard-0.pem``/``.key``;
+        :meth:`gaps.testing.LocalCluster.checkpoint` does it); a worker's certificate gets
+        :class:`UnauthorizedError`."""
+        return _native(self._native.checkpoint)
+
     def close(self) -> None:
         """Leaves the job and closes the connections (idempotent)."""
         _native(self._native.close)
@@ -436,5 +444,6 @@ class Split:
     def __repr__(self) -> str:
         return f"gaps.Split(epoch={self.epoch}, index={self.index}, lines={self.lines}, grant={self.grant})"
 
-# `gaps.testing.local_cluster` as the README spells it (the module needs only the standard library).
-from . import testing  # noqa: E402
+# `gaps.testing.local_cluster` as the README spells it, and the public data reader and metrics (they need only
+# the standard library and numpy).
+from . import data, metrics, testing  # noqa: E402

@@ -68,11 +68,30 @@ class LocalCluster:
     key: str
     dir: str
     shards: list = field(default_factory=list, repr=False)
+    #: The coordinator's certificate and key: an operator's credentials (checkpoints).
+    operator_cert: str = ""
+    operator_key: str = ""
+    _start: object = field(default=None, repr=False)
 
     def kill_shard(self, index: int) -> None:
         """SIGKILLs shard ``index`` (fault-injection in tests)."""
         self.shards[index].kill()
         self.shards[index].wait()
+
+    def restart_shard(self, index: int) -> None:
+        """Starts shard ``index`` again (after :meth:`kill_shard`) on its address, with its flags: with a
+        checkpoint directory it restores its newest checkpoint and rejoins."""
+        if self.shards[index].poll() is None:
+            raise RuntimeError(f"shard {index} is still running")
+        self.shards[index] = self._start(index)
+
+    def checkpoint(self) -> dict:
+        """A cluster checkpoint now, asked with the coordinator's certificate (see
+        :meth:`gaps.Client.checkpoint`); the shards need ``checkpoint_dir``."""
+        from . import Client
+
+        with Client(self.coordinator, self.ca, self.operator_cert, self.operator_key, observer=True) as op:
+            return op.checkpoint()
 
 
 def _read_listening(proc: subprocess.Popen, what: str, timeout: float) -> dict:
@@ -120,6 +139,9 @@ def local_cluster(
     init_std: float = 0.0,
     extra_args: list[str] | None = None,
     coordinator_args: list[str] | None = None,
+    checkpoint_dir: str | os.PathLike | None = None,
+    checkpoint_every: float | None = None,
+    restore: str | None = None,
     start_timeout: float = 60.0,
 ):
     """Starts ``servers`` shards serving the layout file ``layout``; yields a :class:`LocalCluster`.
@@ -127,6 +149,9 @@ def local_cluster(
     ``rule``, ``lr``, ``mode`` and ``init_std`` (the standard deviation of the dense tensors' random
     initial values; 0 starts them at zero) are the shards' flags; ``extra_args`` adds others;
     ``coordinator_args`` adds flags of shard 0 alone (``["--data", path]`` to deal a file).
+    ``checkpoint_dir`` keeps checkpoints there (each shard in ``shard-<i>/``; a cluster started on a
+    directory that holds checkpoints restores them), ``checkpoint_every`` (seconds) takes them on a schedule,
+    ``restore`` is ``"auto"`` (default), ``"never"`` or a checkpoint file.
     """
     gaps = find_gaps()
     workdir = tempfile.mkdtemp(prefix="gaps-cluster-")
@@ -140,13 +165,15 @@ def local_cluster(
             stderr=subprocess.PIPE,
         )
         coordinator = None
-        for i in range(servers):
+        addrs: dict[int, str] = {}
+
+        def start(i: int) -> subprocess.Popen:
             args = [
                 gaps,
                 "server",
                 f"--shard-index={i}",
                 f"--num-shards={servers}",
-                "--listen=127.0.0.1:0",
+                f"--listen={addrs.get(i, '127.0.0.1:0')}",
                 f"--ca={workdir}/ca.pem",
                 f"--cert={workdir}/shard-{i}.pem",
                 f"--key={workdir}/shard-{i}.key",
@@ -156,13 +183,19 @@ def local_cluster(
                 f"--mode={mode}",
                 f"--init-std={init_std}",
             ]
-            if coordinator:
+            if i > 0:
                 args.append(f"--coordinator={coordinator}")
+            if checkpoint_dir is not None:
+                args.append(f"--checkpoint-dir={os.fspath(checkpoint_dir)}")
+            if checkpoint_every is not None:
+                args.append(f"--checkpoint-every={int(checkpoint_every * 1000)}ms")
+            if restore is not None:
+                args.append(f"--restore={restore}")
             args.extend(extra_args or [])
             if i == 0:
                 args.extend(coordinator_args or [])
             log_path = os.path.join(workdir, f"shard-{i}.log")
-            log = open(log_path, "wb")
+            log = open(log_path, "ab")
             logs.append(log)
             env = dict(os.environ, GAPS_LOG=os.environ.get("GAPS_LOG", "warn"))
             env.setdefault("RUST_BACKTRACE", "0")  # a refused flag is one line, not a backtrace
@@ -170,10 +203,14 @@ def local_cluster(
                 args, stdout=subprocess.PIPE, stderr=log, text=True, env=env, preexec_fn=_die_with_parent
             )
             proc.log_path = log_path
-            shards.append(proc)
             event = _read_listening(proc, f"shard {i}", start_timeout)
+            addrs[i] = event["addr"]
+            return proc
+
+        for i in range(servers):
+            shards.append(start(i))
             if coordinator is None:
-                coordinator = event["addr"]
+                coordinator = addrs[0]
         yield LocalCluster(
             coordinator=coordinator,
             ca=f"{workdir}/ca.pem",
@@ -181,6 +218,9 @@ def local_cluster(
             key=f"{workdir}/worker.key",
             dir=workdir,
             shards=shards,
+            operator_cert=f"{workdir}/shard-0.pem",
+            operator_key=f"{workdir}/shard-0.key",
+            _start=start,
         )
     finally:
         for proc in reversed(shards):

@@ -25,7 +25,7 @@ import torch
 
 from . import Client, IdError, ShapeError, UnknownNameError, _native
 
-__all__ = ["ShardedEmbedding", "ShardedEmbeddingBag", "DenseParameters", "layout_for"]
+__all__ = ["ShardedEmbedding", "ShardedEmbeddingBag", "DenseParameters", "layout_for", "shard_embeddings"]
 
 
 class _PullRows:
@@ -276,12 +276,50 @@ class DenseParameters:
         self._pulled_at = time.monotonic()
 
 
+def _embedding_modules(module: torch.nn.Module) -> dict:
+    """The ``nn.Embedding`` / ``nn.EmbeddingBag`` submodules of ``module`` by their path."""
+    kinds = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+    return {name: m for name, m in module.named_modules() if name and isinstance(m, kinds)}
+
+
 def layout_for(module: torch.nn.Module, tables: dict[str, int] | None = None, chunk_elems: int = 65536) -> str:
-    """A layout file (TOML) serving ``module``'s parameters and the embedding ``tables`` (name -> dim)."""
+    """A layout file (TOML) serving ``module``: its ``nn.Embedding`` and ``nn.EmbeddingBag`` submodules become
+    embedding tables named by their path (``"emb"``, ``"towers.0.emb"``; dim = ``embedding_dim``), every other
+    parameter a dense tensor of its name and shape; ``tables`` (name -> dim) adds tables of its own. Swap the
+    embeddings for their shards with :func:`shard_embeddings`."""
+    embedded = _embedding_modules(module)
     lines = [f"chunk_elems = {int(chunk_elems)}", ""]
+    owned = {f"{name}.{p}" for name, m in embedded.items() for p, _ in m.named_parameters(recurse=False)}
     for name, p in module.named_parameters():
+        if name in owned:
+            continue
         shape = ", ".join(str(int(d)) for d in p.shape) or "1"
         lines += ["[[tensor]]", f'name = "{name}"', f"shape = [{shape}]", ""]
-    for name, dim in (tables or {}).items():
+    for name, dim in {**{n: m.embedding_dim for n, m in embedded.items()}, **(tables or {})}.items():
         lines += ["[[table]]", f'name = "{name}"', f"dim = {int(dim)}", ""]
     return "\n".join(lines)
+
+
+def shard_embeddings(module: torch.nn.Module, client: Client, *, create: bool = True) -> dict:
+    """Replaces, in place, every ``nn.Embedding`` / ``nn.EmbeddingBag`` submodule of ``module`` that the
+    cluster serves as a table of its path (what :func:`layout_for` writes) by a :class:`ShardedEmbedding` /
+    :class:`ShardedEmbeddingBag` of that table, so the model's own ``forward`` looks its rows up on the
+    shards unchanged (any number of times per step). Returns the new modules by path. The module's other
+    parameters are then what :class:`DenseParameters` serves."""
+    replaced = {}
+    for name, m in _embedding_modules(module).items():
+        table = client.layout.tables.get(name)
+        if table is None:
+            raise UnknownNameError(f"the cluster serves no table {name!r} for the module's {type(m).__name__}")
+        if table.dim != m.embedding_dim:
+            raise ShapeError(f"{name}: the module's embedding_dim is {m.embedding_dim}, the cluster's table {table.dim}")
+        if isinstance(m, torch.nn.EmbeddingBag):
+            if m.mode not in ("sum", "mean"):
+                raise ValueError(f"{name}: EmbeddingBag mode {m.mode!r} is not served (sum or mean)")
+            new = ShardedEmbeddingBag(client, name, mode=m.mode, create=create)
+        else:
+            new = ShardedEmbedding(client, name, create=create)
+        parent_name, _, child = name.rpartition(".")
+        setattr(module.get_submodule(parent_name) if parent_name else module, child, new)
+        replaced[name] = new
+    return replaced

@@ -599,6 +599,25 @@ impl NativeClient {
         Ok(self.client()?.pushes_acknowledged())
     }
 
+    /// A cluster checkpoint now (the coordinator's certificate only): `{"id", "shards": [{"shard", "path",
+    /// "step"}]}`.
+    fn checkpoint<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let client = self.client()?;
+        let done = block(py, &self.runtime, client.checkpoint())?.map_err(client_err)?;
+        let out = PyDict::new(py);
+        out.set_item("id", done.id)?;
+        let shards = PyList::empty(py);
+        for s in &done.shards {
+            let d = PyDict::new(py);
+            d.set_item("shard", s.shard)?;
+            d.set_item("path", &s.path)?;
+            d.set_item("step", s.step)?;
+            shards.append(d)?;
+        }
+        out.set_item("shards", shards)?;
+        Ok(out)
+    }
+
     /// Leaves the job (a worker) and closes the connections. Idempotent.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         if let Some(h) = self.heartbeats.lock().map_err(poisoned)?.take() {

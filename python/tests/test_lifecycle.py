@@ -186,3 +186,36 @@ def test_a_shard_that_cannot_start_says_why_first(layout_file):
     message = str(raised.value)
     assert "lr must be a positive number" in message.splitlines()[0], message
     assert "Stack backtrace" not in message, message
+
+
+def test_checkpoints_from_python_and_a_shard_restored_from_one(layout_file, tmp_path):
+    with gaps.testing.local_cluster(layout_file, servers=2, lr=0.5, checkpoint_dir=tmp_path / "ckpt") as c:
+        with gaps.Client(c.coordinator, c.ca, c.cert, c.key) as client:
+            client.pull_all()
+            client.push({"w": np.full((5, 4), 0.1, np.float32), "b": np.ones(4, np.float32)})
+            with pytest.raises(gaps.UnauthorizedError, match="coordinator"):
+                client.checkpoint()  # a worker's certificate may not
+            values = client.pull_all()
+        done = c.checkpoint()
+        assert [s["shard"] for s in done["shards"]] == [0, 1], done
+        assert all(os.path.exists(s["path"]) for s in done["shards"]), done
+        c.kill_shard(1)
+        c.restart_shard(1)  # restores its newest checkpoint and rejoins
+        with gaps.Client(c.coordinator, c.ca, c.cert, c.key, rpc_timeout=20.0) as client:
+            again = client.pull_all()
+        for name in values:
+            np.testing.assert_array_equal(again[name], values[name])
+
+
+def test_the_public_data_reader_and_metrics():
+    test = gaps.data.held_out("synthetic", 200)
+    assert len(test) == 200 and test.ids.shape == (200, 26) and test.ints.shape == (200, 13)
+    reader = gaps.data.CriteoReader("synthetic", part=0, parts=1)
+    batches = list(reader.batches(64, count=3))
+    assert [len(b) for b in batches] == [64, 64, 64]
+    assert not np.array_equal(batches[0].ids, batches[1].ids)
+    assert gaps.metrics.auc([0.1, 0.9, 0.8, 0.3], [0, 1, 1, 0]) == 1.0
+    assert gaps.metrics.auc([0.9, 0.1], [0, 1]) == 0.0
+    assert abs(gaps.metrics.logloss([0.5, 0.5], [0, 1]) - np.log(2)) < 1e-9
+    with pytest.raises(gaps.ShapeError):
+        gaps.metrics.auc([0.1], [0, 1])

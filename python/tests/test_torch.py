@@ -178,3 +178,43 @@ def test_one_table_looked_up_per_field_pushes_each_row_once_with_its_summed_grad
         assert sum(s["table_rows"] for s in client.stats()) == held, "a lookup without training created rows"
         for e in (shared, other, bag):
             e.close()
+
+
+class PerField(torch.nn.Module):
+    """A user's model that owns its embedding: one table shared by every field, looked up per field."""
+
+    def __init__(self, fields=26, dim=4):
+        super().__init__()
+        self.emb = torch.nn.Embedding(1000, dim)
+        self.fc = torch.nn.Linear(fields * dim, 1)
+
+    def forward(self, ids):
+        return self.fc(torch.cat([self.emb(ids[:, f]) for f in range(ids.shape[1])], dim=1)).squeeze(1)
+
+
+def test_a_users_model_with_its_own_embedding_trains_through_the_shards(tmp_path):
+    model = PerField()
+    text = gt.layout_for(model)
+    assert '[[table]]\nname = "emb"\ndim = 4' in text and "emb.weight" not in text, text
+    path = tmp_path / "layout.toml"
+    path.write_text(text)
+    rows = ["--sparse-rule=sgd", "--sparse-lr=4.0"]
+    with local_cluster(path, servers=2, rule="sgd", lr=0.5, extra_args=rows, init_std=0.05) as c, gaps.Client(
+        c.coordinator, c.ca, c.cert, c.key
+    ) as client:
+        replaced = gt.shard_embeddings(model, client)
+        assert list(replaced) == ["emb"] and isinstance(model.emb, gt.ShardedEmbedding)
+        dense = gt.DenseParameters(client, model)  # the embedding's weight is no longer a parameter
+        dense.pull()
+        g = torch.Generator().manual_seed(3)
+        ids = torch.randint(0, 60, (64, 26), generator=g)
+        labels = (ids[:, 0] % 2).float()  # learnable from field 0's rows alone
+        loss_fn = torch.nn.BCEWithLogitsLoss()
+        losses = []
+        for _ in range(60):
+            loss = loss_fn(model(ids), labels)
+            loss.backward()  # 26 lookups of one table: one push of its rows
+            dense.push(pull=True)
+            losses.append(loss.item())
+        assert losses[-1] < 0.5 * losses[0], losses
+        replaced["emb"].close()
