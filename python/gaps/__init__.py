@@ -23,6 +23,7 @@ fast worker trains on more of it than a slow one::
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 
@@ -234,6 +235,18 @@ class Client:
         )
         self.layout = Layout(_native(self._native.layout))
         self._names = list(self.layout.tensors)
+
+    @classmethod
+    def from_env(cls, **kwargs) -> "Client":
+        """A client with the credentials ``python -m gaps.launch`` gives each worker process:
+        ``GAPS_COORDINATOR``, ``GAPS_CA``, ``GAPS_CERT`` and ``GAPS_KEY`` (``GAPS_RANK`` and
+        ``GAPS_WORLD_SIZE`` say which worker this is). Keyword arguments are :class:`Client`'s."""
+        names = ("GAPS_COORDINATOR", "GAPS_CA", "GAPS_CERT", "GAPS_KEY")
+        missing = [n for n in names if not os.environ.get(n)]
+        if missing:
+            raise ConfigError(f"{', '.join(missing)} not set: start this script with python -m gaps.launch")
+        kwargs.setdefault("worker_name", f"rank-{os.environ.get('GAPS_RANK', '?')}")
+        return cls(*(os.environ[n] for n in names), **kwargs)
 
     @property
     def worker_id(self) -> int | None:

@@ -1,0 +1,104 @@
+"""`python -m gaps.launch`: a cluster and N worker processes from one command, their output prefixed by
+rank, one summary line; SIGTERM or Ctrl-C of the launcher leaves no process behind."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+WORKER = """
+import os, sys, time
+import numpy as np
+import gaps
+
+rank, world = int(os.environ["GAPS_RANK"]), int(os.environ["GAPS_WORLD_SIZE"])
+with gaps.Client.from_env() as client:
+    print(f"pid {os.getpid()} rank {rank} of {world}", flush=True)
+    if len(sys.argv) > 1 and sys.argv[1] == "sleep":
+        time.sleep(600)
+    client.pull_all()
+    for _ in range(5):
+        client.push_pull({"w": np.full((5, 4), 0.01, np.float32), "b": np.zeros(4, np.float32)})
+    print("done", flush=True)
+"""
+
+
+def launch(tmp_path, layout_file, *script_args, **popen):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(WORKER))
+    cmd = [sys.executable, "-m", "gaps.launch", "--servers", "2", "--workers", "2", "--layout", str(layout_file)]
+    return subprocess.Popen([*cmd, str(script), *script_args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+
+
+def gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return True
+
+
+def test_the_launcher_runs_every_worker_and_sums_up(tmp_path, layout_file):
+    proc = launch(tmp_path, layout_file)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, (out, err)
+    lines = out.splitlines()
+    for rank in (0, 1):
+        assert any(line.startswith(f"[{rank}] pid ") and f"rank {rank} of 2" in line for line in lines), out
+        assert f"[{rank}] done" in lines, out
+    summary = json.loads(lines[-1])
+    assert summary["event"] == "launch_done" and summary["exit_codes"] == [0, 0], summary
+    # 2 workers × 5 push-pulls × 2 shards, each applied once.
+    assert summary["pushes_applied"] == 20 and summary["pushes_applied_twice"] == 0, summary
+
+
+def test_a_failing_worker_stops_the_others_and_the_exit_code_says_so(tmp_path, layout_file):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import os, sys, time\nif os.environ['GAPS_RANK'] == '1':\n    sys.exit(3)\ntime.sleep(600)\n")
+    cmd = [sys.executable, "-m", "gaps.launch", "--workers", "2", "--layout", str(layout_file), "--grace", "2", str(bad)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 3, out
+    summary = json.loads(out.stdout.splitlines()[-1])
+    assert summary["exit_codes"][1] == 3 and summary["exit_codes"][0] != 0, summary
+
+
+def test_sigterm_of_the_launcher_leaves_no_process_behind(tmp_path, layout_file):
+    proc = launch(tmp_path, layout_file, "sleep")
+    pids = []
+    deadline = time.monotonic() + 120
+    while len(pids) < 4 and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.startswith("[launch]"):
+            pids += [int(p) for p in line.split("(pids ")[1].rstrip(")\n").split()]
+        elif " pid " in line:
+            pids.append(int(line.split(" pid ")[1].split()[0]))
+    assert len(pids) == 4, pids  # 2 shards and 2 workers
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, (out, err)
+    assert json.loads(out.splitlines()[-1])["stopped_by"] == "SIGTERM", out
+    deadline = time.monotonic() + 30
+    while not all(gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p for p in pids if not gone(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"processes {left} outlived the launcher"
+
+
+def test_from_env_says_what_is_missing(monkeypatch):
+    import gaps
+
+    for name in ("GAPS_COORDINATOR", "GAPS_CA", "GAPS_CERT", "GAPS_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    try:
+        gaps.Client.from_env()
+    except gaps.ConfigError as e:
+        assert "GAPS_COORDINATOR" in str(e) and "gaps.launch" in str(e)
+    else:
+        raise AssertionError("from_env connected without credentials")
