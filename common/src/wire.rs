@@ -828,6 +828,37 @@ pub struct WaitStep {
 /// The longest a shard holds a [`WaitStep`].
 pub const MAX_WAIT_STEP_MS: u32 = 1000;
 
+/// One dense chunk of an [`Initialize`]: its id and length (elements).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Encode, Decode)]
+pub struct InitChunk {
+    /// The chunk.
+    pub id: ChunkId,
+    /// Its elements (the payload holds this many f32 for it).
+    pub len: u32,
+}
+
+/// A worker uploads a model's own initial values: every listed dense chunk that no update and no earlier
+/// `Initialize` has touched takes the values carried (raw f32, chunk order); the others keep theirs — the
+/// first writer wins, and every worker then pulls what won. (Added in protocol 11.)
+#[derive(Debug, Clone, PartialEq, Eq, Encode, Decode)]
+pub struct Initialize {
+    /// Cluster epoch of the client's map.
+    pub epoch: u64,
+    /// The worker uploading.
+    pub worker: u32,
+    /// The chunks carried, payload order.
+    pub chunks: Vec<InitChunk>,
+}
+
+/// Answer to [`Initialize`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Encode, Decode)]
+pub struct Initialized {
+    /// Chunks that took the values carried.
+    pub taken: u32,
+    /// Chunks that kept theirs (set or trained before).
+    pub kept: u32,
+}
+
 /// Every message of the protocol. The kind byte on the wire is [`Message::kind`].
 #[derive(Debug, Clone, PartialEq)]
 pub enum Message {
@@ -892,6 +923,10 @@ pub enum Message {
     DataStatus(DataStatus),
     /// Kind 30 (answered with [`Message::Stats`]).
     WaitStep(WaitStep),
+    /// A model's own initial values for untouched dense chunks.
+    Initialize(Initialize),
+    /// Answer to [`Message::Initialize`].
+    Initialized(Initialized),
 }
 
 /// Defines `kind()`, header encoding and kind-directed decoding for every variant in one place.
@@ -932,7 +967,7 @@ message_kinds! {
     14 => SparsePull, 15 => SparsePullReply, 16 => SparsePush, 17 => CheckpointRequest, 18 => CheckpointDone,
     19 => Authenticate, 20 => Authenticated, 21 => PushPart, 22 => PushPull, 23 => PushPullReply,
     24 => Rollback, 25 => RollbackReply, 26 => SplitRequest, 27 => SplitGrant, 28 => DataStatusRequest,
-    29 => DataStatus, 30 => WaitStep,
+    29 => DataStatus, 30 => WaitStep, 31 => Initialize, 32 => Initialized,
 }
 
 fn config() -> impl bincode::config::Config {
@@ -988,6 +1023,7 @@ impl Message {
             Message::SparsePull(p) => 2 * u64::from(p.count),
             Message::SparsePullReply(r) => u64::from(r.count) * (1 + u64::from(r.dim)),
             Message::SparsePush(p) => u64::from(p.count) * (3 + u64::from(p.dim) * (1 + u64::from(p.echo_read))),
+            Message::Initialize(i) => i.chunks.iter().map(|c| u64::from(c.len)).sum(),
             _ => 0,
         }
     }
@@ -1371,6 +1407,15 @@ mod tests {
             })),
             Frame::new(Message::DataStatusRequest(DataStatusRequest { after_grant: 77 })),
             Frame::new(Message::WaitStep(WaitStep { step: 12, clock: 3, max_wait_ms: 250 })),
+            Frame {
+                msg: Message::Initialize(Initialize {
+                    epoch: 9,
+                    worker: 4,
+                    chunks: vec![InitChunk { id: ChunkId { tensor: 0, chunk: 1 }, len: 3 }],
+                }),
+                payload: vec![0.5, -1.0, 2.0],
+            },
+            Frame::new(Message::Initialized(Initialized { taken: 2, kept: 1 })),
             Frame::new(Message::DataStatus(DataStatus {
                 shard: 1,
                 counts: vec![GrantCount { grant: 78, split: 4, samples: 900 }],
@@ -1438,7 +1483,7 @@ mod tests {
     fn every_message_round_trips() {
         let frames = samples();
         let kinds: std::collections::BTreeSet<u8> = frames.iter().map(|f| f.msg.kind()).collect();
-        assert_eq!(kinds.len(), 27, "one sample per kind");
+        assert_eq!(kinds.len(), 29, "one sample per kind");
         for f in frames {
             let bytes = encode_frame(&f).expect("encode");
             let back = decode_frame(&bytes, &Limits::default()).expect("decode");

@@ -351,6 +351,23 @@ class Client:
         ``samples_replayed``, ``splits_done``...)."""
         return _native(self._native.data_status)
 
+    def initialize(self, values: dict) -> tuple[int, int]:
+        """Uploads initial values for every dense tensor (``name -> array``): each chunk that no update and
+        no earlier upload touched takes them, the others keep theirs — the first writer wins, so every worker
+        may call it with its own module's initialisation and then :meth:`pull_all` what won. Returns (chunks
+        taken, chunks kept)."""
+        missing = [n for n in self._names if n not in values]
+        if missing:
+            raise ShapeError(f"initial values for {missing[0]!r} are missing")
+        unknown = [n for n in values if n not in self.layout.tensors]
+        if unknown:
+            raise UnknownNameError(f"the cluster serves no tensor {unknown[0]!r}")
+        arrays = [_float32(f"the initial values of {n}", values[n], self.layout.tensors[n].shape) for n in self._names]
+        for n, a in zip(self._names, arrays):
+            if not np.isfinite(a).all():
+                raise NonFiniteError(f"the initial values of {n} are not all finite")
+        return tuple(_native(self._native.initialize, [a.tobytes() for a in arrays]))
+
     def checkpoint(self) -> dict:
         """Asks every shard to write a checkpoint now (shards need ``--checkpoint-dir``), all at one point;
         returns ``{"id": …, "shards": [{"shard", "path", "step"}, …]}``. Only the coordinator's certificate

@@ -244,6 +244,19 @@ class DenseParameters:
         self._pulled_at: float | None = None
 
     @torch.no_grad()
+    def initialize(self) -> bool:
+        """Uploads the module's own initial values (its ``nn.init``), then pulls: the first worker to call it
+        sets the cluster's starting point, the others adopt it (every worker starts from the same values).
+        True when this call's values were taken."""
+        values = {
+            name: p.detach().cpu().numpy().astype(np.float32, copy=False).reshape(self.client.layout.tensors[name].shape)
+            for name, p in self.params.items()
+        }
+        taken, _ = self.client.initialize(values)
+        self.pull()
+        return taken > 0
+
+    @torch.no_grad()
     def pull(self) -> None:
         """Copies the shards' values into the module's parameters."""
         self._copy_in(self.client.pull_all())

@@ -599,6 +599,25 @@ impl NativeClient {
         Ok(self.client()?.pushes_acknowledged())
     }
 
+    /// Uploads initial values (one float32 bytes per dense tensor, layout order) for the chunks nothing has
+    /// touched yet (the first writer wins): (chunks taken, chunks kept).
+    fn initialize(&self, py: Python<'_>, values: Vec<Bound<'_, PyBytes>>) -> PyResult<(u32, u32)> {
+        let client = self.client()?;
+        if client.worker_id().is_none() {
+            return Err(err("unauthorized", "an observer client cannot upload initial values"));
+        }
+        let layout = client.layout();
+        if values.len() != layout.tensors.len() {
+            return Err(err("shape", format!("expected {} tensors, got {}", layout.tensors.len(), values.len())));
+        }
+        let values = values
+            .iter()
+            .zip(&layout.tensors)
+            .map(|(v, spec)| floats(&format!("the initial values of {}", spec.name), v.as_bytes(), spec.len as usize))
+            .collect::<PyResult<Vec<_>>>()?;
+        block(py, &self.runtime, client.initialize(&values))?.map_err(client_err)
+    }
+
     /// A cluster checkpoint now (the coordinator's certificate only): `{"id", "shards": [{"shard", "path",
     /// "step"}]}`.
     fn checkpoint<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {

@@ -218,3 +218,23 @@ def test_a_users_model_with_its_own_embedding_trains_through_the_shards(tmp_path
             losses.append(loss.item())
         assert losses[-1] < 0.5 * losses[0], losses
         replaced["emb"].close()
+
+
+def test_the_modules_own_initialisation_is_uploaded_once_and_every_worker_starts_from_it(tmp_path):
+    torch.manual_seed(1)
+    first, second = Tiny(), Tiny()  # two workers' modules, each with its own nn.init values
+    assert not torch.equal(first.fc.weight, second.fc.weight)
+    path = tmp_path / "layout.toml"
+    path.write_text(gt.layout_for(first, {"emb": 4}, chunk_elems=8))
+    with local_cluster(path, servers=2, rule="sgd", lr=0.5) as c:
+        with gaps.Client(c.coordinator, c.ca, c.cert, c.key) as a, gaps.Client(c.coordinator, c.ca, c.cert, c.key) as b:
+            want = {n: p.detach().clone() for n, p in first.named_parameters()}
+            assert gt.DenseParameters(a, first).initialize() is True
+            assert gt.DenseParameters(b, second).initialize() is False, "the first writer won"
+            for n, p in second.named_parameters():
+                torch.testing.assert_close(p.detach(), want[n], rtol=0, atol=0)
+            # Not the shards' own zeros: the module's initialisation.
+            assert torch.count_nonzero(second.fc.weight) > 0
+            with gaps.Client(c.coordinator, c.ca, c.cert, c.key, observer=True) as observer:
+                with pytest.raises(gaps.UnauthorizedError):
+                    observer.initialize({n: p.detach().numpy() for n, p in first.named_parameters()})

@@ -110,6 +110,7 @@ pub fn acting_worker(msg: &Message) -> Option<u32> {
         Message::Heartbeat(h) => Some(h.worker),
         Message::Leave(l) => Some(l.worker),
         Message::SplitRequest(r) => Some(r.worker),
+        Message::Initialize(i) => Some(i.worker),
         _ => None,
     }
 }

@@ -381,3 +381,64 @@ fn leases_expire_without_heartbeats_and_heartbeats_renew_them() {
     let (stats, _) = core.handle(Frame::new(Message::StatsRequest(StatsRequest)), at(6000));
     assert!(matches!(stats.msg, Message::Stats(s) if s.registered_workers == 2 && s.live_workers == 1));
 }
+
+/// A model's own initial values: the first upload of a chunk nothing touched wins (version 0 → 1), a second
+/// upload keeps it, a chunk that was trained keeps its values; a bad upload changes nothing.
+#[test]
+fn initial_values_are_taken_once_by_untouched_chunks_and_bad_uploads_change_nothing() {
+    use gaps_common::wire::{InitChunk, Initialize};
+    let mut core = ShardCore::new(config(0, 1, Rule::Sgd)).expect("core");
+    let reg = Register { protocol: PROTOCOL_VERSION, role: Role::Worker, name: "w".into() };
+    let Message::ClusterMap(map) = call(&mut core, Message::Register(reg), vec![]).msg else { panic!("map") };
+    let worker = map.worker_id.expect("id");
+    let chunks: Vec<InitChunk> =
+        layout().chunks().map(|id| InitChunk { id, len: layout().chunk_len(id).expect("len") as u32 }).collect();
+    let upload = |values: Vec<f32>, chunks: Vec<InitChunk>| {
+        (Message::Initialize(Initialize { epoch: EPOCH, worker, chunks }), values)
+    };
+    let (before, _) = pull_all(&mut core);
+    // Refused whole: a length that is not the chunk's, a NaN, too few values.
+    let mut short = chunks.clone();
+    short[0].len -= 1;
+    let (msg, values) = upload(vec![1.0; 10], short);
+    assert_eq!(error_code(&call(&mut core, msg, values)), Some(ErrorCode::WrongShape));
+    let mut nan = vec![1.0; 11];
+    nan[5] = f32::NAN;
+    let (msg, values) = upload(nan, chunks.clone());
+    assert_eq!(error_code(&call(&mut core, msg, values)), Some(ErrorCode::NonFinite));
+    let (msg, values) = upload(vec![1.0; 7], chunks.clone());
+    assert_eq!(error_code(&call(&mut core, msg, values)), Some(ErrorCode::WrongShape));
+    assert_eq!(pull_all(&mut core).0, before, "a refused upload changed nothing");
+
+    // Train chunk 0 of w once, then upload: the trained chunk keeps its values, the others take the upload.
+    let (_, versions) = pull_all(&mut core);
+    let (push, grad) = full_push(worker, 1, &versions, &grad(1));
+    call(&mut core, push, grad);
+    let (trained, _) = pull_all(&mut core);
+    let first: Vec<f32> = (0..11).map(|i| i as f32 * 0.25).collect();
+    let (msg, values) = upload(first.clone(), chunks.clone());
+    match call(&mut core, msg, values).msg {
+        Message::Initialized(i) => assert_eq!((i.taken, i.kept), (0, 4), "every chunk was trained by the push"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(pull_all(&mut core).0, trained);
+
+    // A fresh shard: the first upload is taken everywhere (versions become 1), a second one is kept out.
+    let mut core = ShardCore::new(config(0, 1, Rule::Sgd)).expect("core");
+    let reg = Register { protocol: PROTOCOL_VERSION, role: Role::Worker, name: "w".into() };
+    call(&mut core, Message::Register(reg), vec![]);
+    let (msg, values) = upload(first.clone(), chunks.clone());
+    match call(&mut core, msg, values).msg {
+        Message::Initialized(i) => assert_eq!((i.taken, i.kept), (4, 0)),
+        other => panic!("{other:?}"),
+    }
+    let (values_now, versions) = pull_all(&mut core);
+    assert_eq!(values_now, first);
+    assert!(versions.iter().all(|v| *v == 1), "{versions:?}");
+    let (msg, values) = upload(vec![9.0; 11], chunks);
+    match call(&mut core, msg, values).msg {
+        Message::Initialized(i) => assert_eq!((i.taken, i.kept), (0, 4), "the first writer won"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(pull_all(&mut core).0, first);
+}

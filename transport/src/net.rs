@@ -1058,6 +1058,8 @@ pub fn kind_name(msg: &Message) -> &'static str {
         Message::DataStatusRequest(_) => "data-status-request",
         Message::DataStatus(_) => "data-status",
         Message::WaitStep(_) => "wait-step",
+        Message::Initialize(_) => "initialize",
+        Message::Initialized(_) => "initialized",
     }
 }
 

@@ -1417,6 +1417,63 @@ impl Client {
             .ok_or_else(|| RpcError::Unexpected { addr: self.inner.shards[s].addr.to_string(), kind: kind.into() })?)
     }
 
+    /// Uploads a model's own initial values, one vector per dense tensor (layout order): every chunk that
+    /// no update and no earlier upload touched takes them, the others keep theirs (the first writer wins).
+    /// Returns (chunks taken, chunks kept); pull afterwards to train on what won.
+    pub async fn initialize(&self, values: &[Vec<f32>]) -> Result<(u32, u32), ClientError> {
+        let worker =
+            self.inner.map.worker_id.ok_or_else(|| ClientError::Shape("observers cannot initialize".into()))?;
+        let layout = &self.inner.map.layout;
+        if values.len() != layout.tensors.len() {
+            return Err(ClientError::Shape(format!(
+                "expected {} tensors of initial values, got {}",
+                layout.tensors.len(),
+                values.len()
+            )));
+        }
+        for (v, spec) in values.iter().zip(&layout.tensors) {
+            if v.len() != spec.len as usize {
+                return Err(ClientError::Shape(format!(
+                    "initial values of {}: expected {} elements, got {}",
+                    spec.name,
+                    spec.len,
+                    v.len()
+                )));
+            }
+            check_finite(&format!("the initial values of {}", spec.name), v)?;
+        }
+        let (mut taken, mut kept) = (0, 0);
+        for (s, link) in self.inner.shards.iter().enumerate() {
+            let mut chunks = Vec::with_capacity(link.chunks.len());
+            let mut payload = Vec::new();
+            for (id, _) in &link.chunks {
+                let range = layout.chunk_range(*id).map_err(|e| ClientError::BadMap(e.to_string()))?;
+                chunks.push(gaps_common::wire::InitChunk { id: *id, len: range.len() as u32 });
+                payload.extend_from_slice(&values[id.tensor as usize][range]);
+            }
+            if chunks.is_empty() {
+                continue;
+            }
+            let msg =
+                Message::Initialize(gaps_common::wire::Initialize { epoch: self.inner.map.epoch, worker, chunks });
+            let (frame, _) = self.request(s, &msg, &[net::f32_bytes(payload)]).await?;
+            match frame.msg {
+                Message::Initialized(done) => {
+                    taken += done.taken;
+                    kept += done.kept;
+                }
+                other => {
+                    return Err(RpcError::Unexpected {
+                        addr: link.addr.to_string(),
+                        kind: net::kind_name(&other).into(),
+                    }
+                    .into())
+                }
+            }
+        }
+        Ok((taken, kept))
+    }
+
     /// Asks the coordinator for a cluster checkpoint (every shard at the same synchronous step, or at its
     /// next quiescent point); returns its id and each shard's (shard, path, step), index order.
     pub async fn checkpoint(&self) -> Result<CheckpointDone, ClientError> {

@@ -398,3 +398,68 @@ impl ShardCore {
         self.stats.staleness_max = self.stats.staleness_max.max(max_staleness);
     }
 }
+
+impl ShardCore {
+    /// A model's own initial values ([`gaps_common::wire::Initialize`]): each listed chunk that no update
+    /// touched yet (version 0) takes the values carried and counts as updated once (version 1), so a
+    /// gradient computed on the values before is seen as one step stale, and a later `Initialize` — another
+    /// worker's, or one after a restore — keeps them: the first writer wins. Checked whole before anything
+    /// is written (epoch, worker, ownership, lengths, finite values).
+    pub(super) fn initialize(
+        &mut self,
+        req: &gaps_common::wire::Initialize,
+        payload: &[f32],
+    ) -> Result<Frame, ShardError> {
+        self.check_epoch(req.epoch)?;
+        if self.resident.is_some() {
+            return Err(ShardError::Misconfigured(
+                "initial values cannot be uploaded to GPU-resident state: start the shards with --init-std".into(),
+            ));
+        }
+        let mut plan = Vec::with_capacity(req.chunks.len());
+        let mut offset = 0usize;
+        for c in &req.chunks {
+            let slot = self.slot_index(c.id)?;
+            let len = self.slots[slot].len;
+            if c.len as usize != len {
+                return Err(ShardError::WrongShape(format!(
+                    "chunk {}/{} holds {len} elements, the upload {}",
+                    c.id.tensor, c.id.chunk, c.len
+                )));
+            }
+            if plan.iter().any(|(s, _)| *s == slot) {
+                return Err(ShardError::WrongShape(format!("chunk {}/{} is listed twice", c.id.tensor, c.id.chunk)));
+            }
+            plan.push((slot, offset));
+            offset += len;
+        }
+        if payload.len() != offset {
+            return Err(ShardError::WrongShape(format!(
+                "the upload declares {offset} elements but carries {}",
+                payload.len()
+            )));
+        }
+        if let Some(index) = gaps_common::dtype::first_non_finite(payload) {
+            let (slot, start) = plan.iter().rev().find(|(_, start)| *start <= index).copied().unwrap_or((0, 0));
+            let c = &req.chunks[plan.iter().position(|(s, _)| *s == slot).unwrap_or(0)];
+            return Err(ShardError::NonFinite {
+                tensor: c.id.tensor,
+                chunk: c.id.chunk,
+                index: index - start,
+                value: payload[index].to_string(),
+            });
+        }
+        let (mut taken, mut kept) = (0u32, 0u32);
+        for (slot, start) in plan {
+            let s = &mut self.slots[slot];
+            if s.version != 0 {
+                kept += 1;
+                continue;
+            }
+            Arc::make_mut(&mut s.params).copy_from_slice(&payload[start..start + s.len]);
+            s.version = 1;
+            taken += 1;
+        }
+        Ok(Frame::new(Message::Initialized(gaps_common::wire::Initialized { taken, kept })))
+    }
+}

@@ -784,6 +784,8 @@ impl ShardCore {
             Message::DataStatusRequest(r) => Ok(Frame::new(Message::DataStatus(self.data_status(r.after_grant)))),
             Message::SplitGrant(_) => Err(ShardError::NotARequest("split grant")),
             Message::DataStatus(_) => Err(ShardError::NotARequest("data status")),
+            Message::Initialize(i) => self.initialize(&i, &req.payload),
+            Message::Initialized(_) => Err(ShardError::NotARequest("initialized")),
             // The core answers at once; the service holds the request until `wait_satisfied`.
             Message::StatsRequest(_) | Message::WaitStep(_) => Ok(Frame::new(Message::Stats(self.stats()))),
             // Files are the service's business: a core on its own cannot write one.
