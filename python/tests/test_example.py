@@ -63,3 +63,24 @@ def test_a_deepfm_with_one_shared_table_trains_through_the_launcher_as_plain_pyt
     assert summary["exit_codes"] == [0, 0] and summary["pushes_applied_twice"] == 0, summary
     assert baseline["auc"] > 0.7, baseline
     assert abs(result["auc"] - baseline["auc"]) <= 0.01, (baseline, result)
+
+
+README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+
+
+def test_the_readmes_python_section_runs_as_written(tmp_path):
+    """Every ```python block of README.md's "## Python" section, run as a user would paste it (in an empty
+    folder, with `gaps` on PATH through GAPS_BIN_DIR)."""
+    text = README.read_text()
+    section = text.split("\n## Python\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert blocks, "the README's Python section has no python block"
+    for i, block in enumerate(blocks):
+        script = tmp_path / f"readme_{i}.py"
+        script.write_text(block)
+        out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert out.returncode == 0, (block, out.stderr[-3000:])
+        # The quick start prints "step loss" lines; its loss falls from about 10 to about 0.
+        losses = [float(line.split()[-1]) for line in out.stdout.splitlines() if line.split()[:1] and line.split()[0].isdigit()]
+        if losses:
+            assert losses[-1] < losses[0] / 10, out.stdout[-2000:]
