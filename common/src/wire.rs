@@ -859,6 +859,63 @@ pub struct Initialized {
     pub kept: u32,
 }
 
+/// Most rows one [`TableScan`] or [`TableLoad`] carries.
+pub const MAX_TABLE_PAGE: u32 = 1 << 16;
+
+/// Reads a page of a sparse table's rows as they are stored on this shard (an export): rows from storage
+/// position `cursor`, at most `max_rows` (capped at [`MAX_TABLE_PAGE`]). (Added in protocol 11.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Encode, Decode)]
+pub struct TableScan {
+    /// Cluster epoch of the client's map.
+    pub epoch: u64,
+    /// Table index.
+    pub table: u32,
+    /// Where to start (0, then the previous page's `next`).
+    pub cursor: u64,
+    /// Rows wanted.
+    pub max_rows: u32,
+}
+
+/// A page of rows: payload `count` ids (two words each, as [`ids_to_words`] writes them), then `count × dim`
+/// values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Encode, Decode)]
+pub struct TableRows {
+    /// Table index.
+    pub table: u32,
+    /// Rows in the page.
+    pub count: u32,
+    /// Floats per row.
+    pub dim: u32,
+    /// The cursor of the next page; None when this was the last.
+    pub next: Option<u64>,
+}
+
+/// A worker loads rows into a sparse table (an import): payload `count` ids (two words each), then
+/// `count × dim` values. Every id must be this shard's; a row the table holds already keeps its values.
+/// (Added in protocol 11.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Encode, Decode)]
+pub struct TableLoad {
+    /// Cluster epoch of the client's map.
+    pub epoch: u64,
+    /// The worker loading.
+    pub worker: u32,
+    /// Table index.
+    pub table: u32,
+    /// Rows carried.
+    pub count: u32,
+    /// Floats per row.
+    pub dim: u32,
+}
+
+/// Answer to [`TableLoad`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Encode, Decode)]
+pub struct TableLoaded {
+    /// Rows created with the values carried.
+    pub created: u32,
+    /// Rows that were held already (kept).
+    pub kept: u32,
+}
+
 /// Every message of the protocol. The kind byte on the wire is [`Message::kind`].
 #[derive(Debug, Clone, PartialEq)]
 pub enum Message {
@@ -927,6 +984,14 @@ pub enum Message {
     Initialize(Initialize),
     /// Answer to [`Message::Initialize`].
     Initialized(Initialized),
+    /// A page of a table's rows (export).
+    TableScan(TableScan),
+    /// Answer to [`Message::TableScan`].
+    TableRows(TableRows),
+    /// Rows loaded into a table (import).
+    TableLoad(TableLoad),
+    /// Answer to [`Message::TableLoad`].
+    TableLoaded(TableLoaded),
 }
 
 /// Defines `kind()`, header encoding and kind-directed decoding for every variant in one place.
@@ -968,6 +1033,7 @@ message_kinds! {
     19 => Authenticate, 20 => Authenticated, 21 => PushPart, 22 => PushPull, 23 => PushPullReply,
     24 => Rollback, 25 => RollbackReply, 26 => SplitRequest, 27 => SplitGrant, 28 => DataStatusRequest,
     29 => DataStatus, 30 => WaitStep, 31 => Initialize, 32 => Initialized,
+    33 => TableScan, 34 => TableRows, 35 => TableLoad, 36 => TableLoaded,
 }
 
 fn config() -> impl bincode::config::Config {
@@ -1024,6 +1090,8 @@ impl Message {
             Message::SparsePullReply(r) => u64::from(r.count) * (1 + u64::from(r.dim)),
             Message::SparsePush(p) => u64::from(p.count) * (3 + u64::from(p.dim) * (1 + u64::from(p.echo_read))),
             Message::Initialize(i) => i.chunks.iter().map(|c| u64::from(c.len)).sum(),
+            Message::TableRows(r) => u64::from(r.count) * (2 + u64::from(r.dim)),
+            Message::TableLoad(r) => u64::from(r.count) * (2 + u64::from(r.dim)),
             _ => 0,
         }
     }
@@ -1416,6 +1484,16 @@ mod tests {
                 payload: vec![0.5, -1.0, 2.0],
             },
             Frame::new(Message::Initialized(Initialized { taken: 2, kept: 1 })),
+            Frame::new(Message::TableScan(TableScan { epoch: 9, table: 1, cursor: 40, max_rows: 100 })),
+            Frame {
+                msg: Message::TableRows(TableRows { table: 1, count: 1, dim: 2, next: Some(41) }),
+                payload: vec![f32::from_bits(7), f32::from_bits(0), 0.5, 0.25],
+            },
+            Frame {
+                msg: Message::TableLoad(TableLoad { epoch: 9, worker: 3, table: 0, count: 1, dim: 1 }),
+                payload: vec![f32::from_bits(9), f32::from_bits(1), -2.0],
+            },
+            Frame::new(Message::TableLoaded(TableLoaded { created: 1, kept: 0 })),
             Frame::new(Message::DataStatus(DataStatus {
                 shard: 1,
                 counts: vec![GrantCount { grant: 78, split: 4, samples: 900 }],
@@ -1483,7 +1561,7 @@ mod tests {
     fn every_message_round_trips() {
         let frames = samples();
         let kinds: std::collections::BTreeSet<u8> = frames.iter().map(|f| f.msg.kind()).collect();
-        assert_eq!(kinds.len(), 29, "one sample per kind");
+        assert_eq!(kinds.len(), 33, "one sample per kind");
         for f in frames {
             let bytes = encode_frame(&f).expect("encode");
             let back = decode_frame(&bytes, &Limits::default()).expect("decode");

@@ -50,6 +50,7 @@ __all__ = [
     "CertificateError",
     "OrderError",
     "IdError",
+    "read_rows",
 ]
 
 
@@ -368,6 +369,35 @@ class Client:
                 raise NonFiniteError(f"the initial values of {n} are not all finite")
         return tuple(_native(self._native.initialize, [a.tobytes() for a in arrays]))
 
+    def export_table(self, table: str, path: str | os.PathLike, *, page_rows: int = 65536) -> int:
+        """Writes every row of ``table`` with its id to ``path`` in the rows format (see :func:`read_rows`),
+        shard by shard, a page at a time (memory stays at one page). Returns the rows written. For an exact
+        copy, export while no worker trains (rows created or evicted during the export may be missed)."""
+        info = self._table(table)
+        record = np.dtype([("id", "<u8"), ("row", "<f4", (info.dim,))])
+        written = 0
+        with open(path, "wb") as f:
+            f.write(ROWS_MAGIC + np.array([ROWS_VERSION, info.dim], dtype="<u4").tobytes())
+            for shard in range(_native(self._native.num_shards)):
+                cursor = 0
+                while cursor is not None:
+                    ids, values, cursor = _native(self._native.table_page, table, shard, cursor, page_rows)
+                    page = np.empty(len(ids) // 8, dtype=record)
+                    page["id"] = np.frombuffer(ids, dtype="<u8")
+                    page["row"] = np.frombuffer(values, dtype="<f4").reshape(-1, info.dim)
+                    f.write(page.tobytes())
+                    written += len(page)
+        return written
+
+    def import_table(self, table: str, path: str | os.PathLike) -> tuple[int, int]:
+        """Loads the rows of a rows file (:meth:`export_table`) into ``table``: each row the table does not
+        hold is created with the file's values; a held row keeps its own. Returns (created, kept)."""
+        info = self._table(table)
+        ids, rows = read_rows(path)
+        if rows.shape[1] != info.dim:
+            raise ShapeError(f"{path}: rows of {rows.shape[1]} floats, table {table} has dim {info.dim}")
+        return tuple(_native(self._native.load_rows, table, ids.tobytes(), np.ascontiguousarray(rows, "<f4").tobytes()))
+
     def checkpoint(self) -> dict:
         """Asks every shard to write a checkpoint now (shards need ``--checkpoint-dir``), all at one point;
         returns ``{"id": …, "shards": [{"shard", "path", "step"}, …]}``. Only the coordinator's certificate
@@ -396,6 +426,29 @@ class Client:
 
     def __repr__(self) -> str:
         return f"gaps.Client(worker_id={self.worker_id}, {self.layout!r})"
+
+
+#: The rows format of :meth:`Client.export_table`: these 8 bytes, the format version and the row width
+#: (two little-endian uint32), then one record per row — its id (uint64) and ``dim`` float32, little-endian.
+ROWS_MAGIC = b"GAPSROWS"
+ROWS_VERSION = 1
+
+
+def read_rows(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray]:
+    """The ``(ids, rows)`` of a rows file: uint64 ids (n,) and float32 rows (n, dim)."""
+    with open(path, "rb") as f:
+        head = f.read(16)
+        if len(head) != 16 or head[:8] != ROWS_MAGIC:
+            raise ConfigError(f"{path} is not a gaps rows file (it does not start with {ROWS_MAGIC!r})")
+        version, dim = np.frombuffer(head[8:], dtype="<u4")
+        if version != ROWS_VERSION or dim == 0:
+            raise ConfigError(f"{path}: rows format {version} with rows of {dim}; this gaps reads format {ROWS_VERSION}")
+        record = np.dtype([("id", "<u8"), ("row", "<f4", (int(dim),))])
+        body = f.read()
+    if len(body) % record.itemsize:
+        raise ConfigError(f"{path} is cut short: {len(body)} bytes of records of {record.itemsize}")
+    records = np.frombuffer(body, dtype=record)
+    return records["id"].copy(), records["row"].copy()
 
 
 class CriteoBatch:

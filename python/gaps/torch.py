@@ -25,7 +25,7 @@ import torch
 
 from . import Client, IdError, ShapeError, UnknownNameError, _native
 
-__all__ = ["ShardedEmbedding", "ShardedEmbeddingBag", "DenseParameters", "layout_for", "shard_embeddings"]
+__all__ = ["ShardedEmbedding", "ShardedEmbeddingBag", "DenseParameters", "layout_for", "shard_embeddings", "state_dict"]
 
 
 class _PullRows:
@@ -336,3 +336,10 @@ def shard_embeddings(module: torch.nn.Module, client: Client, *, create: bool = 
         setattr(module.get_submodule(parent_name) if parent_name else module, child, new)
         replaced[name] = new
     return replaced
+
+
+def state_dict(client: Client) -> dict:
+    """The cluster's dense tensors as a ``state_dict`` (name -> ``torch.Tensor``) — what a serving copy of the
+    module loads with ``load_state_dict(..., strict=False)`` (its tables go through
+    :meth:`gaps.Client.export_table`)."""
+    return {name: torch.from_numpy(np.array(value)) for name, value in client.pull_all().items()}

@@ -618,6 +618,43 @@ impl NativeClient {
         block(py, &self.runtime, client.initialize(&values))?.map_err(client_err)
     }
 
+    /// Shards in the cluster.
+    fn num_shards(&self) -> PyResult<usize> {
+        Ok(self.client()?.map().shards.len())
+    }
+
+    /// One page of `table`'s rows on shard `shard` from `cursor`: (ids as uint64 bytes, values as float32
+    /// bytes, the next cursor or None).
+    #[allow(clippy::type_complexity)]
+    fn table_page<'py>(
+        &self,
+        py: Python<'py>,
+        table: &str,
+        shard: usize,
+        cursor: u64,
+        max_rows: u32,
+    ) -> PyResult<(Bound<'py, PyByteArray>, Bound<'py, PyByteArray>, Option<u64>)> {
+        let t = self.table_index(table)?;
+        let client = self.client()?;
+        let (ids, values, next) =
+            block(py, &self.runtime, client.table_page(shard, t, cursor, max_rows))?.map_err(client_err)?;
+        Ok((PyByteArray::new(py, bytemuck::cast_slice(&ids)), to_bytearray(py, &values), next))
+    }
+
+    /// Loads rows (`ids` uint64 bytes, `values` float32 bytes, `len(ids) × dim`) into `table`: a row a
+    /// shard holds already keeps its values. (rows created, rows kept).
+    fn load_rows(&self, py: Python<'_>, table: &str, ids: &[u8], values: &[u8]) -> PyResult<(u32, u32)> {
+        let t = self.table_index(table)?;
+        let ids = Self::ids(ids)?;
+        let client = self.client()?;
+        if client.worker_id().is_none() {
+            return Err(err("unauthorized", "an observer client cannot load rows"));
+        }
+        let dim = client.layout().tables.get(t as usize).map_or(0, |spec| spec.dim as usize);
+        let values = floats(&format!("the rows of {table}"), values, ids.len() * dim)?;
+        block(py, &self.runtime, client.load_rows(t, &ids, &values))?.map_err(client_err)
+    }
+
     /// A cluster checkpoint now (the coordinator's certificate only): `{"id", "shards": [{"shard", "path",
     /// "step"}]}`.
     fn checkpoint<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {

@@ -219,3 +219,34 @@ def test_the_public_data_reader_and_metrics():
     assert abs(gaps.metrics.logloss([0.5, 0.5], [0, 1]) - np.log(2)) < 1e-9
     with pytest.raises(gaps.ShapeError):
         gaps.metrics.auc([0.1], [0, 1])
+
+
+def test_a_table_and_the_dense_tensors_export_and_import_into_a_fresh_cluster_unchanged(layout_file, tmp_path):
+    ids = np.array([3, 10**12, 7, 42, 2**63 + 5], np.uint64)
+    with gaps.testing.local_cluster(layout_file, servers=2, lr=0.5) as c:
+        with gaps.Client(c.coordinator, c.ca, c.cert, c.key) as client:
+            client.pull_all()
+            client.push({"w": np.full((5, 4), 0.3, np.float32), "b": np.arange(4, dtype=np.float32)})
+            client.pull_rows("emb", ids)
+            client.push_rows("emb", ids, np.arange(15, dtype=np.float32).reshape(5, 3) / 10)
+            rows = client.pull_rows("emb", ids, create=False).copy()
+            dense = client.pull_all()
+            assert client.export_table("emb", tmp_path / "emb.rows") == 5
+            np.savez(tmp_path / "dense.npz", **dense)
+    back_ids, back_rows = gaps.read_rows(tmp_path / "emb.rows")
+    order = np.argsort(back_ids)
+    np.testing.assert_array_equal(back_ids[order], np.sort(ids))
+    np.testing.assert_array_equal(back_rows[order], rows[np.argsort(ids)])
+    with gaps.testing.local_cluster(layout_file, servers=2, lr=0.5) as c:
+        with gaps.Client(c.coordinator, c.ca, c.cert, c.key) as client:
+            assert client.import_table("emb", tmp_path / "emb.rows") == (5, 0)
+            assert client.import_table("emb", tmp_path / "emb.rows") == (0, 5), "held rows are kept"
+            taken, kept = client.initialize(dict(np.load(tmp_path / "dense.npz")))
+            assert kept == 0 and taken > 0
+            np.testing.assert_array_equal(client.pull_rows("emb", ids, create=False), rows)
+            again = client.pull_all()
+            for name in dense:
+                np.testing.assert_array_equal(again[name], dense[name])
+    (tmp_path / "bad.rows").write_bytes(b"NOTROWS!" + bytes(8))
+    with pytest.raises(gaps.ConfigError, match="not a gaps rows file"):
+        gaps.read_rows(tmp_path / "bad.rows")

@@ -111,6 +111,7 @@ pub fn acting_worker(msg: &Message) -> Option<u32> {
         Message::Leave(l) => Some(l.worker),
         Message::SplitRequest(r) => Some(r.worker),
         Message::Initialize(i) => Some(i.worker),
+        Message::TableLoad(l) => Some(l.worker),
         _ => None,
     }
 }

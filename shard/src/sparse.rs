@@ -465,6 +465,38 @@ impl SparseTable {
         self.enforce_budget();
     }
 
+    /// Rows from storage position `from`, at most `max`: their ids and values (the row's `dim` floats, not
+    /// the rule's state) appended to `ids` and `values`; the position to go on from, None at the end. A scan
+    /// while rows are created or evicted may miss or repeat rows (stop training first for an exact export).
+    pub fn scan(&self, from: usize, max: usize, ids: &mut Vec<u64>, values: &mut Vec<f32>) -> Option<usize> {
+        let dim = self.cfg.dim as usize;
+        let end = from.saturating_add(max).min(self.ids.len());
+        for r in from.min(end)..end {
+            ids.push(self.ids[r]);
+            values.extend_from_slice(&self.data[r * self.stride..r * self.stride + dim]);
+        }
+        (end < self.ids.len()).then_some(end)
+    }
+
+    /// Loads row `id` with `values` (`dim` floats) when the table holds no such row — an import: created at
+    /// once (no admission), its rule state fresh, version 1 (a gradient computed on the row's initial values
+    /// is one update stale). A held row keeps its values. True when it was created.
+    pub fn load(&mut self, id: u64, values: &[f32], now_s: u32) -> bool {
+        if self.find(id).is_some() {
+            return false;
+        }
+        let dim = self.cfg.dim as usize;
+        let r = self.create(id, now_s);
+        self.data[r * self.stride..r * self.stride + dim].copy_from_slice(&values[..dim]);
+        self.versions[r] = 1;
+        true
+    }
+
+    /// Evicts rows until the table fits its budget (after a load).
+    pub fn fit_budget(&mut self) {
+        self.enforce_budget();
+    }
+
     /// Reads rows without creating, admitting or touching anything (evaluation): held rows as they are,
     /// others their initial values, with version 0.
     pub fn peek(&self, ids: &[u64], values: &mut Vec<f32>, versions: &mut Vec<u32>) {

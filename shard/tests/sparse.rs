@@ -161,3 +161,56 @@ fn the_memory_budget_holds_across_requests() {
     }
     assert!(core.stats().table_evicted > 0);
 }
+
+/// Export and import of a table's rows: pages cover every row once; a load creates the rows it carries with
+/// their values (version 1), keeps held rows, and refuses foreign ids, repeated ids, NaN and a wrong width
+/// whole, before any row is loaded.
+#[test]
+fn rows_export_in_pages_and_import_only_where_valid() {
+    use gaps_common::wire::{words_to_ids, TableLoad, TableScan};
+    let mut core = core(0, 2, None);
+    let ids = owned(0, 2, 10);
+    sparse_pull(&mut core, &ids[..7], true).expect("pull");
+    let mut seen = Vec::new();
+    let mut cursor = Some(0);
+    while let Some(at) = cursor {
+        let msg = Message::TableScan(TableScan { epoch: EPOCH, table: 0, cursor: at, max_rows: 3 });
+        let (reply, _) = core.handle(Frame::new(msg), Duration::ZERO);
+        let Message::TableRows(rows) = reply.msg else { panic!("{:?}", reply.msg) };
+        assert!(rows.count <= 3 && rows.dim == DIM);
+        seen.extend(words_to_ids(&reply.payload[..2 * rows.count as usize]));
+        cursor = rows.next;
+    }
+    seen.sort_unstable();
+    let mut want = ids[..7].to_vec();
+    want.sort_unstable();
+    assert_eq!(seen, want, "every row once");
+
+    let load = |core: &mut ShardCore, ids: &[u64], values: Vec<f32>, dim: u32| {
+        let mut payload = Vec::new();
+        ids_to_words(ids, &mut payload);
+        payload.extend(values);
+        let msg = Message::TableLoad(TableLoad { epoch: EPOCH, worker: 1, table: 0, count: ids.len() as u32, dim });
+        core.handle(Frame { msg, payload }, Duration::ZERO).0.msg
+    };
+    let rows_before = core.stats().table_rows;
+    let foreign = owned(1, 2, 1);
+    let refused = [
+        load(&mut core, &[ids[8], foreign[0]], vec![1.0; 8], DIM),
+        load(&mut core, &[ids[8], ids[8]], vec![1.0; 8], DIM),
+        load(&mut core, &[ids[8], ids[9]], [vec![1.0; 7], vec![f32::NAN]].concat(), DIM),
+        load(&mut core, &[ids[8]], vec![1.0; 3], DIM - 1),
+    ];
+    for r in &refused {
+        assert!(matches!(r, Message::Error(_)), "{r:?}");
+    }
+    assert_eq!(core.stats().table_rows, rows_before, "a refused load loaded nothing");
+    // Two new rows created with their values, one held row kept.
+    match load(&mut core, &[ids[8], ids[9], ids[0]], (0..12).map(|v| v as f32).collect(), DIM) {
+        Message::TableLoaded(l) => assert_eq!((l.created, l.kept), (2, 1)),
+        other => panic!("{other:?}"),
+    }
+    let (versions, values) = sparse_pull(&mut core, &ids[8..10], false).expect("read");
+    assert_eq!(versions, vec![1, 1]);
+    assert_eq!(values, (0..8).map(|v| v as f32).collect::<Vec<_>>());
+}

@@ -1060,6 +1060,10 @@ pub fn kind_name(msg: &Message) -> &'static str {
         Message::WaitStep(_) => "wait-step",
         Message::Initialize(_) => "initialize",
         Message::Initialized(_) => "initialized",
+        Message::TableScan(_) => "table-scan",
+        Message::TableRows(_) => "table-rows",
+        Message::TableLoad(_) => "table-load",
+        Message::TableLoaded(_) => "table-loaded",
     }
 }
 

@@ -1474,6 +1474,87 @@ impl Client {
         Ok((taken, kept))
     }
 
+    /// One page of `table`'s rows as shard `s` stores them, from `cursor` (0 first): (ids, `ids × dim`
+    /// values, the next page's cursor or None after the last). An export walks every shard's pages.
+    pub async fn table_page(
+        &self,
+        s: usize,
+        table: u32,
+        cursor: u64,
+        max_rows: u32,
+    ) -> Result<(Vec<u64>, Vec<f32>, Option<u64>), ClientError> {
+        let dim = self.table_dim(table)?;
+        if s >= self.inner.shards.len() {
+            return Err(ClientError::Shape(format!("no shard {s} ({} shards)", self.inner.shards.len())));
+        }
+        let msg =
+            Message::TableScan(gaps_common::wire::TableScan { epoch: self.inner.map.epoch, table, cursor, max_rows });
+        let (frame, _) = self.request(s, &msg, &[]).await?;
+        let addr = self.inner.shards[s].addr.to_string();
+        let Message::TableRows(rows) = frame.msg else {
+            return Err(RpcError::Unexpected { addr, kind: net::kind_name(&frame.msg).into() }.into());
+        };
+        let n = rows.count as usize;
+        if rows.dim as usize != dim || frame.payload.len() != n * (2 + dim) {
+            return Err(RpcError::BadReply {
+                addr,
+                message: format!("a page of {n} rows of {dim} floats was expected"),
+            }
+            .into());
+        }
+        let ids = gaps_common::wire::words_to_ids(&frame.payload[..2 * n]);
+        Ok((ids, frame.payload[2 * n..].to_vec(), rows.next))
+    }
+
+    /// Loads rows into `table` (an import): `values` holds `ids × dim` floats; each id goes to the shard that
+    /// owns it, in pages. A row a shard holds already keeps its values. Returns (rows created, rows kept).
+    pub async fn load_rows(&self, table: u32, ids: &[u64], values: &[f32]) -> Result<(u32, u32), ClientError> {
+        let worker = self.inner.map.worker_id.ok_or_else(|| ClientError::Shape("observers cannot load rows".into()))?;
+        let dim = self.table_dim(table)?;
+        if values.len() != ids.len() * dim {
+            return Err(ClientError::Shape(format!(
+                "{} ids need {} values, got {}",
+                ids.len(),
+                ids.len() * dim,
+                values.len()
+            )));
+        }
+        check_finite("the rows loaded", values)?;
+        let mut distinct = std::collections::HashSet::with_capacity(ids.len());
+        if let Some(id) = ids.iter().find(|id| !distinct.insert(**id)) {
+            return Err(ClientError::Shape(format!("id {id} appears twice in the rows loaded")));
+        }
+        let (mut created, mut kept) = (0, 0);
+        for (s, positions) in self.by_shard(table, ids).iter().enumerate() {
+            for page in positions.chunks(gaps_common::wire::MAX_TABLE_PAGE as usize) {
+                let mut payload = Vec::with_capacity(page.len() * (2 + dim));
+                ids_to_words(&page.iter().map(|k| ids[*k]).collect::<Vec<_>>(), &mut payload);
+                for k in page {
+                    payload.extend_from_slice(&values[k * dim..(k + 1) * dim]);
+                }
+                let msg = Message::TableLoad(gaps_common::wire::TableLoad {
+                    epoch: self.inner.map.epoch,
+                    worker,
+                    table,
+                    count: page.len() as u32,
+                    dim: dim as u32,
+                });
+                let (frame, _) = self.request(s, &msg, &[net::f32_bytes(payload)]).await?;
+                match frame.msg {
+                    Message::TableLoaded(done) => {
+                        created += done.created;
+                        kept += done.kept;
+                    }
+                    other => {
+                        let addr = self.inner.shards[s].addr.to_string();
+                        return Err(RpcError::Unexpected { addr, kind: net::kind_name(&other).into() }.into());
+                    }
+                }
+            }
+        }
+        Ok((created, kept))
+    }
+
     /// Asks the coordinator for a cluster checkpoint (every shard at the same synchronous step, or at its
     /// next quiescent point); returns its id and each shard's (shard, path, step), index order.
     pub async fn checkpoint(&self) -> Result<CheckpointDone, ClientError> {

@@ -786,6 +786,10 @@ impl ShardCore {
             Message::DataStatus(_) => Err(ShardError::NotARequest("data status")),
             Message::Initialize(i) => self.initialize(&i, &req.payload),
             Message::Initialized(_) => Err(ShardError::NotARequest("initialized")),
+            Message::TableScan(r) => self.table_scan(&r),
+            Message::TableLoad(r) => self.table_load(&r, &req.payload, now_s),
+            Message::TableRows(_) => Err(ShardError::NotARequest("table rows")),
+            Message::TableLoaded(_) => Err(ShardError::NotARequest("table loaded")),
             // The core answers at once; the service holds the request until `wait_satisfied`.
             Message::StatsRequest(_) | Message::WaitStep(_) => Ok(Frame::new(Message::Stats(self.stats()))),
             // Files are the service's business: a core on its own cannot write one.

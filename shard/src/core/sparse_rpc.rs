@@ -129,3 +129,87 @@ impl ShardCore {
         max_staleness
     }
 }
+
+impl ShardCore {
+    /// A page of a table's rows as stored here (an export, [`gaps_common::wire::TableScan`]).
+    pub(super) fn table_scan(&self, req: &gaps_common::wire::TableScan) -> Result<Frame, ShardError> {
+        self.check_epoch(req.epoch)?;
+        let table = self.tables.get(req.table as usize).ok_or_else(|| {
+            ShardError::WrongShape(format!("unknown table {} ({} tables)", req.table, self.tables.len()))
+        })?;
+        let max = req.max_rows.min(gaps_common::wire::MAX_TABLE_PAGE) as usize;
+        let (mut ids, mut values) = (Vec::new(), Vec::new());
+        let next = table.scan(usize::try_from(req.cursor).unwrap_or(usize::MAX), max, &mut ids, &mut values);
+        let mut payload = Vec::with_capacity(2 * ids.len() + values.len());
+        gaps_common::wire::ids_to_words(&ids, &mut payload);
+        payload.extend_from_slice(&values);
+        let dim = table.config().dim;
+        Ok(Frame {
+            msg: Message::TableRows(gaps_common::wire::TableRows {
+                table: req.table,
+                count: ids.len() as u32,
+                dim,
+                next: next.map(|n| n as u64),
+            }),
+            payload,
+        })
+    }
+
+    /// Loads rows into a table (an import, [`gaps_common::wire::TableLoad`]): every id must be this shard's,
+    /// appear once and carry finite values; checked whole before any row is loaded. A held row is kept.
+    pub(super) fn table_load(
+        &mut self,
+        req: &gaps_common::wire::TableLoad,
+        payload: &[f32],
+        now_s: u32,
+    ) -> Result<Frame, ShardError> {
+        self.check_epoch(req.epoch)?;
+        if req.count > gaps_common::wire::MAX_TABLE_PAGE {
+            return Err(ShardError::WrongShape(format!(
+                "a load carries at most {} rows, not {}",
+                gaps_common::wire::MAX_TABLE_PAGE,
+                req.count
+            )));
+        }
+        let ids = self.sparse_ids(req.table, req.count, payload)?;
+        let dim = self.tables[req.table as usize].config().dim;
+        if req.dim != dim {
+            return Err(ShardError::WrongShape(format!(
+                "table {} has dim {dim}, the load carries {}",
+                req.table, req.dim
+            )));
+        }
+        let n = ids.len();
+        if payload.len() != n * (2 + dim as usize) {
+            return Err(ShardError::WrongShape(format!(
+                "a load of {n} rows of {dim} carries {} words, expected {}",
+                payload.len(),
+                n * (2 + dim as usize)
+            )));
+        }
+        let mut distinct = std::collections::HashSet::with_capacity(n);
+        if let Some(id) = ids.iter().find(|id| !distinct.insert(**id)) {
+            return Err(ShardError::WrongShape(format!("id {id} appears twice in one load")));
+        }
+        let values = &payload[2 * n..];
+        if let Some(index) = gaps_common::dtype::first_non_finite(values) {
+            return Err(ShardError::NonFinite {
+                tensor: req.table,
+                chunk: (index / dim as usize) as u32,
+                index: index % dim as usize,
+                value: values[index].to_string(),
+            });
+        }
+        let table = &mut self.tables[req.table as usize];
+        let (mut created, mut kept) = (0u32, 0u32);
+        for (k, id) in ids.iter().enumerate() {
+            if table.load(*id, &values[k * dim as usize..(k + 1) * dim as usize], now_s) {
+                created += 1;
+            } else {
+                kept += 1;
+            }
+        }
+        table.fit_budget();
+        Ok(Frame::new(Message::TableLoaded(gaps_common::wire::TableLoaded { created, kept })))
+    }
+}
