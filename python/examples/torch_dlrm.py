@@ -12,6 +12,7 @@ It prints the held-out AUC and log-loss, and training samples per second.
 """
 
 import argparse
+import concurrent.futures
 import multiprocessing as mp
 import pathlib
 import tempfile
@@ -58,19 +59,22 @@ def worker(rank: int, args, creds, results):
         emb = gt.ShardedEmbedding(client, "emb")  # gaps: the table lives on the shards
         dense = gt.DenseParameters(client, model)  # gaps: so do the dense parameters
         stream = gaps.data.CriteoReader(args.data, part=rank, parts=args.workers, seed=args.seed)
+        reader = concurrent.futures.ThreadPoolExecutor(max_workers=1)  # the next batch is read meanwhile
         loss_fn = torch.nn.BCEWithLogitsLoss()
         started = time.perf_counter()
-        nxt = arrays(stream.next_batch(args.batch))
+        cur, nxt = arrays(stream.next_batch(args.batch)), arrays(stream.next_batch(args.batch))
+        later = reader.submit(stream.next_batch, args.batch)
         dense.pull()  # gaps: shards -> parameters
         for step in range(args.steps):
-            labels, ints, ids, present = nxt
-            nxt = arrays(stream.next_batch(args.batch))
+            labels, ints, ids, present = cur
             emb.prefetch(nxt[2])  # gaps: the next batch's rows arrive while this one computes
             logits = model(torch.from_numpy(ints), embed(emb, ids, present))
             loss = loss_fn(logits, torch.from_numpy(labels))
             loss.backward()  # (gaps: pushes the rows' gradients)
             # gaps: pushes the dense gradients; the answer brings the next step's parameters
             dense.push(pull=step + 1 < args.steps)
+            cur, nxt = nxt, arrays(later.result())
+            later = reader.submit(stream.next_batch, args.batch)
         elapsed = time.perf_counter() - started
         emb.close()
     results.put((rank, args.steps * args.batch, elapsed))

@@ -307,8 +307,14 @@ class Client:
         """Rows of ``table`` for ``ids`` (uint64): a ``(len(ids), dim)`` float32 array."""
         info = self._table(table)
         ids = _ids(table, ids)
+        self._wait_row_pushes()
         raw = _native(self._native.pull_rows, table, ids.tobytes(), create)
         return np.frombuffer(raw, dtype="<f4").reshape(len(ids), info.dim)
+
+    def _wait_row_pushes(self) -> None:
+        """Waits for the row pushes gaps.torch sent in the background (so this client reads its own writes)."""
+        for step in self.__dict__.get("_gaps_row_steps", {}).values():
+            step.wait()
 
     def push_rows(self, table: str, ids, grads) -> None:
         """Pushes ``(len(ids), dim)`` gradients for the rows of ``table`` last pulled with ``ids``."""

@@ -73,6 +73,17 @@ class _RowStep:
         self.grads: list[np.ndarray] = []
         self.queued = False
         self.pushed = False
+        # The push goes out on a thread of its own, beside the dense push and the next step's compute (the
+        # native client still sends a step's dense push after its rows in sync and gba); its error, if any,
+        # is raised at the next step's push or at `wait()`.
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"gaps-push-{table}")
+        self._in_flight: concurrent.futures.Future | None = None
+
+    def wait(self) -> None:
+        """Waits for the row push in flight; raises its error."""
+        future, self._in_flight = self._in_flight, None
+        if future is not None:
+            future.result()
 
     @staticmethod
     def of(client: Client, table: str, dim: int) -> "_RowStep":
@@ -83,6 +94,7 @@ class _RowStep:
 
     def read(self, token: int) -> None:
         if self.pushed:  # a new step: the last one's pulls will not be pushed again
+            self.wait()
             _native(self.client._native.forget_rows, self.tokens)
             self.tokens, self.pushed = [], False
         self.tokens.append(token)
@@ -98,13 +110,19 @@ class _RowStep:
         self.queued = False
         if not self.ids:
             return
-        ids, grads = np.concatenate(self.ids), np.concatenate(self.grads)
+        if len(self.ids) == 1:  # one lookup this step: its ids are distinct already
+            unique, summed = self.ids[0], self.grads[0]
+        else:
+            ids = np.concatenate(self.ids)
+            unique, inverse = np.unique(ids, return_inverse=True)
+            summed = torch.zeros((len(unique), self.dim), dtype=torch.float32)
+            summed.index_add_(0, torch.from_numpy(inverse.reshape(-1)), torch.from_numpy(np.concatenate(self.grads)))
+            summed = summed.numpy()
         self.ids, self.grads = [], []
-        unique, inverse = np.unique(ids, return_inverse=True)
-        summed = np.zeros((len(unique), self.dim), np.float32)
-        np.add.at(summed, inverse.reshape(-1), grads)
         self.pushed = True
-        _native(
+        self.wait()
+        self._in_flight = self._pool.submit(
+            _native,
             self.client._native.push_rows_merged,
             self.table,
             list(self.tokens),
@@ -138,6 +156,7 @@ class ShardedEmbedding(torch.nn.Module):
         self.mode = mode
         self.create = create
         self._rows = _PullRows(client, table)
+        self._distinct_cache: dict = {}
 
     @staticmethod
     def _unique(ids) -> tuple[np.ndarray, torch.Tensor]:
@@ -154,12 +173,24 @@ class ShardedEmbedding(torch.nn.Module):
 
     def prefetch(self, ids) -> None:
         """Starts pulling the rows of a later batch's ``ids`` now (for a training step)."""
-        unique, _ = self._unique(ids)
+        ids = torch.as_tensor(ids)
+        unique, inverse = self._unique(ids)
+        if ids.device.type == "cpu":  # the lookup of these ids reuses the work (a few batches ahead at most)
+            self._distinct_cache[(ids.shape, ids.dtype, ids.numpy().tobytes())] = (unique, inverse)
+            while len(self._distinct_cache) > 4:
+                self._distinct_cache.pop(next(iter(self._distinct_cache)))
         self._rows.start(unique, self.create, True)
+
+    def _distinct(self, ids: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+        if self._distinct_cache and ids.device.type == "cpu":
+            hit = self._distinct_cache.pop((ids.shape, ids.dtype, ids.numpy().tobytes()), None)
+            if hit is not None:
+                return hit
+        return self._unique(ids)
 
     def _lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows of the distinct ids (a leaf whose gradient is pushed) and the index of each id."""
-        unique, inverse = self._unique(ids)
+        unique, inverse = self._distinct(ids)
         training = self._training()
         raw, token = self._rows.get(unique, self.create and training, training)
         rows = torch.from_numpy(np.frombuffer(raw, dtype="<f4").reshape(len(unique), self.dim))
@@ -204,7 +235,8 @@ class ShardedEmbedding(torch.nn.Module):
         return out
 
     def close(self) -> None:
-        """Stops the prefetching thread."""
+        """Waits for the table's row push in flight (raising its error), then stops the threads."""
+        self.client._wait_row_pushes()
         self._rows.close()
 
 
@@ -274,6 +306,9 @@ class DenseParameters:
                 else g.detach().cpu().numpy().astype(np.float32, copy=False)
             )
         compute = None if self._pulled_at is None else time.monotonic() - self._pulled_at
+        if _native(self.client._native.synchronous):
+            # In sync and gba a step's rows must reach the shards before the dense push that ends it.
+            self.client._wait_row_pushes()
         if pull:
             self._copy_in(self.client.push_pull(grads, compute_seconds=compute))
         else:

@@ -618,6 +618,11 @@ impl NativeClient {
         block(py, &self.runtime, client.initialize(&values))?.map_err(client_err)
     }
 
+    /// True while the cluster trains synchronously (sync, gba) or has not said yet.
+    fn synchronous(&self) -> PyResult<bool> {
+        Ok(self.client()?.synchronous())
+    }
+
     /// Shards in the cluster.
     fn num_shards(&self) -> PyResult<usize> {
         Ok(self.client()?.map().shards.len())
@@ -744,7 +749,9 @@ impl CriteoStream {
         py: Python<'py>,
         n: usize,
     ) -> PyResult<(Bound<'py, PyByteArray>, Bound<'py, PyByteArray>, Bound<'py, PyByteArray>)> {
-        let samples = self.stream.lock().map_err(poisoned)?.next_batch(n).map_err(|e| err("config", e))?;
+        // Parsing (or generating) runs without the GIL, so a reader thread prefetches beside the training.
+        let samples =
+            py.allow_threads(|| self.stream.lock().map_err(poisoned)?.next_batch(n).map_err(|e| err("config", e)))?;
         Ok(sample_bytes(py, &samples))
     }
 }
@@ -792,7 +799,8 @@ impl SplitReader {
         py: Python<'py>,
         n: usize,
     ) -> PyResult<(Bound<'py, PyByteArray>, Bound<'py, PyByteArray>, Bound<'py, PyByteArray>)> {
-        let samples = self.samples.lock().map_err(poisoned)?.next_batch(n).map_err(|e| err("config", e))?;
+        let samples =
+            py.allow_threads(|| self.samples.lock().map_err(poisoned)?.next_batch(n).map_err(|e| err("config", e)))?;
         Ok(sample_bytes(py, &samples))
     }
 

@@ -616,6 +616,12 @@ impl Client {
         self.inner.retries.load(Ordering::Relaxed)
     }
 
+    /// True while the cluster trains in a synchronous mode (sync or gba, also under auto), or before any
+    /// shard said which: a step's rows must then reach each shard before its dense push.
+    pub fn synchronous(&self) -> bool {
+        self.inner.synchronous()
+    }
+
     /// Shard pushes acknowledged since connecting (each applied exactly once by its shard).
     pub fn pushes_acknowledged(&self) -> u64 {
         self.inner.pushes_acknowledged.load(Ordering::Relaxed)

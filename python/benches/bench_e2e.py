@@ -1,0 +1,80 @@
+"""A Python worker against the Rust worker, end to end, in the same run: DLRM on the synthetic data with one
+shard and one worker, as `gaps bench e2e`'s 1×1 shape trains it (`gaps local --model dlrm --servers 1
+--workers 1`, the Rust worker) and as `python/examples/torch_dlrm.py --servers 1 --workers 1` trains it (a
+PyTorch module through gaps.torch, one torch thread). Rounds alternate so load drifts hit both alike; the
+table gives samples/s per round and the ratio. Also how long `import gaps` takes in a fresh interpreter
+(against a bare one).
+
+    GAPS_BIN_DIR=target/release python python/benches/bench_e2e.py [--steps 600] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "torch_dlrm.py"
+
+
+def gaps_exe() -> str:
+    from gaps.testing import find_gaps
+
+    return find_gaps()
+
+
+def rust_worker(steps: int) -> float:
+    out = subprocess.run(
+        [gaps_exe(), "local", "--model", "dlrm", "--servers", "1", "--workers", "1", "--steps", str(steps), "--json"],
+        capture_output=True, text=True, check=True,
+    )
+    return float(json.loads(out.stdout.splitlines()[-1])["samples_per_s"])
+
+
+def python_worker(steps: int) -> float:
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--servers", "1", "--workers", "1", "--steps", str(steps), "--eval-samples", "2000"],
+        capture_output=True, text=True, check=True,
+    )
+    m = re.search(r"([0-9,]+) samples/s in the loops", out.stdout)
+    if not m:
+        raise RuntimeError(f"torch_dlrm.py printed no rate:\n{out.stdout}\n{out.stderr[-2000:]}")
+    return float(m.group(1).replace(",", ""))
+
+
+def import_time(rounds: int = 5) -> tuple[float, float]:
+    """Median seconds of a fresh `python -c "import gaps"` and of a bare `python -c pass`."""
+
+    def run(code: str) -> float:
+        started = time.perf_counter()
+        subprocess.run([sys.executable, "-c", code], check=True)
+        return time.perf_counter() - started
+
+    return (statistics.median(run("import gaps") for _ in range(rounds)), statistics.median(run("pass") for _ in range(rounds)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    print(f"{'round':>5} {'rust worker':>12} {'python worker':>14} {'ratio':>6}")
+    ratios = []
+    for r in range(args.rounds):
+        rust = rust_worker(args.steps)
+        python = python_worker(args.steps)
+        ratios.append(python / rust)
+        print(f"{r + 1:>5} {rust:>12,.0f} {python:>14,.0f} {python / rust:>6.2f}", flush=True)
+    print(f"python / rust samples/s: median {statistics.median(ratios):.2f} (range {min(ratios):.2f}-{max(ratios):.2f})")
+    with_gaps, bare = import_time()
+    print(f"import gaps: {with_gaps:.3f} s in a fresh interpreter ({bare:.3f} s for a bare one; "
+          f"torch imported: {'torch' in sys.modules})")
+
+
+if __name__ == "__main__":
+    main()
