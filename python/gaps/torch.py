@@ -35,29 +35,15 @@ class _PullRows:
         self._client = client
         self._table = table
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"gaps-{table}")
-        self._pending: dict[tuple[bytes, bool, bool], concurrent.futures.Future] = {}
 
-    def _pull(self, unique: np.ndarray, create: bool, remember: bool):
-        raw, token = _native(self._client._native.pull_rows_tagged, self._table, unique.tobytes(), create, remember)
-        return raw, token
+    def pull(self, unique: np.ndarray, create: bool, remember: bool):
+        return _native(self._client._native.pull_rows_tagged, self._table, unique.tobytes(), create, remember)
 
-    def start(self, unique: np.ndarray, create: bool, remember: bool) -> None:
-        key = (unique.tobytes(), create, remember)
-        if key not in self._pending:
-            self._pending[key] = self._pool.submit(self._pull, unique, create, remember)
-
-    def get(self, unique: np.ndarray, create: bool, remember: bool):
-        future = self._pending.pop((unique.tobytes(), create, remember), None)
-        if future is not None:
-            return future.result()
-        return self._pull(unique, create, remember)
+    def submit(self, work):
+        return self._pool.submit(work)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        for future in self._pending.values():
-            if future.done() and future.exception() is None and future.result()[1] is not None:
-                _native(self._client._native.forget_rows, [future.result()[1]])
-        self._pending.clear()
 
 
 class _RowStep:
@@ -73,16 +59,26 @@ class _RowStep:
         self.grads: list[np.ndarray] = []
         self.queued = False
         self.pushed = False
-        # The push goes out on a thread of its own, beside the dense push and the next step's compute (the
-        # native client still sends a step's dense push after its rows in sync and gba); its error, if any,
-        # is raised at the next step's push or at `wait()`.
+        # The push goes out on a thread of its own, beside the next step's compute; its error, if any, is
+        # raised at a later `wait()` (the next `Client.pull_rows`, `close()`, a sync step's dense push).
+        # In async training with a DenseParameters on the client, the push is held until the dense push has
+        # been answered, so the dense reply the worker waits for is not queued behind the rows at a shard;
+        # in sync and gba a step's rows go before its dense push.
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"gaps-push-{table}")
-        self._in_flight: concurrent.futures.Future | None = None
+        self._in_flight: list[concurrent.futures.Future] = []
+        self._held: tuple | None = None
+
+    def release(self) -> None:
+        """Sends the held push, if any."""
+        held, self._held = self._held, None
+        if held is not None:
+            self._in_flight.append(self._pool.submit(_native, self.client._native.push_rows_merged, *held))
 
     def wait(self) -> None:
-        """Waits for the row push in flight; raises its error."""
-        future, self._in_flight = self._in_flight, None
-        if future is not None:
+        """Sends the held push and waits for everything in flight; raises the first error."""
+        self.release()
+        futures, self._in_flight = self._in_flight, []
+        for future in futures:
             future.result()
 
     @staticmethod
@@ -93,10 +89,12 @@ class _RowStep:
         return steps[table]
 
     def read(self, token: int) -> None:
-        if self.pushed:  # a new step: the last one's pulls will not be pushed again
-            self.wait()
-            _native(self.client._native.forget_rows, self.tokens)
+        if self.pushed:  # a new step: the last one's pulls are forgotten once its push has used them
+            self.release()
+            if self.tokens:
+                self._in_flight.append(self._pool.submit(_native, self.client._native.forget_rows, self.tokens))
             self.tokens, self.pushed = [], False
+            self._in_flight = [f for f in self._in_flight if not f.done() or f.exception() is not None]
         self.tokens.append(token)
 
     def gradient(self, unique: np.ndarray, grad: np.ndarray) -> None:
@@ -120,15 +118,16 @@ class _RowStep:
             summed = summed.numpy()
         self.ids, self.grads = [], []
         self.pushed = True
-        self.wait()
-        self._in_flight = self._pool.submit(
-            _native,
-            self.client._native.push_rows_merged,
+        self.release()  # a second backward's push goes after the first
+        self._held = (
             self.table,
             list(self.tokens),
             np.ascontiguousarray(unique, dtype="<u8").tobytes(),
             np.ascontiguousarray(summed, dtype="<f4").tobytes(),
         )
+        dense_follows = self.client.__dict__.get("_gaps_dense_parameters", False)
+        if not dense_follows or _native(self.client._native.synchronous):
+            self.release()
 
 
 class ShardedEmbedding(torch.nn.Module):
@@ -156,7 +155,7 @@ class ShardedEmbedding(torch.nn.Module):
         self.mode = mode
         self.create = create
         self._rows = _PullRows(client, table)
-        self._distinct_cache: dict = {}
+        self._prefetched: dict = {}
 
     @staticmethod
     def _unique(ids) -> tuple[np.ndarray, torch.Tensor]:
@@ -171,28 +170,43 @@ class ShardedEmbedding(torch.nn.Module):
     def _training(self) -> bool:
         return torch.is_grad_enabled() and self.client.worker_id is not None
 
-    def prefetch(self, ids) -> None:
-        """Starts pulling the rows of a later batch's ``ids`` now (for a training step)."""
-        ids = torch.as_tensor(ids)
-        unique, inverse = self._unique(ids)
-        if ids.device.type == "cpu":  # the lookup of these ids reuses the work (a few batches ahead at most)
-            self._distinct_cache[(ids.shape, ids.dtype, ids.numpy().tobytes())] = (unique, inverse)
-            while len(self._distinct_cache) > 4:
-                self._distinct_cache.pop(next(iter(self._distinct_cache)))
-        self._rows.start(unique, self.create, True)
+    @staticmethod
+    def _key(ids: torch.Tensor):
+        return (tuple(ids.shape), ids.dtype, ids.numpy().tobytes())
 
-    def _distinct(self, ids: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
-        if self._distinct_cache and ids.device.type == "cpu":
-            hit = self._distinct_cache.pop((ids.shape, ids.dtype, ids.numpy().tobytes()), None)
-            if hit is not None:
-                return hit
-        return self._unique(ids)
+    def prefetch(self, ids) -> None:
+        """Starts pulling the rows of a later batch's ``ids`` now, on the pull thread (its distinct ids are
+        found there too), for a training step."""
+        ids = torch.as_tensor(ids).cpu()
+        key = self._key(ids)
+        if key in self._prefetched:
+            return
+        ids = ids.clone()
+
+        def work():
+            unique, inverse = self._unique(ids)
+            return (unique, inverse, *self._rows.pull(unique, self.create, True))
+
+        self._prefetched[key] = self._rows.submit(work)
+        while len(self._prefetched) > 4:  # a few batches ahead at most: the oldest is dropped
+            self._forget(self._prefetched.pop(next(iter(self._prefetched))))
+
+    def _forget(self, future) -> None:
+        if future.done() and future.exception() is None and future.result()[3] is not None:
+            _native(self.client._native.forget_rows, [future.result()[3]])
 
     def _lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows of the distinct ids (a leaf whose gradient is pushed) and the index of each id."""
-        unique, inverse = self._distinct(ids)
         training = self._training()
-        raw, token = self._rows.get(unique, self.create and training, training)
+        hit = self._prefetched.pop(self._key(ids), None) if self._prefetched and ids.device.type == "cpu" else None
+        if hit is not None:
+            unique, inverse, raw, token = hit.result()
+            if not training and token is not None:
+                _native(self.client._native.forget_rows, [token])
+                token = None
+        else:
+            unique, inverse = self._unique(ids)
+            raw, token = self._rows.pull(unique, self.create and training, training)
         rows = torch.from_numpy(np.frombuffer(raw, dtype="<f4").reshape(len(unique), self.dim))
         if training and token is not None:
             step = _RowStep.of(self.client, self.table, self.dim)
@@ -238,6 +252,9 @@ class ShardedEmbedding(torch.nn.Module):
         """Waits for the table's row push in flight (raising its error), then stops the threads."""
         self.client._wait_row_pushes()
         self._rows.close()
+        for future in self._prefetched.values():
+            self._forget(future)
+        self._prefetched.clear()
 
 
 class ShardedEmbeddingBag(ShardedEmbedding):
@@ -274,6 +291,7 @@ class DenseParameters:
                 # Same size is not enough: a transposed weight would be filled in the wrong order.
                 raise ShapeError(f"{name}: the module has shape {tuple(p.shape)}, the cluster {served[name].shape}")
         self._pulled_at: float | None = None
+        client.__dict__["_gaps_dense_parameters"] = True  # row pushes may wait for the dense push (async)
 
     @torch.no_grad()
     def initialize(self) -> bool:
@@ -306,13 +324,18 @@ class DenseParameters:
                 else g.detach().cpu().numpy().astype(np.float32, copy=False)
             )
         compute = None if self._pulled_at is None else time.monotonic() - self._pulled_at
+        steps = self.client.__dict__.get("_gaps_row_steps", {}).values()
         if _native(self.client._native.synchronous):
             # In sync and gba a step's rows must reach the shards before the dense push that ends it.
             self.client._wait_row_pushes()
-        if pull:
-            self._copy_in(self.client.push_pull(grads, compute_seconds=compute))
-        else:
-            self.client.push(grads, compute_seconds=compute)
+        try:
+            if pull:
+                self._copy_in(self.client.push_pull(grads, compute_seconds=compute))
+            else:
+                self.client.push(grads, compute_seconds=compute)
+        finally:
+            for step in steps:  # async: the rows held for this dense push go out now
+                step.release()
         if zero_grad:
             for p in self.params.values():
                 p.grad = None
