@@ -17,6 +17,7 @@ use gaps_models::recsys::CtrShape;
 use gaps_transport::tls::ClusterCerts;
 use gaps_worker::client::{Client, ClientOptions};
 use gaps_worker::train::evaluate_ctr as evaluate;
+use gaps_worker::train::{DataSharding, PushLedger, WorkerSummary};
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -640,13 +641,6 @@ fn step_log_part(dir: &Path, w: u32) -> PathBuf {
     dir.join(format!("steps-{w}.csv"))
 }
 
-/// A worker's id and its acknowledged pushes per shard, from its JSON summary or ledger line.
-fn acknowledged_by_shard(v: &serde_json::Value) -> (Option<u32>, Vec<u64>) {
-    let worker = v["worker"].as_u64().and_then(|w| u32::try_from(w).ok());
-    let counts = v["acknowledged_by_shard"].as_array().map(Vec::as_slice).unwrap_or_default();
-    (worker, counts.iter().map(|c| c.as_u64().unwrap_or(0)).collect())
-}
-
 /// Acknowledged pushes that no shard's state holds: for each worker and shard, what the worker saw
 /// acknowledged beyond the shard's own count of that worker's pushes applied (a worker whose id is unknown
 /// is held against nothing). Independent of the shards' totals, so a push applied twice cannot hide a lost one.
@@ -1029,13 +1023,14 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
         for (i, (p, text)) in workers.iter().zip(&outputs).enumerate() {
             if killed.contains(&i) {
                 // Its ledger up to the last step it finished; the step it was in when killed may have sent
-                // up to a step's pushes that nobody saw acknowledged (applied or not).
-                let last = text.lines().rev().find(|l| l.contains("\"pushes\""));
-                if let Some(v) = last.and_then(|l| serde_json::from_str::<serde_json::Value>(l).ok()) {
-                    pushes_sent += v["pushes_sent"].as_u64().unwrap_or(0);
-                    pushes_acknowledged += v["pushes_acknowledged"].as_u64().unwrap_or(0);
-                    stale_after_restore += v["stale_after_restore"].as_u64().unwrap_or(0);
-                    acknowledged_by.push(acknowledged_by_shard(&v));
+                // up to a step's pushes that nobody saw acknowledged (applied or not). A line cut short by
+                // the kill is not a ledger line.
+                let last = text.lines().rev().find_map(|l| serde_json::from_str::<PushLedger>(l).ok());
+                if let Some(l) = last {
+                    pushes_sent += l.pushes_sent;
+                    pushes_acknowledged += l.pushes_acknowledged;
+                    stale_after_restore += l.stale_after_restore;
+                    acknowledged_by.push((l.worker, l.acknowledged_by_shard));
                 }
                 pushes_unconfirmed += per_step;
                 continue;
@@ -1046,29 +1041,25 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
                 .rev()
                 .find(|l| l.contains("worker_done"))
                 .with_context(|| format!("{} printed no summary", p.name))?;
-            let v: serde_json::Value = serde_json::from_str(line).with_context(|| format!("parsing {line:?}"))?;
-            steps += v["steps"].as_u64().unwrap_or(0);
-            pushes_sent += v["pushes_sent"].as_u64().unwrap_or(0);
-            pushes_acknowledged += v["pushes_acknowledged"].as_u64().unwrap_or(0);
-            acknowledged_by.push(acknowledged_by_shard(&v));
-            stale_after_restore += v["stale_after_restore"].as_u64().unwrap_or(0);
-            retries += v["retries"].as_u64().unwrap_or(0);
-            samples += v["samples"].as_u64().unwrap_or(0);
+            let w: WorkerSummary =
+                serde_json::from_str(line).with_context(|| format!("{}'s summary {line:?}", p.name))?;
+            steps += w.steps;
+            pushes_sent += w.pushes_sent;
+            pushes_acknowledged += w.pushes_acknowledged;
+            acknowledged_by.push((Some(w.worker), w.acknowledged_by_shard));
+            stale_after_restore += w.stale_after_restore;
+            retries += w.retries;
+            samples += w.samples;
             // A fixed share is read from the whole file (every worker meets every bad line); dealt splits are
             // read by one worker each (first pass only).
-            let theirs = v["bad_lines"].as_u64().unwrap_or(0);
-            bad_lines = if v["data_sharding"] == "dynamic" { bad_lines + theirs } else { bad_lines.max(theirs) };
-            epochs = epochs.max(v["epochs"].as_f64().unwrap_or(0.0));
-            stopped_early += u32::from(v["stopped_early"].as_bool().unwrap_or(false));
+            bad_lines = match w.data_sharding {
+                DataSharding::Dynamic => bad_lines + w.bad_lines,
+                DataSharding::Static => bad_lines.max(w.bad_lines),
+            };
+            epochs = epochs.max(w.epochs);
+            stopped_early += u32::from(w.stopped_early);
             if heldout_curve.is_empty() {
-                let points = v["heldout_curve"].as_array().map(Vec::as_slice).unwrap_or_default();
-                heldout_curve = points
-                    .iter()
-                    .map(|p| {
-                        let f = |k: &str| p[k].as_f64().unwrap_or(f64::NAN);
-                        (p["step"].as_u64().unwrap_or(0), f("epochs"), f("logloss"), f("auc"))
-                    })
-                    .collect();
+                heldout_curve = w.heldout_curve.iter().map(|p| (p.step, p.epochs, p.logloss, p.auc)).collect();
             }
         }
         let stats = observer.stats().await.context("reading shard counters")?;

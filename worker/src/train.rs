@@ -113,7 +113,8 @@ pub struct WorkerArgs {
 }
 
 /// How a worker gets its training data (`--data-sharding`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum DataSharding {
     /// Splits dealt by the coordinator to whoever asks.
     Dynamic,
@@ -188,16 +189,67 @@ impl StepLog {
 /// step starts).
 fn ledger_line(args: &WorkerArgs, client: &crate::Client, step: u64) {
     if args.ledger {
-        let line = serde_json::json!({
-            "event": "pushes",
-            "step": step,
-            "pushes_sent": client.pushes_sent(),
-            "pushes_acknowledged": client.pushes_acknowledged(),
-            "acknowledged_by_shard": client.pushes_acknowledged_by_shard(),
-            "worker": client.worker_id(),
-            "stale_after_restore": client.stale_after_restore(),
-        });
-        println!("{line}");
+        let line = PushLedger {
+            step,
+            pushes_sent: client.pushes_sent(),
+            pushes_acknowledged: client.pushes_acknowledged(),
+            acknowledged_by_shard: client.pushes_acknowledged_by_shard(),
+            worker: client.worker_id(),
+            stale_after_restore: client.stale_after_restore(),
+        };
+        if let Ok(text) = serde_json::to_string(&line) {
+            println!("{text}");
+        }
+    }
+}
+
+/// The `--ledger` line a worker prints after every step (`{"event":"pushes",…}`): what a run that kills
+/// it reads back as its last word.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "event", rename = "pushes")]
+pub struct PushLedger {
+    /// Steps completed.
+    pub step: u64,
+    /// Shard pushes sent.
+    pub pushes_sent: u64,
+    /// Shard pushes acknowledged.
+    pub pushes_acknowledged: u64,
+    /// The same per shard, in shard order.
+    pub acknowledged_by_shard: Vec<u64>,
+    /// The worker id (None before it registered).
+    pub worker: Option<u32>,
+    /// Shard pushes a restored shard refused.
+    pub stale_after_restore: u64,
+}
+
+/// Floats that may be NaN (a loss before any step, an evaluation that diverged): JSON has no NaN, so they
+/// are written as null and read back as NaN.
+mod nan_as_null {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &f64, s: S) -> Result<S::Ok, S::Error> {
+        if v.is_finite() {
+            s.serialize_f64(*v)
+        } else {
+            s.serialize_none()
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+        Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
+    }
+}
+
+/// [`nan_as_null`] for f32.
+mod nan_as_null_f32 {
+    use serde::{Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &f32, s: S) -> Result<S::Ok, S::Error> {
+        super::nan_as_null::serialize(&f64::from(*v), s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<f32, D::Error> {
+        Ok(super::nan_as_null::deserialize(d)? as f32)
     }
 }
 
@@ -226,8 +278,10 @@ fn parse_shard(text: &str) -> Result<(u64, u64), String> {
     Ok((i, n))
 }
 
-/// What a worker did, printed as JSON with `--json`.
-#[derive(Debug, Clone, PartialEq)]
+/// What a worker did, printed as one JSON line with `--json` (`{"event":"worker_done",…}`); readers
+/// deserialize it, so a field missing or renamed is an error, not a silent 0.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "event", rename = "worker_done")]
 pub struct WorkerSummary {
     /// Worker id given by the coordinator.
     pub worker: u32,
@@ -244,8 +298,10 @@ pub struct WorkerSummary {
     /// Requests resent after transport failures.
     pub retries: u64,
     /// Mean training loss of the first step.
+    #[serde(with = "nan_as_null_f32")]
     pub first_loss: f32,
     /// Mean training loss over the last (up to) 10 steps.
+    #[serde(with = "nan_as_null_f32")]
     pub last_loss: f32,
     /// Wall-clock seconds from connecting to leaving.
     pub wall_s: f64,
@@ -266,15 +322,17 @@ pub struct WorkerSummary {
 }
 
 /// One held-out evaluation during training.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct HeldOutPoint {
     /// Steps this worker had completed.
     pub step: u64,
-    /// Passes over the data file by then.
+    /// Passes over the data file by then (three decimals).
     pub epochs: f64,
     /// Held-out log-loss of the cluster's model.
+    #[serde(with = "nan_as_null")]
     pub logloss: f64,
     /// Held-out AUC.
+    #[serde(with = "nan_as_null")]
     pub auc: f64,
 }
 
@@ -349,32 +407,7 @@ impl WorkerSummary {
 
     /// The JSON line.
     pub fn to_json(&self) -> String {
-        serde_json::json!({
-            "event": "worker_done",
-            "worker": self.worker,
-            "steps": self.steps,
-            "pushes_sent": self.pushes_sent,
-            "pushes_acknowledged": self.pushes_acknowledged,
-            "acknowledged_by_shard": self.acknowledged_by_shard,
-            "stale_after_restore": self.stale_after_restore,
-            "retries": self.retries,
-            "first_loss": self.first_loss,
-            "last_loss": self.last_loss,
-            "wall_s": self.wall_s,
-            "samples": self.samples,
-            "bad_lines": self.bad_lines,
-            "epochs": self.epochs,
-            "heldout_curve": self.heldout_curve.iter().map(|p| serde_json::json!({
-                "step": p.step,
-                "epochs": (p.epochs * 1000.0).round() / 1000.0,
-                "logloss": p.logloss,
-                "auc": p.auc,
-            })).collect::<Vec<_>>(),
-            "stopped_early": self.stopped_early,
-            "data_sharding": self.data_sharding.to_string(),
-            "splits": self.splits,
-        })
-        .to_string()
+        serde_json::to_string(self).unwrap_or_else(|e| format!("{{\"event\":\"error\",\"message\":\"{e}\"}}"))
     }
 }
 
@@ -606,7 +639,7 @@ async fn run_ctr(
             let (logloss, auc) = evaluate_ctr(&client, &shape, held)
                 .await
                 .with_context(|| format!("evaluating on held-out samples at step {step}"))?;
-            curve.push(HeldOutPoint { step, epochs: feed.epochs_done(), logloss, auc });
+            curve.push(HeldOutPoint { step, epochs: (feed.epochs_done() * 1000.0).round() / 1000.0, logloss, auc });
             info!(worker, step, logloss, auc, "held-out evaluation");
             if early.record(logloss) {
                 info!(worker, step, best = early.best(), patience = args.patience, "held-out loss stopped improving");
@@ -674,7 +707,54 @@ pub async fn evaluate_ctr(
 
 #[cfg(test)]
 mod tests {
-    use super::EarlyStop;
+    use super::{DataSharding, EarlyStop, HeldOutPoint, PushLedger, WorkerSummary};
+
+    #[test]
+    fn the_summary_and_the_ledger_read_back_as_written_and_a_missing_field_is_an_error() {
+        let w = WorkerSummary {
+            worker: 3,
+            steps: 10,
+            pushes_sent: 20,
+            pushes_acknowledged: 19,
+            acknowledged_by_shard: vec![10, 9],
+            stale_after_restore: 1,
+            retries: 2,
+            first_loss: f32::NAN,
+            last_loss: 0.25,
+            wall_s: 1.5,
+            samples: 2560,
+            bad_lines: 4,
+            epochs: 1.25,
+            heldout_curve: vec![HeldOutPoint { step: 5, epochs: 0.5, logloss: 0.5, auc: f64::NAN }],
+            stopped_early: false,
+            data_sharding: DataSharding::Dynamic,
+            splits: 7,
+        };
+        let line = w.to_json();
+        assert!(line.starts_with("{\"event\":\"worker_done\""), "{line}");
+        assert!(line.contains("\"data_sharding\":\"dynamic\"") && line.contains("\"first_loss\":null"), "{line}");
+        let back: WorkerSummary = serde_json::from_str(&line).expect("reads back");
+        assert!(back.first_loss.is_nan() && back.heldout_curve[0].auc.is_nan());
+        assert_eq!((back.worker, back.acknowledged_by_shard.clone(), back.splits), (3, vec![10, 9], 7));
+        // A renamed or missing field fails loudly instead of reading as 0.
+        let renamed = line.replace("\"pushes_acknowledged\"", "\"pushes_acked\"");
+        let err = serde_json::from_str::<WorkerSummary>(&renamed).expect_err("missing field");
+        assert!(err.to_string().contains("pushes_acknowledged"), "{err}");
+        // Another event is not a summary.
+        let ledger = PushLedger {
+            step: 4,
+            pushes_sent: 8,
+            pushes_acknowledged: 8,
+            acknowledged_by_shard: vec![4, 4],
+            worker: Some(3),
+            stale_after_restore: 0,
+        };
+        let text = serde_json::to_string(&ledger).expect("json");
+        assert!(text.starts_with("{\"event\":\"pushes\""), "{text}");
+        assert_eq!(serde_json::from_str::<PushLedger>(&text).expect("back"), ledger);
+        assert!(serde_json::from_str::<WorkerSummary>(&text).is_err());
+        assert!(serde_json::from_str::<PushLedger>(&text[..text.len() - 3]).is_err(), "a line cut short");
+    }
 
     #[test]
     fn early_stop_waits_patience_evaluations_after_the_best() {
