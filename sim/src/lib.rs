@@ -324,7 +324,10 @@ pub struct SimReport {
     pub final_test_metric: f64,
     /// Mean training loss over the whole training set at the end.
     pub final_train_loss: f64,
-    /// True when a loss or parameter became non-finite (the run stopped there).
+    /// Mean training loss over the whole training set at the initial parameters.
+    pub initial_train_loss: f64,
+    /// True when a loss or parameter became non-finite (the run stopped there) or the final training loss
+    /// is above the initial one.
     pub diverged: bool,
     /// Mean staleness τ over pushes.
     pub staleness_mean: f64,
@@ -393,6 +396,7 @@ impl SimReport {
             "final_test_metric": self.final_test_metric,
             "final_train_loss": self.final_train_loss,
             "diverged": self.diverged,
+            "initial_train_loss": self.initial_train_loss,
             "staleness_mean": self.staleness_mean,
             "staleness_p99": self.staleness_p99,
             "gap_mean": self.gap_mean,
@@ -835,6 +839,7 @@ fn register(core: &mut ShardCore) -> Result<u32> {
 
 fn run_async(args: &SimArgs) -> Result<SimReport> {
     let (task, mut core, hyper) = setup(args)?;
+    let initial_loss = task.evaluate(&master_params(&mut core, task.as_ref())?).1;
     let p = task.num_params();
     let n = args.workers as usize;
     let mut timing = Rng::new(mix(args.seed, 0x71e));
@@ -1040,8 +1045,18 @@ fn run_async(args: &SimArgs) -> Result<SimReport> {
         out.flush()?;
     }
     let live = workers.iter().filter(|w| w.alive).count() as u32;
-    let outcome =
-        Outcome { staleness, gap_sum, now, diverged, events, started, gradients: events, evaluator, durations };
+    let outcome = Outcome {
+        staleness,
+        gap_sum,
+        now,
+        diverged,
+        events,
+        started,
+        gradients: events,
+        evaluator,
+        durations,
+        initial_loss,
+    };
     let mut report = finish(args, task.as_ref(), &mut core, outcome)?;
     report.workers_final = live;
     Ok(report)
@@ -1093,14 +1108,30 @@ struct Outcome {
     gradients: u64,
     evaluator: Evaluator,
     durations: Durations,
+    /// Training loss at the initial parameters.
+    initial_loss: f64,
 }
 
 fn finish(args: &SimArgs, task: &dyn Task, core: &mut ShardCore, o: Outcome) -> Result<SimReport> {
-    let Outcome { staleness, gap_sum, now, mut diverged, events, started, gradients, evaluator, durations } = o;
+    let Outcome {
+        staleness,
+        gap_sum,
+        now,
+        mut diverged,
+        events,
+        started,
+        gradients,
+        evaluator,
+        durations,
+        initial_loss,
+    } = o;
     let real = started.elapsed().as_secs_f64();
     let params = master_params(core, task)?;
     diverged |= params.iter().any(|v| !v.is_finite());
     let (metric, train_loss) = if diverged { (f64::NAN, f64::NAN) } else { task.evaluate(&params) };
+    // Training that ends with a higher (or NaN) loss than it started from has diverged, whatever its
+    // numbers stayed finite (a momentum run ending at a loss of 17 against chance's 2.3 did).
+    diverged |= !(train_loss <= initial_loss);
     let mut curve = evaluator.curve;
     if evaluator.every > 0 && curve.last().is_none_or(|c| c.time < now) {
         curve.push(CurvePoint { epoch: gradients as f64 / evaluator.batches_per_epoch as f64, time: now, metric });
@@ -1122,6 +1153,7 @@ fn finish(args: &SimArgs, task: &dyn Task, core: &mut ShardCore, o: Outcome) -> 
         seed: args.seed,
         final_test_metric: metric,
         final_train_loss: train_loss,
+        initial_train_loss: initial_loss,
         diverged,
         staleness_mean: staleness.iter().map(|t| f64::from(*t)).sum::<f64>() / staleness.len().max(1) as f64,
         staleness_p99: u64::from(p99),
@@ -1153,6 +1185,7 @@ fn finish(args: &SimArgs, task: &dyn Task, core: &mut ShardCore, o: Outcome) -> 
 /// the async run's.
 fn run_sync(args: &SimArgs) -> Result<SimReport> {
     let (task, mut core, _hyper) = setup(args)?;
+    let initial_loss = task.evaluate(&master_params(&mut core, task.as_ref())?).1;
     let p = task.num_params();
     let rows = task.sparse_rows();
     let mut timing = Rng::new(mix(args.seed, 0x71e));
@@ -1301,8 +1334,18 @@ fn run_sync(args: &SimArgs) -> Result<SimReport> {
         bail!("the shard completed {steps} synchronous steps for {rounds} rounds");
     }
     let staleness = vec![0u32; rounds as usize];
-    let outcome =
-        Outcome { staleness, gap_sum: 0.0, now, diverged, events: rounds, started, gradients, evaluator, durations };
+    let outcome = Outcome {
+        staleness,
+        gap_sum: 0.0,
+        now,
+        diverged,
+        events: rounds,
+        started,
+        gradients,
+        evaluator,
+        durations,
+        initial_loss,
+    };
     let mut report = finish(args, task.as_ref(), &mut core, outcome)?;
     report.workers_final = live.len() as u32;
     Ok(report)

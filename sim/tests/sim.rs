@@ -350,3 +350,22 @@ fn ctr_rows_go_through_the_sparse_table_and_sync_equals_the_dense_reference() {
     let err = format!("{:#}", run(&SimArgs { rule: Rule::DanaZero, ..base }).expect_err("dana-zero"));
     assert!(err.contains("sparse table"), "{err}");
 }
+
+/// Honest verdicts: a run whose training loss ends above where it started has diverged even where every
+/// number stayed finite (async momentum at 128 workers ends far above chance); a run that learns has not.
+#[test]
+fn a_run_whose_loss_ends_above_its_start_is_diverged() {
+    let learns = accuracy(Rule::Momentum, 1);
+    assert!(learns.final_train_loss < learns.initial_train_loss, "{learns:?}");
+    assert!(!learns.diverged);
+    let collapses = run(&small(Rule::Momentum, 128)).expect("simulation");
+    eprintln!(
+        "momentum at 128 workers: loss {} -> {}, diverged {}",
+        collapses.initial_train_loss, collapses.final_train_loss, collapses.diverged
+    );
+    assert!(
+        collapses.final_train_loss > collapses.initial_train_loss || collapses.final_train_loss.is_nan(),
+        "{collapses:?}"
+    );
+    assert!(collapses.diverged, "a loss that ends above its start is a divergence");
+}
