@@ -1131,7 +1131,7 @@ fn finish(args: &SimArgs, task: &dyn Task, core: &mut ShardCore, o: Outcome) -> 
     let (metric, train_loss) = if diverged { (f64::NAN, f64::NAN) } else { task.evaluate(&params) };
     // Training that ends with a higher (or NaN) loss than it started from has diverged, whatever its
     // numbers stayed finite (a momentum run ending at a loss of 17 against chance's 2.3 did).
-    diverged |= !(train_loss <= initial_loss);
+    diverged |= train_loss.is_nan() || train_loss > initial_loss;
     let mut curve = evaluator.curve;
     if evaluator.every > 0 && curve.last().is_none_or(|c| c.time < now) {
         curve.push(CurvePoint { epoch: gradients as f64 / evaluator.batches_per_epoch as f64, time: now, metric });
