@@ -246,18 +246,7 @@ enum BenchCommand {
     },
 }
 
-/// Parses a count such as `65536`, `64Ki` or `16Mi`.
-fn parse_count(text: &str) -> Result<usize, String> {
-    let (digits, shift) = match text.trim() {
-        t if t.ends_with("Mi") => (&t[..t.len() - 2], 20),
-        t if t.ends_with("Ki") => (&t[..t.len() - 2], 10),
-        t => (t, 0),
-    };
-    let n: usize = digits.parse().map_err(|_| format!("{text:?} is not a count (try 65536, 64Ki or 16Mi)"))?;
-    n.checked_shl(shift)
-        .filter(|v| *v > 0 && *v <= 1 << 31)
-        .ok_or_else(|| format!("{text:?} is out of range (1 ..= 2Gi)"))
-}
+use gaps_common::config::parse_count;
 
 #[tokio::main]
 async fn main() -> Result<()> {

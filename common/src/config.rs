@@ -18,9 +18,85 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
     Ok(parsed)
 }
 
+/// The multiplier of a unit suffix, as its name says: binary for `Ki`, `Mi`, `Gi`, `Ti` (and with `B`:
+/// `KiB` …), decimal for `k`/`K`, `M`, `G`, `T` (and `KB`, `MB`, `GB`, `TB`), as Kubernetes quantities
+/// read them. `bytes` allows a trailing `B` (and a bare `B`).
+fn unit_scale(unit: &str, bytes: bool) -> Option<f64> {
+    let unit = if bytes { unit.strip_suffix('B').unwrap_or(unit) } else { unit };
+    Some(match unit {
+        "" => 1.0,
+        "k" | "K" => 1e3,
+        "M" => 1e6,
+        "G" => 1e9,
+        "T" => 1e12,
+        "Ki" => 1024.0,
+        "Mi" => 1_048_576.0,
+        "Gi" => 1_073_741_824.0,
+        "Ti" => 1_099_511_627_776.0,
+        _ => return None,
+    })
+}
+
+/// Splits `text` into its number and its unit (the first letter on).
+fn number_and_unit(text: &str) -> (&str, &str) {
+    let t = text.trim();
+    let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
+    (t[..split].trim(), t[split..].trim())
+}
+
+/// Parses a byte count: `2GiB`, `512MiB`, `64KiB`, `1Gi` (binary), `100MB`, `1G`, `500k` (decimal), or a
+/// plain number of bytes. Zero, negative and absurd sizes are refused.
+pub fn parse_bytes(text: &str) -> Result<u64, String> {
+    let (number, unit) = number_and_unit(text);
+    let value: f64 = number.parse().map_err(|_| format!("{text:?} is not a size (try 512MiB or 2GB)"))?;
+    let scale = unit_scale(unit, true).ok_or_else(|| {
+        format!("unknown size unit {unit:?} in {text:?} (binary: KiB, MiB, GiB, TiB; decimal: KB, MB, GB, TB)")
+    })?;
+    let bytes = value * scale;
+    if !(1.0..1e18).contains(&bytes) {
+        return Err(format!("size {text:?} is out of range"));
+    }
+    Ok(bytes as u64)
+}
+
+/// Parses a count: `65536`, `64Ki`, `16Mi` (binary), `10k`, `1M` (decimal); whole numbers from 1 to 2^31.
+pub fn parse_count(text: &str) -> Result<usize, String> {
+    let (number, unit) = number_and_unit(text);
+    let value: u64 = number.parse().map_err(|_| format!("{text:?} is not a count (try 65536, 64Ki or 16Mi)"))?;
+    let scale = unit_scale(unit, false)
+        .ok_or_else(|| format!("unknown unit {unit:?} in {text:?} (binary: Ki, Mi, Gi; decimal: k, M, G)"))?;
+    let n = value as f64 * scale;
+    if !(1.0..=2_147_483_648.0).contains(&n) {
+        return Err(format!("{text:?} is out of range (1 ..= 2Gi)"));
+    }
+    Ok(n as usize)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sizes_and_counts_read_their_units_as_their_names_say() {
+        assert_eq!(parse_bytes("512MiB"), Ok(512 << 20));
+        assert_eq!(parse_bytes("512Mi"), Ok(512 << 20));
+        assert_eq!(parse_bytes("100MB"), Ok(100_000_000));
+        assert_eq!(parse_bytes("1G"), Ok(1_000_000_000));
+        assert_eq!(parse_bytes("2GiB"), Ok(2 << 30));
+        assert_eq!(parse_bytes("1.5KiB"), Ok(1536));
+        assert_eq!(parse_bytes("4096"), Ok(4096));
+        assert_eq!(parse_bytes(" 64 KiB "), Ok(64 << 10));
+        for bad in ["", "MiB", "12 parsecs", "-1MiB", "0", "1e30", "5Xi"] {
+            assert!(parse_bytes(bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(parse_count("16Mi"), Ok(16 << 20));
+        assert_eq!(parse_count("64Ki"), Ok(65536));
+        assert_eq!(parse_count("10k"), Ok(10_000));
+        assert_eq!(parse_count("1000"), Ok(1000));
+        for bad in ["0", "3Gi", "1.5Ki", "12KiB", "lots"] {
+            assert!(parse_count(bad).is_err(), "{bad:?}");
+        }
+    }
 
     #[test]
     fn durations_parse_and_garbage_is_refused() {

@@ -418,26 +418,8 @@ pub fn load_layout(path: &std::path::Path) -> Result<gaps_common::Layout> {
         .with_context(|| format!("loading the layout file {}", path.display()))
 }
 
-/// Parses a byte count such as `2GiB`, `512MiB`, `64KiB`, `1G` or a plain number of bytes.
-pub fn parse_bytes(text: &str) -> Result<u64, String> {
-    let t = text.trim();
-    let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
-    let (number, unit) = (t[..split].trim(), &t[split..]);
-    let value: f64 = number.parse().map_err(|_| format!("{text:?} is not a size (try 2GiB)"))?;
-    let scale = match unit {
-        "" | "B" => 1u64,
-        "K" | "KiB" | "KB" => 1 << 10,
-        "M" | "MiB" | "MB" => 1 << 20,
-        "G" | "GiB" | "GB" => 1 << 30,
-        "T" | "TiB" | "TB" => 1 << 40,
-        other => return Err(format!("unknown size unit {other:?} in {text:?} (use B, KiB, MiB, GiB, TiB)")),
-    };
-    let bytes = value * scale as f64;
-    if !(1.0..1e18).contains(&bytes) {
-        return Err(format!("size {text:?} is out of range"));
-    }
-    Ok(bytes as u64)
-}
+/// Parses a byte count (binary `MiB`/`Gi`, decimal `MB`/`G`): [`gaps_common::config::parse_bytes`].
+pub use gaps_common::config::parse_bytes;
 
 /// Runs one shard until SIGINT or SIGTERM. Prints one JSON line on stdout once it serves:
 /// `{"event":"listening","shard":…,"addr":…,"metrics_addr":…}`.
