@@ -310,18 +310,8 @@ pub struct Kill {
 }
 
 fn parse_straggler(text: &str) -> Result<Straggler, String> {
-    let parts: Vec<&str> = text.split(':').collect();
-    let bad = || format!("{text:?}: expected W:F or W:F:T, e.g. 1:4 or 1:4:20s");
-    if !(2..=3).contains(&parts.len()) {
-        return Err(bad());
-    }
-    let worker = parts[0].trim().parse().map_err(|_| bad())?;
-    let factor: f64 = parts[1].trim().parse().map_err(|_| bad())?;
-    if !(factor.is_finite() && factor >= 1.0) {
-        return Err(format!("{text:?}: the factor must be at least 1"));
-    }
-    let until = parts.get(2).map(|t| parse_duration(t)).transpose()?;
-    Ok(Straggler { worker, factor, until })
+    let (worker, factor, until) = gaps_common::config::parse_straggler(text)?;
+    Ok(Straggler { worker, factor, until: until.map(parse_duration).transpose()? })
 }
 
 fn parse_kill(text: &str) -> Result<Kill, String> {

@@ -72,9 +72,36 @@ pub fn parse_count(text: &str) -> Result<usize, String> {
     Ok(n as usize)
 }
 
+/// A straggler as every command writes it: `W:F` (worker `W` is `F` times slower; `F` > 0, below 1 a
+/// faster worker) or `W:F:T` (only until time `T`, which the caller reads: a duration for real runs).
+/// Returns (W, F, T as written).
+pub fn parse_straggler(text: &str) -> Result<(u32, f64, Option<&str>), String> {
+    let parts: Vec<&str> = text.split(':').collect();
+    let bad = || format!("{text:?}: expected W:F or W:F:T, e.g. 1:4 or 1:4:20s");
+    if !(2..=3).contains(&parts.len()) {
+        return Err(bad());
+    }
+    let worker = parts[0].trim().parse().map_err(|_| bad())?;
+    let factor: f64 = parts[1].trim().parse().map_err(|_| bad())?;
+    if !(factor.is_finite() && factor > 0.0) {
+        return Err(format!("{text:?}: the factor must be a positive number"));
+    }
+    Ok((worker, factor, parts.get(2).map(|t| t.trim())))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn one_straggler_grammar() {
+        assert_eq!(parse_straggler("1:4"), Ok((1, 4.0, None)));
+        assert_eq!(parse_straggler("2:0.5"), Ok((2, 0.5, None)));
+        assert_eq!(parse_straggler("1:10:1500ms"), Ok((1, 10.0, Some("1500ms"))));
+        for bad in ["1", "1:", "x:4", "1:0", "1:-2", "1:inf", "1:4:5:6"] {
+            assert!(parse_straggler(bad).is_err(), "{bad:?}");
+        }
+    }
 
     #[test]
     fn sizes_and_counts_read_their_units_as_their_names_say() {

@@ -189,15 +189,15 @@ fn parse_kill(text: &str) -> Result<(u32, f64), String> {
     Ok((w, t))
 }
 
-/// Parses `WORKER:FACTOR`.
+/// Parses `WORKER:FACTOR` ([`gaps_common::config::parse_straggler`]'s grammar; a simulated straggler lasts
+/// the whole run, so an end time is refused).
 pub(crate) fn parse_straggler(text: &str) -> Result<(u32, f64), String> {
-    let (w, f) = text.split_once(':').ok_or_else(|| format!("{text:?}: expected WORKER:FACTOR, e.g. 3:4"))?;
-    let w: u32 = w.trim().parse().map_err(|_| format!("{text:?}: {w:?} is not a worker index"))?;
-    let f: f64 = f.trim().parse().map_err(|_| format!("{text:?}: {f:?} is not a factor"))?;
-    if !(f.is_finite() && f > 0.0) {
-        return Err(format!("{text:?}: the factor must be positive"));
+    match gaps_common::config::parse_straggler(text)? {
+        (w, f, None) => Ok((w, f)),
+        (_, _, Some(t)) => {
+            Err(format!("{text:?}: a simulated straggler lasts the whole run (no end time {t:?}); use W:F"))
+        }
     }
-    Ok((w, f))
 }
 
 impl SimArgs {
