@@ -380,6 +380,9 @@ class Client:
         shard by shard, a page at a time (memory stays at one page). Returns the rows written. For an exact
         copy, export while no worker trains (rows created or evicted during the export may be missed)."""
         info = self._table(table)
+        if page_rows < 1:
+            raise ValueError(f"page_rows must be at least 1, not {page_rows}")
+        self._wait_row_pushes()
         record = np.dtype([("id", "<u8"), ("row", "<f4", (info.dim,))])
         written = 0
         with open(path, "wb") as f:
@@ -410,11 +413,16 @@ class Client:
         may ask (an operator's client: ``observer=True`` with ``shard-0.pem``/``.key``;
         :meth:`gaps.testing.LocalCluster.checkpoint` does it); a worker's certificate gets
         :class:`UnauthorizedError`."""
+        self._wait_row_pushes()
         return _native(self._native.checkpoint)
 
     def close(self) -> None:
-        """Leaves the job and closes the connections (idempotent)."""
-        _native(self._native.close)
+        """Sends the row pushes gaps.torch still holds, leaves the job and closes the connections
+        (idempotent)."""
+        try:
+            self._wait_row_pushes()
+        finally:
+            _native(self._native.close)
 
     def __enter__(self) -> "Client":
         return self

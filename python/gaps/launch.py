@@ -97,16 +97,24 @@ class _Workers:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            errors="replace",
             bufsize=1,
             preexec_fn=testing._die_with_parent,
         )
         self.procs.append(proc)
 
         def pump() -> None:
+            # Keeps draining even when our own stdout is gone (`| head`): a worker never blocks on a full pipe.
+            writable = True
             for line in proc.stdout:
-                with self.lock:
-                    sys.stdout.write(f"[{rank}] {line}" if line.endswith("\n") else f"[{rank}] {line}\n")
-                    sys.stdout.flush()
+                if not writable:
+                    continue
+                try:
+                    with self.lock:
+                        sys.stdout.write(f"[{rank}] {line}" if line.endswith("\n") else f"[{rank}] {line}\n")
+                        sys.stdout.flush()
+                except (OSError, ValueError):
+                    writable = False
 
         t = threading.Thread(target=pump, daemon=True)
         t.start()
@@ -193,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
                 workers.stop()
                 codes = [p.returncode if p.returncode is not None else -1 for p in workers.procs]
                 summary["stopped_by"] = signal.Signals(stopping["signal"] or signal.SIGINT).name
+            finally:
+                workers.stop()  # whatever ended the wait, no worker outlives the launcher
             if cluster is not None and not summary.get("stopped_by"):
                 from . import Client
 

@@ -83,7 +83,7 @@ class LocalCluster:
         checkpoint directory it restores its newest checkpoint and rejoins."""
         if self.shards[index].poll() is None:
             raise RuntimeError(f"shard {index} is still running")
-        self.shards[index] = self._start(index)
+        self._start(index)  # replaces self.shards[index] (the list the cleanup stops)
 
     def checkpoint(self) -> dict:
         """A cluster checkpoint now, asked with the coordinator's certificate (see
@@ -203,12 +203,17 @@ def local_cluster(
                 args, stdout=subprocess.PIPE, stderr=log, text=True, env=env, preexec_fn=_die_with_parent
             )
             proc.log_path = log_path
+            # Known to the cleanup below before anything can interrupt its start.
+            if i < len(shards):
+                shards[i] = proc
+            else:
+                shards.append(proc)
             event = _read_listening(proc, f"shard {i}", start_timeout)
             addrs[i] = event["addr"]
             return proc
 
         for i in range(servers):
-            shards.append(start(i))
+            start(i)
             if coordinator is None:
                 coordinator = addrs[0]
         yield LocalCluster(

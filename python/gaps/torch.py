@@ -46,6 +46,12 @@ class _PullRows:
         self._pool.shutdown(wait=True)
 
 
+def _in_backward() -> bool:
+    """True while an autograd backward pass runs on this thread."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current is not None and current() != -1
+
+
 class _RowStep:
     """One table's row traffic of one step, shared by every lookup of the table through one client: the
     pulls read (tokens), and the gradients backward produced for them, summed per id and pushed **once**,
@@ -57,7 +63,6 @@ class _RowStep:
         self.tokens: list[int] = []
         self.ids: list[np.ndarray] = []
         self.grads: list[np.ndarray] = []
-        self.queued = False
         self.pushed = False
         # The push goes out on a thread of its own, beside the next step's compute; its error, if any, is
         # raised at a later `wait()` (the next `Client.pull_rows`, `close()`, a sync step's dense push).
@@ -89,23 +94,30 @@ class _RowStep:
         return steps[table]
 
     def read(self, token: int) -> None:
+        # A push that failed is raised at the next step, not only at close.
+        failed = [f for f in self._in_flight if f.done() and f.exception() is not None]
+        self._in_flight = [f for f in self._in_flight if not f.done()]
+        if failed:
+            raise failed[0].exception()
+        if self.ids and not _in_backward():
+            # Gradients of a backward that raised before its end (its push callback never ran): dropped,
+            # not mixed into the next step's push.
+            self.ids, self.grads = [], []
         if self.pushed:  # a new step: the last one's pulls are forgotten once its push has used them
             self.release()
             if self.tokens:
                 self._in_flight.append(self._pool.submit(_native, self.client._native.forget_rows, self.tokens))
             self.tokens, self.pushed = [], False
-            self._in_flight = [f for f in self._in_flight if not f.done() or f.exception() is not None]
         self.tokens.append(token)
 
     def gradient(self, unique: np.ndarray, grad: np.ndarray) -> None:
         self.ids.append(unique)
         self.grads.append(grad)
-        if not self.queued:
-            self.queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.push)
+        # One callback per lookup's gradient: the first, at the end of the backward pass, pushes everything
+        # the pass accumulated; the others find nothing left (no flag that a failed backward could leave set).
+        torch.autograd.Variable._execution_engine.queue_callback(self.push)
 
     def push(self) -> None:
-        self.queued = False
         if not self.ids:
             return
         if len(self.ids) == 1:  # one lookup this step: its ids are distinct already

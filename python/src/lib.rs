@@ -128,8 +128,10 @@ struct NativeClient {
     next_token: std::sync::atomic::AtomicU64,
 }
 
-/// Tagged row pulls a client keeps (a step of a model that looks a table up per field holds tens).
+/// Tagged row pulls a client keeps (a step of a model that looks a table up per field holds tens), and the
+/// bytes they may hold.
 const TAGGED_PULLS: usize = 4096;
+const TAGGED_BYTES: usize = 512 << 20;
 
 impl NativeClient {
     /// The gradients of a push (one per dense tensor, layout order, float32 bytes) checked against the
@@ -357,7 +359,11 @@ impl NativeClient {
         let token = self.next_token.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut tagged = self.tagged.lock().map_err(poisoned)?;
         tagged.insert(token, (t, rows));
-        while tagged.len() > TAGGED_PULLS {
+        // Bounded in count and in bytes (lookups whose rows never get a gradient are forgotten oldest first).
+        let bytes = |tagged: &std::collections::BTreeMap<u64, (u32, SparseRows)>| -> usize {
+            tagged.values().map(|(_, r)| r.values.len() * 4 + r.ids.len() * 12).sum()
+        };
+        while tagged.len() > TAGGED_PULLS || (tagged.len() > 1 && bytes(&tagged) > TAGGED_BYTES) {
             tagged.pop_first();
         }
         Ok((out, Some(token)))
@@ -392,9 +398,16 @@ impl NativeClient {
                 "an observer client cannot push rows (it was connected with observer=True)",
             ));
         }
+        // The pulls stay tagged (a second backward over the same forward pushes again); the next step
+        // forgets them.
         let pulls: Vec<SparseRows> = {
-            let mut tagged = self.tagged.lock().map_err(poisoned)?;
-            tokens.iter().filter_map(|k| tagged.remove(k)).filter(|(table, _)| *table == t).map(|(_, r)| r).collect()
+            let tagged = self.tagged.lock().map_err(poisoned)?;
+            tokens
+                .iter()
+                .filter_map(|k| tagged.get(k))
+                .filter(|(table, _)| *table == t)
+                .map(|(_, r)| r.clone())
+                .collect()
         };
         let dim = client.layout().tables.get(t as usize).map_or(0, |spec| spec.dim as usize);
         let grads = floats(&format!("the row gradients of {table}"), grads, ids.len() * dim)?;

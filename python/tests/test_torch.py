@@ -238,3 +238,18 @@ def test_the_modules_own_initialisation_is_uploaded_once_and_every_worker_starts
             with gaps.Client(c.coordinator, c.ca, c.cert, c.key, observer=True) as observer:
                 with pytest.raises(gaps.UnauthorizedError):
                     observer.initialize({n: p.detach().numpy() for n, p in first.named_parameters()})
+
+
+def test_a_second_backward_over_one_forward_pushes_its_own_gradients(tmp_path):
+    path = tmp_path / "layout.toml"
+    path.write_text(gt.layout_for(Tiny(), {"emb": 4}, chunk_elems=8))
+    with local_cluster(path, servers=2, rule="sgd", lr=0.5, extra_args=["--sparse-rule=sgd", "--sparse-lr=0.5"]) as c:
+        with gaps.Client(c.coordinator, c.ca, c.cert, c.key) as client:
+            emb = gt.ShardedEmbedding(client, "emb")
+            ids = np.array([4, 5], np.uint64)
+            before = client.pull_rows("emb", ids).copy()
+            out = emb(torch.tensor([4, 5]))
+            out.sum().backward(retain_graph=True)  # gradient 1 per element
+            (2 * out).sum().backward()  # another loss over the same forward: gradient 2
+            np.testing.assert_allclose(client.pull_rows("emb", ids), before - 0.5 * 3, rtol=0, atol=1e-5)
+            emb.close()

@@ -417,6 +417,7 @@ impl ShardCore {
             ));
         }
         let mut plan = Vec::with_capacity(req.chunks.len());
+        let mut seen = vec![false; self.slots.len()];
         let mut offset = 0usize;
         for c in &req.chunks {
             let slot = self.slot_index(c.id)?;
@@ -427,7 +428,7 @@ impl ShardCore {
                     c.id.tensor, c.id.chunk, c.len
                 )));
             }
-            if plan.iter().any(|(s, _)| *s == slot) {
+            if std::mem::replace(&mut seen[slot], true) {
                 return Err(ShardError::WrongShape(format!("chunk {}/{} is listed twice", c.id.tensor, c.id.chunk)));
             }
             plan.push((slot, offset));

@@ -153,8 +153,8 @@ impl AppliedSeqs {
                 return false;
             }
         }
-        let joins_before = at > 0 && self.ranges[at - 1].1 + 1 == seq;
-        let joins_after = self.ranges.get(at).is_some_and(|&(start, _)| start == seq + 1);
+        let joins_before = at > 0 && self.ranges[at - 1].1.checked_add(1) == Some(seq);
+        let joins_after = self.ranges.get(at).is_some_and(|&(start, _)| Some(start) == seq.checked_add(1));
         match (joins_before, joins_after) {
             (true, true) => {
                 self.ranges[at - 1].1 = self.ranges[at].1;
@@ -174,7 +174,7 @@ impl AppliedSeqs {
     /// through, so they can never be applied and need no record).
     fn compact(&mut self) {
         let newest = self.ranges.last().map_or(0, |r| r.1);
-        let old = self.ranges.partition_point(|&(_, end)| end + SEQ_WINDOW <= newest);
+        let old = self.ranges.partition_point(|&(_, end)| end.saturating_add(SEQ_WINDOW) <= newest);
         if old > 1 {
             let end = self.ranges[old - 1].1;
             self.ranges[0].1 = end;
@@ -201,7 +201,8 @@ impl AppliedSeqs {
             return Err(corrupt());
         }
         let ranges: Vec<(u64, u64)> = flat.chunks_exact(2).map(|p| (p[0], p[1])).collect();
-        let ordered = ranges.iter().all(|&(a, b)| a <= b) && ranges.windows(2).all(|p| p[0].1 + 1 < p[1].0);
+        let ordered = ranges.iter().all(|&(a, b)| a <= b)
+            && ranges.windows(2).all(|p| p[0].1.checked_add(1).is_some_and(|next| next < p[1].0));
         if !ordered {
             return Err(corrupt());
         }

@@ -137,7 +137,9 @@ impl ShardCore {
         let table = self.tables.get(req.table as usize).ok_or_else(|| {
             ShardError::WrongShape(format!("unknown table {} ({} tables)", req.table, self.tables.len()))
         })?;
-        let max = req.max_rows.min(gaps_common::wire::MAX_TABLE_PAGE) as usize;
+        // At least one row a page (a cursor always moves), at most MAX_TABLE_PAGE rows and 64 MiB.
+        let row_bytes = 4 * (2 + table.config().dim as usize);
+        let max = (req.max_rows.min(gaps_common::wire::MAX_TABLE_PAGE) as usize).min((64 << 20) / row_bytes).max(1);
         let (mut ids, mut values) = (Vec::new(), Vec::new());
         let next = table.scan(usize::try_from(req.cursor).unwrap_or(usize::MAX), max, &mut ids, &mut values);
         let mut payload = Vec::with_capacity(2 * ids.len() + values.len());
