@@ -464,15 +464,11 @@ impl NativeClient {
             let grads = floats(&format!("the row gradients of {table}"), grads, pulls[at].values.len())?;
             (pulls.remove(at), grads)
         };
-        let pushed = block(py, &self.runtime, client.push_sparse(t, &rows, &grads))
-            .and_then(|pushed| pushed.map_err(client_err));
-        if pushed.is_err() {
-            // Not pushed: the pull stays usable for another attempt.
-            if let Ok(mut remembered) = self.rows.lock() {
-                remembered.entry(t).or_default().push(rows);
-            }
-        }
-        pushed?;
+        // Once sent, the pull is used up whatever the outcome: a push interrupted (Ctrl-C) or given up after
+        // retries may have been applied, and a retry under a new sequence number could apply it twice. A
+        // caller that wants to try again pulls again (the checks above refuse bad input before this point,
+        // leaving the pull usable).
+        block(py, &self.runtime, client.push_sparse(t, &rows, &grads))?.map_err(client_err)?;
         Ok(())
     }
 
