@@ -85,6 +85,20 @@ fn block<T: Send>(
     out
 }
 
+/// One float32 bytes object per dense tensor of `client`'s layout (layout order) as floats, each checked
+/// against its tensor's size; `what` names them in errors ("the gradient" of w).
+fn dense_values(client: &Client, what: &str, values: &[Bound<'_, PyBytes>]) -> PyResult<Vec<Vec<f32>>> {
+    let layout = client.layout();
+    if values.len() != layout.tensors.len() {
+        return Err(err("shape", format!("expected {} tensors, got {}", layout.tensors.len(), values.len())));
+    }
+    values
+        .iter()
+        .zip(&layout.tensors)
+        .map(|(v, spec)| floats(&format!("{what} of {}", spec.name), v.as_bytes(), spec.len as usize))
+        .collect()
+}
+
 /// The floats in `bytes` (little-endian float32), checked against `expected` elements.
 fn floats(what: &str, bytes: &[u8], expected: usize) -> PyResult<Vec<f32>> {
     if bytes.len() != expected * 4 {
@@ -124,8 +138,38 @@ struct NativeClient {
     rows: Mutex<HashMap<u32, Vec<SparseRows>>>,
     /// Row pulls kept under a token until a step's merged push takes them (`pull_rows_tagged`,
     /// `push_rows_merged`), at most [`TAGGED_PULLS`], the oldest forgotten first.
-    tagged: Mutex<std::collections::BTreeMap<u64, (u32, SparseRows)>>,
+    tagged: Mutex<Tagged>,
     next_token: std::sync::atomic::AtomicU64,
+}
+
+/// Tagged row pulls by token, with the bytes they hold (kept as pulls come and go).
+#[derive(Default)]
+struct Tagged {
+    pulls: std::collections::BTreeMap<u64, (u32, SparseRows)>,
+    bytes: usize,
+}
+
+impl Tagged {
+    fn size(rows: &SparseRows) -> usize {
+        rows.values.len() * 4 + rows.ids.len() * 12
+    }
+
+    fn insert(&mut self, token: u64, table: u32, rows: SparseRows) {
+        self.bytes += Self::size(&rows);
+        self.pulls.insert(token, (table, rows));
+        // Bounded in count and in bytes (lookups whose rows never get a gradient are forgotten oldest first).
+        while self.pulls.len() > TAGGED_PULLS || (self.pulls.len() > 1 && self.bytes > TAGGED_BYTES) {
+            if let Some((_, (_, old))) = self.pulls.pop_first() {
+                self.bytes -= Self::size(&old);
+            }
+        }
+    }
+
+    fn remove(&mut self, token: u64) {
+        if let Some((_, old)) = self.pulls.remove(&token) {
+            self.bytes -= Self::size(&old);
+        }
+    }
 }
 
 /// Tagged row pulls a client keeps (a step of a model that looks a table up per field holds tens), and the
@@ -141,21 +185,10 @@ impl NativeClient {
         grads: Vec<Bound<'_, PyBytes>>,
         compute_seconds: Option<f64>,
     ) -> PyResult<(Client, Vec<Vec<f32>>, Snapshot)> {
-        let client = self.client()?;
-        if client.worker_id().is_none() {
-            return Err(err("unauthorized", "an observer client cannot push (it was connected with observer=True)"));
-        }
+        let client = self.worker_client("push")?;
         let snapshot = self.last.lock().map_err(poisoned)?.clone();
         let snapshot = snapshot.ok_or_else(|| err("order", "push needs a pull first (pull_all or pull)"))?;
-        let layout = client.layout();
-        if grads.len() != layout.tensors.len() {
-            return Err(err("shape", format!("expected {} gradients, got {}", layout.tensors.len(), grads.len())));
-        }
-        let grads = grads
-            .iter()
-            .zip(&layout.tensors)
-            .map(|(g, spec)| floats(&format!("the gradient of {}", spec.name), g.as_bytes(), spec.len as usize))
-            .collect::<PyResult<Vec<_>>>()?;
+        let grads = dense_values(&client, "the gradient", &grads)?;
         if let Some(s) = compute_seconds {
             let d = Duration::try_from_secs_f64(s).map_err(|_| err("config", "compute_seconds must be ≥ 0"))?;
             client.report_compute_time(d);
@@ -165,6 +198,18 @@ impl NativeClient {
 
     fn client(&self) -> PyResult<Client> {
         self.client.lock().map_err(poisoned)?.clone().ok_or_else(|| err("closed", "the client is closed"))
+    }
+
+    /// The client, which must be a worker's: an observer is refused before anything is sent.
+    fn worker_client(&self, what: &str) -> PyResult<Client> {
+        let client = self.client()?;
+        if client.worker_id().is_none() {
+            return Err(err(
+                "unauthorized",
+                format!("an observer client cannot {what} (it was connected with observer=True)"),
+            ));
+        }
+        Ok(client)
     }
 
     fn table_index(&self, table: &str) -> PyResult<u32> {
@@ -243,7 +288,7 @@ impl NativeClient {
             heartbeats: Mutex::new(heartbeats),
             last: Mutex::new(None),
             rows: Mutex::new(HashMap::new()),
-            tagged: Mutex::new(std::collections::BTreeMap::new()),
+            tagged: Mutex::new(Tagged::default()),
             next_token: std::sync::atomic::AtomicU64::new(1),
         })
     }
@@ -357,15 +402,7 @@ impl NativeClient {
             return Ok((out, None));
         }
         let token = self.next_token.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let mut tagged = self.tagged.lock().map_err(poisoned)?;
-        tagged.insert(token, (t, rows));
-        // Bounded in count and in bytes (lookups whose rows never get a gradient are forgotten oldest first).
-        let bytes = |tagged: &std::collections::BTreeMap<u64, (u32, SparseRows)>| -> usize {
-            tagged.values().map(|(_, r)| r.values.len() * 4 + r.ids.len() * 12).sum()
-        };
-        while tagged.len() > TAGGED_PULLS || (tagged.len() > 1 && bytes(&tagged) > TAGGED_BYTES) {
-            tagged.pop_first();
-        }
+        self.tagged.lock().map_err(poisoned)?.insert(token, t, rows);
         Ok((out, Some(token)))
     }
 
@@ -373,14 +410,14 @@ impl NativeClient {
     fn forget_rows(&self, tokens: Vec<u64>) -> PyResult<()> {
         let mut tagged = self.tagged.lock().map_err(poisoned)?;
         for t in tokens {
-            tagged.remove(&t);
+            tagged.remove(t);
         }
         Ok(())
     }
 
     /// One push of a step's row gradients of `table`: `ids` (distinct uint64) with `len(ids) × dim` float32
     /// gradients, each row read in one of the tagged pulls `tokens` (the first that holds it gives the
-    /// version the gradient was computed on). The tokens are used up, pushed or not.
+    /// version the gradient was computed on). The pulls stay tagged until `forget_rows`.
     fn push_rows_merged(
         &self,
         py: Python<'_>,
@@ -391,45 +428,40 @@ impl NativeClient {
     ) -> PyResult<()> {
         let t = self.table_index(table)?;
         let ids = Self::ids(ids)?;
-        let client = self.client()?;
-        if client.worker_id().is_none() {
-            return Err(err(
-                "unauthorized",
-                "an observer client cannot push rows (it was connected with observer=True)",
-            ));
-        }
-        // The pulls stay tagged (a second backward over the same forward pushes again); the next step
-        // forgets them.
-        let pulls: Vec<SparseRows> = {
-            let tagged = self.tagged.lock().map_err(poisoned)?;
-            tokens
-                .iter()
-                .filter_map(|k| tagged.get(k))
-                .filter(|(table, _)| *table == t)
-                .map(|(_, r)| r.clone())
-                .collect()
-        };
+        let client = self.worker_client("push rows")?;
         let dim = client.layout().tables.get(t as usize).map_or(0, |spec| spec.dim as usize);
         let grads = floats(&format!("the row gradients of {table}"), grads, ids.len() * dim)?;
+        // The pulls stay tagged (a second backward over the same forward pushes again; the next step forgets
+        // them): the rows are gathered from them under the lock, nothing else is copied.
         let mut rows = SparseRows { ids: Vec::with_capacity(ids.len()), values: Vec::new(), versions: Vec::new(), dim };
-        let mut at: HashMap<u64, (usize, usize)> = HashMap::new();
-        for (p, pull) in pulls.iter().enumerate() {
-            for (k, id) in pull.ids.iter().enumerate() {
-                at.entry(*id).or_insert((p, k));
+        {
+            let tagged = self.tagged.lock().map_err(poisoned)?;
+            let pulls: Vec<&SparseRows> = tokens
+                .iter()
+                .filter_map(|k| tagged.pulls.get(k))
+                .filter(|(table, _)| *table == t)
+                .map(|(_, r)| r)
+                .collect();
+            let mut at: HashMap<u64, (usize, usize)> = HashMap::new();
+            for (p, pull) in pulls.iter().enumerate() {
+                for (k, id) in pull.ids.iter().enumerate() {
+                    at.entry(*id).or_insert((p, k));
+                }
             }
-        }
-        for id in &ids {
-            let Some(&(p, k)) = at.get(id) else {
-                return Err(err(
-                    "order",
-                    format!(
-                        "push of {table:?}: row {id} was not read in this step's pulls (or they were pushed already)"
-                    ),
-                ));
-            };
-            rows.ids.push(*id);
-            rows.versions.push(pulls[p].versions[k]);
-            rows.values.extend_from_slice(&pulls[p].values[k * dim..(k + 1) * dim]);
+            rows.values.reserve(ids.len() * dim);
+            for id in &ids {
+                let Some(&(p, k)) = at.get(id) else {
+                    return Err(err(
+                        "order",
+                        format!(
+                            "push of {table:?}: row {id} was not read in this step's pulls (or they were forgotten)"
+                        ),
+                    ));
+                };
+                rows.ids.push(*id);
+                rows.versions.push(pulls[p].versions[k]);
+                rows.values.extend_from_slice(&pulls[p].values[k * dim..(k + 1) * dim]);
+            }
         }
         if rows.ids.is_empty() {
             return Ok(());
@@ -442,13 +474,7 @@ impl NativeClient {
     fn push_rows(&self, py: Python<'_>, table: &str, ids: &[u8], grads: &[u8]) -> PyResult<()> {
         let t = self.table_index(table)?;
         let ids = Self::ids(ids)?;
-        let client = self.client()?;
-        if client.worker_id().is_none() {
-            return Err(err(
-                "unauthorized",
-                "an observer client cannot push rows (it was connected with observer=True)",
-            ));
-        }
+        let client = self.worker_client("push rows")?;
         let (rows, grads) = {
             let mut remembered = self.rows.lock().map_err(poisoned)?;
             let pulls = remembered.entry(t).or_default();
@@ -611,19 +637,8 @@ impl NativeClient {
     /// Uploads initial values (one float32 bytes per dense tensor, layout order) for the chunks nothing has
     /// touched yet (the first writer wins): (chunks taken, chunks kept).
     fn initialize(&self, py: Python<'_>, values: Vec<Bound<'_, PyBytes>>) -> PyResult<(u32, u32)> {
-        let client = self.client()?;
-        if client.worker_id().is_none() {
-            return Err(err("unauthorized", "an observer client cannot upload initial values"));
-        }
-        let layout = client.layout();
-        if values.len() != layout.tensors.len() {
-            return Err(err("shape", format!("expected {} tensors, got {}", layout.tensors.len(), values.len())));
-        }
-        let values = values
-            .iter()
-            .zip(&layout.tensors)
-            .map(|(v, spec)| floats(&format!("the initial values of {}", spec.name), v.as_bytes(), spec.len as usize))
-            .collect::<PyResult<Vec<_>>>()?;
+        let client = self.worker_client("upload initial values")?;
+        let values = dense_values(&client, "the initial values", &values)?;
         block(py, &self.runtime, client.initialize(&values))?.map_err(client_err)
     }
 
@@ -660,10 +675,7 @@ impl NativeClient {
     fn load_rows(&self, py: Python<'_>, table: &str, ids: &[u8], values: &[u8]) -> PyResult<(u32, u32)> {
         let t = self.table_index(table)?;
         let ids = Self::ids(ids)?;
-        let client = self.client()?;
-        if client.worker_id().is_none() {
-            return Err(err("unauthorized", "an observer client cannot load rows"));
-        }
+        let client = self.worker_client("load rows")?;
         let dim = client.layout().tables.get(t as usize).map_or(0, |spec| spec.dim as usize);
         let values = floats(&format!("the rows of {table}"), values, ids.len() * dim)?;
         block(py, &self.runtime, client.load_rows(t, &ids, &values))?.map_err(client_err)

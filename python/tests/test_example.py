@@ -75,6 +75,7 @@ def test_the_readmes_python_section_runs_as_written(tmp_path):
     section = text.split("\n## Python\n", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```python\n(.*?)```", section, re.S)
     assert blocks, "the README's Python section has no python block"
+    checked = 0
     for i, block in enumerate(blocks):
         script = tmp_path / f"readme_{i}.py"
         script.write_text(block)
@@ -84,3 +85,6 @@ def test_the_readmes_python_section_runs_as_written(tmp_path):
         losses = [float(line.split()[-1]) for line in out.stdout.splitlines() if line.split()[:1] and line.split()[0].isdigit()]
         if losses:
             assert losses[-1] < losses[0] / 10, out.stdout[-2000:]
+            checked += 1
+    assert checked, "no block printed the quick start's falling loss"
+

@@ -2,7 +2,6 @@
 rank, one summary line; SIGTERM or Ctrl-C of the launcher leaves no process behind."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -33,14 +32,6 @@ def launch(tmp_path, layout_file, *script_args, **popen):
     return subprocess.Popen([*cmd, str(script), *script_args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
 
 
-def gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
-    except FileNotFoundError:
-        return True
-
-
 def test_the_launcher_runs_every_worker_and_sums_up(tmp_path, layout_file):
     proc = launch(tmp_path, layout_file)
     out, err = proc.communicate(timeout=300)
@@ -65,7 +56,7 @@ def test_a_failing_worker_stops_the_others_and_the_exit_code_says_so(tmp_path, l
     assert summary["exit_codes"][1] == 3 and summary["exit_codes"][0] != 0, summary
 
 
-def test_sigterm_of_the_launcher_leaves_no_process_behind(tmp_path, layout_file):
+def test_sigterm_of_the_launcher_leaves_no_process_behind(tmp_path, layout_file, survivors):
     proc = launch(tmp_path, layout_file, "sleep")
     pids = []
     deadline = time.monotonic() + 120
@@ -82,12 +73,7 @@ def test_sigterm_of_the_launcher_leaves_no_process_behind(tmp_path, layout_file)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, (out, err)
     assert json.loads(out.splitlines()[-1])["stopped_by"] == "SIGTERM", out
-    deadline = time.monotonic() + 30
-    while not all(gone(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = [p for p in pids if not gone(p)]
-    for p in left:
-        os.kill(p, signal.SIGKILL)
+    left = survivors(pids)
     assert not left, f"processes {left} outlived the launcher"
 
 

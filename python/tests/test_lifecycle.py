@@ -22,15 +22,6 @@ def script(tmp_path, body: str) -> list[str]:
     return [sys.executable, str(path)]
 
 
-def gone(pid: int) -> bool:
-    """True once `pid` has exited (a zombie nobody reaps counts as exited)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
-    except FileNotFoundError:
-        return True
-
-
 def test_gaps_testing_is_reached_through_import_gaps(tmp_path):
     # The README's spelling, in a fresh interpreter (this test's own imports would hide the bug).
     out = subprocess.run(
@@ -84,7 +75,7 @@ def test_ctrl_c_interrupts_a_call_blocked_on_a_dead_shard(tmp_path, layout_file)
 
 
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
-def test_a_killed_script_leaves_no_shard_behind(tmp_path, layout_file, how):
+def test_a_killed_script_leaves_no_shard_behind(tmp_path, layout_file, how, survivors):
     cmd = script(
         tmp_path,
         f"""
@@ -99,12 +90,7 @@ def test_a_killed_script_leaves_no_shard_behind(tmp_path, layout_file, how):
     assert out.returncode == -getattr(signal, how), out
     pids = [int(p) for p in out.stdout.split()]
     assert len(pids) == 2, out
-    deadline = time.monotonic() + 30
-    while not all(gone(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = [p for p in pids if not gone(p)]
-    for p in left:
-        os.kill(p, signal.SIGKILL)
+    left = survivors(pids)
     assert not left, f"shards {left} outlived the script killed with {how}"
 
 

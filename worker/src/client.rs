@@ -991,7 +991,7 @@ impl Client {
         snapshot: &Snapshot,
         pull: bool,
     ) -> Result<(PushSummary, Option<Snapshot>), ClientError> {
-        let worker = self.inner.map.worker_id.ok_or_else(|| ClientError::Shape("observers cannot push".into()))?;
+        let worker = self.worker_for("push")?;
         let layout = &self.inner.map.layout;
         let matches = |t: &[Vec<f32>]| {
             t.len() == layout.tensors.len() && t.iter().zip(&layout.tensors).all(|(g, s)| g.len() as u64 == s.len)
@@ -1328,7 +1328,7 @@ impl Client {
     /// Pushes gradients of distinct rows (`grads` is `rows.ids.len() × dim`, computed on `rows`) to their
     /// shards concurrently, exactly once per shard like dense pushes.
     pub async fn push_sparse(&self, table: u32, rows: &SparseRows, grads: &[f32]) -> Result<PushSummary, ClientError> {
-        let worker = self.inner.map.worker_id.ok_or_else(|| ClientError::Shape("observers cannot push".into()))?;
+        let worker = self.worker_for("push")?;
         let dim = self.table_dim(table)?;
         let name = self.inner.map.layout.tables.get(table as usize).map_or("?", |t| t.name.as_str());
         check_finite(&format!("the row gradients of table {name:?} ({table})"), grads)?;
@@ -1417,18 +1417,33 @@ impl Client {
         msg: &Message,
         reply: impl FnOnce(Message) -> Option<T>,
     ) -> Result<T, ClientError> {
-        let (frame, _) = self.request(s, msg, &[]).await?;
+        self.ask_with(s, msg, &[], reply).await
+    }
+
+    /// [`Self::ask`] for a request that carries a payload.
+    async fn ask_with<T>(
+        &self,
+        s: usize,
+        msg: &Message,
+        payload: &[net::Bytes],
+        reply: impl FnOnce(Message) -> Option<T>,
+    ) -> Result<T, ClientError> {
+        let (frame, _) = self.request(s, msg, payload).await?;
         let kind = net::kind_name(&frame.msg);
         Ok(reply(frame.msg)
             .ok_or_else(|| RpcError::Unexpected { addr: self.inner.shards[s].addr.to_string(), kind: kind.into() })?)
+    }
+
+    /// This client's worker id; an observer cannot `what`.
+    fn worker_for(&self, what: &str) -> Result<u32, ClientError> {
+        self.inner.map.worker_id.ok_or_else(|| ClientError::Shape(format!("observers cannot {what}")))
     }
 
     /// Uploads a model's own initial values, one vector per dense tensor (layout order): every chunk that
     /// no update and no earlier upload touched takes them, the others keep theirs (the first writer wins).
     /// Returns (chunks taken, chunks kept); pull afterwards to train on what won.
     pub async fn initialize(&self, values: &[Vec<f32>]) -> Result<(u32, u32), ClientError> {
-        let worker =
-            self.inner.map.worker_id.ok_or_else(|| ClientError::Shape("observers cannot initialize".into()))?;
+        let worker = self.worker_for("initialize")?;
         let layout = &self.inner.map.layout;
         if values.len() != layout.tensors.len() {
             return Err(ClientError::Shape(format!(
@@ -1462,20 +1477,14 @@ impl Client {
             }
             let msg =
                 Message::Initialize(gaps_common::wire::Initialize { epoch: self.inner.map.epoch, worker, chunks });
-            let (frame, _) = self.request(s, &msg, &[net::f32_bytes(payload)]).await?;
-            match frame.msg {
-                Message::Initialized(done) => {
-                    taken += done.taken;
-                    kept += done.kept;
-                }
-                other => {
-                    return Err(RpcError::Unexpected {
-                        addr: link.addr.to_string(),
-                        kind: net::kind_name(&other).into(),
-                    }
-                    .into())
-                }
-            }
+            let done = self
+                .ask_with(s, &msg, &[net::f32_bytes(payload)], |m| match m {
+                    Message::Initialized(done) => Some(done),
+                    _ => None,
+                })
+                .await?;
+            taken += done.taken;
+            kept += done.kept;
         }
         Ok((taken, kept))
     }
@@ -1515,7 +1524,7 @@ impl Client {
     /// Loads rows into `table` (an import): `values` holds `ids × dim` floats; each id goes to the shard that
     /// owns it, in pages. A row a shard holds already keeps its values. Returns (rows created, rows kept).
     pub async fn load_rows(&self, table: u32, ids: &[u64], values: &[f32]) -> Result<(u32, u32), ClientError> {
-        let worker = self.inner.map.worker_id.ok_or_else(|| ClientError::Shape("observers cannot load rows".into()))?;
+        let worker = self.worker_for("load rows")?;
         let dim = self.table_dim(table)?;
         if values.len() != ids.len() * dim {
             return Err(ClientError::Shape(format!(
@@ -1545,17 +1554,14 @@ impl Client {
                     count: page.len() as u32,
                     dim: dim as u32,
                 });
-                let (frame, _) = self.request(s, &msg, &[net::f32_bytes(payload)]).await?;
-                match frame.msg {
-                    Message::TableLoaded(done) => {
-                        created += done.created;
-                        kept += done.kept;
-                    }
-                    other => {
-                        let addr = self.inner.shards[s].addr.to_string();
-                        return Err(RpcError::Unexpected { addr, kind: net::kind_name(&other).into() }.into());
-                    }
-                }
+                let done = self
+                    .ask_with(s, &msg, &[net::f32_bytes(payload)], |m| match m {
+                        Message::TableLoaded(done) => Some(done),
+                        _ => None,
+                    })
+                    .await?;
+                created += done.created;
+                kept += done.kept;
             }
         }
         Ok((created, kept))

@@ -69,22 +69,12 @@ impl ShardCore {
                 payload.len()
             )));
         }
-        let mut distinct = std::collections::HashSet::with_capacity(n);
-        if let Some(id) = ids.iter().find(|id| !distinct.insert(**id)) {
-            return Err(ShardError::WrongShape(format!("id {id} appears twice in one push; aggregate per id first")));
-        }
+        once_each(&ids, "push; aggregate per id first")?;
         let read_versions: Vec<u32> = payload[2 * n..3 * n].iter().map(|w| w.to_bits()).collect();
         let grads = &payload[3 * n..3 * n + rows];
         let reads = if req.echo_read { &payload[3 * n + rows..] } else { &[][..] };
         for values in [grads, reads] {
-            if let Some(index) = gaps_common::dtype::first_non_finite(values) {
-                return Err(ShardError::NonFinite {
-                    tensor: req.table,
-                    chunk: (index / dim as usize) as u32,
-                    index: index % dim as usize,
-                    value: values[index].to_string(),
-                });
-            }
+            rows_finite(req.table, dim, values)?;
         }
         let max_staleness = if matches!(self.active, Mode::Sync | Mode::Gba) {
             self.accumulate_rows(req, &ids, &read_versions, grads)
@@ -189,19 +179,9 @@ impl ShardCore {
                 n * (2 + dim as usize)
             )));
         }
-        let mut distinct = std::collections::HashSet::with_capacity(n);
-        if let Some(id) = ids.iter().find(|id| !distinct.insert(**id)) {
-            return Err(ShardError::WrongShape(format!("id {id} appears twice in one load")));
-        }
+        once_each(&ids, "load")?;
         let values = &payload[2 * n..];
-        if let Some(index) = gaps_common::dtype::first_non_finite(values) {
-            return Err(ShardError::NonFinite {
-                tensor: req.table,
-                chunk: (index / dim as usize) as u32,
-                index: index % dim as usize,
-                value: values[index].to_string(),
-            });
-        }
+        rows_finite(req.table, dim, values)?;
         let table = &mut self.tables[req.table as usize];
         let (mut created, mut kept) = (0u32, 0u32);
         for (k, id) in ids.iter().enumerate() {
@@ -213,5 +193,27 @@ impl ShardCore {
         }
         table.fit_budget();
         Ok(Frame::new(Message::TableLoaded(gaps_common::wire::TableLoaded { created, kept })))
+    }
+}
+
+/// Refuses ids that appear more than once in one request (`what` says which).
+fn once_each(ids: &[u64], what: &str) -> Result<(), ShardError> {
+    let mut distinct = std::collections::HashSet::with_capacity(ids.len());
+    match ids.iter().find(|id| !distinct.insert(**id)) {
+        Some(id) => Err(ShardError::WrongShape(format!("id {id} appears twice in one {what}"))),
+        None => Ok(()),
+    }
+}
+
+/// Refuses rows of `dim` floats of `table` holding NaN or ±∞, naming the row and element.
+fn rows_finite(table: u32, dim: u32, values: &[f32]) -> Result<(), ShardError> {
+    match gaps_common::dtype::first_non_finite(values) {
+        Some(index) => Err(ShardError::NonFinite {
+            tensor: table,
+            chunk: (index / dim as usize) as u32,
+            index: index % dim as usize,
+            value: values[index].to_string(),
+        }),
+        None => Ok(()),
     }
 }
