@@ -288,6 +288,11 @@ pub struct ModeArgs {
     /// GBA: gradients more than this many global steps stale are dropped.
     #[arg(long, env = "GAPS_GBA_THRESHOLD", default_value_t = 4)]
     pub gba_threshold: u64,
+    /// GBA: a pull during a step reads the step as if applied now with the gradients it has so far, so a
+    /// worker does not compute on values missing its own last gradient; false reads the last applied step
+    /// (GBA as published). The applied steps are the same either way.
+    #[arg(long, env = "GAPS_GBA_LOOKAHEAD", default_value_t = true, action = clap::ArgAction::Set)]
+    pub gba_lookahead: bool,
     /// SSP: pushes a worker may run ahead of the slowest live worker.
     #[arg(long, env = "GAPS_SSP_BOUND", default_value_t = 3)]
     pub ssp_bound: u64,
@@ -310,6 +315,7 @@ impl ModeArgs {
         ModeConfig {
             mode: self.mode,
             gba_threshold: self.gba_threshold,
+            gba_lookahead: self.gba_lookahead,
             ssp_bound: self.ssp_bound,
             lr_ramp_steps: self.lr_ramp_steps,
             straggler_persist: self.straggler_persist,
@@ -323,6 +329,7 @@ impl ModeArgs {
         let mut flags = vec![
             format!("--mode={}", self.mode),
             format!("--gba-threshold={}", self.gba_threshold),
+            format!("--gba-lookahead={}", self.gba_lookahead),
             format!("--ssp-bound={}", self.ssp_bound),
             format!("--straggler-persist={}", self.straggler_persist),
             format!("--min-mode-time={}ms", self.min_mode_time.as_millis()),

@@ -80,6 +80,9 @@ pub struct ModeConfig {
     pub mode: Mode,
     /// GBA: gradients more than this many global steps stale are dropped.
     pub gba_threshold: u64,
+    /// GBA: pulls read the step in progress as if it were applied now with the gradients it has (see
+    /// `docs/stragglers.md`); false: the values of the last applied step (GBA as published).
+    pub gba_lookahead: bool,
     /// SSP: how many pushes a worker may run ahead of the slowest live worker.
     pub ssp_bound: u64,
     /// Steps over which the learning-rate multiplier moves to a new value; None = 8 × the ratio of the new
@@ -106,6 +109,7 @@ impl Default for ModeConfig {
         ModeConfig {
             mode: Mode::Async,
             gba_threshold: 4,
+            gba_lookahead: true,
             ssp_bound: 3,
             lr_ramp_steps: None,
             straggler_enter: 2.0,

@@ -557,6 +557,31 @@ impl SparseTable {
         Ok(max_staleness)
     }
 
+    /// Writes into `out` the values row `id` would have after an update with `grad` (computed on its
+    /// current values), changing nothing: what a gba pull reads of a row the step in progress holds a
+    /// gradient for. False (and `out` untouched) when the row is not held.
+    pub fn preview(
+        &self,
+        id: u64,
+        grad: &[f32],
+        hyper: &Hyper,
+        base: PushScalars,
+        out: &mut [f32],
+    ) -> Result<bool, KernelError> {
+        let Some(r) = self.find(id) else { return Ok(false) };
+        let dim = self.cfg.dim as usize;
+        let layout = self.cfg.rule.layout();
+        let mut row = self.data[r * self.stride..(r + 1) * self.stride].to_vec();
+        let read = if layout.needs_read { row[..dim].to_vec() } else { Vec::new() };
+        let (params, state) = row.split_at_mut(dim);
+        let (s0, s1) = state.split_at_mut(if layout.shared_planes >= 1 { dim } else { 0 });
+        let bufs = Bufs { params, s0, s1, w0: &mut [], grad, read: &read };
+        let scalars = PushScalars { staleness: 0, t: u64::from(self.versions[r]) + 1, ..base };
+        gaps_kernels::apply(self.cfg.rule, hyper, &scalars, bufs)?;
+        out.copy_from_slice(&row[..dim]);
+        Ok(true)
+    }
+
     /// Removes rows idle longer than the TTL (TTL eviction only). Returns how many.
     pub fn tick(&mut self, now_s: u32) -> u64 {
         let Eviction::Ttl { ttl_s } = self.cfg.eviction else { return 0 };

@@ -303,3 +303,109 @@ fn ssp_makes_a_worker_far_ahead_wait_for_the_slowest() {
     push(&mut core, 1, 1, 2, 0.1, 0, ms(2));
     assert_eq!(core.stats().ssp_min_clock, 1);
 }
+
+/// A GBA shard of one dense chunk and one embedding table (SGD for both), two workers registered.
+fn gba_core_with_table(lookahead: bool) -> ShardCore {
+    use gaps_common::layout::SparseSpec;
+    let layout =
+        Layout::with_tables(vec![TensorSpec::new("w", 4)], 4, vec![SparseSpec::new("emb", 2)]).expect("layout");
+    let mut core = ShardCore::new(ShardConfig {
+        shard: 0,
+        num_shards: 1,
+        layout,
+        rule: Rule::Sgd,
+        hyper: Hyper { lr: 0.1, momentum: 0.0, ..Hyper::default() },
+        init: Init { seed: 1, std: 0.0 },
+        lease: Duration::from_millis(LEASE_MS),
+        advertise: "x:1".into(),
+        epoch: EPOCH,
+        threads: 1,
+        sparse: SparseSettings {
+            rule: Rule::Sgd,
+            hyper: Hyper { lr: 0.5, momentum: 0.0, ..Hyper::default() },
+            init_std: 0.1,
+            ..SparseSettings::default()
+        },
+        modes: ModeConfig { mode: Mode::Gba, gba_lookahead: lookahead, ..ModeConfig::default() },
+    })
+    .expect("core");
+    for _ in 0..2 {
+        let reg = Message::Register(Register { protocol: PROTOCOL_VERSION, role: Role::Worker, name: "w".into() });
+        core.handle(Frame::new(reg), Duration::ZERO);
+    }
+    core
+}
+
+/// Pulls the dense chunk: (version, values).
+fn pull_dense(core: &mut ShardCore) -> (u64, Vec<f32>) {
+    let (r, _) = core.handle(Frame::new(Message::Pull(Pull { epoch: EPOCH, chunks: vec![ID] })), Duration::ZERO);
+    let views = core.take_reply_views();
+    match r.msg {
+        Message::PullReply(p) if views.is_empty() => (p.chunks[0].version, r.payload),
+        Message::PullReply(p) => (p.chunks[0].version, views.iter().flat_map(|v| v.iter().copied()).collect()),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Pulls one embedding row: (version, values).
+fn pull_row(core: &mut ShardCore, id: u64) -> (u32, Vec<f32>) {
+    let mut words = Vec::new();
+    gaps_common::wire::ids_to_words(&[id], &mut words);
+    let msg = Message::SparsePull(gaps_common::wire::SparsePull { epoch: EPOCH, table: 0, count: 1, create: true });
+    let (r, _) = core.handle(Frame { msg, payload: words }, Duration::ZERO);
+    assert!(matches!(r.msg, Message::SparsePullReply(_)), "{:?}", r.msg);
+    (r.payload[0].to_bits(), r.payload[1..].to_vec())
+}
+
+fn push_row(core: &mut ShardCore, worker: u32, seq: u64, id: u64, version: u32, grad: [f32; 2]) {
+    let mut payload = Vec::new();
+    gaps_common::wire::ids_to_words(&[id], &mut payload);
+    payload.push(f32::from_bits(version));
+    payload.extend_from_slice(&grad);
+    let msg = Message::SparsePush(gaps_common::wire::SparsePush {
+        epoch: EPOCH,
+        worker,
+        seq,
+        table: 0,
+        count: 1,
+        dim: 2,
+        echo_read: false,
+    });
+    assert!(matches!(core.handle(Frame { msg, payload }, Duration::ZERO).0.msg, Message::Ack(_)));
+}
+
+#[test]
+fn a_gba_pull_reads_the_step_in_progress_and_the_step_applied_is_unchanged() {
+    for lookahead in [true, false] {
+        let mut core = gba_core_with_table(lookahead);
+        let (v0, row0) = pull_row(&mut core, 7);
+        // Worker 0's step: a row gradient, then its dense gradient (1 of K = 2).
+        push_row(&mut core, 0, 1, 7, v0, [1.0, -2.0]);
+        push(&mut core, 0, 2, 0, 1.0, 0, ms(1));
+        let (version, dense) = pull_dense(&mut core);
+        let (row_version, row) = pull_row(&mut core, 7);
+        assert_eq!((version, row_version), (0, v0), "nothing applied yet: versions stay");
+        if lookahead {
+            // θ − η·(sum / K): −0.1 · 1/2; the row: −0.5 · (1, −2)/2.
+            assert!(dense.iter().all(|w| (w + 0.05).abs() < 1e-6), "{dense:?}");
+            assert!(
+                (row[0] - (row0[0] - 0.25)).abs() < 1e-6 && (row[1] - (row0[1] + 0.5)).abs() < 1e-6,
+                "{row0:?} -> {row:?}"
+            );
+        } else {
+            assert_eq!(dense, vec![0.0; 4], "GBA as published reads the last applied step");
+            assert_eq!(row, row0);
+        }
+        // Worker 1 completes the step with a zero gradient and no rows: the step applied is the mean of the
+        // two, which is what the pulls above read ahead.
+        push(&mut core, 1, 1, 0, 0.0, 0, ms(2));
+        let (version, applied) = pull_dense(&mut core);
+        let (_, applied_row) = pull_row(&mut core, 7);
+        assert_eq!(version, 1);
+        assert!(applied.iter().all(|w| (w + 0.05).abs() < 1e-6), "{applied:?}");
+        assert!((applied_row[0] - (row0[0] - 0.25)).abs() < 1e-6, "{applied_row:?}");
+        if lookahead {
+            assert_eq!((dense, row), (applied, applied_row), "read ahead = applied when the rest adds nothing");
+        }
+    }
+}

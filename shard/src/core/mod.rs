@@ -345,6 +345,9 @@ pub struct ShardCore {
     /// Synchronous modes: summed gradients per slot (allocated on first use) and how many were summed.
     accum: Vec<Vec<f32>>,
     accum_counts: Vec<u32>,
+    /// gba: per slot with gradients in the step in progress, its values as if the step were applied with
+    /// them alone (what a pull reads), computed on first use.
+    ahead_values: HashMap<usize, Arc<Vec<f32>>>,
     /// Gradients in the current step, and which workers sent them.
     accum_pushes: u32,
     contributors: BTreeSet<u32>,
@@ -515,6 +518,7 @@ impl ShardCore {
             active,
             accum: vec![Vec::new(); n_slots],
             accum_counts: vec![0; n_slots],
+            ahead_values: HashMap::new(),
             accum_pushes: 0,
             contributors: BTreeSet::new(),
             global_step: 0,
@@ -622,6 +626,7 @@ impl ShardCore {
             return Err(ShardError::Misconfigured(format!("learning-rate multiplier must be positive, got {scale}")));
         }
         self.lr_scale = scale;
+        self.ahead_values.clear();
         Ok(())
     }
 

@@ -31,6 +31,9 @@ impl ShardCore {
         } else {
             table.peek(&ids, &mut values, &mut versions);
         }
+        if self.active == Mode::Gba && self.cfg.modes.gba_lookahead && !self.row_accum[req.table as usize].is_empty() {
+            self.rows_step_ahead(req.table as usize, &ids, &mut values)?;
+        }
         let mut out = Vec::with_capacity(ids.len() * (1 + dim as usize));
         out.extend(versions.iter().map(|v| f32::from_bits(*v)));
         out.extend_from_slice(&values);
@@ -88,6 +91,27 @@ impl ShardCore {
         self.stats.staleness_max = self.stats.staleness_max.max(max_staleness);
         self.record_applied(req.worker, req.seq);
         Ok(Frame::new(Message::Ack(Ack { seq: req.seq, max_staleness, decisions: self.decisions, ..Ack::default() })))
+    }
+
+    /// gba: the pulled rows the step in progress holds gradients for are read as the step would leave them
+    /// were it applied now with what it has (their sums over the step's K gradients), as dense chunks are
+    /// ([`ShardCore::step_ahead`]); versions stay the applied ones.
+    fn rows_step_ahead(&self, table: usize, ids: &[u64], values: &mut [f32]) -> Result<(), ShardError> {
+        let accum = &self.row_accum[table];
+        let (_, hyper) = self.table_rules[table];
+        let rows = &self.tables[table];
+        let dim = rows.config().dim as usize;
+        let inv = 1.0 / self.leases.len().max(1) as f32;
+        let lr = hyper.lr * self.lr_scale * self.lr_multiplier() as f32;
+        let base = PushScalars { lr, lr_max: lr.max(hyper.lr), staleness: 0, t: 1, workers: self.worker_count() };
+        let mut grad = vec![0.0; dim];
+        for (k, id) in ids.iter().enumerate() {
+            let Some(sum) = accum.get(*id) else { continue };
+            grad.iter_mut().zip(sum).for_each(|(g, s)| *g = s * inv);
+            rows.preview(*id, &grad, &hyper, base, &mut values[k * dim..(k + 1) * dim])
+                .map_err(|e| ShardError::Device(e.to_string()))?;
+        }
+        Ok(())
     }
 
     /// sync and gba: adds a validated sparse push's row gradients to the step's sums, per id, to be applied

@@ -35,6 +35,11 @@ impl RowAccum {
         self.sums[k * dim..(k + 1) * dim].iter_mut().zip(grad).for_each(|(s, g)| *s += g);
     }
 
+    /// The summed gradient of row `id`, if the step holds one.
+    pub(super) fn get(&self, id: u64) -> Option<&[f32]> {
+        self.index.get(&id).map(|&k| &self.sums[k * self.dim..(k + 1) * self.dim])
+    }
+
     /// The ids (in the order first seen) and their summed gradients; empties the accumulator.
     pub(super) fn take(&mut self) -> (Vec<u64>, Vec<f32>) {
         self.index.clear();
@@ -208,6 +213,7 @@ impl ShardCore {
         self.contributors.clear();
         self.step_started = None;
         self.accum_pushes = 0;
+        self.ahead_values.clear();
         Ok(())
     }
 }
