@@ -723,6 +723,19 @@ fn a_shard_restart_in_sync_or_gba_returns_every_shard_to_the_same_checkpoint_and
 /// finish is what the dealer reports as replayed.
 #[test]
 fn every_line_is_trained_once_a_pass_through_a_killed_worker_and_a_restarted_coordinator() {
+    dealing_through_faults("sync");
+}
+
+/// The same in async, where only the coordinator goes back to its checkpoint (the other shard keeps what
+/// was trained since): the dealer's journal makes again the changes after the checkpoint, so no split
+/// finished since is dealt a second time in its pass. The other shard counted every split's lines exactly
+/// once; the restored coordinator at most that (what it had applied since its checkpoint is lost).
+#[test]
+fn in_async_a_restarted_coordinator_deals_no_finished_split_again() {
+    dealing_through_faults("async");
+}
+
+fn dealing_through_faults(mode: &str) {
     const LINES: u64 = 8000;
     const SPLIT: u64 = 400;
     let data = gaps_models::criteo::SyntheticCriteo::new(11);
@@ -736,11 +749,15 @@ fn every_line_is_trained_once_a_pass_through_a_killed_worker_and_a_restarted_coo
             }
         })
         .collect();
-    let dir = std::env::temp_dir().join(format!("gaps-dealing-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("gaps-dealing-{mode}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("dir");
     let path = dir.join("train.tsv");
     std::fs::write(&path, text.join("\n") + "\n").expect("write");
     let status = dir.join("status.json");
+    // In async the coordinator is killed well after a checkpoint, so that splits are finished between the
+    // two (what the journal is for).
+    let (checkpoint_every, kill, restart) =
+        if mode == "async" { ("1s", "0@1900ms", "0@2400ms") } else { ("300ms", "0@1500ms", "0@2000ms") };
     let v = run_local(&[
         "local",
         "--model",
@@ -758,19 +775,19 @@ fn every_line_is_trained_once_a_pass_through_a_killed_worker_and_a_restarted_coo
         "--workers",
         "4",
         "--mode",
-        "sync",
+        mode,
         "--compute-delay",
         "15ms",
         "--lease",
         "3s",
         "--checkpoint-every",
-        "300ms",
+        checkpoint_every,
         "--kill-worker",
         "3@700ms",
         "--kill-shard",
-        "0@1500ms",
+        kill,
         "--restart-shard",
-        "0@2000ms",
+        restart,
         "--data-status-out",
         status.to_str().expect("path"),
         "--json",
@@ -810,18 +827,34 @@ fn every_line_is_trained_once_a_pass_through_a_killed_worker_and_a_restarted_coo
         for k in 0..splits {
             let key = epoch << 32 | k;
             let grants = finished.get(&key).cloned().unwrap_or_default();
-            assert_eq!(grants.len(), 1, "split {k} of pass {epoch} finished under grants {grants:?}: {dealer}");
+            assert_eq!(grants.len(), 1, "{mode}: split {k} of pass {epoch} finished under grants {grants:?}: {dealer}");
             for (s, shard) in counts.iter().enumerate() {
-                assert_eq!(
-                    shard.get(&grants[0]).copied().unwrap_or(0),
-                    expected(k),
-                    "shard {s}, split {k} of pass {epoch} (grant {})",
-                    grants[0]
-                );
+                let counted = shard.get(&grants[0]).copied().unwrap_or(0);
+                let message = format!("{mode}: shard {s}, split {k} of pass {epoch} (grant {})", grants[0]);
+                if mode == "async" && s == 0 {
+                    assert!(counted <= expected(k), "{message}: {counted} > {}", expected(k));
+                } else {
+                    assert_eq!(counted, expected(k), "{message}");
+                }
             }
         }
     }
     assert_eq!(finished.values().map(Vec::len).sum::<usize>() as u64, 2 * splits, "{dealer}");
+    // Nothing was trained under a grant the dealer does not know (in async a coordinator restored without
+    // its journal would not know the grants dealt after its checkpoint, which the other shard counted).
+    let known: std::collections::BTreeSet<u64> = finished
+        .values()
+        .flatten()
+        .copied()
+        .chain(dealer["abandoned"].as_array().expect("abandoned").iter().map(|g| g.as_u64().expect("grant")))
+        .collect();
+    for (s, shard) in counts.iter().enumerate() {
+        let unknown: Vec<&u64> = shard.keys().filter(|g| !known.contains(g)).collect();
+        assert!(
+            unknown.is_empty(),
+            "{mode}: shard {s} counted samples under grants {unknown:?} the dealer does not know"
+        );
+    }
     // The killed worker held a split, and the coordinator's restart gave back those on loan at its
     // checkpoint: what was trained under them is the replay the dealer reports.
     assert!(dealer["splits_returned"].as_u64().expect("returned") >= 1, "{dealer}");

@@ -527,11 +527,11 @@ impl NativeClient {
     /// Asks the coordinator's dealer for this worker's next split of the training data, reporting `finished`
     /// (the grant of a split whose every batch was pushed and acknowledged). A dict (`grant`, `key`, `epoch`,
     /// `index`, `file`, `first_line`, `start`, `end`, `lines`, `files`, `finished_accepted`), or None when
-    /// every pass is dealt.
+    /// every pass is dealt. In async and gba it waits while others still hold splits that could come back.
     #[pyo3(signature = (finished=None))]
     fn next_split<'py>(&self, py: Python<'py>, finished: Option<u64>) -> PyResult<Option<Bound<'py, PyDict>>> {
         let client = self.client()?;
-        let grant = block(py, &self.runtime, client.next_split(finished))?.map_err(client_err)?;
+        let grant = block(py, &self.runtime, client.next_split_waiting(finished))?.map_err(client_err)?;
         let Some(s) = grant.split else { return Ok(None) };
         let d = PyDict::new(py);
         d.set_item("grant", s.grant)?;

@@ -5,6 +5,7 @@
 //! - [`auth`]: who may send what (certificate roles, worker credentials), and rate-limited refusal logs.
 //! - [`metrics`]: Prometheus export over a small hyper service.
 //! - [`data`]: cuts the training files into the coordinator's dealt splits (dynamic data sharding).
+//! - [`journal`]: the coordinator's dealer journal (async mode: a restore does not deal finished splits again).
 //! - [`cli`]: flags and the process entry point (bin `gaps-server`).
 //!
 //! Architecture invariant: this crate links neither the worker, nor the models, nor the data readers
@@ -15,6 +16,7 @@ pub mod auth;
 pub mod checkpoint;
 pub mod cli;
 pub mod data;
+pub mod journal;
 pub mod metrics;
 pub mod service;
 

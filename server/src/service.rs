@@ -269,7 +269,13 @@ fn try_snapshot(core: &ShardCore, p: PendingSnapshot) -> Option<PendingSnapshot>
 ///
 /// The parts of a push striped over several connections are held here until the push is whole, then handled
 /// as one request and every part answered with its reply; incomplete pushes are given up after `part_wait`.
-fn run_actor(mut core: ShardCore, mut queue: mpsc::Receiver<Command>, started: Instant, part_wait: Duration) {
+fn run_actor(
+    mut core: ShardCore,
+    mut queue: mpsc::Receiver<Command>,
+    started: Instant,
+    part_wait: Duration,
+    mut journal: Option<std::fs::File>,
+) {
     // A part's reply and whether its payload was found finite as it was read.
     type Reply = (oneshot::Sender<Answer>, bool);
     let mut pending: Option<PendingSnapshot> = None;
@@ -345,6 +351,17 @@ fn run_actor(mut core: ShardCore, mut queue: mpsc::Receiver<Command>, started: I
                 pending = None;
             }
             Command::Checkpoint(p) => pending = Some(p),
+        }
+        // The dealer's changes are journaled before a checkpoint can be taken after them.
+        if let Some(file) = journal.as_mut() {
+            let changes = core.take_dealer_journal();
+            if !changes.is_empty() {
+                if let Err(e) = crate::journal::append(file, &changes) {
+                    error!(%e, "writing the dealer journal failed; a restore will deal again the splits finished since its checkpoint");
+                    core.stop_dealer_journal();
+                    journal = None;
+                }
+            }
         }
         if let Some(p) = pending.take() {
             pending = try_snapshot(&core, p);
@@ -695,8 +712,46 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
         }
         None => (ShardCore::new(cfg.core.clone()).map_err(|e| anyhow!("configuring shard {shard}: {e}"))?, None),
     };
+    let mut journal = None;
     if let Some(data) = cfg.data.clone() {
-        core.set_dealer(data).map_err(|e| anyhow!("shard {shard}: dealing data: {e}"))?;
+        match (&store, cfg.core.modes.mode == gaps_shard::Mode::Async && shard == 0) {
+            // Async: the dealer's changes go to a journal beside the checkpoints, and a restored dealer makes
+            // again those made after its checkpoint (the other shards kept what was trained since).
+            (Some(store), true) => {
+                let fingerprint = data.table.fingerprint();
+                let past = match restored {
+                    Some(_) => crate::journal::read(store.dir(), fingerprint).unwrap_or_else(|why| {
+                        warn!(%why, "the dealer journal is not used: splits finished since the checkpoint are dealt again");
+                        Vec::new()
+                    }),
+                    None => Vec::new(),
+                };
+                let replayed = core
+                    .set_dealer_replaying(data, Some(&past))
+                    .map_err(|e| anyhow!("shard {shard}: dealing data: {e}"))?;
+                let mut kept = match replayed {
+                    Ok(changes) => {
+                        if restored.is_some() {
+                            info!(
+                                changes = changes.len(),
+                                "the dealer made again the changes journaled after its checkpoint"
+                            );
+                        }
+                        changes
+                    }
+                    Err(why) => {
+                        warn!(%why, "the dealer journal does not continue the checkpoint: splits finished since are dealt again");
+                        Vec::new()
+                    }
+                };
+                kept.extend(core.take_dealer_journal());
+                journal = Some(
+                    crate::journal::rewrite(store.dir(), fingerprint, &kept)
+                        .with_context(|| format!("writing {}", crate::journal::path(store.dir()).display()))?,
+                );
+            }
+            _ => core.set_dealer(data).map_err(|e| anyhow!("shard {shard}: dealing data: {e}"))?,
+        }
         if let Some(d) = core.dealer() {
             info!(
                 shard,
@@ -754,7 +809,7 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
     let part_wait = cfg.request_timeout;
     std::thread::Builder::new()
         .name(format!("gaps-shard-{shard}"))
-        .spawn(move || run_actor(core, receiver, started, part_wait))
+        .spawn(move || run_actor(core, receiver, started, part_wait, journal))
         .context("starting the shard's core thread")?;
     let budget_units = (cfg.inflight_bytes / BUDGET_UNIT).clamp(1, u64::from(u32::MAX >> 3)) as u32;
     let shared = Arc::new(Shared {

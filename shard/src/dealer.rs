@@ -119,6 +119,68 @@ pub struct DealerConfig {
     pub grant_floor: u64,
 }
 
+/// One change of a dealer's state, numbered in the order made: what the coordinator's journal records
+/// (`gaps-server` writes one line per change next to its checkpoints), so that a coordinator restored from a
+/// checkpoint in async mode, where the cluster does not go back with it, continues the epoch where it was
+/// rather than dealing again the splits finished since its checkpoint ([`Dealer::replay`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DealerOp {
+    /// [`Dealer::deal`] with the finished grant it was given, and the grant it dealt (None: none left).
+    Deal {
+        /// The change's number (the dealer's count of changes after it).
+        op: u64,
+        /// The asking worker.
+        worker: u32,
+        /// The grant reported finished, as passed to the dealer.
+        finished: Option<u64>,
+        /// The grant dealt.
+        grant: Option<u64>,
+    },
+    /// [`Dealer::give_back`] that gave back at least one split.
+    GiveBack {
+        /// The change's number.
+        op: u64,
+        /// The worker whose splits went back.
+        worker: u32,
+    },
+}
+
+impl DealerOp {
+    /// The change's number.
+    pub fn op(&self) -> u64 {
+        match self {
+            DealerOp::Deal { op, .. } | DealerOp::GiveBack { op, .. } => *op,
+        }
+    }
+
+    /// One journal line (no newline): `deal OP WORKER FINISHED|- GRANT|-` or `back OP WORKER`.
+    pub fn to_line(&self) -> String {
+        let opt = |v: Option<u64>| v.map_or_else(|| "-".to_string(), |g| g.to_string());
+        match self {
+            DealerOp::Deal { op, worker, finished, grant } => {
+                format!("deal {op} {worker} {} {}", opt(*finished), opt(*grant))
+            }
+            DealerOp::GiveBack { op, worker } => format!("back {op} {worker}"),
+        }
+    }
+
+    /// Reads a line written by [`DealerOp::to_line`]; None for anything else (a torn last line included).
+    pub fn parse(line: &str) -> Option<DealerOp> {
+        let words: Vec<&str> = line.split_ascii_whitespace().collect();
+        let opt = |w: &str| if w == "-" { Some(None) } else { w.parse::<u64>().ok().map(Some) };
+        match words[..] {
+            ["deal", op, worker, finished, grant] => Some(DealerOp::Deal {
+                op: op.parse().ok()?,
+                worker: worker.parse().ok()?,
+                finished: opt(finished)?,
+                grant: opt(grant)?,
+            }),
+            ["back", op, worker] => Some(DealerOp::GiveBack { op: op.parse().ok()?, worker: worker.parse().ok()? }),
+            _ => None,
+        }
+    }
+}
+
 /// Most finished and abandoned grants remembered (for [`gaps_common::wire::DataStatus`]); older ones are
 /// only counted.
 pub const GRANT_LOG: usize = 1 << 18;
@@ -146,6 +208,11 @@ pub struct Dealer {
     known: BTreeSet<u64>,
     /// Splits given back.
     returned: u64,
+    /// Changes made so far ([`DealerOp`] numbers).
+    ops: u64,
+    /// Changes not yet taken by [`Dealer::take_journal`] (only while journaling).
+    journal: Vec<DealerOp>,
+    journaling: bool,
 }
 
 impl Dealer {
@@ -164,7 +231,86 @@ impl Dealer {
             abandoned: VecDeque::new(),
             known: BTreeSet::new(),
             returned: 0,
+            ops: 0,
+            journal: Vec::new(),
+            journaling: false,
         }
+    }
+
+    /// Keeps every change from now on for [`Dealer::take_journal`].
+    pub fn set_journaling(&mut self, on: bool) {
+        self.journaling = on;
+        if !on {
+            self.journal.clear();
+        }
+    }
+
+    /// The changes made since the last call (while journaling), in order.
+    pub fn take_journal(&mut self) -> Vec<DealerOp> {
+        std::mem::take(&mut self.journal)
+    }
+
+    /// Changes made so far (written with the state into checkpoints).
+    pub fn ops(&self) -> u64 {
+        self.ops
+    }
+
+    fn record(&mut self, op: impl FnOnce(u64) -> DealerOp) {
+        self.ops += 1;
+        if self.journaling {
+            self.journal.push(op(self.ops));
+        }
+    }
+
+    /// Makes again, on this dealer (restored from a checkpoint), the journal's changes made after it (those
+    /// numbered above [`Dealer::ops`]), in order. All or nothing: a journal that does not continue this
+    /// state (a gap in the numbers, a grant dealt that differs) changes nothing and says why. Returns how
+    /// many changes were made again.
+    pub fn replay(&mut self, journal: &[DealerOp]) -> Result<u64, String> {
+        let before = self.clone();
+        let journaling = std::mem::replace(&mut self.journaling, false);
+        let mut made = 0;
+        let mut outcome = Ok(());
+        for change in journal.iter().filter(|c| c.op() > before.ops) {
+            if change.op() != self.ops + 1 {
+                outcome = Err(format!("the journal goes from change {} to {}", self.ops, change.op()));
+                break;
+            }
+            match *change {
+                DealerOp::Deal { worker, finished, grant, .. } => {
+                    let (split, _) = self.deal(worker, finished);
+                    if split.map(|s| s.grant) != grant {
+                        outcome = Err(format!(
+                            "change {} dealt grant {:?} then, {:?} now",
+                            change.op(),
+                            grant,
+                            split.map(|s| s.grant)
+                        ));
+                        break;
+                    }
+                }
+                DealerOp::GiveBack { worker, .. } => {
+                    if self.give_back(worker) == 0 {
+                        outcome = Err(format!("change {}: worker {worker} held no split", change.op()));
+                        break;
+                    }
+                }
+            }
+            made += 1;
+        }
+        if let Err(e) = outcome {
+            *self = before;
+            self.journaling = journaling;
+            return Err(e);
+        }
+        self.journaling = journaling;
+        Ok(made)
+    }
+
+    /// Grants from here on are numbered from at least the settings' floor (after a restore and replay:
+    /// the replayed grants keep their numbers, new ones never reuse a number of the previous life).
+    pub fn raise_grant_floor(&mut self) {
+        self.next_grant = self.next_grant.max(self.cfg.grant_floor).max(1);
     }
 
     fn log_completed(&mut self, grant: u64, key: u64) {
@@ -237,12 +383,20 @@ impl Dealer {
             },
             None => false,
         };
-        self.give_back(worker);
-        let Some(key) = self.next_key() else { return (None, accepted) };
-        let grant = self.next_grant;
-        self.next_grant += 1;
-        self.leased.insert(grant, (key, worker));
-        (Some(self.cfg.table.split(key, grant)), accepted)
+        let given = self.give_back_quietly(worker);
+        let dealt = self.next_key().map(|key| {
+            let grant = self.next_grant;
+            self.next_grant += 1;
+            self.leased.insert(grant, (key, worker));
+            self.cfg.table.split(key, grant)
+        });
+        let grant = dealt.map(|s| s.grant);
+        // A request that reports nothing, gives nothing back and is dealt nothing (a worker asking again at
+        // the end while others finish their splits) changes nothing: not a change to journal.
+        if finished.is_some() || given > 0 || grant.is_some() {
+            self.record(|op| DealerOp::Deal { op, worker, finished, grant });
+        }
+        (dealt, accepted)
     }
 
     fn next_key(&mut self) -> Option<u64> {
@@ -267,6 +421,15 @@ impl Dealer {
 
     /// Gives back every split `worker` holds (it left, its lease expired, or it asked for another one).
     pub fn give_back(&mut self, worker: u32) -> usize {
+        let given = self.give_back_quietly(worker);
+        if given > 0 {
+            self.record(|op| DealerOp::GiveBack { op, worker });
+        }
+        given
+    }
+
+    /// [`Dealer::give_back`] as part of another change (not a change of its own).
+    fn give_back_quietly(&mut self, worker: u32) -> usize {
         let mine: Vec<u64> = self.leased.iter().filter(|(_, (_, w))| *w == worker).map(|(g, _)| *g).collect();
         for g in mine.iter().rev() {
             if let Some((key, _)) = self.leased.remove(g) {
@@ -340,6 +503,7 @@ impl Dealer {
         w.u64s(&leased);
         w.u64s(&self.completed.iter().flat_map(|(g, k)| [*g, *k]).collect::<Vec<_>>());
         w.u64s(&self.abandoned.iter().copied().collect::<Vec<_>>());
+        w.u64(self.ops);
     }
 
     /// Reads a state written by [`Dealer::write_to`] into a dealer of `cfg`; refused when the checkpoint
@@ -386,10 +550,26 @@ impl Dealer {
         if epoch >= 1 << 40 {
             return Err(corrupt("epoch"));
         }
-        let next_grant = next_grant.max(cfg.grant_floor).max(1);
+        // Format 5 on: the changes made (the journal continues from there; before, none was kept).
+        let ops = if r.format() >= 5 { r.u64()? } else { 0 };
         let completed: VecDeque<(u64, u64)> = completed;
         let known = completed.iter().map(|(g, _)| *g).chain(abandoned.iter().copied()).collect();
-        Ok(Dealer { cfg, epoch, next_fresh, pending, leased, done, next_grant, completed, abandoned, known, returned })
+        Ok(Dealer {
+            cfg,
+            epoch,
+            next_fresh,
+            pending,
+            leased,
+            done,
+            next_grant,
+            completed,
+            abandoned,
+            known,
+            returned,
+            ops,
+            journal: Vec::new(),
+            journaling: false,
+        })
     }
 }
 
@@ -498,6 +678,45 @@ mod tests {
         let mut r = Reader::new(&bytes).expect("header");
         let err = Dealer::read_from(files(5), &mut r).expect_err("another cut");
         assert!(err.to_string().contains("--split-lines"), "{err}");
+    }
+
+    #[test]
+    fn a_journal_replayed_on_the_checkpoint_continues_the_epoch_and_one_that_does_not_fit_changes_nothing() {
+        let mut live = Dealer::new(files(6));
+        let (a, _) = live.deal(0, None);
+        let mut w = Writer::reusing(Vec::new(), 0);
+        live.write_to(&mut w);
+        // After the checkpoint, journaled: split 0 finished, others dealt, a worker gone.
+        live.set_journaling(true);
+        let (b, _) = live.deal(1, None);
+        live.deal(0, a.map(|s| s.grant));
+        live.deal(2, None);
+        live.give_back(1);
+        let journal = live.take_journal();
+        assert_eq!(journal.len(), 4);
+        assert_eq!(journal.iter().map(DealerOp::op).collect::<Vec<_>>(), vec![2, 3, 4, 5]);
+        for c in &journal {
+            assert_eq!(DealerOp::parse(&c.to_line()), Some(*c));
+        }
+        let restore = || Dealer::read_from(files(6), &mut Reader::new(&w.buf).expect("header")).expect("restore");
+        let mut back = restore();
+        assert_eq!(back.ops(), 1);
+        assert_eq!(back.replay(&journal), Ok(4));
+        assert_eq!(format!("{back:?}"), format!("{:?}", Dealer { journaling: false, ..live.clone() }));
+        assert_eq!(back.splits_done(), 1, "split 0 stays finished: not dealt again");
+        // Replaying what the checkpoint already holds, or again, changes nothing more.
+        assert_eq!(back.replay(&journal), Ok(0));
+        // A journal with a gap, or whose deal differs from what this state deals, is refused whole.
+        let mut gap = journal.clone();
+        gap.remove(1);
+        let mut other = restore();
+        assert!(other.replay(&gap).expect_err("a gap").contains("goes from change"));
+        assert_eq!(format!("{other:?}"), format!("{:?}", restore()));
+        let mut wrong = journal.clone();
+        wrong[0] = DealerOp::Deal { op: 2, worker: 1, finished: None, grant: Some(b.expect("b").grant + 9) };
+        assert!(other.replay(&wrong).expect_err("another grant").contains("dealt grant"));
+        assert_eq!(format!("{other:?}"), format!("{:?}", restore()));
+        assert_eq!(DealerOp::parse("deal 4 1 -"), None, "a torn line");
     }
 
     #[test]

@@ -1607,6 +1607,45 @@ impl Client {
         .await
     }
 
+    /// [`Self::next_split`], but while nothing is left to deal and splits are still on loan to others, in
+    /// async and gba (where a worker that pushes nothing holds nobody up) it asks again every 100 ms rather
+    /// than answering "done": a split given back when its holder dies (its lease expires) is then trained
+    /// by someone. In sync and ssp waiting would hold the others' steps: the worker is done at once, and such
+    /// a split stays undealt (reported as `splits_pending`).
+    pub async fn next_split_waiting(
+        &self,
+        finished: Option<u64>,
+    ) -> Result<gaps_common::wire::SplitGrant, ClientError> {
+        let mut grant = self.next_split(finished).await?;
+        let mut accepted = grant.finished_accepted;
+        while grant.split.is_none() && self.idle_holds_nobody() && self.dealer_unfinished().await? {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            grant = self.next_split(None).await?;
+            accepted |= grant.finished_accepted;
+        }
+        Ok(gaps_common::wire::SplitGrant { finished_accepted: accepted, ..grant })
+    }
+
+    /// True while the cluster runs a mode in which a worker that pushes nothing for a while holds nobody up
+    /// (async or gba, also under auto: mode codes 0 and 2).
+    pub fn idle_holds_nobody(&self) -> bool {
+        self.inner.decisions().is_some_and(|d| matches!(d.latest.mode, 0 | 2))
+    }
+
+    /// Whether the coordinator's dealer has splits left to finish (on loan to a worker, or to deal again
+    /// should its holder die), though it dealt this worker none: then the worker may be needed still.
+    pub async fn dealer_unfinished(&self) -> Result<bool, ClientError> {
+        // No grant is above u64::MAX: the page holds the dealer's state alone.
+        let request = Message::DataStatusRequest(gaps_common::wire::DataStatusRequest { after_grant: u64::MAX });
+        let page = self
+            .ask(0, &request, |m| match m {
+                Message::DataStatus(page) => Some(page),
+                _ => None,
+            })
+            .await?;
+        Ok(page.dealer.is_some_and(|d| !d.finished))
+    }
+
     /// Every shard's per-grant sample counts and the coordinator's dealer state (every page), index order.
     pub async fn data_status(&self) -> Result<Vec<gaps_common::wire::DataStatus>, ClientError> {
         let mut out = Vec::with_capacity(self.inner.shards.len());

@@ -181,7 +181,8 @@ impl Dealt {
     }
 
     async fn deal(&mut self, client: &Client) -> Result<()> {
-        let grant = client.next_split(self.finished.take()).await.context("asking the coordinator for a data split")?;
+        let grant =
+            client.next_split_waiting(self.finished.take()).await.context("asking the coordinator for a data split")?;
         self.rollbacks = client.rollbacks_seen();
         let Some(split) = grant.split else {
             self.done = true;

@@ -74,21 +74,61 @@ impl ShardCore {
     /// splits on loan then are dealt again (what their holders trained since is not in the model). Only the
     /// coordinator deals; the error says why a configuration or checkpoint does not fit.
     pub fn set_dealer(&mut self, cfg: DealerConfig) -> Result<(), String> {
+        self.set_dealer_replaying(cfg, None).map(|_| ())
+    }
+
+    /// [`Self::set_dealer`] for a coordinator that journals its dealer (`journal` Some: async mode, where
+    /// the cluster does not go back with the coordinator). A restored dealer first makes again the changes
+    /// the journal recorded after its checkpoint ([`Dealer::replay`]), so that splits finished since are not
+    /// dealt again; every change from then on (the splits on loan given back included) is kept for
+    /// [`Self::take_dealer_journal`]. Returns the changes made again — with the checkpoint, the state to
+    /// journal from — or why the journal was not used (it does not continue the checkpoint: the dealer then
+    /// starts from the checkpoint, as without a journal).
+    pub fn set_dealer_replaying(
+        &mut self,
+        cfg: DealerConfig,
+        journal: Option<&[crate::dealer::DealerOp]>,
+    ) -> Result<Result<Vec<crate::dealer::DealerOp>, String>, String> {
         if self.coordinator.is_none() {
             return Err(format!("shard {} is not the coordinator; only shard 0 deals data", self.cfg.shard));
         }
+        let mut replayed = Ok(Vec::new());
         let dealer = match self.restored_dealer.take() {
-            Some(bytes) => {
-                let mut r = Reader::section(&bytes, crate::checkpoint::FORMAT_VERSION);
+            Some((format, bytes)) => {
+                let mut r = Reader::section(&bytes, format);
                 let mut d = Dealer::read_from(cfg, &mut r).map_err(|e| format!("the checkpoint's data dealer: {e}"))?;
                 r.finish().map_err(|e| format!("the checkpoint's data dealer: {e}"))?;
+                if let Some(journal) = journal {
+                    let from = d.ops();
+                    replayed = d.replay(journal).map(|made| {
+                        journal.iter().filter(|c| c.op() > from && c.op() <= from + made).copied().collect()
+                    });
+                }
+                d.set_journaling(journal.is_some());
+                d.raise_grant_floor();
                 d.give_back_all();
                 d
             }
-            None => Dealer::new(cfg),
+            None => {
+                let mut d = Dealer::new(cfg);
+                d.set_journaling(journal.is_some());
+                d
+            }
         };
         self.dealer = Some(dealer);
-        Ok(())
+        Ok(replayed)
+    }
+
+    /// Stops keeping the dealer's changes (the journal could not be written).
+    pub fn stop_dealer_journal(&mut self) {
+        if let Some(d) = self.dealer.as_mut() {
+            d.set_journaling(false);
+        }
+    }
+
+    /// The dealer's changes since the last call, in order (empty unless journaling).
+    pub fn take_dealer_journal(&mut self) -> Vec<crate::dealer::DealerOp> {
+        self.dealer.as_mut().map(|d| d.take_journal()).unwrap_or_default()
     }
 
     /// The dealer, if this coordinator deals data.

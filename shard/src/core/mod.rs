@@ -396,7 +396,7 @@ pub struct ShardCore {
     /// The coordinator's data dealer ([`Self::set_dealer`]).
     dealer: Option<crate::dealer::Dealer>,
     /// A restored checkpoint's dealer section, read once the dealer's settings are known.
-    restored_dealer: Option<Vec<u8>>,
+    restored_dealer: Option<(u32, Vec<u8>)>,
 }
 
 impl ShardCore {

@@ -415,7 +415,7 @@ impl ShardCore {
                 }
             }
             if r.u8()? == 1 {
-                core.restored_dealer = Some(r.rest().to_vec());
+                core.restored_dealer = Some((r.format(), r.rest().to_vec()));
             }
         }
         r.finish()?;
