@@ -559,7 +559,8 @@ impl SparseTable {
 
     /// Writes into `out` the values row `id` would have after an update with `grad` (computed on its
     /// current values), changing nothing: what a gba pull reads of a row the step in progress holds a
-    /// gradient for. False (and `out` untouched) when the row is not held.
+    /// gradient for. False (and `out` untouched) when the row is not held. `scratch` is working space,
+    /// reused from call to call.
     pub fn preview(
         &self,
         id: u64,
@@ -567,18 +568,24 @@ impl SparseTable {
         hyper: &Hyper,
         base: PushScalars,
         out: &mut [f32],
+        scratch: &mut Vec<f32>,
     ) -> Result<bool, KernelError> {
         let Some(r) = self.find(id) else { return Ok(false) };
         let dim = self.cfg.dim as usize;
         let layout = self.cfg.rule.layout();
-        let mut row = self.data[r * self.stride..(r + 1) * self.stride].to_vec();
-        let read = if layout.needs_read { row[..dim].to_vec() } else { Vec::new() };
+        // The row and its state, then (for rules that measure drift) the values read.
+        scratch.clear();
+        scratch.extend_from_slice(&self.data[r * self.stride..(r + 1) * self.stride]);
+        if layout.needs_read {
+            scratch.extend_from_slice(&self.data[r * self.stride..r * self.stride + dim]);
+        }
+        let (row, read) = scratch.split_at_mut(self.stride);
         let (params, state) = row.split_at_mut(dim);
         let (s0, s1) = state.split_at_mut(if layout.shared_planes >= 1 { dim } else { 0 });
-        let bufs = Bufs { params, s0, s1, w0: &mut [], grad, read: &read };
+        let bufs = Bufs { params, s0, s1, w0: &mut [], grad, read };
         let scalars = PushScalars { staleness: 0, t: u64::from(self.versions[r]) + 1, ..base };
         gaps_kernels::apply(self.cfg.rule, hyper, &scalars, bufs)?;
-        out.copy_from_slice(&row[..dim]);
+        out.copy_from_slice(&scratch[..dim]);
         Ok(true)
     }
 

@@ -104,11 +104,11 @@ impl ShardCore {
         let inv = 1.0 / self.leases.len().max(1) as f32;
         let lr = hyper.lr * self.lr_scale * self.lr_multiplier() as f32;
         let base = PushScalars { lr, lr_max: lr.max(hyper.lr), staleness: 0, t: 1, workers: self.worker_count() };
-        let mut grad = vec![0.0; dim];
+        let (mut grad, mut scratch) = (vec![0.0; dim], Vec::new());
         for (k, id) in ids.iter().enumerate() {
             let Some(sum) = accum.get(*id) else { continue };
             grad.iter_mut().zip(sum).for_each(|(g, s)| *g = s * inv);
-            rows.preview(*id, &grad, &hyper, base, &mut values[k * dim..(k + 1) * dim])
+            rows.preview(*id, &grad, &hyper, base, &mut values[k * dim..(k + 1) * dim], &mut scratch)
                 .map_err(|e| ShardError::Device(e.to_string()))?;
         }
         Ok(())
