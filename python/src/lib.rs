@@ -527,7 +527,7 @@ impl NativeClient {
     /// Asks the coordinator's dealer for this worker's next split of the training data, reporting `finished`
     /// (the grant of a split whose every batch was pushed and acknowledged). A dict (`grant`, `key`, `epoch`,
     /// `index`, `file`, `first_line`, `start`, `end`, `lines`, `files`, `finished_accepted`), or None when
-    /// every pass is dealt. In async and gba it waits while others still hold splits that could come back.
+    /// every pass is dealt. In async it waits while others still hold splits that could come back.
     #[pyo3(signature = (finished=None))]
     fn next_split<'py>(&self, py: Python<'py>, finished: Option<u64>) -> PyResult<Option<Bound<'py, PyDict>>> {
         let client = self.client()?;

@@ -320,6 +320,8 @@ fn run_actor(
                     };
                     let frame = Frame { msg, payload: frame.payload };
                     let (answer, events) = core.handle_checked(frame, started.elapsed(), finite);
+                    // A split dealt or reported finished is journaled before the worker hears of it.
+                    journal_changes(&mut core, &mut journal);
                     match (pull, &answer.msg) {
                         // A push-pull whose ack asks the worker to wait for the step: held until the step is
                         // applied, then answered with the new values (no wait request, no pull after it).
@@ -353,22 +355,28 @@ fn run_actor(
             Command::Checkpoint(p) => pending = Some(p),
         }
         // The dealer's changes are journaled before a checkpoint can be taken after them.
-        if let Some(file) = journal.as_mut() {
-            let changes = core.take_dealer_journal();
-            if !changes.is_empty() {
-                if let Err(e) = crate::journal::append(file, &changes) {
-                    error!(%e, "writing the dealer journal failed; a restore will deal again the splits finished since its checkpoint");
-                    core.stop_dealer_journal();
-                    journal = None;
-                }
-            }
-        }
+        journal_changes(&mut core, &mut journal);
         if let Some(p) = pending.take() {
             pending = try_snapshot(&core, p);
         }
         if !parked.is_empty() {
             release_waits(&mut core, &mut parked, started.elapsed(), false);
         }
+    }
+}
+
+/// Appends the dealer's changes since the last call to the coordinator's journal (async); a journal that
+/// cannot be written is given up, said once.
+fn journal_changes(core: &mut ShardCore, journal: &mut Option<std::fs::File>) {
+    let Some(file) = journal.as_mut() else { return };
+    let changes = core.take_dealer_journal();
+    if changes.is_empty() {
+        return;
+    }
+    if let Err(e) = crate::journal::append(file, &changes) {
+        error!(%e, "writing the dealer journal failed; a restore will deal again the splits finished since its checkpoint");
+        core.stop_dealer_journal();
+        *journal = None;
     }
 }
 
@@ -745,12 +753,23 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
                     }
                 };
                 kept.extend(core.take_dealer_journal());
-                journal = Some(
-                    crate::journal::rewrite(store.dir(), fingerprint, &kept)
-                        .with_context(|| format!("writing {}", crate::journal::path(store.dir()).display()))?,
-                );
+                journal = match crate::journal::rewrite(store.dir(), fingerprint, &kept) {
+                    Ok(file) => Some(file),
+                    Err(e) => {
+                        let path = crate::journal::path(store.dir());
+                        warn!(%e, path = %path.display(), "no dealer journal: a restore will deal again the splits finished since its checkpoint");
+                        core.stop_dealer_journal();
+                        None
+                    }
+                };
             }
-            _ => core.set_dealer(data).map_err(|e| anyhow!("shard {shard}: dealing data: {e}"))?,
+            (store, _) => {
+                core.set_dealer(data).map_err(|e| anyhow!("shard {shard}: dealing data: {e}"))?;
+                // A journal of an async life does not continue this one's checkpoints.
+                if let Some(store) = store.as_ref().filter(|_| shard == 0) {
+                    let _ = std::fs::remove_file(crate::journal::path(store.dir()));
+                }
+            }
         }
         if let Some(d) = core.dealer() {
             info!(

@@ -143,17 +143,25 @@ pub enum DealerOp {
         /// The worker whose splits went back.
         worker: u32,
     },
+    /// [`Dealer::raise_grant_floor`] after a restore: grants are numbered from here on.
+    Floor {
+        /// The change's number.
+        op: u64,
+        /// The next grant number.
+        next_grant: u64,
+    },
 }
 
 impl DealerOp {
     /// The change's number.
     pub fn op(&self) -> u64 {
         match self {
-            DealerOp::Deal { op, .. } | DealerOp::GiveBack { op, .. } => *op,
+            DealerOp::Deal { op, .. } | DealerOp::GiveBack { op, .. } | DealerOp::Floor { op, .. } => *op,
         }
     }
 
-    /// One journal line (no newline): `deal OP WORKER FINISHED|- GRANT|-` or `back OP WORKER`.
+    /// One journal line (no newline): `deal OP WORKER FINISHED|- GRANT|-`, `back OP WORKER` or
+    /// `floor OP NEXT_GRANT`.
     pub fn to_line(&self) -> String {
         let opt = |v: Option<u64>| v.map_or_else(|| "-".to_string(), |g| g.to_string());
         match self {
@@ -161,6 +169,7 @@ impl DealerOp {
                 format!("deal {op} {worker} {} {}", opt(*finished), opt(*grant))
             }
             DealerOp::GiveBack { op, worker } => format!("back {op} {worker}"),
+            DealerOp::Floor { op, next_grant } => format!("floor {op} {next_grant}"),
         }
     }
 
@@ -176,6 +185,7 @@ impl DealerOp {
                 grant: opt(grant)?,
             }),
             ["back", op, worker] => Some(DealerOp::GiveBack { op: op.parse().ok()?, worker: worker.parse().ok()? }),
+            ["floor", op, next] => Some(DealerOp::Floor { op: op.parse().ok()?, next_grant: next.parse().ok()? }),
             _ => None,
         }
     }
@@ -295,6 +305,18 @@ impl Dealer {
                         break;
                     }
                 }
+                DealerOp::Floor { next_grant, .. } => {
+                    if next_grant < self.next_grant {
+                        outcome = Err(format!(
+                            "change {}: grants from {next_grant}, below the next one, {}",
+                            change.op(),
+                            self.next_grant
+                        ));
+                        break;
+                    }
+                    self.next_grant = next_grant;
+                    self.ops += 1;
+                }
             }
             made += 1;
         }
@@ -310,7 +332,13 @@ impl Dealer {
     /// Grants from here on are numbered from at least the settings' floor (after a restore and replay:
     /// the replayed grants keep their numbers, new ones never reuse a number of the previous life).
     pub fn raise_grant_floor(&mut self) {
-        self.next_grant = self.next_grant.max(self.cfg.grant_floor).max(1);
+        let next_grant = self.next_grant.max(self.cfg.grant_floor).max(1);
+        if next_grant != self.next_grant {
+            self.next_grant = next_grant;
+            // Journaled: a later restore from the same checkpoint deals the grants of this life again
+            // under the same numbers.
+            self.record(|op| DealerOp::Floor { op, next_grant });
+        }
     }
 
     fn log_completed(&mut self, grant: u64, key: u64) {
@@ -552,6 +580,9 @@ impl Dealer {
         }
         // Format 5 on: the changes made (the journal continues from there; before, none was kept).
         let ops = if r.format() >= 5 { r.u64()? } else { 0 };
+        if ops >= 1 << 62 {
+            return Err(corrupt("change count"));
+        }
         let completed: VecDeque<(u64, u64)> = completed;
         let known = completed.iter().map(|(g, _)| *g).chain(abandoned.iter().copied()).collect();
         Ok(Dealer {
@@ -717,6 +748,35 @@ mod tests {
         assert!(other.replay(&wrong).expect_err("another grant").contains("dealt grant"));
         assert_eq!(format!("{other:?}"), format!("{:?}", restore()));
         assert_eq!(DealerOp::parse("deal 4 1 -"), None, "a torn line");
+    }
+
+    #[test]
+    fn a_second_restore_from_the_same_checkpoint_replays_both_lives() {
+        let floor = |life: u64| DealerConfig { grant_floor: life << 32, ..files(8) };
+        let mut first = Dealer::new(floor(1));
+        let (a, _) = first.deal(0, None);
+        let mut w = Writer::reusing(Vec::new(), 0);
+        first.write_to(&mut w);
+        first.set_journaling(true);
+        first.deal(0, a.map(|s| s.grant));
+        let mut journal = first.take_journal();
+        // Second life: restored from the checkpoint, the journal replayed, grants from its own floor.
+        let restore = |life: u64| Dealer::read_from(floor(life), &mut Reader::new(&w.buf).expect("h")).expect("r");
+        let mut second = restore(2);
+        assert_eq!(second.replay(&journal), Ok(1));
+        second.set_journaling(true);
+        second.raise_grant_floor();
+        second.give_back_all();
+        let (c, _) = second.deal(1, None);
+        assert_eq!(c.expect("c").grant, 2 << 32, "the second life numbers from its floor");
+        journal.extend(second.take_journal());
+        // Killed before its first checkpoint: the third life restores the same checkpoint and replays both.
+        let mut third = restore(3);
+        assert_eq!(third.replay(&journal), Ok(journal.len() as u64), "{journal:?}");
+        let same = Dealer { cfg: third.cfg.clone(), journaling: false, ..second.clone() };
+        assert_eq!(format!("{third:?}"), format!("{same:?}"), "the state of the second life, its settings apart");
+        third.raise_grant_floor();
+        assert_eq!(third.deal(2, None).0.expect("d").grant, 3 << 32);
     }
 
     #[test]

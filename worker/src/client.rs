@@ -1608,33 +1608,46 @@ impl Client {
     }
 
     /// [`Self::next_split`], but while nothing is left to deal and splits are still on loan to others, in
-    /// async and gba (where a worker that pushes nothing holds nobody up) it asks again every 100 ms rather
-    /// than answering "done": a split given back when its holder dies (its lease expires) is then trained
-    /// by someone. In sync and ssp waiting would hold the others' steps: the worker is done at once, and such
-    /// a split stays undealt (reported as `splits_pending`).
+    /// async (where a worker that pushes nothing holds nobody up, and counts in no step) it asks again —
+    /// after 100 ms, then backing off to 1 s — rather than answering "done": a split given back when its
+    /// holder dies (its lease expires) is then trained by someone. It gives up, done, once nothing changed
+    /// at the dealer (splits finished, loans) for three leases: a holder that keeps its lease but never
+    /// finishes cannot keep everyone waiting. In sync, gba and ssp waiting would hold the others' steps or
+    /// count in them: the worker is done at once, and such a split stays undealt (`splits_pending`).
     pub async fn next_split_waiting(
         &self,
         finished: Option<u64>,
     ) -> Result<gaps_common::wire::SplitGrant, ClientError> {
         let mut grant = self.next_split(finished).await?;
         let mut accepted = grant.finished_accepted;
-        while grant.split.is_none() && self.idle_holds_nobody() && self.dealer_unfinished().await? {
-            tokio::time::sleep(Duration::from_millis(100)).await;
+        let patience = Duration::from_millis(3 * u64::from(self.inner.map.lease_ms));
+        let (mut pause, mut seen, mut since) = (Duration::from_millis(100), None, Instant::now());
+        while grant.split.is_none() && self.idle_holds_nobody() {
+            let Some(dealer) = self.dealer_unfinished().await? else { break };
+            let now = Some((dealer.splits_done, dealer.leased.iter().map(|l| l.grant).collect::<Vec<_>>()));
+            if now != seen {
+                (seen, since) = (now, Instant::now());
+            } else if since.elapsed() > patience {
+                warn!("nothing changed at the dealer for three leases while others hold splits: done");
+                break;
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_secs(1));
             grant = self.next_split(None).await?;
             accepted |= grant.finished_accepted;
         }
         Ok(gaps_common::wire::SplitGrant { finished_accepted: accepted, ..grant })
     }
 
-    /// True while the cluster runs a mode in which a worker that pushes nothing for a while holds nobody up
-    /// (async or gba, also under auto: mode codes 0 and 2).
+    /// True while the cluster runs async (mode code 0): a worker that pushes nothing for a while holds
+    /// nobody up and counts in no step.
     pub fn idle_holds_nobody(&self) -> bool {
-        self.inner.decisions().is_some_and(|d| matches!(d.latest.mode, 0 | 2))
+        self.inner.decisions().is_some_and(|d| d.latest.mode == 0)
     }
 
-    /// Whether the coordinator's dealer has splits left to finish (on loan to a worker, or to deal again
-    /// should its holder die), though it dealt this worker none: then the worker may be needed still.
-    pub async fn dealer_unfinished(&self) -> Result<bool, ClientError> {
+    /// The coordinator's dealer when it has splits left to finish (on loan to a worker, or to deal again
+    /// should its holder die) though it dealt this worker none; None when every split is finished.
+    pub async fn dealer_unfinished(&self) -> Result<Option<gaps_common::wire::DealerStatus>, ClientError> {
         // No grant is above u64::MAX: the page holds the dealer's state alone.
         let request = Message::DataStatusRequest(gaps_common::wire::DataStatusRequest { after_grant: u64::MAX });
         let page = self
@@ -1643,7 +1656,7 @@ impl Client {
                 _ => None,
             })
             .await?;
-        Ok(page.dealer.is_some_and(|d| !d.finished))
+        Ok(page.dealer.filter(|d| !d.finished))
     }
 
     /// Every shard's per-grant sample counts and the coordinator's dealer state (every page), index order.

@@ -464,7 +464,7 @@ impl ShardCore {
             hyper,
             scalars,
         };
-        work.apply(1).map_err(|e| ShardError::Device(e.to_string()))?;
+        work.apply(self.threads).map_err(|e| ShardError::Device(e.to_string()))?;
         let values = if layout.lookahead {
             let mut out = Vec::with_capacity(n);
             gaps_kernels::pull_values(rule, &hyper, lr, workers, &params, &shared, &mut out);

@@ -43,6 +43,8 @@ impl ShardCore {
     /// lease).
     pub(super) fn membership_changed(&mut self, events: &mut Vec<CoreEvent>) {
         let live = self.leases.len() as u32;
+        // The step's K, the worker count and the ramp may have changed: reads ahead are computed again.
+        self.ahead_values.clear();
         let ramped = self.ramp.set_workers(live, self.global_step, self.cfg.modes.lr_ramp_steps);
         if ramped && matches!(self.active, Mode::Sync | Mode::Gba) {
             events.push(CoreEvent::LrRamp { workers: live, target: self.ramp.target() });

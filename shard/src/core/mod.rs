@@ -878,6 +878,7 @@ impl ShardCore {
             None => Arc::make_mut(&mut self.slots[slot].params).copy_from_slice(values),
             Some(r) => r.load_params(slot, values).map_err(|e| ShardError::Device(e.to_string()))?,
         }
+        self.ahead_values.remove(&slot);
         Ok(())
     }
 
