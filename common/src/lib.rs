@@ -7,13 +7,17 @@
 //! - [`rng`]: a small, seedable, bit-reproducible random number generator.
 //! - [`dtype`]: the 16-bit wire formats (bfloat16, IEEE half) and their conversions.
 //! - [`buffers`]: a bounded recycler for very large `f32` buffers (payloads of many-MiB tensors).
+//! - [`identity`]: who a certificate says its holder is (its SPIFFE URI name, its validity), read by a small
+//!   DER reader with no dependency, fuzzed (`fuzz/fuzz_targets/identity.rs`).
 //!
 //! Architecture invariant: this crate has no async runtime and no networking; `cargo tree -p gaps-common`
-//! shows neither tokio nor quinn, nor TLS: certificates live in `gaps-transport`.
+//! shows neither tokio nor quinn, nor TLS: certificates are made and verified in `gaps-transport` (only the
+//! name a verified certificate carries is read here).
 
 pub mod buffers;
 pub mod config;
 pub mod dtype;
+pub mod identity;
 pub mod layout;
 pub mod layout_file;
 pub mod rng;

@@ -2,9 +2,10 @@
 //! regression test (`shard/tests/fuzz_regressions.rs`) replays over the committed corpus. Only std,
 //! gaps-common, gaps-kernels and gaps-shard are used here, so the test can include this file as a module.
 //!
-//! Both drivers panic (which libFuzzer reports as a crash) only when an invariant breaks: the decoder or the
-//! core panicked, a reply cannot be encoded, a decoded frame does not re-encode to itself, the push books do
-//! not balance, or a checkpoint does not restore to the same state.
+//! The drivers panic (which libFuzzer reports as a crash) only when an invariant breaks: the decoder, the
+//! certificate reader or the core panicked, an identity does not read back from its own URI, a reply
+//! cannot be encoded, a decoded frame does not re-encode to itself, the push books do not balance, or a
+//! checkpoint does not restore to the same state.
 
 use gaps_common::dtype::WireDtype;
 use gaps_common::layout::{ChunkId, Layout, SparseSpec, TensorSpec};
@@ -67,6 +68,27 @@ impl<'a> Choices<'a> {
 
     fn is_empty(&self) -> bool {
         self.data.is_empty()
+    }
+}
+
+/// Certificate identity (`gaps_common::identity`, on the path of every connection's authorization): any
+/// bytes give an identity, a validity period or a typed error, never a panic; an identity found is named by
+/// one of the certificate's URIs, reads back the same from its own URI, and carries only valid names.
+pub fn identity(data: &[u8]) {
+    use gaps_common::identity::{identity_of, is_valid_name, san_uris, validity, PeerIdentity, Role};
+    let uris = san_uris(data);
+    if let Ok(id) = identity_of(data) {
+        let uris = uris.expect("an identity is read from the certificate's URIs");
+        assert!(uris.iter().any(|u| PeerIdentity::from_uri(u).as_ref() == Some(&id)), "{id} from {uris:?}");
+        assert_eq!(PeerIdentity::from_uri(&id.uri()).as_ref(), Some(&id), "{id} reads back");
+        assert!(is_valid_name(&id.cluster), "{id}");
+        if let Role::Worker(name) = &id.role {
+            assert!(is_valid_name(name), "{id}");
+        }
+    }
+    if let Ok((from, to)) = validity(data) {
+        // Any order is a period the caller refuses or accepts; only the arithmetic must hold.
+        let _ = to.checked_sub(from);
     }
 }
 

@@ -42,6 +42,11 @@ fn frame_decoder_corpus_and_regressions() {
 }
 
 #[test]
+fn identity_corpus_and_regressions() {
+    replay("identity", drivers::identity);
+}
+
+#[test]
 fn shard_core_corpus_and_regressions_reach_deep_into_the_core() {
     let stats = replay("shard_core", drivers::shard_core);
     // The corpus is worth replaying only if it gets past validation: pushes applied and refused, sparse

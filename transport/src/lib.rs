@@ -6,7 +6,8 @@
 //! Servers and workers both build on this crate; neither depends on the other.
 
 pub mod config_file;
-pub mod identity;
+/// Who a certificate says its holder is: [`gaps_common::identity`] (kept here under its old path).
+pub use gaps_common::identity;
 pub mod net;
 pub mod tls;
 

@@ -251,7 +251,7 @@ mod tests {
 
     #[test]
     fn garbage_is_an_error_not_a_panic() {
-        let mut rng = gaps_common::rng::Rng::new(3);
+        let mut rng = crate::rng::Rng::new(3);
         for len in 0..200 {
             let bytes: Vec<u8> = (0..len).map(|_| rng.below(256) as u8).collect();
             let _ = identity_of(&bytes);
