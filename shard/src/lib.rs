@@ -14,6 +14,7 @@ pub mod checkpoint;
 pub mod core;
 pub mod dealer;
 pub mod modes;
+pub mod replica;
 pub mod sparse;
 pub mod stripes;
 

@@ -1,0 +1,282 @@
+//! The premise of replicated shards (docs/replication.md): a backup core that handles only the primary's
+//! log — the requests that change state (`gaps_shard::replica::changes_state`) and the ticks, in order, at
+//! the primary's clock, each entry encoded and decoded on the way — answers every logged request as the
+//! primary did and ends holding the same state, in every mode: parameters and optimizer state (bit for bit),
+//! embedding rows and their versions, exactly-once windows and ledgers, the step in progress, leases,
+//! counters (apart from the primary's own read counters).
+
+use gaps_common::layout::{sparse_owner, ChunkId, Layout, SparseSpec, TensorSpec};
+use gaps_common::rng::Rng;
+use gaps_common::wire::{
+    ids_to_words, Frame, Heartbeat, Leave, Limits, Message, Pull, Push, PushChunk, Register, Role, SparsePull,
+    SparsePush, StatsRequest, TableScan, PROTOCOL_VERSION,
+};
+use gaps_kernels::{Hyper, Rule};
+use gaps_shard::modes::{Mode, ModeConfig};
+use gaps_shard::replica::{changes_state, Entry, LogEntry};
+use gaps_shard::{Init, ShardConfig, ShardCore, SparseSettings};
+use std::time::Duration;
+
+const EPOCH: u64 = 1;
+const DIM: u32 = 4;
+
+fn config(mode: Mode) -> ShardConfig {
+    let mut adam = TensorSpec::new("b", 20);
+    adam.rule.rule = Some("adam".into());
+    ShardConfig {
+        shard: 0,
+        num_shards: 1,
+        layout: Layout::with_tables(vec![TensorSpec::new("w", 40), adam], 16, vec![SparseSpec::new("emb", DIM)])
+            .expect("layout"),
+        rule: Rule::Momentum,
+        hyper: Hyper { lr: 0.05, momentum: 0.9, ..Hyper::default() },
+        init: Init { seed: 5, std: 0.1 },
+        lease: Duration::from_millis(800),
+        advertise: "primary:1".into(),
+        epoch: EPOCH,
+        threads: 1,
+        sparse: SparseSettings { init_std: 0.05, ..SparseSettings::default() },
+        modes: ModeConfig { mode, gba_threshold: 2, ssp_bound: 2, ..ModeConfig::default() },
+    }
+}
+
+/// The primary, its backup, and the log between them.
+struct Pair {
+    primary: ShardCore,
+    backup: ShardCore,
+    index: u64,
+    logged: u64,
+    handled: u64,
+}
+
+impl Pair {
+    fn handle(&mut self, frame: Frame, now: Duration) -> Frame {
+        self.handled += 1;
+        let logged = changes_state(&frame.msg);
+        let entry = logged
+            .then(|| LogEntry { index: self.index + 1, entry: Entry::Request { now, frame: Box::new(frame.clone()) } });
+        let (reply, events) = self.primary.handle(frame, now);
+        if let Some(entry) = entry {
+            let (backup_reply, backup_events) = self.ship(entry).expect("a request entry");
+            assert_eq!(backup_reply, reply, "the backup answers a logged request as the primary did");
+            assert_eq!(backup_events, events);
+        }
+        reply
+    }
+
+    fn tick(&mut self, now: Duration) {
+        let events = self.primary.tick(now);
+        assert!(self.ship(LogEntry { index: self.index + 1, entry: Entry::Tick { now } }).is_none());
+        let _ = events;
+    }
+
+    /// Encodes, decodes and applies an entry on the backup; the reply for a request.
+    fn ship(&mut self, entry: LogEntry) -> Option<(Frame, Vec<gaps_shard::CoreEvent>)> {
+        let bytes = entry.encode().expect("encodes");
+        let back = LogEntry::decode(&bytes, &Limits::default()).expect("decodes");
+        // (Bytes, not values: a NaN gradient is not equal to itself.)
+        assert_eq!(back.encode().expect("re-encodes"), bytes, "an entry reads back as written");
+        assert_eq!(back.index, self.index + 1, "in order");
+        self.index = back.index;
+        self.logged += 1;
+        match back.entry {
+            Entry::Request { now, frame } => Some(self.backup.handle(*frame, now)),
+            Entry::Tick { now } => {
+                self.backup.tick(now);
+                None
+            }
+        }
+    }
+}
+
+fn rows_of(core: &mut ShardCore) -> Frame {
+    let (reply, _) = core.handle(
+        Frame::new(Message::TableScan(TableScan { epoch: EPOCH, table: 0, cursor: 0, max_rows: 1 << 16 })),
+        Duration::ZERO,
+    );
+    reply
+}
+
+/// A random workload of four workers: registrations, dense and sparse pulls and pushes (some stale, some
+/// repeated, some malformed), heartbeats, a worker leaving and joining again, reads, ticks.
+fn workload(pair: &mut Pair, seed: u64) {
+    let mut rng = Rng::new(seed);
+    let mut now_ms = 0u64;
+    let mut seqs = [0u64; 6];
+    let register = |pair: &mut Pair, now: Duration| {
+        let reg = Message::Register(Register { protocol: PROTOCOL_VERSION, role: Role::Worker, name: "w".into() });
+        pair.handle(Frame::new(reg), now);
+    };
+    for _ in 0..4 {
+        register(pair, Duration::ZERO);
+    }
+    let layout = pair.primary.config().layout.clone();
+    let chunks: Vec<ChunkId> = layout.chunks().collect();
+    let mut alive = [true, true, true, true, false, false];
+    for round in 0..60u64 {
+        now_ms += 5 + rng.below(40);
+        let now = Duration::from_millis(now_ms);
+        for w in 0..6u32 {
+            if !alive[w as usize] || rng.below(5) == 0 {
+                continue;
+            }
+            // Rows of this worker's batch.
+            let ids: Vec<u64> = {
+                let mut ids: Vec<u64> =
+                    (0..6).map(|_| rng.below(40)).filter(|id| sparse_owner(0, *id, 1) == 0).collect();
+                ids.sort_unstable();
+                ids.dedup();
+                ids
+            };
+            let mut words = Vec::new();
+            ids_to_words(&ids, &mut words);
+            let pulled = pair.handle(
+                Frame {
+                    msg: Message::SparsePull(SparsePull {
+                        epoch: EPOCH,
+                        table: 0,
+                        count: ids.len() as u32,
+                        create: true,
+                    }),
+                    payload: words.clone(),
+                },
+                now,
+            );
+            let versions: Vec<u32> = pulled.payload[..ids.len()].iter().map(|v| v.to_bits()).collect();
+            // A read that creates nothing, and a dense pull: not logged.
+            pair.handle(
+                Frame {
+                    msg: Message::SparsePull(SparsePull {
+                        epoch: EPOCH,
+                        table: 0,
+                        count: ids.len() as u32,
+                        create: false,
+                    }),
+                    payload: words.clone(),
+                },
+                now,
+            );
+            let dense = pair.handle(Frame::new(Message::Pull(Pull { epoch: EPOCH, chunks: chunks.clone() })), now);
+            let Message::PullReply(reply) = dense.msg else { panic!("pull: {:?}", dense.msg) };
+            seqs[w as usize] += 1;
+            let mut payload = words;
+            payload.extend(versions.iter().map(|v| f32::from_bits(*v)));
+            payload.extend((0..ids.len() * DIM as usize).map(|_| (rng.uniform() as f32 - 0.5) * 0.2));
+            let push = Message::SparsePush(SparsePush {
+                epoch: EPOCH,
+                worker: w,
+                seq: seqs[w as usize],
+                table: 0,
+                count: ids.len() as u32,
+                dim: DIM,
+                echo_read: false,
+            });
+            pair.handle(Frame { msg: push, payload }, now);
+            // The dense push, on the versions read (sometimes a round late, so some are stale).
+            seqs[w as usize] += 1;
+            let stale = rng.below(6) == 0;
+            let push = Push {
+                epoch: EPOCH,
+                worker: w,
+                seq: seqs[w as usize],
+                chunks: reply
+                    .chunks
+                    .iter()
+                    .map(|c| PushChunk {
+                        id: c.id,
+                        read_version: c.version.saturating_sub(u64::from(stale)),
+                        len: c.len,
+                        echo: false,
+                        dtype: c.dtype,
+                    })
+                    .collect(),
+                compute_ms: 10 + if w == 1 && round > 20 { 60 } else { rng.below(5) as u32 },
+                step: seqs[w as usize] / 2,
+                decisions: Default::default(),
+                data: None,
+            };
+            let n: usize = reply.chunks.iter().map(|c| c.len as usize).sum();
+            let mut grads: Vec<f32> = (0..n).map(|_| (rng.uniform() as f32 - 0.5) * 0.1).collect();
+            if rng.below(40) == 0 {
+                grads[0] = f32::NAN; // refused, by both
+            }
+            let msg = if rng.below(2) == 0 { Message::Push(push.clone()) } else { Message::PushPull(push.clone()) };
+            pair.handle(Frame { msg, payload: grads.clone() }, now);
+            if rng.below(10) == 0 {
+                // Sent again (a retry): a duplicate for both.
+                pair.handle(Frame { msg: Message::Push(push), payload: grads }, now);
+            }
+            if rng.below(4) == 0 {
+                pair.handle(Frame::new(Message::Heartbeat(Heartbeat { worker: w })), now);
+            }
+        }
+        pair.handle(Frame::new(Message::StatsRequest(StatsRequest)), now);
+        if round == 25 {
+            pair.handle(Frame::new(Message::Leave(Leave { worker: 2 })), now);
+            alive[2] = false;
+            register(pair, now);
+            alive[4] = true;
+        }
+        if rng.below(3) == 0 {
+            pair.tick(now);
+        }
+    }
+    // Long enough for leases to expire.
+    pair.tick(Duration::from_millis(now_ms + 5_000));
+}
+
+#[test]
+fn a_backup_fed_the_primarys_log_holds_the_primarys_state_in_every_mode() {
+    for mode in [Mode::Async, Mode::Sync, Mode::Gba, Mode::Ssp, Mode::Auto] {
+        for seed in 1..=3 {
+            let mut pair = Pair {
+                primary: ShardCore::new(config(mode)).expect("primary"),
+                backup: ShardCore::new(config(mode)).expect("backup"),
+                index: 0,
+                logged: 0,
+                handled: 0,
+            };
+            workload(&mut pair, seed);
+            let what = format!("{mode}, seed {seed}");
+            let layout = pair.primary.config().layout.clone();
+            for id in layout.chunks() {
+                let bits =
+                    |c: &ShardCore| c.chunk_values(id).expect("chunk").iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&pair.primary), bits(&pair.backup), "{what}: chunk {id:?}");
+            }
+            assert_eq!(rows_of(&mut pair.primary), rows_of(&mut pair.backup), "{what}: the table's rows");
+            // The primary's own read counters aside, every counter agrees (pushes, duplicates, refusals,
+            // staleness, steps, the per-worker ledgers, live workers, the mode).
+            let counters = |c: &ShardCore| gaps_common::wire::Stats {
+                pulls: 0,
+                payload_bytes_in: 0,
+                payload_bytes_out: 0,
+                ..c.stats()
+            };
+            assert_eq!(counters(&pair.primary), counters(&pair.backup), "{what}: counters");
+            assert!(pair.primary.stats().pushes_applied > 100, "{what}: {:?}", pair.primary.stats());
+            // Reads (a third of the requests) went to the primary alone.
+            assert!(pair.handled > pair.logged + pair.primary.stats().pulls / 2, "{what}: reads were logged");
+        }
+    }
+}
+
+#[test]
+fn reads_are_not_logged_and_a_bad_entry_is_a_typed_error() {
+    assert!(!changes_state(&Message::Pull(Pull { epoch: EPOCH, chunks: vec![] })));
+    assert!(!changes_state(&Message::SparsePull(SparsePull { epoch: EPOCH, table: 0, count: 0, create: false })));
+    assert!(changes_state(&Message::SparsePull(SparsePull { epoch: EPOCH, table: 0, count: 0, create: true })));
+    assert!(changes_state(&Message::Heartbeat(Heartbeat { worker: 0 })));
+    let tick = LogEntry { index: 7, entry: Entry::Tick { now: Duration::from_millis(1234) } };
+    let bytes = tick.encode().expect("encode");
+    assert_eq!(LogEntry::decode(&bytes, &Limits::default()), Ok(tick));
+    for cut in 0..bytes.len() {
+        assert!(LogEntry::decode(&bytes[..cut], &Limits::default()).is_err(), "cut at {cut}");
+    }
+    let mut unknown = bytes.clone();
+    unknown[16] = 9;
+    assert!(LogEntry::decode(&unknown, &Limits::default()).is_err());
+    let mut trailing = bytes;
+    trailing.push(0);
+    assert!(LogEntry::decode(&trailing, &Limits::default()).is_err());
+}
