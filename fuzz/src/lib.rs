@@ -93,14 +93,30 @@ pub fn identity(data: &[u8]) {
 }
 
 /// Frame decoder: any bytes decode to a frame or a typed error, and a decoded frame re-encodes to bytes
-/// that decode to the same frame.
+/// that decode to the same frame; read as a replication log entry, the same holds.
 pub fn frame_decoder(data: &[u8]) {
+    log_entry(data);
+    // A frame behind a log entry's prefix, so that the entry reader sees real frames too.
+    if data.len() > 17 {
+        log_entry(&[&[1, 0, 0, 0, 0, 0, 0, 0, 7, 0, 0, 0, 0, 0, 0, 0, 1][..], data].concat());
+    }
     let limits = limits();
     let Ok(frame) = wire::decode_frame(data, &limits) else { return };
     let once = wire::encode_frame(&frame).expect("a decoded frame re-encodes");
     let again = wire::decode_frame(&once, &limits).expect("a re-encoded frame decodes");
     let twice = wire::encode_frame(&again).expect("a re-encoded frame re-encodes");
     assert_eq!(once, twice, "decode ∘ encode is not stable for {frame:?}");
+}
+
+/// The same bytes read as a replication log entry (`gaps_shard::replica::LogEntry`, a frame behind an index,
+/// a clock and a kind): a typed error or an entry that re-encodes to bytes reading back the same.
+fn log_entry(data: &[u8]) {
+    use gaps_shard::replica::LogEntry;
+    let limits = limits();
+    let Ok(entry) = LogEntry::decode(data, &limits) else { return };
+    let once = entry.encode().expect("a decoded entry re-encodes");
+    let again = LogEntry::decode(&once, &limits).expect("a re-encoded entry decodes");
+    assert_eq!(again.encode().expect("re-encodes"), once, "decode ∘ encode is not stable for an entry");
 }
 
 const RULES: [Rule; 8] = [
