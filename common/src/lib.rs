@@ -8,7 +8,7 @@
 //! - [`dtype`]: the 16-bit wire formats (bfloat16, IEEE half) and their conversions.
 //! - [`buffers`]: a bounded recycler for very large `f32` buffers (payloads of many-MiB tensors).
 //! - [`identity`]: who a certificate says its holder is (its SPIFFE URI name, its validity), read by a small
-//!   DER reader with no dependency, fuzzed (`fuzz/fuzz_targets/identity.rs`).
+//!   DER reader on std alone (thiserror for its error), fuzzed (`fuzz/fuzz_targets/identity.rs`).
 //!
 //! Architecture invariant: this crate has no async runtime and no networking; `cargo tree -p gaps-common`
 //! shows neither tokio nor quinn, nor TLS: certificates are made and verified in `gaps-transport` (only the

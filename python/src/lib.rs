@@ -89,21 +89,29 @@ fn block<T: Send>(
     out
 }
 
-/// Notified every [`SIGNAL_CHECK`] by a thread started on first use (it only sleeps and notifies).
+/// Notified every [`SIGNAL_CHECK`] by a thread started on first use in this process (it only sleeps and
+/// notifies). A child made by `fork` has no such thread (threads do not survive a fork) and may have copied
+/// the notifier mid-notification: it starts its own thread with a fresh notifier.
 fn signal_ticks() -> &'static tokio::sync::Notify {
-    static TICKS: std::sync::OnceLock<&'static tokio::sync::Notify> = std::sync::OnceLock::new();
-    TICKS.get_or_init(|| {
-        let ticks: &'static tokio::sync::Notify = Box::leak(Box::new(tokio::sync::Notify::new()));
-        let spawned = std::thread::Builder::new().name("gaps-signal-ticks".into()).spawn(move || loop {
-            std::thread::sleep(SIGNAL_CHECK);
-            ticks.notify_waiters();
-        });
-        if let Err(e) = spawned {
-            // No ticks: calls still finish, only Ctrl-C waits for them.
-            eprintln!("gaps: no signal-check thread ({e}); Ctrl-C takes effect when a call returns");
+    static TICKS: std::sync::Mutex<Option<(u32, &'static tokio::sync::Notify)>> = std::sync::Mutex::new(None);
+    let pid = std::process::id();
+    let mut ticks = TICKS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some((owner, notify)) = *ticks {
+        if owner == pid {
+            return notify;
         }
-        ticks
-    })
+    }
+    let notify: &'static tokio::sync::Notify = Box::leak(Box::new(tokio::sync::Notify::new()));
+    let spawned = std::thread::Builder::new().name("gaps-signal-ticks".into()).spawn(move || loop {
+        std::thread::sleep(SIGNAL_CHECK);
+        notify.notify_waiters();
+    });
+    if let Err(e) = spawned {
+        // No ticks: calls still finish, only Ctrl-C waits for them.
+        eprintln!("gaps: no signal-check thread ({e}); Ctrl-C takes effect when a call returns");
+    }
+    *ticks = Some((pid, notify));
+    notify
 }
 
 /// One float32 bytes object per dense tensor of `client`'s layout (layout order) as floats, each checked

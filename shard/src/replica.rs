@@ -10,20 +10,32 @@
 use gaps_common::wire::{self, Frame, Limits, Message, WireError};
 use std::time::Duration;
 
-/// Whether handling `msg` can change what a backup must hold. False only for reads: dense pulls, sparse
-/// pulls that create nothing (`create = false`: an unseen row reads as its initial value and nothing is
-/// kept), stats and step waits, data status and table pages. Everything else is logged — a request the
-/// core refuses included (the backup refuses it the same way, counters and all). Reads still move the
-/// primary's own read counters (`Stats::pulls`, bytes in and out), which are not replicated.
+/// Whether handling `msg` can change what a backup must hold: pushes (a striped push's parts are put
+/// together by the service, which logs the whole push; a part reaches the core only as a duplicate, which
+/// the backup answers the same way and counts), sparse pushes, sparse pulls that
+/// create rows, registrations, heartbeats, departures, split requests, initial values and table loads — a
+/// request of these kinds the core refuses included (the backup refuses it the same way, counters and all).
+/// Everything else is not logged: reads (dense pulls, sparse pulls with `create = false`, stats and step
+/// waits, data status, table pages), whose only trace is the primary's own read counters (`Stats::pulls`,
+/// bytes in and out); the kinds the service handles itself and the core refuses unchanged (checkpoints,
+/// rollbacks, authentication); and replies. State changed outside `ShardCore::handle` and
+/// `tick` — joining the cluster, the dealer's settings, a rollback that replaces the core — reaches a backup
+/// through a snapshot instead (docs/replication.md).
 pub fn changes_state(msg: &Message) -> bool {
     match msg {
-        Message::Pull(_)
-        | Message::StatsRequest(_)
-        | Message::WaitStep(_)
-        | Message::DataStatusRequest(_)
-        | Message::TableScan(_) => false,
+        Message::Push(_)
+        | Message::PushPull(_)
+        | Message::PushPart(_)
+        | Message::SparsePush(_)
+        | Message::Register(_)
+        | Message::RegisterShard(_)
+        | Message::Heartbeat(_)
+        | Message::Leave(_)
+        | Message::SplitRequest(_)
+        | Message::Initialize(_)
+        | Message::TableLoad(_) => true,
         Message::SparsePull(p) => p.create,
-        _ => true,
+        _ => false,
     }
 }
 

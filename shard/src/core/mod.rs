@@ -652,6 +652,15 @@ impl ShardCore {
         self.global_step >= wait.step && self.min_clock() >= wait.clock
     }
 
+    /// Zeroes the counters that reads move (`pulls`, bytes in and out): what a primary's state differs from a
+    /// backup's by, which handles only the primary's log (`crate::replica`; tests compare checkpoints).
+    #[doc(hidden)]
+    pub fn forget_read_counters(&mut self) {
+        self.stats.pulls = 0;
+        self.stats.payload_bytes_in = 0;
+        self.stats.payload_bytes_out = 0;
+    }
+
     /// Counters since start.
     pub fn stats(&self) -> Stats {
         let mut s = self.stats.clone();
