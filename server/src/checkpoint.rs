@@ -33,7 +33,9 @@ pub struct Found {
     pub bytes: Vec<u8>,
 }
 
-fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+/// Writes `bytes` to `path` through a temporary file renamed over it (flushed first); a failed write leaves
+/// no temporary file behind.
+pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
     let tmp = path.with_extension("tmp");
     let written = (|| {
         let mut f = File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;

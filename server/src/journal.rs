@@ -48,34 +48,28 @@ pub fn read(dir: &Path, fingerprint: u64) -> Result<Vec<DealerOp>, String> {
     Ok(lines.map_while(DealerOp::parse).collect())
 }
 
-/// Writes a new journal of `changes` for the cut `fingerprint` in `dir` (a temporary file renamed over the
-/// old one), and returns it open for appending.
-pub fn rewrite(dir: &Path, fingerprint: u64, changes: &[DealerOp]) -> std::io::Result<std::fs::File> {
-    let path = path(dir);
-    let tmp = dir.join(format!("{FILE}.tmp"));
-    let mut text = header(fingerprint);
-    text.push('\n');
-    for c in changes {
-        text.push_str(&c.to_line());
-        text.push('\n');
-    }
-    {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(text.as_bytes())?;
-        f.sync_all()?;
-    }
-    std::fs::rename(&tmp, &path)?;
-    std::fs::OpenOptions::new().append(true).open(&path)
-}
-
-/// Appends `changes` to an open journal (one write).
-pub fn append(file: &mut std::fs::File, changes: &[DealerOp]) -> std::io::Result<()> {
+/// `changes` as journal lines, each ended by a newline.
+fn lines(changes: &[DealerOp]) -> String {
     let mut text = String::with_capacity(32 * changes.len());
     for c in changes {
         text.push_str(&c.to_line());
         text.push('\n');
     }
-    file.write_all(text.as_bytes())
+    text
+}
+
+/// Writes a new journal of `changes` for the cut `fingerprint` in `dir` (a temporary file renamed over the
+/// old one), and returns it open for appending.
+pub fn rewrite(dir: &Path, fingerprint: u64, changes: &[DealerOp]) -> anyhow::Result<std::fs::File> {
+    let path = path(dir);
+    let text = format!("{}\n{}", header(fingerprint), lines(changes));
+    crate::checkpoint::write_atomically(&path, text.as_bytes())?;
+    Ok(std::fs::OpenOptions::new().append(true).open(&path)?)
+}
+
+/// Appends `changes` to an open journal (one write).
+pub fn append(file: &mut std::fs::File, changes: &[DealerOp]) -> std::io::Result<()> {
+    file.write_all(lines(changes).as_bytes())
 }
 
 #[cfg(test)]

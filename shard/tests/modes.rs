@@ -15,8 +15,9 @@ const EPOCH: u64 = 3;
 const LEASE_MS: u64 = 1000;
 const ID: ChunkId = ChunkId { tensor: 0, chunk: 0 };
 
-fn core(mode: Mode, workers: u32) -> ShardCore {
-    let mut core = ShardCore::new(ShardConfig {
+/// One shard of one 4-float chunk, SGD with lr 0.1, zero initial values, in `mode`.
+fn config(mode: Mode) -> ShardConfig {
+    ShardConfig {
         shard: 0,
         num_shards: 1,
         layout: Layout::new(vec![TensorSpec::new("w", 4)], 4).expect("layout"),
@@ -29,13 +30,21 @@ fn core(mode: Mode, workers: u32) -> ShardCore {
         threads: 1,
         sparse: SparseSettings::default(),
         modes: ModeConfig { mode, gba_threshold: 1, ssp_bound: 1, ..ModeConfig::default() },
-    })
-    .expect("core");
+    }
+}
+
+/// A core of `cfg` with `workers` workers registered (ids 0, 1, …).
+fn with_workers(cfg: ShardConfig, workers: u32) -> ShardCore {
+    let mut core = ShardCore::new(cfg).expect("core");
     for _ in 0..workers {
         let reg = Message::Register(Register { protocol: PROTOCOL_VERSION, role: Role::Worker, name: "w".into() });
         core.handle(Frame::new(reg), Duration::ZERO);
     }
     core
+}
+
+fn core(mode: Mode, workers: u32) -> ShardCore {
+    with_workers(config(mode), workers)
 }
 
 fn ms(t: u64) -> Duration {
@@ -309,31 +318,14 @@ fn gba_core_with_table(lookahead: bool) -> ShardCore {
     use gaps_common::layout::SparseSpec;
     let layout =
         Layout::with_tables(vec![TensorSpec::new("w", 4)], 4, vec![SparseSpec::new("emb", 2)]).expect("layout");
-    let mut core = ShardCore::new(ShardConfig {
-        shard: 0,
-        num_shards: 1,
-        layout,
+    let sparse = SparseSettings {
         rule: Rule::Sgd,
-        hyper: Hyper { lr: 0.1, momentum: 0.0, ..Hyper::default() },
-        init: Init { seed: 1, std: 0.0 },
-        lease: Duration::from_millis(LEASE_MS),
-        advertise: "x:1".into(),
-        epoch: EPOCH,
-        threads: 1,
-        sparse: SparseSettings {
-            rule: Rule::Sgd,
-            hyper: Hyper { lr: 0.5, momentum: 0.0, ..Hyper::default() },
-            init_std: 0.1,
-            ..SparseSettings::default()
-        },
-        modes: ModeConfig { mode: Mode::Gba, gba_lookahead: lookahead, ..ModeConfig::default() },
-    })
-    .expect("core");
-    for _ in 0..2 {
-        let reg = Message::Register(Register { protocol: PROTOCOL_VERSION, role: Role::Worker, name: "w".into() });
-        core.handle(Frame::new(reg), Duration::ZERO);
-    }
-    core
+        hyper: Hyper { lr: 0.5, momentum: 0.0, ..Hyper::default() },
+        init_std: 0.1,
+        ..SparseSettings::default()
+    };
+    let modes = ModeConfig { mode: Mode::Gba, gba_lookahead: lookahead, ..ModeConfig::default() };
+    with_workers(ShardConfig { layout, sparse, modes, ..config(Mode::Gba) }, 2)
 }
 
 /// Pulls the dense chunk: (version, values).
@@ -418,30 +410,14 @@ fn the_read_ahead_leaves_the_applied_state_bit_identical() {
         let mut cores: Vec<ShardCore> = [true, false]
             .into_iter()
             .map(|lookahead| {
-                let mut core = ShardCore::new(ShardConfig {
-                    shard: 0,
-                    num_shards: 1,
-                    layout: Layout::new(vec![TensorSpec::new("w", 4)], 4).expect("layout"),
+                let cfg = ShardConfig {
                     rule,
                     hyper: Hyper { lr: 0.1, momentum: 0.9, ..Hyper::default() },
                     init: Init { seed: 1, std: 0.1 },
-                    lease: Duration::from_millis(LEASE_MS),
-                    advertise: "x:1".into(),
-                    epoch: EPOCH,
-                    threads: 1,
-                    sparse: SparseSettings::default(),
                     modes: ModeConfig { mode: Mode::Gba, gba_lookahead: lookahead, ..ModeConfig::default() },
-                })
-                .expect("core");
-                for _ in 0..3 {
-                    let reg = Message::Register(Register {
-                        protocol: PROTOCOL_VERSION,
-                        role: Role::Worker,
-                        name: "w".into(),
-                    });
-                    core.handle(Frame::new(reg), Duration::ZERO);
-                }
-                core
+                    ..config(Mode::Gba)
+                };
+                with_workers(cfg, 3)
             })
             .collect();
         let mut reads = [Vec::new(), Vec::new()];

@@ -127,32 +127,14 @@ fn workload(pair: &mut Pair, seed: u64) {
             };
             let mut words = Vec::new();
             ids_to_words(&ids, &mut words);
-            let pulled = pair.handle(
-                Frame {
-                    msg: Message::SparsePull(SparsePull {
-                        epoch: EPOCH,
-                        table: 0,
-                        count: ids.len() as u32,
-                        create: true,
-                    }),
-                    payload: words.clone(),
-                },
-                now,
-            );
+            let sparse_pull = |create: bool| Frame {
+                msg: Message::SparsePull(SparsePull { epoch: EPOCH, table: 0, count: ids.len() as u32, create }),
+                payload: words.clone(),
+            };
+            let pulled = pair.handle(sparse_pull(true), now);
             let versions: Vec<u32> = pulled.payload[..ids.len()].iter().map(|v| v.to_bits()).collect();
             // A read that creates nothing, and a dense pull: not logged.
-            pair.handle(
-                Frame {
-                    msg: Message::SparsePull(SparsePull {
-                        epoch: EPOCH,
-                        table: 0,
-                        count: ids.len() as u32,
-                        create: false,
-                    }),
-                    payload: words.clone(),
-                },
-                now,
-            );
+            pair.handle(sparse_pull(false), now);
             let dense = pair.handle(Frame::new(Message::Pull(Pull { epoch: EPOCH, chunks: chunks.clone() })), now);
             let Message::PullReply(reply) = dense.msg else { panic!("pull: {:?}", dense.msg) };
             seqs[w as usize] += 1;

@@ -385,9 +385,9 @@ impl ShardCore {
         Ok(())
     }
 
-    /// gba with `gba_lookahead`: whether pulls read the step in progress (CPU-held state only).
+    /// Whether dense pulls read the step in progress ([`ShardCore::gba_reads_ahead`], CPU-held state only).
     pub(super) fn reads_step_ahead(&self) -> bool {
-        self.active == Mode::Gba && self.cfg.modes.gba_lookahead && self.resident.is_none()
+        self.gba_reads_ahead() && self.resident.is_none()
     }
 
     /// A pull while the gba step in progress has gradients for some of the chunks: those chunks are read as
@@ -440,7 +440,7 @@ impl ShardCore {
         let t = slot.tensor as usize;
         let (rule, hyper) = self.tensor_rules[t];
         let layout = rule.layout();
-        let k = self.leases.len().max(1) as f32;
+        let k = self.gba_k() as f32;
         let grad: Vec<f32> = self.accum[index].iter().map(|g| g / k).collect();
         let mut params = (*slot.params).clone();
         let mut shared = slot.shared.clone();

@@ -31,7 +31,7 @@ impl ShardCore {
         } else {
             table.peek(&ids, &mut values, &mut versions);
         }
-        if self.active == Mode::Gba && self.cfg.modes.gba_lookahead && !self.row_accum[req.table as usize].is_empty() {
+        if self.gba_reads_ahead() && !self.row_accum[req.table as usize].is_empty() {
             self.rows_step_ahead(req.table as usize, &ids, &mut values)?;
         }
         let mut out = Vec::with_capacity(ids.len() * (1 + dim as usize));
@@ -101,7 +101,7 @@ impl ShardCore {
         let (_, hyper) = self.table_rules[table];
         let rows = &self.tables[table];
         let dim = rows.config().dim as usize;
-        let inv = 1.0 / self.leases.len().max(1) as f32;
+        let inv = 1.0 / self.gba_k() as f32;
         let lr = hyper.lr * self.lr_scale * self.lr_multiplier() as f32;
         let base = PushScalars { lr, lr_max: lr.max(hyper.lr), staleness: 0, t: 1, workers: self.worker_count() };
         let (mut grad, mut scratch) = (vec![0.0; dim], Vec::new());

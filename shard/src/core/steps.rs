@@ -174,9 +174,20 @@ impl ShardCore {
                 self.leases.keys().all(|w| self.contributors.contains(w))
                     || self.step_started.is_some_and(|t| self.clock.saturating_sub(t) >= self.cfg.lease)
             }
-            Mode::Gba => self.accum_pushes as usize >= self.leases.len().max(1),
+            Mode::Gba => self.accum_pushes as usize >= self.gba_k(),
             _ => false,
         }
+    }
+
+    /// GBA's K: the gradients a step takes, the live workers (the synchronous global batch).
+    pub(super) fn gba_k(&self) -> usize {
+        self.leases.len().max(1)
+    }
+
+    /// gba with `gba_lookahead`: pulls read the step in progress (dense chunks only where the state is
+    /// held by the CPU: [`ShardCore::reads_step_ahead`]).
+    pub(super) fn gba_reads_ahead(&self) -> bool {
+        self.active == Mode::Gba && self.cfg.modes.gba_lookahead
     }
 
     /// Applies the averaged accumulated gradients as one update of every chunk that received some.
