@@ -137,6 +137,10 @@ pub struct LocalArgs {
     /// `gaps-worker --lanes`).
     #[arg(long, env = "GAPS_LANES", default_value_t = gaps_worker::client::DEFAULT_LANES as u32, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub lanes: u32,
+    /// Copies of each shard's state, each on another shard process (`gaps-server --replicas`; at most
+    /// `--servers`). 1: none.
+    #[arg(long, env = "GAPS_REPLICAS", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=16))]
+    pub replicas: u32,
     /// Where the shards keep checkpoints (default: the run's folder, when checkpoints are asked for).
     #[arg(long, env = "GAPS_CHECKPOINT_DIR")]
     pub checkpoint_dir: Option<PathBuf>,
@@ -682,6 +686,12 @@ pub async fn run_with(args: &LocalArgs, exe: &Path) -> Result<LocalReport> {
     if let Some(k) = args.kill_workers.iter().find(|k| k.index >= args.workers) {
         bail!("--kill-worker names worker {}, but only {} workers start", k.index, args.workers);
     }
+    if args.replicas > args.servers {
+        bail!("--replicas {} needs at least as many shards; --servers is {}", args.replicas, args.servers);
+    }
+    if args.replicas > 1 && args.device != "cpu" {
+        bail!("--replicas keeps every copy's updates on the CPU: pass --device cpu");
+    }
     let mut shard_events = args
         .kill_shards
         .iter()
@@ -750,7 +760,11 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
         if let Some(every) = args.checkpoint_every {
             a.push(format!("--checkpoint-every={}ms", every.as_millis()));
         }
-        if shard == 0 && args.deals_data() {
+        if args.replicas > 1 {
+            a.push(format!("--replicas={}", args.replicas));
+        }
+        let copies_coordinator = shard > 0 && shard < args.replicas;
+        if (shard == 0 || copies_coordinator) && args.deals_data() {
             a.push(format!("--data={}", args.data));
             a.push(format!("--split-lines={}", args.split_lines));
             a.push(format!("--data-epochs={}", args.data_epochs()));

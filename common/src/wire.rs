@@ -21,7 +21,7 @@ use crate::layout::{ChunkId, Layout};
 use bincode::{Decode, Encode};
 
 /// Protocol version carried by registrations; a peer with another version is refused.
-pub const PROTOCOL_VERSION: u16 = 11;
+pub const PROTOCOL_VERSION: u16 = 12;
 /// Bytes before the header: the kind byte and the header length.
 pub const FRAME_PREFIX_LEN: usize = 5;
 /// Hard upper bound on an encoded header (also the bincode decode limit).
@@ -916,6 +916,81 @@ pub struct TableLoaded {
     pub kept: u32,
 }
 
+/// A piece of a snapshot of shard `shard`'s state as of its log entry `index`, sent by the shard's primary
+/// to a backup (replicated shards, docs/replication.md): `bytes` bytes of the snapshot from `offset`, of
+/// `total`, packed four to a payload word ([`bytes_to_words`]). The backup answers each piece with
+/// [`ReplicaAck`]; the last one's carries `index` once the snapshot is restored. (Added in protocol 12.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Encode, Decode)]
+pub struct ReplicaSnapshot {
+    /// The shard replicated.
+    pub shard: u32,
+    /// The last log entry the snapshot holds.
+    pub index: u64,
+    /// Where this piece starts in the snapshot.
+    pub offset: u64,
+    /// The snapshot's length in bytes.
+    pub total: u64,
+    /// This piece's length in bytes.
+    pub bytes: u32,
+}
+
+/// Entries of shard `shard`'s log from index `first` on, in order, sent by the primary to a backup: entry
+/// `k` is `lens[k]` bytes (`gaps_shard::replica::LogEntry`), the entries one after the other packed four
+/// bytes to a payload word ([`bytes_to_words`]). (Added in protocol 12.)
+#[derive(Debug, Clone, PartialEq, Eq, Encode, Decode)]
+pub struct ReplicaAppend {
+    /// The shard replicated.
+    pub shard: u32,
+    /// The first entry's index.
+    pub first: u64,
+    /// Each entry's length in bytes.
+    pub lens: Vec<u32>,
+}
+
+/// A backup's answer to [`ReplicaSnapshot`] and [`ReplicaAppend`]: the last log entry of `shard` it has
+/// applied (0 after a snapshot piece that is not the last). (Added in protocol 12.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Encode, Decode)]
+pub struct ReplicaAck {
+    /// The shard replicated.
+    pub shard: u32,
+    /// The last entry applied.
+    pub applied: u64,
+}
+
+impl ReplicaAppend {
+    /// Bytes of the entries together.
+    pub fn total_bytes(&self) -> u64 {
+        self.lens.iter().map(|&n| u64::from(n)).sum()
+    }
+}
+
+/// Packs bytes into payload words, four to a word (little-endian; the last word padded with zeros).
+pub fn bytes_to_words(bytes: &[u8], out: &mut Vec<f32>) {
+    out.reserve(bytes.len().div_ceil(4));
+    for c in bytes.chunks(4) {
+        let mut w = [0u8; 4];
+        w[..c.len()].copy_from_slice(c);
+        out.push(f32::from_bits(u32::from_le_bytes(w)));
+    }
+}
+
+/// The first `len` bytes packed in `words` by [`bytes_to_words`]; None when the words hold fewer.
+pub fn words_to_bytes(words: &[f32], len: u64) -> Option<Vec<u8>> {
+    let len = usize::try_from(len).ok()?;
+    if words.len().checked_mul(4)? < len {
+        return None;
+    }
+    let mut out = Vec::with_capacity(len);
+    for w in words {
+        out.extend_from_slice(&w.to_bits().to_le_bytes());
+        if out.len() >= len {
+            break;
+        }
+    }
+    out.truncate(len);
+    Some(out)
+}
+
 /// Every message of the protocol. The kind byte on the wire is [`Message::kind`].
 #[derive(Debug, Clone, PartialEq)]
 pub enum Message {
@@ -992,6 +1067,12 @@ pub enum Message {
     TableLoad(TableLoad),
     /// Answer to [`Message::TableLoad`].
     TableLoaded(TableLoaded),
+    /// A piece of a snapshot, primary to backup.
+    ReplicaSnapshot(ReplicaSnapshot),
+    /// Log entries, primary to backup.
+    ReplicaAppend(ReplicaAppend),
+    /// A backup's answer to both.
+    ReplicaAck(ReplicaAck),
 }
 
 /// Defines `kind()`, header encoding and kind-directed decoding for every variant in one place.
@@ -1034,6 +1115,7 @@ message_kinds! {
     24 => Rollback, 25 => RollbackReply, 26 => SplitRequest, 27 => SplitGrant, 28 => DataStatusRequest,
     29 => DataStatus, 30 => WaitStep, 31 => Initialize, 32 => Initialized,
     33 => TableScan, 34 => TableRows, 35 => TableLoad, 36 => TableLoaded,
+    37 => ReplicaSnapshot, 38 => ReplicaAppend, 39 => ReplicaAck,
 }
 
 fn config() -> impl bincode::config::Config {
@@ -1092,6 +1174,8 @@ impl Message {
             Message::Initialize(i) => i.chunks.iter().map(|c| u64::from(c.len)).sum(),
             Message::TableRows(r) => u64::from(r.count) * (2 + u64::from(r.dim)),
             Message::TableLoad(r) => u64::from(r.count) * (2 + u64::from(r.dim)),
+            Message::ReplicaSnapshot(r) => u64::from(r.bytes).div_ceil(4),
+            Message::ReplicaAppend(r) => r.total_bytes().div_ceil(4),
             _ => 0,
         }
     }
@@ -1367,6 +1451,18 @@ pub fn from_le_in_place(values: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bytes_travel_in_words_and_come_back_whole() {
+        for len in 0..12usize {
+            let bytes: Vec<u8> = (0..len as u8).map(|b| b.wrapping_mul(37).wrapping_add(200)).collect();
+            let mut words = Vec::new();
+            bytes_to_words(&bytes, &mut words);
+            assert_eq!(words.len(), len.div_ceil(4));
+            assert_eq!(words_to_bytes(&words, len as u64), Some(bytes.clone()));
+            assert_eq!(words_to_bytes(&words, len as u64 + 4), None, "more bytes than the words hold");
+        }
+    }
     use crate::layout::TensorSpec;
 
     fn samples() -> Vec<Frame> {
@@ -1494,6 +1590,23 @@ mod tests {
                 payload: vec![f32::from_bits(9), f32::from_bits(1), -2.0],
             },
             Frame::new(Message::TableLoaded(TableLoaded { created: 1, kept: 0 })),
+            Frame {
+                msg: Message::ReplicaSnapshot(ReplicaSnapshot { shard: 1, index: 40, offset: 8, total: 13, bytes: 5 }),
+                payload: {
+                    let mut w = Vec::new();
+                    bytes_to_words(&[1, 2, 3, 4, 5], &mut w);
+                    w
+                },
+            },
+            Frame {
+                msg: Message::ReplicaAppend(ReplicaAppend { shard: 0, first: 41, lens: vec![3, 6] }),
+                payload: {
+                    let mut w = Vec::new();
+                    bytes_to_words(&[9; 9], &mut w);
+                    w
+                },
+            },
+            Frame::new(Message::ReplicaAck(ReplicaAck { shard: 2, applied: u64::MAX })),
             Frame::new(Message::DataStatus(DataStatus {
                 shard: 1,
                 counts: vec![GrantCount { grant: 78, split: 4, samples: 900 }],
@@ -1561,7 +1674,7 @@ mod tests {
     fn every_message_round_trips() {
         let frames = samples();
         let kinds: std::collections::BTreeSet<u8> = frames.iter().map(|f| f.msg.kind()).collect();
-        assert_eq!(kinds.len(), 33, "one sample per kind");
+        assert_eq!(kinds.len(), 36, "one sample per kind");
         for f in frames {
             let bytes = encode_frame(&f).expect("encode");
             let back = decode_frame(&bytes, &Limits::default()).expect("decode");

@@ -137,6 +137,17 @@ pub fn authorize(msg: &Message, peer: &PeerIdentity, bound: Option<u32>) -> Resu
         (Message::Rollback(_), role) if *role != Role::Shard(0) => {
             Err(format!("{peer} cannot roll shards back (only the coordinator's certificate can)"))
         }
+        // A shard's log and snapshots come from its primary only (replicated shards).
+        (Message::ReplicaSnapshot(gaps_common::wire::ReplicaSnapshot { shard, .. }), Role::Shard(i))
+        | (Message::ReplicaAppend(gaps_common::wire::ReplicaAppend { shard, .. }), Role::Shard(i))
+            if i == shard =>
+        {
+            Ok(())
+        }
+        (Message::ReplicaSnapshot(gaps_common::wire::ReplicaSnapshot { shard, .. }), _)
+        | (Message::ReplicaAppend(gaps_common::wire::ReplicaAppend { shard, .. }), _) => {
+            Err(format!("{peer} cannot replicate shard {shard} (only that shard's certificate can)"))
+        }
         // Data is dealt to workers only (a split dealt to anyone else would never be trained).
         (Message::SplitRequest(_), Role::Shard(_)) => {
             Err(format!("{peer} is not a worker certificate; only workers are dealt data"))
@@ -263,6 +274,19 @@ mod tests {
             assert!(authorize(&req, &id(Role::Shard(0)), None).is_ok());
             assert!(authorize(&req, &id(Role::Shard(1)), None).is_err());
             assert!(authorize(&req, &id(Role::Worker("w".into())), Some(1)).is_err());
+        }
+    }
+
+    #[test]
+    fn only_a_shards_own_certificate_replicates_it() {
+        use gaps_common::wire::{ReplicaAppend, ReplicaSnapshot};
+        let append = Message::ReplicaAppend(ReplicaAppend { shard: 2, first: 1, lens: vec![] });
+        let snapshot = Message::ReplicaSnapshot(ReplicaSnapshot { shard: 2, index: 0, offset: 0, total: 1, bytes: 1 });
+        for msg in [append, snapshot] {
+            assert!(authorize(&msg, &id(Role::Shard(2)), None).is_ok(), "{msg:?}");
+            assert!(authorize(&msg, &id(Role::Shard(0)), None).is_err(), "the coordinator: {msg:?}");
+            assert!(authorize(&msg, &id(Role::Shard(3)), None).is_err(), "another shard: {msg:?}");
+            assert!(authorize(&msg, &id(Role::Worker("w".into())), Some(2)).is_err(), "a worker: {msg:?}");
         }
     }
 

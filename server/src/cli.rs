@@ -101,6 +101,15 @@ pub struct ServerArgs {
     /// Live workers one certificate may have registered at once; further registrations are refused.
     #[arg(long, env = "GAPS_MAX_WORKERS_PER_CERTIFICATE", default_value_t = crate::service::DEFAULT_MAX_WORKERS_PER_CERTIFICATE, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_workers_per_certificate: u32,
+    /// Copies of each shard's state, each on another shard process: shard i's backups are processes i+1 …
+    /// i+R−1 (mod the shard count), and a push is answered once every live copy applied it (1: no copies).
+    /// Every shard process takes the same value.
+    #[arg(long, env = "GAPS_REPLICAS", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=16))]
+    pub replicas: u32,
+    /// How long a primary waits for a backup's answer before it goes on without that backup (and copies it a
+    /// new snapshot).
+    #[arg(long, env = "GAPS_REPLICA_ACK_TIMEOUT", default_value = "2s", value_parser = parse_duration)]
+    pub replica_ack_timeout: Duration,
     /// How long a request's header, and then its payload, may take to arrive; a slower or stalled sender is
     /// cut off (and counted).
     #[arg(long, env = "GAPS_REQUEST_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
@@ -391,16 +400,22 @@ impl ServerArgs {
             restore: self.restore.clone(),
             health: None,
             data: self.dealer_config()?,
+            replicas: self.replicas,
+            replica_ack_timeout: self.replica_ack_timeout,
         })
     }
 }
 
 impl ServerArgs {
-    /// The dealer of `--data` (shard 0 only): the files cut into splits here, at start.
+    /// The dealer of `--data` (shard 0, and the processes that keep a copy of it): the files cut into splits
+    /// here, at start.
     pub fn dealer_config(&self) -> Result<Option<gaps_shard::dealer::DealerConfig>> {
         let Some(source) = &self.data else { return Ok(None) };
-        if self.shard_index != 0 {
-            // One setting for every shard (a StatefulSet's environment) is fine: only shard 0 deals.
+        let copies_coordinator =
+            crate::replication::backed_up_by(self.shard_index, self.num_shards, self.replicas).contains(&0);
+        if self.shard_index != 0 && !copies_coordinator {
+            // One setting for every shard (a StatefulSet's environment) is fine: only shard 0 deals (and the
+            // processes keeping a copy of it, with --replicas).
             info!(shard = self.shard_index, "--data is the coordinator's (shard 0) to deal; this shard ignores it");
             return Ok(None);
         }

@@ -6,6 +6,7 @@
 //! - [`metrics`]: Prometheus export over a small hyper service.
 //! - [`data`]: cuts the training files into the coordinator's dealt splits (dynamic data sharding).
 //! - [`journal`]: the coordinator's dealer journal (async mode: a restore does not deal finished splits again).
+//! - [`replication`]: replicated shards (`--replicas`): the primary's log, shipped to backups that keep a copy.
 //! - [`cli`]: flags and the process entry point (bin `gaps-server`).
 //!
 //! Architecture invariant: this crate links neither the worker, nor the models, nor the data readers
@@ -18,6 +19,7 @@ pub mod cli;
 pub mod data;
 pub mod journal;
 pub mod metrics;
+pub mod replication;
 pub mod service;
 
 pub use gaps_shard::{CoreEvent, Init, ShardConfig, ShardCore, ShardError};

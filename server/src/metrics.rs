@@ -215,6 +215,16 @@ pub fn install_recorder() -> anyhow::Result<PrometheusHandle> {
     );
     metrics::describe_counter!("gaps_push_rejected_total", "Pushes refused with a typed error (nothing applied).");
     metrics::describe_counter!("gaps_pulls_total", "Parameter pulls served.");
+    metrics::describe_gauge!(
+        "gaps_replica_lag_entries",
+        "Log entries the slowest backup of this shard has not applied yet (--replicas)."
+    );
+    metrics::describe_gauge!("gaps_replica_log_bytes", "Bytes of log entries kept for this shard's backups.");
+    metrics::describe_gauge!("gaps_replica_live_backups", "Backups of this shard that replies wait for.");
+    metrics::describe_counter!(
+        "gaps_replica_dropped_total",
+        "Backups dropped from the live set (failed, late, or too far behind); each copies a new snapshot."
+    );
     metrics::describe_counter!(
         "gaps_requests_timed_out_total",
         "Requests cut off: not whole within the request timeout, stalled, or their reply not taken."

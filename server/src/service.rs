@@ -13,6 +13,7 @@
 use crate::auth::{Credentials, LogLimiter};
 use crate::checkpoint::CheckpointStore;
 use crate::metrics::ShardMetrics;
+use crate::replication::{Backups, Log};
 use anyhow::{anyhow, bail, Context, Result};
 use dashmap::DashMap;
 use gaps_common::wire::Role as WireRole;
@@ -92,6 +93,10 @@ pub struct ServiceConfig {
     /// The coordinator deals the training data in splits (dynamic data sharding; None: workers read their
     /// own fixed share).
     pub data: Option<gaps_shard::dealer::DealerConfig>,
+    /// Copies of each shard's state, on as many shard processes (1: none; see [`crate::replication`]).
+    pub replicas: u32,
+    /// How long a primary waits for a backup's answer before it goes on without it.
+    pub replica_ack_timeout: Duration,
 }
 
 impl ServiceConfig {
@@ -121,6 +126,8 @@ impl ServiceConfig {
             restore: Restore::Never,
             health: None,
             data: None,
+            replicas: 1,
+            replica_ack_timeout: crate::replication::DEFAULT_ACK_TIMEOUT,
         }
     }
 }
@@ -199,11 +206,15 @@ enum Command {
     /// Snapshot the core as checkpoint `id` into `buf` once it reaches `at`; the reply carries the snapshot,
     /// or the step the core had already passed. Dropping the reply's receiver gives it up.
     Checkpoint(PendingSnapshot),
+    /// Snapshot the core for backup process `backup` (replicated shards): the log index it holds, and its
+    /// bytes. The backup follows the log from that index on.
+    ReplicaSnapshot { backup: u32, reply: oneshot::Sender<Result<(u64, Vec<u8>), String>> },
 }
 
-/// The core's answer to one request: the reply, what changed, and the parameter buffers the reply shares
-/// instead of a payload (`ShardCore::set_shared_replies`).
-type Answer = (Frame, Vec<CoreEvent>, Vec<Arc<Vec<f32>>>);
+/// The core's answer to one request: the reply, what changed, the parameter buffers the reply shares
+/// instead of a payload (`ShardCore::set_shared_replies`), and the request's entry in the replica log (0:
+/// none; the reply goes once every live backup applied it).
+type Answer = (Frame, Vec<CoreEvent>, Vec<Arc<Vec<f32>>>, u64);
 
 /// Parameters a reply shares with the core, as the bytes of one payload part.
 struct SharedParams(Arc<Vec<f32>>);
@@ -275,7 +286,9 @@ fn run_actor(
     started: Instant,
     part_wait: Duration,
     mut journal: Option<std::fs::File>,
+    log: Option<Arc<Log>>,
 ) {
+    let log_request = |now: Duration, frame: &Frame| log.as_ref().map_or(0, |l| l.request(now, frame));
     // A part's reply and whether its payload was found finite as it was read.
     type Reply = (oneshot::Sender<Answer>, bool);
     let mut pending: Option<PendingSnapshot> = None;
@@ -287,13 +300,15 @@ fn run_actor(
                 Message::PushPart(part) if !core.push_applied(part.push.worker, part.push.seq) => {
                     let offered = parts.offer(part, frame.payload, (reply, finite), started.elapsed());
                     for ((reply, _), frame) in offered.answer_now {
-                        let _ = reply.send((frame, Vec::new(), Vec::new()));
+                        let _ = reply.send((frame, Vec::new(), Vec::new(), 0));
                     }
                     if let Some((whole, replies)) = offered.whole {
                         let finite = replies.iter().all(|(_, f)| *f);
-                        let (answer, mut events) = core.handle_checked(whole, started.elapsed(), finite);
+                        let now = started.elapsed();
+                        let index = log_request(now, &whole);
+                        let (answer, mut events) = core.handle_checked(whole, now, finite);
                         for (reply, _) in replies {
-                            let _ = reply.send((answer.clone(), std::mem::take(&mut events), Vec::new()));
+                            let _ = reply.send((answer.clone(), std::mem::take(&mut events), Vec::new(), index));
                         }
                     }
                 }
@@ -319,7 +334,9 @@ fn run_actor(
                         _ => None,
                     };
                     let frame = Frame { msg, payload: frame.payload };
-                    let (answer, events) = core.handle_checked(frame, started.elapsed(), finite);
+                    let now = started.elapsed();
+                    let index = log_request(now, &frame);
+                    let (answer, events) = core.handle_checked(frame, now, finite);
                     // A split dealt or reported finished is journaled before the worker hears of it.
                     journal_changes(&mut core, &mut journal);
                     match (pull, &answer.msg) {
@@ -330,11 +347,11 @@ fn run_actor(
                                 && (ack.wait_for_step > 0 || ack.wait_for_clock > 0)
                                 && parked.len() < MAX_PARKED_WAITS =>
                         {
-                            let held = HeldRequest::PushPull { ack: *ack, pull, events };
+                            let held = HeldRequest::PushPull { ack: *ack, pull, events, index };
                             parked.push((held, started.elapsed() + HOLD_PUSH_PULL, reply));
                         }
                         _ => {
-                            let _ = reply.send((answer, events, core.take_reply_views()));
+                            let _ = reply.send((answer, events, core.take_reply_views(), index));
                         }
                     }
                 }
@@ -342,17 +359,32 @@ fn run_actor(
             Command::Tick { reply } => {
                 release_waits(&mut core, &mut parked, started.elapsed(), true);
                 for ((reply, _), frame) in parts.expire(started.elapsed(), part_wait) {
-                    let _ = reply.send((frame, Vec::new(), Vec::new()));
+                    let _ = reply.send((frame, Vec::new(), Vec::new(), 0));
                 }
-                let events = core.tick(started.elapsed());
+                let now = started.elapsed();
+                if let Some(log) = &log {
+                    log.tick(now);
+                }
+                let events = core.tick(now);
                 let _ = reply.send((events, core.stats()));
             }
             Command::Inspect(f) => f(&core),
             Command::Replace(f) => {
                 f(&mut core);
                 pending = None;
+                // The backups' copies do not continue the replaced core: each copies a new snapshot.
+                if let Some(log) = &log {
+                    log.reset();
+                }
             }
             Command::Checkpoint(p) => pending = Some(p),
+            Command::ReplicaSnapshot { backup, reply } => {
+                let taken = match &log {
+                    Some(log) => core.checkpoint_into(0, Vec::new()).map(|bytes| (log.follow(backup), bytes)),
+                    None => Ok((0, Vec::new())),
+                };
+                let _ = reply.send(taken.map_err(|e| e.to_string()));
+            }
         }
         // The dealer's changes are journaled before a checkpoint can be taken after them.
         journal_changes(&mut core, &mut journal);
@@ -394,7 +426,7 @@ enum HeldRequest {
     Wait(gaps_common::wire::WaitStep),
     /// A push-pull applied into a step not yet complete: answered with `ack` and the values `pull` reads once
     /// the step is applied (with the events of the push).
-    PushPull { ack: gaps_common::wire::Ack, pull: gaps_common::wire::Pull, events: Vec<CoreEvent> },
+    PushPull { ack: gaps_common::wire::Ack, pull: gaps_common::wire::Pull, events: Vec<CoreEvent>, index: u64 },
 }
 
 /// A held request: what it waits for, until when, and where its answer goes.
@@ -423,21 +455,21 @@ fn release_waits(core: &mut ShardCore, parked: &mut Vec<ParkedWait>, now: Durati
         let answer = match held {
             HeldRequest::Wait(_) => {
                 let stats = stats.get_or_insert_with(|| Frame::new(Message::Stats(core.stats())));
-                (stats.clone(), Vec::new(), Vec::new())
+                (stats.clone(), Vec::new(), Vec::new(), 0)
             }
-            HeldRequest::PushPull { ack, pull, events } => {
+            HeldRequest::PushPull { ack, pull, events, index } => {
                 let alone = Frame::new(Message::PushPullReply(PushPullReply { ack, chunks: Vec::new() }));
                 if !ready {
-                    (alone, events, Vec::new())
+                    (alone, events, Vec::new(), index)
                 } else {
                     match core.handle(Frame::new(Message::Pull(pull)), now).0 {
                         Frame { msg: Message::PullReply(PullReply { chunks }), payload } => {
                             let go_on = gaps_common::wire::Ack { wait_for_step: 0, wait_for_clock: 0, ..ack };
                             let msg = Message::PushPullReply(PushPullReply { ack: go_on, chunks });
-                            (Frame { msg, payload }, events, core.take_reply_views())
+                            (Frame { msg, payload }, events, core.take_reply_views(), index)
                         }
                         // The read failed: the ack alone, and the worker pulls on its own.
-                        _ => (alone, events, Vec::new()),
+                        _ => (alone, events, Vec::new(), index),
                     }
                 }
             }
@@ -500,7 +532,7 @@ struct Shared {
     started: Instant,
     /// The client configuration after a certificate rotation (None: the endpoint's own), for connections to
     /// other shards.
-    rotated: std::sync::Mutex<Option<quinn::ClientConfig>>,
+    rotated: Arc<std::sync::Mutex<Option<quinn::ClientConfig>>>,
     /// This shard's own identity (its cluster is the only one it serves).
     own: PeerIdentity,
     /// Makes and checks workers' credentials.
@@ -524,6 +556,9 @@ struct Shared {
     chunk_elems: u64,
     widest_table: u64,
     shard: u32,
+    /// The replica log of this shard (with `--replicas` ≥ 2), and the copies of other shards kept here.
+    log: Option<Arc<Log>>,
+    backups: Option<Arc<Backups>>,
 }
 
 impl Shared {
@@ -631,6 +666,34 @@ impl RunningServer {
         Ok(())
     }
 
+    /// This shard's state as a checkpoint's bytes, with the last entry of its replica log it holds (0 without
+    /// `--replicas`); the backups' copies are compared with it (tests, reports).
+    pub async fn snapshot(&self) -> Result<(u64, Vec<u8>)> {
+        let (tx, rx) = oneshot::channel();
+        let log = self.shared.log.clone();
+        self.shared
+            .send(Command::Inspect(Box::new(move |core| {
+                let index = log.as_ref().map_or(0, |l| l.last_index());
+                let _ = tx.send(core.checkpoint_into(0, Vec::new()).map(|b| (index, b)));
+            })))
+            .await?;
+        rx.await.context("the core stopped")?.map_err(|e| anyhow!("{e}"))
+    }
+
+    /// The copy of shard `shard` this process keeps (`--replicas`): the last entry applied and the copy as a
+    /// checkpoint's bytes (None: no copy of it here, or no snapshot yet).
+    pub fn replica_copy(&self, shard: u32) -> Option<(u64, Vec<u8>)> {
+        let backups = self.shared.backups.as_ref()?;
+        backups.inspect(shard, |applied, core| {
+            core.and_then(|c| c.checkpoint_into(0, Vec::new()).ok()).map(|b| (applied, b))
+        })?
+    }
+
+    /// The backups replies of this shard wait for now (0 without `--replicas`).
+    pub fn live_backups(&self) -> usize {
+        self.shared.log.as_ref().map_or(0, |l| l.live_backups())
+    }
+
     /// Requests and connections refused because the certificate or credential did not allow them.
     pub fn unauthorized(&self) -> u64 {
         self.shared.unauthorized.load(Ordering::Relaxed)
@@ -675,6 +738,13 @@ fn wire_error_code(e: &WireError) -> ErrorCode {
 
 /// Binds, joins the cluster (shards ≥ 1) and starts serving.
 pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
+    crate::replication::check_replicas(cfg.replicas, cfg.core.num_shards)?;
+    if cfg.replicas > 1 && cfg.device != gaps_kernels::cuda::DeviceChoice::Cpu {
+        bail!(
+            "--replicas {} runs every copy's updates on the CPU, so that copies stay equal bit for bit: pass --device cpu",
+            cfg.replicas
+        );
+    }
     let own = cfg.tls.own_identity().context("reading this shard's certificate")?;
     if own.role != Role::Shard(cfg.core.shard) {
         bail!(
@@ -721,7 +791,8 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
         None => (ShardCore::new(cfg.core.clone()).map_err(|e| anyhow!("configuring shard {shard}: {e}"))?, None),
     };
     let mut journal = None;
-    if let Some(data) = cfg.data.clone() {
+    // Other shards keep `--data` only for their copy of the coordinator.
+    if let Some(data) = cfg.data.clone().filter(|_| shard == 0) {
         match (&store, cfg.core.modes.mode == gaps_shard::Mode::Async && shard == 0) {
             // Async: the dealer's changes go to a journal beside the checkpoints, and a restored dealer makes
             // again those made after its checkpoint (the other shards kept what was trained since).
@@ -811,15 +882,24 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
         }
     };
     let credentials = Credentials::new(auth_key, core.epoch());
-    // A push can never carry more than this shard owns (twice that with the read echo); refuse bigger frames
-    // before allocating them.
-    let owned_bytes = core.owned_elems() as u64 * 4;
-    let echo = 1 + u64::from(core.needs_read());
-    // Sparse requests are bounded by rows per RPC: ids, versions, gradients and read rows of the widest table.
     let widest = core.config().layout.tables.iter().map(|t| u64::from(t.dim)).max();
-    let sparse_bytes = widest.map_or(0, |dim| MAX_SPARSE_ROWS_PER_RPC * (3 + 2 * dim) * 4);
-    let max_payload_bytes =
-        (owned_bytes * echo).max(sparse_bytes).clamp(4, gaps_common::wire::DEFAULT_MAX_PAYLOAD_BYTES);
+    let mut max_payload_bytes = payload_limit(&core);
+    let backups = match cfg.replicas {
+        0 | 1 => None,
+        r => {
+            let shards = crate::replication::backed_up_by(shard, cfg.core.num_shards, r);
+            let limit = |c: &ShardConfig| {
+                ShardCore::new(ShardConfig { init: gaps_shard::Init { std: 0.0, ..c.init }, ..c.clone() })
+                    .map(|core| payload_limit(&core))
+                    .map_err(|e| anyhow!("configuring the copy of shard {}: {e}", c.shard))
+            };
+            let backups = Backups::new(&shards, &cfg.core, cfg.data.as_ref(), limit)?;
+            max_payload_bytes = max_payload_bytes.max(backups.largest_request());
+            info!(shard, copies_of = ?shards, "keeping copies of other shards (--replicas {r})");
+            Some(Arc::new(backups))
+        }
+    };
+    let log = (cfg.replicas > 1).then(|| Arc::new(Log::new(shard, cfg.inflight_bytes)));
     let limits = Limits { max_payload_bytes, ..Limits::default() };
     let chunk_elems = u64::from(core.config().layout.chunk_elems);
     let (queue, receiver) = mpsc::channel(cfg.queue_depth.max(1));
@@ -828,7 +908,10 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
     let part_wait = cfg.request_timeout;
     std::thread::Builder::new()
         .name(format!("gaps-shard-{shard}"))
-        .spawn(move || run_actor(core, receiver, started, part_wait, journal))
+        .spawn({
+            let log = log.clone();
+            move || run_actor(core, receiver, started, part_wait, journal, log)
+        })
         .context("starting the shard's core thread")?;
     let budget_units = (cfg.inflight_bytes / BUDGET_UNIT).clamp(1, u64::from(u32::MAX >> 3)) as u32;
     let shared = Arc::new(Shared {
@@ -853,7 +936,7 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
         path,
         started,
         own,
-        rotated: std::sync::Mutex::new(None),
+        rotated: Arc::new(std::sync::Mutex::new(None)),
         credentials,
         bindings: DashMap::new(),
         per_ip: DashMap::new(),
@@ -883,6 +966,8 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
         chunk_elems,
         widest_table: widest.unwrap_or(0),
         shard,
+        log: log.clone(),
+        backups,
     });
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     if let Some(every) = cfg.checkpoint.as_ref().and_then(|c| c.every) {
@@ -926,6 +1011,32 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
         // per-shard restore, see docs/manual.md, "Failures and recovery").
         tokio::spawn(roll_back_cluster_after_restore(shared.clone(), info.id, shutdown_rx.clone()));
     }
+    if let Some(log) = &log {
+        let queue = shared.queue.clone();
+        let ctx = Arc::new(crate::replication::ShipContext {
+            shard,
+            cluster: shared.own.cluster.clone(),
+            coordinator: cfg.coordinator.clone().unwrap_or_else(|| advertise.clone()),
+            endpoint: endpoint.clone(),
+            rotated: shared.rotated.clone(),
+            ack_timeout: cfg.replica_ack_timeout,
+            snapshot: Arc::new(move |backup| {
+                let (tx, rx) = oneshot::channel();
+                if let Err(mpsc::error::TrySendError::Full(Command::ReplicaSnapshot { reply, .. })) =
+                    queue.try_send(Command::ReplicaSnapshot { backup, reply: tx })
+                {
+                    let _ = reply.send(Err("the core's queue is full; trying again".into()));
+                }
+                rx
+            }),
+        });
+        for backup in crate::replication::backups_of(shard, cfg.core.num_shards, cfg.replicas) {
+            let span = tracing::info_span!("replication", shard, backup);
+            tokio::spawn(
+                crate::replication::ship(ctx.clone(), log.clone(), backup, shutdown_rx.clone()).instrument(span),
+            );
+        }
+    }
     let task = tokio::spawn(
         serve(endpoint, shared.clone(), shutdown_rx, cfg.tick_interval).instrument(tracing::info_span!("shard", shard)),
     );
@@ -947,6 +1058,17 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
     }
     info!(shard, %addr, %advertise, "serving");
     Ok(RunningServer { addr, advertise, restored, shutdown: shutdown_tx, task, shared, health })
+}
+
+/// The largest request payload shard `core` takes: a push never carries more than the shard owns (twice that
+/// with the read echo), sparse requests are bounded by rows per RPC (ids, versions, gradients and read rows
+/// of the widest table); bigger frames are refused before they are allocated.
+fn payload_limit(core: &ShardCore) -> u64 {
+    let owned_bytes = core.owned_elems() as u64 * 4;
+    let echo = 1 + u64::from(core.needs_read());
+    let widest = core.config().layout.tables.iter().map(|t| u64::from(t.dim)).max();
+    let sparse_bytes = widest.map_or(0, |dim| MAX_SPARSE_ROWS_PER_RPC * (3 + 2 * dim) * 4);
+    (owned_bytes * echo).max(sparse_bytes).clamp(4, gaps_common::wire::DEFAULT_MAX_PAYLOAD_BYTES)
 }
 
 /// How long a checkpoint may wait for the step it was asked for.
@@ -1731,6 +1853,15 @@ async fn serve_request(
                 Some((checkpoint_reply(shared, req).await, Vec::new(), Vec::new()))
             } else if let Message::Rollback(req) = frame.msg {
                 Some((rollback_reply(shared, req).await, Vec::new(), Vec::new()))
+            } else if matches!(frame.msg, Message::ReplicaSnapshot(_) | Message::ReplicaAppend(_)) {
+                let reply = match &shared.backups {
+                    Some(backups) => backups.handle(frame).await,
+                    None => Frame::new(Message::error(
+                        ErrorCode::Misconfigured,
+                        format!("shard {} keeps no copies of other shards (--replicas 1)", shared.shard),
+                    )),
+                };
+                Some((reply, Vec::new(), Vec::new()))
             } else if matches!(&frame.msg, Message::Register(r) if r.role == WireRole::Worker)
                 && shared.per_certificate.get(&peer.identity).is_some_and(|n| *n >= shared.max_per_certificate)
             {
@@ -1748,8 +1879,21 @@ async fn serve_request(
                     Ok(()) => rx.await.ok(),
                     Err(_) => None,
                 };
+                // A request that changed the shard is answered once every live backup applied it.
+                if let (Some(log), Some(index)) = (&shared.log, reply.as_ref().map(|r| r.3)) {
+                    // A backup that does not answer is dropped within its ack timeout; should the wait still
+                    // outlast a request's time limit, every backup stops counting as live (each copies a new
+                    // snapshot) and the reply goes.
+                    if tokio::time::timeout(shared.request_timeout, log.wait(index)).await.is_err() {
+                        warn!(
+                            shard = shared.shard,
+                            index, "no backup acknowledged a request in time; going on without backups"
+                        );
+                        log.reset();
+                    }
+                }
                 // Credentials go out with the map: a worker's token to its registrant, the key to a shard.
-                reply.map(|(mut reply, events, views)| {
+                reply.map(|(mut reply, events, views, _)| {
                     if let Message::ClusterMap(map) = &mut reply.msg {
                         if let (true, Some(w)) = (registers_worker, map.worker_id) {
                             map.token = Some(shared.credentials.token(w, &peer.identity));

@@ -1064,6 +1064,9 @@ pub fn kind_name(msg: &Message) -> &'static str {
         Message::TableRows(_) => "table-rows",
         Message::TableLoad(_) => "table-load",
         Message::TableLoaded(_) => "table-loaded",
+        Message::ReplicaSnapshot(_) => "replica-snapshot",
+        Message::ReplicaAppend(_) => "replica-append",
+        Message::ReplicaAck(_) => "replica-ack",
     }
 }
 

@@ -119,6 +119,20 @@ impl ShardCore {
         Ok(replayed)
     }
 
+    /// Continues the dealer of the checkpoint this core was restored from exactly as it was — splits on loan
+    /// stay on loan, grants keep their numbering, nothing journaled — for a backup's copy of the
+    /// coordinator (`gaps-server --replicas`), which must hold what its primary holds. `cfg` is the
+    /// primary's dealer settings (None where this process has none: refused if the checkpoint deals data).
+    pub fn set_dealer_as_copy(&mut self, cfg: Option<DealerConfig>) -> Result<(), String> {
+        let Some((format, bytes)) = self.restored_dealer.take() else { return Ok(()) };
+        let cfg = cfg.ok_or("the coordinator deals data: start its backups with the same --data")?;
+        let mut r = Reader::section(&bytes, format);
+        let d = Dealer::read_from(cfg, &mut r).map_err(|e| format!("the checkpoint's data dealer: {e}"))?;
+        r.finish().map_err(|e| format!("the checkpoint's data dealer: {e}"))?;
+        self.dealer = Some(d);
+        Ok(())
+    }
+
     /// Stops keeping the dealer's changes (the journal could not be written).
     pub fn stop_dealer_journal(&mut self) {
         if let Some(d) = self.dealer.as_mut() {

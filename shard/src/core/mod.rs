@@ -815,6 +815,11 @@ impl ShardCore {
                 Err(ShardError::Misconfigured("rollbacks are run by the shard service, not the core".into()))
             }
             Message::RollbackReply(_) => Err(ShardError::NotARequest("rollback reply")),
+            // Replication is between shard services; a core is replicated by being fed its primary's log.
+            Message::ReplicaSnapshot(_) | Message::ReplicaAppend(_) => {
+                Err(ShardError::Misconfigured("replication is run by the shard service, not the core".into()))
+            }
+            Message::ReplicaAck(_) => Err(ShardError::NotARequest("replica ack")),
             // Credentials are checked by the service, which knows the connection's certificate.
             Message::Authenticate(_) => {
                 Err(ShardError::Misconfigured("credentials are checked by the shard service, not the core".into()))

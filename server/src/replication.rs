@@ -1,0 +1,765 @@
+//! Replicated shards (`--replicas R`, docs/replication.md), step 2: the log a primary keeps of every
+//! request that changes its state, shipped in order to the backups of its shard on other shard processes,
+//! and replies held until every live backup has applied their request.
+//!
+//! - **Primary.** [`Log`] is written by the core's actor thread: after a request that changes state
+//!   ([`changes_state`]) and at every tick it appends a [`LogEntry`] (the request as the core got it and the
+//!   clock it got), numbered from 1, and the reply carries the entry's index. The RPC task sends the reply
+//!   only once every live backup acknowledged that index ([`Log::wait`]). One shipping task per backup
+//!   ([`ship`]) finds the backup's address in the cluster map, copies a snapshot of the core to it (taken by
+//!   the actor, so that it sits exactly between two entries), then sends the entries that accumulated while
+//!   the previous batch was in flight, one batch at a time. A backup counts as live (replies wait for it)
+//!   once it has caught up; one that fails, answers late (`--replica-ack-timeout`) or falls further behind
+//!   than the log may hold is dropped from the live set — the primary goes on without it, says so, and
+//!   copies a new snapshot to it.
+//! - **Backup.** [`Backups`] holds a replica core per shard this process backs up (processes `i+1 …
+//!   i+R−1`, mod the shard count, back up shard `i`): it restores the snapshot and handles the entries
+//!   strictly in order, as the primary did; it answers with the last index applied.
+//!
+//! Since a shard is a deterministic state machine, a backup that applied entry `n` holds what the primary
+//! held after it (`shard/tests/replica.rs`, `server/tests/replication.rs`). Fail-over (a backup promoted when
+//! its primary dies) is the next step; until then a backup's state is kept, not served.
+
+use anyhow::{anyhow, bail, Context, Result};
+use gaps_common::wire::{
+    ErrorCode, Frame, Limits, Message, Register, ReplicaAck, ReplicaAppend, ReplicaSnapshot, Role, PROTOCOL_VERSION,
+};
+use gaps_shard::replica::{changes_state, Entry, LogEntry};
+use gaps_shard::{ShardConfig, ShardCore};
+use gaps_transport::net::{self, Bytes, RpcError};
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::watch;
+use tracing::{info, warn};
+
+/// How long a primary waits for a backup's answer to a batch before it drops the backup from the live set.
+pub const DEFAULT_ACK_TIMEOUT: Duration = Duration::from_secs(2);
+/// Bytes of a snapshot sent in one request.
+const SNAPSHOT_PIECE: usize = 4 << 20;
+/// A batch of entries is cut once it holds this many bytes (or entries).
+const BATCH_BYTES: u64 = 4 << 20;
+const BATCH_ENTRIES: usize = 4096;
+/// How long a shipping task waits for a new entry before it checks that it is still wanted.
+const IDLE_CHECK: Duration = Duration::from_secs(1);
+/// How long a shipping task waits before it tries a backup again after a failure.
+const RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// The backups (shard processes) of shard `shard` among `num_shards` with `replicas` copies of each.
+pub fn backups_of(shard: u32, num_shards: u32, replicas: u32) -> Vec<u32> {
+    (1..replicas).map(|k| (shard + k) % num_shards).collect()
+}
+
+/// The shards whose backup process `process` is.
+pub fn backed_up_by(process: u32, num_shards: u32, replicas: u32) -> Vec<u32> {
+    (1..replicas).map(|k| (process + num_shards - k % num_shards) % num_shards).collect()
+}
+
+/// Checks `--replicas` against the cluster: every copy of a shard on another process.
+pub fn check_replicas(replicas: u32, num_shards: u32) -> Result<()> {
+    if replicas == 0 {
+        bail!("--replicas must be at least 1 (1: no backups)");
+    }
+    if replicas > num_shards {
+        bail!(
+            "--replicas {replicas} needs at least {replicas} shard processes (each copy of a shard lives on another \
+             one); this cluster has {num_shards}"
+        );
+    }
+    Ok(())
+}
+
+/// One backup as the primary's log sees it.
+#[derive(Debug, Clone, Copy)]
+struct Follower {
+    /// The last entry it acknowledged (the snapshot's index before its first answer).
+    applied: u64,
+    /// Whether replies wait for it (it has caught up since its snapshot).
+    live: bool,
+}
+
+#[derive(Debug, Default)]
+struct LogInner {
+    /// Index of the next entry.
+    next: u64,
+    /// Entries not yet acknowledged by every follower, in order (indices contiguous).
+    entries: VecDeque<(u64, Bytes)>,
+    bytes: u64,
+    /// Backup process → its state; entries are logged only while there is one.
+    followers: BTreeMap<u32, Follower>,
+}
+
+/// A primary's log (see the module's text).
+#[derive(Debug)]
+pub struct Log {
+    shard: u32,
+    inner: Mutex<LogInner>,
+    /// The last entry every live backup applied (`u64::MAX` while none is live: replies do not wait).
+    acked: watch::Sender<u64>,
+    /// The last entry logged.
+    logged: watch::Sender<u64>,
+    /// Bytes of entries the log holds at most before it drops its followers.
+    cap_bytes: u64,
+    metrics: ReplicaMetrics,
+}
+
+#[derive(Debug)]
+struct ReplicaMetrics {
+    lag: metrics::Gauge,
+    log_bytes: metrics::Gauge,
+    live: metrics::Gauge,
+    dropped: metrics::Counter,
+}
+
+impl Log {
+    /// An empty log of shard `shard` holding at most `cap_bytes` of entries not yet acknowledged.
+    pub fn new(shard: u32, cap_bytes: u64) -> Self {
+        let label = shard.to_string();
+        Log {
+            shard,
+            inner: Mutex::new(LogInner { next: 1, ..LogInner::default() }),
+            acked: watch::Sender::new(u64::MAX),
+            logged: watch::Sender::new(0),
+            cap_bytes,
+            metrics: ReplicaMetrics {
+                lag: metrics::gauge!("gaps_replica_lag_entries", "shard" => label.clone()),
+                log_bytes: metrics::gauge!("gaps_replica_log_bytes", "shard" => label.clone()),
+                live: metrics::gauge!("gaps_replica_live_backups", "shard" => label.clone()),
+                dropped: metrics::counter!("gaps_replica_dropped_total", "shard" => label),
+            },
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, LogInner> {
+        // The log holds no invariant a panic elsewhere could break halfway (every change is one statement).
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Logs a request the core is about to handle at `now`; its index (0: not logged — no backup, or a
+    /// request that changes nothing).
+    pub fn request(&self, now: Duration, frame: &Frame) -> u64 {
+        if !changes_state(&frame.msg) {
+            return 0;
+        }
+        self.append(|| Entry::Request { now, frame: Box::new(frame.clone()) })
+    }
+
+    /// Logs a tick at `now` (see [`Log::request`]).
+    pub fn tick(&self, now: Duration) -> u64 {
+        self.append(|| Entry::Tick { now })
+    }
+
+    fn append(&self, entry: impl FnOnce() -> Entry) -> u64 {
+        let mut inner = self.lock();
+        if inner.followers.is_empty() {
+            return 0;
+        }
+        let index = inner.next;
+        let bytes = match (LogEntry { index, entry: entry() }).encode() {
+            Ok(b) => Bytes::from(b),
+            Err(e) => {
+                // The request was read from the network as a frame, so it encodes; if not, the backups cannot
+                // follow any more.
+                warn!(shard = self.shard, error = %e, "a request could not be logged; dropping the backups");
+                self.drop_all(&mut inner);
+                return 0;
+            }
+        };
+        inner.next += 1;
+        inner.bytes += bytes.len() as u64;
+        inner.entries.push_back((index, bytes));
+        if inner.bytes > self.cap_bytes {
+            warn!(
+                shard = self.shard,
+                bytes = inner.bytes,
+                "the backups fell further behind than the replica log holds; going on without them until they copy a snapshot again"
+            );
+            self.drop_all(&mut inner);
+            return 0;
+        }
+        self.metrics.log_bytes.set(inner.bytes as f64);
+        drop(inner);
+        self.logged.send_replace(index);
+        index
+    }
+
+    fn drop_all(&self, inner: &mut LogInner) {
+        self.metrics.dropped.increment(inner.followers.len() as u64);
+        inner.followers.clear();
+        self.settle(inner);
+    }
+
+    /// Backup `backup` starts from a snapshot holding every entry logged so far (called by the actor, which
+    /// took the snapshot between two entries); the index it holds.
+    pub fn follow(&self, backup: u32) -> u64 {
+        let mut inner = self.lock();
+        let at = inner.next - 1;
+        inner.followers.insert(backup, Follower { applied: at, live: false });
+        self.settle(&mut inner);
+        at
+    }
+
+    /// Forgets every follower (the core was replaced by a rollback: their state no longer continues it);
+    /// their shipping tasks copy a new snapshot.
+    pub fn reset(&self) {
+        let mut inner = self.lock();
+        inner.followers.clear();
+        self.settle(&mut inner);
+    }
+
+    /// Backup `backup` stops following (it failed); replies no longer wait for it.
+    pub fn unfollow(&self, backup: u32) {
+        let mut inner = self.lock();
+        if inner.followers.remove(&backup).is_some() {
+            self.metrics.dropped.increment(1);
+        }
+        self.settle(&mut inner);
+    }
+
+    /// Backup `backup` applied every entry up to `applied`; false when it no longer follows.
+    fn acknowledged(&self, backup: u32, applied: u64) -> bool {
+        let mut inner = self.lock();
+        let next = inner.next;
+        let Some(f) = inner.followers.get_mut(&backup) else { return false };
+        f.applied = f.applied.max(applied);
+        if !f.live && f.applied + 1 >= next {
+            f.live = true;
+            info!(shard = self.shard, backup, index = f.applied, "backup caught up: replies now wait for it");
+        }
+        self.settle(&mut inner);
+        true
+    }
+
+    /// Drops the entries every follower has, and publishes what replies may go.
+    fn settle(&self, inner: &mut LogInner) {
+        let oldest = inner.followers.values().map(|f| f.applied).min();
+        match oldest {
+            None => {
+                inner.entries.clear();
+                inner.bytes = 0;
+            }
+            Some(oldest) => {
+                while inner.entries.front().is_some_and(|(i, _)| *i <= oldest) {
+                    if let Some((_, b)) = inner.entries.pop_front() {
+                        inner.bytes -= b.len() as u64;
+                    }
+                }
+            }
+        }
+        let live = inner.followers.values().filter(|f| f.live);
+        let acked = live.clone().map(|f| f.applied).min().unwrap_or(u64::MAX);
+        self.metrics.live.set(live.count() as f64);
+        self.metrics.lag.set(oldest.map_or(0, |o| inner.next - 1 - o) as f64);
+        self.metrics.log_bytes.set(inner.bytes as f64);
+        self.acked.send_replace(acked);
+    }
+
+    /// The entries after `after` for `backup`, up to a batch; Err when it no longer follows.
+    fn batch(&self, backup: u32, after: u64) -> Result<Vec<(u64, Bytes)>, ()> {
+        let inner = self.lock();
+        if !inner.followers.contains_key(&backup) {
+            return Err(());
+        }
+        let first = inner.entries.front().map_or(inner.next, |(i, _)| *i);
+        let skip = usize::try_from(after + 1 - first.min(after + 1)).unwrap_or(usize::MAX);
+        let mut out = Vec::new();
+        let mut bytes = 0u64;
+        for (i, b) in inner.entries.iter().skip(skip) {
+            if !out.is_empty() && (bytes >= BATCH_BYTES || out.len() >= BATCH_ENTRIES) {
+                break;
+            }
+            bytes += b.len() as u64;
+            out.push((*i, b.clone()));
+        }
+        Ok(out)
+    }
+
+    /// Waits until every live backup applied entry `index` (0: at once).
+    pub async fn wait(&self, index: u64) {
+        if index == 0 {
+            return;
+        }
+        let mut rx = self.acked.subscribe();
+        let _ = rx.wait_for(|acked| *acked >= index).await;
+    }
+
+    /// The last entry logged (0: none).
+    pub fn last_index(&self) -> u64 {
+        self.lock().next - 1
+    }
+
+    /// The number of backups replies wait for now.
+    pub fn live_backups(&self) -> usize {
+        self.lock().followers.values().filter(|f| f.live).count()
+    }
+}
+
+/// A snapshot of the core for a backup: the log index it holds and its bytes, or why none was taken.
+pub type SnapshotReply = tokio::sync::oneshot::Receiver<Result<(u64, Vec<u8>), String>>;
+
+/// What a shipping task needs from the service.
+#[allow(missing_debug_implementations)]
+pub struct ShipContext {
+    /// This shard's index and the cluster's name (for the backup's certificate).
+    pub shard: u32,
+    pub cluster: String,
+    /// The coordinator's address (this shard's own for shard 0), whose map names the backups.
+    pub coordinator: String,
+    pub endpoint: quinn::Endpoint,
+    /// The client configuration after a certificate rotation (None: the endpoint's own).
+    pub rotated: Arc<Mutex<Option<quinn::ClientConfig>>>,
+    pub ack_timeout: Duration,
+    /// Asks the core for a snapshot for `backup` (its bytes and the log index it holds).
+    pub snapshot: Arc<dyn Fn(u32) -> SnapshotReply + Send + Sync>,
+}
+
+/// Keeps backup process `backup` a copy of this shard until `stop` turns true.
+pub async fn ship(ctx: Arc<ShipContext>, log: Arc<Log>, backup: u32, mut stop: watch::Receiver<bool>) {
+    let mut said = false;
+    loop {
+        let outcome = tokio::select! {
+            _ = stop.changed() => return,
+            r = ship_once(&ctx, &log, backup, &mut said) => r,
+        };
+        log.unfollow(backup);
+        if let Err(e) = outcome {
+            warn!(shard = ctx.shard, backup, error = format!("{e:#}"), "replication to a backup stopped; trying again");
+        }
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = tokio::time::sleep(RETRY_AFTER) => {}
+        }
+    }
+}
+
+async fn ship_once(ctx: &ShipContext, log: &Log, backup: u32, said: &mut bool) -> Result<()> {
+    let addr = backup_address(ctx, backup).await?;
+    let config = ctx.rotated.lock().ok().and_then(|c| c.clone());
+    let target = net::resolve(&addr).await.map_err(|e| anyhow!("backup {backup} at {addr}: {e}"))?;
+    let conn = net::connect_with(&ctx.endpoint, config, target, Duration::from_secs(5))
+        .await
+        .map_err(|e| anyhow!("backup {backup} at {addr}: {e}"))?;
+    net::expect_shard(&conn, &ctx.cluster, backup).map_err(|e| anyhow!("backup {backup} at {addr}: {e}"))?;
+    let (index, bytes) = (ctx.snapshot)(backup)
+        .await
+        .map_err(|_| anyhow!("the core stopped"))?
+        .map_err(|e| anyhow!("taking a snapshot for backup {backup}: {e}"))?;
+    let total = bytes.len() as u64;
+    let bytes = Bytes::from(bytes);
+    let mut offset = 0usize;
+    loop {
+        let end = (offset + SNAPSHOT_PIECE).min(bytes.len());
+        let piece = bytes.slice(offset..end);
+        let msg = Message::ReplicaSnapshot(ReplicaSnapshot {
+            shard: ctx.shard,
+            index,
+            offset: offset as u64,
+            total,
+            bytes: piece.len() as u32,
+        });
+        let parts = padded(vec![piece]);
+        let applied = call(ctx, &conn, &msg, &parts, ctx.ack_timeout.max(Duration::from_secs(30))).await?;
+        offset = end;
+        if offset >= bytes.len() {
+            if applied != index {
+                bail!("backup {backup} restored the snapshot at {applied}, not {index}");
+            }
+            break;
+        }
+    }
+    if !*said {
+        info!(shard = ctx.shard, backup, %addr, index, bytes = total, "backup holds a snapshot; shipping the log");
+        *said = true;
+    }
+    if !log.acknowledged(backup, index) {
+        bail!("the log was reset while the snapshot was copied");
+    }
+    let mut applied = index;
+    let mut logged = log.logged.subscribe();
+    loop {
+        let batch = log.batch(backup, applied).map_err(|()| anyhow!("dropped from the live set"))?;
+        if batch.is_empty() {
+            let _ = tokio::time::timeout(IDLE_CHECK, logged.wait_for(|l| *l > applied)).await;
+            continue;
+        }
+        let first = batch[0].0;
+        let last = batch[batch.len() - 1].0;
+        if first != applied + 1 {
+            bail!("the log no longer holds entry {} for backup {backup}", applied + 1);
+        }
+        let lens = batch.iter().map(|(_, b)| b.len() as u32).collect();
+        let msg = Message::ReplicaAppend(ReplicaAppend { shard: ctx.shard, first, lens });
+        let parts = padded(batch.into_iter().map(|(_, b)| b).collect());
+        let got = call(ctx, &conn, &msg, &parts, ctx.ack_timeout).await?;
+        if got != last {
+            bail!("backup {backup} applied up to {got}, not {last}");
+        }
+        applied = last;
+        if !log.acknowledged(backup, applied) {
+            bail!("dropped from the live set");
+        }
+    }
+}
+
+/// Pads `parts` with zeros to a whole number of payload words.
+fn padded(mut parts: Vec<Bytes>) -> Vec<Bytes> {
+    let len: usize = parts.iter().map(Bytes::len).sum();
+    let pad = len.next_multiple_of(4) - len;
+    if pad > 0 {
+        parts.push(Bytes::from(vec![0u8; pad]));
+    }
+    parts
+}
+
+async fn call(
+    ctx: &ShipContext,
+    conn: &quinn::Connection,
+    msg: &Message,
+    parts: &[Bytes],
+    wait: Duration,
+) -> Result<u64> {
+    match net::call(conn, msg, parts, &Limits::default(), wait).await {
+        Ok(Frame { msg: Message::ReplicaAck(a), .. }) if a.shard == ctx.shard => Ok(a.applied),
+        Ok(other) => bail!("the backup answered with {}", net::kind_name(&other.msg)),
+        Err(e) => Err(anyhow!("{e}")),
+    }
+}
+
+/// Backup process `backup`'s address, from the coordinator's map (waits until every shard joined).
+async fn backup_address(ctx: &ShipContext, backup: u32) -> Result<String> {
+    loop {
+        match map_address(ctx, backup).await {
+            Err(Incomplete) => tokio::time::sleep(Duration::from_millis(200)).await,
+            Ok(found) => return found,
+        }
+    }
+}
+
+/// The coordinator's map is not complete yet.
+struct Incomplete;
+
+async fn map_address(ctx: &ShipContext, backup: u32) -> Result<Result<String>, Incomplete> {
+    let request = Message::Register(Register {
+        protocol: PROTOCOL_VERSION,
+        role: Role::Observer,
+        name: format!("shard-{} replication", ctx.shard),
+    });
+    let reply = async {
+        let target = net::resolve(&ctx.coordinator).await?;
+        let config = ctx.rotated.lock().ok().and_then(|c| c.clone());
+        let conn = net::connect_with(&ctx.endpoint, config, target, Duration::from_secs(5)).await?;
+        net::expect_shard(&conn, &ctx.cluster, 0)?;
+        let reply = net::call(&conn, &request, &[], &Limits::default(), Duration::from_secs(10)).await;
+        conn.close(0u32.into(), b"map");
+        reply
+    };
+    Ok(match reply.await {
+        Ok(Frame { msg: Message::ClusterMap(map), .. }) => map
+            .shards
+            .iter()
+            .find(|s| s.index == backup)
+            .map(|s| s.addr.clone())
+            .with_context(|| format!("the coordinator's map has no shard {backup}")),
+        Err(RpcError::Remote { code: ErrorCode::ClusterIncomplete, .. }) => return Err(Incomplete),
+        Ok(other) => Err(anyhow!("the coordinator answered with {}", net::kind_name(&other.msg))),
+        Err(e) => Err(anyhow!("the coordinator's map ({}): {e}", ctx.coordinator)),
+    })
+}
+
+/// A copy of one shard held by a backup process.
+struct Replica {
+    /// The shard's configuration (this process's, with the shard's index).
+    cfg: ShardConfig,
+    /// The coordinator's dealer settings, for a copy of shard 0 that deals data.
+    data: Option<gaps_shard::dealer::DealerConfig>,
+    limits: Limits,
+    core: Option<ShardCore>,
+    applied: u64,
+    /// A snapshot arriving: its index and the bytes so far, of `total`.
+    incoming: Option<(u64, u64, Vec<u8>)>,
+}
+
+/// The copies of other shards this process keeps.
+pub struct Backups {
+    replicas: BTreeMap<u32, Mutex<Replica>>,
+}
+
+impl std::fmt::Debug for Backups {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Backups").field("shards", &self.replicas.keys().collect::<Vec<_>>()).finish()
+    }
+}
+
+impl Backups {
+    /// Copies of `shards`, each configured as `own` with its index (and `data`, for shard 0); `limit` bounds
+    /// a logged request's payload as the shard itself bounds it (`limit(cfg)`).
+    pub fn new(
+        shards: &[u32],
+        own: &ShardConfig,
+        data: Option<&gaps_shard::dealer::DealerConfig>,
+        limit: impl Fn(&ShardConfig) -> Result<u64>,
+    ) -> Result<Self> {
+        let mut replicas = BTreeMap::new();
+        for &shard in shards {
+            let cfg = ShardConfig { shard, ..own.clone() };
+            let limits = Limits { max_payload_bytes: limit(&cfg)?, ..Limits::default() };
+            let data = if shard == 0 { data.cloned() } else { None };
+            let replica = Replica { cfg, data, limits, core: None, applied: 0, incoming: None };
+            replicas.insert(shard, Mutex::new(replica));
+        }
+        Ok(Backups { replicas })
+    }
+
+    /// The largest request a primary sends this process: a batch of its largest entries, or a snapshot
+    /// piece.
+    pub fn largest_request(&self) -> u64 {
+        let entry = self.replicas.values().map(|r| r.lock().map_or(0, |r| r.limits.max_payload_bytes)).max();
+        entry
+            .map_or(0, |e| e + BATCH_BYTES + u64::from(gaps_common::wire::MAX_HEADER_BYTES) + 64)
+            .max(SNAPSHOT_PIECE as u64)
+    }
+
+    /// The shards copied here, each with the last entry applied (0: no snapshot yet).
+    pub fn applied(&self) -> Vec<(u32, u64)> {
+        self.replicas.iter().map(|(s, r)| (*s, r.lock().map_or(0, |r| r.applied))).collect()
+    }
+
+    /// Reads the copy of `shard` (tests and reports): the last entry applied and the core.
+    pub fn inspect<T>(&self, shard: u32, f: impl FnOnce(u64, Option<&ShardCore>) -> T) -> Option<T> {
+        let r = self.replicas.get(&shard)?.lock().ok()?;
+        Some(f(r.applied, r.core.as_ref()))
+    }
+
+    /// Handles a [`Message::ReplicaSnapshot`] or [`Message::ReplicaAppend`] from shard `shard`'s primary
+    /// (its certificate was checked) on a blocking thread.
+    pub async fn handle(self: &Arc<Self>, frame: Frame) -> Frame {
+        let this = self.clone();
+        let answer = tokio::task::spawn_blocking(move || this.handle_now(frame)).await;
+        Frame::new(match answer {
+            Ok(Ok(ack)) => Message::ReplicaAck(ack),
+            Ok(Err(e)) => Message::error(ErrorCode::Misconfigured, format!("{e:#}")),
+            Err(e) => Message::error(ErrorCode::Internal, format!("the replica's task failed: {e}")),
+        })
+    }
+
+    fn handle_now(&self, frame: Frame) -> Result<ReplicaAck> {
+        let shard = match &frame.msg {
+            Message::ReplicaSnapshot(s) => s.shard,
+            Message::ReplicaAppend(a) => a.shard,
+            other => bail!("{} is not a replication request", net::kind_name(other)),
+        };
+        let replica =
+            self.replicas.get(&shard).with_context(|| format!("this process does not back up shard {shard}"))?;
+        let mut r = replica.lock().map_err(|_| anyhow!("the copy of shard {shard} is poisoned"))?;
+        let applied = match frame.msg {
+            Message::ReplicaSnapshot(s) => r.snapshot_piece(&s, &frame.payload)?,
+            Message::ReplicaAppend(a) => r.append(&a, &frame.payload)?,
+            _ => unreachable!("checked above"),
+        };
+        Ok(ReplicaAck { shard, applied })
+    }
+}
+
+impl Replica {
+    fn snapshot_piece(&mut self, s: &ReplicaSnapshot, words: &[f32]) -> Result<u64> {
+        let piece = gaps_common::wire::words_to_bytes(words, u64::from(s.bytes))
+            .context("a snapshot piece shorter than it says")?;
+        if s.offset == 0 {
+            self.incoming = Some((s.index, s.total, Vec::new()));
+        }
+        let Some((index, total, buf)) = self.incoming.as_mut() else { bail!("a snapshot piece without its start") };
+        if (*index, *total, buf.len() as u64) != (s.index, s.total, s.offset) {
+            self.incoming = None;
+            bail!("a snapshot piece out of order");
+        }
+        if s.offset + piece.len() as u64 > s.total {
+            self.incoming = None;
+            bail!("a snapshot piece past the snapshot's end");
+        }
+        buf.extend_from_slice(&piece);
+        if (buf.len() as u64) < *total {
+            return Ok(0);
+        }
+        let (index, _, bytes) = self.incoming.take().expect("set above");
+        let mut core =
+            ShardCore::restore(self.cfg.clone(), &bytes).map_err(|e| anyhow!("restoring the snapshot: {e}"))?;
+        core.set_dealer_as_copy(self.data.clone()).map_err(|e| anyhow!("copying shard {}: {e}", self.cfg.shard))?;
+        self.core = Some(core);
+        self.applied = index;
+        Ok(index)
+    }
+
+    fn append(&mut self, a: &ReplicaAppend, words: &[f32]) -> Result<u64> {
+        let Some(core) = self.core.as_mut() else { bail!("no snapshot yet") };
+        if a.first != self.applied + 1 {
+            bail!("entries from {} where {} comes next", a.first, self.applied + 1);
+        }
+        let bytes =
+            gaps_common::wire::words_to_bytes(words, a.total_bytes()).context("entries shorter than they say")?;
+        let mut at = 0usize;
+        for &len in &a.lens {
+            let end = at + len as usize;
+            let entry = LogEntry::decode(&bytes[at..end], &self.limits)
+                .map_err(|e| anyhow!("entry {}: {e}", self.applied + 1))?;
+            at = end;
+            if entry.index != self.applied + 1 {
+                bail!("entry {} where {} comes next", entry.index, self.applied + 1);
+            }
+            match entry.entry {
+                Entry::Request { now, frame } => {
+                    core.handle(*frame, now);
+                }
+                Entry::Tick { now } => {
+                    core.tick(now);
+                }
+            }
+            self.applied = entry.index;
+        }
+        Ok(self.applied)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gaps_common::layout::{Layout, TensorSpec};
+    use gaps_common::wire::{bytes_to_words, Heartbeat, Pull};
+
+    fn log() -> Log {
+        Log::new(0, 1 << 20)
+    }
+
+    fn heartbeat() -> Frame {
+        Frame::new(Message::Heartbeat(Heartbeat { worker: 1 }))
+    }
+
+    #[test]
+    fn replicas_sit_on_the_next_processes_round_the_ring() {
+        assert_eq!(backups_of(2, 3, 2), vec![0]);
+        assert_eq!(backups_of(0, 4, 3), vec![1, 2]);
+        assert_eq!(backed_up_by(0, 4, 3), vec![3, 2]);
+        assert_eq!(backed_up_by(1, 3, 1), Vec::<u32>::new());
+        for (s, n, r) in [(0, 5, 3), (4, 5, 5), (2, 3, 2)] {
+            for b in backups_of(s, n, r) {
+                assert!(backed_up_by(b, n, r).contains(&s), "{s} {n} {r}");
+                assert_ne!(b, s);
+            }
+        }
+        assert!(check_replicas(3, 2).is_err() && check_replicas(0, 2).is_err() && check_replicas(2, 2).is_ok());
+    }
+
+    #[test]
+    fn nothing_is_logged_without_a_backup_and_reads_never_are() {
+        let l = log();
+        assert_eq!(l.request(Duration::ZERO, &heartbeat()), 0);
+        assert_eq!(l.tick(Duration::ZERO), 0);
+        assert_eq!(l.follow(1), 0);
+        let read = Frame::new(Message::Pull(Pull { epoch: 1, chunks: vec![] }));
+        assert_eq!(l.request(Duration::ZERO, &read), 0, "a read");
+        assert_eq!(l.request(Duration::ZERO, &heartbeat()), 1);
+        assert_eq!(l.tick(Duration::from_millis(5)), 2);
+    }
+
+    #[test]
+    fn replies_wait_for_a_backup_once_it_caught_up_and_stop_waiting_when_it_is_dropped() {
+        let l = log();
+        l.follow(1);
+        let first = l.request(Duration::ZERO, &heartbeat());
+        // Catching up: replies do not wait for it yet.
+        assert_eq!(*l.acked.borrow(), u64::MAX);
+        assert_eq!(l.batch(1, 0).expect("follows").iter().map(|(i, _)| *i).collect::<Vec<_>>(), vec![first]);
+        assert!(l.acknowledged(1, first));
+        assert_eq!(l.live_backups(), 1);
+        let second = l.request(Duration::ZERO, &heartbeat());
+        assert_eq!(*l.acked.borrow(), first, "the second entry waits for the backup");
+        assert_eq!(l.batch(1, first).expect("follows").len(), 1, "acknowledged entries are dropped");
+        assert!(l.acknowledged(1, second));
+        assert_eq!(*l.acked.borrow(), second);
+        l.request(Duration::ZERO, &heartbeat());
+        l.unfollow(1);
+        assert_eq!(*l.acked.borrow(), u64::MAX, "no live backup: nothing waits");
+        assert!(l.batch(1, second).is_err() && !l.acknowledged(1, 3));
+        assert_eq!(l.request(Duration::ZERO, &heartbeat()), 0, "nothing logged without a backup");
+    }
+
+    #[test]
+    fn a_backup_further_behind_than_the_log_holds_is_dropped() {
+        let l = Log::new(0, 200);
+        l.follow(1);
+        l.acknowledged(1, 0);
+        let mut last = 0;
+        for _ in 0..20 {
+            last = l.request(Duration::ZERO, &heartbeat());
+        }
+        assert_eq!(last, 0, "the log dropped the backup once it held more than its cap");
+        assert_eq!(l.live_backups(), 0);
+        assert_eq!(*l.acked.borrow(), u64::MAX);
+    }
+
+    fn backups() -> Arc<Backups> {
+        let layout = Layout::new(vec![TensorSpec::new("w", 100)], 32).expect("layout");
+        let cfg = ShardConfig {
+            shard: 1,
+            num_shards: 2,
+            layout,
+            rule: gaps_kernels::Rule::Sgd,
+            hyper: gaps_kernels::Hyper::default(),
+            init: gaps_shard::Init { seed: 1, std: 0.1 },
+            lease: Duration::from_secs(5),
+            advertise: "a:1".into(),
+            epoch: 3,
+            threads: 1,
+            sparse: gaps_shard::SparseSettings::default(),
+            modes: gaps_shard::modes::ModeConfig::default(),
+        };
+        Arc::new(Backups::new(&[0], &cfg, None, |_| Ok(1 << 20)).expect("backups"))
+    }
+
+    fn words(bytes: &[u8]) -> Vec<f32> {
+        let mut w = Vec::new();
+        bytes_to_words(bytes, &mut w);
+        w
+    }
+
+    fn refused(b: &Backups, msg: Message, payload: Vec<f32>) -> String {
+        format!("{:#}", b.handle_now(Frame { msg, payload }).expect_err("refused"))
+    }
+
+    #[test]
+    fn a_backup_refuses_what_does_not_continue_its_copy() {
+        let b = backups();
+        let append = |first, lens: Vec<u32>| Message::ReplicaAppend(ReplicaAppend { shard: 0, first, lens });
+        assert!(refused(&b, append(1, vec![]), vec![]).contains("no snapshot"));
+        let other = Message::ReplicaAppend(ReplicaAppend { shard: 1, first: 1, lens: vec![] });
+        assert!(refused(&b, other, vec![]).contains("does not back up shard 1"));
+        let piece = |index, offset, total, bytes| {
+            Message::ReplicaSnapshot(ReplicaSnapshot { shard: 0, index, offset, total, bytes })
+        };
+        assert!(refused(&b, piece(4, 8, 16, 8), words(&[0; 8])).contains("without its start"));
+        assert!(refused(&b, piece(4, 0, 4, 8), words(&[0; 8])).contains("past the snapshot's end"));
+        assert!(refused(&b, piece(4, 0, 8, 8), words(&[0; 4])).contains("shorter"));
+        assert!(refused(&b, piece(4, 0, 8, 8), words(&[7; 8])).contains("restoring"), "not a checkpoint");
+        // A real snapshot of shard 0, then entries in order only.
+        let core =
+            ShardCore::new(ShardConfig { shard: 0, ..b.replicas[&0].lock().expect("lock").cfg.clone() }).expect("core");
+        let snap = core.checkpoint_into(0, Vec::new()).expect("snapshot");
+        let half = snap.len() / 2;
+        let total = snap.len() as u64;
+        let first = b.handle_now(Frame { msg: piece(9, 0, total, half as u32), payload: words(&snap[..half]) });
+        assert_eq!(first.expect("first piece").applied, 0);
+        let rest = snap.len() - half;
+        let last =
+            b.handle_now(Frame { msg: piece(9, half as u64, total, rest as u32), payload: words(&snap[half..]) });
+        assert_eq!(last.expect("last piece").applied, 9);
+        assert!(refused(&b, append(11, vec![]), vec![]).contains("where 10 comes next"));
+        let tick = LogEntry { index: 10, entry: Entry::Tick { now: Duration::from_secs(1) } }.encode().expect("entry");
+        let wrong = LogEntry { index: 12, entry: Entry::Tick { now: Duration::from_secs(1) } }.encode().expect("entry");
+        let mut both = tick.clone();
+        both.extend_from_slice(&wrong);
+        let lens = vec![tick.len() as u32, wrong.len() as u32];
+        assert!(refused(&b, append(10, lens), words(&both)).contains("entry 12 where 11 comes next"));
+        assert_eq!(b.applied(), vec![(0, 10)], "the entries before the bad one stay applied");
+        let garbage = append(11, vec![3]);
+        assert!(refused(&b, garbage, words(&[1, 2, 3])).contains("entry 11"));
+    }
+}

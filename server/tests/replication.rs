@@ -1,0 +1,127 @@
+//! Replicated shards over real shard services (`--replicas 2`, docs/replication.md): each shard's primary
+//! ships its log to the other process, which keeps a copy; after workers trained through both shards the
+//! copy of each shard equals its primary — the same checkpoint bytes at the same log index, the primary's
+//! read counters zeroed — in async and in sync, the coordinator's data dealer included.
+
+use gaps_common::layout::{Layout, TensorSpec};
+use gaps_common::wire::Role;
+use gaps_kernels::{Hyper, Rule};
+use gaps_server::service::{self, RunningServer, ServiceConfig};
+use gaps_shard::dealer::{DealerConfig, SplitTable};
+use gaps_shard::modes::{Mode, ModeConfig};
+use gaps_shard::{Init, ShardConfig, ShardCore};
+use gaps_transport::tls::ClusterCerts;
+use gaps_worker::client::{Client, ClientOptions};
+use std::time::Duration;
+
+fn core_config(shard: u32, mode: Mode) -> ShardConfig {
+    let mut adam = TensorSpec::new("b", 70);
+    adam.rule.rule = Some("adam".into());
+    ShardConfig {
+        shard,
+        num_shards: 2,
+        layout: Layout::new(vec![TensorSpec::new("w", 600), adam], 64).expect("layout"),
+        rule: Rule::Momentum,
+        hyper: Hyper { lr: 0.01, momentum: 0.9, ..Hyper::default() },
+        init: Init { seed: 4, std: 0.1 },
+        lease: Duration::from_secs(10),
+        advertise: String::new(),
+        epoch: 77,
+        threads: 1,
+        sparse: gaps_shard::SparseSettings::default(),
+        modes: ModeConfig { mode, ..ModeConfig::default() },
+    }
+}
+
+async fn start_shard(certs: &ClusterCerts, shard: u32, coordinator: Option<String>, mode: Mode) -> RunningServer {
+    let core = core_config(shard, mode);
+    let cfg = ServiceConfig {
+        coordinator,
+        join_timeout: Duration::from_secs(20),
+        // One tick at start and none after: once the workers left, the log stands still and the copies can
+        // be compared at one index.
+        tick_interval: Duration::from_secs(3600),
+        replicas: 2,
+        data: Some(DealerConfig {
+            table: SplitTable::Synthetic { samples_per_split: 100 },
+            epochs: None,
+            grant_floor: 1 << 32,
+        }),
+        ..ServiceConfig::new("127.0.0.1:0".parse().expect("addr"), certs.shard_material(shard).expect("tls"), core)
+    };
+    service::start(cfg).await.expect("start shard")
+}
+
+async fn train(certs: &ClusterCerts, coordinator: &str, workers: usize, iterations: usize) {
+    let mut tasks = Vec::new();
+    for w in 0..workers {
+        let mut o = ClientOptions::new(coordinator, certs.worker_material().expect("tls"), Role::Worker, "t");
+        o.rpc_timeout = Duration::from_secs(20);
+        tasks.push(tokio::spawn(async move {
+            let c = Client::connect(o).await.expect("connect");
+            let mut split = None;
+            for i in 0..iterations {
+                if i % 10 == 0 {
+                    split = c.next_split(split).await.expect("split").split.map(|s| s.grant);
+                }
+                let s = c.pull().await.expect("pull");
+                let g = s
+                    .tensors
+                    .iter()
+                    .map(|t| t.iter().map(|v| v * 0.1 + ((i + w) % 5) as f32 * 0.01).collect())
+                    .collect();
+                c.push(g, &s).await.expect("push");
+            }
+            c.leave().await.expect("leave");
+        }));
+    }
+    for t in tasks {
+        t.await.expect("worker");
+    }
+}
+
+/// The state of checkpoint `bytes` of shard `shard`, with the read counters zeroed.
+fn without_reads(shard: u32, mode: Mode, bytes: &[u8]) -> Vec<u8> {
+    let mut core = ShardCore::restore(core_config(shard, mode), bytes).expect("restores");
+    core.forget_read_counters();
+    core.checkpoint_into(0, Vec::new()).expect("checkpoint")
+}
+
+async fn copies_equal_their_primaries(mode: Mode) {
+    let certs = ClusterCerts::generate(&[]).expect("certs");
+    let s0 = start_shard(&certs, 0, None, mode).await;
+    let s1 = start_shard(&certs, 1, Some(s0.advertise.clone()), mode).await;
+    // Each process backs up the other's shard; replies wait for a backup once it caught up.
+    for _ in 0..400 {
+        if s0.live_backups() == 1 && s1.live_backups() == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!((s0.live_backups(), s1.live_backups()), (1, 1), "both backups live before training");
+    train(&certs, &s0.advertise, 3, 60).await;
+
+    for (primary, backup, shard) in [(&s0, &s1, 0u32), (&s1, &s0, 1u32)] {
+        let (index, bytes) = primary.snapshot().await.expect("primary snapshot");
+        assert!(index > 100, "shard {shard}'s log holds the training ({index} entries)");
+        // Every acknowledged request was applied by the backup before its reply; the last ones (leaves) too.
+        let (applied, copy) = backup.replica_copy(shard).expect("a copy");
+        assert_eq!(applied, index, "shard {shard}'s backup applied the whole log");
+        assert!(
+            without_reads(shard, mode, &copy) == without_reads(shard, mode, &bytes),
+            "shard {shard}'s copy differs from its primary at entry {index} ({mode:?})"
+        );
+    }
+    s1.shutdown().await.expect("shutdown");
+    s0.shutdown().await.expect("shutdown");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_async_each_backup_holds_its_primarys_state() {
+    copies_equal_their_primaries(Mode::Async).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_sync_each_backup_holds_its_primarys_state() {
+    copies_equal_their_primaries(Mode::Sync).await;
+}
