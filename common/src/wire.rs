@@ -21,7 +21,7 @@ use crate::layout::{ChunkId, Layout};
 use bincode::{Decode, Encode};
 
 /// Protocol version carried by registrations; a peer with another version is refused.
-pub const PROTOCOL_VERSION: u16 = 12;
+pub const PROTOCOL_VERSION: u16 = 13;
 /// Bytes before the header: the kind byte and the header length.
 pub const FRAME_PREFIX_LEN: usize = 5;
 /// Hard upper bound on an encoded header (also the bincode decode limit).
@@ -132,6 +132,9 @@ pub enum ErrorCode {
     /// The server had no room for the request's bytes in time (its in-flight memory budget was taken by
     /// other requests); nothing of it was applied, and the same request may be sent again after a pause.
     Busy,
+    /// This process no longer serves the shard (a backup took it over): nothing was applied; fetch the map
+    /// again and send the request where it says. (Added in protocol 13.)
+    Moved,
 }
 
 /// The role a registering client asks for.
@@ -176,6 +179,11 @@ pub struct ShardAddr {
     pub index: u32,
     /// `host:port`.
     pub addr: String,
+    /// The shard process serving it, whose certificate the server holds: the shard's own index, or the
+    /// backup that took it over (replicated shards). (Added in protocol 13.)
+    pub process: u32,
+    /// The shard's replica epoch: how many times a backup took it over.
+    pub epoch: u64,
 }
 
 /// The update rule as workers need to know it (DANA-Slim's worker half, which pushes echo their reads).
@@ -991,6 +999,48 @@ pub fn words_to_bytes(words: &[f32], len: u64) -> Option<Vec<u8>> {
     Some(out)
 }
 
+/// A primary's report to the coordinator (replicated shards): process `process` serves shard `shard` under
+/// replica epoch `epoch`, and its replies wait for the backup processes `in_sync`, which therefore hold
+/// every request it acknowledged. Sent after a backup starts counting and before one stops. The coordinator
+/// refuses it ([`ErrorCode::Moved`]) when the shard is served under another epoch: this primary was replaced
+/// and answers nothing more. (Added in protocol 13.)
+#[derive(Debug, Clone, PartialEq, Eq, Encode, Decode)]
+pub struct ReplicaReport {
+    /// The shard.
+    pub shard: u32,
+    /// The process serving it (the sender).
+    pub process: u32,
+    /// The replica epoch it serves under.
+    pub epoch: u64,
+    /// Its backups in sync.
+    pub in_sync: Vec<u32>,
+}
+
+/// A backup's request to the coordinator to take over shard `shard`, whose primary went silent: process
+/// `process`, in sync under replica epoch `epoch`, serves its copy at `addr` from epoch `epoch + 1`.
+/// (Added in protocol 13.)
+#[derive(Debug, Clone, PartialEq, Eq, Encode, Decode)]
+pub struct Promote {
+    /// The shard.
+    pub shard: u32,
+    /// The backup process (the sender).
+    pub process: u32,
+    /// The replica epoch its copy was in sync under.
+    pub epoch: u64,
+    /// Where it serves the shard.
+    pub addr: String,
+}
+
+/// The coordinator's answer to [`ReplicaReport`] and [`Promote`]: the shard's replica epoch now.
+/// (Added in protocol 13.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Encode, Decode)]
+pub struct ReplicaEpoch {
+    /// The shard.
+    pub shard: u32,
+    /// Its replica epoch.
+    pub epoch: u64,
+}
+
 /// Every message of the protocol. The kind byte on the wire is [`Message::kind`].
 #[derive(Debug, Clone, PartialEq)]
 pub enum Message {
@@ -1073,6 +1123,12 @@ pub enum Message {
     ReplicaAppend(ReplicaAppend),
     /// A backup's answer to both.
     ReplicaAck(ReplicaAck),
+    /// A primary's backups in sync, to the coordinator.
+    ReplicaReport(ReplicaReport),
+    /// A backup taking over its shard, to the coordinator.
+    Promote(Promote),
+    /// The coordinator's answer to both.
+    ReplicaEpoch(ReplicaEpoch),
 }
 
 /// Defines `kind()`, header encoding and kind-directed decoding for every variant in one place.
@@ -1115,7 +1171,8 @@ message_kinds! {
     24 => Rollback, 25 => RollbackReply, 26 => SplitRequest, 27 => SplitGrant, 28 => DataStatusRequest,
     29 => DataStatus, 30 => WaitStep, 31 => Initialize, 32 => Initialized,
     33 => TableScan, 34 => TableRows, 35 => TableLoad, 36 => TableLoaded,
-    37 => ReplicaSnapshot, 38 => ReplicaAppend, 39 => ReplicaAck,
+    37 => ReplicaSnapshot, 38 => ReplicaAppend, 39 => ReplicaAck, 40 => ReplicaReport, 41 => Promote,
+    42 => ReplicaEpoch,
 }
 
 fn config() -> impl bincode::config::Config {
@@ -1481,7 +1538,7 @@ mod tests {
                 epoch: 9,
                 worker_id: Some(3),
                 num_shards: 1,
-                shards: vec![ShardAddr { index: 0, addr: "127.0.0.1:1".into() }],
+                shards: vec![ShardAddr { index: 0, addr: "127.0.0.1:1".into(), process: 1, epoch: 2 }],
                 layout,
                 lease_ms: 5000,
                 token: Some([7; 32]),
@@ -1607,6 +1664,9 @@ mod tests {
                 },
             },
             Frame::new(Message::ReplicaAck(ReplicaAck { shard: 2, applied: u64::MAX })),
+            Frame::new(Message::ReplicaReport(ReplicaReport { shard: 1, process: 2, epoch: 3, in_sync: vec![0, 4] })),
+            Frame::new(Message::Promote(Promote { shard: 1, process: 0, epoch: 3, addr: "h:9".into() })),
+            Frame::new(Message::ReplicaEpoch(ReplicaEpoch { shard: 1, epoch: 4 })),
             Frame::new(Message::DataStatus(DataStatus {
                 shard: 1,
                 counts: vec![GrantCount { grant: 78, split: 4, samples: 900 }],
@@ -1674,7 +1734,7 @@ mod tests {
     fn every_message_round_trips() {
         let frames = samples();
         let kinds: std::collections::BTreeSet<u8> = frames.iter().map(|f| f.msg.kind()).collect();
-        assert_eq!(kinds.len(), 36, "one sample per kind");
+        assert_eq!(kinds.len(), 39, "one sample per kind");
         for f in frames {
             let bytes = encode_frame(&f).expect("encode");
             let back = decode_frame(&bytes, &Limits::default()).expect("decode");

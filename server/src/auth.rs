@@ -148,6 +148,18 @@ pub fn authorize(msg: &Message, peer: &PeerIdentity, bound: Option<u32>) -> Resu
         | (Message::ReplicaAppend(gaps_common::wire::ReplicaAppend { shard, .. }), _) => {
             Err(format!("{peer} cannot replicate shard {shard} (only that shard's certificate can)"))
         }
+        // The coordinator hears of a shard's backups from the process serving it, and of a takeover from the
+        // backup taking it.
+        (Message::ReplicaReport(gaps_common::wire::ReplicaReport { process, .. }), Role::Shard(i))
+        | (Message::Promote(gaps_common::wire::Promote { process, .. }), Role::Shard(i))
+            if i == process =>
+        {
+            Ok(())
+        }
+        (Message::ReplicaReport(gaps_common::wire::ReplicaReport { process, .. }), _)
+        | (Message::Promote(gaps_common::wire::Promote { process, .. }), _) => {
+            Err(format!("{peer} cannot speak for shard process {process} (only that process's certificate can)"))
+        }
         // Data is dealt to workers only (a split dealt to anyone else would never be trained).
         (Message::SplitRequest(_), Role::Shard(_)) => {
             Err(format!("{peer} is not a worker certificate; only workers are dealt data"))
@@ -286,6 +298,18 @@ mod tests {
             assert!(authorize(&msg, &id(Role::Shard(2)), None).is_ok(), "{msg:?}");
             assert!(authorize(&msg, &id(Role::Shard(0)), None).is_err(), "the coordinator: {msg:?}");
             assert!(authorize(&msg, &id(Role::Shard(3)), None).is_err(), "another shard: {msg:?}");
+            assert!(authorize(&msg, &id(Role::Worker("w".into())), Some(2)).is_err(), "a worker: {msg:?}");
+        }
+    }
+
+    #[test]
+    fn only_a_process_speaks_for_itself_to_the_coordinator() {
+        use gaps_common::wire::{Promote, ReplicaReport};
+        let report = Message::ReplicaReport(ReplicaReport { shard: 1, process: 2, epoch: 0, in_sync: vec![] });
+        let promote = Message::Promote(Promote { shard: 1, process: 2, epoch: 0, addr: "x:1".into() });
+        for msg in [report, promote] {
+            assert!(authorize(&msg, &id(Role::Shard(2)), None).is_ok(), "{msg:?}");
+            assert!(authorize(&msg, &id(Role::Shard(1)), None).is_err(), "the shard's own index: {msg:?}");
             assert!(authorize(&msg, &id(Role::Worker("w".into())), Some(2)).is_err(), "a worker: {msg:?}");
         }
     }

@@ -110,6 +110,11 @@ pub struct ServerArgs {
     /// new snapshot).
     #[arg(long, env = "GAPS_REPLICA_ACK_TIMEOUT", default_value = "2s", value_parser = parse_duration)]
     pub replica_ack_timeout: Duration,
+    /// A backup whose primary sent nothing for this long (a live primary logs a tick every 250 ms) asks the
+    /// coordinator to take the shard over; the coordinator agrees only if the primary does not answer it
+    /// either and the backup holds every request the primary acknowledged.
+    #[arg(long, env = "GAPS_FAILOVER_AFTER", default_value = "2s", value_parser = parse_duration)]
+    pub failover_after: Duration,
     /// How long a request's header, and then its payload, may take to arrive; a slower or stalled sender is
     /// cut off (and counted).
     #[arg(long, env = "GAPS_REQUEST_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
@@ -402,6 +407,7 @@ impl ServerArgs {
             data: self.dealer_config()?,
             replicas: self.replicas,
             replica_ack_timeout: self.replica_ack_timeout,
+            failover_after: self.failover_after,
         })
     }
 }

@@ -22,7 +22,8 @@
 
 use anyhow::{anyhow, bail, Context, Result};
 use gaps_common::wire::{
-    ErrorCode, Frame, Limits, Message, Register, ReplicaAck, ReplicaAppend, ReplicaSnapshot, Role, PROTOCOL_VERSION,
+    ErrorCode, Frame, Limits, Message, Register, ReplicaAck, ReplicaAppend, ReplicaReport, ReplicaSnapshot, Role,
+    PROTOCOL_VERSION,
 };
 use gaps_shard::replica::{changes_state, Entry, LogEntry};
 use gaps_shard::{ShardConfig, ShardCore};
@@ -35,6 +36,9 @@ use tracing::{info, warn};
 
 /// How long a primary waits for a backup's answer to a batch before it drops the backup from the live set.
 pub const DEFAULT_ACK_TIMEOUT: Duration = Duration::from_secs(2);
+/// A backup whose primary sent nothing for this long asks the coordinator to take its shard over (the primary
+/// logs a tick every 250 ms, so a live one is never that silent).
+pub const DEFAULT_FAILOVER_AFTER: Duration = Duration::from_secs(2);
 /// Bytes of a snapshot sent in one request.
 const SNAPSHOT_PIECE: usize = 4 << 20;
 /// A batch of entries is cut once it holds this many bytes (or entries).
@@ -93,6 +97,10 @@ struct LogInner {
 #[derive(Debug)]
 pub struct Log {
     shard: u32,
+    /// Set once the coordinator said another process serves the shard now: nothing more is acknowledged.
+    fenced: std::sync::atomic::AtomicBool,
+    /// Test hook: nothing is shipped while set (replies wait).
+    held: std::sync::atomic::AtomicBool,
     inner: Mutex<LogInner>,
     /// The last entry every live backup applied (`u64::MAX` while none is live: replies do not wait).
     acked: watch::Sender<u64>,
@@ -117,6 +125,8 @@ impl Log {
         let label = shard.to_string();
         Log {
             shard,
+            fenced: std::sync::atomic::AtomicBool::new(false),
+            held: std::sync::atomic::AtomicBool::new(false),
             inner: Mutex::new(LogInner { next: 1, ..LogInner::default() }),
             acked: watch::Sender::new(u64::MAX),
             logged: watch::Sender::new(0),
@@ -168,19 +178,58 @@ impl Log {
         inner.next += 1;
         inner.bytes += bytes.len() as u64;
         inner.entries.push_back((index, bytes));
+        // Replies wait for live backups, so what they lack is bounded by the requests in flight; a backup
+        // still catching up (not counted by the coordinator either) is dropped when it falls too far behind.
         if inner.bytes > self.cap_bytes {
-            warn!(
-                shard = self.shard,
-                bytes = inner.bytes,
-                "the backups fell further behind than the replica log holds; going on without them until they copy a snapshot again"
-            );
-            self.drop_all(&mut inner);
-            return 0;
+            let behind: Vec<u32> = inner.followers.iter().filter(|(_, f)| !f.live).map(|(b, _)| *b).collect();
+            if !behind.is_empty() {
+                warn!(
+                    shard = self.shard,
+                    bytes = inner.bytes,
+                    backups = ?behind,
+                    "backups catching up fell further behind than the replica log holds; they copy a snapshot again"
+                );
+                self.metrics.dropped.increment(behind.len() as u64);
+                for b in behind {
+                    inner.followers.remove(&b);
+                }
+                self.settle(&mut inner);
+                if inner.followers.is_empty() {
+                    return 0;
+                }
+            }
         }
         self.metrics.log_bytes.set(inner.bytes as f64);
         drop(inner);
         self.logged.send_replace(index);
         index
+    }
+
+    /// Whether the coordinator said another process serves the shard now.
+    pub fn fenced(&self) -> bool {
+        self.fenced.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Stops acknowledging anything: another process serves the shard now. Waiting replies give up.
+    pub fn fence(&self) {
+        if !self.fenced.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            warn!(
+                shard = self.shard,
+                "another shard process serves this shard now: this one answers nothing more for it"
+            );
+        }
+        self.acked.send_replace(u64::MAX);
+    }
+
+    /// Whether backup `backup` counts (replies wait for it).
+    fn is_live(&self, backup: u32) -> bool {
+        self.lock().followers.get(&backup).is_some_and(|f| f.live)
+    }
+
+    /// The backups that count, but `except`.
+    fn live_set(&self, except: Option<u32>) -> Vec<u32> {
+        let inner = self.lock();
+        inner.followers.iter().filter(|(b, f)| f.live && Some(**b) != except).map(|(b, _)| *b).collect()
     }
 
     fn drop_all(&self, inner: &mut LogInner) {
@@ -254,11 +303,19 @@ impl Log {
         self.acked.send_replace(acked);
     }
 
+    /// Test hook: ships nothing while `hold` (replies wait), as a slow network to the backups would.
+    pub fn hold(&self, hold: bool) {
+        self.held.store(hold, std::sync::atomic::Ordering::SeqCst);
+    }
+
     /// The entries after `after` for `backup`, up to a batch; Err when it no longer follows.
     fn batch(&self, backup: u32, after: u64) -> Result<Vec<(u64, Bytes)>, ()> {
         let inner = self.lock();
         if !inner.followers.contains_key(&backup) {
             return Err(());
+        }
+        if self.held.load(std::sync::atomic::Ordering::SeqCst) {
+            return Ok(Vec::new());
         }
         let first = inner.entries.front().map_or(inner.next, |(i, _)| *i);
         let skip = usize::try_from(after + 1 - first.min(after + 1)).unwrap_or(usize::MAX);
@@ -274,13 +331,15 @@ impl Log {
         Ok(out)
     }
 
-    /// Waits until every live backup applied entry `index` (0: at once).
-    pub async fn wait(&self, index: u64) {
+    /// Waits until every live backup applied entry `index` (0: at once); false when the shard was fenced
+    /// meanwhile (the reply must not go as an acknowledgement).
+    pub async fn wait(&self, index: u64) -> bool {
         if index == 0 {
-            return;
+            return !self.fenced();
         }
         let mut rx = self.acked.subscribe();
         let _ = rx.wait_for(|acked| *acked >= index).await;
+        !self.fenced()
     }
 
     /// The last entry logged (0: none).
@@ -294,21 +353,71 @@ impl Log {
     }
 }
 
+/// How a shard process reaches the coordinator: its endpoint and client configuration, and the cluster the
+/// coordinator's certificate must be of.
+#[derive(Clone)]
+pub struct CoordinatorLink {
+    /// The coordinator's address (this process's own for shard 0).
+    pub coordinator: String,
+    pub cluster: String,
+    pub endpoint: quinn::Endpoint,
+    /// The client configuration after a certificate rotation (None: the endpoint's own).
+    pub rotated: Arc<Mutex<Option<quinn::ClientConfig>>>,
+}
+
+impl std::fmt::Debug for CoordinatorLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CoordinatorLink").field("coordinator", &self.coordinator).finish()
+    }
+}
+
+impl CoordinatorLink {
+    /// Connects to `addr`, which must hold shard `index`'s certificate of the cluster.
+    pub async fn connect(&self, addr: &str, index: u32) -> Result<quinn::Connection, RpcError> {
+        let target = net::resolve(addr).await?;
+        let config = self.rotated.lock().ok().and_then(|c| c.clone());
+        let conn = net::connect_with(&self.endpoint, config, target, Duration::from_secs(5)).await?;
+        net::expect_shard(&conn, &self.cluster, index)?;
+        Ok(conn)
+    }
+
+    /// One request to the coordinator on a connection of its own.
+    pub async fn call(&self, msg: &Message) -> Result<Frame, RpcError> {
+        let conn = self.connect(&self.coordinator, 0).await?;
+        let reply = net::call(&conn, msg, &[], &Limits::default(), Duration::from_secs(10)).await;
+        conn.close(0u32.into(), b"done");
+        reply
+    }
+
+    /// The coordinator's cluster map (as an observer sees it).
+    pub async fn map(&self, who: &str) -> Result<gaps_common::wire::ClusterMap, RpcError> {
+        let request =
+            Message::Register(Register { protocol: PROTOCOL_VERSION, role: Role::Observer, name: who.to_string() });
+        match self.call(&request).await? {
+            Frame { msg: Message::ClusterMap(map), .. } => Ok(map),
+            other => {
+                Err(RpcError::Unexpected { addr: self.coordinator.clone(), kind: net::kind_name(&other.msg).into() })
+            }
+        }
+    }
+}
+
 /// A snapshot of the core for a backup: the log index it holds and its bytes, or why none was taken.
 pub type SnapshotReply = tokio::sync::oneshot::Receiver<Result<(u64, Vec<u8>), String>>;
 
 /// What a shipping task needs from the service.
 #[allow(missing_debug_implementations)]
 pub struct ShipContext {
-    /// This shard's index and the cluster's name (for the backup's certificate).
+    /// This shard's index.
     pub shard: u32,
-    pub cluster: String,
-    /// The coordinator's address (this shard's own for shard 0), whose map names the backups.
-    pub coordinator: String,
-    pub endpoint: quinn::Endpoint,
-    /// The client configuration after a certificate rotation (None: the endpoint's own).
-    pub rotated: Arc<Mutex<Option<quinn::ClientConfig>>>,
+    /// The coordinator, whose map names the backups and which hears which backups count.
+    pub link: CoordinatorLink,
     pub ack_timeout: Duration,
+    /// This process's index (the sender of reports) and the replica epoch it serves the shard under.
+    pub process: u32,
+    pub epoch: u64,
+    /// Reports to the coordinator go one at a time, so that they arrive in the order the set changed.
+    pub reporting: tokio::sync::Mutex<()>,
     /// Asks the core for a snapshot for `backup` (its bytes and the log index it holds).
     pub snapshot: Arc<dyn Fn(u32) -> SnapshotReply + Send + Sync>,
 }
@@ -321,9 +430,17 @@ pub async fn ship(ctx: Arc<ShipContext>, log: Arc<Log>, backup: u32, mut stop: w
             _ = stop.changed() => return,
             r = ship_once(&ctx, &log, backup, &mut said) => r,
         };
-        log.unfollow(backup);
-        if let Err(e) = outcome {
+        if let Err(e) = &outcome {
             warn!(shard = ctx.shard, backup, error = format!("{e:#}"), "replication to a backup stopped; trying again");
+        }
+        // A backup the coordinator counts in sync stops counting only once the coordinator knows: it must
+        // never promote a copy that lacks an acknowledged request. Replies wait meanwhile.
+        let released = tokio::select! {
+            _ = stop.changed() => return,
+            r = release(&ctx, &log, backup) => r,
+        };
+        if !released {
+            return;
         }
         tokio::select! {
             _ = stop.changed() => return,
@@ -332,14 +449,66 @@ pub async fn ship(ctx: Arc<ShipContext>, log: Arc<Log>, backup: u32, mut stop: w
     }
 }
 
+/// Stops following `backup`: at once when it did not count, after the coordinator took it out of the shard's
+/// in-sync set when it did. False when the coordinator answered that another process serves the shard now
+/// (this one is fenced).
+async fn release(ctx: &ShipContext, log: &Log, backup: u32) -> bool {
+    // The coordinator's own shard is never taken over (its fail-over is not built yet), so it needs no leave.
+    if ctx.shard == 0 || !log.is_live(backup) {
+        log.unfollow(backup);
+        return true;
+    }
+    let mut said = false;
+    loop {
+        match report(ctx, log, Some(backup)).await {
+            Ok(()) => {
+                log.unfollow(backup);
+                return true;
+            }
+            Err(Reported::Moved) => {
+                log.fence();
+                return false;
+            }
+            Err(Reported::Failed(e)) => {
+                if !said {
+                    warn!(
+                        shard = ctx.shard,
+                        backup,
+                        error = format!("{e:#}"),
+                        "the coordinator must hear that a backup stopped before replies go on without it; trying again"
+                    );
+                    said = true;
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
+    }
+}
+
+/// Why a report to the coordinator did not go through.
+enum Reported {
+    /// Another process serves the shard now.
+    Moved,
+    Failed(anyhow::Error),
+}
+
+/// Tells the coordinator which backups count now (all but `except`).
+async fn report(ctx: &ShipContext, log: &Log, except: Option<u32>) -> Result<(), Reported> {
+    let _one = ctx.reporting.lock().await;
+    let in_sync = log.live_set(except);
+    let msg =
+        Message::ReplicaReport(ReplicaReport { shard: ctx.shard, process: ctx.process, epoch: ctx.epoch, in_sync });
+    match ctx.link.call(&msg).await {
+        Ok(Frame { msg: Message::ReplicaEpoch(_), .. }) => Ok(()),
+        Err(RpcError::Remote { code: ErrorCode::Moved, .. }) => Err(Reported::Moved),
+        Ok(other) => Err(Reported::Failed(anyhow!("the coordinator answered with {}", net::kind_name(&other.msg)))),
+        Err(e) => Err(Reported::Failed(anyhow!("the coordinator ({}): {e}", ctx.link.coordinator))),
+    }
+}
+
 async fn ship_once(ctx: &ShipContext, log: &Log, backup: u32, said: &mut bool) -> Result<()> {
     let addr = backup_address(ctx, backup).await?;
-    let config = ctx.rotated.lock().ok().and_then(|c| c.clone());
-    let target = net::resolve(&addr).await.map_err(|e| anyhow!("backup {backup} at {addr}: {e}"))?;
-    let conn = net::connect_with(&ctx.endpoint, config, target, Duration::from_secs(5))
-        .await
-        .map_err(|e| anyhow!("backup {backup} at {addr}: {e}"))?;
-    net::expect_shard(&conn, &ctx.cluster, backup).map_err(|e| anyhow!("backup {backup} at {addr}: {e}"))?;
+    let conn = ctx.link.connect(&addr, backup).await.map_err(|e| anyhow!("backup {backup} at {addr}: {e}"))?;
     let (index, bytes) = (ctx.snapshot)(backup)
         .await
         .map_err(|_| anyhow!("the core stopped"))?
@@ -376,7 +545,24 @@ async fn ship_once(ctx: &ShipContext, log: &Log, backup: u32, said: &mut bool) -
     }
     let mut applied = index;
     let mut logged = log.logged.subscribe();
+    // Once the backup counts, the coordinator hears of it (until then it may not promote the copy).
+    let mut reported = ctx.shard == 0;
     loop {
+        if !reported && log.is_live(backup) {
+            match report(ctx, log, None).await {
+                Ok(()) => reported = true,
+                Err(Reported::Moved) => {
+                    log.fence();
+                    bail!("another process serves this shard now");
+                }
+                Err(Reported::Failed(e)) => warn!(
+                    shard = ctx.shard,
+                    backup,
+                    error = format!("{e:#}"),
+                    "telling the coordinator that a backup counts; trying again after the next batch"
+                ),
+            }
+        }
         let batch = log.batch(backup, applied).map_err(|()| anyhow!("dropped from the live set"))?;
         if batch.is_empty() {
             let _ = tokio::time::timeout(IDLE_CHECK, logged.wait_for(|l| *l > applied)).await;
@@ -439,32 +625,29 @@ async fn backup_address(ctx: &ShipContext, backup: u32) -> Result<String> {
 struct Incomplete;
 
 async fn map_address(ctx: &ShipContext, backup: u32) -> Result<Result<String>, Incomplete> {
-    let request = Message::Register(Register {
-        protocol: PROTOCOL_VERSION,
-        role: Role::Observer,
-        name: format!("shard-{} replication", ctx.shard),
-    });
-    let reply = async {
-        let target = net::resolve(&ctx.coordinator).await?;
-        let config = ctx.rotated.lock().ok().and_then(|c| c.clone());
-        let conn = net::connect_with(&ctx.endpoint, config, target, Duration::from_secs(5)).await?;
-        net::expect_shard(&conn, &ctx.cluster, 0)?;
-        let reply = net::call(&conn, &request, &[], &Limits::default(), Duration::from_secs(10)).await;
-        conn.close(0u32.into(), b"map");
-        reply
-    };
-    Ok(match reply.await {
-        Ok(Frame { msg: Message::ClusterMap(map), .. }) => map
+    Ok(match ctx.link.map(&format!("shard-{} replication", ctx.shard)).await {
+        Ok(map) => map
             .shards
             .iter()
-            .find(|s| s.index == backup)
+            .find(|s| s.index == backup && s.process == backup)
             .map(|s| s.addr.clone())
-            .with_context(|| format!("the coordinator's map has no shard {backup}")),
+            .with_context(|| format!("shard process {backup} does not serve its own shard (it was taken over)")),
         Err(RpcError::Remote { code: ErrorCode::ClusterIncomplete, .. }) => return Err(Incomplete),
-        Ok(other) => Err(anyhow!("the coordinator answered with {}", net::kind_name(&other.msg))),
-        Err(e) => Err(anyhow!("the coordinator's map ({}): {e}", ctx.coordinator)),
+        Err(e) => Err(anyhow!("the coordinator's map ({}): {e}", ctx.link.coordinator)),
     })
 }
+
+/// The copy of this shard was taken over here: its old primary's log is refused.
+#[derive(Debug)]
+struct TakenOver(u32);
+
+impl std::fmt::Display for TakenOver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "shard {} is served by this process now (its backup took it over)", self.0)
+    }
+}
+
+impl std::error::Error for TakenOver {}
 
 /// A copy of one shard held by a backup process.
 struct Replica {
@@ -477,6 +660,12 @@ struct Replica {
     applied: u64,
     /// A snapshot arriving: its index and the bytes so far, of `total`.
     incoming: Option<(u64, u64, Vec<u8>)>,
+    /// When the primary last sent something that continued the copy (None: no copy yet).
+    heard: Option<std::time::Instant>,
+    /// The primary's clock at the last entry applied (a copy that takes over continues from it).
+    clock: Duration,
+    /// The copy is being taken over (or was): the old primary's log is refused.
+    taking_over: bool,
 }
 
 /// The copies of other shards this process keeps.
@@ -504,7 +693,17 @@ impl Backups {
             let cfg = ShardConfig { shard, ..own.clone() };
             let limits = Limits { max_payload_bytes: limit(&cfg)?, ..Limits::default() };
             let data = if shard == 0 { data.cloned() } else { None };
-            let replica = Replica { cfg, data, limits, core: None, applied: 0, incoming: None };
+            let replica = Replica {
+                cfg,
+                data,
+                limits,
+                core: None,
+                applied: 0,
+                incoming: None,
+                heard: None,
+                clock: Duration::ZERO,
+                taking_over: false,
+            };
             replicas.insert(shard, Mutex::new(replica));
         }
         Ok(Backups { replicas })
@@ -537,9 +736,51 @@ impl Backups {
         let answer = tokio::task::spawn_blocking(move || this.handle_now(frame)).await;
         Frame::new(match answer {
             Ok(Ok(ack)) => Message::ReplicaAck(ack),
+            Ok(Err(e)) if e.downcast_ref::<TakenOver>().is_some() => Message::error(ErrorCode::Moved, format!("{e:#}")),
             Ok(Err(e)) => Message::error(ErrorCode::Misconfigured, format!("{e:#}")),
             Err(e) => Message::error(ErrorCode::Internal, format!("the replica's task failed: {e}")),
         })
+    }
+
+    /// The copies that hold a snapshot and whose primary sent nothing for `silence`.
+    pub fn silent(&self, silence: Duration) -> Vec<u32> {
+        let mut out = Vec::new();
+        for (shard, r) in &self.replicas {
+            let Ok(r) = r.lock() else { continue };
+            if !r.taking_over && r.core.is_some() && r.heard.is_some_and(|t| t.elapsed() >= silence) {
+                out.push(*shard);
+            }
+        }
+        out
+    }
+
+    /// Stops applying the primary's log to the copy of `shard` (it is being taken over); false when there is
+    /// no copy to take.
+    pub fn begin_takeover(&self, shard: u32) -> bool {
+        let Some(Ok(mut r)) = self.replicas.get(&shard).map(|r| r.lock()) else { return false };
+        if r.core.is_none() || r.taking_over {
+            return false;
+        }
+        r.taking_over = true;
+        true
+    }
+
+    /// The coordinator refused the takeover: the copy follows its primary again (it waits for the next entry or
+    /// snapshot, and is not taken over again before it went silent once more).
+    pub fn abandon_takeover(&self, shard: u32) {
+        if let Some(Ok(mut r)) = self.replicas.get(&shard).map(|r| r.lock()) {
+            r.taking_over = false;
+            r.heard = Some(std::time::Instant::now());
+        }
+    }
+
+    /// The copy of `shard`, taken over: its core and the primary's clock at its last entry. The copy is gone
+    /// from here (the primary's log is refused from now on).
+    pub fn take(&self, shard: u32) -> Option<(ShardCore, Duration)> {
+        let mut r = self.replicas.get(&shard)?.lock().ok()?;
+        r.taking_over = true;
+        let clock = r.clock;
+        r.core.take().map(|core| (core, clock))
     }
 
     fn handle_now(&self, frame: Frame) -> Result<ReplicaAck> {
@@ -551,6 +792,9 @@ impl Backups {
         let replica =
             self.replicas.get(&shard).with_context(|| format!("this process does not back up shard {shard}"))?;
         let mut r = replica.lock().map_err(|_| anyhow!("the copy of shard {shard} is poisoned"))?;
+        if r.taking_over {
+            return Err(anyhow::Error::new(TakenOver(shard)));
+        }
         let applied = match frame.msg {
             Message::ReplicaSnapshot(s) => r.snapshot_piece(&s, &frame.payload)?,
             Message::ReplicaAppend(a) => r.append(&a, &frame.payload)?,
@@ -586,6 +830,7 @@ impl Replica {
         core.set_dealer_as_copy(self.data.clone()).map_err(|e| anyhow!("copying shard {}: {e}", self.cfg.shard))?;
         self.core = Some(core);
         self.applied = index;
+        self.heard = Some(std::time::Instant::now());
         Ok(index)
     }
 
@@ -605,16 +850,20 @@ impl Replica {
             if entry.index != self.applied + 1 {
                 bail!("entry {} where {} comes next", entry.index, self.applied + 1);
             }
-            match entry.entry {
+            let now = match entry.entry {
                 Entry::Request { now, frame } => {
                     core.handle(*frame, now);
+                    now
                 }
                 Entry::Tick { now } => {
                     core.tick(now);
+                    now
                 }
-            }
+            };
             self.applied = entry.index;
+            self.clock = self.clock.max(now);
         }
+        self.heard = Some(std::time::Instant::now());
         Ok(self.applied)
     }
 }
@@ -683,17 +932,27 @@ mod tests {
     }
 
     #[test]
-    fn a_backup_further_behind_than_the_log_holds_is_dropped() {
+    fn a_backup_catching_up_further_behind_than_the_log_holds_is_dropped_a_live_one_never() {
         let l = Log::new(0, 200);
         l.follow(1);
-        l.acknowledged(1, 0);
         let mut last = 0;
         for _ in 0..20 {
             last = l.request(Duration::ZERO, &heartbeat());
         }
-        assert_eq!(last, 0, "the log dropped the backup once it held more than its cap");
-        assert_eq!(l.live_backups(), 0);
-        assert_eq!(*l.acked.borrow(), u64::MAX);
+        assert_eq!(last, 0, "the log dropped the backup catching up once it held more than its cap");
+        assert!(l.batch(1, 0).is_err());
+        // A live backup is only dropped with the coordinator's leave (replies wait for it meanwhile).
+        let at = l.follow(2);
+        assert!(l.acknowledged(2, at));
+        let first = l.request(Duration::ZERO, &heartbeat());
+        for _ in 0..19 {
+            last = l.request(Duration::ZERO, &heartbeat());
+        }
+        assert_eq!((first, last), (at + 1, at + 20), "still logged for the live backup");
+        assert_eq!(*l.acked.borrow(), at);
+        l.fence();
+        assert_eq!(*l.acked.borrow(), u64::MAX, "fenced: waiting replies wake up");
+        assert!(l.fenced());
     }
 
     fn backups() -> Arc<Backups> {

@@ -97,6 +97,8 @@ pub struct ServiceConfig {
     pub replicas: u32,
     /// How long a primary waits for a backup's answer before it goes on without it.
     pub replica_ack_timeout: Duration,
+    /// A backup whose primary sent nothing for this long asks the coordinator to take the shard over.
+    pub failover_after: Duration,
 }
 
 impl ServiceConfig {
@@ -128,6 +130,7 @@ impl ServiceConfig {
             data: None,
             replicas: 1,
             replica_ack_timeout: crate::replication::DEFAULT_ACK_TIMEOUT,
+            failover_after: crate::replication::DEFAULT_FAILOVER_AFTER,
         }
     }
 }
@@ -559,6 +562,10 @@ struct Shared {
     /// The replica log of this shard (with `--replicas` ≥ 2), and the copies of other shards kept here.
     log: Option<Arc<Log>>,
     backups: Option<Arc<Backups>>,
+    /// The address clients reach this shard at.
+    advertise: String,
+    /// The shards this process took over from their silent primaries, each served on an endpoint of its own.
+    taken_over: std::sync::Mutex<Vec<RunningServer>>,
 }
 
 impl Shared {
@@ -710,6 +717,11 @@ impl RunningServer {
         if let Some(h) = &self.health {
             h.stopping();
         }
+        let taken: Vec<RunningServer> =
+            self.shared.taken_over.lock().map(|mut t| std::mem::take(&mut *t)).unwrap_or_default();
+        for server in taken {
+            Box::pin(server.shutdown()).await?;
+        }
         let _ = self.shutdown.send(true);
         self.task.await.context("joining the server task")?;
         if self.shared.store.is_some() {
@@ -720,6 +732,28 @@ impl RunningServer {
             info!(shard = self.shared.shard, path = %w.path.display(), "final checkpoint written");
         }
         Ok(())
+    }
+
+    /// Test hook: while `hold`, this shard ships nothing to its backups (its replies to state-changing requests
+    /// wait), as a slow network to them would.
+    #[doc(hidden)]
+    pub fn hold_replication(&self, hold: bool) {
+        if let Some(log) = &self.shared.log {
+            log.hold(hold);
+        }
+    }
+
+    /// Stops at once, as a killed process would (tests): the endpoint closes without a word, no request is
+    /// answered, nothing more is sent to backups or checkpointed. The shards this process took over stop too.
+    pub fn crash(self) {
+        let taken: Vec<RunningServer> =
+            self.shared.taken_over.lock().map(|mut t| std::mem::take(&mut *t)).unwrap_or_default();
+        for server in taken {
+            server.crash();
+        }
+        self.shared.endpoint.close(0u32.into(), b"");
+        let _ = self.shutdown.send(true);
+        self.task.abort();
     }
 
     /// Waits until the server stops (after [`RunningServer::shutdown`] from elsewhere or a fatal error).
@@ -737,7 +771,31 @@ fn wire_error_code(e: &WireError) -> ErrorCode {
 }
 
 /// Binds, joins the cluster (shards ≥ 1) and starts serving.
-pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
+pub async fn start(cfg: ServiceConfig) -> Result<RunningServer> {
+    start_serving(cfg, None).await
+}
+
+/// A backup's copy of a shard that this process takes over (replicated shards): served with the process's
+/// own certificate on an endpoint of its own, bound before the coordinator was told its address.
+struct Takeover {
+    core: ShardCore,
+    /// This process's index.
+    process: u32,
+    /// The cluster's credential key (the workers' tokens stay valid).
+    key: gaps_common::wire::Token,
+    /// The primary's clock at the copy's last entry: the copy's clock goes on from there.
+    clock: Duration,
+    endpoint: (quinn::Endpoint, net::PathTuning),
+}
+
+/// A server starting (boxed: a process that takes a shard over starts a server from within one).
+type Starting = std::pin::Pin<Box<dyn std::future::Future<Output = Result<RunningServer>> + Send>>;
+
+fn start_serving(cfg: ServiceConfig, takeover: Option<Takeover>) -> Starting {
+    Box::pin(start_serving_now(cfg, takeover))
+}
+
+async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<Takeover>) -> Result<RunningServer> {
     crate::replication::check_replicas(cfg.replicas, cfg.core.num_shards)?;
     if cfg.replicas > 1 && cfg.device != gaps_kernels::cuda::DeviceChoice::Cpu {
         bail!(
@@ -746,14 +804,22 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
         );
     }
     let own = cfg.tls.own_identity().context("reading this shard's certificate")?;
-    if own.role != Role::Shard(cfg.core.shard) {
+    let process = takeover.as_ref().map_or(cfg.core.shard, |t| t.process);
+    if own.role != Role::Shard(process) {
         bail!(
             "this is shard {} but its certificate is {own}: pass the shard-{}.pem made by `gaps certs`",
             cfg.core.shard,
             cfg.core.shard
         );
     }
-    let (endpoint, path) = net::server_endpoint(cfg.listen, &cfg.tls)?;
+    let (taken_core, taken_key, taken_clock, bound) = match takeover {
+        Some(t) => (Some(t.core), Some(t.key), Some(t.clock), Some(t.endpoint)),
+        None => (None, None, None, None),
+    };
+    let (endpoint, path) = match bound {
+        Some(bound) => bound,
+        None => net::server_endpoint(cfg.listen, &cfg.tls)?,
+    };
     let addr = endpoint.local_addr().context("reading the bound address")?;
     let advertise = match &cfg.advertise {
         Some(a) => a.clone(),
@@ -780,15 +846,18 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
         (Restore::Auto, Some(store)) => store.latest()?.map(|found| (found.path, found.bytes)),
         (Restore::Path(path), _) => Some((path.clone(), crate::checkpoint::load_path(path)?)),
     };
-    let (mut core, restored) = match snapshot {
-        Some((path, bytes)) => {
+    let (mut core, restored) = match (taken_core, snapshot) {
+        (Some(core), _) => (core, None),
+        (None, Some((path, bytes))) => {
             let (core, info) = ShardCore::checkpoint_info(&bytes)
                 .and_then(|info| ShardCore::restore(cfg.core.clone(), &bytes).map(|core| (core, info)))
                 .map_err(|e| anyhow!("restoring shard {shard} from {}: {e}", path.display()))?;
             info!(shard, checkpoint = info.id, path = %path.display(), versions = ?info.tensor_versions, "restored");
             (core, Some(info))
         }
-        None => (ShardCore::new(cfg.core.clone()).map_err(|e| anyhow!("configuring shard {shard}: {e}"))?, None),
+        (None, None) => {
+            (ShardCore::new(cfg.core.clone()).map_err(|e| anyhow!("configuring shard {shard}: {e}"))?, None)
+        }
     };
     let mut journal = None;
     // Other shards keep `--data` only for their copy of the coordinator.
@@ -869,7 +938,9 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
         }
         None => {}
     }
-    let auth_key = if shard != 0 {
+    let auth_key = if let Some(key) = taken_key {
+        key
+    } else if shard != 0 {
         report("joining the coordinator");
         let coordinator =
             cfg.coordinator.clone().context("shards other than 0 need --coordinator (shard 0's address)")?;
@@ -903,7 +974,8 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
     let limits = Limits { max_payload_bytes, ..Limits::default() };
     let chunk_elems = u64::from(core.config().layout.chunk_elems);
     let (queue, receiver) = mpsc::channel(cfg.queue_depth.max(1));
-    let started = Instant::now();
+    // A copy taken over goes on from its primary's clock (leases and waits are deadlines on it).
+    let started = taken_clock.and_then(|c| Instant::now().checked_sub(c)).unwrap_or_else(Instant::now);
     // A striped push whose parts did not all come within a request's time limit is given up.
     let part_wait = cfg.request_timeout;
     std::thread::Builder::new()
@@ -968,6 +1040,8 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
         shard,
         log: log.clone(),
         backups,
+        advertise: advertise.clone(),
+        taken_over: std::sync::Mutex::new(Vec::new()),
     });
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     if let Some(every) = cfg.checkpoint.as_ref().and_then(|c| c.every) {
@@ -1011,15 +1085,21 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
         // per-shard restore, see docs/manual.md, "Failures and recovery").
         tokio::spawn(roll_back_cluster_after_restore(shared.clone(), info.id, shutdown_rx.clone()));
     }
+    let link = crate::replication::CoordinatorLink {
+        coordinator: cfg.coordinator.clone().unwrap_or_else(|| advertise.clone()),
+        cluster: shared.own.cluster.clone(),
+        endpoint: endpoint.clone(),
+        rotated: shared.rotated.clone(),
+    };
     if let Some(log) = &log {
         let queue = shared.queue.clone();
         let ctx = Arc::new(crate::replication::ShipContext {
             shard,
-            cluster: shared.own.cluster.clone(),
-            coordinator: cfg.coordinator.clone().unwrap_or_else(|| advertise.clone()),
-            endpoint: endpoint.clone(),
-            rotated: shared.rotated.clone(),
+            link: link.clone(),
             ack_timeout: cfg.replica_ack_timeout,
+            process,
+            epoch: 0,
+            reporting: tokio::sync::Mutex::new(()),
             snapshot: Arc::new(move |backup| {
                 let (tx, rx) = oneshot::channel();
                 if let Err(mpsc::error::TrySendError::Full(Command::ReplicaSnapshot { reply, .. })) =
@@ -1036,6 +1116,10 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
                 crate::replication::ship(ctx.clone(), log.clone(), backup, shutdown_rx.clone()).instrument(span),
             );
         }
+    }
+    if shared.backups.is_some() {
+        let watch = watch_primaries(shared.clone(), cfg.clone(), link, shutdown_rx.clone());
+        tokio::spawn(watch.instrument(tracing::info_span!("takeover", process)));
     }
     let task = tokio::spawn(
         serve(endpoint, shared.clone(), shutdown_rx, cfg.tick_interval).instrument(tracing::info_span!("shard", shard)),
@@ -1058,6 +1142,81 @@ pub async fn start(mut cfg: ServiceConfig) -> Result<RunningServer> {
     }
     info!(shard, %addr, %advertise, "serving");
     Ok(RunningServer { addr, advertise, restored, shutdown: shutdown_tx, task, shared, health })
+}
+
+/// Takes over the shards whose copies here heard nothing from their primary for `--failover-after`.
+async fn watch_primaries(
+    shared: Arc<Shared>,
+    cfg: ServiceConfig,
+    link: crate::replication::CoordinatorLink,
+    mut stop: watch::Receiver<bool>,
+) {
+    let Some(backups) = shared.backups.clone() else { return };
+    let mut interval = tokio::time::interval(Duration::from_millis(100));
+    loop {
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = interval.tick() => {}
+        }
+        for shard in backups.silent(cfg.failover_after) {
+            if !backups.begin_takeover(shard) {
+                continue;
+            }
+            match take_over(&shared, &cfg, &link, &backups, shard).await {
+                Ok(()) => {}
+                Err(e) => {
+                    backups.abandon_takeover(shard);
+                    warn!(shard, error = format!("{e:#}"), "did not take over a shard whose primary went silent");
+                }
+            }
+        }
+    }
+}
+
+/// Asks the coordinator to let this process serve its copy of `shard` and serves it on an endpoint of its own.
+async fn take_over(
+    shared: &Arc<Shared>,
+    cfg: &ServiceConfig,
+    link: &crate::replication::CoordinatorLink,
+    backups: &Backups,
+    shard: u32,
+) -> Result<()> {
+    let silent_since = Instant::now() - cfg.failover_after;
+    let (endpoint, path) = net::server_endpoint(SocketAddr::new(cfg.listen.ip(), 0), &cfg.tls)?;
+    let port = endpoint.local_addr().context("reading the bound address")?.port();
+    let addr = match shared.advertise.rsplit_once(':') {
+        Some((host, _)) => format!("{host}:{port}"),
+        None => bail!("this shard's address {} has no port", shared.advertise),
+    };
+    let map = link.map(&format!("shard-{} takeover", shared.shard)).await.context("the coordinator's map")?;
+    let epoch = map.shards.iter().find(|s| s.index == shard).map(|s| s.epoch).context("no such shard in the map")?;
+    let promote =
+        Message::Promote(gaps_common::wire::Promote { shard, process: shared.shard, epoch, addr: addr.clone() });
+    match link.call(&promote).await {
+        Ok(Frame { msg: Message::ReplicaEpoch(_), .. }) => {}
+        Ok(other) => bail!("the coordinator answered with {}", net::kind_name(&other.msg)),
+        Err(e) => bail!("the coordinator refused: {e}"),
+    }
+    let (core, clock) = backups.take(shard).context("the copy is gone")?;
+    let mut c = cfg.clone();
+    c.core = ShardConfig { shard, ..cfg.core.clone() };
+    c.advertise = Some(addr.clone());
+    c.coordinator = Some(link.coordinator.clone());
+    c.restore = Restore::Never;
+    c.data = None;
+    c.replicas = 1;
+    c.health = None;
+    let takeover =
+        Takeover { core, process: shared.shard, key: shared.credentials.raw(), clock, endpoint: (endpoint, path) };
+    let server = start_serving(c, Some(takeover)).await?;
+    warn!(
+        shard,
+        %addr,
+        took_ms = silent_since.elapsed().as_millis() as u64,
+        "took over a shard whose primary went silent: serving its copy"
+    );
+    shared.taken_over.lock().map_err(|_| anyhow!("lock poisoned"))?.push(server);
+    Ok(())
 }
 
 /// The largest request payload shard `core` takes: a push never carries more than the shard owns (twice that
@@ -1845,8 +2004,13 @@ async fn serve_request(
                 RpcKind::Other => &shared.metrics.rpc_other_seconds,
             };
             let bound = shared.bindings.get(&peer.conn_id).map(|w| *w);
+            let fenced = shared.log.as_ref().is_some_and(|l| l.fenced());
             let handled = if let Err(reason) = crate::auth::authorize(&frame.msg, &peer.identity, bound) {
                 Some((refuse_unauthorized(shared, peer, &reason), Vec::new(), Vec::new()))
+            } else if fenced && !matches!(frame.msg, Message::ReplicaSnapshot(_) | Message::ReplicaAppend(_)) {
+                Some((moved(shared), Vec::new(), Vec::new()))
+            } else if let Some(refusal) = promote_refusal(shared, &frame.msg).await {
+                Some((refusal, Vec::new(), Vec::new()))
             } else if let Message::Authenticate(a) = frame.msg {
                 Some((authenticate(shared, peer, a), Vec::new(), Vec::new()))
             } else if let Message::CheckpointRequest(req) = frame.msg {
@@ -1879,19 +2043,24 @@ async fn serve_request(
                     Ok(()) => rx.await.ok(),
                     Err(_) => None,
                 };
-                // A request that changed the shard is answered once every live backup applied it.
-                if let (Some(log), Some(index)) = (&shared.log, reply.as_ref().map(|r| r.3)) {
-                    // A backup that does not answer is dropped within its ack timeout; should the wait still
-                    // outlast a request's time limit, every backup stops counting as live (each copies a new
-                    // snapshot) and the reply goes.
-                    if tokio::time::timeout(shared.request_timeout, log.wait(index)).await.is_err() {
-                        warn!(
-                            shard = shared.shard,
-                            index, "no backup acknowledged a request in time; going on without backups"
-                        );
-                        log.reset();
+                // A request that changed the shard is answered once every live backup applied it. A backup
+                // that does not answer stops counting within its ack timeout once the coordinator heard of
+                // it; should the wait outlast a request's time limit (the coordinator unreachable) the reply
+                // says to send the request again, and a fenced shard (another process serves it now)
+                // acknowledges nothing.
+                let reply = match (&shared.log, reply) {
+                    (Some(log), Some(answer)) => {
+                        match tokio::time::timeout(shared.request_timeout, log.wait(answer.3)).await {
+                            Ok(true) => Some(answer),
+                            Ok(false) => Some((moved(shared), Vec::new(), Vec::new(), 0)),
+                            Err(_) => {
+                                let msg = "the shard's backups did not acknowledge the request in time; send it again";
+                                Some((Frame::new(Message::error(ErrorCode::Busy, msg)), Vec::new(), Vec::new(), 0))
+                            }
+                        }
                     }
-                }
+                    (_, reply) => reply,
+                };
                 // Credentials go out with the map: a worker's token to its registrant, the key to a shard.
                 reply.map(|(mut reply, events, views, _)| {
                     if let Message::ClusterMap(map) = &mut reply.msg {
@@ -1963,6 +2132,47 @@ fn reply_parts(msg: &Message, payload: Vec<f32>, views: Vec<Arc<Vec<f32>>>) -> R
 
 /// Refuses a request its peer may not send: counted, logged at a bounded rate, and answered with a reason
 /// that names the certificate and the request, nothing of the model.
+/// The answer of a shard process that no longer serves its shard (a backup took it over).
+fn moved(shared: &Shared) -> Frame {
+    let msg = format!("shard {} is served by another shard process now: fetch the cluster map again", shared.shard);
+    Frame::new(Message::error(ErrorCode::Moved, msg))
+}
+
+/// On the coordinator, the refusal of a [`Message::Promote`] whose shard's primary still answers (None:
+/// the core decides). The primary is asked for its stats on a new connection, within a second.
+async fn promote_refusal(shared: &Shared, msg: &Message) -> Option<Frame> {
+    let Message::Promote(p) = msg else { return None };
+    let (tx, rx) = oneshot::channel();
+    let shard = p.shard;
+    let ask = Command::Inspect(Box::new(move |core| {
+        let _ = tx.send(core.serving(shard));
+    }));
+    let (addr, process, _) = match shared.send(ask).await {
+        Ok(()) => rx.await.ok().flatten()?,
+        Err(_) => return None,
+    };
+    let link = crate::replication::CoordinatorLink {
+        coordinator: addr.clone(),
+        cluster: shared.own.cluster.clone(),
+        endpoint: shared.endpoint.clone(),
+        rotated: shared.rotated.clone(),
+    };
+    let probe = async {
+        let conn = link.connect(&addr, process).await?;
+        let stats = Message::StatsRequest(gaps_common::wire::StatsRequest);
+        let reply = net::call(&conn, &stats, &[], &Limits::default(), Duration::from_secs(1)).await;
+        conn.close(0u32.into(), b"probe");
+        reply
+    };
+    match tokio::time::timeout(Duration::from_secs(1), probe).await {
+        Ok(Ok(_)) => Some(Frame::new(Message::error(
+            ErrorCode::Misconfigured,
+            format!("shard {shard}'s primary at {addr} answers: it is not taken over"),
+        ))),
+        _ => None,
+    }
+}
+
 fn refuse_unauthorized(shared: &Shared, peer: &ConnPeer, reason: &str) -> Frame {
     shared.unauthorized.fetch_add(1, Ordering::Relaxed);
     shared.metrics.unauthorized.increment(1);
@@ -2051,6 +2261,9 @@ fn log_events(events: &[CoreEvent]) {
             CoreEvent::WorkerLeft(w) => info!(worker = w, "worker left"),
             CoreEvent::WorkerExpired(w) => warn!(worker = w, "worker lease expired"),
             CoreEvent::ShardJoined(s) => info!(joined = s, "shard joined"),
+            CoreEvent::ShardPromoted { shard, process, epoch } => {
+                warn!(shard, process, epoch, "a backup took over a shard whose primary went silent")
+            }
             CoreEvent::DeviceFault(what) => error!(%what, "device fault"),
             CoreEvent::ModeDecided { number, to, from_step, reason } => {
                 warn!(number, %to, from_step, %reason, "cluster mode decided (every shard switches at that worker step)")

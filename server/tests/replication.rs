@@ -125,3 +125,106 @@ async fn in_async_each_backup_holds_its_primarys_state() {
 async fn in_sync_each_backup_holds_its_primarys_state() {
     copies_equal_their_primaries(Mode::Sync).await;
 }
+
+/// Starts a shard whose backup takes over after `failover_after` of silence (ticks every 100 ms keep a live
+/// primary's log flowing).
+async fn start_failing_over(
+    certs: &ClusterCerts,
+    shard: u32,
+    coordinator: Option<String>,
+    mode: Mode,
+) -> RunningServer {
+    let core = core_config(shard, mode);
+    let cfg = ServiceConfig {
+        coordinator,
+        join_timeout: Duration::from_secs(20),
+        tick_interval: Duration::from_millis(100),
+        replicas: 2,
+        failover_after: Duration::from_millis(800),
+        ..ServiceConfig::new("127.0.0.1:0".parse().expect("addr"), certs.shard_material(shard).expect("tls"), core)
+    };
+    service::start(cfg).await.expect("start shard")
+}
+
+/// Shard 1's process dies (as SIGKILL would have it) while three workers push; its backup on the
+/// coordinator's process takes it over; every worker goes on, and the copy that took over holds every push
+/// that shard 1 acknowledged, none twice.
+async fn a_killed_primarys_backup_takes_over(mode: Mode) {
+    let certs = ClusterCerts::generate(&[]).expect("certs");
+    let s0 = start_failing_over(&certs, 0, None, mode).await;
+    let s1 = start_failing_over(&certs, 1, Some(s0.advertise.clone()), mode).await;
+    for _ in 0..400 {
+        if s0.live_backups() == 1 && s1.live_backups() == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!((s0.live_backups(), s1.live_backups()), (1, 1), "both backups live before training");
+    let progress = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for w in 0..3usize {
+        let mut o = ClientOptions::new(&s0.advertise, certs.worker_material().expect("tls"), Role::Worker, "t");
+        o.rpc_timeout = Duration::from_secs(20);
+        o.shard_down_timeout = Duration::from_secs(60);
+        let progress = progress.clone();
+        tasks.push(tokio::spawn(async move {
+            let c = Client::connect(o).await.expect("connect");
+            let heartbeats = c.spawn_heartbeats(Duration::from_millis(200));
+            for i in 0..120usize {
+                let s = c.pull().await.expect("pull");
+                let g = s
+                    .tensors
+                    .iter()
+                    .map(|t| t.iter().map(|v| v * 0.1 + ((i + w) % 5) as f32 * 0.01).collect())
+                    .collect();
+                c.push(g, &s).await.expect("push");
+                progress.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            heartbeats.abort();
+            let acked = c.pushes_acknowledged_by_shard();
+            let id = c.worker_id().expect("a worker id");
+            c.leave().await.expect("leave");
+            (id, acked)
+        }));
+    }
+    while progress.load(std::sync::atomic::Ordering::Relaxed) < 90 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // The last pushes reach shard 1 but not its backup before it dies: they must not have been acknowledged
+    // (each worker sends them again, to the backup that took over).
+    s1.hold_replication(true);
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    s1.crash();
+    let mut acked = Vec::new();
+    for t in tasks {
+        acked.push(t.await.expect("a worker trained through the fail-over"));
+    }
+    let mut o = ClientOptions::new(&s0.advertise, certs.worker_material().expect("tls"), Role::Observer, "o");
+    o.rpc_timeout = Duration::from_secs(20);
+    let observer = Client::connect(o).await.expect("observer");
+    let map = observer.map().clone();
+    assert_eq!((map.shards[1].process, map.shards[1].epoch), (0, 1), "shard 1 served by process 0: {map:?}");
+    let stats = observer.stats().await.expect("stats");
+    for (worker, by_shard) in &acked {
+        let held = stats[1].applied_by_worker.iter().find(|a| a.worker == *worker).map_or(0, |a| a.applied);
+        assert_eq!(held, by_shard[1], "worker {worker}: shard 1 holds exactly the pushes it acknowledged ({mode:?})");
+    }
+    assert_eq!(stats[1].pushes_applied_twice, 0);
+    s0.shutdown().await.expect("shutdown");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_async_a_killed_primarys_backup_takes_over_and_loses_nothing() {
+    a_killed_primarys_backup_takes_over(Mode::Async).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_sync_a_killed_primarys_backup_takes_over_and_loses_nothing() {
+    a_killed_primarys_backup_takes_over(Mode::Sync).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_gba_a_killed_primarys_backup_takes_over_and_loses_nothing() {
+    a_killed_primarys_backup_takes_over(Mode::Gba).await;
+}

@@ -10,9 +10,10 @@
 
 /// The format written by this version of gaps; a snapshot of a format outside
 /// [`OLDEST_FORMAT_VERSION`]`..=FORMAT_VERSION` is refused.
-pub const FORMAT_VERSION: u32 = 5;
+pub const FORMAT_VERSION: u32 = 6;
 /// The oldest format this version still reads (format 2 lacks the data dealer and the per-grant sample
-/// counts of format 3, formats 2 and 3 the per-worker push ledgers of format 4; they restore empty).
+/// counts of format 3, formats 2 and 3 the per-worker push ledgers of format 4, formats before 6 the
+/// coordinator's replica sets; they restore empty).
 pub const OLDEST_FORMAT_VERSION: u32 = 2;
 const MAGIC: &[u8; 8] = b"GAPSSHRD";
 

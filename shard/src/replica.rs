@@ -33,7 +33,9 @@ pub fn changes_state(msg: &Message) -> bool {
         | Message::Leave(_)
         | Message::SplitRequest(_)
         | Message::Initialize(_)
-        | Message::TableLoad(_) => true,
+        | Message::TableLoad(_)
+        | Message::ReplicaReport(_)
+        | Message::Promote(_) => true,
         Message::SparsePull(p) => p.create,
         _ => false,
     }

@@ -271,3 +271,66 @@ fn reads_are_not_logged_and_a_bad_entry_is_a_typed_error() {
     trailing.push(0);
     assert!(LogEntry::decode(&trailing, &Limits::default()).is_err());
 }
+
+/// The coordinator's replica sets: a backup takes a shard over only while in sync under the shard's epoch,
+/// the replaced primary's reports are refused as moved from then on, the process that comes back cannot
+/// take the shard back by joining, and the sets survive a checkpoint.
+#[test]
+fn the_coordinator_promotes_only_a_backup_in_sync_and_fences_the_old_primary() {
+    use gaps_common::wire::{ErrorCode, Promote, RegisterShard, ReplicaReport};
+    let mut cfg = config(Mode::Async);
+    cfg.num_shards = 3;
+    let mut c = ShardCore::new(cfg.clone()).expect("coordinator");
+    let now = Duration::ZERO;
+    let call = |c: &mut ShardCore, msg: Message| c.handle(Frame::new(msg), now).0.msg;
+    let code = |m: &Message| match m {
+        Message::Error(e) => Some(e.code),
+        _ => None,
+    };
+    let join = |shard: u32, addr: &str| {
+        Message::RegisterShard(RegisterShard {
+            protocol: PROTOCOL_VERSION,
+            shard,
+            num_shards: 3,
+            addr: addr.into(),
+            layout_fingerprint: cfg.layout.fingerprint(),
+        })
+    };
+    for s in [1, 2] {
+        assert!(matches!(call(&mut c, join(s, &format!("p{s}:1"))), Message::ClusterMap(_)));
+    }
+    let report = |process: u32, epoch: u64, in_sync: Vec<u32>| {
+        Message::ReplicaReport(ReplicaReport { shard: 1, process, epoch, in_sync })
+    };
+    let promote = |process: u32, epoch: u64| {
+        Message::Promote(Promote { shard: 1, process, epoch, addr: format!("p{process}:2") })
+    };
+    // Not in sync yet: refused.
+    assert_eq!(code(&call(&mut c, promote(2, 0))), Some(ErrorCode::Misconfigured));
+    assert!(matches!(call(&mut c, report(1, 0, vec![2, 2, 1, 9])), Message::ReplicaEpoch(_)));
+    // Only the process serving the shard under its epoch reports.
+    assert_eq!(code(&call(&mut c, report(2, 0, vec![]))), Some(ErrorCode::Moved));
+    assert_eq!(code(&call(&mut c, promote(2, 3))), Some(ErrorCode::Moved), "another epoch");
+    assert_eq!(
+        code(&call(&mut c, Message::Promote(Promote { shard: 0, process: 1, epoch: 0, addr: "x:1".into() }))),
+        Some(ErrorCode::Misconfigured),
+        "the coordinator's own shard"
+    );
+    match call(&mut c, promote(2, 0)) {
+        Message::ReplicaEpoch(e) => assert_eq!((e.shard, e.epoch), (1, 1)),
+        other => panic!("promoted: {other:?}"),
+    }
+    assert_eq!(code(&call(&mut c, promote(2, 0))), Some(ErrorCode::Moved), "taken over once");
+    assert_eq!(code(&call(&mut c, report(1, 0, vec![2]))), Some(ErrorCode::Moved), "the old primary is fenced");
+    assert_eq!(code(&call(&mut c, join(1, "p1:9"))), Some(ErrorCode::Misconfigured), "no taking it back by joining");
+    let reg = Message::Register(Register { protocol: PROTOCOL_VERSION, role: Role::Observer, name: "o".into() });
+    let Message::ClusterMap(map) = call(&mut c, reg.clone()) else { panic!("a map") };
+    let one = &map.shards[1];
+    assert_eq!((one.addr.as_str(), one.process, one.epoch), ("p2:2", 2, 1));
+    // The sets are in the checkpoint.
+    let bytes = c.checkpoint_into(1, Vec::new()).expect("checkpoint");
+    let mut back = ShardCore::restore(cfg.clone(), &bytes).expect("restore");
+    let Message::ClusterMap(again) = back.handle(Frame::new(reg), now).0.msg else { panic!("a map") };
+    assert_eq!(again.shards[1], map.shards[1]);
+    assert_eq!(code(&back.handle(Frame::new(report(1, 0, vec![])), now).0.msg), Some(ErrorCode::Moved));
+}

@@ -1067,6 +1067,9 @@ pub fn kind_name(msg: &Message) -> &'static str {
         Message::ReplicaSnapshot(_) => "replica-snapshot",
         Message::ReplicaAppend(_) => "replica-append",
         Message::ReplicaAck(_) => "replica-ack",
+        Message::ReplicaReport(_) => "replica-report",
+        Message::Promote(_) => "promote",
+        Message::ReplicaEpoch(_) => "replica-epoch",
     }
 }
 

@@ -270,14 +270,23 @@ pub struct PushSummary {
     pub stale_after_restore: u32,
 }
 
+/// Where a shard is served: the address as the cluster map gives it (a name is resolved again for every new
+/// connection, so a shard restarted elsewhere under the same DNS name is found), that address when the client
+/// learned it, the shard process whose certificate the server must hold (the shard's own, or the backup that
+/// took it over), and the shard's replica epoch.
+#[derive(Debug, Clone)]
+struct Route {
+    name: String,
+    addr: SocketAddr,
+    process: u32,
+    epoch: u64,
+}
+
 #[derive(Debug)]
 struct ShardLink {
     index: u32,
-    /// The address as the cluster map gives it (a name is resolved again for every new connection, so a
-    /// shard restarted elsewhere under the same DNS name is found).
-    name: String,
-    /// Its address when the client joined.
-    addr: SocketAddr,
+    /// Where it is served (changes when a backup takes it over).
+    route: Mutex<Route>,
     /// One connection per lane (lane 0 carries everything that is not striped).
     conns: Vec<Mutex<Option<quinn::Connection>>>,
     /// Next push sequence number for this shard (starts at 1).
@@ -304,6 +313,15 @@ impl Drop for InFlight<'_> {
 }
 
 impl ShardLink {
+    /// The shard's address as last learned.
+    fn addr(&self) -> SocketAddr {
+        self.route.lock().map_or_else(|p| p.into_inner().addr, |r| r.addr)
+    }
+
+    fn route(&self) -> Route {
+        self.route.lock().map_or_else(|p| p.into_inner().clone(), |r| r.clone())
+    }
+
     /// Waits until no sparse push to this shard is in flight.
     async fn sparse_settled(&self) {
         loop {
@@ -357,6 +375,8 @@ struct Inner {
     data_tag: Mutex<Option<gaps_common::wire::DataTag>>,
     /// Dense pushes made (the step number the next push carries).
     steps: AtomicU64,
+    /// When the coordinator was last asked where the shards are (after a shard stopped answering).
+    map_asked: Mutex<Option<Instant>>,
     /// The newest two mode decisions any shard answered with (None before the first answer); passed on
     /// with every push.
     decisions: Mutex<Option<ModeDecisions>>,
@@ -500,8 +520,7 @@ impl Client {
             let addr = net::resolve(&s.addr).await?;
             shards.push(ShardLink {
                 index: s.index,
-                name: s.addr.clone(),
-                addr,
+                route: Mutex::new(Route { name: s.addr.clone(), addr, process: s.process, epoch: s.epoch }),
                 conns: (0..opts.lanes.clamp(1, usize::from(MAX_PUSH_PARTS))).map(|_| Mutex::new(None)).collect(),
                 next_seq: AtomicU64::new(1),
                 acknowledged: AtomicU64::new(0),
@@ -533,6 +552,7 @@ impl Client {
                 data_tag: Mutex::new(None),
                 waited_us: AtomicU64::new(0),
                 steps: AtomicU64::new(0),
+                map_asked: Mutex::new(None),
                 decisions: Mutex::new(None),
             }),
         };
@@ -555,7 +575,7 @@ impl Client {
                         return Err(ClientError::JoinTimeout {
                             coordinator: client.inner.opts.coordinator.clone(),
                             waited: started.elapsed(),
-                            last: format!("shard {} at {} is unreachable: {e}", s, client.inner.shards[s].addr),
+                            last: format!("shard {} at {} is unreachable: {e}", s, client.inner.shards[s].addr()),
                         })
                     }
                 }
@@ -659,15 +679,16 @@ impl Client {
             }
         }
         // Resolved again: a restarted shard may be back at another address under the same name.
-        let addr = match tokio::time::timeout(timeout, net::resolve(&link.name)).await {
+        let route = link.route();
+        let addr = match tokio::time::timeout(timeout, net::resolve(&route.name)).await {
             Ok(Ok(addr)) => addr,
-            _ => link.addr,
+            _ => route.addr,
         };
         let rotated = self.inner.rotated.lock().map_err(|_| RpcError::Setup("TLS lock poisoned".into()))?.clone();
         let conn = net::connect_with(&self.inner.endpoint, rotated, addr, timeout).await?;
         // The server must hold this shard's certificate of our cluster; then this connection is bound to our
         // worker id with the coordinator's credential (observers have none and only read).
-        net::expect_shard(&conn, &self.inner.cluster, link.index)?;
+        net::expect_shard(&conn, &self.inner.cluster, route.process)?;
         if let (Some(worker), Some(token)) = (self.inner.map.worker_id, self.inner.map.token) {
             let auth = Message::Authenticate(Authenticate { worker, token });
             match net::call(&conn, &auth, &[], &self.inner.opts.limits, timeout).await? {
@@ -756,11 +777,19 @@ impl Client {
                     let pause = (10 * u64::from(attempt)).min(200);
                     tokio::time::sleep(Duration::from_millis(pause + jitter_ms(pause))).await;
                 }
-                Err(e) if e.is_retryable() && down_since.is_none_or(|t| t.elapsed() < opts.shard_down_timeout) => {
+                Err(e)
+                    if (e.is_retryable() || matches!(e, RpcError::Remote { code: ErrorCode::Moved, .. }))
+                        && down_since.is_none_or(|t| t.elapsed() < opts.shard_down_timeout) =>
+                {
                     let since = *down_since.get_or_insert_with(Instant::now);
                     attempt += 1;
                     self.inner.retries.fetch_add(1, Ordering::Relaxed);
-                    let addr = self.inner.shards[shard].addr;
+                    // A backup may have taken the shard over: the coordinator's map says where it is now.
+                    if self.follow_map(shard).await {
+                        tracing::info!(shard, addr = %self.inner.shards[shard].addr(), "the shard moved to its backup; sending there");
+                        continue;
+                    }
+                    let addr = self.inner.shards[shard].addr();
                     if attempt == 1 || attempt % 20 == 0 {
                         warn!(
                             shard,
@@ -778,7 +807,7 @@ impl Client {
                     tokio::time::sleep(Duration::from_millis((50 * u64::from(attempt)).min(500))).await;
                 }
                 Err(e) if e.is_retryable() => {
-                    let addr = self.inner.shards[shard].addr;
+                    let addr = self.inner.shards[shard].addr();
                     return Err(RpcError::Connection {
                         addr: addr.to_string(),
                         message: format!(
@@ -790,6 +819,53 @@ impl Client {
                 Err(e) => return Err(e),
             }
         }
+    }
+
+    /// Asks the coordinator where the shards are served now and follows each that a backup took over (a
+    /// newer replica epoch); true when shard `shard` moved. At most one question per 300 ms; the coordinator's
+    /// own shard is never taken over.
+    async fn follow_map(&self, shard: usize) -> bool {
+        if shard == 0 {
+            return false;
+        }
+        {
+            let Ok(mut last) = self.inner.map_asked.lock() else { return false };
+            if last.is_some_and(|t| t.elapsed() < Duration::from_millis(300)) {
+                return false;
+            }
+            *last = Some(Instant::now());
+        }
+        let opts = &self.inner.opts;
+        let register =
+            Message::Register(Register { protocol: PROTOCOL_VERSION, role: Role::Observer, name: opts.name.clone() });
+        let ask = async {
+            let addr = net::resolve(&opts.coordinator).await?;
+            let rotated = self.inner.rotated.lock().map_err(|_| RpcError::Setup("TLS lock poisoned".into()))?.clone();
+            let conn = net::connect_with(&self.inner.endpoint, rotated, addr, Duration::from_secs(2)).await?;
+            net::expect_shard(&conn, &self.inner.cluster, 0)?;
+            let reply = net::call(&conn, &register, &[], &opts.limits, Duration::from_secs(2)).await;
+            conn.close(0u32.into(), b"map");
+            reply
+        };
+        let Ok(Frame { msg: Message::ClusterMap(map), .. }) = ask.await else { return false };
+        let mut moved = false;
+        for s in &map.shards {
+            let Some(link) = self.inner.shards.get(s.index as usize) else { continue };
+            if s.epoch <= link.route().epoch {
+                continue;
+            }
+            let Ok(addr) = net::resolve(&s.addr).await else { continue };
+            if let Ok(mut route) = link.route.lock() {
+                *route = Route { name: s.addr.clone(), addr, process: s.process, epoch: s.epoch };
+            }
+            for conn in &link.conns {
+                if let Ok(mut c) = conn.lock() {
+                    *c = None;
+                }
+            }
+            moved |= s.index as usize == shard;
+        }
+        moved
     }
 
     fn take_injected_drop(&self) -> bool {
@@ -1431,7 +1507,7 @@ impl Client {
         let (frame, _) = self.request(s, msg, payload).await?;
         let kind = net::kind_name(&frame.msg);
         Ok(reply(frame.msg)
-            .ok_or_else(|| RpcError::Unexpected { addr: self.inner.shards[s].addr.to_string(), kind: kind.into() })?)
+            .ok_or_else(|| RpcError::Unexpected { addr: self.inner.shards[s].addr().to_string(), kind: kind.into() })?)
     }
 
     /// This client's worker id; an observer cannot `what`.
@@ -1505,7 +1581,7 @@ impl Client {
         let msg =
             Message::TableScan(gaps_common::wire::TableScan { epoch: self.inner.map.epoch, table, cursor, max_rows });
         let (frame, _) = self.request(s, &msg, &[]).await?;
-        let addr = self.inner.shards[s].addr.to_string();
+        let addr = self.inner.shards[s].addr().to_string();
         let Message::TableRows(rows) = frame.msg else {
             return Err(RpcError::Unexpected { addr, kind: net::kind_name(&frame.msg).into() }.into());
         };
@@ -1751,7 +1827,7 @@ impl Client {
 
     /// Index of each shard, for logs.
     pub fn shard_addrs(&self) -> Vec<(u32, SocketAddr)> {
-        self.inner.shards.iter().map(|s| (s.index, s.addr)).collect()
+        self.inner.shards.iter().map(|s| (s.index, s.addr())).collect()
     }
 }
 

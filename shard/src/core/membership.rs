@@ -7,9 +7,27 @@ use super::*;
 #[derive(Debug, Default)]
 pub(super) struct Coordinator {
     pub(super) shard_addrs: BTreeMap<u32, String>,
+    /// Replicated shards: who serves each shard, under which replica epoch, with which backups in sync
+    /// (a shard missing here is served by its own process at epoch 0, no backup in sync).
+    pub(super) replica_sets: BTreeMap<u32, ReplicaSet>,
     pub(super) next_worker: u32,
     /// Every worker id ever handed out.
     pub(super) registered: u32,
+}
+
+/// Who serves a shard (replicated shards): the process, the replica epoch, the backups in sync.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub(super) struct ReplicaSet {
+    pub(super) process: u32,
+    pub(super) epoch: u64,
+    pub(super) in_sync: Vec<u32>,
+}
+
+impl Coordinator {
+    /// Shard `shard`'s replica set.
+    pub(super) fn replica_set(&self, shard: u32) -> ReplicaSet {
+        self.replica_sets.get(&shard).cloned().unwrap_or(ReplicaSet { process: shard, epoch: 0, in_sync: Vec::new() })
+    }
 }
 
 impl ShardCore {
@@ -93,7 +111,14 @@ impl ShardCore {
             epoch: self.epoch,
             worker_id,
             num_shards: self.cfg.num_shards,
-            shards: c.shard_addrs.iter().map(|(i, a)| ShardAddr { index: *i, addr: a.clone() }).collect(),
+            shards: c
+                .shard_addrs
+                .iter()
+                .map(|(i, a)| {
+                    let set = c.replica_set(*i);
+                    ShardAddr { index: *i, addr: a.clone(), process: set.process, epoch: set.epoch }
+                })
+                .collect(),
             layout: self.cfg.layout.clone(),
             lease_ms: self.cfg.lease.as_millis().min(u128::from(u32::MAX)) as u32,
             rule: self.rule_info(),
@@ -172,6 +197,14 @@ impl ShardCore {
             return Err(ShardError::Misconfigured(format!(
                 "shard {} has a different model layout than the coordinator: start every shard with the same layout file",
                 req.shard
+            )));
+        }
+        let set = c.replica_set(req.shard);
+        if set.process != req.shard {
+            return Err(ShardError::Misconfigured(format!(
+                "shard {} is served by shard process {} since a fail-over (replica epoch {}); a process that \
+                 comes back does not take it back",
+                req.shard, set.process, set.epoch
             )));
         }
         c.shard_addrs.insert(req.shard, req.addr.clone());
@@ -260,5 +293,69 @@ impl ShardCore {
                 slot.shared[..n].iter_mut().zip(&planes[..n]).for_each(|(s, v)| *s -= v);
             }
         }
+    }
+}
+
+impl ShardCore {
+    /// On the coordinator, who serves shard `shard`: its address, the process and the replica epoch.
+    pub fn serving(&self, shard: u32) -> Option<(String, u32, u64)> {
+        let c = self.coordinator.as_ref()?;
+        let set = c.replica_set(shard);
+        Some((c.shard_addrs.get(&shard)?.clone(), set.process, set.epoch))
+    }
+
+    /// A primary's report of its backups in sync ([`ReplicaReport`]); refused as moved when the sender no
+    /// longer serves the shard under that epoch.
+    pub(super) fn replica_report(&mut self, r: &ReplicaReport) -> Result<Frame, ShardError> {
+        let num_shards = self.cfg.num_shards;
+        let c = self.coordinator()?;
+        if r.shard >= num_shards {
+            return Err(ShardError::Misconfigured(format!("no shard {} in a cluster of {num_shards}", r.shard)));
+        }
+        let mut set = c.replica_set(r.shard);
+        if (set.process, set.epoch) != (r.process, r.epoch) {
+            return Err(ShardError::Moved(format!(
+                "shard {} is served by shard process {} under replica epoch {}, not by {} under {}",
+                r.shard, set.process, set.epoch, r.process, r.epoch
+            )));
+        }
+        let mut in_sync: Vec<u32> = r.in_sync.iter().copied().filter(|p| *p < num_shards && *p != r.process).collect();
+        in_sync.sort_unstable();
+        in_sync.dedup();
+        set.in_sync = in_sync;
+        c.replica_sets.insert(r.shard, set);
+        Ok(Frame::new(Message::ReplicaEpoch(ReplicaEpoch { shard: r.shard, epoch: r.epoch })))
+    }
+
+    /// A backup taking over its shard ([`Promote`]): granted to a backup in sync under the shard's epoch,
+    /// which then serves it under the next epoch at its address. (The service checked that the primary does
+    /// not answer.)
+    pub(super) fn promote(&mut self, p: &Promote, events: &mut Vec<CoreEvent>) -> Result<Frame, ShardError> {
+        let num_shards = self.cfg.num_shards;
+        let c = self.coordinator()?;
+        if p.shard == 0 || p.shard >= num_shards {
+            return Err(ShardError::Misconfigured(format!(
+                "shard {} cannot be taken over (the coordinator's fail-over is not built yet)",
+                p.shard
+            )));
+        }
+        let set = c.replica_set(p.shard);
+        if set.epoch != p.epoch {
+            return Err(ShardError::Moved(format!(
+                "shard {} is under replica epoch {}, not {}: it was taken over already",
+                p.shard, set.epoch, p.epoch
+            )));
+        }
+        if !set.in_sync.contains(&p.process) {
+            return Err(ShardError::Misconfigured(format!(
+                "shard process {} is not a backup in sync of shard {} (in sync: {:?})",
+                p.process, p.shard, set.in_sync
+            )));
+        }
+        let epoch = set.epoch + 1;
+        c.replica_sets.insert(p.shard, ReplicaSet { process: p.process, epoch, in_sync: Vec::new() });
+        c.shard_addrs.insert(p.shard, p.addr.clone());
+        events.push(CoreEvent::ShardPromoted { shard: p.shard, process: p.process, epoch });
+        Ok(Frame::new(Message::ReplicaEpoch(ReplicaEpoch { shard: p.shard, epoch })))
     }
 }

@@ -29,6 +29,7 @@ use gaps_common::wire::{
     ModeDecision, ModeDecisions, ModeSwitchRecord, Pull, PullReply, Push, PushPullReply, Register, RegisterShard, Role,
     RuleInfo, ShardAddr, SparsePull, SparsePullReply, SparsePush, Stats, WorkerApplied, PROTOCOL_VERSION,
 };
+use gaps_common::wire::{Promote, ReplicaEpoch, ReplicaReport};
 use gaps_kernels::{Bufs, Hyper, PushScalars, Rule};
 use membership::Coordinator;
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
@@ -176,6 +177,9 @@ pub enum ShardError {
     /// See [`ErrorCode::Misconfigured`].
     #[error("{0}")]
     Misconfigured(String),
+    /// See [`ErrorCode::Moved`].
+    #[error("{0}")]
+    Moved(String),
     /// See [`ErrorCode::NotRegistered`].
     #[error("{0}")]
     NotRegistered(String),
@@ -224,6 +228,7 @@ impl ShardError {
             ShardError::StaleEpoch { .. } => ErrorCode::StaleEpoch,
             ShardError::ClusterIncomplete(_) => ErrorCode::ClusterIncomplete,
             ShardError::Misconfigured(_) => ErrorCode::Misconfigured,
+            ShardError::Moved(_) => ErrorCode::Moved,
             ShardError::NotRegistered(_) => ErrorCode::NotRegistered,
             ShardError::SequenceWindow(_) => ErrorCode::SequenceWindow,
             ShardError::NotARequest(_) => ErrorCode::UnknownKind,
@@ -257,6 +262,15 @@ pub enum CoreEvent {
     WorkerExpired(u32),
     /// A shard joined the cluster.
     ShardJoined(u32),
+    /// A backup took over a shard whose primary went silent (replicated shards).
+    ShardPromoted {
+        /// The shard.
+        shard: u32,
+        /// The backup process now serving it.
+        process: u32,
+        /// The shard's new replica epoch.
+        epoch: u64,
+    },
     /// The coordinator decided a cluster-wide mode (`auto`); every shard switches at `from_step`.
     ModeDecided {
         /// The decision's number.
@@ -820,6 +834,9 @@ impl ShardCore {
                 Err(ShardError::Misconfigured("replication is run by the shard service, not the core".into()))
             }
             Message::ReplicaAck(_) => Err(ShardError::NotARequest("replica ack")),
+            Message::ReplicaReport(r) => self.replica_report(&r),
+            Message::Promote(p) => self.promote(&p, &mut events),
+            Message::ReplicaEpoch(_) => Err(ShardError::NotARequest("replica epoch")),
             // Credentials are checked by the service, which knows the connection's certificate.
             Message::Authenticate(_) => {
                 Err(ShardError::Misconfigured("credentials are checked by the shard service, not the core".into()))

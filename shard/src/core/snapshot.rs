@@ -138,6 +138,13 @@ impl ShardCore {
                 }
                 w.u32(c.next_worker);
                 w.u32(c.registered);
+                w.u64(c.replica_sets.len() as u64);
+                for (shard, set) in &c.replica_sets {
+                    w.u32(*shard);
+                    w.u32(set.process);
+                    w.u64(set.epoch);
+                    w.u32s(&set.in_sync);
+                }
             }
             None => w.u8(0),
         }
@@ -238,6 +245,7 @@ impl ShardCore {
         core.leases = self.leases.clone();
         if let (Some(now), Some(then)) = (self.coordinator.as_ref(), core.coordinator.as_mut()) {
             then.shard_addrs = now.shard_addrs.clone();
+            then.replica_sets = now.replica_sets.clone();
             then.next_worker = then.next_worker.max(now.next_worker);
             then.registered = then.registered.max(now.registered);
         }
@@ -336,6 +344,15 @@ impl ShardCore {
             c.shard_addrs.insert(0, core.cfg.advertise.clone());
             c.next_worker = r.u32()?;
             c.registered = r.u32()?;
+            c.replica_sets.clear();
+            if r.format() >= 6 {
+                for _ in 0..r.u64()? {
+                    let shard = r.u32()?;
+                    let (process, epoch) = (r.u32()?, r.u64()?);
+                    let in_sync = r.u32s("replica set")?;
+                    c.replica_sets.insert(shard, super::membership::ReplicaSet { process, epoch, in_sync });
+                }
+            }
         }
         let stats = r.bytes("counters")?;
         core.stats = match decode_stats(&stats, r.format()) {
