@@ -238,6 +238,9 @@ pub struct LocalReport {
     /// `pushes_acknowledged ≤ pushes_applied + pushes_lost ≤ pushes_acknowledged + pushes_unconfirmed`,
     /// with equality on the left when no worker was killed.
     pub pushes_unconfirmed: u64,
+    /// The longest time any worker took between two of its steps, seconds (a step's own time, or a stall:
+    /// a dead shard, a fail-over, a straggler held for).
+    pub longest_step_s: f64,
     /// Dynamic data sharding: the dealer's account at the end (None: static shares).
     pub data: Option<DataReport>,
     /// Gradients dropped at mode switches (computed in the mode before, too stale for the new), all shards.
@@ -474,6 +477,7 @@ impl LocalReport {
             "pushes_lost": self.pushes_lost,
             "pushes_applied_twice": self.pushes_applied_twice,
             "pushes_unconfirmed": self.pushes_unconfirmed,
+            "longest_step_s": self.longest_step_s,
             "stale_after_restore": self.stale_after_restore,
             "data_sharding": if self.data.is_some() { "dynamic" } else { "static" },
         });
@@ -562,17 +566,28 @@ pub(crate) fn spawn(exe: &Path, name: &str, args: &[String], dir: &Path) -> Resu
 /// Reads a worker's stdout while it runs, so that its per-step ledger never fills the pipe and stalls it, and
 /// keeps only what the report needs: the last ledger line (`"pushes"`) and the summary (`worker_done`), in
 /// the order printed. Memory stays bounded however long the run.
-fn drain_worker_output(p: &mut Proc) -> tokio::task::JoinHandle<std::io::Result<String>> {
+///
+/// The ledger line comes after every step: the longest time between two of them, of any worker, goes to
+/// `longest_step_us`.
+fn drain_worker_output(
+    p: &mut Proc,
+    longest_step_us: std::sync::Arc<std::sync::atomic::AtomicU64>,
+) -> tokio::task::JoinHandle<std::io::Result<String>> {
     let stdout = p.child.stdout.take();
     tokio::spawn(async move {
         let Some(stdout) = stdout else { return Ok(String::new()) };
         let mut lines = BufReader::new(stdout).lines();
         let (mut ledger, mut done) = (None, None);
+        let mut last_step: Option<Instant> = None;
         while let Some(line) = lines.next_line().await? {
             if line.contains("worker_done") {
                 done = Some(line);
             } else if line.contains("\"pushes\"") {
                 ledger = Some(line);
+                if let Some(t) = last_step.replace(Instant::now()) {
+                    let us = t.elapsed().as_micros().min(u128::from(u64::MAX)) as u64;
+                    longest_step_us.fetch_max(us, std::sync::atomic::Ordering::Relaxed);
+                }
             }
         }
         Ok(ledger.into_iter().chain(done).collect::<Vec<_>>().join("\n"))
@@ -776,6 +791,7 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
     };
     let mut servers = Vec::new();
     let mut workers: Vec<Proc> = Vec::new();
+    let longest_step_us = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     let outcome = async {
         eprintln!("[gaps local] starting {} shard(s) and {} worker(s) on 127.0.0.1", args.servers, args.workers);
         let mut s0 = spawn_role(exe, args.server_bin.as_deref(), "shard-0", &server_args(0, None, "127.0.0.1:0"), dir)?;
@@ -869,7 +885,7 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
         let mut readers = Vec::new();
         for w in 0..args.workers {
             workers.push(spawn_role(exe, args.worker_bin.as_deref(), &format!("worker-{w}"), &worker_args(w), dir)?);
-            readers.extend(workers.last_mut().map(drain_worker_output));
+            readers.extend(workers.last_mut().map(|p| drain_worker_output(p, longest_step_us.clone())));
         }
         // A worker's dense push goes to every shard every step (empty where the shard owns none of its
         // chunks); a CTR step also pushes embedding rows to every shard (rows spread over all of them).
@@ -937,7 +953,7 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
                     &worker_args(w),
                     dir,
                 )?);
-                readers.extend(workers.last_mut().map(drain_worker_output));
+                readers.extend(workers.last_mut().map(|p| drain_worker_output(p, longest_step_us.clone())));
             }
             adds.retain(|t| *t > since);
             outputs.resize(workers.len(), None);
@@ -1168,6 +1184,8 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             pushes_lost: pushes_lost(&acknowledged_by, &stats),
             pushes_applied_twice: stats.iter().map(|s| s.pushes_applied_twice).sum(),
             pushes_unconfirmed,
+            longest_step_s: Duration::from_micros(longest_step_us.load(std::sync::atomic::Ordering::Relaxed))
+                .as_secs_f64(),
             stale_after_restore,
             data: data_report,
         })

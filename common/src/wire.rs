@@ -278,6 +278,9 @@ pub struct ClusterMap {
     pub auth_key: Option<Token>,
     /// The update rule the shards apply.
     pub rule: RuleInfo,
+    /// Copies of each shard the cluster keeps (`--replicas`; 1: none): with more, a client whose request
+    /// waits long asks the coordinator whether a backup took the shard over. (Added in protocol 13.)
+    pub replicas: u32,
 }
 
 /// Read a set of chunks.
@@ -1543,6 +1546,7 @@ mod tests {
                 lease_ms: 5000,
                 token: Some([7; 32]),
                 auth_key: None,
+                replicas: 2,
                 rule: RuleInfo {
                     name: "gap-aware".into(),
                     momentum: 0.9,

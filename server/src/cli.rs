@@ -113,7 +113,7 @@ pub struct ServerArgs {
     /// A backup whose primary sent nothing for this long (a live primary logs a tick every 250 ms) asks the
     /// coordinator to take the shard over; the coordinator agrees only if the primary does not answer it
     /// either and the backup holds every request the primary acknowledged.
-    #[arg(long, env = "GAPS_FAILOVER_AFTER", default_value = "2s", value_parser = parse_duration)]
+    #[arg(long, env = "GAPS_FAILOVER_AFTER", default_value = "1s", value_parser = parse_duration)]
     pub failover_after: Duration,
     /// How long a request's header, and then its payload, may take to arrive; a slower or stalled sender is
     /// cut off (and counted).

@@ -38,7 +38,7 @@ use tracing::{info, warn};
 pub const DEFAULT_ACK_TIMEOUT: Duration = Duration::from_secs(2);
 /// A backup whose primary sent nothing for this long asks the coordinator to take its shard over (the primary
 /// logs a tick every 250 ms, so a live one is never that silent).
-pub const DEFAULT_FAILOVER_AFTER: Duration = Duration::from_secs(2);
+pub const DEFAULT_FAILOVER_AFTER: Duration = Duration::from_secs(1);
 /// Bytes of a snapshot sent in one request.
 const SNAPSHOT_PIECE: usize = 4 << 20;
 /// A batch of entries is cut once it holds this many bytes (or entries).

@@ -564,6 +564,8 @@ struct Shared {
     backups: Option<Arc<Backups>>,
     /// The address clients reach this shard at.
     advertise: String,
+    /// Copies of each shard the cluster keeps (told to clients with the map).
+    replicas: u32,
     /// The shards this process took over from their silent primaries, each served on an endpoint of its own.
     taken_over: std::sync::Mutex<Vec<RunningServer>>,
 }
@@ -1041,6 +1043,7 @@ async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<Takeover>) -
         log: log.clone(),
         backups,
         advertise: advertise.clone(),
+        replicas: cfg.replicas,
         taken_over: std::sync::Mutex::new(Vec::new()),
     });
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
@@ -2064,6 +2067,7 @@ async fn serve_request(
                 // Credentials go out with the map: a worker's token to its registrant, the key to a shard.
                 reply.map(|(mut reply, events, views, _)| {
                     if let Message::ClusterMap(map) = &mut reply.msg {
+                        map.replicas = shared.replicas;
                         if let (true, Some(w)) = (registers_worker, map.worker_id) {
                             map.token = Some(shared.credentials.token(w, &peer.identity));
                             shared.registrants.insert(w, peer.identity.clone());
@@ -2139,7 +2143,9 @@ fn moved(shared: &Shared) -> Frame {
 }
 
 /// On the coordinator, the refusal of a [`Message::Promote`] whose shard's primary still answers (None:
-/// the core decides). The primary is asked for its stats on a new connection, within a second.
+/// the core decides). The primary is asked for its stats on a new connection, within [`PROBE_WAIT`]. One
+/// that does not answer is dead to the coordinator's own log too: its copy of shard 0 stops counting at once
+/// (shard 0 needs no leave), so the promotion's own reply does not wait for that dead backup.
 async fn promote_refusal(shared: &Shared, msg: &Message) -> Option<Frame> {
     let Message::Promote(p) = msg else { return None };
     let (tx, rx) = oneshot::channel();
@@ -2160,18 +2166,26 @@ async fn promote_refusal(shared: &Shared, msg: &Message) -> Option<Frame> {
     let probe = async {
         let conn = link.connect(&addr, process).await?;
         let stats = Message::StatsRequest(gaps_common::wire::StatsRequest);
-        let reply = net::call(&conn, &stats, &[], &Limits::default(), Duration::from_secs(1)).await;
+        let reply = net::call(&conn, &stats, &[], &Limits::default(), PROBE_WAIT).await;
         conn.close(0u32.into(), b"probe");
         reply
     };
-    match tokio::time::timeout(Duration::from_secs(1), probe).await {
+    match tokio::time::timeout(PROBE_WAIT, probe).await {
         Ok(Ok(_)) => Some(Frame::new(Message::error(
             ErrorCode::Misconfigured,
             format!("shard {shard}'s primary at {addr} answers: it is not taken over"),
         ))),
-        _ => None,
+        _ => {
+            if let Some(log) = &shared.log {
+                log.unfollow(process);
+            }
+            None
+        }
     }
 }
+
+/// How long the coordinator waits for a primary's answer before it lets a backup take the shard over.
+const PROBE_WAIT: Duration = Duration::from_millis(500);
 
 fn refuse_unauthorized(shared: &Shared, peer: &ConnPeer, reason: &str) -> Frame {
     shared.unauthorized.fetch_add(1, Ordering::Relaxed);

@@ -13,7 +13,7 @@ use std::time::Duration;
 /// Whether handling `msg` can change what a backup must hold: pushes (a striped push's parts are put
 /// together by the service, which logs the whole push; a part reaches the core only as a duplicate, which
 /// the backup answers the same way and counts), sparse pushes, sparse pulls that
-/// create rows, registrations, heartbeats, departures, split requests, initial values and table loads — a
+/// create rows, workers' registrations, heartbeats, departures, split requests, initial values and table loads — a
 /// request of these kinds the core refuses included (the backup refuses it the same way, counters and all).
 /// Everything else is not logged: reads (dense pulls, sparse pulls with `create = false`, stats and step
 /// waits, data status, table pages), whose only trace is the primary's own read counters (`Stats::pulls`,
@@ -27,7 +27,6 @@ pub fn changes_state(msg: &Message) -> bool {
         | Message::PushPull(_)
         | Message::PushPart(_)
         | Message::SparsePush(_)
-        | Message::Register(_)
         | Message::RegisterShard(_)
         | Message::Heartbeat(_)
         | Message::Leave(_)
@@ -37,6 +36,8 @@ pub fn changes_state(msg: &Message) -> bool {
         | Message::ReplicaReport(_)
         | Message::Promote(_) => true,
         Message::SparsePull(p) => p.create,
+        // An observer's registration only reads the map.
+        Message::Register(r) => r.role == wire::Role::Worker,
         _ => false,
     }
 }

@@ -737,7 +737,24 @@ impl Client {
         let mut down_since: Option<Instant> = None;
         let mut busy_since: Option<Instant> = None;
         loop {
-            let result = async {
+            // With copies of the shards, a request (or its connection) that waits long may wait for a dead
+            // primary, whose connection only times out after seconds: the coordinator's map tells whether a
+            // backup took the shard over, and the request goes there instead.
+            let route_epoch = self.inner.shards[shard].route().epoch;
+            let moved = async {
+                if self.inner.map.replicas < 2 || shard == 0 {
+                    return std::future::pending().await;
+                }
+                tokio::time::sleep(MOVED_CHECK_AFTER).await;
+                loop {
+                    self.follow_map(shard).await;
+                    if self.inner.shards[shard].route().epoch != route_epoch {
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                }
+            };
+            let attempt_once = async {
                 // A handshake with a live shard takes milliseconds; a short bound lets a restarted shard be
                 // found again soon after it is back, and never outlasts the shard-down timeout.
                 let left =
@@ -760,8 +777,14 @@ impl Client {
                     });
                 }
                 net::call_with(&conn, msg, payload, &opts.limits, opts.rpc_timeout, &mut *sink).await
-            }
-            .await;
+            };
+            let result = tokio::select! {
+                reply = attempt_once => reply,
+                () = moved => Err(RpcError::Connection {
+                    addr: self.inner.shards[shard].addr().to_string(),
+                    message: "a backup took the shard over".into(),
+                }),
+            };
             match result {
                 Ok(frame) => return Ok((frame, attempt)),
                 // The shard had no memory free for the request in time: nothing was applied; the same request
@@ -1830,6 +1853,9 @@ impl Client {
         self.inner.shards.iter().map(|s| (s.index, s.addr())).collect()
     }
 }
+
+/// How long a request to a replicated shard waits before the client asks whether the shard moved.
+const MOVED_CHECK_AFTER: Duration = Duration::from_millis(700);
 
 /// A pseudo-random pause of 0..=`max_ms` milliseconds (the clock's nanoseconds, mixed), so that clients
 /// that were refused together do not come back together.

@@ -124,6 +124,8 @@ impl ShardCore {
             rule: self.rule_info(),
             token: None,
             auth_key: None,
+            // Filled in by the service, which knows the setting.
+            replicas: 1,
         })
     }
 
@@ -221,6 +223,8 @@ impl ShardCore {
             // Filled in by the service, which holds the credentials.
             token: None,
             auth_key: None,
+            // Filled in by the service, which knows the setting.
+            replicas: 1,
         })))
     }
 
