@@ -28,6 +28,16 @@ pub struct Rng {
 }
 
 impl Rng {
+    /// The generator's state (to continue it elsewhere with [`Rng::from_state`]).
+    pub fn state(&self) -> [u64; 4] {
+        self.s
+    }
+
+    /// A generator continuing one whose [`Rng::state`] this was.
+    pub fn from_state(s: [u64; 4]) -> Self {
+        Rng { s }
+    }
+
     /// A generator seeded from one 64-bit seed.
     pub fn new(seed: u64) -> Self {
         let mut sm = seed;

@@ -146,33 +146,36 @@ impl Log {
     }
 
     /// Logs a request the core is about to handle at `now`; its index (0: not logged — no backup, or a
-    /// request that changes nothing).
-    pub fn request(&self, now: Duration, frame: &Frame) -> u64 {
+    /// request that changes nothing). A request that cannot be logged is refused, not handled: one that
+    /// does not encode as an entry (a striped push whose parts together exceed a header's limit), or any
+    /// while the entries kept for backups that count exceed the log's cap (`Busy`: send it again).
+    pub fn request(&self, now: Duration, frame: &Frame) -> Result<u64, (ErrorCode, String)> {
         if !changes_state(&frame.msg) {
-            return 0;
+            return Ok(0);
         }
-        self.append(|| Entry::Request { now, frame: Box::new(frame.clone()) })
+        self.append(true, || Entry::Request { now, frame: Box::new(frame.clone()) })
     }
 
-    /// Logs a tick at `now` (see [`Log::request`]).
+    /// Logs a tick at `now` (see [`Log::request`]; a tick is always logged, whatever the log holds).
     pub fn tick(&self, now: Duration) -> u64 {
-        self.append(|| Entry::Tick { now })
+        self.append(false, || Entry::Tick { now }).unwrap_or(0)
     }
 
-    fn append(&self, entry: impl FnOnce() -> Entry) -> u64 {
+    fn append(&self, capped: bool, entry: impl FnOnce() -> Entry) -> Result<u64, (ErrorCode, String)> {
         let mut inner = self.lock();
         if inner.followers.is_empty() {
-            return 0;
+            return Ok(0);
+        }
+        if capped && inner.bytes > self.cap_bytes && inner.followers.values().any(|f| f.live) {
+            let msg = "this shard's backups are behind (its replica log is full); send the request again";
+            return Err((ErrorCode::Busy, msg.into()));
         }
         let index = inner.next;
         let bytes = match (LogEntry { index, entry: entry() }).encode() {
             Ok(b) => Bytes::from(b),
             Err(e) => {
-                // The request was read from the network as a frame, so it encodes; if not, the backups cannot
-                // follow any more.
-                warn!(shard = self.shard, error = %e, "a request could not be logged; dropping the backups");
-                self.drop_all(&mut inner);
-                return 0;
+                let msg = format!("the request cannot be passed on to this shard's backups: {e}");
+                return Err((ErrorCode::TooLarge, msg));
             }
         };
         inner.next += 1;
@@ -195,14 +198,14 @@ impl Log {
                 }
                 self.settle(&mut inner);
                 if inner.followers.is_empty() {
-                    return 0;
+                    return Ok(0);
                 }
             }
         }
         self.metrics.log_bytes.set(inner.bytes as f64);
         drop(inner);
         self.logged.send_replace(index);
-        index
+        Ok(index)
     }
 
     /// Whether the coordinator said another process serves the shard now.
@@ -230,12 +233,6 @@ impl Log {
     fn live_set(&self, except: Option<u32>) -> Vec<u32> {
         let inner = self.lock();
         inner.followers.iter().filter(|(b, f)| f.live && Some(**b) != except).map(|(b, _)| *b).collect()
-    }
-
-    fn drop_all(&self, inner: &mut LogInner) {
-        self.metrics.dropped.increment(inner.followers.len() as u64);
-        inner.followers.clear();
-        self.settle(inner);
     }
 
     /// Backup `backup` starts from a snapshot holding every entry logged so far (called by the actor, which
@@ -461,10 +458,7 @@ async fn release(ctx: &ShipContext, log: &Log, backup: u32) -> bool {
     let mut said = false;
     loop {
         match report(ctx, log, Some(backup)).await {
-            Ok(()) => {
-                log.unfollow(backup);
-                return true;
-            }
+            Ok(()) => return true,
             Err(Reported::Moved) => {
                 log.fence();
                 return false;
@@ -492,14 +486,20 @@ enum Reported {
     Failed(anyhow::Error),
 }
 
-/// Tells the coordinator which backups count now (all but `except`).
+/// Tells the coordinator which backups count now (all but `except`); on its yes, `except` stops counting
+/// here before any other report can go (so a report never names a backup that no longer counts).
 async fn report(ctx: &ShipContext, log: &Log, except: Option<u32>) -> Result<(), Reported> {
     let _one = ctx.reporting.lock().await;
     let in_sync = log.live_set(except);
     let msg =
         Message::ReplicaReport(ReplicaReport { shard: ctx.shard, process: ctx.process, epoch: ctx.epoch, in_sync });
     match ctx.link.call(&msg).await {
-        Ok(Frame { msg: Message::ReplicaEpoch(_), .. }) => Ok(()),
+        Ok(Frame { msg: Message::ReplicaEpoch(_), .. }) => {
+            if let Some(backup) = except {
+                log.unfollow(backup);
+            }
+            Ok(())
+        }
         Err(RpcError::Remote { code: ErrorCode::Moved, .. }) => Err(Reported::Moved),
         Ok(other) => Err(Reported::Failed(anyhow!("the coordinator answered with {}", net::kind_name(&other.msg)))),
         Err(e) => Err(Reported::Failed(anyhow!("the coordinator ({}): {e}", ctx.link.coordinator))),
@@ -745,8 +745,9 @@ impl Backups {
     /// The copies that hold a snapshot and whose primary sent nothing for `silence`.
     pub fn silent(&self, silence: Duration) -> Vec<u32> {
         let mut out = Vec::new();
-        for (shard, r) in &self.replicas {
-            let Ok(r) = r.lock() else { continue };
+        // The coordinator's own shard is not taken over yet (step 4). A copy busy applying is not silent.
+        for (shard, r) in self.replicas.iter().filter(|(s, _)| **s != 0) {
+            let Ok(r) = r.try_lock() else { continue };
             if !r.taking_over && r.core.is_some() && r.heard.is_some_and(|t| t.elapsed() >= silence) {
                 out.push(*shard);
             }
@@ -757,7 +758,7 @@ impl Backups {
     /// Stops applying the primary's log to the copy of `shard` (it is being taken over); false when there is
     /// no copy to take.
     pub fn begin_takeover(&self, shard: u32) -> bool {
-        let Some(Ok(mut r)) = self.replicas.get(&shard).map(|r| r.lock()) else { return false };
+        let Some(Ok(mut r)) = self.replicas.get(&shard).map(|r| r.try_lock()) else { return false };
         if r.core.is_none() || r.taking_over {
             return false;
         }
@@ -821,12 +822,14 @@ impl Replica {
             bail!("a snapshot piece past the snapshot's end");
         }
         buf.extend_from_slice(&piece);
+        // The primary is alive while it copies (a large copy takes longer than `--failover-after`).
+        self.heard = Some(std::time::Instant::now());
         if (buf.len() as u64) < *total {
             return Ok(0);
         }
         let (index, _, bytes) = self.incoming.take().expect("set above");
         let mut core =
-            ShardCore::restore(self.cfg.clone(), &bytes).map_err(|e| anyhow!("restoring the snapshot: {e}"))?;
+            ShardCore::from_copy(self.cfg.clone(), &bytes).map_err(|e| anyhow!("restoring the snapshot: {e}"))?;
         core.set_dealer_as_copy(self.data.clone()).map_err(|e| anyhow!("copying shard {}: {e}", self.cfg.shard))?;
         self.core = Some(core);
         self.applied = index;
@@ -844,8 +847,10 @@ impl Replica {
         let mut at = 0usize;
         for &len in &a.lens {
             let end = at + len as usize;
-            let entry = LogEntry::decode(&bytes[at..end], &self.limits)
-                .map_err(|e| anyhow!("entry {}: {e}", self.applied + 1))?;
+            // The primary bounded the request when it read it; an entry's payload is bounded by its bytes.
+            let limits = Limits { max_payload_bytes: u64::from(len), ..Limits::default() };
+            let entry =
+                LogEntry::decode(&bytes[at..end], &limits).map_err(|e| anyhow!("entry {}: {e}", self.applied + 1))?;
             at = end;
             if entry.index != self.applied + 1 {
                 bail!("entry {} where {} comes next", entry.index, self.applied + 1);
@@ -900,12 +905,12 @@ mod tests {
     #[test]
     fn nothing_is_logged_without_a_backup_and_reads_never_are() {
         let l = log();
-        assert_eq!(l.request(Duration::ZERO, &heartbeat()), 0);
+        assert_eq!(l.request(Duration::ZERO, &heartbeat()), Ok(0));
         assert_eq!(l.tick(Duration::ZERO), 0);
         assert_eq!(l.follow(1), 0);
         let read = Frame::new(Message::Pull(Pull { epoch: 1, chunks: vec![] }));
-        assert_eq!(l.request(Duration::ZERO, &read), 0, "a read");
-        assert_eq!(l.request(Duration::ZERO, &heartbeat()), 1);
+        assert_eq!(l.request(Duration::ZERO, &read), Ok(0), "a read");
+        assert_eq!(l.request(Duration::ZERO, &heartbeat()), Ok(1));
         assert_eq!(l.tick(Duration::from_millis(5)), 2);
     }
 
@@ -913,22 +918,22 @@ mod tests {
     fn replies_wait_for_a_backup_once_it_caught_up_and_stop_waiting_when_it_is_dropped() {
         let l = log();
         l.follow(1);
-        let first = l.request(Duration::ZERO, &heartbeat());
+        let first = l.request(Duration::ZERO, &heartbeat()).expect("logged");
         // Catching up: replies do not wait for it yet.
         assert_eq!(*l.acked.borrow(), u64::MAX);
         assert_eq!(l.batch(1, 0).expect("follows").iter().map(|(i, _)| *i).collect::<Vec<_>>(), vec![first]);
         assert!(l.acknowledged(1, first));
         assert_eq!(l.live_backups(), 1);
-        let second = l.request(Duration::ZERO, &heartbeat());
+        let second = l.request(Duration::ZERO, &heartbeat()).expect("logged");
         assert_eq!(*l.acked.borrow(), first, "the second entry waits for the backup");
         assert_eq!(l.batch(1, first).expect("follows").len(), 1, "acknowledged entries are dropped");
         assert!(l.acknowledged(1, second));
         assert_eq!(*l.acked.borrow(), second);
-        l.request(Duration::ZERO, &heartbeat());
+        l.request(Duration::ZERO, &heartbeat()).expect("logged");
         l.unfollow(1);
         assert_eq!(*l.acked.borrow(), u64::MAX, "no live backup: nothing waits");
         assert!(l.batch(1, second).is_err() && !l.acknowledged(1, 3));
-        assert_eq!(l.request(Duration::ZERO, &heartbeat()), 0, "nothing logged without a backup");
+        assert_eq!(l.request(Duration::ZERO, &heartbeat()), Ok(0), "nothing logged without a backup");
     }
 
     #[test]
@@ -937,19 +942,29 @@ mod tests {
         l.follow(1);
         let mut last = 0;
         for _ in 0..20 {
-            last = l.request(Duration::ZERO, &heartbeat());
+            last = l.request(Duration::ZERO, &heartbeat()).expect("logged");
         }
         assert_eq!(last, 0, "the log dropped the backup catching up once it held more than its cap");
         assert!(l.batch(1, 0).is_err());
-        // A live backup is only dropped with the coordinator's leave (replies wait for it meanwhile).
+        // A live backup is only dropped with the coordinator's leave (replies wait for it meanwhile): past
+        // the cap, requests are refused as busy, unhandled, until it catches up; ticks are still logged.
         let at = l.follow(2);
         assert!(l.acknowledged(2, at));
-        let first = l.request(Duration::ZERO, &heartbeat());
-        for _ in 0..19 {
-            last = l.request(Duration::ZERO, &heartbeat());
-        }
-        assert_eq!((first, last), (at + 1, at + 20), "still logged for the live backup");
+        let mut logged = Vec::new();
+        let refused = loop {
+            match l.request(Duration::ZERO, &heartbeat()) {
+                Ok(i) => logged.push(i),
+                Err(e) => break e,
+            }
+            assert!(logged.len() < 100, "the cap holds");
+        };
+        assert_eq!(refused.0, ErrorCode::Busy);
+        assert_eq!(logged, (at + 1..=at + logged.len() as u64).collect::<Vec<_>>(), "in order, none skipped");
+        let tick = l.tick(Duration::from_millis(1));
+        assert_eq!(tick, at + logged.len() as u64 + 1);
         assert_eq!(*l.acked.borrow(), at);
+        assert!(l.acknowledged(2, tick));
+        assert_eq!(l.request(Duration::ZERO, &heartbeat()), Ok(tick + 1), "room again");
         l.fence();
         assert_eq!(*l.acked.borrow(), u64::MAX, "fenced: waiting replies wake up");
         assert!(l.fenced());
@@ -1001,7 +1016,7 @@ mod tests {
         // A real snapshot of shard 0, then entries in order only.
         let core =
             ShardCore::new(ShardConfig { shard: 0, ..b.replicas[&0].lock().expect("lock").cfg.clone() }).expect("core");
-        let snap = core.checkpoint_into(0, Vec::new()).expect("snapshot");
+        let snap = core.copy_state().expect("snapshot");
         let half = snap.len() / 2;
         let total = snap.len() as u64;
         let first = b.handle_now(Frame { msg: piece(9, 0, total, half as u32), payload: words(&snap[..half]) });

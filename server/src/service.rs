@@ -291,7 +291,12 @@ fn run_actor(
     mut journal: Option<std::fs::File>,
     log: Option<Arc<Log>>,
 ) {
-    let log_request = |now: Duration, frame: &Frame| log.as_ref().map_or(0, |l| l.request(now, frame));
+    // A request that cannot be logged for the backups is refused, unhandled.
+    let log_request = |now: Duration, frame: &Frame| {
+        log.as_ref()
+            .map_or(Ok(0), |l| l.request(now, frame))
+            .map_err(|(code, msg)| Box::new(Frame::new(Message::error(code, msg))))
+    };
     // A part's reply and whether its payload was found finite as it was read.
     type Reply = (oneshot::Sender<Answer>, bool);
     let mut pending: Option<PendingSnapshot> = None;
@@ -308,7 +313,15 @@ fn run_actor(
                     if let Some((whole, replies)) = offered.whole {
                         let finite = replies.iter().all(|(_, f)| *f);
                         let now = started.elapsed();
-                        let index = log_request(now, &whole);
+                        let index = match log_request(now, &whole) {
+                            Ok(index) => index,
+                            Err(refusal) => {
+                                for (reply, _) in replies {
+                                    let _ = reply.send((*refusal.clone(), Vec::new(), Vec::new(), 0));
+                                }
+                                continue;
+                            }
+                        };
                         let (answer, mut events) = core.handle_checked(whole, now, finite);
                         for (reply, _) in replies {
                             let _ = reply.send((answer.clone(), std::mem::take(&mut events), Vec::new(), index));
@@ -338,7 +351,13 @@ fn run_actor(
                     };
                     let frame = Frame { msg, payload: frame.payload };
                     let now = started.elapsed();
-                    let index = log_request(now, &frame);
+                    let index = match log_request(now, &frame) {
+                        Ok(index) => index,
+                        Err(refusal) => {
+                            let _ = reply.send((*refusal, Vec::new(), Vec::new(), 0));
+                            continue;
+                        }
+                    };
                     let (answer, events) = core.handle_checked(frame, now, finite);
                     // A split dealt or reported finished is journaled before the worker hears of it.
                     journal_changes(&mut core, &mut journal);
@@ -383,7 +402,7 @@ fn run_actor(
             Command::Checkpoint(p) => pending = Some(p),
             Command::ReplicaSnapshot { backup, reply } => {
                 let taken = match &log {
-                    Some(log) => core.checkpoint_into(0, Vec::new()).map(|bytes| (log.follow(backup), bytes)),
+                    Some(log) => core.copy_state().map(|bytes| (log.follow(backup), bytes)),
                     None => Ok((0, Vec::new())),
                 };
                 let _ = reply.send(taken.map_err(|e| e.to_string()));
@@ -1198,7 +1217,15 @@ async fn take_over(
     match link.call(&promote).await {
         Ok(Frame { msg: Message::ReplicaEpoch(_), .. }) => {}
         Ok(other) => bail!("the coordinator answered with {}", net::kind_name(&other.msg)),
-        Err(e) => bail!("the coordinator refused: {e}"),
+        Err(e @ RpcError::Remote { .. }) => bail!("the coordinator refused: {e}"),
+        // The answer was lost: the map says whether the coordinator granted it (then this process must serve).
+        Err(e) => {
+            let map = link.map(&format!("shard-{} takeover", shared.shard)).await.context("the coordinator's map")?;
+            let granted = map.shards.iter().any(|s| s.index == shard && s.process == shared.shard && s.addr == addr);
+            if !granted {
+                bail!("asking the coordinator: {e}");
+            }
+        }
     }
     let (core, clock) = backups.take(shard).context("the copy is gone")?;
     let mut c = cfg.clone();

@@ -165,6 +165,50 @@ pub struct StragglerDetector {
 }
 
 impl StragglerDetector {
+    /// Writes everything the detector holds (a backup's copy continues it exactly).
+    pub(crate) fn write_to(&self, w: &mut crate::checkpoint::Writer) {
+        w.u64(self.times.len() as u64);
+        for (worker, t) in &self.times {
+            w.u32(*worker);
+            w.u64(t.window.len() as u64);
+            for v in &t.window {
+                w.f64(*v);
+            }
+            w.u32(t.reports);
+            w.u32(t.against);
+            w.u8(u8::from(t.fresh));
+        }
+        w.u32s(&self.stragglers.iter().copied().collect::<Vec<_>>());
+        w.u64(self.last_change.len() as u64);
+        for why in &self.last_change {
+            w.str(why);
+        }
+    }
+
+    /// Reads what [`Self::write_to`] wrote.
+    pub(crate) fn read_from(r: &mut crate::checkpoint::Reader<'_>) -> Result<Self, crate::checkpoint::CheckpointError> {
+        let corrupt = || crate::checkpoint::CheckpointError::Corrupt("straggler detector".into());
+        let mut d = StragglerDetector::default();
+        for _ in 0..r.u64()? {
+            let worker = r.u32()?;
+            let n = r.u64()?;
+            if n > DETECTOR_WINDOW as u64 {
+                return Err(corrupt());
+            }
+            let mut window = std::collections::VecDeque::new();
+            for _ in 0..n {
+                window.push_back(r.f64()?);
+            }
+            let (reports, against, fresh) = (r.u32()?, r.u32()?, r.u8()? == 1);
+            d.times.insert(worker, WorkerTimes { window, reports, against, fresh });
+        }
+        d.stragglers = r.u32s("stragglers")?.into_iter().collect();
+        for _ in 0..r.u64()? {
+            d.last_change.push(r.str("straggler reasons")?);
+        }
+        Ok(d)
+    }
+
     /// Records one step's compute time of `worker`.
     pub fn observe(&mut self, worker: u32, compute_ms: f64) {
         let e = self.times.entry(worker).or_default();

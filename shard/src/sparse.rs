@@ -147,6 +147,16 @@ pub struct SparseTable {
 }
 
 impl SparseTable {
+    /// Where the eviction sampler is (a backup's copy continues it, `ShardCore::copy_state`).
+    pub(crate) fn sampler_state(&self) -> [u64; 4] {
+        self.sampler.state()
+    }
+
+    /// Continues the eviction sampler from [`Self::sampler_state`].
+    pub(crate) fn set_sampler_state(&mut self, s: [u64; 4]) {
+        self.sampler = Rng::from_state(s);
+    }
+
     /// A new, empty table.
     pub fn new(cfg: TableConfig) -> Result<Self, TableError> {
         let layout = cfg.rule.layout();

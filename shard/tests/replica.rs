@@ -47,6 +47,8 @@ struct Pair {
     index: u64,
     logged: u64,
     handled: u64,
+    /// The round at which the backup is replaced by a copy of the primary ([`ShardCore::copy_state`]).
+    copy_at: Option<u64>,
 }
 
 impl Pair {
@@ -190,6 +192,10 @@ fn workload(pair: &mut Pair, seed: u64) {
             }
         }
         pair.handle(Frame::new(Message::StatsRequest(StatsRequest)), now);
+        if pair.copy_at == Some(round) {
+            let cfg = pair.primary.config().clone();
+            pair.backup = ShardCore::from_copy(cfg, &pair.primary.copy_state().expect("copy")).expect("from a copy");
+        }
         if round == 25 {
             pair.handle(Frame::new(Message::Leave(Leave { worker: 2 })), now);
             alive[2] = false;
@@ -206,6 +212,20 @@ fn workload(pair: &mut Pair, seed: u64) {
 
 #[test]
 fn a_backup_fed_the_primarys_log_holds_the_primarys_state_in_every_mode() {
+    backups_hold_the_primarys_state(None);
+}
+
+/// A backup that starts from a copy of the primary taken mid-run — past several leases, with steps in
+/// progress and stragglers judged — continues exactly: the same replies and events for every entry after,
+/// and the same state at the end.
+#[test]
+fn a_backup_started_from_a_copy_mid_run_holds_the_primarys_state_in_every_mode() {
+    for round in [12, 33, 47] {
+        backups_hold_the_primarys_state(Some(round));
+    }
+}
+
+fn backups_hold_the_primarys_state(copy_at: Option<u64>) {
     for mode in [Mode::Async, Mode::Sync, Mode::Gba, Mode::Ssp, Mode::Auto] {
         for seed in 1..=3 {
             let mut pair = Pair {
@@ -214,9 +234,10 @@ fn a_backup_fed_the_primarys_log_holds_the_primarys_state_in_every_mode() {
                 index: 0,
                 logged: 0,
                 handled: 0,
+                copy_at,
             };
             workload(&mut pair, seed);
-            let what = format!("{mode}, seed {seed}");
+            let what = format!("{mode}, seed {seed}, copied at {copy_at:?}");
             let layout = pair.primary.config().layout.clone();
             for id in layout.chunks() {
                 let bits =

@@ -878,8 +878,12 @@ impl Client {
                 continue;
             }
             let Ok(addr) = net::resolve(&s.addr).await else { continue };
-            if let Ok(mut route) = link.route.lock() {
-                *route = Route { name: s.addr.clone(), addr, process: s.process, epoch: s.epoch };
+            match link.route.lock() {
+                // Another task may have followed a newer map meanwhile: a route never goes back.
+                Ok(mut route) if route.epoch < s.epoch => {
+                    *route = Route { name: s.addr.clone(), addr, process: s.process, epoch: s.epoch };
+                }
+                _ => continue,
             }
             for conn in &link.conns {
                 if let Ok(mut c) = conn.lock() {

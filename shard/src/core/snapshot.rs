@@ -245,7 +245,12 @@ impl ShardCore {
         core.leases = self.leases.clone();
         if let (Some(now), Some(then)) = (self.coordinator.as_ref(), core.coordinator.as_mut()) {
             then.shard_addrs = now.shard_addrs.clone();
+            // Who serves each shard stays as it is now; no backup is in sync with a primary that went back
+            // until that primary reports it again (after copying it the state it went back to).
             then.replica_sets = now.replica_sets.clone();
+            for set in then.replica_sets.values_mut() {
+                set.in_sync.clear();
+            }
             then.next_worker = then.next_worker.max(now.next_worker);
             then.registered = then.registered.max(now.registered);
         }
@@ -265,6 +270,85 @@ impl ShardCore {
             }
         }
         core.membership_changed(&mut events);
+        Ok(core)
+    }
+
+    /// This shard's whole state for a backup's copy (replicated shards): a checkpoint, then what a
+    /// checkpoint leaves to the restart — the clock, the leases' deadlines, when the step in progress
+    /// started, when the coordinator last decided a mode, the straggler detector, the tables' eviction
+    /// samplers — so that [`ShardCore::from_copy`] continues exactly where this core is: fed the same
+    /// requests and ticks afterwards, it answers as this core does.
+    pub fn copy_state(&self) -> Result<Vec<u8>, ShardError> {
+        let checkpoint = self.checkpoint_into(0, Vec::new())?;
+        let mut w = Writer::reusing(Vec::new(), 1024);
+        let nanos = |d: Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        w.u64(nanos(self.clock));
+        w.u32(self.now_s);
+        for t in [self.step_started, self.decided_at] {
+            match t {
+                Some(t) => {
+                    w.u8(1);
+                    w.u64(nanos(t));
+                }
+                None => w.u8(0),
+            }
+        }
+        w.u64(self.leases.len() as u64);
+        for (worker, until) in &self.leases {
+            w.u32(*worker);
+            w.u64(nanos(*until));
+        }
+        self.detector.write_to(&mut w);
+        for table in &self.tables {
+            w.u64s(&table.sampler_state());
+        }
+        let mut out = Vec::with_capacity(8 + checkpoint.len() + w.buf.len());
+        out.extend_from_slice(&(checkpoint.len() as u64).to_le_bytes());
+        out.extend_from_slice(&checkpoint);
+        out.extend_from_slice(&w.buf);
+        Ok(out)
+    }
+
+    /// A shard configured by `cfg` continuing the state [`ShardCore::copy_state`] wrote (its dealer, if any,
+    /// waits for [`ShardCore::set_dealer_as_copy`]).
+    pub fn from_copy(cfg: ShardConfig, bytes: &[u8]) -> Result<ShardCore, CheckpointError> {
+        let corrupt = |what: &str| CheckpointError::Corrupt(format!("copy: {what}"));
+        let len = bytes.get(..8).ok_or_else(|| corrupt("length"))?;
+        let len = usize::try_from(u64::from_le_bytes(len.try_into().map_err(|_| corrupt("length"))?))
+            .map_err(|_| corrupt("length"))?;
+        let end = 8usize.checked_add(len).filter(|e| *e <= bytes.len()).ok_or_else(|| corrupt("length"))?;
+        let mut core = ShardCore::restore(cfg, &bytes[8..end])?;
+        let mut r = Reader::new(&bytes[end..])?;
+        let time = |r: &mut Reader<'_>| r.u64().map(Duration::from_nanos);
+        core.clock = time(&mut r)?;
+        core.now_s = r.u32()?;
+        let optional = |r: &mut Reader<'_>| -> Result<Option<Duration>, CheckpointError> {
+            Ok(match r.u8()? {
+                0 => None,
+                1 => Some(time(r)?),
+                _ => return Err(corrupt("a time")),
+            })
+        };
+        core.step_started = optional(&mut r)?;
+        core.decided_at = optional(&mut r)?;
+        let leases = r.u64()?;
+        if leases != core.leases.len() as u64 {
+            return Err(corrupt("lease holders"));
+        }
+        for _ in 0..leases {
+            let worker = r.u32()?;
+            let until = time(&mut r)?;
+            match core.leases.get_mut(&worker) {
+                Some(t) => *t = until,
+                None => return Err(corrupt("lease holders")),
+            }
+        }
+        core.detector = crate::modes::StragglerDetector::read_from(&mut r)?;
+        for table in &mut core.tables {
+            let s: [u64; 4] = r.u64s("sampler")?.try_into().map_err(|_| corrupt("sampler"))?;
+            table.set_sampler_state(s);
+        }
+        r.finish()?;
         Ok(core)
     }
 
