@@ -22,6 +22,8 @@ pub struct E2eResult {
     pub servers: u32,
     /// Workers.
     pub workers: u32,
+    /// Copies of each shard (`--replicas`; 1: none).
+    pub replicas: u32,
     /// Training samples per second over all workers.
     pub samples_per_s: f64,
     /// Held-out AUC at the end.
@@ -31,12 +33,21 @@ pub struct E2eResult {
 }
 
 impl E2eResult {
+    /// The shape's name: `dlrm_SxW`, with `_rR` for R copies of each shard.
+    pub fn name(&self) -> String {
+        match self.replicas {
+            1 => format!("dlrm_{}x{}", self.servers, self.workers),
+            r => format!("dlrm_{}x{}_r{r}", self.servers, self.workers),
+        }
+    }
+
     /// The JSON line.
     pub fn to_json(&self) -> String {
         serde_json::json!({
-            "case": format!("dlrm_{}x{}", self.servers, self.workers),
+            "case": self.name(),
             "servers": self.servers,
             "workers": self.workers,
+            "replicas": self.replicas,
             "samples_per_s": self.samples_per_s.round(),
             "auc": (self.auc * 10_000.0).round() / 10_000.0,
             "ratio": (self.ratio * 1000.0).round() / 1000.0,
@@ -73,13 +84,14 @@ impl BaselineResult {
 }
 
 /// The flags `gaps local` gets for the DLRM runs of this bench.
-fn local_args(servers: u32, workers: u32, steps: u64) -> Result<LocalArgs> {
+fn local_args(servers: u32, workers: u32, replicas: u32, steps: u64) -> Result<LocalArgs> {
     let argv = ["local", "--model", "dlrm", "--data", "synthetic"]
         .iter()
         .map(|s| s.to_string())
         .chain([
             format!("--servers={servers}"),
             format!("--workers={workers}"),
+            format!("--replicas={replicas}"),
             format!("--steps={steps}"),
             format!("--eval-samples={EVAL_SAMPLES}"),
         ])
@@ -87,10 +99,11 @@ fn local_args(servers: u32, workers: u32, steps: u64) -> Result<LocalArgs> {
     Ok(Wrapper::try_parse_from(&argv).context("building the local-cluster flags")?.args)
 }
 
-/// The cluster shapes (shards, workers) `gaps bench e2e` measures. On one machine each shard adds a round
-/// trip per pull and per push to every step, so with few cores one shard serving several workers trains
-/// fastest (1×4 measured 1.19× the single process on 2 cores, 2×4 1.00–1.03×).
-pub const SHAPES: &[(u32, u32)] = &[(1, 1), (1, 4), (2, 2), (2, 4)];
+/// The cluster shapes (shards, workers, copies of each shard) `gaps bench e2e` measures. On one machine each
+/// shard adds a round trip per pull and per push to every step, so with few cores one shard serving several
+/// workers trains fastest (1×4 measured 1.19× the single process on 2 cores, 2×4 1.00–1.03×). 2×4 with
+/// `--replicas 2` right after 2×4 without gives the copies' cost in the same run.
+pub const SHAPES: &[(u32, u32, u32)] = &[(1, 1, 1), (1, 4, 1), (2, 2, 1), (2, 4, 1), (2, 4, 2)];
 
 /// Held-out samples of every run.
 const EVAL_SAMPLES: u32 = 4096;
@@ -189,19 +202,20 @@ pub fn single_process(args: &LocalArgs, steps: u64) -> Result<BaselineResult> {
 
 /// Runs the single-process baseline (`steps` batches), then DLRM on synthetic data for each (servers,
 /// workers) shape with `steps` steps per worker, each reported as a ratio to the baseline.
-pub async fn run(exe: &Path, shapes: &[(u32, u32)], steps: u64) -> Result<(BaselineResult, Vec<E2eResult>)> {
-    let base_args = local_args(1, 1, steps)?;
+pub async fn run(exe: &Path, shapes: &[(u32, u32, u32)], steps: u64) -> Result<(BaselineResult, Vec<E2eResult>)> {
+    let base_args = local_args(1, 1, 1, steps)?;
     let baseline = tokio::task::spawn_blocking(move || single_process(&base_args, steps))
         .await
         .context("the single-process baseline panicked")??;
     let mut out = Vec::new();
-    for (servers, workers) in shapes {
-        let args = local_args(*servers, *workers, steps)?;
+    for &(servers, workers, replicas) in shapes {
+        let args = local_args(servers, workers, replicas, steps)?;
         let report = run_with(&args, exe).await?;
         let ctr = report.ctr.context("a CTR run reports samples per second")?;
         out.push(E2eResult {
-            servers: *servers,
-            workers: *workers,
+            servers,
+            workers,
+            replicas,
             samples_per_s: ctr.samples_per_s,
             auc: ctr.auc,
             ratio: ctr.samples_per_s / baseline.samples_per_s.max(1e-9),

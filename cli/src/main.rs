@@ -463,7 +463,7 @@ async fn main() -> Result<()> {
             eprintln!("{:<16} {:>12.0} {:>8.4} {:>14}", "single process", base.samples_per_s, base.auc, "1.00");
             println!("{}", base.to_json());
             for r in &results {
-                let name = format!("{}x{}", r.servers, r.workers);
+                let name = r.name().trim_start_matches("dlrm_").to_string();
                 eprintln!("{name:<16} {:>12.0} {:>8.4} {:>14.2}", r.samples_per_s, r.auc, r.ratio);
                 println!("{}", r.to_json());
             }

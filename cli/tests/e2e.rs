@@ -6,7 +6,7 @@
 fn one_worker_one_shard_ends_where_the_single_process_baseline_ends() {
     let exe = std::path::Path::new(env!("CARGO_BIN_EXE_gaps"));
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("runtime");
-    let (base, clusters) = runtime.block_on(gaps_cli::e2e::run(exe, &[(1, 1)], 150)).expect("bench e2e");
+    let (base, clusters) = runtime.block_on(gaps_cli::e2e::run(exe, &[(1, 1, 1)], 150)).expect("bench e2e");
     let cluster = &clusters[0];
     assert_eq!(base.samples, 150 * 256);
     assert!(base.auc > 0.75, "the baseline trains: AUC {}", base.auc);

@@ -92,6 +92,18 @@ pub fn identity(data: &[u8]) {
     }
 }
 
+/// Bytes read as a backup's copy of a shard (`ShardCore::from_copy`): never a panic; a copy that reads copies
+/// back to the same bytes.
+fn copy_bytes(data: &[u8]) {
+    let cfg = config(Rule::Momentum, Mode::Sync, 0, 1, 0);
+    if let Ok(core) = ShardCore::from_copy(cfg, data) {
+        let again = core.copy_state().expect("a copy");
+        let cfg = config(Rule::Momentum, Mode::Sync, 0, 1, 0);
+        let twice = ShardCore::from_copy(cfg, &again).expect("a copy's copy reads").copy_state().expect("a copy");
+        assert_eq!(again, twice, "from_copy ∘ copy_state is not stable");
+    }
+}
+
 /// Frame decoder: any bytes decode to a frame or a typed error, and a decoded frame re-encodes to bytes
 /// that decode to the same frame; read as a replication log entry, the same holds.
 pub fn frame_decoder(data: &[u8]) {
@@ -363,6 +375,8 @@ impl Cores {
 /// a checkpoint restores to a core that checkpoints to the same bytes (and keeps serving). Returns the
 /// core's counters.
 pub fn shard_core(data: &[u8]) -> wire::Stats {
+    // The same bytes as a copy from a primary (a shard certificate's snapshot): a typed error or a core.
+    copy_bytes(data);
     drive_shard_core(data, false)
 }
 
@@ -436,6 +450,11 @@ fn drive_shard_core(data: &[u8], twin: bool) -> wire::Stats {
                 let bytes = cores.checkpoint(7);
                 cores.restore(cfg(), &bytes);
                 assert_eq!(cores.checkpoint(7), bytes, "{rule} {mode}: a restored core checkpoints differently");
+                // A backup's copy (replicated shards) continues the core exactly: it copies to the same bytes.
+                let copy = cores.core.copy_state().expect("a copy");
+                let continued =
+                    ShardCore::from_copy(cfg(), &copy).unwrap_or_else(|e| panic!("{rule} {mode}: from a copy: {e}"));
+                assert_eq!(continued.copy_state().expect("a copy"), copy, "{rule} {mode}: a copy copies differently");
             }
             _ => {
                 let Some(frame) = request(&mut c, &layout, &chunks) else { continue };
