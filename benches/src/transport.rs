@@ -219,22 +219,28 @@ pub async fn run(opts: &TransportOptions) -> Result<Vec<TransportResult>> {
     let sizes = opts.floats.as_deref().unwrap_or(standard);
     let shard_counts: &[u32] = if opts.quick { &[1] } else { &[1, 2] };
     let mut out = Vec::new();
-    let mut cases: Vec<(String, u32, Option<u64>, u64, WireDtype)> = Vec::new();
+    // (name, shards, copies of each shard, sparse rows, dense floats, wire format)
+    let mut cases: Vec<(String, u32, u32, Option<u64>, u64, WireDtype)> = Vec::new();
     for &n in sizes {
         for &shards in shard_counts {
-            cases.push((format!("push_pull_{shards}shard_{}", size_name(n)), shards, None, n, WireDtype::F32));
+            cases.push((format!("push_pull_{shards}shard_{}", size_name(n)), shards, 1, None, n, WireDtype::F32));
+        }
+        // With two copies of each shard (`--replicas 2`): what the copies cost a push-pull.
+        if let Some(&shards) = shard_counts.iter().find(|s| **s >= 2) {
+            let case = format!("push_pull_{shards}shard_{}_r2", size_name(n));
+            cases.push((case, shards, 2, None, n, WireDtype::F32));
         }
     }
     // The same bulk cases with bfloat16 on the wire (half the bytes per value).
     for &n in sizes.iter().filter(|n| **n >= 1 << 16) {
         for &shards in shard_counts {
             let case = format!("push_pull_{shards}shard_{}_bf16", size_name(n));
-            cases.push((case, shards, None, n, WireDtype::Bf16));
+            cases.push((case, shards, 1, None, n, WireDtype::Bf16));
         }
     }
     for &shards in shard_counts {
         let case = format!("sparse_{shards}shard_{SPARSE_ROWS}x{SPARSE_DIM}");
-        cases.push((case, shards, Some(SPARSE_ROWS), 0, WireDtype::F32));
+        cases.push((case, shards, 1, Some(SPARSE_ROWS), 0, WireDtype::F32));
     }
     // A case named exactly by `only` runs alone; otherwise every case whose name contains it.
     let exact = cases.iter().any(|c| opts.only.as_deref() == Some(c.0.as_str()));
@@ -243,7 +249,7 @@ pub async fn run(opts: &TransportOptions) -> Result<Vec<TransportResult>> {
         Some(o) if exact => case == o,
         Some(o) => case.contains(o),
     };
-    for (case, shards, rows, n, dtype) in cases {
+    for (case, shards, replicas, rows, n, dtype) in cases {
         if !wanted(&case) {
             continue;
         }
@@ -256,7 +262,7 @@ pub async fn run(opts: &TransportOptions) -> Result<Vec<TransportResult>> {
         for _ in 0..opts.repeats.max(1) {
             let gaps = match rows {
                 Some(_) => sparse_case(&certs, shards, opts).await?,
-                None => dense_case(&certs, shards, n, dtype, opts).await?,
+                None => dense_case(&certs, shards, replicas, n, dtype, opts).await?,
             };
             let [quinn, default, tcp, tls] =
                 if opts.gaps_only { [Measured::default(); 4] } else { baselines_for(&certs, bytes / 2, opts).await? };
@@ -312,7 +318,7 @@ fn size_name(n: u64) -> String {
     }
 }
 
-async fn start_shards(certs: &ClusterCerts, shards: u32, layout: &Layout) -> Result<Vec<RunningServer>> {
+async fn start_shards(certs: &ClusterCerts, shards: u32, replicas: u32, layout: &Layout) -> Result<Vec<RunningServer>> {
     let mut servers: Vec<RunningServer> = Vec::new();
     for s in 0..shards {
         let core = ShardConfig {
@@ -332,9 +338,16 @@ async fn start_shards(certs: &ClusterCerts, shards: u32, layout: &Layout) -> Res
         let cfg = ServiceConfig {
             coordinator: servers.first().map(|s0| s0.advertise.clone()),
             join_timeout: Duration::from_secs(10),
+            replicas,
             ..ServiceConfig::new("127.0.0.1:0".parse()?, certs.shard_material(core.shard)?, core)
         };
         servers.push(service::start(cfg).await?);
+    }
+    // With copies, every push waits for its backup once the backup caught up: measure from then on.
+    let started = Instant::now();
+    while replicas > 1 && servers.iter().any(|s| s.live_backups() + 1 < replicas as usize) {
+        anyhow::ensure!(started.elapsed() < Duration::from_secs(30), "the backups did not catch up in 30 s");
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
     Ok(servers)
 }
@@ -351,6 +364,7 @@ async fn stop(client: Client, servers: Vec<RunningServer>) -> Result<()> {
 async fn dense_case(
     certs: &ClusterCerts,
     shards: u32,
+    replicas: u32,
     n: u64,
     dtype: WireDtype,
     opts: &TransportOptions,
@@ -358,7 +372,7 @@ async fn dense_case(
     let mut spec = TensorSpec::new("bench", n);
     spec.wire_dtype = Some(dtype);
     let layout = Layout::new(vec![spec], 1 << 18)?;
-    let servers = start_shards(certs, shards, &layout).await?;
+    let servers = start_shards(certs, shards, replicas, &layout).await?;
     let mut options = ClientOptions::new(&servers[0].advertise, certs.worker_material()?, Role::Worker, "bench");
     options.lanes = opts.lanes;
     let client = Client::connect(options).await?;
@@ -389,7 +403,7 @@ async fn dense_case(
 async fn sparse_case(certs: &ClusterCerts, shards: u32, opts: &TransportOptions) -> Result<Measured> {
     let layout =
         Layout::with_tables(vec![TensorSpec::new("dense", 16)], 1 << 18, vec![SparseSpec::new("bench", SPARSE_DIM)])?;
-    let servers = start_shards(certs, shards, &layout).await?;
+    let servers = start_shards(certs, shards, 1, &layout).await?;
     let options = ClientOptions::new(&servers[0].advertise, certs.worker_material()?, Role::Worker, "bench");
     let client = Client::connect(options).await?;
     // Fill the table: every id in 0..rows, scattered over u64 by a fixed odd multiplier.
