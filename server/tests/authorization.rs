@@ -312,3 +312,82 @@ async fn a_certificate_registers_at_most_its_cap_of_live_workers() {
     honest.leave().await.expect("leave");
     server.shutdown().await.expect("shutdown");
 }
+
+/// Replicated shards (`--replicas 2`): only shard i's certificate replicates shard i, only a process speaks
+/// for itself to the coordinator, a takeover of a live primary is refused, and bad replication input from
+/// the right certificate is a typed error that leaves the copies working — tried with hand-made frames.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_a_shards_own_certificate_replicates_it_and_no_live_primary_is_taken_over() {
+    use gaps_common::wire::{bytes_to_words, Promote, ReplicaAppend, ReplicaReport, ReplicaSnapshot};
+    let certs = certs();
+    let start = |shard: u32, coordinator: Option<String>| {
+        let core = core_config(shard, 2);
+        let cfg = ServiceConfig {
+            coordinator,
+            join_timeout: Duration::from_secs(10),
+            replicas: 2,
+            ..ServiceConfig::new("127.0.0.1:0".parse().expect("addr"), certs.shard_material(shard).expect("tls"), core)
+        };
+        service::start(cfg)
+    };
+    let s0 = start(0, None).await.expect("shard 0");
+    let s1 = start(1, Some(s0.advertise.clone())).await.expect("shard 1");
+    for _ in 0..400 {
+        if s0.live_backups() == 1 && s1.live_backups() == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!((s0.live_backups(), s1.live_backups()), (1, 1), "both copies count");
+    let append = |shard, first, entries: &[u8], lens: Vec<u32>| {
+        let mut words = Vec::new();
+        bytes_to_words(entries, &mut words);
+        (Message::ReplicaAppend(ReplicaAppend { shard, first, lens }), words)
+    };
+    let snapshot = |shard| Message::ReplicaSnapshot(ReplicaSnapshot { shard, index: 1, offset: 0, total: 8, bytes: 8 });
+    let promote = |process| Message::Promote(Promote { shard: 1, process, epoch: 0, addr: "127.0.0.1:9".into() });
+    let report = |process| Message::ReplicaReport(ReplicaReport { shard: 1, process, epoch: 0, in_sync: vec![] });
+    // A worker certificate: nothing.
+    let mallory = raw(&certs.named_worker_material("mallory").expect("tls"), s0.addr).await;
+    let (msg, words) = append(1, 1, &[0; 8], vec![8]);
+    refused(ask(&mallory, msg, &words).await, "a worker's log entries");
+    refused(ask(&mallory, snapshot(1), &[0.0, 0.0]).await, "a worker's snapshot");
+    refused(ask(&mallory, promote(0), &[]).await, "a worker's takeover");
+    refused(ask(&mallory, report(1), &[]).await, "a worker's report");
+    // Another shard's certificate (shard 2 of the CA): not shard 1's log, not speaking for process 1 or 0.
+    let shard2 = raw(&certs.shard_material(2).expect("tls"), s0.addr).await;
+    let (msg, words) = append(1, 1, &[0; 8], vec![8]);
+    refused(ask(&shard2, msg, &words).await, "shard 2's certificate sending shard 1's log");
+    refused(ask(&shard2, promote(0), &[]).await, "shard 2's certificate speaking for process 0");
+    refused(ask(&shard2, report(1), &[]).await, "shard 2's certificate reporting for process 1");
+    // The coordinator's own certificate asks to take live shard 1 over: refused, the primary answers.
+    let shard0 = raw(&certs.shard_material(0).expect("tls"), s0.addr).await;
+    match ask(&shard0, promote(0), &[]).await {
+        Err(net::RpcError::Remote { code: ErrorCode::Misconfigured, message, .. }) => {
+            assert!(message.contains("answers"), "{message}")
+        }
+        other => panic!("a takeover of a live primary: {other:?}"),
+    }
+    // Shard 1's own certificate with bad input to its backup (process 0): typed errors.
+    let shard1 = raw(&certs.shard_material(1).expect("tls"), s0.addr).await;
+    let (msg, words) = append(1, u64::MAX, &[1, 2, 3], vec![3]);
+    assert!(matches!(ask(&shard1, msg, &words).await, Err(net::RpcError::Remote { .. })), "entries out of order");
+    let (msg, words) = append(1, 1, &[1, 2, 3], vec![30]);
+    assert!(ask(&shard1, msg, &words).await.is_err(), "entries longer than the payload");
+    assert!(ask(&shard1, snapshot(0), &[0.0, 0.0]).await.is_err(), "shard 0's snapshot from shard 1");
+    // The copies still count and the real worker trains through both shards, every push acknowledged.
+    let mut o = ClientOptions::new(&s0.advertise, certs.worker_material().expect("tls"), Role::Worker, "real");
+    o.rpc_timeout = Duration::from_secs(10);
+    let real = Client::connect(o).await.expect("connect");
+    for _ in 0..10 {
+        let s = real.pull().await.expect("pull");
+        let g = s.tensors.iter().map(|t| vec![0.1; t.len()]).collect();
+        real.push(g, &s).await.expect("push");
+    }
+    assert_eq!(real.pushes_acknowledged_by_shard(), vec![10, 10]);
+    assert_eq!((s0.live_backups(), s1.live_backups()), (1, 1), "the copies still count");
+    real.leave().await.expect("leave");
+    real.close().await;
+    s1.shutdown().await.expect("shutdown");
+    s0.shutdown().await.expect("shutdown");
+}
