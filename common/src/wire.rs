@@ -281,6 +281,9 @@ pub struct ClusterMap {
     /// Copies of each shard the cluster keeps (`--replicas`; 1: none): with more, a client whose request
     /// waits long asks the coordinator whether a backup took the shard over. (Added in protocol 13.)
     pub replicas: u32,
+    /// Shard processes that serve no shard (theirs was taken over while they were down; they keep copies
+    /// of other shards): index = the process, addr = where it listens. (Added in protocol 13.)
+    pub spare: Vec<ShardAddr>,
 }
 
 /// Read a set of chunks.
@@ -1547,6 +1550,7 @@ mod tests {
                 token: Some([7; 32]),
                 auth_key: None,
                 replicas: 2,
+                spare: vec![ShardAddr { index: 1, addr: "h:2".into(), process: 1, epoch: 0 }],
                 rule: RuleInfo {
                     name: "gap-aware".into(),
                     momentum: 0.9,

@@ -137,16 +137,12 @@ pub fn authorize(msg: &Message, peer: &PeerIdentity, bound: Option<u32>) -> Resu
         (Message::Rollback(_), role) if *role != Role::Shard(0) => {
             Err(format!("{peer} cannot roll shards back (only the coordinator's certificate can)"))
         }
-        // A shard's log and snapshots come from its primary only (replicated shards).
-        (Message::ReplicaSnapshot(gaps_common::wire::ReplicaSnapshot { shard, .. }), Role::Shard(i))
-        | (Message::ReplicaAppend(gaps_common::wire::ReplicaAppend { shard, .. }), Role::Shard(i))
-            if i == shard =>
-        {
-            Ok(())
-        }
+        // A shard's log and snapshots come from a shard process (the copies check that it is one of the
+        // processes that may serve that shard, `replication::ring`).
+        (Message::ReplicaSnapshot(_) | Message::ReplicaAppend(_), Role::Shard(_)) => Ok(()),
         (Message::ReplicaSnapshot(gaps_common::wire::ReplicaSnapshot { shard, .. }), _)
         | (Message::ReplicaAppend(gaps_common::wire::ReplicaAppend { shard, .. }), _) => {
-            Err(format!("{peer} cannot replicate shard {shard} (only that shard's certificate can)"))
+            Err(format!("{peer} cannot replicate shard {shard} (only a shard certificate can)"))
         }
         // The coordinator hears of a shard's backups from the process serving it, and of a takeover from the
         // backup taking it.
@@ -290,14 +286,14 @@ mod tests {
     }
 
     #[test]
-    fn only_a_shards_own_certificate_replicates_it() {
+    fn only_shard_certificates_replicate() {
         use gaps_common::wire::{ReplicaAppend, ReplicaSnapshot};
         let append = Message::ReplicaAppend(ReplicaAppend { shard: 2, first: 1, lens: vec![] });
         let snapshot = Message::ReplicaSnapshot(ReplicaSnapshot { shard: 2, index: 0, offset: 0, total: 1, bytes: 1 });
         for msg in [append, snapshot] {
             assert!(authorize(&msg, &id(Role::Shard(2)), None).is_ok(), "{msg:?}");
-            assert!(authorize(&msg, &id(Role::Shard(0)), None).is_err(), "the coordinator: {msg:?}");
-            assert!(authorize(&msg, &id(Role::Shard(3)), None).is_err(), "another shard: {msg:?}");
+            // Which shard processes may serve shard 2 is the copies' to check (`replication::ring`).
+            assert!(authorize(&msg, &id(Role::Shard(3)), None).is_ok(), "another shard: {msg:?}");
             assert!(authorize(&msg, &id(Role::Worker("w".into())), Some(2)).is_err(), "a worker: {msg:?}");
         }
     }

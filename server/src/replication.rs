@@ -49,9 +49,15 @@ const IDLE_CHECK: Duration = Duration::from_secs(1);
 /// How long a shipping task waits before it tries a backup again after a failure.
 const RETRY_AFTER: Duration = Duration::from_secs(1);
 
-/// The backups (shard processes) of shard `shard` among `num_shards` with `replicas` copies of each.
-pub fn backups_of(shard: u32, num_shards: u32, replicas: u32) -> Vec<u32> {
-    (1..replicas).map(|k| (shard + k) % num_shards).collect()
+/// The shard processes that ever hold shard `shard` among `num_shards` with `replicas` copies of each: its
+/// own and the next `replicas − 1` round the ring.
+pub fn ring(shard: u32, num_shards: u32, replicas: u32) -> Vec<u32> {
+    (0..replicas.min(num_shards)).map(|k| (shard + k) % num_shards).collect()
+}
+
+/// The backups of shard `shard` while process `serving` serves it: the rest of its ring.
+pub fn backups_of(shard: u32, serving: u32, num_shards: u32, replicas: u32) -> Vec<u32> {
+    ring(shard, num_shards, replicas).into_iter().filter(|p| *p != serving).collect()
 }
 
 /// The shards whose backup process `process` is.
@@ -630,6 +636,7 @@ async fn map_address(ctx: &ShipContext, backup: u32) -> Result<Result<String>, I
             .shards
             .iter()
             .find(|s| s.index == backup && s.process == backup)
+            .or_else(|| map.spare.iter().find(|s| s.index == backup))
             .map(|s| s.addr.clone())
             .with_context(|| format!("shard process {backup} does not serve its own shard (it was taken over)")),
         Err(RpcError::Remote { code: ErrorCode::ClusterIncomplete, .. }) => return Err(Incomplete),
@@ -671,6 +678,9 @@ struct Replica {
 /// The copies of other shards this process keeps.
 pub struct Backups {
     replicas: BTreeMap<u32, Mutex<Replica>>,
+    /// The cluster's shard count and copies of each shard (who may send a shard's log: its ring).
+    num_shards: u32,
+    copies: u32,
 }
 
 impl std::fmt::Debug for Backups {
@@ -685,6 +695,7 @@ impl Backups {
     pub fn new(
         shards: &[u32],
         own: &ShardConfig,
+        copies: u32,
         data: Option<&gaps_shard::dealer::DealerConfig>,
         limit: impl Fn(&ShardConfig) -> Result<u64>,
     ) -> Result<Self> {
@@ -706,7 +717,7 @@ impl Backups {
             };
             replicas.insert(shard, Mutex::new(replica));
         }
-        Ok(Backups { replicas })
+        Ok(Backups { replicas, num_shards: own.num_shards, copies })
     }
 
     /// The largest request a primary sends this process: a batch of its largest entries, or a snapshot
@@ -729,9 +740,18 @@ impl Backups {
         Some(f(r.applied, r.core.as_ref()))
     }
 
-    /// Handles a [`Message::ReplicaSnapshot`] or [`Message::ReplicaAppend`] from shard `shard`'s primary
-    /// (its certificate was checked) on a blocking thread.
-    pub async fn handle(self: &Arc<Self>, frame: Frame) -> Frame {
+    /// Handles a [`Message::ReplicaSnapshot`] or [`Message::ReplicaAppend`] from shard process `sender` (its
+    /// certificate says so), on a blocking thread: only a process of the shard's ring may send its log.
+    pub async fn handle(self: &Arc<Self>, sender: u32, frame: Frame) -> Frame {
+        let shard = match &frame.msg {
+            Message::ReplicaSnapshot(s) => s.shard,
+            Message::ReplicaAppend(a) => a.shard,
+            _ => u32::MAX,
+        };
+        if !ring(shard, self.num_shards, self.copies).contains(&sender) {
+            let why = format!("shard process {sender} never serves shard {shard}: it cannot send its log");
+            return Frame::new(Message::error(ErrorCode::Unauthorized, why));
+        }
         let this = self.clone();
         let answer = tokio::task::spawn_blocking(move || this.handle_now(frame)).await;
         Frame::new(match answer {
@@ -889,12 +909,13 @@ mod tests {
 
     #[test]
     fn replicas_sit_on_the_next_processes_round_the_ring() {
-        assert_eq!(backups_of(2, 3, 2), vec![0]);
-        assert_eq!(backups_of(0, 4, 3), vec![1, 2]);
+        assert_eq!(backups_of(2, 2, 3, 2), vec![0]);
+        assert_eq!(backups_of(0, 0, 4, 3), vec![1, 2]);
+        assert_eq!(backups_of(1, 0, 2, 2), vec![1], "taken over by process 0: its own process backs it up");
         assert_eq!(backed_up_by(0, 4, 3), vec![3, 2]);
         assert_eq!(backed_up_by(1, 3, 1), Vec::<u32>::new());
         for (s, n, r) in [(0, 5, 3), (4, 5, 5), (2, 3, 2)] {
-            for b in backups_of(s, n, r) {
+            for b in backups_of(s, s, n, r) {
                 assert!(backed_up_by(b, n, r).contains(&s), "{s} {n} {r}");
                 assert_ne!(b, s);
             }
@@ -986,7 +1007,7 @@ mod tests {
             sparse: gaps_shard::SparseSettings::default(),
             modes: gaps_shard::modes::ModeConfig::default(),
         };
-        Arc::new(Backups::new(&[0], &cfg, None, |_| Ok(1 << 20)).expect("backups"))
+        Arc::new(Backups::new(&[0], &cfg, 2, None, |_| Ok(1 << 20)).expect("backups"))
     }
 
     fn words(bytes: &[u8]) -> Vec<f32> {

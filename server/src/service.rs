@@ -697,15 +697,15 @@ impl RunningServer {
     /// This shard's state as a checkpoint's bytes, with the last entry of its replica log it holds (0 without
     /// `--replicas`); the backups' copies are compared with it (tests, reports).
     pub async fn snapshot(&self) -> Result<(u64, Vec<u8>)> {
-        let (tx, rx) = oneshot::channel();
-        let log = self.shared.log.clone();
-        self.shared
-            .send(Command::Inspect(Box::new(move |core| {
-                let index = log.as_ref().map_or(0, |l| l.last_index());
-                let _ = tx.send(core.checkpoint_into(0, Vec::new()).map(|b| (index, b)));
-            })))
-            .await?;
-        rx.await.context("the core stopped")?.map_err(|e| anyhow!("{e}"))
+        snapshot_of(&self.shared).await
+    }
+
+    /// [`RunningServer::snapshot`] of shard `shard`, which this process took over; and how many backups its
+    /// replies wait for (None: this process did not take it over).
+    pub async fn taken_over(&self, shard: u32) -> Option<(Result<(u64, Vec<u8>)>, usize)> {
+        let shared = self.shared.taken_over.lock().ok()?.iter().find(|s| s.shared.shard == shard)?.shared.clone();
+        let live = shared.log.as_ref().map_or(0, |l| l.live_backups());
+        Some((snapshot_of(&shared).await, live))
     }
 
     /// The copy of shard `shard` this process keeps (`--replicas`): the last entry applied and the copy as a
@@ -806,6 +806,8 @@ struct Takeover {
     key: gaps_common::wire::Token,
     /// The primary's clock at the copy's last entry: the copy's clock goes on from there.
     clock: Duration,
+    /// The replica epoch the coordinator granted.
+    epoch: u64,
     endpoint: (quinn::Endpoint, net::PathTuning),
 }
 
@@ -833,10 +835,11 @@ async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<Takeover>) -
             cfg.core.shard
         );
     }
-    let (taken_core, taken_key, taken_clock, bound) = match takeover {
-        Some(t) => (Some(t.core), Some(t.key), Some(t.clock), Some(t.endpoint)),
-        None => (None, None, None, None),
+    let (taken_core, taken_key, taken_clock, bound, replica_epoch) = match takeover {
+        Some(t) => (Some(t.core), Some(t.key), Some(t.clock), Some(t.endpoint), t.epoch),
+        None => (None, None, None, None, 0),
     };
+    let taken_core_given = taken_core.is_some();
     let (endpoint, path) = match bound {
         Some(bound) => bound,
         None => net::server_endpoint(cfg.listen, &cfg.tls)?,
@@ -959,13 +962,22 @@ async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<Takeover>) -
         }
         None => {}
     }
+    // A process whose shard was taken over while it was down comes back as a spare: it serves no shard
+    // (its own answers `Moved`) and keeps copies of others, its old shard's among them.
+    let mut spare = false;
     let auth_key = if let Some(key) = taken_key {
         key
     } else if shard != 0 {
         report("joining the coordinator");
         let coordinator =
             cfg.coordinator.clone().context("shards other than 0 need --coordinator (shard 0's address)")?;
-        join_coordinator(&endpoint, &coordinator, &own.cluster, &mut core, cfg.join_timeout).await?
+        let (key, served_elsewhere) =
+            join_coordinator(&endpoint, &coordinator, &own.cluster, &mut core, cfg.join_timeout).await?;
+        if served_elsewhere && cfg.replicas < 2 {
+            bail!("shard {shard} was taken over by another shard process while this one was down; start it with --replicas as the cluster's to keep copies");
+        }
+        spare = served_elsewhere;
+        key
     } else {
         // The coordinator's key outlives a restart with its checkpoints (the tokens it gave stay valid).
         match &store {
@@ -977,21 +989,32 @@ async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<Takeover>) -
     let widest = core.config().layout.tables.iter().map(|t| u64::from(t.dim)).max();
     let mut max_payload_bytes = payload_limit(&core);
     let backups = match cfg.replicas {
+        _ if taken_core_given => None,
         0 | 1 => None,
         r => {
-            let shards = crate::replication::backed_up_by(shard, cfg.core.num_shards, r);
+            let mut shards = crate::replication::backed_up_by(shard, cfg.core.num_shards, r);
+            if spare {
+                shards.push(shard);
+            }
             let limit = |c: &ShardConfig| {
                 ShardCore::new(ShardConfig { init: gaps_shard::Init { std: 0.0, ..c.init }, ..c.clone() })
                     .map(|core| payload_limit(&core))
                     .map_err(|e| anyhow!("configuring the copy of shard {}: {e}", c.shard))
             };
-            let backups = Backups::new(&shards, &cfg.core, cfg.data.as_ref(), limit)?;
+            let backups = Backups::new(&shards, &cfg.core, r, cfg.data.as_ref(), limit)?;
             max_payload_bytes = max_payload_bytes.max(backups.largest_request());
             info!(shard, copies_of = ?shards, "keeping copies of other shards (--replicas {r})");
             Some(Arc::new(backups))
         }
     };
     let log = (cfg.replicas > 1).then(|| Arc::new(Log::new(shard, cfg.inflight_bytes)));
+    if let (true, Some(log)) = (spare, &log) {
+        warn!(
+            shard,
+            "this shard was taken over by another shard process while this one was down: serving none, keeping copies"
+        );
+        log.fence();
+    }
     let limits = Limits { max_payload_bytes, ..Limits::default() };
     let chunk_elems = u64::from(core.config().layout.chunk_elems);
     let (queue, receiver) = mpsc::channel(cfg.queue_depth.max(1));
@@ -1102,7 +1125,7 @@ async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<Takeover>) -
             }
         });
     }
-    if let (Some(info), true) = (&restored, cfg.core.modes.mode != gaps_shard::Mode::Async) {
+    if let (Some(info), true, false) = (&restored, cfg.core.modes.mode != gaps_shard::Mode::Async, spare) {
         // Consistent recovery: every shard goes back to one cluster checkpoint (async keeps the cheaper
         // per-shard restore, see docs/manual.md, "Failures and recovery").
         tokio::spawn(roll_back_cluster_after_restore(shared.clone(), info.id, shutdown_rx.clone()));
@@ -1120,7 +1143,7 @@ async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<Takeover>) -
             link: link.clone(),
             ack_timeout: cfg.replica_ack_timeout,
             process,
-            epoch: 0,
+            epoch: replica_epoch,
             reporting: tokio::sync::Mutex::new(()),
             snapshot: Arc::new(move |backup| {
                 let (tx, rx) = oneshot::channel();
@@ -1132,7 +1155,12 @@ async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<Takeover>) -
                 rx
             }),
         });
-        for backup in crate::replication::backups_of(shard, cfg.core.num_shards, cfg.replicas) {
+        let backups = if spare {
+            Vec::new()
+        } else {
+            crate::replication::backups_of(shard, process, cfg.core.num_shards, cfg.replicas)
+        };
+        for backup in backups {
             let span = tracing::info_span!("replication", shard, backup);
             tokio::spawn(
                 crate::replication::ship(ctx.clone(), log.clone(), backup, shutdown_rx.clone()).instrument(span),
@@ -1214,19 +1242,19 @@ async fn take_over(
     let epoch = map.shards.iter().find(|s| s.index == shard).map(|s| s.epoch).context("no such shard in the map")?;
     let promote =
         Message::Promote(gaps_common::wire::Promote { shard, process: shared.shard, epoch, addr: addr.clone() });
-    match link.call(&promote).await {
-        Ok(Frame { msg: Message::ReplicaEpoch(_), .. }) => {}
+    let granted_epoch = match link.call(&promote).await {
+        Ok(Frame { msg: Message::ReplicaEpoch(e), .. }) => e.epoch,
         Ok(other) => bail!("the coordinator answered with {}", net::kind_name(&other.msg)),
         Err(e @ RpcError::Remote { .. }) => bail!("the coordinator refused: {e}"),
         // The answer was lost: the map says whether the coordinator granted it (then this process must serve).
         Err(e) => {
             let map = link.map(&format!("shard-{} takeover", shared.shard)).await.context("the coordinator's map")?;
-            let granted = map.shards.iter().any(|s| s.index == shard && s.process == shared.shard && s.addr == addr);
-            if !granted {
-                bail!("asking the coordinator: {e}");
+            match map.shards.iter().find(|s| s.index == shard && s.process == shared.shard && s.addr == addr) {
+                Some(s) => s.epoch,
+                None => bail!("asking the coordinator: {e}"),
             }
         }
-    }
+    };
     let (core, clock) = backups.take(shard).context("the copy is gone")?;
     let mut c = cfg.clone();
     c.core = ShardConfig { shard, ..cfg.core.clone() };
@@ -1234,10 +1262,15 @@ async fn take_over(
     c.coordinator = Some(link.coordinator.clone());
     c.restore = Restore::Never;
     c.data = None;
-    c.replicas = 1;
     c.health = None;
-    let takeover =
-        Takeover { core, process: shared.shard, key: shared.credentials.raw(), clock, endpoint: (endpoint, path) };
+    let takeover = Takeover {
+        core,
+        process: shared.shard,
+        key: shared.credentials.raw(),
+        clock,
+        epoch: granted_epoch,
+        endpoint: (endpoint, path),
+    };
     let server = start_serving(c, Some(takeover)).await?;
     warn!(
         shard,
@@ -1247,6 +1280,19 @@ async fn take_over(
     );
     shared.taken_over.lock().map_err(|_| anyhow!("lock poisoned"))?.push(server);
     Ok(())
+}
+
+/// A shard's state as a checkpoint's bytes, with the last entry of its replica log it holds.
+async fn snapshot_of(shared: &Shared) -> Result<(u64, Vec<u8>)> {
+    let (tx, rx) = oneshot::channel();
+    let log = shared.log.clone();
+    shared
+        .send(Command::Inspect(Box::new(move |core| {
+            let index = log.as_ref().map_or(0, |l| l.last_index());
+            let _ = tx.send(core.checkpoint_into(0, Vec::new()).map(|b| (index, b)));
+        })))
+        .await?;
+    rx.await.context("the core stopped")?.map_err(|e| anyhow!("{e}"))
 }
 
 /// The largest request payload shard `core` takes: a push never carries more than the shard owns (twice that
@@ -1618,7 +1664,7 @@ async fn join_coordinator(
     cluster: &str,
     core: &mut ShardCore,
     timeout: Duration,
-) -> Result<gaps_common::wire::Token> {
+) -> Result<(gaps_common::wire::Token, bool)> {
     let started = Instant::now();
     let request = core.join_request();
     let limits = Limits::default();
@@ -1636,7 +1682,9 @@ async fn join_coordinator(
                 core.joined(&map).map_err(|e| anyhow!("joining the coordinator at {coordinator}: {e}"))?;
                 let key = map.auth_key.context("the coordinator sent no credential key")?;
                 info!(shard = core.config().shard, epoch = map.epoch, "joined the coordinator");
-                return Ok(key);
+                let own = core.config().shard;
+                let served_elsewhere = map.shards.iter().any(|s| s.index == own && s.process != own);
+                return Ok((key, served_elsewhere));
             }
             Ok(other) => bail!("the coordinator at {coordinator} answered with {}", net::kind_name(&other.msg)),
             Err(e @ (RpcError::Remote { .. } | RpcError::Identity { .. })) => {
@@ -2048,8 +2096,12 @@ async fn serve_request(
             } else if let Message::Rollback(req) = frame.msg {
                 Some((rollback_reply(shared, req).await, Vec::new(), Vec::new()))
             } else if matches!(frame.msg, Message::ReplicaSnapshot(_) | Message::ReplicaAppend(_)) {
+                let sender = match peer.identity.role {
+                    Role::Shard(p) => p,
+                    _ => u32::MAX,
+                };
                 let reply = match &shared.backups {
-                    Some(backups) => backups.handle(frame).await,
+                    Some(backups) => backups.handle(sender, frame).await,
                     None => Frame::new(Message::error(
                         ErrorCode::Misconfigured,
                         format!("shard {} keeps no copies of other shards (--replicas 1)", shared.shard),

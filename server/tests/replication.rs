@@ -228,3 +228,100 @@ async fn in_sync_a_killed_primarys_backup_takes_over_and_loses_nothing() {
 async fn in_gba_a_killed_primarys_backup_takes_over_and_loses_nothing() {
     a_killed_primarys_backup_takes_over(Mode::Gba).await;
 }
+
+/// The copy of `shard` that `holder` keeps equals the shard's state on `primary` (the shard served there as
+/// its own or as one it took over), read until both stand at the same log index (ticks keep the log moving).
+async fn copy_matches(holder: &RunningServer, primary: &RunningServer, shard: u32, mode: Mode) {
+    for _ in 0..200 {
+        let (index, bytes) = match primary.taken_over(shard).await {
+            Some((state, _)) => state.expect("the shard taken over"),
+            None => primary.snapshot().await.expect("the primary"),
+        };
+        let Some((applied, copy)) = holder.replica_copy(shard) else { panic!("no copy of shard {shard}") };
+        if applied == index {
+            assert!(
+                without_reads(shard, mode, &copy) == without_reads(shard, mode, &bytes),
+                "the copy of shard {shard} differs from its primary at entry {index}"
+            );
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(7)).await;
+    }
+    panic!("the copy of shard {shard} never stood at its primary's index");
+}
+
+/// Shard 1's process is killed and its copy takes shard 1 over; the process is started again, empty: the
+/// coordinator tells it its shard is served elsewhere, and it comes back as a spare — serving no shard,
+/// keeping copies of shard 0 (as before) and of shard 1 (now served by process 0) — while the workers go
+/// on. Both copies count again, and each equals its primary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_process_started_again_keeps_copies_again_while_training_goes_on() {
+    let mode = Mode::Async;
+    let certs = ClusterCerts::generate(&[]).expect("certs");
+    let s0 = start_failing_over(&certs, 0, None, mode).await;
+    let s1 = start_failing_over(&certs, 1, Some(s0.advertise.clone()), mode).await;
+    for _ in 0..400 {
+        if s0.live_backups() == 1 && s1.live_backups() == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let progress = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for w in 0..2usize {
+        let mut o = ClientOptions::new(&s0.advertise, certs.worker_material().expect("tls"), Role::Worker, "t");
+        o.rpc_timeout = Duration::from_secs(20);
+        let progress = progress.clone();
+        tasks.push(tokio::spawn(async move {
+            let c = Client::connect(o).await.expect("connect");
+            let heartbeats = c.spawn_heartbeats(Duration::from_millis(200));
+            for i in 0..400usize {
+                let s = c.pull().await.expect("pull");
+                let g = s
+                    .tensors
+                    .iter()
+                    .map(|t| t.iter().map(|v| v * 0.1 + ((i + w) % 5) as f32 * 0.01).collect())
+                    .collect();
+                c.push(g, &s).await.expect("push");
+                progress.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            heartbeats.abort();
+            c.leave().await.expect("leave");
+        }));
+    }
+    while progress.load(std::sync::atomic::Ordering::Relaxed) < 60 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    s1.crash();
+    for _ in 0..400 {
+        if s0.taken_over(1).await.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert!(s0.taken_over(1).await.is_some(), "process 0 took shard 1 over");
+    let before = progress.load(std::sync::atomic::Ordering::Relaxed);
+    let again = start_failing_over(&certs, 1, Some(s0.advertise.clone()), mode).await;
+    let mut counted = false;
+    for _ in 0..400 {
+        let taken = s0.taken_over(1).await.map_or(0, |(_, live)| live);
+        if s0.live_backups() == 1 && taken == 1 {
+            counted = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert!(counted, "the process started again keeps copies that count for shard 0 and shard 1");
+    assert!(
+        progress.load(std::sync::atomic::Ordering::Relaxed) < 800,
+        "training went on while the copies were made ({before} steps before)"
+    );
+    for t in tasks {
+        t.await.expect("a worker trained through the fail-over and the new copies");
+    }
+    copy_matches(&again, &s0, 0, mode).await;
+    copy_matches(&again, &s0, 1, mode).await;
+    again.shutdown().await.expect("shutdown");
+    s0.shutdown().await.expect("shutdown");
+}

@@ -294,8 +294,8 @@ fn reads_are_not_logged_and_a_bad_entry_is_a_typed_error() {
 }
 
 /// The coordinator's replica sets: a backup takes a shard over only while in sync under the shard's epoch,
-/// the replaced primary's reports are refused as moved from then on, the process that comes back cannot
-/// take the shard back by joining, and the sets survive a checkpoint.
+/// the replaced primary's reports are refused as moved from then on, the process that comes back joins as
+/// a spare (it does not take the shard back), and the sets survive a checkpoint.
 #[test]
 fn the_coordinator_promotes_only_a_backup_in_sync_and_fences_the_old_primary() {
     use gaps_common::wire::{ErrorCode, Promote, RegisterShard, ReplicaReport};
@@ -343,15 +343,20 @@ fn the_coordinator_promotes_only_a_backup_in_sync_and_fences_the_old_primary() {
     }
     assert_eq!(code(&call(&mut c, promote(2, 0))), Some(ErrorCode::Moved), "taken over once");
     assert_eq!(code(&call(&mut c, report(1, 0, vec![2]))), Some(ErrorCode::Moved), "the old primary is fenced");
-    assert_eq!(code(&call(&mut c, join(1, "p1:9"))), Some(ErrorCode::Misconfigured), "no taking it back by joining");
+    // The process that comes back does not take it back by joining: it learns it serves none (a spare).
+    let Message::ClusterMap(back) = call(&mut c, join(1, "p1:9")) else { panic!("a map for the spare") };
+    let one = &back.shards[1];
+    assert_eq!((one.addr.as_str(), one.process), ("p2:2", 2), "shard 1 stays with process 2");
+    assert_eq!(back.spare.iter().map(|s| (s.index, s.addr.as_str())).collect::<Vec<_>>(), vec![(1, "p1:9")]);
     let reg = Message::Register(Register { protocol: PROTOCOL_VERSION, role: Role::Observer, name: "o".into() });
     let Message::ClusterMap(map) = call(&mut c, reg.clone()) else { panic!("a map") };
     let one = &map.shards[1];
     assert_eq!((one.addr.as_str(), one.process, one.epoch), ("p2:2", 2, 1));
+    assert_eq!(map.spare.len(), 1, "the spare process is in the map");
     // The sets are in the checkpoint.
     let bytes = c.checkpoint_into(1, Vec::new()).expect("checkpoint");
     let mut back = ShardCore::restore(cfg.clone(), &bytes).expect("restore");
     let Message::ClusterMap(again) = back.handle(Frame::new(reg), now).0.msg else { panic!("a map") };
-    assert_eq!(again.shards[1], map.shards[1]);
+    assert_eq!((&again.shards[1], &again.spare), (&map.shards[1], &map.spare));
     assert_eq!(code(&back.handle(Frame::new(report(1, 0, vec![])), now).0.msg), Some(ErrorCode::Moved));
 }

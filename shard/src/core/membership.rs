@@ -10,6 +10,9 @@ pub(super) struct Coordinator {
     /// Replicated shards: who serves each shard, under which replica epoch, with which backups in sync
     /// (a shard missing here is served by its own process at epoch 0, no backup in sync).
     pub(super) replica_sets: BTreeMap<u32, ReplicaSet>,
+    /// Shard processes that came back after their shard was taken over: where they listen (they serve no
+    /// shard, and keep copies of others).
+    pub(super) spare: BTreeMap<u32, String>,
     pub(super) next_worker: u32,
     /// Every worker id ever handed out.
     pub(super) registered: u32,
@@ -24,6 +27,22 @@ pub(super) struct ReplicaSet {
 }
 
 impl Coordinator {
+    /// Every shard known, with who serves it.
+    pub(super) fn shard_list(&self) -> Vec<ShardAddr> {
+        self.shard_addrs
+            .iter()
+            .map(|(i, a)| {
+                let set = self.replica_set(*i);
+                ShardAddr { index: *i, addr: a.clone(), process: set.process, epoch: set.epoch }
+            })
+            .collect()
+    }
+
+    /// The processes whose own shard is served by another (see [`ClusterMap::spare`]).
+    pub(super) fn spare_addrs(&self) -> Vec<ShardAddr> {
+        self.spare.iter().map(|(p, a)| ShardAddr { index: *p, addr: a.clone(), process: *p, epoch: 0 }).collect()
+    }
+
     /// Shard `shard`'s replica set.
     pub(super) fn replica_set(&self, shard: u32) -> ReplicaSet {
         self.replica_sets.get(&shard).cloned().unwrap_or(ReplicaSet { process: shard, epoch: 0, in_sync: Vec::new() })
@@ -111,14 +130,7 @@ impl ShardCore {
             epoch: self.epoch,
             worker_id,
             num_shards: self.cfg.num_shards,
-            shards: c
-                .shard_addrs
-                .iter()
-                .map(|(i, a)| {
-                    let set = c.replica_set(*i);
-                    ShardAddr { index: *i, addr: a.clone(), process: set.process, epoch: set.epoch }
-                })
-                .collect(),
+            shards: c.shard_list(),
             layout: self.cfg.layout.clone(),
             lease_ms: self.cfg.lease.as_millis().min(u128::from(u32::MAX)) as u32,
             rule: self.rule_info(),
@@ -126,6 +138,7 @@ impl ShardCore {
             auth_key: None,
             // Filled in by the service, which knows the setting.
             replicas: 1,
+            spare: c.spare_addrs(),
         })
     }
 
@@ -203,20 +216,23 @@ impl ShardCore {
         }
         let set = c.replica_set(req.shard);
         if set.process != req.shard {
-            return Err(ShardError::Misconfigured(format!(
-                "shard {} is served by shard process {} since a fail-over (replica epoch {}); a process that \
-                 comes back does not take it back",
-                req.shard, set.process, set.epoch
-            )));
+            // Its shard was taken over while it was down: it comes back as a spare process, which serves no
+            // shard and keeps copies of others (it learns so from the map below).
+            c.spare.insert(req.shard, req.addr.clone());
+            events.push(CoreEvent::ShardJoined(req.shard));
+        } else {
+            c.shard_addrs.insert(req.shard, req.addr.clone());
+            events.push(CoreEvent::ShardJoined(req.shard));
         }
-        c.shard_addrs.insert(req.shard, req.addr.clone());
-        events.push(CoreEvent::ShardJoined(req.shard));
+        let (shards, spare) = (c.shard_list(), c.spare_addrs());
         // The joining shard needs the epoch and layout even while other shards are still missing.
         Ok(Frame::new(Message::ClusterMap(ClusterMap {
             epoch: self.epoch,
             worker_id: None,
             num_shards,
-            shards: Vec::new(),
+            // The shards known so far (a process that came back learns here that its shard is served by
+            // another).
+            shards,
             layout: self.cfg.layout.clone(),
             lease_ms: self.cfg.lease.as_millis().min(u128::from(u32::MAX)) as u32,
             rule: self.rule_info(),
@@ -225,6 +241,7 @@ impl ShardCore {
             auth_key: None,
             // Filled in by the service, which knows the setting.
             replicas: 1,
+            spare,
         })))
     }
 

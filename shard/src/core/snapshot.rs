@@ -145,6 +145,11 @@ impl ShardCore {
                     w.u64(set.epoch);
                     w.u32s(&set.in_sync);
                 }
+                w.u64(c.spare.len() as u64);
+                for (process, addr) in &c.spare {
+                    w.u32(*process);
+                    w.str(addr);
+                }
             }
             None => w.u8(0),
         }
@@ -248,6 +253,7 @@ impl ShardCore {
             // Who serves each shard stays as it is now; no backup is in sync with a primary that went back
             // until that primary reports it again (after copying it the state it went back to).
             then.replica_sets = now.replica_sets.clone();
+            then.spare = now.spare.clone();
             for set in then.replica_sets.values_mut() {
                 set.in_sync.clear();
             }
@@ -435,6 +441,11 @@ impl ShardCore {
                     let (process, epoch) = (r.u32()?, r.u64()?);
                     let in_sync = r.u32s("replica set")?;
                     c.replica_sets.insert(shard, super::membership::ReplicaSet { process, epoch, in_sync });
+                }
+                c.spare.clear();
+                for _ in 0..r.u64()? {
+                    let process = r.u32()?;
+                    c.spare.insert(process, r.str("spare process")?);
                 }
             }
         }
