@@ -428,13 +428,35 @@ pub struct ShipContext {
 /// Keeps backup process `backup` a copy of this shard until `stop` turns true.
 pub async fn ship(ctx: Arc<ShipContext>, log: Arc<Log>, backup: u32, mut stop: watch::Receiver<bool>) {
     let mut said = false;
+    // Failures in a row (a backup process that stays dead is tried every second: said once a minute).
+    let mut failures = 0u32;
     loop {
+        let began = std::time::Instant::now();
         let outcome = tokio::select! {
             _ = stop.changed() => return,
             r = ship_once(&ctx, &log, backup, &mut said) => r,
         };
+        if began.elapsed() > Duration::from_secs(10) {
+            failures = 0;
+        }
         if let Err(e) = &outcome {
-            warn!(shard = ctx.shard, backup, error = format!("{e:#}"), "replication to a backup stopped; trying again");
+            failures += 1;
+            if failures == 1 || failures % 60 == 0 {
+                warn!(
+                    shard = ctx.shard,
+                    backup,
+                    failures,
+                    error = format!("{e:#}"),
+                    "replication to a backup stopped; trying again"
+                );
+            } else {
+                tracing::debug!(
+                    shard = ctx.shard,
+                    backup,
+                    error = format!("{e:#}"),
+                    "replication to a backup failed again"
+                );
+            }
         }
         // A backup the coordinator counts in sync stops counting only once the coordinator knows: it must
         // never promote a copy that lacks an acknowledged request. Replies wait meanwhile.
