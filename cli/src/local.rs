@@ -778,7 +778,9 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
         if args.replicas > 1 {
             a.push(format!("--replicas={}", args.replicas));
         }
-        let copies_coordinator = shard > 0 && shard < args.replicas;
+        // The processes keeping a copy of the coordinator need its data cut the same way to copy its dealer.
+        let copies_coordinator =
+            gaps_server::replication::backed_up_by(shard, args.servers, args.replicas).contains(&0);
         if (shard == 0 || copies_coordinator) && args.deals_data() {
             a.push(format!("--data={}", args.data));
             a.push(format!("--split-lines={}", args.split_lines));

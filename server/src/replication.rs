@@ -2,23 +2,24 @@
 //! request that changes its state, shipped in order to the backups of its shard on other shard processes,
 //! and replies held until every live backup has applied their request.
 //!
-//! - **Primary.** [`Log`] is written by the core's actor thread: after a request that changes state
-//!   ([`changes_state`]) and at every tick it appends a [`LogEntry`] (the request as the core got it and the
-//!   clock it got), numbered from 1, and the reply carries the entry's index. The RPC task sends the reply
-//!   only once every live backup acknowledged that index ([`Log::wait`]). One shipping task per backup
-//!   ([`ship`]) finds the backup's address in the cluster map, copies a snapshot of the core to it (taken by
-//!   the actor, so that it sits exactly between two entries), then sends the entries that accumulated while
-//!   the previous batch was in flight, one batch at a time. A backup counts as live (replies wait for it)
-//!   once it has caught up; one that fails, answers late (`--replica-ack-timeout`) or falls further behind
-//!   than the log may hold is dropped from the live set — the primary goes on without it, says so, and
-//!   copies a new snapshot to it.
-//! - **Backup.** [`Backups`] holds a replica core per shard this process backs up (processes `i+1 …
-//!   i+R−1`, mod the shard count, back up shard `i`): it restores the snapshot and handles the entries
-//!   strictly in order, as the primary did; it answers with the last index applied.
+//! - **Primary.** [`Log`] is written by the core's actor thread: before the core handles a request that
+//!   changes state ([`changes_state`]) and at every tick it appends a [`LogEntry`] (the request as the core
+//!   gets it and the clock it gets), numbered from 1, and the reply carries the entry's index. The RPC task
+//!   sends the reply only once every live backup acknowledged that index ([`Log::wait`]). One shipping task
+//!   per backup ([`ship`]) finds the backup's address in the cluster map, copies a snapshot of the core to
+//!   it (`ShardCore::copy_state`, taken by the actor between two entries), then sends the entries that
+//!   accumulated while the previous batch was in flight, one batch at a time. A backup counts as live
+//!   (replies wait for it) once it has caught up, and the coordinator is told; one that fails or answers late
+//!   (`--replica-ack-timeout`) stops counting only once the coordinator has taken it out of the shard's
+//!   in-sync set ([`ReplicaReport`]), and is then copied a new snapshot.
+//! - **Backup.** [`Backups`] holds a copy per shard this process backs up (shard `i`'s copies live on the
+//!   processes of its [`ring`], `i … i+R−1` mod the shard count, except the one serving it): it restores
+//!   the snapshot and handles the entries strictly in order, as the primary did; it answers with the last
+//!   index applied. A copy whose primary went silent is taken over by its process with the coordinator's
+//!   leave (the service's `watch_primaries`), which fences the old primary.
 //!
 //! Since a shard is a deterministic state machine, a backup that applied entry `n` holds what the primary
-//! held after it (`shard/tests/replica.rs`, `server/tests/replication.rs`). Fail-over (a backup promoted when
-//! its primary dies) is the next step; until then a backup's state is kept, not served.
+//! held after it (`shard/tests/replica.rs`, `server/tests/replication.rs`).
 
 use anyhow::{anyhow, bail, Context, Result};
 use gaps_common::wire::{
@@ -112,7 +113,8 @@ pub struct Log {
     acked: watch::Sender<u64>,
     /// The last entry logged.
     logged: watch::Sender<u64>,
-    /// Bytes of entries the log holds at most before it drops its followers.
+    /// Bytes of entries the log holds at most: past it, backups still catching up are dropped and, while one
+    /// that counts lags, requests are refused as busy.
     cap_bytes: u64,
     metrics: ReplicaMetrics,
 }
@@ -299,7 +301,8 @@ impl Log {
             }
         }
         let live = inner.followers.values().filter(|f| f.live);
-        let acked = live.clone().map(|f| f.applied).min().unwrap_or(u64::MAX);
+        // A fenced log acknowledges nothing: every waiting reply wakes, and finds it fenced.
+        let acked = if self.fenced() { u64::MAX } else { live.clone().map(|f| f.applied).min().unwrap_or(u64::MAX) };
         self.metrics.live.set(live.count() as f64);
         self.metrics.lag.set(oldest.map_or(0, |o| inner.next - 1 - o) as f64);
         self.metrics.log_bytes.set(inner.bytes as f64);
@@ -574,7 +577,7 @@ async fn ship_once(ctx: &ShipContext, log: &Log, backup: u32, said: &mut bool) -
     let mut applied = index;
     let mut logged = log.logged.subscribe();
     // Once the backup counts, the coordinator hears of it (until then it may not promote the copy).
-    let mut reported = ctx.shard == 0;
+    let (mut reported, mut said_failure) = (ctx.shard == 0, false);
     loop {
         if !reported && log.is_live(backup) {
             match report(ctx, log, None).await {
@@ -583,12 +586,16 @@ async fn ship_once(ctx: &ShipContext, log: &Log, backup: u32, said: &mut bool) -
                     log.fence();
                     bail!("another process serves this shard now");
                 }
-                Err(Reported::Failed(e)) => warn!(
-                    shard = ctx.shard,
-                    backup,
-                    error = format!("{e:#}"),
-                    "telling the coordinator that a backup counts; trying again after the next batch"
-                ),
+                Err(Reported::Failed(e)) if !said_failure => {
+                    said_failure = true;
+                    warn!(
+                        shard = ctx.shard,
+                        backup,
+                        error = format!("{e:#}"),
+                        "telling the coordinator that a backup counts; trying again after each batch"
+                    )
+                }
+                Err(Reported::Failed(_)) => {}
             }
         }
         let batch = log.batch(backup, applied).map_err(|()| anyhow!("dropped from the live set"))?;
@@ -660,7 +667,9 @@ async fn map_address(ctx: &ShipContext, backup: u32) -> Result<Result<String>, I
             .find(|s| s.index == backup && s.process == backup)
             .or_else(|| map.spare.iter().find(|s| s.index == backup))
             .map(|s| s.addr.clone())
-            .with_context(|| format!("shard process {backup} does not serve its own shard (it was taken over)")),
+            .with_context(|| {
+                format!("shard process {backup} is not in the coordinator's map (its shard was taken over and it is not back)")
+            }),
         Err(RpcError::Remote { code: ErrorCode::ClusterIncomplete, .. }) => return Err(Incomplete),
         Err(e) => Err(anyhow!("the coordinator's map ({}): {e}", ctx.link.coordinator)),
     })
@@ -684,7 +693,8 @@ struct Replica {
     cfg: ShardConfig,
     /// The coordinator's dealer settings, for a copy of shard 0 that deals data.
     data: Option<gaps_shard::dealer::DealerConfig>,
-    limits: Limits,
+    /// The largest payload a request of this shard carries (sizes the process's frame limit).
+    max_payload: u64,
     core: Option<ShardCore>,
     applied: u64,
     /// A snapshot arriving: its index and the bytes so far, of `total`.
@@ -712,24 +722,24 @@ impl std::fmt::Debug for Backups {
 }
 
 impl Backups {
-    /// Copies of `shards`, each configured as `own` with its index (and `data`, for shard 0); `limit` bounds
-    /// a logged request's payload as the shard itself bounds it (`limit(cfg)`).
+    /// Copies of `shards`, each configured as `own` with its index (and `data`, for shard 0); `limit` is the
+    /// largest payload a request of a shard so configured carries, as the shard itself bounds it.
     pub fn new(
         shards: &[u32],
         own: &ShardConfig,
         copies: u32,
         data: Option<&gaps_shard::dealer::DealerConfig>,
-        limit: impl Fn(&ShardConfig) -> Result<u64>,
-    ) -> Result<Self> {
+        limit: impl Fn(&ShardConfig) -> u64,
+    ) -> Self {
         let mut replicas = BTreeMap::new();
         for &shard in shards {
             let cfg = ShardConfig { shard, ..own.clone() };
-            let limits = Limits { max_payload_bytes: limit(&cfg)?, ..Limits::default() };
+            let max_payload = limit(&cfg);
             let data = if shard == 0 { data.cloned() } else { None };
             let replica = Replica {
                 cfg,
                 data,
-                limits,
+                max_payload,
                 core: None,
                 applied: 0,
                 incoming: None,
@@ -739,13 +749,13 @@ impl Backups {
             };
             replicas.insert(shard, Mutex::new(replica));
         }
-        Ok(Backups { replicas, num_shards: own.num_shards, copies })
+        Backups { replicas, num_shards: own.num_shards, copies }
     }
 
     /// The largest request a primary sends this process: a batch of its largest entries, or a snapshot
     /// piece.
     pub fn largest_request(&self) -> u64 {
-        let entry = self.replicas.values().map(|r| r.lock().map_or(0, |r| r.limits.max_payload_bytes)).max();
+        let entry = self.replicas.values().map(|r| r.lock().map_or(0, |r| r.max_payload)).max();
         entry
             .map_or(0, |e| e + BATCH_BYTES + u64::from(gaps_common::wire::MAX_HEADER_BYTES) + 64)
             .max(SNAPSHOT_PIECE as u64)
@@ -1029,7 +1039,7 @@ mod tests {
             sparse: gaps_shard::SparseSettings::default(),
             modes: gaps_shard::modes::ModeConfig::default(),
         };
-        Arc::new(Backups::new(&[0], &cfg, 2, None, |_| Ok(1 << 20)).expect("backups"))
+        Arc::new(Backups::new(&[0], &cfg, 2, None, |_| 1 << 20))
     }
 
     fn words(bytes: &[u8]) -> Vec<f32> {

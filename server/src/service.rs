@@ -402,10 +402,10 @@ fn run_actor(
             Command::Checkpoint(p) => pending = Some(p),
             Command::ReplicaSnapshot { backup, reply } => {
                 let taken = match &log {
-                    Some(log) => core.copy_state().map(|bytes| (log.follow(backup), bytes)),
-                    None => Ok((0, Vec::new())),
+                    Some(log) => core.copy_state().map(|bytes| (log.follow(backup), bytes)).map_err(|e| e.to_string()),
+                    None => Err("this shard keeps no replica log".into()),
                 };
-                let _ = reply.send(taken.map_err(|e| e.to_string()));
+                let _ = reply.send(taken);
             }
         }
         // The dealer's changes are journaled before a checkpoint can be taken after them.
@@ -738,9 +738,7 @@ impl RunningServer {
         if let Some(h) = &self.health {
             h.stopping();
         }
-        let taken: Vec<RunningServer> =
-            self.shared.taken_over.lock().map(|mut t| std::mem::take(&mut *t)).unwrap_or_default();
-        for server in taken {
+        for server in self.take_taken_over() {
             Box::pin(server.shutdown()).await?;
         }
         let _ = self.shutdown.send(true);
@@ -755,6 +753,11 @@ impl RunningServer {
         Ok(())
     }
 
+    /// The servers of the shards this process took over, handed to the caller (to stop them).
+    fn take_taken_over(&self) -> Vec<RunningServer> {
+        self.shared.taken_over.lock().map(|mut t| std::mem::take(&mut *t)).unwrap_or_default()
+    }
+
     /// Test hook: while `hold`, this shard ships nothing to its backups (its replies to state-changing requests
     /// wait), as a slow network to them would.
     #[doc(hidden)]
@@ -767,9 +770,7 @@ impl RunningServer {
     /// Stops at once, as a killed process would (tests): the endpoint closes without a word, no request is
     /// answered, nothing more is sent to backups or checkpointed. The shards this process took over stop too.
     pub fn crash(self) {
-        let taken: Vec<RunningServer> =
-            self.shared.taken_over.lock().map(|mut t| std::mem::take(&mut *t)).unwrap_or_default();
-        for server in taken {
+        for server in self.take_taken_over() {
             server.crash();
         }
         self.shared.endpoint.close(0u32.into(), b"");
@@ -987,7 +988,8 @@ async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<Takeover>) -
     };
     let credentials = Credentials::new(auth_key, core.epoch());
     let widest = core.config().layout.tables.iter().map(|t| u64::from(t.dim)).max();
-    let mut max_payload_bytes = payload_limit(&core);
+    let read_echo = core.needs_read();
+    let mut max_payload_bytes = payload_limit(&core.config().layout, core.owned_elems() as u64, read_echo);
     let backups = match cfg.replicas {
         _ if taken_core_given => None,
         0 | 1 => None,
@@ -996,12 +998,17 @@ async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<Takeover>) -
             if spare {
                 shards.push(shard);
             }
+            // A copy's shard has this one's layout and rules; only what it owns differs.
             let limit = |c: &ShardConfig| {
-                ShardCore::new(ShardConfig { init: gaps_shard::Init { std: 0.0, ..c.init }, ..c.clone() })
-                    .map(|core| payload_limit(&core))
-                    .map_err(|e| anyhow!("configuring the copy of shard {}: {e}", c.shard))
+                let owned = c
+                    .layout
+                    .chunks_of_shard(c.shard, c.num_shards)
+                    .into_iter()
+                    .map(|id| c.layout.chunk_len(id).unwrap_or(0) as u64)
+                    .sum();
+                payload_limit(&c.layout, owned, read_echo)
             };
-            let backups = Backups::new(&shards, &cfg.core, r, cfg.data.as_ref(), limit)?;
+            let backups = Backups::new(&shards, &cfg.core, r, cfg.data.as_ref(), limit);
             max_payload_bytes = max_payload_bytes.max(backups.largest_request());
             info!(shard, copies_of = ?shards, "keeping copies of other shards (--replicas {r})");
             Some(Arc::new(backups))
@@ -1295,13 +1302,14 @@ async fn snapshot_of(shared: &Shared) -> Result<(u64, Vec<u8>)> {
     rx.await.context("the core stopped")?.map_err(|e| anyhow!("{e}"))
 }
 
-/// The largest request payload shard `core` takes: a push never carries more than the shard owns (twice that
-/// with the read echo), sparse requests are bounded by rows per RPC (ids, versions, gradients and read rows
-/// of the widest table); bigger frames are refused before they are allocated.
-fn payload_limit(core: &ShardCore) -> u64 {
-    let owned_bytes = core.owned_elems() as u64 * 4;
-    let echo = 1 + u64::from(core.needs_read());
-    let widest = core.config().layout.tables.iter().map(|t| u64::from(t.dim)).max();
+/// The largest request payload a shard of `layout` owning `owned` floats takes: a push never carries more than
+/// the shard owns (twice that with the read echo), sparse requests are bounded by rows per RPC (ids,
+/// versions, gradients and read rows of the widest table); bigger frames are refused before they are
+/// allocated.
+fn payload_limit(layout: &gaps_common::Layout, owned: u64, read_echo: bool) -> u64 {
+    let owned_bytes = owned * 4;
+    let echo = 1 + u64::from(read_echo);
+    let widest = layout.tables.iter().map(|t| u64::from(t.dim)).max();
     let sparse_bytes = widest.map_or(0, |dim| MAX_SPARSE_ROWS_PER_RPC * (3 + 2 * dim) * 4);
     (owned_bytes * echo).max(sparse_bytes).clamp(4, gaps_common::wire::DEFAULT_MAX_PAYLOAD_BYTES)
 }

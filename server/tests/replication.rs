@@ -92,13 +92,7 @@ async fn copies_equal_their_primaries(mode: Mode) {
     let s0 = start_shard(&certs, 0, None, mode).await;
     let s1 = start_shard(&certs, 1, Some(s0.advertise.clone()), mode).await;
     // Each process backs up the other's shard; replies wait for a backup once it caught up.
-    for _ in 0..400 {
-        if s0.live_backups() == 1 && s1.live_backups() == 1 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert_eq!((s0.live_backups(), s1.live_backups()), (1, 1), "both backups live before training");
+    both_copies_count(&s0, &s1).await;
     train(&certs, &s0.advertise, 3, 60).await;
 
     for (primary, backup, shard) in [(&s0, &s1, 0u32), (&s1, &s0, 1u32)] {
@@ -124,6 +118,56 @@ async fn in_async_each_backup_holds_its_primarys_state() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_sync_each_backup_holds_its_primarys_state() {
     copies_equal_their_primaries(Mode::Sync).await;
+}
+
+/// Waits until each of the two shards has its backup counting (replies wait for it), and checks it.
+async fn both_copies_count(s0: &RunningServer, s1: &RunningServer) {
+    for _ in 0..400 {
+        if s0.live_backups() == 1 && s1.live_backups() == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!((s0.live_backups(), s1.live_backups()), (1, 1), "both backups live before training");
+}
+
+/// `workers` workers that each pull and push `iterations` times (heartbeating, 5 ms apart), counting every
+/// step in `progress`; each ends with its id and the pushes each shard acknowledged.
+fn spawn_workers(
+    certs: &ClusterCerts,
+    coordinator: &str,
+    workers: usize,
+    iterations: usize,
+    progress: &std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) -> Vec<tokio::task::JoinHandle<(u32, Vec<u64>)>> {
+    (0..workers)
+        .map(|w| {
+            let mut o = ClientOptions::new(coordinator, certs.worker_material().expect("tls"), Role::Worker, "t");
+            o.rpc_timeout = Duration::from_secs(20);
+            o.shard_down_timeout = Duration::from_secs(60);
+            let progress = progress.clone();
+            tokio::spawn(async move {
+                let c = Client::connect(o).await.expect("connect");
+                let heartbeats = c.spawn_heartbeats(Duration::from_millis(200));
+                for i in 0..iterations {
+                    let s = c.pull().await.expect("pull");
+                    let g = s
+                        .tensors
+                        .iter()
+                        .map(|t| t.iter().map(|v| v * 0.1 + ((i + w) % 5) as f32 * 0.01).collect())
+                        .collect();
+                    c.push(g, &s).await.expect("push");
+                    progress.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                heartbeats.abort();
+                let acked = c.pushes_acknowledged_by_shard();
+                let id = c.worker_id().expect("a worker id");
+                c.leave().await.expect("leave");
+                (id, acked)
+            })
+        })
+        .collect()
 }
 
 /// Starts a shard whose backup takes over after `failover_after` of silence (ticks every 100 ms keep a live
@@ -153,41 +197,9 @@ async fn a_killed_primarys_backup_takes_over(mode: Mode) {
     let certs = ClusterCerts::generate(&[]).expect("certs");
     let s0 = start_failing_over(&certs, 0, None, mode).await;
     let s1 = start_failing_over(&certs, 1, Some(s0.advertise.clone()), mode).await;
-    for _ in 0..400 {
-        if s0.live_backups() == 1 && s1.live_backups() == 1 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert_eq!((s0.live_backups(), s1.live_backups()), (1, 1), "both backups live before training");
+    both_copies_count(&s0, &s1).await;
     let progress = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let mut tasks = Vec::new();
-    for w in 0..3usize {
-        let mut o = ClientOptions::new(&s0.advertise, certs.worker_material().expect("tls"), Role::Worker, "t");
-        o.rpc_timeout = Duration::from_secs(20);
-        o.shard_down_timeout = Duration::from_secs(60);
-        let progress = progress.clone();
-        tasks.push(tokio::spawn(async move {
-            let c = Client::connect(o).await.expect("connect");
-            let heartbeats = c.spawn_heartbeats(Duration::from_millis(200));
-            for i in 0..120usize {
-                let s = c.pull().await.expect("pull");
-                let g = s
-                    .tensors
-                    .iter()
-                    .map(|t| t.iter().map(|v| v * 0.1 + ((i + w) % 5) as f32 * 0.01).collect())
-                    .collect();
-                c.push(g, &s).await.expect("push");
-                progress.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-            heartbeats.abort();
-            let acked = c.pushes_acknowledged_by_shard();
-            let id = c.worker_id().expect("a worker id");
-            c.leave().await.expect("leave");
-            (id, acked)
-        }));
-    }
+    let tasks = spawn_workers(&certs, &s0.advertise, 3, 120, &progress);
     while progress.load(std::sync::atomic::Ordering::Relaxed) < 90 {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
@@ -260,36 +272,9 @@ async fn a_killed_process_started_again_keeps_copies_again_while_training_goes_o
     let certs = ClusterCerts::generate(&[]).expect("certs");
     let s0 = start_failing_over(&certs, 0, None, mode).await;
     let s1 = start_failing_over(&certs, 1, Some(s0.advertise.clone()), mode).await;
-    for _ in 0..400 {
-        if s0.live_backups() == 1 && s1.live_backups() == 1 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    both_copies_count(&s0, &s1).await;
     let progress = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let mut tasks = Vec::new();
-    for w in 0..2usize {
-        let mut o = ClientOptions::new(&s0.advertise, certs.worker_material().expect("tls"), Role::Worker, "t");
-        o.rpc_timeout = Duration::from_secs(20);
-        let progress = progress.clone();
-        tasks.push(tokio::spawn(async move {
-            let c = Client::connect(o).await.expect("connect");
-            let heartbeats = c.spawn_heartbeats(Duration::from_millis(200));
-            for i in 0..400usize {
-                let s = c.pull().await.expect("pull");
-                let g = s
-                    .tensors
-                    .iter()
-                    .map(|t| t.iter().map(|v| v * 0.1 + ((i + w) % 5) as f32 * 0.01).collect())
-                    .collect();
-                c.push(g, &s).await.expect("push");
-                progress.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-            heartbeats.abort();
-            c.leave().await.expect("leave");
-        }));
-    }
+    let tasks = spawn_workers(&certs, &s0.advertise, 2, 400, &progress);
     while progress.load(std::sync::atomic::Ordering::Relaxed) < 60 {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }

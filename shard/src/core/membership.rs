@@ -215,15 +215,11 @@ impl ShardCore {
             )));
         }
         let set = c.replica_set(req.shard);
-        if set.process != req.shard {
-            // Its shard was taken over while it was down: it comes back as a spare process, which serves no
-            // shard and keeps copies of others (it learns so from the map below).
-            c.spare.insert(req.shard, req.addr.clone());
-            events.push(CoreEvent::ShardJoined(req.shard));
-        } else {
-            c.shard_addrs.insert(req.shard, req.addr.clone());
-            events.push(CoreEvent::ShardJoined(req.shard));
-        }
+        // A process whose shard was taken over while it was down comes back as a spare, which serves no shard
+        // and keeps copies of others (it learns so from the map below).
+        let table = if set.process != req.shard { &mut c.spare } else { &mut c.shard_addrs };
+        table.insert(req.shard, req.addr.clone());
+        events.push(CoreEvent::ShardJoined(req.shard));
         let (shards, spare) = (c.shard_list(), c.spare_addrs());
         // The joining shard needs the epoch and layout even while other shards are still missing.
         Ok(Frame::new(Message::ClusterMap(ClusterMap {

@@ -282,10 +282,11 @@ impl ShardCore {
     /// This shard's whole state for a backup's copy (replicated shards): a checkpoint, then what a
     /// checkpoint leaves to the restart — the clock, the leases' deadlines, when the step in progress
     /// started, when the coordinator last decided a mode, the straggler detector, the tables' eviction
-    /// samplers — so that [`ShardCore::from_copy`] continues exactly where this core is: fed the same
-    /// requests and ticks afterwards, it answers as this core does.
+    /// samplers — and the checkpoint's length last, so that [`ShardCore::from_copy`] continues exactly where
+    /// this core is: fed the same requests and ticks afterwards, it answers as this core does.
     pub fn copy_state(&self) -> Result<Vec<u8>, ShardError> {
-        let checkpoint = self.checkpoint_into(0, Vec::new())?;
+        let mut out = self.checkpoint_into(0, Vec::new())?;
+        let checkpoint_len = out.len() as u64;
         let mut w = Writer::reusing(Vec::new(), 1024);
         let nanos = |d: Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
         w.u64(nanos(self.clock));
@@ -308,10 +309,9 @@ impl ShardCore {
         for table in &self.tables {
             w.u64s(&table.sampler_state());
         }
-        let mut out = Vec::with_capacity(8 + checkpoint.len() + w.buf.len());
-        out.extend_from_slice(&(checkpoint.len() as u64).to_le_bytes());
-        out.extend_from_slice(&checkpoint);
+        // The checkpoint, the rest, then the checkpoint's length (appended: the checkpoint is not copied again).
         out.extend_from_slice(&w.buf);
+        out.extend_from_slice(&checkpoint_len.to_le_bytes());
         Ok(out)
     }
 
@@ -319,12 +319,13 @@ impl ShardCore {
     /// waits for [`ShardCore::set_dealer_as_copy`]).
     pub fn from_copy(cfg: ShardConfig, bytes: &[u8]) -> Result<ShardCore, CheckpointError> {
         let corrupt = |what: &str| CheckpointError::Corrupt(format!("copy: {what}"));
-        let len = bytes.get(..8).ok_or_else(|| corrupt("length"))?;
+        let trailer = bytes.len().checked_sub(8).ok_or_else(|| corrupt("length"))?;
+        let (body, len) = bytes.split_at(trailer);
         let len = usize::try_from(u64::from_le_bytes(len.try_into().map_err(|_| corrupt("length"))?))
             .map_err(|_| corrupt("length"))?;
-        let end = 8usize.checked_add(len).filter(|e| *e <= bytes.len()).ok_or_else(|| corrupt("length"))?;
-        let mut core = ShardCore::restore(cfg, &bytes[8..end])?;
-        let mut r = Reader::new(&bytes[end..])?;
+        let (checkpoint, rest) = body.split_at_checked(len).ok_or_else(|| corrupt("length"))?;
+        let mut core = ShardCore::restore(cfg, checkpoint)?;
+        let mut r = Reader::new(rest)?;
         let time = |r: &mut Reader<'_>| r.u64().map(Duration::from_nanos);
         core.clock = time(&mut r)?;
         core.now_s = r.u32()?;
