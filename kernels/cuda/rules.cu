@@ -9,16 +9,18 @@
 #define ADAM_BETA1 0.9f
 #define ADAM_BETA2 0.999f
 #define ADA_EPS 1e-8f
+#define NADAM_BETA2 0.999f
 
 enum {
     SGD = 0, MOMENTUM = 1, NESTEROV = 2, MULTI_MOMENTUM = 3, STALENESS_AWARE = 4, DC_ASGD = 5,
     DC_ASGD_ADAPTIVE = 6, GAP_AWARE = 7, DANA_ZERO = 8, DANA_SLIM = 9, DANA_DC = 10, DANA_GA = 11,
-    ADAGRAD = 12, ADAM = 13, DELAY_NESTEROV = 14
+    ADAGRAD = 12, ADAM = 13, DELAY_NESTEROV = 14, NADAM = 15, GAP_ADAM = 16
 };
 
 struct Scalars {
     float lr, lr_max, gamma, wd, lambda, ms_decay, inv_staleness, ga_bias, adam_bias1, adam_bias2;
     float nag_gamma, nag_keep, nag_lr;
+    float nadam_grad, nadam_mom, decay;
 };
 
 // One element of one rule's update: element i of every plane.
@@ -115,6 +117,26 @@ __device__ __forceinline__ void update_one(
             p[i] = pi - k.lr * (m * k.adam_bias1) / (sqrtf(v * k.adam_bias2) + ADA_EPS);
             break;
         }
+        case NADAM: {
+            float m = k.gamma * s0[i] + (1.0f - k.gamma) * gi;
+            float v = NADAM_BETA2 * s1[i] + (1.0f - NADAM_BETA2) * gi * gi;
+            s0[i] = m;
+            s1[i] = v;
+            float denom = sqrtf(v * k.adam_bias2) + ADA_EPS;
+            p[i] = pi * k.decay - k.nadam_grad * gi / denom - k.nadam_mom * m / denom;
+            break;
+        }
+        case GAP_ADAM: {
+            float d = gi + k.wd * pi;
+            float v = ADAM_BETA2 * s1[i] + (1.0f - ADAM_BETA2) * d * d;
+            s1[i] = v;
+            float base = 1.0f + fabsf(pi - r[i]) / k.lr_max;
+            float penalty = base * sqrtf(base);
+            float m = k.gamma * s0[i] + (1.0f - k.gamma) * (d / penalty);
+            s0[i] = m;
+            p[i] = pi - k.lr * m / (sqrtf(v * k.adam_bias2) + ADA_EPS);
+            break;
+        }
         default: break;
         }
 }
@@ -140,8 +162,8 @@ struct TableEntry {
     int rule;
     Scalars k;
 };
-// The host writes these with gaps_kernels::cuda::DeviceEntry (#[repr(C)], 96 bytes); keep the two in step.
-static_assert(sizeof(TableEntry) == 96, "TableEntry must match gaps_kernels::cuda::DeviceEntry");
+// The host writes these with gaps_kernels::cuda::DeviceEntry (#[repr(C)], 104 bytes); keep the two in step.
+static_assert(sizeof(TableEntry) == 104, "TableEntry must match gaps_kernels::cuda::DeviceEntry");
 
 
 // Every chunk of one push in one launch: blockIdx.y picks the table entry, x strides over its elements.

@@ -92,10 +92,13 @@ struct KernelScalars {
     nag_gamma: f32,
     nag_keep: f32,
     nag_lr: f32,
+    nadam_grad: f32,
+    nadam_mom: f32,
+    decay: f32,
 }
 
 #[allow(unsafe_code)]
-// SAFETY: a #[repr(C)] struct of thirteen f32, matching the kernel's `struct Scalars` field for field.
+// SAFETY: a #[repr(C)] struct of sixteen f32, matching the kernel's `struct Scalars` field for field.
 unsafe impl DeviceRepr for KernelScalars {}
 
 fn rule_id(rule: Rule) -> i32 {
@@ -297,12 +300,15 @@ impl From<&crate::Derived> for KernelScalars {
             nag_gamma: k.nag_gamma,
             nag_keep: k.nag_keep,
             nag_lr: k.nag_lr,
+            nadam_grad: k.nadam_grad,
+            nadam_mom: k.nadam_mom,
+            decay: k.decay,
         }
     }
 }
 
 /// One chunk-table entry as `rules.cu`'s `struct TableEntry` lays it out: four offsets, the length, the
-/// rule, the scalars (96 bytes with the trailing padding both compilers add for the 8-byte alignment).
+/// rule, the scalars (104 bytes: 8-byte aligned without padding).
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 struct DeviceEntry {
@@ -582,10 +588,10 @@ mod tests {
 
     #[test]
     fn the_chunk_table_entry_has_the_layout_rules_cu_reads() {
-        // struct TableEntry { u64 ×4; u32 len; int rule; Scalars k (13 floats) }: 92 bytes, padded to the
+        // struct TableEntry { u64 ×4; u32 len; int rule; Scalars k (16 floats) }: 104 bytes, already a multiple of the
         // 8-byte alignment of its first fields.
-        assert_eq!(std::mem::size_of::<KernelScalars>(), 52);
-        assert_eq!(std::mem::size_of::<DeviceEntry>(), 96);
+        assert_eq!(std::mem::size_of::<KernelScalars>(), 64);
+        assert_eq!(std::mem::size_of::<DeviceEntry>(), 104);
         assert_eq!(std::mem::align_of::<DeviceEntry>(), 8);
         assert_eq!(std::mem::offset_of!(DeviceEntry, len), 32);
         assert_eq!(std::mem::offset_of!(DeviceEntry, rule), 36);

@@ -2,7 +2,7 @@
 //! bounds checks and vectorises (no FMA contraction: results stay bit-comparable with the reference order of
 //! operations). Every loop reads and writes each plane exactly once.
 
-use crate::{Bufs, Derived, Rule, ADAM_BETA1, ADAM_BETA2, ADA_EPS, DC_EPS, GA_BETA, GA_EPS};
+use crate::{Bufs, Derived, Rule, ADAM_BETA1, ADAM_BETA2, ADA_EPS, DC_EPS, GA_BETA, GA_EPS, NADAM_BETA2};
 
 /// Runs the loops compiled for the widest vector set the CPU has (see [`isa`]): AVX-512 (16 lanes), AVX2
 /// (8) or the baseline build (SSE2's 4). Same operations either way: no FMA is enabled, so the results are
@@ -281,6 +281,34 @@ fn apply_loops(rule: Rule, k: &Derived, n: usize, b: Bufs<'_>) {
                 m[i] = mi;
                 v[i] = vi;
                 p[i] = pi - lr * (mi * b1) / ((vi * b2).sqrt() + ADA_EPS);
+            }
+        }
+        Rule::Nadam => {
+            let (m, v) = (&mut b.s0[..n], &mut b.s1[..n]);
+            let (b2, cg, cm, decay) = (k.adam_bias2, k.nadam_grad, k.nadam_mom, k.decay);
+            for i in 0..n {
+                let (pi, gi) = (p[i], g[i]);
+                let mi = gamma * m[i] + (1.0 - gamma) * gi;
+                let vi = NADAM_BETA2 * v[i] + (1.0 - NADAM_BETA2) * gi * gi;
+                m[i] = mi;
+                v[i] = vi;
+                let denom = (vi * b2).sqrt() + ADA_EPS;
+                p[i] = pi * decay - cg * gi / denom - cm * mi / denom;
+            }
+        }
+        Rule::GapAdam => {
+            let (m, v, r) = (&mut b.s0[..n], &mut b.s1[..n], &b.read[..n]);
+            let (b2, lr_max) = (k.adam_bias2, k.lr_max);
+            for i in 0..n {
+                let pi = p[i];
+                let d = g[i] + wd * pi;
+                let vi = ADAM_BETA2 * v[i] + (1.0 - ADAM_BETA2) * d * d;
+                v[i] = vi;
+                let base = 1.0 + (pi - r[i]).abs() / lr_max;
+                let penalty = base * base.sqrt();
+                let mi = gamma * m[i] + (1.0 - gamma) * (d / penalty);
+                m[i] = mi;
+                p[i] = pi - lr * mi / ((vi * b2).sqrt() + ADA_EPS);
             }
         }
     }

@@ -37,6 +37,10 @@ pub const ADAM_BETA2: f32 = 0.999;
 pub const ADA_EPS: f32 = 1e-8;
 /// The momentum delay-nesterov reaches at a delay of N (the AsyncPP code's β1).
 pub const NAG_GAMMA_MAX: f32 = 0.99;
+/// NAdam's β2 (PyTorch's default, and the AsyncPP run's).
+pub const NADAM_BETA2: f32 = 0.999;
+/// NAdam's ψ (`momentum_decay`): the momentum schedule μ_t = β1·(1 − ½·0.96^(t·ψ)).
+pub const NADAM_PSI: f64 = 0.004;
 
 /// The update rules, selected by name with `--rule`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -75,6 +79,18 @@ pub enum Rule {
     /// step; θ ← θ − η/(1−γ)·m; pulls return the look-ahead θ − η/(1−γ)·γN·m, the parameters extrapolated
     /// along the momentum over the expected delay. With one worker and no delay this is Nesterov.
     DelayNesterov,
+    /// NAdam as the asynchronous pipeline-parallel Nesterov authors run it (PyTorch's NAdam, Dozat's
+    /// Nesterov-Adam): m ← β1m + (1−β1)g, v ← β2v + (1−β2)g², θ ← θ(1 − ηλ) − η·[(1−μ_t)/(1−Πμ)·g +
+    /// μ_{t+1}/(1−Πμ·μ_{t+1})·m]/(√(v/(1−β2^t)) + ε) with μ_t = β1(1 − ½·0.96^(tψ)), β1 = `momentum`
+    /// (0.99 in their runs), β2 0.999, ψ 0.004, decoupled weight decay λ. Pulls return θ: the gradient is
+    /// computed on the values the worker pulled (their weight stashing).
+    Nadam,
+    /// Gap-Adam (ours, docs/ALGORITHMS.md §4.2): Adam's per-parameter step with Gap-Aware's penalty measured
+    /// in steps. v ← β2v + (1−β2)d² of the whole gradient d = g + λθ; G = (1 + |θ − θ_read|/η_max)^{3/2};
+    /// m ← β1m + (1−β1)·d/G with β1 = `momentum`; θ ← θ − η·m/(√(v/(1−β2^t)) + ε). An Adam step moves a
+    /// parameter by about η at most, so |θ − θ_read|/η_max counts the steps it moved since the worker read
+    /// it; v sees the gradient unpenalised, so the normalisation does not undo the penalty.
+    GapAdam,
 }
 
 /// Where a rule keeps its state and what a push must carry.
@@ -94,7 +110,7 @@ pub struct StateLayout {
 
 impl Rule {
     /// Every rule, in documentation order.
-    pub const ALL: [Rule; 15] = [
+    pub const ALL: [Rule; 17] = [
         Rule::Sgd,
         Rule::Momentum,
         Rule::Nesterov,
@@ -110,6 +126,8 @@ impl Rule {
         Rule::Adagrad,
         Rule::Adam,
         Rule::DelayNesterov,
+        Rule::Nadam,
+        Rule::GapAdam,
     ];
 
     /// The name used by `--rule`.
@@ -130,6 +148,8 @@ impl Rule {
             Rule::Adagrad => "adagrad",
             Rule::Adam => "adam",
             Rule::DelayNesterov => "delay-nesterov",
+            Rule::Nadam => "nadam",
+            Rule::GapAdam => "gap-adam",
         }
     }
 
@@ -155,7 +175,8 @@ impl Rule {
             Rule::DanaDc => l(1, 1, true, true),
             Rule::DanaGa => l(2, 1, true, true),
             Rule::Adagrad => l(1, 0, false, false),
-            Rule::Adam => l(2, 0, false, false),
+            Rule::Adam | Rule::Nadam => l(2, 0, false, false),
+            Rule::GapAdam => l(2, 0, true, false),
         }
     }
 
@@ -410,6 +431,32 @@ pub(crate) struct Derived {
     pub nag_gamma: f32,
     pub nag_keep: f32,
     pub nag_lr: f32,
+    /// NAdam: the gradient's and the momentum's coefficients η(1−μ_t)/(1−Πμ) and ημ_{t+1}/(1−Πμ·μ_{t+1}),
+    /// and the decoupled weight decay's factor 1 − ηλ (bias2 is `adam_bias2`).
+    pub nadam_grad: f32,
+    pub nadam_mom: f32,
+    pub decay: f32,
+}
+
+/// NAdam's momentum schedule at `t` (≥ 1) for β1: (μ_t, μ_{t+1}, Π_{k≤t} μ_k), in f64. The product is
+/// accumulated term by term until it no longer matters next to 1 (below 1e-12): every factor is below
+/// β1·(1 − ½·0.96^(tψ)) < 0.55 for the first thousand steps, so that takes at most about 50 terms.
+pub fn nadam_schedule(beta1: f32, t: u64) -> (f64, f64, f64) {
+    let beta1 = f64::from(beta1);
+    let decay = 0.96f64.powf(NADAM_PSI);
+    let mu = |k: u64| beta1 * (1.0 - 0.5 * decay.powf(k as f64));
+    let t = t.max(1);
+    let mut product = 1.0f64;
+    let mut power = 1.0f64;
+    for _ in 0..t {
+        power *= decay;
+        product *= beta1 * (1.0 - 0.5 * power);
+        if product < 1e-12 {
+            product = 0.0;
+            break;
+        }
+    }
+    (mu(t), mu(t + 1), product)
 }
 
 /// Delay-nesterov's momentum for a gradient `staleness` updates old with `workers` pushing:
@@ -427,11 +474,18 @@ pub(crate) fn derive(rule: Rule, hyper: &Hyper, s: &PushScalars) -> Derived {
     // row, where three powers of t cost more than a 16-wide Adagrad update.
     let needs = match rule {
         Rule::GapAware | Rule::DanaGa => (true, false),
-        Rule::Adam => (false, true),
+        Rule::Adam | Rule::Nadam | Rule::GapAdam => (false, true),
         _ => (false, false),
     };
     let power_bias = |beta: f32| (1.0 / (1.0 - f64::from(beta).powi(t))) as f32;
     let bias = |beta: f32, needed: bool| if needed { power_bias(beta) } else { 1.0 };
+    let (adam_beta2, (nadam_grad, nadam_mom)) = if rule == Rule::Nadam {
+        let (mu, mu_next, product) = nadam_schedule(hyper.momentum, s.t);
+        let lr = f64::from(s.lr);
+        (NADAM_BETA2, ((lr * (1.0 - mu) / (1.0 - product)) as f32, (lr * mu_next / (1.0 - product * mu_next)) as f32))
+    } else {
+        (ADAM_BETA2, (0.0, 0.0))
+    };
     Derived {
         lr: s.lr,
         gamma: hyper.momentum,
@@ -442,10 +496,13 @@ pub(crate) fn derive(rule: Rule, hyper: &Hyper, s: &PushScalars) -> Derived {
         ga_bias: bias(GA_BETA, needs.0),
         lr_max: s.lr_max.max(s.lr),
         adam_bias1: bias(ADAM_BETA1, needs.1),
-        adam_bias2: bias(ADAM_BETA2, needs.1),
+        adam_bias2: bias(adam_beta2, needs.1),
         nag_gamma,
         nag_keep: 1.0 - nag_gamma,
         nag_lr: s.lr / (1.0 - hyper.momentum),
+        nadam_grad,
+        nadam_mom,
+        decay: 1.0 - s.lr * hyper.weight_decay,
     }
 }
 

@@ -2,7 +2,10 @@
 //! against. One parameter at a time, each rule written out from docs/ALGORITHMS.md, its per-push constants
 //! computed here independently (f64 powers for the bias corrections).
 
-use crate::{Hyper, PushScalars, Rule, ADAM_BETA1, ADAM_BETA2, ADA_EPS, DC_EPS, GA_BETA, GA_EPS, NAG_GAMMA_MAX};
+use crate::{
+    Hyper, PushScalars, Rule, ADAM_BETA1, ADAM_BETA2, ADA_EPS, DC_EPS, GA_BETA, GA_EPS, NADAM_BETA2, NADAM_PSI,
+    NAG_GAMMA_MAX,
+};
 
 /// Planar state of one block for the reference: `shared` holds `shared_planes × n`, `worker` holds
 /// `worker_planes × n` floats.
@@ -23,6 +26,15 @@ pub fn apply(rule: Rule, hyper: &Hyper, s: &PushScalars, state: &mut State, grad
     let ga_bias = (1.0 / (1.0 - f64::from(GA_BETA).powf(t))) as f32;
     let adam_b1 = (1.0 / (1.0 - f64::from(ADAM_BETA1).powf(t))) as f32;
     let adam_b2 = (1.0 / (1.0 - f64::from(ADAM_BETA2).powf(t))) as f32;
+    // NAdam's schedule, written out here independently of `nadam_schedule`: the product over every step
+    // (no early stop), μ_t and μ_{t+1}.
+    let beta1 = f64::from(hyper.momentum);
+    let mu = |k: f64| beta1 * (1.0 - 0.5 * 0.96f64.powf(k * NADAM_PSI));
+    let mu_product: f64 = (1..=s.t.clamp(1, 100_000)).map(|k| mu(k as f64)).product();
+    let (mu_t, mu_next) = (mu(t), mu(t + 1.0));
+    let nadam_g = (f64::from(s.lr) * (1.0 - mu_t) / (1.0 - mu_product)) as f32;
+    let nadam_m = (f64::from(s.lr) * mu_next / (1.0 - mu_product * mu_next)) as f32;
+    let nadam_b2 = (1.0 / (1.0 - f64::from(NADAM_BETA2).powf(t))) as f32;
     let lr = s.lr;
     let lr_max = s.lr_max.max(s.lr);
     let gamma = hyper.momentum;
@@ -110,6 +122,25 @@ pub fn apply(rule: Rule, hyper: &Hyper, s: &PushScalars, state: &mut State, grad
                 state.shared[i] = m;
                 state.shared[n + i] = v;
                 state.params[i] = p - lr * (m * adam_b1) / ((v * adam_b2).sqrt() + ADA_EPS);
+            }
+            Rule::Nadam => {
+                let m = gamma * state.shared[i] + (1.0 - gamma) * g;
+                let v = NADAM_BETA2 * state.shared[n + i] + (1.0 - NADAM_BETA2) * g * g;
+                state.shared[i] = m;
+                state.shared[n + i] = v;
+                let denom = (v * nadam_b2).sqrt() + ADA_EPS;
+                let decayed = p * (1.0 - lr * wd);
+                state.params[i] = decayed - nadam_g * g / denom - nadam_m * m / denom;
+            }
+            Rule::GapAdam => {
+                let d = g + wd * p;
+                let v = ADAM_BETA2 * state.shared[n + i] + (1.0 - ADAM_BETA2) * d * d;
+                state.shared[n + i] = v;
+                let base = 1.0 + drift.abs() / lr_max;
+                let penalty = base * base.sqrt();
+                let m = gamma * state.shared[i] + (1.0 - gamma) * (d / penalty);
+                state.shared[i] = m;
+                state.params[i] = p - lr * m / ((v * adam_b2).sqrt() + ADA_EPS);
             }
         }
     }

@@ -22,7 +22,9 @@ fn random_state(rule: Rule, n: usize, seed: u64) -> State {
     let mut shared = random(l.shared_planes * n, seed + 1, -0.5, 0.5);
     // Second-moment planes (Gap-Aware's EMA, Adam's v) and Adagrad's accumulator are non-negative.
     match rule {
-        Rule::GapAware | Rule::DanaGa | Rule::Adam => shared[n..].iter_mut().for_each(|x| *x = x.abs()),
+        Rule::GapAware | Rule::DanaGa | Rule::Adam | Rule::Nadam | Rule::GapAdam => {
+            shared[n..].iter_mut().for_each(|x| *x = x.abs())
+        }
         Rule::Adagrad => shared.iter_mut().for_each(|x| *x = x.abs()),
         _ => {}
     }
@@ -302,4 +304,57 @@ fn every_instruction_set_matches_the_reference_with_zeros_and_subnormals() {
             assert!(fast.params.iter().chain(&fast.shared).chain(&fast.worker).all(|x| x.is_finite()));
         }
     }
+}
+
+/// NAdam against PyTorch 2.15's `torch.optim.NAdam` (float64; lr 0.01, betas (0.99, 0.999), eps 1e-8,
+/// weight_decay 0.01 with decoupled_weight_decay=True, momentum_decay 0.004): five steps of fixed gradients
+/// from [0.5, −1.25, 2, 0]. The expected values were printed by PyTorch, not by this crate.
+#[test]
+fn nadam_follows_pytorch_nadam() {
+    let grads = [
+        [0.3f32, -0.2, 1.5, -0.7],
+        [0.1, 0.4, -0.5, 0.2],
+        [-0.6, 0.05, 0.9, 0.3],
+        [0.2, -0.3, 0.1, -0.1],
+        [0.8, 0.6, -1.2, 0.4],
+    ];
+    let want_params = [0.48359494276879006f64, -1.2517057716300073, 1.9925233830402416, -0.00011274675711329557];
+    let want_m = [0.007951487030000008f64, 0.005480053980000004, 0.007368345150000006, 0.001166725930000002];
+    let want_v = [0.001138850929630091f64, 0.0006517657221800405, 0.004748635050752254, 0.0007877331480004905];
+    let h = Hyper { lr: 0.01, momentum: 0.99, weight_decay: 0.01, ..Hyper::default() };
+    let start = State { params: vec![0.5, -1.25, 2.0, 0.0], shared: vec![0.0; 8], worker: Vec::new() };
+    let (mut fast, mut oracle) = (start.clone(), start);
+    for (t, g) in grads.iter().enumerate() {
+        let s = PushScalars::fresh(0.01, t as u64 + 1);
+        fast_step(Rule::Nadam, &h, &s, &mut fast, g, &[], 1);
+        reference::apply(Rule::Nadam, &h, &s, &mut oracle, g, &[]);
+    }
+    for (name, st) in [("fast", &fast), ("reference", &oracle)] {
+        for i in 0..4 {
+            let close = |got: f32, want: f64, tol: f64| (f64::from(got) - want).abs() <= tol * want.abs().max(1e-3);
+            assert!(close(st.params[i], want_params[i], 2e-5), "{name} θ[{i}] {} vs {}", st.params[i], want_params[i]);
+            assert!(close(st.shared[i], want_m[i], 1e-4), "{name} m[{i}] {} vs {}", st.shared[i], want_m[i]);
+            assert!(close(st.shared[4 + i], want_v[i], 1e-4), "{name} v[{i}] {} vs {}", st.shared[4 + i], want_v[i]);
+        }
+    }
+}
+
+/// Gap-Adam: with no drift the penalty is 1 and the rule is Adam with β1 = `momentum` and no first-moment
+/// bias correction; a parameter that moved k·η since the read gets its gradient divided by (1 + k)^1.5 in
+/// the first moment, while the second moment sees the whole gradient.
+#[test]
+fn gap_adam_penalises_by_the_steps_a_parameter_moved() {
+    let h = Hyper { lr: 0.01, momentum: 0.9, weight_decay: 0.0, ..Hyper::default() };
+    let s = PushScalars { lr: 0.01, lr_max: 0.02, staleness: 5, t: 1, workers: 4 };
+    let mut st = State { params: vec![1.0, 1.0], shared: vec![0.0; 4], worker: Vec::new() };
+    // Parameter 0 was read where it is (no drift); parameter 1 was read 3·η_max away.
+    fast_step(Rule::GapAdam, &h, &s, &mut st, &[0.5, 0.5], &[1.0, 1.0 - 0.06], 1);
+    let v = (1.0 - ADAM_BETA2) * 0.25;
+    let denom = (v / (1.0 - ADAM_BETA2)).sqrt() + ADA_EPS;
+    let m0 = 0.1 * 0.5;
+    let m1 = 0.1 * 0.5 / 4.0f32.powf(1.5);
+    assert!((st.shared[0] - m0).abs() < 1e-7 && (st.shared[1] - m1).abs() < 1e-7, "m {:?}", &st.shared[..2]);
+    assert!((st.shared[2] - v).abs() < 1e-9 && (st.shared[3] - v).abs() < 1e-9, "v {:?}", &st.shared[2..]);
+    assert!((st.params[0] - (1.0 - 0.01 * m0 / denom)).abs() < 1e-6, "θ0 {}", st.params[0]);
+    assert!((st.params[1] - (1.0 - 0.01 * m1 / denom)).abs() < 1e-6, "θ1 {}", st.params[1]);
 }

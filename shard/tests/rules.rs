@@ -34,7 +34,7 @@ fn core(rule: Rule, hyper: Hyper) -> ShardCore {
 
 fn hyper_for(rule: Rule) -> Hyper {
     let lr = match rule {
-        Rule::Adagrad | Rule::Adam => 0.05,
+        Rule::Adagrad | Rule::Adam | Rule::Nadam | Rule::GapAdam => 0.05,
         _ => 0.02,
     };
     Hyper { lr, momentum: 0.9, weight_decay: 0.0, dc_lambda: 0.5, dc_ms_decay: 0.95 }

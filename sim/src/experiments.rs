@@ -1,6 +1,7 @@
 //! `gaps sim experiments`: the small-scale reproductions of docs/ALGORITHMS.md §7 — E1 (momentum × staleness
 //! on the MLP, with the §12 pass criteria checked), E2 (exact equivalences), E3 (stability boundaries), E5
-//! (elastic resize, immediate vs ramped learning rate), E4 (GBA against sync and async with stragglers) —
+//! (elastic resize, immediate vs ramped learning rate), E4 (GBA against sync and async with stragglers), E6
+//! (8 to 256 workers: the rules that survive large N, the published NAdam update and Gap-Adam) —
 //! written as a markdown report and an SVG plot under
 //! `docs/results/`.
 
@@ -45,6 +46,25 @@ pub const METHODS: [Method; 14] = [
     Method { label: "DANA-GA", rule: Rule::DanaGa, momentum: 0.9, lr_factor: 1.0, sync: false },
     Method { label: "SSGD (linear scaling)", rule: Rule::Momentum, momentum: 0.9, lr_factor: 1.0, sync: true },
 ];
+
+/// The E6 methods ("256 workers"): the rules that still train past 64 workers in E1, the published
+/// asynchronous-pipeline Nesterov update (NAdam with β1 0.99, its learning rate chosen on E1 at N = 256
+/// among 3e-4, 5e-4, 7e-4 and 1e-3) beside our reading of it, and Gap-Adam (η 0.016, chosen among 0.01,
+/// 0.012, 0.016 and 0.02 at N = 256). `lr_factor` multiplies the base η 0.05.
+pub const E6_METHODS: [Method; 9] = [
+    Method { label: "SSGD (linear scaling)", rule: Rule::Momentum, momentum: 0.9, lr_factor: 1.0, sync: true },
+    Method { label: "ASGD+M", rule: Rule::Momentum, momentum: 0.9, lr_factor: 1.0, sync: false },
+    Method { label: "SA (+M)", rule: Rule::StalenessAware, momentum: 0.9, lr_factor: 1.0, sync: false },
+    Method { label: "DANA-Zero", rule: Rule::DanaZero, momentum: 0.9, lr_factor: 1.0, sync: false },
+    Method { label: "Delay-NAG (our reading)", rule: Rule::DelayNesterov, momentum: 0.9, lr_factor: 1.0, sync: false },
+    Method { label: "NAdam β1 0.99 (published)", rule: Rule::Nadam, momentum: 0.99, lr_factor: 0.01, sync: false },
+    Method { label: "GA (+M)", rule: Rule::GapAware, momentum: 0.9, lr_factor: 1.0, sync: false },
+    Method { label: "DANA-GA", rule: Rule::DanaGa, momentum: 0.9, lr_factor: 1.0, sync: false },
+    Method { label: "Gap-Adam (new)", rule: Rule::GapAdam, momentum: 0.9, lr_factor: 0.32, sync: false },
+];
+
+/// E6's worker counts.
+pub const E6_WORKERS: [u32; 6] = [8, 16, 32, 64, 128, 256];
 
 /// Grid of an experiments run.
 #[derive(Debug, Clone)]
@@ -125,8 +145,10 @@ pub struct E1 {
     pub shape: f64,
     /// Worker counts (columns).
     pub workers: Vec<u32>,
-    /// Sequential baseline (N = 1, SGD + momentum): accuracy, loss.
+    /// Sequential baseline (N = 1, SGD + momentum): accuracy, loss, and the accuracy's seed spread.
     pub baseline: (f64, f64),
+    /// The standard deviation of the baseline's accuracy over the seeds.
+    pub baseline_sd: f64,
     /// Per method, one cell per worker count.
     pub rows: Vec<(Method, Vec<Cell>)>,
 }
@@ -138,6 +160,8 @@ pub struct Cell {
     pub accuracy: f64,
     /// Mean final training loss of those seeds.
     pub loss: f64,
+    /// Standard deviation of those seeds' accuracies (0 with one seed; NaN when all diverged).
+    pub sd: f64,
     /// Seeds that diverged.
     pub diverged: usize,
     /// Seeds run.
@@ -158,11 +182,30 @@ impl E1 {
 
 /// Runs E1 at one learning rate and shape.
 pub fn e1(grid: &Grid, lr: f32, shape: f64) -> Result<E1> {
+    table_of(&METHODS, grid, lr, shape)
+}
+
+/// Runs E6: the E1 task from 8 to 256 workers with the methods that survive large N.
+pub fn e6(grid: &Grid) -> Result<E1> {
+    table_of(&E6_METHODS, &Grid { workers: E6_WORKERS.to_vec(), ..grid.clone() }, 0.05, 100.0)
+}
+
+/// Sample standard deviation (0 for fewer than two values).
+fn sd(xs: &[f64]) -> f64 {
+    if xs.len() < 2 {
+        return 0.0;
+    }
+    let m = mean(xs);
+    (xs.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / (xs.len() - 1) as f64).sqrt()
+}
+
+/// Every method of `methods` at every worker count and seed of `grid`, beside the sequential baseline.
+fn table_of(methods: &[Method], grid: &Grid, lr: f32, shape: f64) -> Result<E1> {
     let mut jobs = Vec::new();
     for seed in &grid.seeds {
         jobs.push(args_for(&METHODS[2], 1, lr, shape, *seed, grid.epochs));
     }
-    for m in &METHODS {
+    for m in methods {
         for w in &grid.workers {
             for seed in &grid.seeds {
                 jobs.push(args_for(m, *w, lr, shape, *seed, grid.epochs));
@@ -172,38 +215,33 @@ pub fn e1(grid: &Grid, lr: f32, shape: f64) -> Result<E1> {
     let reports = run_all(jobs)?;
     let s = grid.seeds.len();
     let base: Vec<&SimReport> = reports[..s].iter().collect();
-    let baseline = (
-        mean(&base.iter().map(|r| r.final_test_metric).collect::<Vec<_>>()),
-        mean(&base.iter().map(|r| r.final_train_loss).collect::<Vec<_>>()),
-    );
+    let base_acc: Vec<f64> = base.iter().map(|r| r.final_test_metric).collect();
+    let baseline = (mean(&base_acc), mean(&base.iter().map(|r| r.final_train_loss).collect::<Vec<_>>()));
     let mut rows = Vec::new();
     let mut k = s;
-    for m in METHODS {
+    for m in methods.iter().copied() {
         let mut cells = Vec::new();
         for _ in &grid.workers {
             let runs = &reports[k..k + s];
             k += s;
             let ok: Vec<&SimReport> = runs.iter().filter(|r| !r.diverged).collect();
-            let acc = if ok.is_empty() {
-                f64::NAN
-            } else {
-                mean(&ok.iter().map(|r| r.final_test_metric).collect::<Vec<_>>())
-            };
+            let accs: Vec<f64> = ok.iter().map(|r| r.final_test_metric).collect();
+            let (acc, spread) = if ok.is_empty() { (f64::NAN, f64::NAN) } else { (mean(&accs), sd(&accs)) };
             let loss =
                 if ok.is_empty() { f64::NAN } else { mean(&ok.iter().map(|r| r.final_train_loss).collect::<Vec<_>>()) };
-            cells.push(Cell { accuracy: acc, loss, diverged: runs.len() - ok.len(), total: runs.len() });
+            cells.push(Cell { accuracy: acc, loss, sd: spread, diverged: runs.len() - ok.len(), total: runs.len() });
         }
         rows.push((m, cells));
     }
-    Ok(E1 { lr, shape, workers: grid.workers.clone(), baseline, rows })
+    Ok(E1 { lr, shape, workers: grid.workers.clone(), baseline, baseline_sd: sd(&base_acc), rows })
 }
 
 fn e1_table(e: &E1) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "Shape {}, η = {}; sequential baseline (N = 1, SGD + momentum): **{:.1} % / {:.3}**\n",
-        e.shape, e.lr, e.baseline.0, e.baseline.1
+        "Shape {}, η = {}; sequential baseline (N = 1, SGD + momentum): **{:.1} ± {:.1} % / {:.3}**\n",
+        e.shape, e.lr, e.baseline.0, e.baseline_sd, e.baseline.1
     );
     let _ = write!(s, "| method |");
     for w in &e.workers {
@@ -216,13 +254,13 @@ fn e1_table(e: &E1) -> String {
     s.push('\n');
     for (m, cells) in &e.rows {
         let _ = write!(s, "| {} |", m.label);
-        for Cell { accuracy: acc, loss, diverged, total } in cells {
+        for Cell { accuracy: acc, loss, sd, diverged, total } in cells {
             if *diverged == *total {
                 let _ = write!(s, " diverged {diverged}/{total} |");
             } else if *diverged > 0 {
-                let _ = write!(s, " {acc:.1} / {loss:.3} (diverged {diverged}/{total}) |");
+                let _ = write!(s, " {acc:.1} ± {sd:.1} / {loss:.3} (diverged {diverged}/{total}) |");
             } else {
-                let _ = write!(s, " {acc:.1} / {loss:.3} |");
+                let _ = write!(s, " {acc:.1} ± {sd:.1} / {loss:.3} |");
             }
         }
         s.push('\n');
@@ -262,6 +300,36 @@ pub fn e1_criteria(e: &E1, shape1: Option<&E1>) -> Vec<(String, bool)> {
                 ));
             }
         }
+    }
+    out
+}
+
+/// E6's verdicts: Gap-Adam's mean within 1 point of the sequential baseline at the largest N, and at N = 64
+/// no worse than DANA-GA's mean minus its seed spread.
+pub fn e6_criteria(e: &E1) -> Vec<(String, bool)> {
+    let cell = |label: &str, w: u32| {
+        let col = e.workers.iter().position(|x| *x == w);
+        e.rows.iter().find(|(m, _)| m.label == label).and_then(|(_, r)| col.map(|c| r[c]))
+    };
+    let mut out = Vec::new();
+    let top = e.workers.iter().copied().max().unwrap_or(0);
+    if let Some(new) = cell("Gap-Adam (new)", top) {
+        out.push((
+            format!(
+                "Gap-Adam within 1 pt of the sequential baseline at N = {top}: {:.2} ± {:.2} vs {:.2} ± {:.2}",
+                new.accuracy, new.sd, e.baseline.0, e.baseline_sd
+            ),
+            e.baseline.0 - new.accuracy <= 1.0,
+        ));
+    }
+    if let (Some(new), Some(dga)) = (cell("Gap-Adam (new)", 64), cell("DANA-GA", 64)) {
+        out.push((
+            format!(
+                "Gap-Adam at N = 64 no worse than DANA-GA's mean minus its spread: {:.2} vs {:.2} − {:.2}",
+                new.accuracy, dga.accuracy, dga.sd
+            ),
+            new.accuracy >= dga.accuracy - dga.sd,
+        ));
     }
     out
 }
@@ -603,6 +671,13 @@ pub fn run_experiments(grid: &Grid, out: &Path, command: &str) -> Result<String>
     }
     let _ = writeln!(md, "\n![E1: test accuracy against workers](e1.svg)\n");
     std::fs::write(out.join("e1.svg"), svg_plot(&e)).context("writing e1.svg")?;
+
+    let e6 = e6(grid)?;
+    let _ = writeln!(md, "## E6: 256 workers\n\nThe E1 task and gradient budget (10,240 gradients whatever N) from 8 to 256 workers; cells are mean ± standard deviation over the seeds / final training loss. NAdam β1 0.99 is the published asynchronous-pipeline Nesterov update (η 5e-4); Delay-NAG our earlier reading of it (η 0.05); Gap-Adam the new rule (η 0.016; docs/ALGORITHMS.md §4.2).\n\n{}", e1_table(&e6));
+    for (text, pass) in e6_criteria(&e6) {
+        let _ = writeln!(md, "- {} {text}", if pass { "PASS" } else { "FAIL" });
+    }
+    let _ = writeln!(md);
 
     let _ = writeln!(md, "## E2: exact equivalences\n\n| check | measured | pass |\n|---|---|---|");
     for (check, measured, pass) in e2(5)? {

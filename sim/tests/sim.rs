@@ -45,6 +45,29 @@ fn at_32_workers_gap_aware_beats_staleness_aware_momentum_collapses_and_dana_ga_
     assert!(ga.gap_mean < momentum.gap_mean, "GA keeps the gap small: {} vs {}", ga.gap_mean, momentum.gap_mean);
 }
 
+/// E6 in small (4 epochs of the E1 task, 2,048 gradients, 128 workers: every gradient about 127 updates
+/// stale): Gap-Adam at its E6 learning rate ahead of Gap-Aware and DANA-GA by more than the 1–2 points of
+/// seed spread, asynchronous momentum collapsed, and nothing diverged.
+#[test]
+fn at_128_workers_gap_adam_leads_gap_aware_and_dana_ga() {
+    let e6 = |rule, lr| SimArgs { rule, workers: 128, epochs: 4, lr, ..SimArgs::defaults() };
+    let gap_adam = run(&e6(Rule::GapAdam, 0.016)).expect("gap-adam");
+    let ga = run(&e6(Rule::GapAware, 0.05)).expect("gap-aware");
+    let dana_ga = run(&e6(Rule::DanaGa, 0.05)).expect("dana-ga");
+    let momentum = run(&e6(Rule::Momentum, 0.05)).expect("momentum");
+    assert_eq!(gap_adam.events, 2048);
+    assert!(!gap_adam.diverged && !ga.diverged && !dana_ga.diverged);
+    let best_other = ga.final_test_metric.max(dana_ga.final_test_metric);
+    assert!(
+        gap_adam.final_test_metric > best_other + 2.0,
+        "Gap-Adam {} vs Gap-Aware {} and DANA-GA {}",
+        gap_adam.final_test_metric,
+        ga.final_test_metric,
+        dana_ga.final_test_metric
+    );
+    assert!(momentum.final_test_metric < 40.0, "async momentum at 128 workers: {}", momentum.final_test_metric);
+}
+
 #[test]
 fn dana_slim_matches_dana_zero() {
     let zero = accuracy(Rule::DanaZero, 32);
