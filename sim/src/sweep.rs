@@ -46,9 +46,10 @@ pub struct SweepArgs {
     /// Samples per gradient.
     #[arg(long, env = "GAPS_SWEEP_BATCH", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=65_536))]
     pub batch: u32,
-    /// Seed.
-    #[arg(long, env = "GAPS_SWEEP_SEED", default_value_t = 1)]
-    pub seed: u64,
+    /// Seeds: every cell runs once per seed and shows the mean ± standard deviation; the optimum N is
+    /// given with each seed's own.
+    #[arg(long = "seeds", alias = "seed", env = "GAPS_SWEEP_SEEDS", value_delimiter = ',', default_value = "1,2,3")]
+    pub seeds: Vec<u64>,
     /// Gamma shape of the time per batch (ignored with --profile).
     #[arg(long, env = "GAPS_SWEEP_SHAPE", default_value_t = 100.0)]
     pub shape: f64,
@@ -89,7 +90,7 @@ impl SweepArgs {
             momentum: 0.9,
             epochs: 20,
             batch: 32,
-            seed: 1,
+            seeds: vec![1, 2, 3],
             shape: 100.0,
             profile: None,
             stragglers: Vec::new(),
@@ -101,8 +102,8 @@ impl SweepArgs {
         }
     }
 
-    /// The simulation of one cell.
-    fn sim(&self, workers: u32, mode: SimMode) -> SimArgs {
+    /// The simulation of one cell for one seed.
+    fn sim(&self, workers: u32, mode: SimMode, seed: u64) -> SimArgs {
         SimArgs {
             model: self.model,
             rule: self.rule,
@@ -112,7 +113,7 @@ impl SweepArgs {
             momentum: self.momentum,
             epochs: self.epochs,
             batch: self.batch,
-            seed: self.seed,
+            seed,
             shape: self.shape,
             profile: self.profile.clone(),
             stragglers: self.stragglers.iter().copied().filter(|(w, _)| *w < workers).collect(),
@@ -130,11 +131,20 @@ pub struct SweepCell {
     pub workers: u32,
     /// Mode.
     pub mode: SimMode,
-    /// Simulated time at which the metric first reached the target.
+    /// Mean over the seeds of the simulated time at which the metric first reached the target (None
+    /// unless every seed reached it).
     pub time_to_target: Option<f64>,
-    /// The final test metric (NaN when the run diverged).
+    /// Standard deviation of that time over the seeds (0 with one seed).
+    pub time_sd: f64,
+    /// Seeds whose run reached the target.
+    pub reached: usize,
+    /// Seeds run.
+    pub seeds: usize,
+    /// Mean final test metric of the seeds that did not diverge (NaN when all diverged).
     pub final_metric: f64,
-    /// Simulated time of the whole run.
+    /// Its standard deviation.
+    pub final_sd: f64,
+    /// Mean simulated time of the whole run.
     pub wall: f64,
 }
 
@@ -163,8 +173,10 @@ pub struct Sweep {
     pub bound: f64,
     /// π/(2·η_eff·h_max): the same with the momentum's effective step, the bound of a linear model.
     pub bound_momentum: f64,
-    /// Per mode, the N that reached the target soonest (None: no N did).
+    /// Per mode, the N whose mean time to the target is least (None: no N reached it on every seed).
     pub optimum: Vec<(SimMode, Option<u32>)>,
+    /// Per mode, each seed's own optimum N, in the order of `--seeds` (the optimum's seed spread).
+    pub optimum_per_seed: Vec<(SimMode, Vec<Option<u32>>)>,
     /// "units" or "seconds".
     pub time_unit: &'static str,
 }
@@ -242,13 +254,19 @@ pub fn run(args: &SweepArgs) -> Result<Sweep> {
     let mut workers = args.workers.clone();
     workers.sort_unstable();
     workers.dedup();
+    if args.seeds.is_empty() {
+        bail!("--seeds needs at least one seed");
+    }
+    let seeds = args.seeds.len();
     let grid: Vec<(u32, SimMode)> = workers.iter().flat_map(|n| args.modes.iter().map(move |m| (*n, *m))).collect();
-    let jobs: Vec<SimArgs> = grid.iter().map(|(n, m)| args.sim(*n, *m)).collect();
+    let jobs: Vec<SimArgs> =
+        grid.iter().flat_map(|(n, m)| args.seeds.iter().map(move |seed| args.sim(*n, *m, *seed))).collect();
     for job in &jobs {
         job.validate()?;
     }
     let reports = run_all(jobs)?;
-    let task = args.sim(workers[0], args.modes[0]).task();
+    let first_seed = args.seeds[0];
+    let task = args.sim(workers[0], args.modes[0], first_seed).task();
     let higher = task.higher_is_better();
     let best =
         reports.iter().filter(|r| !r.diverged && r.final_test_metric.is_finite()).fold(None::<&SimReport>, |b, r| {
@@ -266,20 +284,36 @@ pub fn run(args: &SweepArgs) -> Result<Sweep> {
     if !target.is_finite() {
         bail!("--target must be finite");
     }
+    // Per cell, each seed's time to the target (reports are by cell, then seed).
+    let times: Vec<Vec<Option<f64>>> = reports
+        .chunks(seeds)
+        .map(|runs| runs.iter().map(|r| crate::time_to_reach(&r.curve, target, higher)).collect())
+        .collect();
     let cells: Vec<SweepCell> = grid
         .iter()
-        .zip(&reports)
-        .map(|((n, m), r)| SweepCell {
-            workers: *n,
-            mode: *m,
-            time_to_target: crate::time_to_reach(&r.curve, target, higher),
-            final_metric: if r.diverged { f64::NAN } else { r.final_test_metric },
-            wall: r.sim_wall_time,
+        .zip(reports.chunks(seeds))
+        .zip(&times)
+        .map(|(((n, m), runs), t)| {
+            let reached: Vec<f64> = t.iter().flatten().copied().collect();
+            let finals: Vec<f64> = runs.iter().filter(|r| !r.diverged).map(|r| r.final_test_metric).collect();
+            let (final_metric, final_sd) =
+                if finals.is_empty() { (f64::NAN, f64::NAN) } else { (mean(&finals), sd(&finals)) };
+            SweepCell {
+                workers: *n,
+                mode: *m,
+                time_to_target: (reached.len() == seeds).then(|| mean(&reached)),
+                time_sd: sd(&reached),
+                reached: reached.len(),
+                seeds,
+                final_metric,
+                final_sd,
+                wall: mean(&runs.iter().map(|r| r.sim_wall_time).collect::<Vec<_>>()),
+            }
         })
         .collect();
-    let init = task.init(args.seed);
-    let h_init = curvature(task.as_ref(), &init, args.seed);
-    let h_trained = best.map_or(f64::NAN, |b| curvature(task.as_ref(), &b.params, args.seed));
+    let init = task.init(first_seed);
+    let h_init = curvature(task.as_ref(), &init, first_seed);
+    let h_trained = best.map_or(f64::NAN, |b| curvature(task.as_ref(), &b.params, first_seed));
     let h_max = h_init.max(if h_trained.is_finite() { h_trained } else { 0.0 });
     let eta_eff = effective_step(args.rule, args.lr, args.momentum);
     let eta = f64::from(args.lr);
@@ -297,6 +331,23 @@ pub fn run(args: &SweepArgs) -> Result<Sweep> {
             (*m, best.map(|(_, n)| n))
         })
         .collect();
+    let optimum_per_seed = args
+        .modes
+        .iter()
+        .map(|m| {
+            let per_seed = (0..seeds)
+                .map(|k| {
+                    grid.iter()
+                        .zip(&times)
+                        .filter(|((_, mode), _)| mode == m)
+                        .filter_map(|((n, _), t)| t[k].map(|t| (t, *n)))
+                        .min_by(|a, b| a.0.total_cmp(&b.0))
+                        .map(|(_, n)| n)
+                })
+                .collect();
+            (*m, per_seed)
+        })
+        .collect();
     Ok(Sweep {
         cells,
         target,
@@ -310,8 +361,22 @@ pub fn run(args: &SweepArgs) -> Result<Sweep> {
         bound,
         bound_momentum,
         optimum,
+        optimum_per_seed,
         time_unit: reports.first().map_or("units", |r| r.time_unit),
     })
+}
+
+fn mean(xs: &[f64]) -> f64 {
+    xs.iter().sum::<f64>() / xs.len().max(1) as f64
+}
+
+/// Sample standard deviation (0 for fewer than two values).
+fn sd(xs: &[f64]) -> f64 {
+    if xs.len() < 2 {
+        return 0.0;
+    }
+    let m = mean(xs);
+    (xs.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / (xs.len() - 1) as f64).sqrt()
 }
 
 /// A time with three significant digits or more (no decimals past 100).
@@ -355,14 +420,14 @@ impl Sweep {
         let mut s = String::new();
         let _ = writeln!(
             s,
-            "{} `{}`, η {}, γ {}, {} epochs of batch {}, seed {}; timings: {}.\n",
+            "{} `{}`, η {}, γ {}, {} epochs of batch {}, seeds {:?} (each cell: mean ± sd over them); timings: {}.\n",
             self.metric_name,
             args.rule,
             args.lr,
             args.momentum,
             args.epochs,
             args.batch,
-            args.seed,
+            args.seeds,
             match &args.profile {
                 Some(p) => format!("replayed from {} (seconds)", p.display()),
                 None => format!("Gamma shape {} (a batch takes {} units on average)", args.shape, args.batch),
@@ -392,11 +457,16 @@ impl Sweep {
             for m in &modes {
                 match self.cell(n, *m) {
                     Some(c) => {
-                        let t = c.time_to_target.map_or("never".to_string(), short);
-                        let f = if c.final_metric.is_finite() {
-                            format!("{:.3}", c.final_metric)
-                        } else {
-                            "diverged".into()
+                        let t = match c.time_to_target {
+                            Some(t) if c.seeds > 1 => format!("{} ± {}", short(t), short(c.time_sd)),
+                            Some(t) => short(t),
+                            None if c.reached > 0 => format!("never ({} of {} seeds reached it)", c.reached, c.seeds),
+                            None => "never".to_string(),
+                        };
+                        let f = match (c.final_metric.is_finite(), c.seeds > 1) {
+                            (true, true) => format!("{:.2} ± {:.2}", c.final_metric, c.final_sd),
+                            (true, false) => format!("{:.3}", c.final_metric),
+                            (false, _) => "diverged".into(),
                         };
                         let _ = write!(s, " {t} / {f} |");
                     }
@@ -421,8 +491,16 @@ impl Sweep {
         let opt: Vec<String> = self
             .optimum
             .iter()
-            .map(|(m, n)| {
-                format!("{} {}", mode_name(*m), n.map_or("none reached the target".into(), |n| format!("N = {n}")))
+            .zip(&self.optimum_per_seed)
+            .map(|((m, n), (_, per_seed))| {
+                let each: Vec<String> =
+                    per_seed.iter().map(|n| n.map_or("none".to_string(), |n| n.to_string())).collect();
+                format!(
+                    "{} {} (each seed's: {})",
+                    mode_name(*m),
+                    n.map_or("none reached the target on every seed".into(), |n| format!("N = {n}")),
+                    each.join(", ")
+                )
             })
             .collect();
         let _ = writeln!(s, "Measured optimum (least time to the target): {}.", opt.join(", "));
@@ -442,12 +520,16 @@ impl Sweep {
             "eta_eff": self.eta_eff,
             "bound": self.bound,
             "bound_momentum": self.bound_momentum,
-            "optimum": self.optimum.iter().map(|(m, n)| serde_json::json!({"mode": mode_name(*m), "workers": n})).collect::<Vec<_>>(),
+            "optimum": self.optimum.iter().zip(&self.optimum_per_seed).map(|((m, n), (_, each))| serde_json::json!({"mode": mode_name(*m), "workers": n, "per_seed": each})).collect::<Vec<_>>(),
             "cells": self.cells.iter().map(|c| serde_json::json!({
                 "workers": c.workers,
                 "mode": mode_name(c.mode),
                 "time_to_target": c.time_to_target,
+                "time_sd": c.time_sd,
+                "reached": c.reached,
+                "seeds": c.seeds,
                 "final_metric": if c.final_metric.is_finite() { Some(c.final_metric) } else { None },
+                "final_sd": if c.final_sd.is_finite() { Some(c.final_sd) } else { None },
                 "wall": c.wall,
             })).collect::<Vec<_>>(),
         })
