@@ -33,19 +33,32 @@ impl CheckpointResult {
     /// The JSON line.
     pub fn to_json(&self) -> String {
         let gib = self.bytes as f64 / f64::from(1u32 << 30);
-        serde_json::json!({
-            "case": "checkpoint",
-            "params": self.params,
-            "bytes": self.bytes,
-            "snapshot_s": self.snapshot_s,
-            "snapshot_reused_s": self.snapshot_reused_s,
-            "write_s": self.write_s,
-            "read_s": self.read_s,
-            "restore_s": self.restore_s,
-            "pause_s_per_gib": self.snapshot_reused_s / gib.max(1e-12),
-            "first_pause_s_per_gib": self.snapshot_s / gib.max(1e-12),
+        /// The JSON line.
+        #[derive(serde::Serialize)]
+        struct Line {
+            case: &'static str,
+            params: u64,
+            bytes: u64,
+            snapshot_s: f64,
+            snapshot_reused_s: f64,
+            write_s: f64,
+            read_s: f64,
+            restore_s: f64,
+            pause_s_per_gib: f64,
+            first_pause_s_per_gib: f64,
+        }
+        crate::json_line(&Line {
+            case: "checkpoint",
+            params: self.params,
+            bytes: self.bytes,
+            snapshot_s: self.snapshot_s,
+            snapshot_reused_s: self.snapshot_reused_s,
+            write_s: self.write_s,
+            read_s: self.read_s,
+            restore_s: self.restore_s,
+            pause_s_per_gib: self.snapshot_reused_s / gib.max(1e-12),
+            first_pause_s_per_gib: self.snapshot_s / gib.max(1e-12),
         })
-        .to_string()
     }
 }
 

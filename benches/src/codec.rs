@@ -80,16 +80,23 @@ pub fn run(sizes: &[usize], min_time: Duration, quick: bool) -> Result<Vec<Codec
 pub fn print(results: &[CodecResult], json: bool) {
     if json {
         for r in results {
-            println!(
-                "{}",
-                serde_json::json!({
-                    "dtype": r.dtype.name(),
-                    "values": r.values,
-                    "streaming_values_per_s": r.streaming_values_per_s,
-                    "plain_values_per_s": r.plain_values_per_s,
-                    "ratio": r.ratio,
-                })
-            );
+            /// One format's JSON line.
+            #[derive(serde::Serialize)]
+            struct Line {
+                dtype: &'static str,
+                values: usize,
+                streaming_values_per_s: f64,
+                plain_values_per_s: f64,
+                ratio: f64,
+            }
+            let line = Line {
+                dtype: r.dtype.name(),
+                values: r.values,
+                streaming_values_per_s: r.streaming_values_per_s,
+                plain_values_per_s: r.plain_values_per_s,
+                ratio: r.ratio,
+            };
+            println!("{}", crate::json_line(&line));
         }
         return;
     }

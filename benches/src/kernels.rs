@@ -38,18 +38,30 @@ impl KernelResult {
 
     /// The JSON line.
     pub fn to_json(&self) -> String {
-        serde_json::json!({
-            "rule": self.rule.name(),
-            "device": self.device,
-            "path": self.path,
-            "params": self.params,
-            "params_per_s": self.params_per_s.round(),
-            "bytes_per_param": self.bytes_per_param,
-            "stream_params_per_s": self.stream_params_per_s.round(),
-            "ratio": (self.ratio() * 1000.0).round() / 1000.0,
-            "gbytes_per_s": (self.params_per_s * self.bytes_per_param as f64 / 1e7).round() / 100.0,
+        /// The JSON line.
+        #[derive(serde::Serialize)]
+        struct Line {
+            rule: &'static str,
+            device: &'static str,
+            path: &'static str,
+            params: usize,
+            params_per_s: f64,
+            bytes_per_param: usize,
+            stream_params_per_s: f64,
+            ratio: f64,
+            gbytes_per_s: f64,
+        }
+        crate::json_line(&Line {
+            rule: self.rule.name(),
+            device: self.device,
+            path: self.path,
+            params: self.params,
+            params_per_s: self.params_per_s.round(),
+            bytes_per_param: self.bytes_per_param,
+            stream_params_per_s: self.stream_params_per_s.round(),
+            ratio: (self.ratio() * 1000.0).round() / 1000.0,
+            gbytes_per_s: (self.params_per_s * self.bytes_per_param as f64 / 1e7).round() / 100.0,
         })
-        .to_string()
     }
 }
 

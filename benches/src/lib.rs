@@ -7,6 +7,12 @@
 //! - [`codec`]: `cargo bench --bench codec` (wire-format decoding into large buffers).
 
 pub mod checkpoint;
+
+/// One bench result as a JSON line (NaN as null).
+pub fn json_line<T: serde::Serialize>(result: &T) -> String {
+    serde_json::to_string(result).unwrap_or_else(|e| format!("{{\"error\":\"the result did not encode: {e}\"}}"))
+}
+
 pub mod codec;
 pub mod kernels;
 pub mod tables;

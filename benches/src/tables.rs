@@ -24,16 +24,26 @@ pub struct TableResult {
 impl TableResult {
     /// The JSON line.
     pub fn to_json(&self) -> String {
-        serde_json::json!({
-            "case": "sparse_table",
-            "rows": self.rows,
-            "dim": self.dim,
-            "inserts_per_s": self.inserts_per_s.round(),
-            "lookups_per_s": self.lookups_per_s.round(),
-            "row_data_bytes": self.row_data_bytes,
-            "overhead_bytes_per_row": (self.overhead_bytes_per_row * 100.0).round() / 100.0,
+        /// The JSON line.
+        #[derive(serde::Serialize)]
+        struct Line {
+            case: &'static str,
+            rows: u64,
+            dim: u32,
+            inserts_per_s: f64,
+            lookups_per_s: f64,
+            row_data_bytes: f64,
+            overhead_bytes_per_row: f64,
+        }
+        crate::json_line(&Line {
+            case: "sparse_table",
+            rows: self.rows,
+            dim: self.dim,
+            inserts_per_s: self.inserts_per_s.round(),
+            lookups_per_s: self.lookups_per_s.round(),
+            row_data_bytes: self.row_data_bytes,
+            overhead_bytes_per_row: (self.overhead_bytes_per_row * 100.0).round() / 100.0,
         })
-        .to_string()
     }
 }
 

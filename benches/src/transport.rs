@@ -138,30 +138,54 @@ impl TransportResult {
 
     /// The JSON line.
     pub fn to_json(&self) -> String {
-        serde_json::json!({
-            "case": self.case,
-            "shards": self.shards,
-            "bytes": self.bytes,
-            "rows": self.rows,
-            "rows_per_s": self.rows_per_s().map(|r| r.round()),
-            "wire_dtype": self.floats.map(|(_, d)| d.name()),
-            "floats_per_s": self.floats_per_s().map(|f| f.round()),
-            "rounds": self.gaps.rounds,
-            "ms_per_round": round3(self.ms_per_round(&self.gaps)),
-            "tcp_tls_ms_per_round": round3(self.ms_per_round(&self.tcp_tls)),
-            "gbytes_per_s": round3(self.gaps.gbytes_per_s),
-            "cpu_s_per_gb": round3(self.gaps.cpu_s_per_gb),
-            "baseline_gbytes_per_s": round3(self.quinn.gbytes_per_s),
-            "baseline_cpu_s_per_gb": round3(self.quinn.cpu_s_per_gb),
-            "default_quinn_gbytes_per_s": round3(self.quinn_default.gbytes_per_s),
-            "tcp_gbytes_per_s": round3(self.tcp.gbytes_per_s),
-            "tcp_cpu_s_per_gb": round3(self.tcp.cpu_s_per_gb),
-            "tcp_tls_gbytes_per_s": round3(self.tcp_tls.gbytes_per_s),
-            "tcp_tls_cpu_s_per_gb": round3(self.tcp_tls.cpu_s_per_gb),
-            "ratio": round3(self.ratio()),
-            "ratio_tcp_tls": round3(self.ratio_tcp_tls()),
+        /// The JSON line (rounded as printed).
+        #[derive(serde::Serialize)]
+        struct Line<'a> {
+            case: &'a str,
+            shards: u32,
+            bytes: u64,
+            rows: Option<u64>,
+            rows_per_s: Option<f64>,
+            wire_dtype: Option<&'static str>,
+            floats_per_s: Option<f64>,
+            rounds: u32,
+            ms_per_round: f64,
+            tcp_tls_ms_per_round: f64,
+            gbytes_per_s: f64,
+            cpu_s_per_gb: f64,
+            baseline_gbytes_per_s: f64,
+            baseline_cpu_s_per_gb: f64,
+            default_quinn_gbytes_per_s: f64,
+            tcp_gbytes_per_s: f64,
+            tcp_cpu_s_per_gb: f64,
+            tcp_tls_gbytes_per_s: f64,
+            tcp_tls_cpu_s_per_gb: f64,
+            ratio: f64,
+            ratio_tcp_tls: f64,
+        }
+        crate::json_line(&Line {
+            case: &self.case,
+            shards: self.shards,
+            bytes: self.bytes,
+            rows: self.rows,
+            rows_per_s: self.rows_per_s().map(|r| r.round()),
+            wire_dtype: self.floats.map(|(_, d)| d.name()),
+            floats_per_s: self.floats_per_s().map(|f| f.round()),
+            rounds: self.gaps.rounds,
+            ms_per_round: round3(self.ms_per_round(&self.gaps)),
+            tcp_tls_ms_per_round: round3(self.ms_per_round(&self.tcp_tls)),
+            gbytes_per_s: round3(self.gaps.gbytes_per_s),
+            cpu_s_per_gb: round3(self.gaps.cpu_s_per_gb),
+            baseline_gbytes_per_s: round3(self.quinn.gbytes_per_s),
+            baseline_cpu_s_per_gb: round3(self.quinn.cpu_s_per_gb),
+            default_quinn_gbytes_per_s: round3(self.quinn_default.gbytes_per_s),
+            tcp_gbytes_per_s: round3(self.tcp.gbytes_per_s),
+            tcp_cpu_s_per_gb: round3(self.tcp.cpu_s_per_gb),
+            tcp_tls_gbytes_per_s: round3(self.tcp_tls.gbytes_per_s),
+            tcp_tls_cpu_s_per_gb: round3(self.tcp_tls.cpu_s_per_gb),
+            ratio: round3(self.ratio()),
+            ratio_tcp_tls: round3(self.ratio_tcp_tls()),
         })
-        .to_string()
     }
 }
 

@@ -68,15 +68,15 @@ pub async fn run(args: &ClusterArgs) -> Result<()> {
     };
     let result = match started.await {
         Ok(()) => {
-            let line = serde_json::json!({
-                "event": "cluster",
-                "coordinator": coordinator,
-                "dir": dir.display().to_string(),
-                "ca": path("ca.pem"),
-                "cert": path("worker.pem"),
-                "key": path("worker.key"),
-            });
-            println!("{line}");
+            let line = crate::reports::ClusterUp {
+                event: "cluster".into(),
+                coordinator: coordinator.clone(),
+                dir: dir.display().to_string(),
+                ca: path("ca.pem"),
+                cert: path("worker.pem"),
+                key: path("worker.key"),
+            };
+            println!("{}", crate::reports::line(&line));
             eprintln!(
                 "[gaps cluster] {} shards serving {}; coordinator {}; worker credentials in {}; Ctrl-C stops them",
                 args.servers,

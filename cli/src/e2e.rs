@@ -43,16 +43,26 @@ impl E2eResult {
 
     /// The JSON line.
     pub fn to_json(&self) -> String {
-        serde_json::json!({
-            "case": self.name(),
-            "servers": self.servers,
-            "workers": self.workers,
-            "replicas": self.replicas,
-            "samples_per_s": self.samples_per_s.round(),
-            "auc": (self.auc * 10_000.0).round() / 10_000.0,
-            "ratio": (self.ratio * 1000.0).round() / 1000.0,
+        /// One cluster shape's JSON line (rounded as printed).
+        #[derive(serde::Serialize)]
+        struct Line {
+            case: String,
+            servers: u32,
+            workers: u32,
+            replicas: u32,
+            samples_per_s: f64,
+            auc: f64,
+            ratio: f64,
+        }
+        crate::reports::line(&Line {
+            case: self.name(),
+            servers: self.servers,
+            workers: self.workers,
+            replicas: self.replicas,
+            samples_per_s: self.samples_per_s.round(),
+            auc: (self.auc * 10_000.0).round() / 10_000.0,
+            ratio: (self.ratio * 1000.0).round() / 1000.0,
         })
-        .to_string()
     }
 }
 
@@ -72,14 +82,22 @@ pub struct BaselineResult {
 impl BaselineResult {
     /// The JSON line.
     pub fn to_json(&self) -> String {
-        serde_json::json!({
-            "case": "dlrm_single_process",
-            "samples": self.samples,
-            "samples_per_s": self.samples_per_s.round(),
-            "auc": (self.auc * 10_000.0).round() / 10_000.0,
-            "logloss": (self.logloss * 10_000.0).round() / 10_000.0,
+        /// The baseline's JSON line (rounded as printed).
+        #[derive(serde::Serialize)]
+        struct Line {
+            case: &'static str,
+            samples: u64,
+            samples_per_s: f64,
+            auc: f64,
+            logloss: f64,
+        }
+        crate::reports::line(&Line {
+            case: "dlrm_single_process",
+            samples: self.samples,
+            samples_per_s: self.samples_per_s.round(),
+            auc: (self.auc * 10_000.0).round() / 10_000.0,
+            logloss: (self.logloss * 10_000.0).round() / 10_000.0,
         })
-        .to_string()
     }
 }
 

@@ -2,6 +2,7 @@
 //!
 //! - [`local`]: `gaps local`, a whole cluster of real `gaps-server` / `gaps-worker` processes on loopback.
 //! - [`cluster`]: `gaps cluster`, shards for a layout file kept running for a training script.
+//! - [`reports`]: the JSON lines the front door prints, as typed structs.
 //! - [`e2e`]: `gaps bench e2e`, training throughput through local clusters (its bench target lives here
 //!   because it runs this crate's binary).
 //!
@@ -11,4 +12,5 @@
 pub mod cluster;
 pub mod e2e;
 pub mod local;
+pub mod reports;
 pub mod stragglers;

@@ -18,6 +18,7 @@ use gaps_transport::tls::ClusterCerts;
 use gaps_worker::client::{Client, ClientOptions};
 use gaps_worker::train::evaluate_ctr as evaluate;
 use gaps_worker::train::{DataSharding, PushLedger, WorkerSummary};
+use serde::{Deserialize, Serialize};
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -264,35 +265,67 @@ pub struct DataReport {
     pub finished: bool,
 }
 
-/// Writes the shards' data status as JSON: `{"shards":[{"shard","counts":[[grant,split,samples]…],
-/// "dealer":{…,"completed":[[grant,split]…],"abandoned":[grant…]}}…]}`.
+/// The shards' data status (`--data-status-out`): `{"shards":[{"shard","counts":[[grant,split,samples]…],
+/// "counts_evicted","dealer":{…,"completed":[[grant,split]…],"abandoned":[grant…],"leased":[[grant,split,
+/// worker]…]}}…]}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DataStatusFile {
+    /// One entry per shard.
+    pub shards: Vec<ShardDataStatus>,
+}
+
+/// One shard's data status.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ShardDataStatus {
+    pub shard: u32,
+    /// Samples trained per (grant, split).
+    pub counts: Vec<[u64; 3]>,
+    pub counts_evicted: u64,
+    /// The coordinator's dealer (shard 0 only).
+    pub dealer: Option<DealerStatus>,
+}
+
+/// The dealer's state in [`ShardDataStatus`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DealerStatus {
+    pub data_epoch: u64,
+    pub splits_per_epoch: u64,
+    pub splits_done: u64,
+    pub splits_returned: u64,
+    pub splits_pending: u64,
+    pub samples_replayed: u64,
+    pub finished: bool,
+    /// (grant, split) of every finished split.
+    pub completed: Vec<[u64; 2]>,
+    /// Grants given up.
+    pub abandoned: Vec<u64>,
+    /// (grant, split, worker) of every lease.
+    pub leased: Vec<[u64; 3]>,
+}
+
+/// Writes the shards' data status as JSON: [`DataStatusFile`].
 fn write_data_status(path: &std::path::Path, status: &[gaps_common::wire::DataStatus]) -> Result<()> {
-    let shards: Vec<serde_json::Value> = status
+    let shards = status
         .iter()
-        .map(|s| {
-            let dealer = s.dealer.as_ref().map(|d| {
-                serde_json::json!({
-                    "data_epoch": d.data_epoch,
-                    "splits_per_epoch": d.splits_per_epoch,
-                    "splits_done": d.splits_done,
-                    "splits_returned": d.splits_returned,
-                    "splits_pending": d.splits_pending,
-                    "samples_replayed": d.samples_replayed,
-                    "finished": d.finished,
-                    "completed": d.completed.iter().map(|(g, k)| [*g, *k]).collect::<Vec<_>>(),
-                    "abandoned": d.abandoned,
-                    "leased": d.leased.iter().map(|l| [l.grant, l.split, u64::from(l.worker)]).collect::<Vec<_>>(),
-                })
-            });
-            serde_json::json!({
-                "shard": s.shard,
-                "counts": s.counts.iter().map(|c| [c.grant, c.split, c.samples]).collect::<Vec<_>>(),
-                "counts_evicted": s.counts_evicted,
-                "dealer": dealer,
-            })
+        .map(|s| ShardDataStatus {
+            shard: s.shard,
+            counts: s.counts.iter().map(|c| [c.grant, c.split, c.samples]).collect(),
+            counts_evicted: s.counts_evicted,
+            dealer: s.dealer.as_ref().map(|d| DealerStatus {
+                data_epoch: d.data_epoch,
+                splits_per_epoch: d.splits_per_epoch,
+                splits_done: d.splits_done,
+                splits_returned: d.splits_returned,
+                splits_pending: d.splits_pending,
+                samples_replayed: d.samples_replayed,
+                finished: d.finished,
+                completed: d.completed.iter().map(|(g, k)| [*g, *k]).collect(),
+                abandoned: d.abandoned.clone(),
+                leased: d.leased.iter().map(|l| [l.grant, l.split, u64::from(l.worker)]).collect(),
+            }),
         })
         .collect();
-    let text = serde_json::json!({ "shards": shards }).to_string();
+    let text = serde_json::to_string(&DataStatusFile { shards }).context("encoding the data status")?;
     std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
 }
 
@@ -435,91 +468,221 @@ pub struct CtrReport {
     pub timeline: Vec<(f64, f64, f64)>,
 }
 
+/// `gaps local --json`'s summary line: the run's [`LocalReport`] with the flags that shaped it. The data
+/// dealer's fields are present with dynamic data sharding, the CTR fields with the CTR models.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LocalSummary {
+    /// Shards.
+    pub servers: u32,
+    /// Workers at the start.
+    pub workers: u32,
+    /// `--model`.
+    pub model: String,
+    /// The dense rule.
+    pub rule: String,
+    /// See [`LocalReport`] for this and the other counters.
+    pub steps: u64,
+    pub pushes_sent: u64,
+    pub pushes_applied: u64,
+    pub pushes_duplicate: u64,
+    pub retries: u64,
+    /// Held-out log-loss of the initial and final model (null if not a number).
+    pub initial_loss: Option<f32>,
+    pub final_loss: Option<f32>,
+    pub staleness_mean: f64,
+    pub staleness_max: u64,
+    pub wall_s: f64,
+    /// `--mode`.
+    pub mode: String,
+    /// `--wire-dtype`.
+    pub wire_dtype: String,
+    pub mode_switches: u64,
+    /// The coordinator's mode switches.
+    pub switches: Vec<SwitchSummary>,
+    pub switches_agree: bool,
+    pub steps_sync: u64,
+    pub steps_gba: u64,
+    pub workers_final: u32,
+    pub dropped_stale: u64,
+    pub pushes_dropped_at_switch: u64,
+    pub lr_multiplier_final: f64,
+    pub shard_restarts: u32,
+    pub checkpoints_written: u64,
+    pub restored_version: u64,
+    pub pushes_acknowledged: u64,
+    pub pushes_lost: u64,
+    pub pushes_applied_twice: u64,
+    pub pushes_unconfirmed: u64,
+    pub longest_step_s: f64,
+    pub stale_after_restore: u64,
+    /// `dynamic` or `static`.
+    pub data_sharding: String,
+    /// The dealer's account (dynamic data sharding).
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    pub dealer: Option<DealerSummary>,
+    /// The CTR figures.
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    pub ctr: Option<CtrSummary>,
+}
+
+/// One mode switch in [`LocalSummary`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SwitchSummary {
+    /// The decision's number.
+    pub decision: u64,
+    /// Mode before and after.
+    pub from: String,
+    pub to: String,
+    /// First worker step run in the new mode.
+    pub from_step: u64,
+    /// Why the coordinator decided it.
+    pub reason: String,
+}
+
+/// The dealer's fields of [`LocalSummary`] (see [`DataReport`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DealerSummary {
+    pub splits_done: u64,
+    pub splits_per_epoch: u64,
+    pub splits_returned: u64,
+    pub splits_pending: u64,
+    pub samples_replayed: u64,
+    /// Every pass dealt and finished.
+    pub data_finished: bool,
+}
+
+/// The CTR fields of [`LocalSummary`] (see [`CtrReport`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CtrSummary {
+    /// `--sparse-rule`.
+    pub sparse_rule: String,
+    /// `--sparse-adagrad-init` in effect (0: none).
+    pub sparse_adagrad_init: f32,
+    /// `--data`.
+    pub data: String,
+    pub auc: f64,
+    pub teacher_auc: Option<f64>,
+    pub logloss: f64,
+    /// Rounded to a whole sample.
+    pub samples_per_s: f64,
+    pub bad_lines: u64,
+    pub table_rows: u64,
+    pub table_bytes: u64,
+    /// Rounded to 3 decimals.
+    pub epochs: f64,
+    pub constant_logloss: f64,
+    pub rows_dropped_stale: u64,
+    /// Worker 0's held-out evaluations.
+    pub heldout_curve: Vec<HeldoutPoint>,
+    pub stopped_early: u32,
+    /// The observer's evaluations.
+    pub timeline: Vec<TimelinePoint>,
+}
+
+/// One of worker 0's held-out evaluations (`--eval-every`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HeldoutPoint {
+    pub step: u64,
+    pub epochs: f64,
+    pub logloss: f64,
+    pub auc: f64,
+}
+
+/// One of the observer's evaluations (`--eval-interval`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TimelinePoint {
+    /// Seconds since training started.
+    pub t_s: f64,
+    pub auc: f64,
+    pub logloss: f64,
+}
+
 impl LocalReport {
-    /// The JSON line.
-    pub fn to_json(&self, args: &LocalArgs) -> String {
-        let mut v = serde_json::json!({
-            "servers": self.servers,
-            "workers": self.workers,
-            "model": args.model.name(),
-            "rule": args.rule().name(),
-            "steps": self.steps,
-            "pushes_sent": self.pushes_sent,
-            "pushes_applied": self.pushes_applied,
-            "pushes_duplicate": self.pushes_duplicate,
-            "retries": self.retries,
-            "initial_loss": self.initial_loss,
-            "final_loss": self.final_loss,
-            "staleness_mean": self.staleness_mean,
-            "staleness_max": self.staleness_max,
-            "wall_s": self.wall_s,
-            "mode": args.modes.mode.name(),
-            "wire_dtype": args.wire_dtype.name(),
-            "mode_switches": self.mode_switches,
-            "switches": self.switches.iter().map(|s| serde_json::json!({
-                "decision": s.number,
-                "from": mode_name(s.from),
-                "to": mode_name(s.to),
-                "from_step": s.from_step,
-                "reason": s.reason,
-            })).collect::<Vec<_>>(),
-            "switches_agree": self.switches_agree,
-            "steps_sync": self.steps_sync,
-            "steps_gba": self.steps_gba,
-            "workers_final": self.workers_final,
-            "dropped_stale": self.dropped_stale,
-            "pushes_dropped_at_switch": self.pushes_dropped_at_switch,
-            "lr_multiplier_final": self.lr_multiplier_final,
-            "shard_restarts": self.shard_restarts,
-            "checkpoints_written": self.checkpoints_written,
-            "restored_version": self.restored_version,
-            "pushes_acknowledged": self.pushes_acknowledged,
-            "pushes_lost": self.pushes_lost,
-            "pushes_applied_twice": self.pushes_applied_twice,
-            "pushes_unconfirmed": self.pushes_unconfirmed,
-            "longest_step_s": self.longest_step_s,
-            "stale_after_restore": self.stale_after_restore,
-            "data_sharding": if self.data.is_some() { "dynamic" } else { "static" },
-        });
-        if let (Some(d), Some(map)) = (&self.data, v.as_object_mut()) {
-            map.insert("splits_done".into(), d.splits_done.into());
-            map.insert("splits_per_epoch".into(), d.splits_per_epoch.into());
-            map.insert("splits_returned".into(), d.splits_returned.into());
-            map.insert("splits_pending".into(), d.splits_pending.into());
-            map.insert("samples_replayed".into(), d.samples_replayed.into());
-            map.insert("data_finished".into(), d.finished.into());
-        }
-        if let (Some(c), Some(map)) = (&self.ctr, v.as_object_mut()) {
-            map.insert("sparse_rule".into(), args.tables.sparse_rule.name().into());
-            map.insert("sparse_adagrad_init".into(), args.tables().sparse_adagrad_init.unwrap_or(0.0).into());
-            map.insert("data".into(), args.data.clone().into());
-            map.insert("auc".into(), c.auc.into());
-            map.insert("teacher_auc".into(), c.teacher_auc.map_or(serde_json::Value::Null, Into::into));
-            map.insert("logloss".into(), c.logloss.into());
-            map.insert("samples_per_s".into(), c.samples_per_s.round().into());
-            map.insert("bad_lines".into(), c.bad_lines.into());
-            map.insert("table_rows".into(), c.table_rows.into());
-            map.insert("table_bytes".into(), c.table_bytes.into());
-            map.insert("epochs".into(), ((c.epochs * 1000.0).round() / 1000.0).into());
-            map.insert("constant_logloss".into(), c.constant_logloss.into());
-            map.insert("rows_dropped_stale".into(), c.rows_dropped_stale.into());
-            let curve: Vec<serde_json::Value> = c
-                .heldout_curve
+    /// The summary with the flags that shaped the run.
+    pub fn summary(&self, args: &LocalArgs) -> LocalSummary {
+        let finite = |x: f32| x.is_finite().then_some(x);
+        LocalSummary {
+            servers: self.servers,
+            workers: self.workers,
+            model: args.model.name().into(),
+            rule: args.rule().name().into(),
+            steps: self.steps,
+            pushes_sent: self.pushes_sent,
+            pushes_applied: self.pushes_applied,
+            pushes_duplicate: self.pushes_duplicate,
+            retries: self.retries,
+            initial_loss: finite(self.initial_loss),
+            final_loss: finite(self.final_loss),
+            staleness_mean: self.staleness_mean,
+            staleness_max: self.staleness_max,
+            wall_s: self.wall_s,
+            mode: args.modes.mode.name().into(),
+            wire_dtype: args.wire_dtype.name().into(),
+            mode_switches: self.mode_switches,
+            switches: self
+                .switches
                 .iter()
-                .map(|(step, epochs, logloss, auc)| {
-                    serde_json::json!({"step": step, "epochs": epochs, "logloss": logloss, "auc": auc})
+                .map(|s| SwitchSummary {
+                    decision: s.number,
+                    from: mode_name(s.from).into(),
+                    to: mode_name(s.to).into(),
+                    from_step: s.from_step,
+                    reason: s.reason.clone(),
                 })
-                .collect();
-            map.insert("heldout_curve".into(), curve.into());
-            map.insert("stopped_early".into(), c.stopped_early.into());
-            let timeline: Vec<serde_json::Value> = c
-                .timeline
-                .iter()
-                .map(|(t, auc, logloss)| serde_json::json!({"t_s": t, "auc": auc, "logloss": logloss}))
-                .collect();
-            map.insert("timeline".into(), timeline.into());
+                .collect(),
+            switches_agree: self.switches_agree,
+            steps_sync: self.steps_sync,
+            steps_gba: self.steps_gba,
+            workers_final: self.workers_final,
+            dropped_stale: self.dropped_stale,
+            pushes_dropped_at_switch: self.pushes_dropped_at_switch,
+            lr_multiplier_final: self.lr_multiplier_final,
+            shard_restarts: self.shard_restarts,
+            checkpoints_written: self.checkpoints_written,
+            restored_version: self.restored_version,
+            pushes_acknowledged: self.pushes_acknowledged,
+            pushes_lost: self.pushes_lost,
+            pushes_applied_twice: self.pushes_applied_twice,
+            pushes_unconfirmed: self.pushes_unconfirmed,
+            longest_step_s: self.longest_step_s,
+            stale_after_restore: self.stale_after_restore,
+            data_sharding: if self.data.is_some() { "dynamic" } else { "static" }.into(),
+            dealer: self.data.as_ref().map(|d| DealerSummary {
+                splits_done: d.splits_done,
+                splits_per_epoch: d.splits_per_epoch,
+                splits_returned: d.splits_returned,
+                splits_pending: d.splits_pending,
+                samples_replayed: d.samples_replayed,
+                data_finished: d.finished,
+            }),
+            ctr: self.ctr.as_ref().map(|c| CtrSummary {
+                sparse_rule: args.tables.sparse_rule.name().into(),
+                sparse_adagrad_init: args.tables().sparse_adagrad_init.unwrap_or(0.0),
+                data: args.data.clone(),
+                auc: c.auc,
+                teacher_auc: c.teacher_auc,
+                logloss: c.logloss,
+                samples_per_s: c.samples_per_s.round(),
+                bad_lines: c.bad_lines,
+                table_rows: c.table_rows,
+                table_bytes: c.table_bytes,
+                epochs: (c.epochs * 1000.0).round() / 1000.0,
+                constant_logloss: c.constant_logloss,
+                rows_dropped_stale: c.rows_dropped_stale,
+                heldout_curve: c
+                    .heldout_curve
+                    .iter()
+                    .map(|&(step, epochs, logloss, auc)| HeldoutPoint { step, epochs, logloss, auc })
+                    .collect(),
+                stopped_early: c.stopped_early,
+                timeline: c.timeline.iter().map(|&(t_s, auc, logloss)| TimelinePoint { t_s, auc, logloss }).collect(),
+            }),
         }
-        v.to_string()
+    }
+
+    /// The JSON line: [`LocalSummary`].
+    pub fn to_json(&self, args: &LocalArgs) -> String {
+        crate::reports::line(&self.summary(args))
     }
 }
 
@@ -605,9 +768,12 @@ pub(crate) async fn listening_addr(p: &mut Proc, timeout: Duration) -> Result<(S
     let Some(line) = line else {
         bail!("{} exited before serving; its log ends with:\n{}", p.name, p.log_tail());
     };
-    let v: serde_json::Value = serde_json::from_str(&line).with_context(|| format!("parsing {:?}", line))?;
-    let addr = v["addr"].as_str().map(str::to_string).with_context(|| format!("no address in {line:?}"))?;
-    Ok((addr, v["restored_version"].as_u64()))
+    let v: gaps_server::cli::Listening = serde_json::from_str(&line)
+        .with_context(|| format!("{}'s first line is not its listening line: {line:?}", p.name))?;
+    if v.event != gaps_server::cli::Listening::EVENT {
+        bail!("{}'s first line is a {:?} event, not its listening line", p.name, v.event);
+    }
+    Ok((v.addr, v.restored_version))
 }
 
 /// Checkpoint manifests present now, as (shard folder, file name).

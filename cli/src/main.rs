@@ -341,8 +341,14 @@ async fn main() -> Result<()> {
             let written = client.checkpoint().await.context("asking the shards for a checkpoint")?;
             client.close().await;
             for s in written.shards {
-                let line = serde_json::json!({"event": "checkpoint", "id": written.id, "shard": s.shard, "path": s.path, "step": s.step});
-                println!("{line}");
+                let line = gaps_cli::reports::CheckpointWritten {
+                    event: "checkpoint".into(),
+                    id: written.id,
+                    shard: s.shard,
+                    path: s.path,
+                    step: s.step,
+                };
+                println!("{}", gaps_cli::reports::line(&line));
             }
         }
         Command::SynthData(args) => {

@@ -57,7 +57,7 @@ pub struct StragglerBenchArgs {
 }
 
 /// One run's results.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct StragglerRun {
     /// The straggler profile.
     pub profile: String,
@@ -79,7 +79,8 @@ pub struct StragglerRun {
     pub predicted_speedup: f64,
     /// Samples trained under grants that did not finish.
     pub samples_replayed: u64,
-    /// The observer's evaluations: (seconds since training started, AUC, log-loss).
+    /// The observer's evaluations: (seconds since training started, AUC, log-loss). Not in the JSON line.
+    #[serde(skip)]
     pub timeline: Vec<(f64, f64, f64)>,
 }
 
@@ -307,18 +308,6 @@ pub fn svg(runs: &[StragglerRun]) -> String {
 impl StragglerRun {
     /// The JSON line.
     pub fn to_json(&self) -> String {
-        serde_json::json!({
-            "profile": self.profile,
-            "mode": self.mode,
-            "wall_s": self.wall_s,
-            "auc": self.auc,
-            "logloss": self.logloss,
-            "time_to_target_s": self.time_to_target_s,
-            "dropped": self.dropped,
-            "switches": self.switches,
-            "predicted_speedup": self.predicted_speedup,
-            "samples_replayed": self.samples_replayed,
-        })
-        .to_string()
+        crate::reports::line(self)
     }
 }

@@ -101,7 +101,11 @@ fn run_local(args: &[&str]) -> serde_json::Value {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "gaps local failed:\n{stderr}");
     let stdout = String::from_utf8_lossy(&out.stdout);
-    serde_json::from_str(stdout.lines().last().expect("a JSON line")).expect("valid JSON")
+    let line = stdout.lines().last().expect("a JSON line");
+    // The summary reads back as its own type: every field present and of its type.
+    let typed: Result<gaps_cli::local::LocalSummary, _> = serde_json::from_str(line);
+    assert!(typed.is_ok(), "the summary does not read back as LocalSummary: {typed:?}\n{line}");
+    serde_json::from_str(line).expect("valid JSON")
 }
 
 /// Each worker prints one ledger line per step; `gaps local` must read them while the run goes on. Before it
@@ -794,8 +798,10 @@ fn dealing_through_faults(mode: &str) {
         "--timeout",
         "300s",
     ]);
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&status).expect("status file")).expect("status JSON");
+    let text = std::fs::read_to_string(&status).expect("status file");
+    let typed: Result<gaps_cli::local::DataStatusFile, _> = serde_json::from_str(&text);
+    assert!(typed.is_ok(), "the data status does not read back as DataStatusFile: {typed:?}");
+    let report: serde_json::Value = serde_json::from_str(&text).expect("status JSON");
     let _ = std::fs::remove_dir_all(&dir);
     assert_eq!(v["shard_restarts"], 1, "{v}");
     assert_eq!(v["data_finished"], true, "{v}");

@@ -11,7 +11,7 @@
 
 use anyhow::{bail, Context, Result};
 use gaps_shard::core::CheckpointInfo;
-use serde_json::json;
+use serde::{Deserialize, Serialize};
 use std::fs::{self, File};
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -112,21 +112,22 @@ impl CheckpointStore {
         let (bin, manifest) = self.paths(info.id);
         write_atomically(&bin, bytes)?;
         let written = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
-        let m = json!({
-            "format": gaps_shard::checkpoint::FORMAT_VERSION,
-            "id": info.id,
-            "shard": info.shard,
-            "num_shards": info.num_shards,
-            "epoch": info.epoch,
-            "bytes": bytes.len(),
-            "crc32": crc32fast::hash(bytes),
-            "tensor_versions": info.tensor_versions,
-            "step": step,
-            "at_step": at_step,
-            "cluster": cluster,
-            "written_unix_ms": written as u64,
-        });
-        write_atomically(&manifest, m.to_string().as_bytes())?;
+        let m = Manifest {
+            format: gaps_shard::checkpoint::FORMAT_VERSION,
+            id: info.id,
+            shard: info.shard,
+            num_shards: info.num_shards,
+            epoch: info.epoch,
+            bytes: bytes.len() as u64,
+            crc32: crc32fast::hash(bytes),
+            tensor_versions: info.tensor_versions.clone(),
+            step,
+            at_step,
+            cluster,
+            written_unix_ms: u64::try_from(written).unwrap_or(u64::MAX),
+        };
+        let text = serde_json::to_string(&m).context("encoding the manifest")?;
+        write_atomically(&manifest, text.as_bytes())?;
         sync_dir(&self.dir)?;
         self.prune()?;
         Ok(bin)
@@ -148,10 +149,7 @@ impl CheckpointStore {
     /// Whether checkpoint `id`'s manifest says it is a cluster checkpoint.
     fn is_cluster(&self, id: u64) -> bool {
         let (_, manifest) = self.paths(id);
-        fs::read_to_string(manifest)
-            .ok()
-            .and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok())
-            .is_some_and(|m| m["cluster"].as_bool() == Some(true))
+        Manifest::read(&manifest).is_ok_and(|m| m.cluster)
     }
 
     /// Ids of the complete, intact checkpoints no newer than `max`, newest first, at most `limit` (each one
@@ -188,19 +186,64 @@ impl CheckpointStore {
     }
 }
 
+/// The manifest written beside every checkpoint (`ckpt-ID.json`): what the snapshot is and how to check it.
+/// Fields added after the first format read as their defaults from older manifests; `bytes` and `crc32`
+/// are required.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// The snapshot's format (`gaps_shard::checkpoint::FORMAT_VERSION` of the writer).
+    #[serde(default)]
+    pub format: u32,
+    /// The checkpoint's id.
+    #[serde(default)]
+    pub id: u64,
+    /// The shard that wrote it.
+    #[serde(default)]
+    pub shard: u32,
+    /// Shards in its cluster.
+    #[serde(default)]
+    pub num_shards: u32,
+    /// Its cluster epoch.
+    #[serde(default)]
+    pub epoch: u64,
+    /// The snapshot's size in bytes.
+    pub bytes: u64,
+    /// The snapshot's CRC-32.
+    pub crc32: u32,
+    /// Updates applied per tensor when it was taken.
+    #[serde(default)]
+    pub tensor_versions: Vec<u64>,
+    /// The cluster step it was taken at (sync modes; 0 otherwise).
+    #[serde(default)]
+    pub step: u64,
+    /// The step the coordinator named for it, if it named one.
+    #[serde(default)]
+    pub at_step: Option<u64>,
+    /// A cluster checkpoint (the coordinator chose its id for every shard).
+    #[serde(default)]
+    pub cluster: bool,
+    /// When it was written, milliseconds since the Unix epoch.
+    #[serde(default)]
+    pub written_unix_ms: u64,
+}
+
+impl Manifest {
+    /// Reads and parses a manifest file.
+    pub fn read(path: &Path) -> Result<Manifest> {
+        let text = fs::read_to_string(path).with_context(|| format!("reading the manifest {}", path.display()))?;
+        serde_json::from_str(&text).with_context(|| format!("the manifest {} is not a valid manifest", path.display()))
+    }
+}
+
 /// Reads a snapshot and checks it against its manifest (size and CRC-32).
 pub fn load_verified(bin: &Path, manifest: &Path) -> Result<Vec<u8>> {
-    let text = fs::read_to_string(manifest).with_context(|| format!("reading the manifest {}", manifest.display()))?;
-    let m: serde_json::Value = serde_json::from_str(&text)
-        .with_context(|| format!("the manifest {} is not valid JSON", manifest.display()))?;
-    let (Some(size), Some(crc)) = (m["bytes"].as_u64(), m["crc32"].as_u64()) else {
-        bail!("the manifest {} lacks bytes or crc32", manifest.display());
-    };
+    let m = Manifest::read(manifest)?;
+    let (size, crc) = (m.bytes, m.crc32);
     let bytes = fs::read(bin).with_context(|| format!("reading the checkpoint {}", bin.display()))?;
     if bytes.len() as u64 != size {
         bail!("the checkpoint {} has {} bytes, its manifest says {size}", bin.display(), bytes.len());
     }
-    if u64::from(crc32fast::hash(&bytes)) != crc {
+    if crc32fast::hash(&bytes) != crc {
         bail!("the checkpoint {} does not match its checksum: the file is corrupt", bin.display());
     }
     Ok(bytes)
@@ -215,6 +258,29 @@ pub fn load_path(path: &Path) -> Result<Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A manifest reads back as its type; one from before a field existed reads with that field's default;
+    /// one without its size or checksum, or not JSON, is refused with the file's name, and so is its
+    /// checkpoint.
+    #[test]
+    fn manifests_read_back_typed_and_incomplete_ones_are_refused() {
+        let dir = std::env::temp_dir().join(format!("gaps-ckpt-manifest-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).expect("dir");
+        let (bin, json) = (dir.join("ckpt-7.bin"), dir.join("ckpt-7.json"));
+        fs::write(&bin, b"snapshot").expect("bin");
+        let crc = crc32fast::hash(b"snapshot");
+        fs::write(&json, format!("{{\"bytes\":8,\"crc32\":{crc},\"id\":7,\"shard\":1}}")).expect("old manifest");
+        let m = Manifest::read(&json).expect("an older manifest reads");
+        assert_eq!((m.id, m.shard, m.cluster, m.at_step, m.format), (7, 1, false, None, 0));
+        assert_eq!(load_verified(&bin, &json).expect("verified"), b"snapshot");
+        for bad in ["{\"bytes\":8}", "{\"crc32\":1}", "not json", "{\"bytes\":\"8\",\"crc32\":1}"] {
+            fs::write(&json, bad).expect("bad manifest");
+            let e = format!("{:#}", load_verified(&bin, &json).expect_err(bad));
+            assert!(e.contains("ckpt-7.json"), "{bad}: {e}");
+        }
+        let _ = fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn a_failed_write_leaves_no_temporary_file() {

@@ -449,8 +449,28 @@ pub fn load_layout(path: &std::path::Path) -> Result<gaps_common::Layout> {
 /// Parses a byte count (binary `MiB`/`Gi`, decimal `MB`/`G`): [`gaps_common::config::parse_bytes`].
 pub use gaps_common::config::parse_bytes;
 
-/// Runs one shard until SIGINT or SIGTERM. Prints one JSON line on stdout once it serves:
-/// `{"event":"listening","shard":…,"addr":…,"metrics_addr":…}`.
+/// The line a shard prints on stdout once it serves (`{"event":"listening",…}`), which launchers read for
+/// its address.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Listening {
+    /// Always `listening`.
+    pub event: String,
+    /// The shard's index.
+    pub shard: u32,
+    /// The address it serves on (as advertised to the cluster).
+    pub addr: String,
+    /// Where its Prometheus metrics are served, if they are.
+    pub metrics_addr: Option<String>,
+    /// The newest tensor version of the checkpoint it restored, if it restored one.
+    pub restored_version: Option<u64>,
+}
+
+impl Listening {
+    /// The `event` of the line.
+    pub const EVENT: &'static str = "listening";
+}
+
+/// Runs one shard until SIGINT or SIGTERM. Prints one JSON line on stdout once it serves: [`Listening`].
 pub async fn run(args: &ServerArgs) -> Result<()> {
     if args.shard_index >= args.num_shards {
         anyhow::bail!("--shard-index {} must be below --num-shards {}", args.shard_index, args.num_shards);
@@ -479,10 +499,14 @@ pub async fn run(args: &ServerArgs) -> Result<()> {
     };
     let server = service::start(cfg).await?;
     let restored_version = server.restored.as_ref().map(|r| r.tensor_versions.iter().copied().max().unwrap_or(0));
-    println!(
-        "{}",
-        serde_json::json!({"event": "listening", "shard": args.shard_index, "addr": server.advertise, "metrics_addr": metrics_addr, "restored_version": restored_version})
-    );
+    let listening = Listening {
+        event: Listening::EVENT.into(),
+        shard: args.shard_index,
+        addr: server.advertise.clone(),
+        metrics_addr,
+        restored_version,
+    };
+    println!("{}", serde_json::to_string(&listening).context("encoding the listening line")?);
     // SIGHUP reloads the CA, certificate and key from their files: new connections use them, open ones
     // keep theirs (certificate rotation without a restart).
     let reload = async {

@@ -307,8 +307,8 @@ impl SimArgs {
     }
 }
 
-/// The outcome of one simulation.
-#[derive(Debug, Clone, PartialEq)]
+/// The outcome of one simulation; its JSON line (`--json`) is this struct without the parameters.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct SimReport {
     /// Rule name.
     pub rule: String,
@@ -339,11 +339,15 @@ pub struct SimReport {
     pub sim_wall_time: f64,
     /// Events (gradients applied).
     pub events: u64,
-    /// Events per real second.
+    /// Events per real second (rounded in the JSON line).
+    #[serde(serialize_with = "whole")]
     pub events_per_s: f64,
-    /// The master parameters at the end.
+    /// The master parameters at the end (not in the JSON line).
+    #[serde(skip)]
     pub params: Vec<f32>,
-    /// What a worker would pull at the end when it differs from `params` (the DANA look-ahead).
+    /// What a worker would pull at the end when it differs from `params` (the DANA look-ahead; not in the
+    /// JSON line).
+    #[serde(skip)]
     pub lookahead: Option<Vec<f32>>,
     /// Mode switches of the shard (auto).
     pub mode_switches: u64,
@@ -373,8 +377,13 @@ pub fn time_to_reach(curve: &[CurvePoint], target: f64, higher_is_better: bool) 
     curve.iter().find(|c| reached(c.metric)).map(|c| c.time)
 }
 
+/// Serializes a number rounded to a whole one.
+fn whole<S: serde::Serializer>(x: &f64, s: S) -> std::result::Result<S::Ok, S::Error> {
+    s.serialize_f64(x.round())
+}
+
 /// One evaluation of the test metric during a run.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
 pub struct CurvePoint {
     /// Epochs of gradients computed so far.
     pub epoch: f64,
@@ -387,33 +396,7 @@ pub struct CurvePoint {
 impl SimReport {
     /// The JSON line.
     pub fn to_json(&self) -> String {
-        serde_json::json!({
-            "rule": self.rule,
-            "model": self.model,
-            "workers": self.workers,
-            "shape": self.shape,
-            "seed": self.seed,
-            "final_test_metric": self.final_test_metric,
-            "final_train_loss": self.final_train_loss,
-            "diverged": self.diverged,
-            "initial_train_loss": self.initial_train_loss,
-            "staleness_mean": self.staleness_mean,
-            "staleness_p99": self.staleness_p99,
-            "gap_mean": self.gap_mean,
-            "sim_wall_time": self.sim_wall_time,
-            "events": self.events,
-            "events_per_s": self.events_per_s.round(),
-            "mode_switches": self.mode_switches,
-            "steps_sync": self.steps_sync,
-            "steps_gba": self.steps_gba,
-            "dropped_stale": self.dropped_stale,
-            "workers_final": self.workers_final,
-            "lr_multiplier_final": self.lr_multiplier_final,
-            "time_unit": self.time_unit,
-            "time_to_target": self.time_to_target,
-            "curve": self.curve.iter().map(|c| serde_json::json!({"epoch": c.epoch, "time": c.time, "metric": c.metric})).collect::<Vec<_>>(),
-        })
-        .to_string()
+        serde_json::to_string(self).unwrap_or_else(|e| format!("{{\"error\":\"the report did not encode: {e}\"}}"))
     }
 }
 

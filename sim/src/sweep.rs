@@ -181,6 +181,46 @@ pub struct Sweep {
     pub time_unit: &'static str,
 }
 
+/// `gaps sim sweep --json`'s line (fields as in [`Sweep`]; NaN as null).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct SweepJson {
+    pub target: f64,
+    pub target_derived: bool,
+    pub metric: &'static str,
+    pub time_unit: &'static str,
+    pub h_init: f64,
+    pub h_trained: f64,
+    pub eta: f64,
+    pub eta_eff: f64,
+    pub bound: f64,
+    pub bound_momentum: f64,
+    /// Per mode: the optimum N on the mean and for each seed.
+    pub optimum: Vec<OptimumJson>,
+    pub cells: Vec<CellJson>,
+}
+
+/// One mode's optimum in [`SweepJson`].
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct OptimumJson {
+    pub mode: &'static str,
+    pub workers: Option<u32>,
+    pub per_seed: Vec<Option<u32>>,
+}
+
+/// One cell in [`SweepJson`] (see [`SweepCell`]).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct CellJson {
+    pub workers: u32,
+    pub mode: &'static str,
+    pub time_to_target: Option<f64>,
+    pub time_sd: f64,
+    pub reached: usize,
+    pub seeds: usize,
+    pub final_metric: Option<f64>,
+    pub final_sd: Option<f64>,
+    pub wall: f64,
+}
+
 /// The rule's effective step: η/(1 − γ) when a momentum buffer re-applies each gradient, η otherwise
 /// (plain SGD, and the adaptive rules, whose step the bound describes only roughly).
 pub fn effective_step(rule: Rule, lr: f32, momentum: f32) -> f64 {
@@ -507,33 +547,43 @@ impl Sweep {
         s
     }
 
-    /// The JSON line.
+    /// The JSON line: [`SweepJson`].
     pub fn to_json(&self) -> String {
-        serde_json::json!({
-            "target": self.target,
-            "target_derived": self.target_derived,
-            "metric": self.metric_name,
-            "time_unit": self.time_unit,
-            "h_init": self.h_init,
-            "h_trained": self.h_trained,
-            "eta": self.eta,
-            "eta_eff": self.eta_eff,
-            "bound": self.bound,
-            "bound_momentum": self.bound_momentum,
-            "optimum": self.optimum.iter().zip(&self.optimum_per_seed).map(|((m, n), (_, each))| serde_json::json!({"mode": mode_name(*m), "workers": n, "per_seed": each})).collect::<Vec<_>>(),
-            "cells": self.cells.iter().map(|c| serde_json::json!({
-                "workers": c.workers,
-                "mode": mode_name(c.mode),
-                "time_to_target": c.time_to_target,
-                "time_sd": c.time_sd,
-                "reached": c.reached,
-                "seeds": c.seeds,
-                "final_metric": if c.final_metric.is_finite() { Some(c.final_metric) } else { None },
-                "final_sd": if c.final_sd.is_finite() { Some(c.final_sd) } else { None },
-                "wall": c.wall,
-            })).collect::<Vec<_>>(),
-        })
-        .to_string()
+        let finite = |x: f64| x.is_finite().then_some(x);
+        let json = SweepJson {
+            target: self.target,
+            target_derived: self.target_derived,
+            metric: self.metric_name,
+            time_unit: self.time_unit,
+            h_init: self.h_init,
+            h_trained: self.h_trained,
+            eta: self.eta,
+            eta_eff: self.eta_eff,
+            bound: self.bound,
+            bound_momentum: self.bound_momentum,
+            optimum: self
+                .optimum
+                .iter()
+                .zip(&self.optimum_per_seed)
+                .map(|((m, n), (_, each))| OptimumJson { mode: mode_name(*m), workers: *n, per_seed: each.clone() })
+                .collect(),
+            cells: self
+                .cells
+                .iter()
+                .map(|c| CellJson {
+                    workers: c.workers,
+                    mode: mode_name(c.mode),
+                    time_to_target: c.time_to_target,
+                    time_sd: c.time_sd,
+                    reached: c.reached,
+                    seeds: c.seeds,
+                    final_metric: finite(c.final_metric),
+                    final_sd: finite(c.final_sd),
+                    wall: c.wall,
+                })
+                .collect(),
+        };
+        serde_json::to_string(&json).unwrap_or_else(|e| format!("{{\"error\":\"the sweep did not encode: {e}\"}}"))
     }
 
     /// Time to target against N (both log scale), one line per mode, the bound as a dashed vertical line.
