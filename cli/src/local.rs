@@ -246,6 +246,36 @@ pub struct LocalReport {
     pub data: Option<DataReport>,
     /// Gradients dropped at mode switches (computed in the mode before, too stale for the new), all shards.
     pub pushes_dropped_at_switch: u64,
+    /// Replicated shards (`--replicas` ≥ 2): the coordinator's replica sets at the end.
+    pub replication: Option<ReplicationReport>,
+}
+
+/// Who held each shard at the end of a replicated run, as the coordinator's map says.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct ReplicationReport {
+    /// Take-overs of a shard by a backup, all shards (the sum of the shards' replica epochs).
+    pub failovers: u64,
+    /// Per shard, the process serving it (its own index unless a backup took it over).
+    pub serving: Vec<u32>,
+    /// Per shard, the processes whose copy is in sync (replies wait for them) as the coordinator knows them:
+    /// a process killed and restarted empty appears here again once it caught up. Null for shard 0: the
+    /// coordinator's own copies are not reported to it (their fail-over is not built; its log says when
+    /// they catch up).
+    pub backups_in_sync: Vec<Option<Vec<u32>>>,
+    /// Processes that serve no shard (theirs was taken over while they were down) and keep copies.
+    pub spare_processes: Vec<u32>,
+}
+
+impl ReplicationReport {
+    /// The report of a cluster map.
+    pub fn from_map(map: &gaps_common::wire::ClusterMap) -> Self {
+        ReplicationReport {
+            failovers: map.shards.iter().map(|s| s.epoch).sum(),
+            serving: map.shards.iter().map(|s| s.process).collect(),
+            backups_in_sync: map.shards.iter().map(|s| (s.index != 0).then(|| s.backups.clone())).collect(),
+            spare_processes: map.spare.iter().map(|s| s.index).collect(),
+        }
+    }
 }
 
 /// What the coordinator's dealer did (dynamic data sharding).
@@ -523,6 +553,9 @@ pub struct LocalSummary {
     /// The CTR figures.
     #[serde(flatten, skip_serializing_if = "Option::is_none")]
     pub ctr: Option<CtrSummary>,
+    /// Replicated shards (`--replicas` ≥ 2): `failovers`, `serving`, `backups_in_sync`, `spare_processes`.
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    pub replication: Option<ReplicationReport>,
 }
 
 /// One mode switch in [`LocalSummary`].
@@ -677,6 +710,7 @@ impl LocalReport {
                 stopped_early: c.stopped_early,
                 timeline: c.timeline.iter().map(|&(t_s, auc, logloss)| TimelinePoint { t_s, auc, logloss }).collect(),
             }),
+            replication: self.replication.clone(),
         }
     }
 
@@ -1251,6 +1285,12 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             }
         }
         let stats = observer.stats().await.context("reading shard counters")?;
+        let replication = if args.replicas > 1 {
+            let map = observer.current_map().await.context("reading the coordinator's replica sets")?;
+            Some(ReplicationReport::from_map(&map))
+        } else {
+            None
+        };
         let data_report = if args.deals_data() {
             let status = observer.data_status().await.context("reading the data dealer's state")?;
             if let Some(out) = &args.data_status_out {
@@ -1344,6 +1384,7 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             workers_final,
             dropped_stale: stats.iter().map(|s| s.dropped_stale).sum(),
             pushes_dropped_at_switch: stats.iter().map(|s| s.pushes_dropped_at_switch).sum(),
+            replication,
             lr_multiplier_final: stats.first().map_or(1.0, |s| f64::from(s.lr_multiplier_milli) / 1000.0),
             shard_restarts,
             checkpoints_written: checkpoints_seen.len() as u64,

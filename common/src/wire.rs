@@ -21,7 +21,7 @@ use crate::layout::{ChunkId, Layout};
 use bincode::{Decode, Encode};
 
 /// Protocol version carried by registrations; a peer with another version is refused.
-pub const PROTOCOL_VERSION: u16 = 13;
+pub const PROTOCOL_VERSION: u16 = 14;
 /// Bytes before the header: the kind byte and the header length.
 pub const FRAME_PREFIX_LEN: usize = 5;
 /// Hard upper bound on an encoded header (also the bincode decode limit).
@@ -184,6 +184,9 @@ pub struct ShardAddr {
     pub process: u32,
     /// The shard's replica epoch: how many times a backup took it over.
     pub epoch: u64,
+    /// The processes whose copy of the shard is in sync (replies wait for them), as the coordinator last
+    /// heard; empty without replicas. (Added in protocol 14.)
+    pub backups: Vec<u32>,
 }
 
 /// The update rule as workers need to know it (DANA-Slim's worker half, which pushes echo their reads).
@@ -1544,13 +1547,19 @@ mod tests {
                 epoch: 9,
                 worker_id: Some(3),
                 num_shards: 1,
-                shards: vec![ShardAddr { index: 0, addr: "127.0.0.1:1".into(), process: 1, epoch: 2 }],
+                shards: vec![ShardAddr {
+                    index: 0,
+                    addr: "127.0.0.1:1".into(),
+                    process: 1,
+                    epoch: 2,
+                    backups: vec![2],
+                }],
                 layout,
                 lease_ms: 5000,
                 token: Some([7; 32]),
                 auth_key: None,
                 replicas: 2,
-                spare: vec![ShardAddr { index: 1, addr: "h:2".into(), process: 1, epoch: 0 }],
+                spare: vec![ShardAddr { index: 1, addr: "h:2".into(), process: 1, epoch: 0, backups: vec![] }],
                 rule: RuleInfo {
                     name: "gap-aware".into(),
                     momentum: 0.9,

@@ -858,19 +858,7 @@ impl Client {
             }
             *last = Some(Instant::now());
         }
-        let opts = &self.inner.opts;
-        let register =
-            Message::Register(Register { protocol: PROTOCOL_VERSION, role: Role::Observer, name: opts.name.clone() });
-        let ask = async {
-            let addr = net::resolve(&opts.coordinator).await?;
-            let rotated = self.inner.rotated.lock().map_err(|_| RpcError::Setup("TLS lock poisoned".into()))?.clone();
-            let conn = net::connect_with(&self.inner.endpoint, rotated, addr, Duration::from_secs(2)).await?;
-            net::expect_shard(&conn, &self.inner.cluster, 0)?;
-            let reply = net::call(&conn, &register, &[], &opts.limits, Duration::from_secs(2)).await;
-            conn.close(0u32.into(), b"map");
-            reply
-        };
-        let Ok(Frame { msg: Message::ClusterMap(map), .. }) = ask.await else { return false };
+        let Ok(map) = self.ask_map().await else { return false };
         let mut moved = false;
         for s in &map.shards {
             let Some(link) = self.inner.shards.get(s.index as usize) else { continue };
@@ -893,6 +881,31 @@ impl Client {
             moved |= s.index as usize == shard;
         }
         moved
+    }
+
+    /// The coordinator's current cluster map, asked on a connection of its own as an observer registers
+    /// (2 s to connect, 2 s for the answer).
+    async fn ask_map(&self) -> Result<ClusterMap, ClientError> {
+        let opts = &self.inner.opts;
+        let register =
+            Message::Register(Register { protocol: PROTOCOL_VERSION, role: Role::Observer, name: opts.name.clone() });
+        let addr = net::resolve(&opts.coordinator).await?;
+        let rotated = self.inner.rotated.lock().map_err(|_| RpcError::Setup("TLS lock poisoned".into()))?.clone();
+        let conn = net::connect_with(&self.inner.endpoint, rotated, addr, Duration::from_secs(2)).await?;
+        net::expect_shard(&conn, &self.inner.cluster, 0)?;
+        let reply = net::call(&conn, &register, &[], &opts.limits, Duration::from_secs(2)).await;
+        conn.close(0u32.into(), b"map");
+        match reply?.msg {
+            Message::ClusterMap(map) => Ok(map),
+            other => Err(ClientError::BadMap(format!("the coordinator answered a map request with {other:?}"))),
+        }
+    }
+
+    /// The coordinator's cluster map as it is now: who serves each shard under which replica epoch, the
+    /// backups in sync, the spare processes (the map of [`Client::map`] is the one received at
+    /// registration).
+    pub async fn current_map(&self) -> Result<ClusterMap, ClientError> {
+        self.ask_map().await
     }
 
     fn take_injected_drop(&self) -> bool {

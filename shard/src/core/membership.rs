@@ -33,14 +33,17 @@ impl Coordinator {
             .iter()
             .map(|(i, a)| {
                 let set = self.replica_set(*i);
-                ShardAddr { index: *i, addr: a.clone(), process: set.process, epoch: set.epoch }
+                ShardAddr { index: *i, addr: a.clone(), process: set.process, epoch: set.epoch, backups: set.in_sync }
             })
             .collect()
     }
 
     /// The processes whose own shard is served by another (see [`ClusterMap::spare`]).
     pub(super) fn spare_addrs(&self) -> Vec<ShardAddr> {
-        self.spare.iter().map(|(p, a)| ShardAddr { index: *p, addr: a.clone(), process: *p, epoch: 0 }).collect()
+        self.spare
+            .iter()
+            .map(|(p, a)| ShardAddr { index: *p, addr: a.clone(), process: *p, epoch: 0, backups: Vec::new() })
+            .collect()
     }
 
     /// Shard `shard`'s replica set.
