@@ -250,6 +250,21 @@ pub struct LocalReport {
     pub replication: Option<ReplicationReport>,
 }
 
+/// Seconds from now until the coordinator's map shows `shard` at a replica epoch above `before` (a backup
+/// took it over), asked every 50 ms; None if that did not happen within a minute.
+async fn watch_failover(observer: Client, shard: u32, before: u64) -> Option<f64> {
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(60) {
+        if let Ok(map) = observer.current_map().await {
+            if map.shards.get(shard as usize).is_some_and(|s| s.epoch > before) {
+                return Some(start.elapsed().as_secs_f64());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    None
+}
+
 /// Who held each shard at the end of a replicated run, as the coordinator's map says.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct ReplicationReport {
@@ -264,6 +279,9 @@ pub struct ReplicationReport {
     pub backups_in_sync: Vec<Option<Vec<u32>>>,
     /// Processes that serve no shard (theirs was taken over while they were down) and keep copies.
     pub spare_processes: Vec<u32>,
+    /// Per shard killed (`--kill-shard`, shards ≥ 1, in kill order): seconds from the SIGKILL until the
+    /// coordinator's map showed a backup serving it (null: not within a minute).
+    pub failover_s: Vec<Option<f64>>,
 }
 
 impl ReplicationReport {
@@ -274,6 +292,7 @@ impl ReplicationReport {
             serving: map.shards.iter().map(|s| s.process).collect(),
             backups_in_sync: map.shards.iter().map(|s| (s.index != 0).then(|| s.backups.clone())).collect(),
             spare_processes: map.spare.iter().map(|s| s.index).collect(),
+            failover_s: Vec::new(),
         }
     }
 }
@@ -1101,6 +1120,8 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
         let mut outputs: Vec<Option<String>> = Vec::new();
         let mut killed = Vec::new();
         let mut shard_kills: Vec<Kill> = args.kill_shards.clone();
+        // Replicated shards: for each shard killed, a task that measures how long until a backup serves it.
+        let mut failover_watches: Vec<tokio::task::JoinHandle<Option<f64>>> = Vec::new();
         let mut shard_restarts_due: Vec<Kill> = args.restart_shards.clone();
         let (mut shard_restarts, mut restored_version) = (0u32, 0u64);
         let mut checkpoints_seen = std::collections::BTreeSet::new();
@@ -1112,9 +1133,18 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             }
             for k in shard_kills.iter().filter(|k| k.at <= since) {
                 if let Some(p) = servers.get_mut(k.index as usize) {
+                    // The shard's replica epoch before the kill: a take-over raises it.
+                    let before = if args.replicas > 1 && k.index != 0 {
+                        observer.current_map().await.ok().and_then(|m| m.shards.get(k.index as usize).map(|s| s.epoch))
+                    } else {
+                        None
+                    };
                     eprintln!("[gaps local] killing shard {} (SIGKILL) at {:.1}s", k.index, since.as_secs_f64());
                     let _ = p.child.start_kill();
                     let _ = p.child.wait().await;
+                    if let Some(before) = before {
+                        failover_watches.push(tokio::spawn(watch_failover(observer.clone(), k.index, before)));
+                    }
                 }
             }
             shard_kills.retain(|k| k.at > since);
@@ -1287,7 +1317,14 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
         let stats = observer.stats().await.context("reading shard counters")?;
         let replication = if args.replicas > 1 {
             let map = observer.current_map().await.context("reading the coordinator's replica sets")?;
-            Some(ReplicationReport::from_map(&map))
+            let mut report = ReplicationReport::from_map(&map);
+            // A fail-over still under way when training ended gets 10 s more to finish.
+            for mut watch in failover_watches {
+                let took = tokio::time::timeout(Duration::from_secs(10), &mut watch).await;
+                watch.abort();
+                report.failover_s.push(took.ok().and_then(|r| r.ok()).flatten());
+            }
+            Some(report)
         } else {
             None
         };

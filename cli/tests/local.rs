@@ -947,6 +947,9 @@ fn a_killed_replicated_shard_is_taken_over_and_the_summary_says_so() {
         "300s",
     ]);
     assert_eq!(v["failovers"], 1, "{v}");
+    // The take-over was seen: the backup asks after 1 s of silence, the coordinator probes for 0.5 s.
+    let took = v["failover_s"][0].as_f64().expect("a fail-over time");
+    assert!(took > 0.0 && took < 60.0, "{v}");
     assert_eq!(v["serving"], serde_json::json!([0, 2, 2]), "{v}");
     assert_eq!(v["spare_processes"], serde_json::json!([1]), "{v}");
     assert_eq!(v["shard_restarts"], 1, "{v}");
