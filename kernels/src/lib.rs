@@ -180,6 +180,13 @@ impl Rule {
         }
     }
 
+    /// The rule divides its step by a running magnitude of the gradient (Adagrad, Adam, NAdam, Gap-Adam):
+    /// its step has about the learning rate's size whatever the gradient's scale, so a fraction of a
+    /// gradient does not make a fraction of a step.
+    pub fn normalises_step(self) -> bool {
+        matches!(self, Rule::Adagrad | Rule::Adam | Rule::Nadam | Rule::GapAdam)
+    }
+
     /// Floats read and written per parameter by one update (θ, gradient, read echo, every state plane),
     /// i.e. the memory traffic the fast path cannot avoid.
     pub fn bytes_per_param(self) -> usize {

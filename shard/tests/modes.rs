@@ -402,6 +402,33 @@ fn a_gba_pull_reads_the_step_in_progress_and_the_step_applied_is_unchanged() {
     }
 }
 
+/// For a rule that normalises its step (Adagrad), a GBA pull reads the share of the step in hand of the
+/// step its gradients' mean would make — not a whole step in the direction of the first gradient: with two
+/// equal gradients of K = 2, the read after the first is halfway to where the step lands.
+#[test]
+fn a_gba_pull_under_adagrad_reads_its_share_of_the_step() {
+    let cfg = ShardConfig {
+        rule: Rule::Adagrad,
+        hyper: Hyper { lr: 0.1, momentum: 0.0, ..Hyper::default() },
+        init: Init { seed: 1, std: 0.1 },
+        modes: ModeConfig { mode: Mode::Gba, gba_lookahead: true, ..ModeConfig::default() },
+        ..config(Mode::Gba)
+    };
+    let mut core = with_workers(cfg, 2);
+    let (_, start) = pull_dense(&mut core);
+    push(&mut core, 0, 1, 0, 0.3, 0, ms(1));
+    let (version, ahead) = pull_dense(&mut core);
+    assert_eq!(version, 0, "nothing applied yet");
+    push(&mut core, 1, 1, 0, 0.3, 0, ms(2));
+    let (version, applied) = pull_dense(&mut core);
+    assert_eq!(version, 1);
+    for ((s, a), p) in start.iter().zip(&applied).zip(&ahead) {
+        // Adagrad's first step moves each parameter by about η whatever the gradient's size.
+        assert!((s - a - 0.1).abs() < 1e-4, "applied step {s} -> {a}");
+        assert!((p - (s + a) / 2.0).abs() < 1e-5, "read ahead {p}, halfway between {s} and {a}");
+    }
+}
+
 /// Reading ahead changes only what workers compute on: with stateful rules (momentum, Adam, DANA's
 /// look-ahead pull) the same gradients in the same order leave bit-identical parameters with it on and off.
 #[test]

@@ -440,8 +440,23 @@ impl ShardCore {
         let t = slot.tensor as usize;
         let (rule, hyper) = self.tensor_rules[t];
         let layout = rule.layout();
+        // For the rules whose step grows with the gradient (SGD, momentum, DANA, …) the preview is the step
+        // with the gradients in hand (sum ÷ K, the momentum term whole). For the rules that normalise their
+        // step (Adagrad, Adam) that would be a whole step in the direction of the first gradient (early in
+        // training, a step of η per parameter whatever the gradient's size; at 4× the default η it tipped
+        // one run in three over), so there the step is estimated from the gradients' mean and the preview
+        // moves j/K of the way to it.
         let k = self.gba_k() as f32;
-        let grad: Vec<f32> = self.accum[index].iter().map(|g| g / k).collect();
+        let j = self.accum_counts[index].max(1) as f32;
+        let (share, divisor) = if rule.normalises_step() { ((j / k).min(1.0), j) } else { (1.0, k) };
+        let grad: Vec<f32> = self.accum[index].iter().map(|g| g / divisor).collect();
+        // What a pull reads now, to interpolate from (only when the preview moves part of the way).
+        let now = (share < 1.0).then(|| {
+            let mut out = Vec::with_capacity(slot.len);
+            let lr = self.tensor_lr(t as u32);
+            gaps_kernels::pull_values(rule, &hyper, lr, self.worker_count(), &slot.params, &slot.shared, &mut out);
+            out
+        });
         let mut params = (*slot.params).clone();
         let mut shared = slot.shared.clone();
         let n = params.len();
@@ -465,12 +480,16 @@ impl ShardCore {
             scalars,
         };
         work.apply(self.threads).map_err(|e| ShardError::Device(e.to_string()))?;
-        let values = if layout.lookahead {
+        let full = if layout.lookahead {
             let mut out = Vec::with_capacity(n);
             gaps_kernels::pull_values(rule, &hyper, lr, workers, &params, &shared, &mut out);
             out
         } else {
             params
+        };
+        let values = match now {
+            Some(now) => now.iter().zip(&full).map(|(a, b)| a + share * (b - a)).collect(),
+            None => full,
         };
         let values = Arc::new(values);
         self.ahead_values.insert(index, values.clone());
