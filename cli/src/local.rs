@@ -251,7 +251,7 @@ pub struct LocalReport {
 }
 
 /// Seconds from now until the coordinator's map shows `shard` at a replica epoch above `before` (a backup
-/// took it over), asked every 50 ms; None if that did not happen within a minute.
+/// took it over), asked every 100 ms; None if that did not happen within a minute.
 async fn watch_failover(observer: Client, shard: u32, before: u64) -> Option<f64> {
     let start = Instant::now();
     while start.elapsed() < Duration::from_secs(60) {
@@ -260,7 +260,7 @@ async fn watch_failover(observer: Client, shard: u32, before: u64) -> Option<f64
                 return Some(start.elapsed().as_secs_f64());
             }
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     None
 }
@@ -538,8 +538,10 @@ pub struct LocalSummary {
     /// Held-out log-loss of the initial and final model (null if not a number).
     pub initial_loss: Option<f32>,
     pub final_loss: Option<f32>,
+    #[serde(deserialize_with = "crate::reports::nan_if_null")]
     pub staleness_mean: f64,
     pub staleness_max: u64,
+    #[serde(deserialize_with = "crate::reports::nan_if_null")]
     pub wall_s: f64,
     /// `--mode`.
     pub mode: String,
@@ -554,6 +556,7 @@ pub struct LocalSummary {
     pub workers_final: u32,
     pub dropped_stale: u64,
     pub pushes_dropped_at_switch: u64,
+    #[serde(deserialize_with = "crate::reports::nan_if_null")]
     pub lr_multiplier_final: f64,
     pub shard_restarts: u32,
     pub checkpoints_written: u64,
@@ -562,6 +565,7 @@ pub struct LocalSummary {
     pub pushes_lost: u64,
     pub pushes_applied_twice: u64,
     pub pushes_unconfirmed: u64,
+    #[serde(deserialize_with = "crate::reports::nan_if_null")]
     pub longest_step_s: f64,
     pub stale_after_restore: u64,
     /// `dynamic` or `static`.
@@ -572,7 +576,8 @@ pub struct LocalSummary {
     /// The CTR figures.
     #[serde(flatten, skip_serializing_if = "Option::is_none")]
     pub ctr: Option<CtrSummary>,
-    /// Replicated shards (`--replicas` ≥ 2): `failovers`, `serving`, `backups_in_sync`, `spare_processes`.
+    /// Replicated shards (`--replicas` ≥ 2): `failovers`, `serving`, `backups_in_sync`, `spare_processes`,
+    /// `failover_s`.
     #[serde(flatten, skip_serializing_if = "Option::is_none")]
     pub replication: Option<ReplicationReport>,
 }
@@ -612,16 +617,21 @@ pub struct CtrSummary {
     pub sparse_adagrad_init: f32,
     /// `--data`.
     pub data: String,
+    #[serde(deserialize_with = "crate::reports::nan_if_null")]
     pub auc: f64,
     pub teacher_auc: Option<f64>,
+    #[serde(deserialize_with = "crate::reports::nan_if_null")]
     pub logloss: f64,
     /// Rounded to a whole sample.
+    #[serde(deserialize_with = "crate::reports::nan_if_null")]
     pub samples_per_s: f64,
     pub bad_lines: u64,
     pub table_rows: u64,
     pub table_bytes: u64,
     /// Rounded to 3 decimals.
+    #[serde(deserialize_with = "crate::reports::nan_if_null")]
     pub epochs: f64,
+    #[serde(deserialize_with = "crate::reports::nan_if_null")]
     pub constant_logloss: f64,
     pub rows_dropped_stale: u64,
     /// Worker 0's held-out evaluations.
@@ -635,8 +645,11 @@ pub struct CtrSummary {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct HeldoutPoint {
     pub step: u64,
+    #[serde(deserialize_with = "crate::reports::nan_if_null")]
     pub epochs: f64,
+    #[serde(deserialize_with = "crate::reports::nan_if_null")]
     pub logloss: f64,
+    #[serde(deserialize_with = "crate::reports::nan_if_null")]
     pub auc: f64,
 }
 
@@ -644,8 +657,11 @@ pub struct HeldoutPoint {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TimelinePoint {
     /// Seconds since training started.
+    #[serde(deserialize_with = "crate::reports::nan_if_null")]
     pub t_s: f64,
+    #[serde(deserialize_with = "crate::reports::nan_if_null")]
     pub auc: f64,
+    #[serde(deserialize_with = "crate::reports::nan_if_null")]
     pub logloss: f64,
 }
 
@@ -1133,17 +1149,27 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             }
             for k in shard_kills.iter().filter(|k| k.at <= since) {
                 if let Some(p) = servers.get_mut(k.index as usize) {
-                    // The shard's replica epoch before the kill: a take-over raises it.
-                    let before = if args.replicas > 1 && k.index != 0 {
-                        observer.current_map().await.ok().and_then(|m| m.shards.get(k.index as usize).map(|s| s.epoch))
+                    // The shard's replica epoch before the kill (a take-over raises it), asked for at most 1 s
+                    // so that the kill is not held up.
+                    let watched = args.replicas > 1 && k.index != 0;
+                    let before = if watched {
+                        tokio::time::timeout(Duration::from_secs(1), observer.current_map())
+                            .await
+                            .ok()
+                            .and_then(Result::ok)
+                            .and_then(|m| m.shards.get(k.index as usize).map(|s| s.epoch))
                     } else {
                         None
                     };
                     eprintln!("[gaps local] killing shard {} (SIGKILL) at {:.1}s", k.index, since.as_secs_f64());
                     let _ = p.child.start_kill();
                     let _ = p.child.wait().await;
-                    if let Some(before) = before {
-                        failover_watches.push(tokio::spawn(watch_failover(observer.clone(), k.index, before)));
+                    if watched {
+                        // One entry per shard killed, in kill order: unknown when the epoch before was.
+                        failover_watches.push(match before {
+                            Some(before) => tokio::spawn(watch_failover(observer.clone(), k.index, before)),
+                            None => tokio::spawn(async { None }),
+                        });
                     }
                 }
             }
@@ -1315,8 +1341,20 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             }
         }
         let stats = observer.stats().await.context("reading shard counters")?;
-        let replication = if args.replicas > 1 {
-            let map = observer.current_map().await.context("reading the coordinator's replica sets")?;
+        // The replica sets are reported as far as the coordinator answers: a run whose training finished is
+        // not failed for want of them.
+        let map = if args.replicas > 1 {
+            match observer.current_map().await {
+                Ok(map) => Some(map),
+                Err(e) => {
+                    eprintln!("[gaps local] could not read the coordinator's replica sets for the summary: {e}");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        let replication = if let Some(map) = map {
             let mut report = ReplicationReport::from_map(&map);
             // A fail-over still under way when training ended gets 10 s more to finish.
             for mut watch in failover_watches {
@@ -1326,6 +1364,7 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             }
             Some(report)
         } else {
+            failover_watches.iter().for_each(tokio::task::JoinHandle::abort);
             None
         };
         let data_report = if args.deals_data() {

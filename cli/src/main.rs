@@ -56,7 +56,7 @@ struct SimCommand {
 
 #[derive(Debug, Subcommand)]
 enum SimSub {
-    /// Run the reproductions E1–E5 of docs/ALGORITHMS.md §7 and write docs/results/.
+    /// Run the reproductions E1–E6 of docs/ALGORITHMS.md §7 and write docs/results/.
     Experiments {
         /// The reduced grid (η 0.05, 3 seeds): about a minute on 2 cores.
         #[arg(long, env = "GAPS_SIM_QUICK")]

@@ -42,3 +42,24 @@ pub struct ClusterUp {
     /// The key of `cert`.
     pub key: String,
 }
+
+/// Reads back a number that [`line`] may have written as `null` (NaN or an infinity) as NaN, so that a
+/// report with a NaN reads back as its type instead of failing (a missing field still fails).
+pub fn nan_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::local::TimelinePoint;
+
+    #[test]
+    fn a_nan_reads_back_as_nan_and_a_missing_field_is_an_error() {
+        let p = TimelinePoint { t_s: 1.5, auc: f64::NAN, logloss: 0.25 };
+        let text = super::line(&p);
+        assert_eq!(text, r#"{"t_s":1.5,"auc":null,"logloss":0.25}"#);
+        let back: TimelinePoint = serde_json::from_str(&text).expect("reads back");
+        assert!(back.auc.is_nan() && back.t_s == 1.5 && back.logloss == 0.25);
+        assert!(serde_json::from_str::<TimelinePoint>(r#"{"t_s":1.5,"logloss":0.25}"#).is_err());
+    }
+}

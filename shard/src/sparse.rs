@@ -162,7 +162,7 @@ impl SparseTable {
         let layout = cfg.rule.layout();
         if layout.worker_planes > 0 || layout.lookahead {
             return Err(TableError(format!(
-                "rule {} keeps state per worker or a look-ahead, which sparse rows do not support; use sgd, momentum, nesterov, staleness-aware, dc-asgd, gap-aware, dana-slim, adagrad or adam",
+                "rule {} keeps state per worker or a look-ahead, which sparse rows do not support; use sgd, momentum, nesterov, staleness-aware, dc-asgd, gap-aware, dana-slim, adagrad, adam, nadam or gap-adam",
                 cfg.rule
             )));
         }

@@ -140,6 +140,8 @@ pub struct SweepCell {
     pub reached: usize,
     /// Seeds run.
     pub seeds: usize,
+    /// Seeds whose run diverged (left out of the final metric's mean).
+    pub diverged: usize,
     /// Mean final test metric of the seeds that did not diverge (NaN when all diverged).
     pub final_metric: f64,
     /// Its standard deviation.
@@ -216,6 +218,7 @@ pub struct CellJson {
     pub time_sd: f64,
     pub reached: usize,
     pub seeds: usize,
+    pub diverged: usize,
     pub final_metric: Option<f64>,
     pub final_sd: Option<f64>,
     pub wall: f64,
@@ -224,7 +227,7 @@ pub struct CellJson {
 /// The rule's effective step: η/(1 − γ) when a momentum buffer re-applies each gradient, η otherwise
 /// (plain SGD, and the adaptive rules, whose step the bound describes only roughly).
 pub fn effective_step(rule: Rule, lr: f32, momentum: f32) -> f64 {
-    let with_momentum = !matches!(rule, Rule::Sgd | Rule::Adagrad | Rule::Adam);
+    let with_momentum = !(rule == Rule::Sgd || rule.normalises_step());
     if with_momentum && momentum > 0.0 && momentum < 1.0 {
         f64::from(lr) / (1.0 - f64::from(momentum))
     } else {
@@ -341,6 +344,7 @@ pub fn run(args: &SweepArgs) -> Result<Sweep> {
             SweepCell {
                 workers: *n,
                 mode: *m,
+                diverged: seeds - finals.len(),
                 time_to_target: (reached.len() == seeds).then(|| mean(&reached)),
                 time_sd: sd(&reached),
                 reached: reached.len(),
@@ -353,7 +357,10 @@ pub fn run(args: &SweepArgs) -> Result<Sweep> {
         .collect();
     let init = task.init(first_seed);
     let h_init = curvature(task.as_ref(), &init, first_seed);
-    let h_trained = best.map_or(f64::NAN, |b| curvature(task.as_ref(), &b.params, first_seed));
+    // At the best run's parameters, on that run's own data (the tasks' data depend on the seed).
+    let h_trained = best.map_or(f64::NAN, |b| {
+        curvature(args.sim(workers[0], args.modes[0], b.seed).task().as_ref(), &b.params, b.seed)
+    });
     let h_max = h_init.max(if h_trained.is_finite() { h_trained } else { 0.0 });
     let eta_eff = effective_step(args.rule, args.lr, args.momentum);
     let eta = f64::from(args.lr);
@@ -503,11 +510,14 @@ impl Sweep {
                             None if c.reached > 0 => format!("never ({} of {} seeds reached it)", c.reached, c.seeds),
                             None => "never".to_string(),
                         };
-                        let f = match (c.final_metric.is_finite(), c.seeds > 1) {
+                        let mut f = match (c.final_metric.is_finite(), c.seeds > 1) {
                             (true, true) => format!("{:.2} ± {:.2}", c.final_metric, c.final_sd),
                             (true, false) => format!("{:.3}", c.final_metric),
                             (false, _) => "diverged".into(),
                         };
+                        if c.diverged > 0 && c.final_metric.is_finite() {
+                            f.push_str(&format!(" (diverged {}/{})", c.diverged, c.seeds));
+                        }
                         let _ = write!(s, " {t} / {f} |");
                     }
                     None => s.push_str(" – |"),
@@ -577,6 +587,7 @@ impl Sweep {
                     time_sd: c.time_sd,
                     reached: c.reached,
                     seeds: c.seeds,
+                    diverged: c.diverged,
                     final_metric: finite(c.final_metric),
                     final_sd: finite(c.final_sd),
                     wall: c.wall,
