@@ -267,41 +267,54 @@ async fn main() -> Result<()> {
     );
     gaps_transport::init_logging(if quiet { "warn" } else { "info" });
     match cli.command {
-        Command::Cluster(args) => gaps_cli::cluster::run(&args).await?,
-        Command::Local(args) => {
-            let report = gaps_cli::local::run(&args).await?;
-            eprintln!(
-                "[gaps local] done in {:.1}s: {} steps, {}/{} shard pushes applied, held-out loss {:.4} -> {:.4}",
-                report.wall_s,
-                report.steps,
-                report.pushes_applied,
-                report.pushes_sent,
-                report.initial_loss,
-                report.final_loss
-            );
-            if let Some(c) = &report.ctr {
-                eprintln!(
-                    "[gaps local] held-out AUC {:.4}{}, log-loss {:.4}, {:.0} samples/s, {} embedding rows ({:.1} MiB), {} bad lines",
-                    c.auc,
-                    c.teacher_auc.map(|t| format!(" (teacher {t:.4})")).unwrap_or_default(),
-                    c.logloss,
-                    c.samples_per_s,
-                    c.table_rows,
-                    c.table_bytes as f64 / (1 << 20) as f64,
-                    c.bad_lines
-                );
-            }
-            if args.json {
-                println!("{}", report.to_json(&args));
-            }
-        }
-        Command::Sim(SimCommand { experiments: Some(SimSub::Experiments { quick, out }), .. }) => {
+        Command::Cluster(args) => gaps_cli::cluster::run(&args).await,
+        Command::Local(args) => local(args).await,
+        Command::Sim(cmd) => sim(cmd),
+        Command::Checkpoint(args) => checkpoint(args).await,
+        Command::SynthData(args) => synth_data(args),
+        Command::Layout(args) => layout(args),
+        Command::Certs(args) => certs(args),
+        Command::Bench(cmd) => bench(cmd).await,
+        Command::Server(args) => gaps_server::cli::run(&args).await,
+        Command::Worker(args) => worker(args).await,
+    }
+}
+
+/// `gaps local`.
+async fn local(args: gaps_cli::local::LocalArgs) -> Result<()> {
+    let report = gaps_cli::local::run(&args).await?;
+    eprintln!(
+        "[gaps local] done in {:.1}s: {} steps, {}/{} shard pushes applied, held-out loss {:.4} -> {:.4}",
+        report.wall_s, report.steps, report.pushes_applied, report.pushes_sent, report.initial_loss, report.final_loss
+    );
+    if let Some(c) = &report.ctr {
+        eprintln!(
+            "[gaps local] held-out AUC {:.4}{}, log-loss {:.4}, {:.0} samples/s, {} embedding rows ({:.1} MiB), {} bad lines",
+            c.auc,
+            c.teacher_auc.map(|t| format!(" (teacher {t:.4})")).unwrap_or_default(),
+            c.logloss,
+            c.samples_per_s,
+            c.table_rows,
+            c.table_bytes as f64 / (1 << 20) as f64,
+            c.bad_lines
+        );
+    }
+    if args.json {
+        println!("{}", report.to_json(&args));
+    }
+    Ok(())
+}
+
+/// `gaps sim`, `gaps sim experiments` and `gaps sim sweep`.
+fn sim(cmd: SimCommand) -> Result<()> {
+    match cmd {
+        SimCommand { experiments: Some(SimSub::Experiments { quick, out }), .. } => {
             let grid = if quick { gaps_sim::experiments::Grid::quick() } else { gaps_sim::experiments::Grid::full() };
             let command = if quick { "gaps sim experiments --quick" } else { "gaps sim experiments" };
             let md = gaps_sim::experiments::run_experiments(&grid, &out, command)?;
             println!("{md}");
         }
-        Command::Sim(SimCommand { experiments: Some(SimSub::Sweep(args)), .. }) => {
+        SimCommand { experiments: Some(SimSub::Sweep(args)), .. } => {
             let sweep = gaps_sim::sweep::run(&args)?;
             println!("{}", sweep.markdown(&args));
             if let Some(path) = &args.svg {
@@ -311,7 +324,7 @@ async fn main() -> Result<()> {
                 println!("{}", sweep.to_json());
             }
         }
-        Command::Sim(SimCommand { experiments: None, args }) => {
+        SimCommand { experiments: None, args } => {
             let report = gaps_sim::run(&args)?;
             eprintln!(
                 "[gaps sim] {} {} N={} {}: metric {:.3}, train loss {:.4}{}, staleness mean {:.2} p99 {}, {} events in {:.1} simulated {} ({:.0} events/s)",
@@ -328,106 +341,115 @@ async fn main() -> Result<()> {
                 println!("{}", report.to_json());
             }
         }
-        Command::Checkpoint(args) => {
-            let tls = gaps_transport::tls::TlsMaterial::load(&args.ca, &args.cert, &args.key)
-                .context("loading the TLS material")?;
-            let opts = gaps_worker::ClientOptions::new(
-                &args.coordinator,
-                tls,
-                gaps_common::wire::Role::Observer,
-                "gaps-checkpoint",
-            );
-            let client = gaps_worker::Client::connect(opts).await.context("connecting to the cluster")?;
-            let written = client.checkpoint().await.context("asking the shards for a checkpoint")?;
-            client.close().await;
-            for s in written.shards {
-                let line = gaps_cli::reports::CheckpointWritten {
-                    event: "checkpoint".into(),
-                    id: written.id,
-                    shard: s.shard,
-                    path: s.path,
-                    step: s.step,
-                };
-                println!("{}", gaps_cli::reports::line(&line));
-            }
-        }
-        Command::SynthData(args) => {
-            use std::io::Write;
-            if !(1.01..=3.0).contains(&args.zipf) {
-                anyhow::bail!("--zipf must be between 1.01 and 3, got {}", args.zipf);
-            }
-            let file = std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .open(&args.out)
-                .with_context(|| format!("creating {}", args.out.display()))?;
-            let mut out = std::io::BufWriter::with_capacity(1 << 20, file);
-            let data = gaps_models::criteo::SyntheticCriteo::with_vocab(args.seed, args.max_vocab, args.zipf);
-            let mut ids = std::collections::HashSet::new();
-            for i in 0..args.lines {
-                let (sample, _) = data.sample(i);
-                ids.extend((0..26).filter_map(|f| sample.feature_id(f)));
-                writeln!(out, "{}", gaps_models::criteo::SyntheticCriteo::to_line(&sample))
-                    .with_context(|| format!("writing {}", args.out.display()))?;
-            }
-            out.flush().with_context(|| format!("writing {}", args.out.display()))?;
-            eprintln!(
-                "[gaps synth-data] {} lines, {} distinct feature ids, largest field {} values, Zipf {}: {}",
-                args.lines,
-                ids.len(),
-                args.max_vocab,
-                args.zipf,
-                args.out.display()
-            );
-        }
-        Command::Layout(args) => {
-            let size =
-                gaps_models::model::ModelSize { dim: args.dim, embedding_dim: args.embedding_dim, hidden: args.hidden };
-            let layout = args.model.layout(&size, args.chunk_elems).context("building the model layout")?;
-            let format =
-                if args.json { gaps_common::layout_file::Format::Json } else { gaps_common::layout_file::Format::Toml };
-            print!("{}", gaps_common::layout_file::write(&layout, format));
-        }
-        Command::Certs(args) => {
-            use gaps_transport::tls::{CertOptions, CertificateAuthority, ClusterCerts, PemPair};
-            let existing = gaps_transport::tls::TlsMaterial::load(
-                &args.out.join("ca.pem"),
-                &args.out.join("shard-0.pem"),
-                &args.out.join("shard-0.key"),
-            )
-            .ok()
-            .and_then(|m| m.own_identity().ok())
-            .map(|id| id.cluster);
-            let cluster = args
-                .cluster_name
-                .clone()
-                .or(existing)
-                .unwrap_or_else(|| gaps_transport::tls::DEFAULT_CLUSTER.to_string());
-            let opts = CertOptions {
-                cluster,
-                shards: args.shards,
-                workers: args.workers.clone(),
-                sans: args.sans.clone(),
-                validity: args.validity,
-                ca_validity: args.ca_validity,
-            };
-            let (ca_pem, ca_key) = (args.out.join("ca.pem"), args.out.join("ca.key"));
-            let ca = if ca_pem.exists() && ca_key.exists() {
-                let read = |p: &std::path::Path| {
-                    std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))
-                };
-                let pem = PemPair { cert: read(&ca_pem)?, key: read(&ca_key)? };
-                eprintln!("issuing under the existing CA in {}", args.out.display());
-                Some(CertificateAuthority::load(pem).context("loading the existing CA (ca.pem, ca.key)")?)
-            } else {
-                None
-            };
-            let certs = ClusterCerts::make(&opts, ca.as_ref()).context("making certificates")?;
-            certs.write_to(&args.out)?;
-            let names: Vec<String> = certs.file_names().into_iter().flat_map(|(c, k)| [c, k]).collect();
-            println!("wrote {} to {} (cluster {:?})", names.join(", "), args.out.display(), certs.cluster);
-        }
-        Command::Bench(BenchCommand::Checkpoint { params, dir }) => {
+    }
+    Ok(())
+}
+
+/// `gaps checkpoint`.
+async fn checkpoint(args: CheckpointArgs) -> Result<()> {
+    let tls =
+        gaps_transport::tls::TlsMaterial::load(&args.ca, &args.cert, &args.key).context("loading the TLS material")?;
+    let opts =
+        gaps_worker::ClientOptions::new(&args.coordinator, tls, gaps_common::wire::Role::Observer, "gaps-checkpoint");
+    let client = gaps_worker::Client::connect(opts).await.context("connecting to the cluster")?;
+    let written = client.checkpoint().await.context("asking the shards for a checkpoint")?;
+    client.close().await;
+    for s in written.shards {
+        let line = gaps_cli::reports::CheckpointWritten {
+            event: "checkpoint".into(),
+            id: written.id,
+            shard: s.shard,
+            path: s.path,
+            step: s.step,
+        };
+        println!("{}", gaps_cli::reports::line(&line));
+    }
+    Ok(())
+}
+
+/// `gaps synth-data`.
+fn synth_data(args: SynthDataArgs) -> Result<()> {
+    use std::io::Write;
+    if !(1.01..=3.0).contains(&args.zipf) {
+        anyhow::bail!("--zipf must be between 1.01 and 3, got {}", args.zipf);
+    }
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
+    let mut out = std::io::BufWriter::with_capacity(1 << 20, file);
+    let data = gaps_models::criteo::SyntheticCriteo::with_vocab(args.seed, args.max_vocab, args.zipf);
+    let mut ids = std::collections::HashSet::new();
+    for i in 0..args.lines {
+        let (sample, _) = data.sample(i);
+        ids.extend((0..26).filter_map(|f| sample.feature_id(f)));
+        writeln!(out, "{}", gaps_models::criteo::SyntheticCriteo::to_line(&sample))
+            .with_context(|| format!("writing {}", args.out.display()))?;
+    }
+    out.flush().with_context(|| format!("writing {}", args.out.display()))?;
+    eprintln!(
+        "[gaps synth-data] {} lines, {} distinct feature ids, largest field {} values, Zipf {}: {}",
+        args.lines,
+        ids.len(),
+        args.max_vocab,
+        args.zipf,
+        args.out.display()
+    );
+    Ok(())
+}
+
+/// `gaps layout`.
+fn layout(args: LayoutArgs) -> Result<()> {
+    let size = gaps_models::model::ModelSize { dim: args.dim, embedding_dim: args.embedding_dim, hidden: args.hidden };
+    let layout = args.model.layout(&size, args.chunk_elems).context("building the model layout")?;
+    let format =
+        if args.json { gaps_common::layout_file::Format::Json } else { gaps_common::layout_file::Format::Toml };
+    print!("{}", gaps_common::layout_file::write(&layout, format));
+    Ok(())
+}
+
+/// `gaps certs`.
+fn certs(args: CertsArgs) -> Result<()> {
+    use gaps_transport::tls::{CertOptions, CertificateAuthority, ClusterCerts, PemPair};
+    let existing = gaps_transport::tls::TlsMaterial::load(
+        &args.out.join("ca.pem"),
+        &args.out.join("shard-0.pem"),
+        &args.out.join("shard-0.key"),
+    )
+    .ok()
+    .and_then(|m| m.own_identity().ok())
+    .map(|id| id.cluster);
+    let cluster =
+        args.cluster_name.clone().or(existing).unwrap_or_else(|| gaps_transport::tls::DEFAULT_CLUSTER.to_string());
+    let opts = CertOptions {
+        cluster,
+        shards: args.shards,
+        workers: args.workers.clone(),
+        sans: args.sans.clone(),
+        validity: args.validity,
+        ca_validity: args.ca_validity,
+    };
+    let (ca_pem, ca_key) = (args.out.join("ca.pem"), args.out.join("ca.key"));
+    let ca = if ca_pem.exists() && ca_key.exists() {
+        let read = |p: &std::path::Path| std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()));
+        let pem = PemPair { cert: read(&ca_pem)?, key: read(&ca_key)? };
+        eprintln!("issuing under the existing CA in {}", args.out.display());
+        Some(CertificateAuthority::load(pem).context("loading the existing CA (ca.pem, ca.key)")?)
+    } else {
+        None
+    };
+    let certs = ClusterCerts::make(&opts, ca.as_ref()).context("making certificates")?;
+    certs.write_to(&args.out)?;
+    let names: Vec<String> = certs.file_names().into_iter().flat_map(|(c, k)| [c, k]).collect();
+    println!("wrote {} to {} (cluster {:?})", names.join(", "), args.out.display(), certs.cluster);
+    Ok(())
+}
+
+/// `gaps bench …`.
+async fn bench(cmd: BenchCommand) -> Result<()> {
+    match cmd {
+        BenchCommand::Checkpoint { params, dir } => {
             let temporary = dir.is_none();
             let dir = dir
                 .unwrap_or_else(|| std::env::temp_dir().join(format!("gaps-bench-checkpoint-{}", std::process::id())));
@@ -437,7 +459,7 @@ async fn main() -> Result<()> {
             }
             println!("{}", result?.to_json());
         }
-        Command::Bench(BenchCommand::Kernels { json, device, sizes, threads, seconds, path }) => {
+        BenchCommand::Kernels { json, device, sizes, threads, seconds, path } => {
             anyhow::ensure!(seconds.is_finite() && seconds > 0.0, "--seconds must be positive");
             let min_time = std::time::Duration::from_secs_f64(seconds);
             let threads =
@@ -462,7 +484,7 @@ async fn main() -> Result<()> {
             };
             gaps_benches::kernels::print(&results, json);
         }
-        Command::Bench(BenchCommand::E2e { steps }) => {
+        BenchCommand::E2e { steps } => {
             let exe = std::env::current_exe().context("locating the gaps executable")?;
             let (base, results) = gaps_cli::e2e::run(&exe, gaps_cli::e2e::SHAPES, steps).await?;
             eprintln!("{:<16} {:>12} {:>8} {:>14}", "cluster", "samples/s", "AUC", "÷ 1 process");
@@ -474,7 +496,7 @@ async fn main() -> Result<()> {
                 println!("{}", r.to_json());
             }
         }
-        Command::Bench(BenchCommand::Stragglers(args)) => {
+        BenchCommand::Stragglers(args) => {
             let exe = std::env::current_exe().context("locating the gaps executable")?;
             let runs = gaps_cli::stragglers::run(&args, &exe).await?;
             eprint!("{}", gaps_cli::stragglers::table(&runs, args.target_auc));
@@ -488,7 +510,7 @@ async fn main() -> Result<()> {
                 }
             }
         }
-        Command::Bench(BenchCommand::Tables { rows, dim }) => {
+        BenchCommand::Tables { rows, dim } => {
             let r = gaps_benches::tables::run(rows as u64, dim)?;
             eprintln!(
                 "[gaps bench] {} rows of dim {dim}: {:.2} M inserts/s, {:.2} M lookups/s, {:.0} B/row data, {:.1} B/row overhead",
@@ -500,7 +522,7 @@ async fn main() -> Result<()> {
             );
             println!("{}", r.to_json());
         }
-        Command::Bench(BenchCommand::Transport {
+        BenchCommand::Transport {
             json,
             seconds,
             quick,
@@ -511,7 +533,7 @@ async fn main() -> Result<()> {
             lanes,
             separate,
             floats,
-        }) => {
+        } => {
             anyhow::ensure!(seconds.is_finite() && seconds > 0.0, "--seconds must be positive");
             anyhow::ensure!(
                 sparse_rows >= 2 * gaps_benches::transport::SPARSE_ROWS,
@@ -542,13 +564,15 @@ async fn main() -> Result<()> {
             let results = gaps_benches::transport::run(&opts).await?;
             gaps_benches::transport::print(&results, json);
         }
-        Command::Server(args) => gaps_server::cli::run(&args).await?,
-        Command::Worker(args) => {
-            let summary = gaps_worker::train::run(&args).await?;
-            if args.json {
-                println!("{}", summary.to_json());
-            }
-        }
+    }
+    Ok(())
+}
+
+/// `gaps worker`.
+async fn worker(args: gaps_worker::train::WorkerArgs) -> Result<()> {
+    let summary = gaps_worker::train::run(&args).await?;
+    if args.json {
+        println!("{}", summary.to_json());
     }
     Ok(())
 }
