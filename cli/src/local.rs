@@ -297,8 +297,9 @@ impl ReplicationReport {
     }
 }
 
-/// What the coordinator's dealer did (dynamic data sharding).
-#[derive(Debug, Clone, PartialEq, Default)]
+/// What the coordinator's dealer did (dynamic data sharding); in [`LocalSummary`] as it is, `finished`
+/// named `data_finished`.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct DataReport {
     /// Splits finished, all epochs together.
     pub splits_done: u64,
@@ -311,6 +312,7 @@ pub struct DataReport {
     /// Samples trained under grants that did not finish (trained again in the split's next deal).
     pub samples_replayed: u64,
     /// Every pass dealt and finished.
+    #[serde(rename = "data_finished")]
     pub finished: bool,
 }
 
@@ -572,7 +574,7 @@ pub struct LocalSummary {
     pub data_sharding: String,
     /// The dealer's account (dynamic data sharding).
     #[serde(flatten, skip_serializing_if = "Option::is_none")]
-    pub dealer: Option<DealerSummary>,
+    pub dealer: Option<DataReport>,
     /// The CTR figures.
     #[serde(flatten, skip_serializing_if = "Option::is_none")]
     pub ctr: Option<CtrSummary>,
@@ -594,18 +596,6 @@ pub struct SwitchSummary {
     pub from_step: u64,
     /// Why the coordinator decided it.
     pub reason: String,
-}
-
-/// The dealer's fields of [`LocalSummary`] (see [`DataReport`]).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct DealerSummary {
-    pub splits_done: u64,
-    pub splits_per_epoch: u64,
-    pub splits_returned: u64,
-    pub splits_pending: u64,
-    pub samples_replayed: u64,
-    /// Every pass dealt and finished.
-    pub data_finished: bool,
 }
 
 /// The CTR fields of [`LocalSummary`] (see [`CtrReport`]).
@@ -715,14 +705,7 @@ impl LocalReport {
             longest_step_s: self.longest_step_s,
             stale_after_restore: self.stale_after_restore,
             data_sharding: if self.data.is_some() { "dynamic" } else { "static" }.into(),
-            dealer: self.data.as_ref().map(|d| DealerSummary {
-                splits_done: d.splits_done,
-                splits_per_epoch: d.splits_per_epoch,
-                splits_returned: d.splits_returned,
-                splits_pending: d.splits_pending,
-                samples_replayed: d.samples_replayed,
-                data_finished: d.finished,
-            }),
+            dealer: self.data.clone(),
             ctr: self.ctr.as_ref().map(|c| CtrSummary {
                 sparse_rule: args.tables.sparse_rule.name().into(),
                 sparse_adagrad_init: args.tables().sparse_adagrad_init.unwrap_or(0.0),

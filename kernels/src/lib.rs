@@ -454,6 +454,10 @@ pub fn nadam_schedule(beta1: f32, t: u64) -> (f64, f64, f64) {
     let decay = 0.96f64.powf(NADAM_PSI);
     let mu = |k: u64| beta1 * (1.0 - 0.5 * decay.powf(k as f64));
     let t = t.max(1);
+    // Past 64 steps the product is below 1e-12 whatever β1 (see above): no loop on every later push.
+    if t > 64 {
+        return (mu(t), mu(t + 1), 0.0);
+    }
     let mut product = 1.0f64;
     let mut power = 1.0f64;
     for _ in 0..t {

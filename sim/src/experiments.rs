@@ -132,7 +132,7 @@ pub fn run_all(jobs: Vec<SimArgs>) -> Result<Vec<SimReport>> {
     all.into_iter().map(|r| r.unwrap_or_else(|| Err(anyhow::anyhow!("a simulation did not run")))).collect()
 }
 
-fn mean(xs: &[f64]) -> f64 {
+pub(crate) fn mean(xs: &[f64]) -> f64 {
     xs.iter().sum::<f64>() / xs.len().max(1) as f64
 }
 
@@ -145,7 +145,7 @@ pub struct E1 {
     pub shape: f64,
     /// Worker counts (columns).
     pub workers: Vec<u32>,
-    /// Sequential baseline (N = 1, SGD + momentum): accuracy, loss, and the accuracy's seed spread.
+    /// Sequential baseline (N = 1, SGD + momentum): accuracy, loss.
     pub baseline: (f64, f64),
     /// The standard deviation of the baseline's accuracy over the seeds.
     pub baseline_sd: f64,
@@ -171,12 +171,13 @@ pub struct Cell {
 impl E1 {
     /// Accuracy of a method label at N workers.
     pub fn accuracy(&self, label: &str, workers: u32) -> f64 {
-        let col = self.workers.iter().position(|w| *w == workers);
-        self.rows
-            .iter()
-            .find(|(m, _)| m.label == label)
-            .and_then(|(_, r)| col.map(|c| r[c].accuracy))
-            .unwrap_or(f64::NAN)
+        self.cell(label, workers).map_or(f64::NAN, |c| c.accuracy)
+    }
+
+    /// The cell of a method label at N workers.
+    pub fn cell(&self, label: &str, workers: u32) -> Option<Cell> {
+        let col = self.workers.iter().position(|w| *w == workers)?;
+        self.rows.iter().find(|(m, _)| m.label == label).map(|(_, r)| r[col])
     }
 }
 
@@ -191,7 +192,7 @@ pub fn e6(grid: &Grid) -> Result<E1> {
 }
 
 /// Sample standard deviation (0 for fewer than two values).
-fn sd(xs: &[f64]) -> f64 {
+pub(crate) fn sd(xs: &[f64]) -> f64 {
     if xs.len() < 2 {
         return 0.0;
     }
@@ -307,10 +308,7 @@ pub fn e1_criteria(e: &E1, shape1: Option<&E1>) -> Vec<(String, bool)> {
 /// E6's verdicts: Gap-Adam's mean within 1 point of the sequential baseline at the largest N, and at N = 64
 /// no worse than DANA-GA's mean minus its seed spread.
 pub fn e6_criteria(e: &E1) -> Vec<(String, bool)> {
-    let cell = |label: &str, w: u32| {
-        let col = e.workers.iter().position(|x| *x == w);
-        e.rows.iter().find(|(m, _)| m.label == label).and_then(|(_, r)| col.map(|c| r[c]))
-    };
+    let cell = |label: &str, w: u32| e.cell(label, w);
     let mut out = Vec::new();
     let top = e.workers.iter().copied().max().unwrap_or(0);
     if let Some(new) = cell("Gap-Adam (new)", top) {

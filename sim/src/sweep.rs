@@ -10,7 +10,7 @@
 //! momentum rule the linear analysis would use the effective step η/(1 − γ) instead of η; both are printed
 //! (on the E1 MLP the plain-η bound is the one that matches the measured optimum).
 
-use crate::experiments::{run_all, svg_legend, svg_open, svg_series, COLORS};
+use crate::experiments::{mean, run_all, sd, svg_legend, svg_open, svg_series, COLORS};
 use crate::tasks::Task;
 use crate::{ModelChoice, SimArgs, SimMode, SimReport};
 use anyhow::{bail, Result};
@@ -411,19 +411,6 @@ pub fn run(args: &SweepArgs) -> Result<Sweep> {
         optimum_per_seed,
         time_unit: reports.first().map_or("units", |r| r.time_unit),
     })
-}
-
-fn mean(xs: &[f64]) -> f64 {
-    xs.iter().sum::<f64>() / xs.len().max(1) as f64
-}
-
-/// Sample standard deviation (0 for fewer than two values).
-fn sd(xs: &[f64]) -> f64 {
-    if xs.len() < 2 {
-        return 0.0;
-    }
-    let m = mean(xs);
-    (xs.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / (xs.len() - 1) as f64).sqrt()
 }
 
 /// A time with three significant digits or more (no decimals past 100).

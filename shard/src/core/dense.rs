@@ -450,13 +450,16 @@ impl ShardCore {
         let j = self.accum_counts[index].max(1) as f32;
         let (share, divisor) = if rule.normalises_step() { ((j / k).min(1.0), j) } else { (1.0, k) };
         let grad: Vec<f32> = self.accum[index].iter().map(|g| g / divisor).collect();
-        // What a pull reads now, to interpolate from (only when the preview moves part of the way).
-        let now = (share < 1.0).then(|| {
-            let mut out = Vec::with_capacity(slot.len);
-            let lr = self.tensor_lr(t as u32);
-            gaps_kernels::pull_values(rule, &hyper, lr, self.worker_count(), &slot.params, &slot.shared, &mut out);
+        let lr = self.tensor_lr(t as u32);
+        let workers = self.worker_count();
+        // What a pull of these values reads (the look-ahead rules' θ − η·c·S).
+        let view = |params: &[f32], shared: &[f32]| {
+            let mut out = Vec::with_capacity(params.len());
+            gaps_kernels::pull_values(rule, &hyper, lr, workers, params, shared, &mut out);
             out
-        });
+        };
+        // What a pull reads now, to interpolate from (only when the preview moves part of the way).
+        let now = (share < 1.0).then(|| view(&slot.params, &slot.shared));
         let mut params = (*slot.params).clone();
         let mut shared = slot.shared.clone();
         let n = params.len();
@@ -466,8 +469,6 @@ impl ShardCore {
             planes => slot.workers.get(&u32::MAX).cloned().unwrap_or_else(|| vec![0.0; planes * n]),
         };
         let read = if layout.needs_read { params.clone() } else { Vec::new() };
-        let lr = self.tensor_lr(t as u32);
-        let workers = self.worker_count();
         let scalars = PushScalars { lr, lr_max: self.lr_max[t].max(lr), staleness: 0, t: slot.version + 1, workers };
         let work = Work {
             params: &mut params,
@@ -480,13 +481,7 @@ impl ShardCore {
             scalars,
         };
         work.apply(self.threads).map_err(|e| ShardError::Device(e.to_string()))?;
-        let full = if layout.lookahead {
-            let mut out = Vec::with_capacity(n);
-            gaps_kernels::pull_values(rule, &hyper, lr, workers, &params, &shared, &mut out);
-            out
-        } else {
-            params
-        };
+        let full = if layout.lookahead { view(&params, &shared) } else { params };
         let values = match now {
             Some(now) => now.iter().zip(&full).map(|(a, b)| a + share * (b - a)).collect(),
             None => full,
