@@ -307,6 +307,12 @@ pub struct ModeArgs {
     /// (GBA as published). The applied steps are the same either way.
     #[arg(long, env = "GAPS_GBA_LOOKAHEAD", default_value_t = true, action = clap::ArgAction::Set)]
     pub gba_lookahead: bool,
+    /// GBA: a push-pull that leaves the step short of gradients waits for the step while the missing ones
+    /// are expected from other workers within this fraction of the pusher's own step time (predicted from
+    /// their push intervals), so workers of equal speed compute on the applied step; a straggler is never
+    /// waited for. 0 never holds (GBA as published). At most 1 s.
+    #[arg(long, env = "GAPS_GBA_HOLD", default_value_t = 0.5, value_parser = parse_fraction)]
+    pub gba_hold: f64,
     /// SSP: pushes a worker may run ahead of the slowest live worker.
     #[arg(long, env = "GAPS_SSP_BOUND", default_value_t = 3)]
     pub ssp_bound: u64,
@@ -323,6 +329,15 @@ pub struct ModeArgs {
     pub min_mode_time: Duration,
 }
 
+/// A fraction in [0, 1].
+fn parse_fraction(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if (0.0..=1.0).contains(&v) => Ok(v),
+        Ok(v) => Err(format!("{v} is not a fraction between 0 and 1")),
+        Err(e) => Err(format!("{s:?} is not a number: {e}")),
+    }
+}
+
 impl ModeArgs {
     /// The shard's mode configuration.
     pub fn config(&self) -> ModeConfig {
@@ -330,6 +345,7 @@ impl ModeArgs {
             mode: self.mode,
             gba_threshold: self.gba_threshold,
             gba_lookahead: self.gba_lookahead,
+            gba_hold: self.gba_hold,
             ssp_bound: self.ssp_bound,
             lr_ramp_steps: self.lr_ramp_steps,
             straggler_persist: self.straggler_persist,
@@ -344,6 +360,7 @@ impl ModeArgs {
             format!("--mode={}", self.mode),
             format!("--gba-threshold={}", self.gba_threshold),
             format!("--gba-lookahead={}", self.gba_lookahead),
+            format!("--gba-hold={}", self.gba_hold),
             format!("--ssp-bound={}", self.ssp_bound),
             format!("--straggler-persist={}", self.straggler_persist),
             format!("--min-mode-time={}ms", self.min_mode_time.as_millis()),

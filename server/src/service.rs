@@ -212,6 +212,8 @@ enum Command {
     /// Snapshot the core for backup process `backup` (replicated shards): the log index it holds, and its
     /// bytes. The backup follows the log from that index on.
     ReplicaSnapshot { backup: u32, reply: oneshot::Sender<Result<(u64, Vec<u8>), String>> },
+    /// A held request's time may be up (sent by a timer set when it was held).
+    Wake,
 }
 
 /// The core's answer to one request: the reply, what changed, the parameter buffers the reply shares
@@ -290,6 +292,7 @@ fn run_actor(
     part_wait: Duration,
     mut journal: Option<std::fs::File>,
     log: Option<Arc<Log>>,
+    wake: Alarm,
 ) {
     // A request that cannot be logged for the backups is refused, unhandled.
     let log_request = |now: Duration, frame: &Frame| {
@@ -361,7 +364,19 @@ fn run_actor(
                     let (answer, events) = core.handle_checked(frame, now, finite);
                     // A split dealt or reported finished is journaled before the worker hears of it.
                     journal_changes(&mut core, &mut journal);
+                    let gba_hold = pull.as_ref().and(core.take_gba_hold());
                     match (pull, &answer.msg) {
+                        // A GBA push-pull held for its step (see `gaps_shard`'s `hold`): answered with the
+                        // values once the step is applied or the hold's short time is up, whichever is first.
+                        (Some(pull), Message::PushPullReply(PushPullReply { ack, chunks }))
+                            if chunks.is_empty() && gba_hold.is_some() && parked.len() < MAX_PARKED_WAITS =>
+                        {
+                            let until = gba_hold.unwrap_or(now);
+                            let ack = gaps_common::wire::Ack { wait_for_step: core.global_step() + 1, ..*ack };
+                            let held = HeldRequest::PushPull { ack, pull, events, index, soft: true };
+                            parked.push((held, until, reply));
+                            wake.at(until.saturating_sub(started.elapsed()));
+                        }
                         // A push-pull whose ack asks the worker to wait for the step: held until the step is
                         // applied, then answered with the new values (no wait request, no pull after it).
                         (Some(pull), Message::PushPullReply(PushPullReply { ack, chunks }))
@@ -369,7 +384,7 @@ fn run_actor(
                                 && (ack.wait_for_step > 0 || ack.wait_for_clock > 0)
                                 && parked.len() < MAX_PARKED_WAITS =>
                         {
-                            let held = HeldRequest::PushPull { ack: *ack, pull, events, index };
+                            let held = HeldRequest::PushPull { ack: *ack, pull, events, index, soft: false };
                             parked.push((held, started.elapsed() + HOLD_PUSH_PULL, reply));
                         }
                         _ => {
@@ -378,8 +393,8 @@ fn run_actor(
                     }
                 }
             },
+            Command::Wake => {}
             Command::Tick { reply } => {
-                release_waits(&mut core, &mut parked, started.elapsed(), true);
                 for ((reply, _), frame) in parts.expire(started.elapsed(), part_wait) {
                     let _ = reply.send((frame, Vec::new(), Vec::new(), 0));
                 }
@@ -414,8 +429,27 @@ fn run_actor(
             pending = try_snapshot(&core, p);
         }
         if !parked.is_empty() {
-            release_waits(&mut core, &mut parked, started.elapsed(), false);
+            release_waits(&mut core, &mut parked, started.elapsed());
         }
+    }
+}
+
+/// Wakes the core's thread at a held request's deadline (the thread blocks on its queue between requests).
+struct Alarm {
+    runtime: tokio::runtime::Handle,
+    queue: mpsc::WeakSender<Command>,
+}
+
+impl Alarm {
+    /// Sends [`Command::Wake`] after `after` (nothing once the queue is gone).
+    fn at(&self, after: Duration) {
+        let queue = self.queue.clone();
+        self.runtime.spawn(async move {
+            tokio::time::sleep(after).await;
+            if let Some(queue) = queue.upgrade() {
+                let _ = queue.send(Command::Wake).await;
+            }
+        });
     }
 }
 
@@ -447,15 +481,23 @@ enum HeldRequest {
     /// A [`Message::WaitStep`]: answered with the shard's stats.
     Wait(gaps_common::wire::WaitStep),
     /// A push-pull applied into a step not yet complete: answered with `ack` and the values `pull` reads once
-    /// the step is applied (with the events of the push).
-    PushPull { ack: gaps_common::wire::Ack, pull: gaps_common::wire::Pull, events: Vec<CoreEvent>, index: u64 },
+    /// the step is applied (with the events of the push). `soft` (GBA's hold): when the time is up first,
+    /// answered with the values read then, and the worker goes on; otherwise with the ack alone, and the
+    /// worker waits for the step itself.
+    PushPull {
+        ack: gaps_common::wire::Ack,
+        pull: gaps_common::wire::Pull,
+        events: Vec<CoreEvent>,
+        index: u64,
+        soft: bool,
+    },
 }
 
 /// A held request: what it waits for, until when, and where its answer goes.
 type ParkedWait = (HeldRequest, Duration, oneshot::Sender<Answer>);
 
-/// Answers the held requests whose step came, and (with `expire`) those whose time is up at `now`.
-fn release_waits(core: &mut ShardCore, parked: &mut Vec<ParkedWait>, now: Duration, expire: bool) {
+/// Answers the held requests whose step came, and those whose time is up at `now`.
+fn release_waits(core: &mut ShardCore, parked: &mut Vec<ParkedWait>, now: Duration) {
     let satisfied = |core: &ShardCore, held: &HeldRequest| match held {
         HeldRequest::Wait(wait) => core.wait_satisfied(wait),
         HeldRequest::PushPull { ack, .. } => core.wait_satisfied(&gaps_common::wire::WaitStep {
@@ -464,13 +506,13 @@ fn release_waits(core: &mut ShardCore, parked: &mut Vec<ParkedWait>, now: Durati
             max_wait_ms: 0,
         }),
     };
-    if !parked.iter().any(|(held, until, _)| satisfied(core, held) || (expire && now >= *until)) {
+    if !parked.iter().any(|(held, until, _)| satisfied(core, held) || now >= *until) {
         return;
     }
     let mut stats = None;
     for (held, until, reply) in std::mem::take(parked) {
         let ready = satisfied(core, &held);
-        if !(ready || (expire && now >= until)) {
+        if !(ready || now >= until) {
             parked.push((held, until, reply));
             continue;
         }
@@ -479,14 +521,16 @@ fn release_waits(core: &mut ShardCore, parked: &mut Vec<ParkedWait>, now: Durati
                 let stats = stats.get_or_insert_with(|| Frame::new(Message::Stats(core.stats())));
                 (stats.clone(), Vec::new(), Vec::new(), 0)
             }
-            HeldRequest::PushPull { ack, pull, events, index } => {
+            HeldRequest::PushPull { ack, pull, events, index, soft } => {
+                let go_on = gaps_common::wire::Ack { wait_for_step: 0, wait_for_clock: 0, ..ack };
+                // A hold's ack asks for no wait: the worker goes on with what it reads.
+                let ack = if soft { go_on } else { ack };
                 let alone = Frame::new(Message::PushPullReply(PushPullReply { ack, chunks: Vec::new() }));
-                if !ready {
+                if !(ready || soft) {
                     (alone, events, Vec::new(), index)
                 } else {
                     match core.handle(Frame::new(Message::Pull(pull)), now).0 {
                         Frame { msg: Message::PullReply(PullReply { chunks }), payload } => {
-                            let go_on = gaps_common::wire::Ack { wait_for_step: 0, wait_for_clock: 0, ..ack };
                             let msg = Message::PushPullReply(PushPullReply { ack: go_on, chunks });
                             (Frame { msg, payload }, events, core.take_reply_views(), index)
                         }
@@ -1029,11 +1073,12 @@ async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<Takeover>) -
     let started = taken_clock.and_then(|c| Instant::now().checked_sub(c)).unwrap_or_else(Instant::now);
     // A striped push whose parts did not all come within a request's time limit is given up.
     let part_wait = cfg.request_timeout;
+    let wake = Alarm { runtime: tokio::runtime::Handle::current(), queue: queue.downgrade() };
     std::thread::Builder::new()
         .name(format!("gaps-shard-{shard}"))
         .spawn({
             let log = log.clone();
-            move || run_actor(core, receiver, started, part_wait, journal, log)
+            move || run_actor(core, receiver, started, part_wait, journal, log, wake)
         })
         .context("starting the shard's core thread")?;
     let budget_units = (cfg.inflight_bytes / BUDGET_UNIT).clamp(1, u64::from(u32::MAX >> 3)) as u32;

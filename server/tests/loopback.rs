@@ -753,3 +753,92 @@ async fn a_wait_for_a_step_is_held_until_the_step_or_its_time_is_up() {
     }
     shutdown(vec![server]).await;
 }
+
+/// GBA's hold (`--gba-hold`): a push-pull that leaves its step short while another worker is due is held,
+/// and answered with values either way — those of the step once the other worker's gradient completes it,
+/// or the step read ahead when the hold's time is up — never with a wait for the worker to do itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gba_push_pull_is_held_for_its_step_and_answered_with_values_either_way() {
+    let certs = ClusterCerts::generate(&[]).expect("certs");
+    let core = ShardConfig {
+        shard: 0,
+        num_shards: 1,
+        layout: layout(),
+        rule: Rule::Sgd,
+        hyper: Hyper { lr: LR, momentum: 0.0, weight_decay: 0.0, ..Hyper::default() },
+        init: Init { seed: 5, std: 0.0 },
+        lease: Duration::from_secs(30),
+        advertise: String::new(),
+        epoch: 77,
+        threads: 1,
+        sparse: gaps_shard::core::SparseSettings::default(),
+        modes: gaps_shard::modes::ModeConfig { mode: gaps_shard::Mode::Gba, gba_hold: 1.0, ..Default::default() },
+    };
+    let cfg = ServiceConfig::new("127.0.0.1:0".parse().expect("addr"), certs.shard_material(0).expect("tls"), core);
+    let server = service::start(cfg).await.expect("start");
+    let a = Client::connect(options(&certs, &server.advertise, Role::Worker)).await.expect("a");
+    let b = Client::connect(options(&certs, &server.advertise, Role::Worker)).await.expect("b");
+    let observer = Client::connect(options(&certs, &server.advertise, Role::Observer)).await.expect("observer");
+    let (_endpoint, raw) = connection_as(&certs, &server, &a).await;
+    // Three rounds 50 ms apart, a then b: the shard sees each push about every 50 ms.
+    let mut s = a.pull().await.expect("pull");
+    for round in 0..3 {
+        a.push(gradient(round), &s).await.expect("a's push");
+        b.push(gradient(round + 10), &s).await.expect("b's push");
+        s = a.pull().await.expect("pull");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(s.versions.iter().all(|v| *v == 3), "{:?}", s.versions);
+    let push_pull = |seq: u64, versions: Vec<u64>| {
+        let raw = raw.clone();
+        let Message::Push(push) = whole_push(&layout(), &a, seq, &versions, |_| gaps_common::dtype::WireDtype::F32)
+        else {
+            panic!("a push")
+        };
+        let n: usize = push.chunks.iter().map(|c| c.len as usize).sum();
+        tokio::spawn(async move {
+            let msg = Message::PushPull(push);
+            let payload = [net::f32_bytes(vec![0.25f32; n])];
+            let reply = net::call(&raw, &msg, &payload, &Limits::default(), Duration::from_secs(10)).await;
+            (reply.expect("call"), n)
+        })
+    };
+    let applied = |count: u64| {
+        let observer = &observer;
+        async move {
+            while observer.stats().await.expect("stats")[0].pushes_applied < count {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        }
+    };
+    // a's push-pull goes first and b's completes the step: a is answered with values and nothing to wait
+    // for — the step's (version 4) when b's push came within the hold, the step read ahead (version 3) when
+    // not (a loaded machine).
+    let held = push_pull(1000, s.versions.clone());
+    applied(7).await;
+    b.push(gradient(20), &s).await.expect("b's push");
+    let (reply, n) = held.await.expect("join");
+    let versions = match reply.msg {
+        Message::PushPullReply(wire::PushPullReply { ack, chunks }) => {
+            assert_eq!((ack.wait_for_step, ack.duplicate), (0, false), "{ack:?}");
+            assert_eq!(reply.payload.len(), n, "values");
+            chunks.iter().map(|c| c.version).collect::<Vec<_>>()
+        }
+        other => panic!("a push-pull was answered with {other:?}"),
+    };
+    assert!(versions.iter().all(|v| *v == 3) || versions.iter().all(|v| *v == 4), "{versions:?}");
+    let now = a.pull().await.expect("pull");
+    assert!(now.versions.iter().all(|v| *v == 4), "b's gradient completed the step");
+    // b stays silent: a's next push-pull is answered when the hold's time is up (at most a second), with the
+    // step read ahead (its own gradient in it) and the applied version.
+    let (reply, n) = push_pull(1001, now.versions.clone()).await.expect("join");
+    match reply.msg {
+        Message::PushPullReply(wire::PushPullReply { ack, chunks }) => {
+            assert_eq!(ack.wait_for_step, 0, "{ack:?}");
+            assert_eq!(reply.payload.len(), n, "values");
+            assert!(chunks.iter().all(|c| c.version == 4), "{chunks:?}");
+        }
+        other => panic!("a push-pull was answered with {other:?}"),
+    }
+    shutdown(vec![server]).await;
+}

@@ -83,6 +83,10 @@ pub struct ModeConfig {
     /// GBA: pulls read the step in progress as if it were applied now with the gradients it has (see
     /// `docs/stragglers.md`); false: the values of the last applied step (GBA as published).
     pub gba_lookahead: bool,
+    /// GBA: a push-pull that leaves the step short waits for it while the missing gradients are expected
+    /// from other workers within this fraction of the pusher's own step time (0: never; see
+    /// `core::hold`).
+    pub gba_hold: f64,
     /// SSP: how many pushes a worker may run ahead of the slowest live worker.
     pub ssp_bound: u64,
     /// Steps over which the learning-rate multiplier moves to a new value; None = 8 × the ratio of the new
@@ -110,6 +114,7 @@ impl Default for ModeConfig {
             mode: Mode::Async,
             gba_threshold: 4,
             gba_lookahead: true,
+            gba_hold: 0.5,
             ssp_bound: 3,
             lr_ramp_steps: None,
             straggler_enter: 2.0,

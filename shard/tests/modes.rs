@@ -230,6 +230,76 @@ fn gba_applies_one_update_per_k_gradients_and_drops_very_stale_ones() {
     assert_eq!(core.stats().steps_gba, 2);
 }
 
+/// A push-pull of one gradient of `grad` at `now`: the ack, the chunks read and their values.
+fn push_pull_at(
+    core: &mut ShardCore,
+    worker: u32,
+    seq: u64,
+    read_version: u64,
+    grad: f32,
+    now: Duration,
+) -> (Ack, usize, Vec<f32>) {
+    let chunk = PushChunk { id: ID, read_version, len: 4, echo: false, dtype: gaps_common::dtype::WireDtype::F32 };
+    let push = Push {
+        epoch: EPOCH,
+        worker,
+        seq,
+        chunks: vec![chunk],
+        compute_ms: 0,
+        step: seq - 1,
+        decisions: Default::default(),
+        data: None,
+    };
+    let (r, _) = core.handle(Frame { msg: Message::PushPull(push), payload: vec![grad; 4] }, now);
+    match r.msg {
+        Message::PushPullReply(PushPullReply { ack, chunks }) => (ack, chunks.len(), r.payload),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_gba_push_pull_waits_for_a_step_the_others_are_due_to_complete() {
+    let cfg = |hold: f64| ShardConfig {
+        modes: ModeConfig { mode: Mode::Gba, gba_hold: hold, ..ModeConfig::default() },
+        ..config(Mode::Gba)
+    };
+    for hold in [0.5, 0.0] {
+        let mut core = with_workers(cfg(hold), 3);
+        // Three workers of equal speed, one push every 10 ms each: a step per round.
+        for round in 0..4u64 {
+            for w in 0..3u32 {
+                push(&mut core, w, round + 1, round, 1.0, 0, ms(10 * round + u64::from(w)));
+            }
+        }
+        assert_eq!(version(&mut core), 4);
+        // Round 5: worker 0 is first; the other two are due within half its 10 ms step.
+        let (ack, chunks, values) = push_pull_at(&mut core, 0, 5, 4, 1.0, ms(40));
+        assert_eq!(ack.wait_for_step, 0, "a hold never asks the worker to wait itself");
+        let held = core.take_gba_hold();
+        if hold == 0.0 {
+            assert_eq!((held, chunks), (None, 1), "--gba-hold 0 answers at once, with the step read ahead");
+            continue;
+        }
+        assert_eq!((held, chunks, values.len()), (Some(ms(45)), 0, 0), "held until 45 ms, no values yet");
+        assert_eq!(core.take_gba_hold(), None, "asked once");
+        let (_, chunks, _) = push_pull_at(&mut core, 1, 5, 4, 1.0, ms(41));
+        assert_eq!((core.take_gba_hold(), chunks), (Some(ms(46)), 0), "worker 2 is due: held too");
+        // The last gradient completes the step and is answered with its values.
+        let (_, chunks, values) = push_pull_at(&mut core, 2, 5, 4, 1.0, ms(42));
+        assert_eq!((core.take_gba_hold(), chunks), (None, 1));
+        assert_eq!(values, core.chunk_values(ID).expect("chunk").to_vec());
+        // A retry of a push already applied is a duplicate, answered at once.
+        let (ack, chunks, _) = push_pull_at(&mut core, 0, 5, 4, 1.0, ms(43));
+        assert!(ack.duplicate);
+        assert_eq!((core.take_gba_hold(), chunks), (None, 1));
+        // Round 6 with worker 2 gone quiet (it stops pushing): 0 and 1 push, and at 62 ms worker 2 is more
+        // than one interval overdue, so nobody is held for it.
+        push(&mut core, 0, 6, 5, 1.0, 0, ms(50));
+        let (_, chunks, _) = push_pull_at(&mut core, 1, 6, 5, 1.0, ms(72));
+        assert_eq!((core.take_gba_hold(), chunks), (None, 1), "the step's missing gradient is due from nobody");
+    }
+}
+
 #[test]
 fn auto_switches_to_gba_when_a_worker_straggles_and_back_when_it_recovers() {
     let mut core = core(Mode::Auto, 4);

@@ -138,12 +138,32 @@ impl ShardCore {
         now: Duration,
         events: &mut Vec<CoreEvent>,
     ) -> Result<Frame, ShardError> {
+        let step = self.global_step;
         let pushed = self.push(req, payload, checked_finite, now, events)?;
         let Message::Ack(ack) = pushed.msg else {
             return Err(ShardError::Misconfigured("a push was answered with something other than an ack".into()));
         };
         let alone = Frame::new(Message::PushPullReply(PushPullReply { ack, chunks: Vec::new() }));
         if ack.wait_for_step > 0 || ack.wait_for_clock > 0 {
+            return Ok(alone);
+        }
+        // gba: a gradient that went into a step still short of others expected soon waits for the step (the
+        // caller holds the request; see `hold`), and reads the values then.
+        if self.active == Mode::Gba
+            && !ack.duplicate
+            && self.global_step == step
+            && self.accum_pushes > 0
+            && self
+                .gba_hold
+                .decide(
+                    req.worker,
+                    self.gba_k().saturating_sub(self.accum_pushes as usize),
+                    self.leases.keys().copied(),
+                    self.cfg.modes.gba_hold,
+                    now,
+                )
+                .is_some()
+        {
             return Ok(alone);
         }
         let read = Pull { epoch: req.epoch, chunks: req.chunks.iter().map(|c| c.id).collect() };
@@ -254,6 +274,7 @@ impl ShardCore {
             }
         }
         self.observe_push(req.worker, req.compute_ms, now, events);
+        self.gba_hold.observe(req.worker, now);
         self.count_samples(req.data);
         self.follow_decisions(req.step, &req.decisions, events);
         self.ramp.fix_reference();

@@ -295,6 +295,7 @@ impl ShardCore {
     /// partition may still retry a push; the window is 512 bytes.)
     pub(super) fn forget_worker(&mut self, worker: u32, events: &mut Vec<CoreEvent>) {
         self.detector.forget(worker);
+        self.gba_hold.forget(worker);
         self.data_worker_gone(worker);
         self.clocks.remove(&worker);
         if self.resident.is_some() {

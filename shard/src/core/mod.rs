@@ -8,6 +8,7 @@
 mod data;
 mod dense;
 mod exactly_once;
+mod hold;
 mod membership;
 mod resident;
 mod snapshot;
@@ -365,6 +366,8 @@ pub struct ShardCore {
     /// Gradients in the current step, and which workers sent them.
     accum_pushes: u32,
     contributors: BTreeSet<u32>,
+    /// gba: which push-pulls wait for the step in progress ([`hold`]).
+    gba_hold: hold::GbaHold,
     /// Aggregated updates applied (sync and gba steps).
     global_step: u64,
     /// Synchronous modes: embedding-row gradients of the current step, summed per id, one per table.
@@ -535,6 +538,7 @@ impl ShardCore {
             ahead_values: HashMap::new(),
             accum_pushes: 0,
             contributors: BTreeSet::new(),
+            gba_hold: hold::GbaHold::default(),
             global_step: 0,
             detector: StragglerDetector::default(),
             ramp: LrRamp::default(),
@@ -579,6 +583,13 @@ impl ShardCore {
     /// [`Self::set_shared_replies`]): the whole payload, in order, or nothing.
     pub fn take_reply_views(&mut self) -> Vec<Arc<Vec<f32>>> {
         std::mem::take(&mut self.reply_views)
+    }
+
+    /// Until when the last push-pull is to be held for its GBA step (the caller holds the reply and answers
+    /// it with a pull once the step is applied or the time is up; see `hold`), or None: answer now. Asked
+    /// once per push-pull.
+    pub fn take_gba_hold(&mut self) -> Option<Duration> {
+        self.gba_hold.take()
     }
 
     /// With `on`, a pull reply that has a 16-bit section carries its payload packed for the wire

@@ -282,7 +282,7 @@ impl ShardCore {
     /// This shard's whole state for a backup's copy (replicated shards): a checkpoint, then what a
     /// checkpoint leaves to the restart — the clock, the leases' deadlines, when the step in progress
     /// started, when the coordinator last decided a mode, the straggler detector, the tables' eviction
-    /// samplers — and the checkpoint's length last, so that [`ShardCore::from_copy`] continues exactly where
+    /// samplers, GBA's hold — and the checkpoint's length last, so that [`ShardCore::from_copy`] continues exactly where
     /// this core is: fed the same requests and ticks afterwards, it answers as this core does.
     pub fn copy_state(&self) -> Result<Vec<u8>, ShardError> {
         let mut out = self.checkpoint_into(0, Vec::new())?;
@@ -309,6 +309,7 @@ impl ShardCore {
         for table in &self.tables {
             w.u64s(&table.sampler_state());
         }
+        self.gba_hold.write_to(&mut w);
         // The checkpoint, the rest, then the checkpoint's length (appended: the checkpoint is not copied again).
         out.extend_from_slice(&w.buf);
         out.extend_from_slice(&checkpoint_len.to_le_bytes());
@@ -355,6 +356,7 @@ impl ShardCore {
             let s: [u64; 4] = r.u64s("sampler")?.try_into().map_err(|_| corrupt("sampler"))?;
             table.set_sampler_state(s);
         }
+        core.gba_hold = super::hold::GbaHold::read_from(&mut r)?;
         r.finish()?;
         Ok(core)
     }

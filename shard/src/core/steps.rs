@@ -225,6 +225,7 @@ impl ShardCore {
         self.step_started = None;
         self.accum_pushes = 0;
         self.ahead_values.clear();
+        self.gba_hold.step_completed();
         Ok(())
     }
 }
