@@ -12,5 +12,6 @@
 pub mod cluster;
 pub mod e2e;
 pub mod local;
+pub mod reference;
 pub mod reports;
 pub mod stragglers;

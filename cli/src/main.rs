@@ -43,6 +43,9 @@ enum Command {
     Server(gaps_server::cli::ServerArgs),
     /// Run one worker (the same as the `gaps-worker` binary).
     Worker(gaps_worker::train::WorkerArgs),
+    /// Print every command's flags as Markdown (docs/reference/flags.md).
+    #[command(hide = true)]
+    Reference,
 }
 
 #[derive(Debug, clap::Args)]
@@ -264,6 +267,7 @@ async fn main() -> Result<()> {
             | Command::Layout(_)
             | Command::SynthData(_)
             | Command::Checkpoint(_)
+            | Command::Reference
     );
     gaps_transport::init_logging(if quiet { "warn" } else { "info" });
     match cli.command {
@@ -277,6 +281,10 @@ async fn main() -> Result<()> {
         Command::Bench(cmd) => bench(cmd).await,
         Command::Server(args) => gaps_server::cli::run(&args).await,
         Command::Worker(args) => worker(args).await,
+        Command::Reference => {
+            print!("{}", gaps_cli::reference::flags_markdown(&<Cli as clap::CommandFactory>::command()));
+            Ok(())
+        }
     }
 }
 

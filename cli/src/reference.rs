@@ -1,0 +1,147 @@
+//! The flag reference (docs/reference/flags.md), generated from the commands' own clap definitions so that
+//! it cannot drift from `--help`: `gaps reference` prints it, and a test compares the checked-in file with
+//! what the built binary prints.
+
+use std::fmt::Write as _;
+
+/// Markdown for `cmd` and every subcommand under it (depth first, in declaration order), one section per
+/// command that takes flags or arguments: its description, then each flag with its value, environment
+/// variable, default and possible values, and its whole help text.
+pub fn flags_markdown(cmd: &clap::Command) -> String {
+    // Built, clap settles each argument's value count and hands global flags down to the subcommands.
+    let mut cmd = cmd.clone();
+    cmd.build();
+    let mut out = String::new();
+    out.push_str(
+        "# Flag reference\n\n\
+         Every command's flags, generated from the programs' own definitions (`gaps reference > \
+         docs/reference/flags.md`; a test fails when this file is not current). Every flag can also be set by \
+         its environment variable or in a `--config` TOML file (docs/manual.md, \"Configuration file\"); a \
+         flag beats a variable, which beats the file. `gaps server` and `gaps worker` take the same flags as \
+         the `gaps-server` and `gaps-worker` programs.\n",
+    );
+    section(&mut out, &cmd, &[]);
+    out
+}
+
+fn section(out: &mut String, cmd: &clap::Command, parents: &[&str]) {
+    if cmd.is_hide_set() || cmd.get_name() == "help" {
+        return;
+    }
+    let mut path: Vec<&str> = parents.to_vec();
+    path.push(cmd.get_name());
+    let args: Vec<&clap::Arg> = cmd
+        .get_arguments()
+        .filter(|a| !a.is_hide_set() && !matches!(a.get_id().as_str(), "help" | "version"))
+        // A global flag is written once, where it is declared.
+        .filter(|a| parents.is_empty() || !a.is_global_set())
+        .collect();
+    if !args.is_empty() || parents.is_empty() {
+        let _ = writeln!(out, "\n## `{}`\n", path.join(" "));
+        if let Some(about) = cmd.get_long_about().or(cmd.get_about()) {
+            let _ = writeln!(out, "{}\n", one_paragraph_per_block(&about.to_string()));
+        }
+        for arg in args {
+            flag(out, arg);
+        }
+    }
+    for sub in cmd.get_subcommands() {
+        section(out, sub, &path);
+    }
+}
+
+fn flag(out: &mut String, arg: &clap::Arg) {
+    let takes_value = arg.get_num_args().is_some_and(|n| n.takes_values())
+        && !matches!(arg.get_action(), clap::ArgAction::SetTrue | clap::ArgAction::SetFalse | clap::ArgAction::Count);
+    let value = arg
+        .get_value_names()
+        .map(|names| names.iter().map(|n| format!("<{n}>")).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|| format!("<{}>", arg.get_id().as_str().to_uppercase()));
+    let name = match (arg.get_long(), arg.get_short()) {
+        (Some(long), Some(short)) => format!("-{short}, --{long}"),
+        (Some(long), None) => format!("--{long}"),
+        (None, Some(short)) => format!("-{short}"),
+        (None, None) => String::new(),
+    };
+    let head = match (name.is_empty(), takes_value) {
+        (true, _) => value,
+        (false, true) => format!("{name} {value}"),
+        (false, false) => name,
+    };
+    let mut facts = Vec::new();
+    if let Some(env) = arg.get_env() {
+        facts.push(format!("env `{}`", env.to_string_lossy()));
+    }
+    let defaults: Vec<String> = arg.get_default_values().iter().map(|d| d.to_string_lossy().into_owned()).collect();
+    if takes_value && !defaults.is_empty() {
+        facts.push(format!("default `{}`", defaults.join(",")));
+    }
+    let possible: Vec<String> =
+        arg.get_possible_values().iter().filter(|p| !p.is_hide_set()).map(|p| format!("`{}`", p.get_name())).collect();
+    if !possible.is_empty() && possible.len() <= 24 {
+        facts.push(format!("one of {}", possible.join(", ")));
+    }
+    if arg.is_required_set() {
+        facts.push("required".into());
+    }
+    let _ = write!(out, "- `{head}`");
+    if !facts.is_empty() {
+        let _ = write!(out, " ({})", facts.join("; "));
+    }
+    let help = arg.get_long_help().or(arg.get_help()).map(|h| h.to_string()).unwrap_or_default();
+    if help.is_empty() {
+        out.push('\n');
+    } else {
+        let _ = writeln!(out, ": {}", one_paragraph_per_block(&help).replace('\n', "\n  "));
+    }
+}
+
+/// clap's help text with its line breaks inside paragraphs joined (Markdown wraps them anyway).
+fn one_paragraph_per_block(text: &str) -> String {
+    text.trim()
+        .split("\n\n")
+        .map(|p| p.split_whitespace().collect::<Vec<_>>().join(" "))
+        .collect::<Vec<_>>()
+        .join("\n\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, clap::Parser)]
+    #[command(name = "demo")]
+    /// A demo.
+    struct Demo {
+        /// How many.
+        #[arg(long, env = "DEMO_N", default_value_t = 3)]
+        n: u32,
+        /// A switch.
+        #[arg(long)]
+        quiet: bool,
+        #[command(subcommand)]
+        sub: Option<Sub>,
+    }
+
+    #[derive(Debug, clap::Subcommand)]
+    enum Sub {
+        /// Go somewhere.
+        Go {
+            /// Where to.
+            #[arg(long, value_parser = ["up", "down"])]
+            to: String,
+        },
+    }
+
+    // clap drops the full stop of a one-sentence help text.
+    #[test]
+    fn every_flag_is_written_with_its_variable_default_values_and_help() {
+        let md = flags_markdown(&<Demo as clap::CommandFactory>::command());
+        assert!(md.contains("\n## `demo`\n\nA demo\n"), "{md}");
+        assert!(md.contains("- `--n <N>` (env `DEMO_N`; default `3`): How many\n"), "{md}");
+        assert!(md.contains("- `--quiet`: A switch\n"), "{md}");
+        assert!(md.contains("\n## `demo go`\n\nGo somewhere\n"), "{md}");
+        assert!(md.contains("- `--to <TO>` (one of `up`, `down`; required): Where to\n"), "{md}");
+        assert!(!md.contains("--help"), "{md}");
+    }
+}
