@@ -292,7 +292,7 @@ fn run_actor(
     part_wait: Duration,
     mut journal: Option<std::fs::File>,
     log: Option<Arc<Log>>,
-    wake: Alarm,
+    mut wake: Alarm,
 ) {
     // A request that cannot be logged for the backups is refused, unhandled.
     let log_request = |now: Duration, frame: &Frame| {
@@ -375,7 +375,6 @@ fn run_actor(
                             let ack = gaps_common::wire::Ack { wait_for_step: core.global_step() + 1, ..*ack };
                             let held = HeldRequest::PushPull { ack, pull, events, index, soft: true };
                             parked.push((held, until, reply));
-                            wake.at(until.saturating_sub(started.elapsed()));
                         }
                         // A push-pull whose ack asks the worker to wait for the step: held until the step is
                         // applied, then answered with the new values (no wait request, no pull after it).
@@ -393,7 +392,7 @@ fn run_actor(
                     }
                 }
             },
-            Command::Wake => {}
+            Command::Wake => wake.rang(started.elapsed()),
             Command::Tick { reply } => {
                 for ((reply, _), frame) in parts.expire(started.elapsed(), part_wait) {
                     let _ = reply.send((frame, Vec::new(), Vec::new(), 0));
@@ -430,26 +429,48 @@ fn run_actor(
         }
         if !parked.is_empty() {
             release_waits(&mut core, &mut parked, started.elapsed());
+            wake.arm(&parked, started.elapsed());
         }
     }
 }
 
-/// Wakes the core's thread at a held request's deadline (the thread blocks on its queue between requests).
+/// Wakes the core's thread at the earliest deadline of the held GBA push-pulls (the thread blocks on its
+/// queue between requests; ticks come every 250 ms, a hold lasts milliseconds). One timer is armed at a
+/// time, for the earliest deadline; a later hold arms nothing while an earlier timer is pending.
 struct Alarm {
     runtime: tokio::runtime::Handle,
     queue: mpsc::WeakSender<Command>,
+    /// When the armed timer rings, if one is.
+    armed: Option<Duration>,
 }
 
 impl Alarm {
-    /// Sends [`Command::Wake`] after `after` (nothing once the queue is gone).
-    fn at(&self, after: Duration) {
-        let queue = self.queue.clone();
+    /// Arms the timer for the earliest deadline of the soft holds in `parked`, unless one rings by then.
+    fn arm(&mut self, parked: &[ParkedWait], now: Duration) {
+        let earliest = parked
+            .iter()
+            .filter(|(held, _, _)| matches!(held, HeldRequest::PushPull { soft: true, .. }))
+            .map(|(_, until, _)| *until)
+            .min();
+        let Some(at) = earliest else { return };
+        if self.armed.is_some_and(|armed| armed <= at) {
+            return;
+        }
+        self.armed = Some(at);
+        let (queue, after) = (self.queue.clone(), at.saturating_sub(now));
         self.runtime.spawn(async move {
             tokio::time::sleep(after).await;
             if let Some(queue) = queue.upgrade() {
                 let _ = queue.send(Command::Wake).await;
             }
         });
+    }
+
+    /// A [`Command::Wake`] came at `now`: the timer armed for then or before has rung.
+    fn rang(&mut self, now: Duration) {
+        if self.armed.is_some_and(|armed| armed <= now + Duration::from_millis(1)) {
+            self.armed = None;
+        }
     }
 }
 
@@ -1073,7 +1094,7 @@ async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<Takeover>) -
     let started = taken_clock.and_then(|c| Instant::now().checked_sub(c)).unwrap_or_else(Instant::now);
     // A striped push whose parts did not all come within a request's time limit is given up.
     let part_wait = cfg.request_timeout;
-    let wake = Alarm { runtime: tokio::runtime::Handle::current(), queue: queue.downgrade() };
+    let wake = Alarm { runtime: tokio::runtime::Handle::current(), queue: queue.downgrade(), armed: None };
     std::thread::Builder::new()
         .name(format!("gaps-shard-{shard}"))
         .spawn({

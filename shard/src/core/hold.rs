@@ -1,7 +1,8 @@
 //! GBA's short hold: a push-pull whose gradient did not complete the step is answered once the step
 //! completes, when the gradients it still misses are expected from other workers sooner than a fraction of
 //! the pusher's own step time — so workers of equal speed compute on the applied step, as in `sync`, while
-//! a straggler is never waited for (its gradient is not expected soon, so nobody is held for it).
+//! nobody is held for a worker not due within that window (a straggler's gradient rarely is: only when its
+//! next push happens to fall inside the window is anyone held for it, and then briefly).
 //!
 //! The shard predicts when each live worker's next dense push arrives from the times of its last pushes (an
 //! average interval), never from a clock the worker reports. A held worker pushes nothing until it is
@@ -41,7 +42,11 @@ impl GbaHold {
     pub(crate) fn observe(&mut self, worker: u32, now: Duration) {
         self.held.remove(&worker);
         let a = self.arrivals.entry(worker).or_insert(Arrivals { last: now, interval: None });
-        if now > a.last {
+        if now < a.last {
+            // A clock that started again (a copy whose host has been up for less time than its primary's
+            // clock): go on from now, keeping the interval.
+            a.last = now;
+        } else if now > a.last {
             let gap = (now - a.last).as_secs_f64();
             a.interval = Some(a.interval.map_or(gap, |i| i + ALPHA * (gap - i)));
             a.last = now;
@@ -77,7 +82,11 @@ impl GbaHold {
             return None;
         }
         let own = self.arrivals.get(&worker)?.interval?;
-        let bound = Duration::from_secs_f64((own * fraction).max(0.0)).min(MAX_HOLD);
+        let secs = own * fraction;
+        if !secs.is_finite() || secs <= 0.0 {
+            return None;
+        }
+        let bound = Duration::from_secs_f64(secs.min(MAX_HOLD.as_secs_f64()));
         let horizon = (now + bound).as_secs_f64();
         let now_s = now.as_secs_f64();
         let expected = live
@@ -96,6 +105,12 @@ impl GbaHold {
         self.held.insert(worker, until);
         self.asked = Some(until);
         Some(until)
+    }
+
+    /// Forgets an answer [`Self::take`] was not asked for (a backup replaying requests never asks): each
+    /// request starts without one.
+    pub(crate) fn clear_asked(&mut self) {
+        self.asked = None;
     }
 
     /// The hold the last decision asked for (once).
@@ -214,5 +229,22 @@ mod tests {
         h.observe(1, ms(8_500));
         h.observe(1, ms(9_500));
         assert_eq!(h.decide(0, 1, 0..2, 1.0, ms(10_000)), Some(ms(10_000) + MAX_HOLD));
+        // A fraction that is not a number, or infinite, holds nothing and does not panic.
+        assert_eq!(h.decide(0, 1, 0..2, f64::NAN, ms(10_000)), None);
+        assert_eq!(h.decide(0, 1, 0..2, f64::INFINITY, ms(10_000)), None);
+    }
+
+    #[test]
+    fn a_clock_that_starts_again_is_followed() {
+        let mut h = GbaHold::default();
+        h.observe(0, ms(5_000));
+        h.observe(0, ms(5_010));
+        h.observe(1, ms(5_000));
+        h.observe(1, ms(5_010));
+        // The clock restarts near 0: pushes count from there instead of waiting for 5 s to pass.
+        h.observe(0, ms(20));
+        h.observe(1, ms(21));
+        h.observe(0, ms(30));
+        assert_eq!(h.decide(0, 1, 0..2, 0.5, ms(30)), Some(ms(35)), "worker 1 is due at 31");
     }
 }

@@ -793,6 +793,7 @@ impl ShardCore {
     pub fn handle_checked(&mut self, req: Frame, now: Duration, finite: bool) -> (Frame, Vec<CoreEvent>) {
         let mut events = Vec::new();
         self.reply_views.clear();
+        self.gba_hold.clear_asked();
         let payload_in = req.payload.len() as u64 * 4;
         self.stats.payload_bytes_in += payload_in;
         let is_push =
