@@ -8,9 +8,9 @@ fn main() -> anyhow::Result<()> {
     let (shapes, steps): (&[(u32, u32, u32)], u64) =
         if quick { (&[(1, 1, 1), (2, 2, 2)], 5) } else { (&[(1, 1, 1), (2, 2, 1), (2, 4, 1), (2, 4, 2)], 1200) };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    let (base, clusters) = runtime.block_on(gaps_cli::e2e::run(exe, shapes, steps))?;
-    println!("{}", base.to_json());
-    for r in clusters {
+    let run = runtime.block_on(gaps_cli::e2e::run(exe, shapes, steps, None))?;
+    println!("{}", run.baseline.to_json());
+    for r in run.shapes {
         println!("{}", r.to_json());
     }
     Ok(())

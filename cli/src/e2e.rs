@@ -30,6 +30,9 @@ pub struct E2eResult {
     pub auc: f64,
     /// Samples per second as a ratio to the single-process baseline of the same run.
     pub ratio: f64,
+    /// Samples per second as a ratio to each single-process PyTorch run of the same sitting (`--torch`):
+    /// (threads, ratio).
+    pub torch_ratios: Vec<(u32, f64)>,
 }
 
 impl E2eResult {
@@ -53,8 +56,16 @@ impl E2eResult {
             samples_per_s: f64,
             auc: f64,
             ratio: f64,
+            /// Threads of the PyTorch run ("1t", "2t") → this shape's samples/s ÷ PyTorch's.
+            #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+            ratio_torch: std::collections::BTreeMap<String, f64>,
         }
         crate::reports::line(&Line {
+            ratio_torch: self
+                .torch_ratios
+                .iter()
+                .map(|(threads, r)| (format!("{threads}t"), (r * 1000.0).round() / 1000.0))
+                .collect(),
             case: self.name(),
             servers: self.servers,
             workers: self.workers,
@@ -98,6 +109,63 @@ impl BaselineResult {
             auc: (self.auc * 10_000.0).round() / 10_000.0,
             logloss: (self.logloss * 10_000.0).round() / 10_000.0,
         })
+    }
+}
+
+/// A single-process PyTorch DLRM of the same shape, data and optimizers (python/benches/torch_baseline.py),
+/// as its JSON line says.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TorchResult {
+    /// `torch_dlrm_<threads>t`.
+    pub case: String,
+    /// torch's intra-op threads.
+    pub threads: u32,
+    /// Steps trained.
+    pub steps: u64,
+    /// Samples trained.
+    pub samples: u64,
+    /// Training samples per second (the training loop only).
+    pub samples_per_s: f64,
+    /// Held-out AUC and log-loss at the end (the clusters' held-out samples).
+    pub auc: f64,
+    /// Held-out log-loss.
+    pub logloss: f64,
+    /// torch's version.
+    pub torch: String,
+}
+
+/// Where to find PyTorch for `gaps bench e2e --torch`: an interpreter that imports `torch` and `gaps`,
+/// and the baseline script.
+#[derive(Debug, Clone)]
+pub struct TorchBaseline {
+    /// The Python interpreter.
+    pub python: std::path::PathBuf,
+    /// python/benches/torch_baseline.py.
+    pub script: std::path::PathBuf,
+    /// The thread counts to run it at.
+    pub threads: Vec<u32>,
+}
+
+impl TorchBaseline {
+    /// Runs the script at `threads` threads for `steps` steps and reads its JSON line.
+    pub fn run(&self, threads: u32, steps: u64) -> Result<TorchResult> {
+        let out = std::process::Command::new(&self.python)
+            .arg(&self.script)
+            .args(["--steps", &steps.to_string(), "--threads", &threads.to_string()])
+            .arg(format!("--eval-samples={EVAL_SAMPLES}"))
+            .output()
+            .with_context(|| format!("running {} {}", self.python.display(), self.script.display()))?;
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let tail = &stderr[stderr.len().saturating_sub(2000)..];
+        anyhow::ensure!(out.status.success(), "the PyTorch baseline failed ({}):\n{tail}", out.status);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let line = stdout
+            .lines()
+            .rev()
+            .find(|l| l.trim_start().starts_with('{'))
+            .with_context(|| format!("the PyTorch baseline printed no JSON line:\n{stdout}\n{tail}"))?;
+        serde_json::from_str(line).with_context(|| format!("reading the PyTorch baseline's line {line:?}"))
     }
 }
 
@@ -218,13 +286,33 @@ pub fn single_process(args: &LocalArgs, steps: u64) -> Result<BaselineResult> {
     })
 }
 
-/// Runs the single-process baseline (`steps` batches), then DLRM on synthetic data for each (servers,
-/// workers) shape with `steps` steps per worker, each reported as a ratio to the baseline.
-pub async fn run(exe: &Path, shapes: &[(u32, u32, u32)], steps: u64) -> Result<(BaselineResult, Vec<E2eResult>)> {
+/// What `gaps bench e2e` measured: the single-process baseline, the PyTorch runs (with `--torch`) and the
+/// cluster shapes.
+#[derive(Debug)]
+pub struct E2eRun {
+    /// gaps' own single-process baseline.
+    pub baseline: BaselineResult,
+    /// The single-process PyTorch runs, one per thread count.
+    pub torch: Vec<TorchResult>,
+    /// The cluster shapes.
+    pub shapes: Vec<E2eResult>,
+}
+
+/// Runs the single-process baseline (`steps` batches) and, with `torch`, the PyTorch one at each thread
+/// count, then DLRM on synthetic data for each (servers, workers) shape with `steps` steps per worker, each
+/// reported as a ratio to the baselines.
+pub async fn run(exe: &Path, shapes: &[(u32, u32, u32)], steps: u64, torch: Option<&TorchBaseline>) -> Result<E2eRun> {
     let base_args = local_args(1, 1, 1, steps)?;
     let baseline = tokio::task::spawn_blocking(move || single_process(&base_args, steps))
         .await
         .context("the single-process baseline panicked")??;
+    let mut torch_runs = Vec::new();
+    for t in torch.map(|t| t.threads.clone()).unwrap_or_default() {
+        let torch = torch.cloned().context("no PyTorch")?;
+        torch_runs.push(
+            tokio::task::spawn_blocking(move || torch.run(t, steps)).await.context("the PyTorch run panicked")??,
+        );
+    }
     let mut out = Vec::new();
     for &(servers, workers, replicas) in shapes {
         let args = local_args(servers, workers, replicas, steps)?;
@@ -237,7 +325,11 @@ pub async fn run(exe: &Path, shapes: &[(u32, u32, u32)], steps: u64) -> Result<(
             samples_per_s: ctr.samples_per_s,
             auc: ctr.auc,
             ratio: ctr.samples_per_s / baseline.samples_per_s.max(1e-9),
+            torch_ratios: torch_runs
+                .iter()
+                .map(|t| (t.threads, ctr.samples_per_s / t.samples_per_s.max(1e-9)))
+                .collect(),
         });
     }
-    Ok((baseline, out))
+    Ok(E2eRun { baseline, torch: torch_runs, shapes: out })
 }

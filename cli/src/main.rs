@@ -165,6 +165,13 @@ enum BenchCommand {
         /// Steps per worker.
         #[arg(long, env = "GAPS_BENCH_STEPS", default_value_t = 1200)]
         steps: u64,
+        /// Also train a single-process PyTorch DLRM of the same shape, data and optimizers with this Python
+        /// (it must import torch and gaps), at 1 and 2 threads, and report every shape ÷ each.
+        #[arg(long, env = "GAPS_BENCH_TORCH", value_name = "PYTHON")]
+        torch: Option<PathBuf>,
+        /// The PyTorch baseline script.
+        #[arg(long, env = "GAPS_BENCH_TORCH_SCRIPT", default_value = "python/benches/torch_baseline.py")]
+        torch_script: PathBuf,
     },
     /// Sync, gba, async and auto on the same data under three straggler profiles (none, one worker 4×
     /// slower, one that stalls): wall time, speed-up over sync beside the simulator's prediction, time to a
@@ -492,15 +499,41 @@ async fn bench(cmd: BenchCommand) -> Result<()> {
             };
             gaps_benches::kernels::print(&results, json);
         }
-        BenchCommand::E2e { steps } => {
+        BenchCommand::E2e { steps, torch, torch_script } => {
             let exe = std::env::current_exe().context("locating the gaps executable")?;
-            let (base, results) = gaps_cli::e2e::run(&exe, gaps_cli::e2e::SHAPES, steps).await?;
-            eprintln!("{:<16} {:>12} {:>8} {:>14}", "cluster", "samples/s", "AUC", "÷ 1 process");
+            let torch = match torch {
+                Some(python) => {
+                    anyhow::ensure!(
+                        torch_script.is_file(),
+                        "the PyTorch baseline script {} is not there (run from the repository root, or give \
+                         --torch-script)",
+                        torch_script.display()
+                    );
+                    Some(gaps_cli::e2e::TorchBaseline { python, script: torch_script, threads: vec![1, 2] })
+                }
+                None => None,
+            };
+            let run = gaps_cli::e2e::run(&exe, gaps_cli::e2e::SHAPES, steps, torch.as_ref()).await?;
+            let torch_heads: String =
+                run.torch.iter().map(|t| format!(" {:>10}", format!("÷ torch {}t", t.threads))).collect();
+            eprintln!("{:<16} {:>12} {:>8} {:>14}{torch_heads}", "cluster", "samples/s", "AUC", "÷ 1 process");
+            let base = &run.baseline;
             eprintln!("{:<16} {:>12.0} {:>8.4} {:>14}", "single process", base.samples_per_s, base.auc, "1.00");
             println!("{}", base.to_json());
-            for r in &results {
+            for t in &run.torch {
+                eprintln!(
+                    "{:<16} {:>12.0} {:>8.4} {:>14.2}",
+                    format!("torch {}t", t.threads),
+                    t.samples_per_s,
+                    t.auc,
+                    t.samples_per_s / base.samples_per_s.max(1e-9)
+                );
+                println!("{}", gaps_cli::reports::line(t));
+            }
+            for r in &run.shapes {
                 let name = r.name().trim_start_matches("dlrm_").to_string();
-                eprintln!("{name:<16} {:>12.0} {:>8.4} {:>14.2}", r.samples_per_s, r.auc, r.ratio);
+                let vs_torch: String = r.torch_ratios.iter().map(|(_, x)| format!(" {x:>10.2}")).collect();
+                eprintln!("{name:<16} {:>12.0} {:>8.4} {:>14.2}{vs_torch}", r.samples_per_s, r.auc, r.ratio);
                 println!("{}", r.to_json());
             }
         }

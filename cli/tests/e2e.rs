@@ -6,8 +6,8 @@
 fn one_worker_one_shard_ends_where_the_single_process_baseline_ends() {
     let exe = std::path::Path::new(env!("CARGO_BIN_EXE_gaps"));
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("runtime");
-    let (base, clusters) = runtime.block_on(gaps_cli::e2e::run(exe, &[(1, 1, 1)], 150)).expect("bench e2e");
-    let cluster = &clusters[0];
+    let run = runtime.block_on(gaps_cli::e2e::run(exe, &[(1, 1, 1)], 150, None)).expect("bench e2e");
+    let (base, cluster) = (&run.baseline, &run.shapes[0]);
     assert_eq!(base.samples, 150 * 256);
     assert!(base.auc > 0.75, "the baseline trains: AUC {}", base.auc);
     // Only the order of floating-point sums may differ (rows summed per shard, chunks per tensor).

@@ -1,8 +1,9 @@
 """A Python worker against the Rust worker, end to end, in the same run: DLRM on the synthetic data with one
 shard and one worker, as `gaps bench e2e`'s 1×1 shape trains it (`gaps local --model dlrm --servers 1
 --workers 1`, the Rust worker) and as `python/examples/torch_dlrm.py --servers 1 --workers 1` trains it (a
-PyTorch module through gaps.torch, one torch thread). Rounds alternate so load drifts hit both alike; the
-table gives samples/s per round and the ratio. Also how long `import gaps` takes in a fresh interpreter
+PyTorch module through gaps.torch, one torch thread), beside plain single-process PyTorch of the same model,
+data and optimizers with no parameter server at all (`torch_baseline.py`, one thread). Rounds alternate so
+load drifts hit all three alike; the table gives samples/s per round and the ratios. Also how long `import gaps` takes in a fresh interpreter
 (against a bare one).
 
     GAPS_BIN_DIR=target/release python python/benches/bench_e2e.py [--steps 600] [--rounds 3]
@@ -20,6 +21,7 @@ import sys
 import time
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "torch_dlrm.py"
+BASELINE = pathlib.Path(__file__).resolve().parent / "torch_baseline.py"
 
 
 def gaps_exe() -> str:
@@ -47,6 +49,14 @@ def python_worker(steps: int) -> float:
     return float(m.group(1).replace(",", ""))
 
 
+def plain_torch(steps: int) -> float:
+    out = subprocess.run(
+        [sys.executable, str(BASELINE), "--steps", str(steps), "--threads", "1", "--eval-samples", "2000"],
+        capture_output=True, text=True, check=True,
+    )
+    return float(json.loads(out.stdout.splitlines()[-1])["samples_per_s"])
+
+
 def import_time(rounds: int = 5) -> tuple[float, float]:
     """Median seconds of a fresh `python -c "import gaps"` and of a bare `python -c pass`."""
 
@@ -63,14 +73,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    print(f"{'round':>5} {'rust worker':>12} {'python worker':>14} {'ratio':>6}")
-    ratios = []
+    print(f"{'round':>5} {'rust worker':>12} {'python worker':>14} {'ratio':>6} {'plain torch':>12} "
+          f"{'rust/torch':>10} {'python/torch':>12}")
+    ratios, vs_torch = [], []
     for r in range(args.rounds):
         rust = rust_worker(args.steps)
         python = python_worker(args.steps)
+        torch_rate = plain_torch(args.steps)
         ratios.append(python / rust)
-        print(f"{r + 1:>5} {rust:>12,.0f} {python:>14,.0f} {python / rust:>6.2f}", flush=True)
+        vs_torch.append((rust / torch_rate, python / torch_rate))
+        print(f"{r + 1:>5} {rust:>12,.0f} {python:>14,.0f} {python / rust:>6.2f} {torch_rate:>12,.0f} "
+              f"{rust / torch_rate:>10.2f} {python / torch_rate:>12.2f}", flush=True)
     print(f"python / rust samples/s: median {statistics.median(ratios):.2f} (range {min(ratios):.2f}-{max(ratios):.2f})")
+    print(f"one shard + one worker / plain PyTorch (1 thread): rust {statistics.median(r for r, _ in vs_torch):.2f}, "
+          f"python {statistics.median(p for _, p in vs_torch):.2f} (medians)")
     with_gaps, bare = import_time()
     print(f"import gaps: {with_gaps:.3f} s in a fresh interpreter ({bare:.3f} s for a bare one; "
           f"torch imported: {'torch' in sys.modules})")
