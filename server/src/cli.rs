@@ -310,7 +310,8 @@ pub struct ModeArgs {
     /// GBA: a push-pull that leaves the step short of gradients waits for the step while the missing ones
     /// are expected from other workers within this fraction of the pusher's own step time (predicted from
     /// their push intervals), so workers of equal speed compute on the applied step; nobody is held for a
-    /// worker not due within that window (a straggler rarely is). 0 never holds (GBA as published). At most 1 s.
+    /// worker not due within that window (a straggler rarely is). `--mode gba` only: `auto` runs GBA while
+    /// a worker straggles, for speed, and never holds. 0 never holds (GBA as published). At most 1 s.
     #[arg(long, env = "GAPS_GBA_HOLD", default_value_t = 0.5, value_parser = parse_fraction)]
     pub gba_hold: f64,
     /// SSP: pushes a worker may run ahead of the slowest live worker.
