@@ -14,6 +14,7 @@ pub fn json_line<T: serde::Serialize>(result: &T) -> String {
 }
 
 pub mod codec;
+pub mod hog;
 pub mod kernels;
 pub mod tables;
 pub mod transport;

@@ -55,6 +55,8 @@ pub struct TransportOptions {
     /// Dense sizes in floats (1,000, 1 Mi and 16 Mi unless set; 64 Ki when quick); the bulk ones (64 Ki
     /// and more) also run with bfloat16 on the wire.
     pub floats: Option<Vec<u64>>,
+    /// Busy processes run beside every case ([`crate::hog::CpuHog`]): the cases on a loaded machine.
+    pub hog: usize,
 }
 
 impl TransportOptions {
@@ -70,6 +72,7 @@ impl TransportOptions {
             lanes: gaps_worker::client::DEFAULT_LANES,
             floats: None,
             separate: false,
+            hog: 0,
         }
     }
 }
@@ -108,6 +111,8 @@ pub struct TransportResult {
     pub tcp: Measured,
     /// TCP + TLS 1.3 echo.
     pub tcp_tls: Measured,
+    /// Busy processes that ran beside it (`--hog`).
+    pub hog: usize,
 }
 
 impl TransportResult {
@@ -162,8 +167,10 @@ impl TransportResult {
             tcp_tls_cpu_s_per_gb: f64,
             ratio: f64,
             ratio_tcp_tls: f64,
+            hog: usize,
         }
         crate::json_line(&Line {
+            hog: self.hog,
             case: &self.case,
             shards: self.shards,
             bytes: self.bytes,
@@ -238,6 +245,8 @@ where
 /// Runs every case (those matching `opts.only`).
 pub async fn run(opts: &TransportOptions) -> Result<Vec<TransportResult>> {
     let certs = ClusterCerts::generate(&[]).context("making certificates")?;
+    // Every measurement — gaps and its baselines alike — runs beside the hog, which stops when this returns.
+    let _hog = crate::hog::CpuHog::start(opts.hog).context("starting the CPU hog's processes")?;
     // 1,000 floats: the latency of a small round trip; 1 Mi and 16 Mi: bulk throughput.
     let standard: &[u64] = if opts.quick { &[1 << 16] } else { &[1000, 1 << 20, 16 << 20] };
     let sizes = opts.floats.as_deref().unwrap_or(standard);
@@ -304,6 +313,7 @@ pub async fn run(opts: &TransportOptions) -> Result<Vec<TransportResult>> {
             quinn_default: m(2),
             tcp: m(3),
             tcp_tls: m(4),
+            hog: opts.hog,
         });
     }
     Ok(out)

@@ -253,6 +253,10 @@ enum BenchCommand {
         /// run with bfloat16 on the wire. Default 1000,1Mi,16Mi.
         #[arg(long, value_delimiter = ',', value_parser = parse_count)]
         floats: Vec<usize>,
+        /// Busy processes to run beside every case, gaps and baselines alike (the cases on a machine other
+        /// programs load; JSON lines carry `hog`). 0: none.
+        #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=256))]
+        hog: u32,
     },
 }
 
@@ -574,6 +578,7 @@ async fn bench(cmd: BenchCommand) -> Result<()> {
             lanes,
             separate,
             floats,
+            hog,
         } => {
             anyhow::ensure!(seconds.is_finite() && seconds > 0.0, "--seconds must be positive");
             anyhow::ensure!(
@@ -587,6 +592,10 @@ async fn bench(cmd: BenchCommand) -> Result<()> {
             anyhow::ensure!((1..=64).contains(&lanes), "--lanes must be 1 to 64");
             opts.lanes = lanes;
             opts.separate = separate;
+            opts.hog = hog as usize;
+            if hog > 0 {
+                eprintln!("[gaps bench] {hog} busy process(es) run beside every case");
+            }
             anyhow::ensure!(
                 floats.iter().all(|n| (1..=1 << 26).contains(n)),
                 "--floats: each size must be 1 to 64Mi floats"
