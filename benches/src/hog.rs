@@ -4,7 +4,8 @@
 
 use std::process::{Child, Command, Stdio};
 
-/// `n` busy shell loops at normal priority until dropped (then killed and reaped).
+/// `n` busy shell loops at normal priority until dropped (then killed and reaped). Each also stops by itself
+/// once the process that started it is gone (a bench interrupted by a signal runs no `Drop`).
 #[derive(Debug)]
 pub struct CpuHog {
     children: Vec<Child>,
@@ -17,7 +18,7 @@ impl CpuHog {
         for _ in 0..n {
             // On an error the ones started so far are killed when `hog` is dropped.
             let child = Command::new("/bin/sh")
-                .args(["-c", "while :; do :; done"])
+                .args(["-c", "while kill -0 $PPID 2>/dev/null; do :; done"])
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())

@@ -157,7 +157,9 @@ impl TorchBaseline {
             .output()
             .with_context(|| format!("running {} {}", self.python.display(), self.script.display()))?;
         let stderr = String::from_utf8_lossy(&out.stderr);
-        let tail = &stderr[stderr.len().saturating_sub(2000)..];
+        // The last 2,000 bytes or so, cut at a character boundary.
+        let cut = (stderr.len().saturating_sub(2000)..=stderr.len()).find(|i| stderr.is_char_boundary(*i)).unwrap_or(0);
+        let tail = &stderr[cut..];
         anyhow::ensure!(out.status.success(), "the PyTorch baseline failed ({}):\n{tail}", out.status);
         let stdout = String::from_utf8_lossy(&out.stdout);
         let line = stdout

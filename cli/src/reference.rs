@@ -15,8 +15,8 @@ pub fn flags_markdown(cmd: &clap::Command) -> String {
     out.push_str(
         "# Flag reference\n\n\
          Every command's flags, generated from the programs' own definitions (`gaps reference > \
-         docs/reference/flags.md`; a test fails when this file is not current). Every flag can also be set by \
-         its environment variable or in a `--config` TOML file (docs/manual.md, \"Configuration file\"); a \
+         docs/reference/flags.md`; a test fails when this file is not current). A flag with an `env` variable \
+         can also be set by it, or in a `--config` TOML file (docs/manual.md, \"Configuration file\"); a \
          flag beats a variable, which beats the file. `gaps server` and `gaps worker` take the same flags as \
          the `gaps-server` and `gaps-worker` programs.\n",
     );
@@ -96,13 +96,29 @@ fn flag(out: &mut String, arg: &clap::Arg) {
     }
 }
 
-/// clap's help text with its line breaks inside paragraphs joined (Markdown wraps them anyway).
+/// clap's help text with its line breaks inside paragraphs joined (Markdown wraps them anyway), and `<`, `>`
+/// outside code spans escaped (`shard-<i>.pem` would otherwise be read as an HTML tag).
 fn one_paragraph_per_block(text: &str) -> String {
-    text.trim()
+    let joined = text
+        .trim()
         .split("\n\n")
         .map(|p| p.split_whitespace().collect::<Vec<_>>().join(" "))
         .collect::<Vec<_>>()
-        .join("\n\n")
+        .join("\n\n");
+    let mut out = String::with_capacity(joined.len());
+    let mut in_code = false;
+    for c in joined.chars() {
+        match c {
+            '`' => {
+                in_code = !in_code;
+                out.push(c);
+            }
+            '<' if !in_code => out.push_str("&lt;"),
+            '>' if !in_code => out.push_str("&gt;"),
+            _ => out.push(c),
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -113,7 +129,7 @@ mod tests {
     #[command(name = "demo")]
     /// A demo.
     struct Demo {
-        /// How many.
+        /// How many (at most <N>, see `a <b>`).
         #[arg(long, env = "DEMO_N", default_value_t = 3)]
         n: u32,
         /// A switch.
@@ -138,7 +154,10 @@ mod tests {
     fn every_flag_is_written_with_its_variable_default_values_and_help() {
         let md = flags_markdown(&<Demo as clap::CommandFactory>::command());
         assert!(md.contains("\n## `demo`\n\nA demo\n"), "{md}");
-        assert!(md.contains("- `--n <N>` (env `DEMO_N`; default `3`): How many\n"), "{md}");
+        assert!(
+            md.contains("- `--n <N>` (env `DEMO_N`; default `3`): How many (at most &lt;N&gt;, see `a <b>`)\n"),
+            "{md}"
+        );
         assert!(md.contains("- `--quiet`: A switch\n"), "{md}");
         assert!(md.contains("\n## `demo go`\n\nGo somewhere\n"), "{md}");
         assert!(md.contains("- `--to <TO>` (one of `up`, `down`; required): Where to\n"), "{md}");

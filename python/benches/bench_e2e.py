@@ -52,9 +52,12 @@ def python_worker(steps: int) -> float:
 def plain_torch(steps: int) -> float:
     out = subprocess.run(
         [sys.executable, str(BASELINE), "--steps", str(steps), "--threads", "1", "--eval-samples", "2000"],
-        capture_output=True, text=True, check=True,
+        capture_output=True, text=True,
     )
-    return float(json.loads(out.stdout.splitlines()[-1])["samples_per_s"])
+    lines = [l for l in out.stdout.splitlines() if l.lstrip().startswith("{")]
+    if out.returncode != 0 or not lines:
+        raise RuntimeError(f"torch_baseline.py failed ({out.returncode}):\n{out.stdout}\n{out.stderr[-2000:]}")
+    return float(json.loads(lines[-1])["samples_per_s"])
 
 
 def import_time(rounds: int = 5) -> tuple[float, float]:

@@ -51,7 +51,9 @@ class DLRM(torch.nn.Module):
 def tensors(batch, rows: int):
     """(labels, ints, row indices, present) of a gaps.CriteoBatch as tensors."""
     present = batch.ids != gaps.data.MISSING
-    idx = np.where(present, batch.ids % np.uint64(rows), 0).astype(np.int64)
+    # Every bit of the 64-bit id reaches the row (a plain id % 2^k would drop the high bits).
+    mixed = (batch.ids * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(17)
+    idx = np.where(present, mixed % np.uint64(rows), 0).astype(np.int64)
     return (
         torch.from_numpy(batch.labels),
         torch.from_numpy(batch.ints),
