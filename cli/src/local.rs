@@ -282,6 +282,11 @@ pub struct ReplicationReport {
     /// Per shard killed (`--kill-shard`, shards ≥ 1, in kill order): seconds from the SIGKILL until the
     /// coordinator's map showed a backup serving it (null: not within a minute).
     pub failover_s: Vec<Option<f64>>,
+    /// Per shard, as its serving process reports it at the end: the most log entries its slowest in-sync
+    /// backup (one replies wait for) was behind, since that process started serving ([`Stats::replica_lag_peak`]).
+    ///
+    /// [`Stats::replica_lag_peak`]: gaps_common::wire::Stats::replica_lag_peak
+    pub replica_lag_peak: Vec<u64>,
 }
 
 impl ReplicationReport {
@@ -293,6 +298,7 @@ impl ReplicationReport {
             backups_in_sync: map.shards.iter().map(|s| (s.index != 0).then(|| s.backups.clone())).collect(),
             spare_processes: map.spare.iter().map(|s| s.index).collect(),
             failover_s: Vec::new(),
+            replica_lag_peak: Vec::new(),
         }
     }
 }
@@ -1339,6 +1345,7 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
         };
         let replication = if let Some(map) = map {
             let mut report = ReplicationReport::from_map(&map);
+            report.replica_lag_peak = stats.iter().map(|s| s.replica_lag_peak).collect();
             // A fail-over still under way when training ended gets 10 s more to finish.
             for mut watch in failover_watches {
                 let took = tokio::time::timeout(Duration::from_secs(10), &mut watch).await;

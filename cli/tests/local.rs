@@ -959,6 +959,11 @@ fn a_killed_replicated_shard_is_taken_over_and_the_summary_says_so() {
     assert_eq!(in_sync[2], serde_json::json!([0]), "{v}");
     let shard1 = in_sync[1].as_array().expect("shard 1's backups");
     assert!(shard1.iter().all(|p| p == 1), "{v}");
+    // Each shard's serving process reports how far its in-sync backups fell behind at most (how far depends
+    // on timing: only that every shard reports it).
+    let lag = v["replica_lag_peak"].as_array().expect("replica_lag_peak");
+    assert_eq!(lag.len(), 3, "{v}");
+    assert!(lag.iter().all(|l| l.as_u64().is_some()), "{v}");
     assert_eq!(v["pushes_lost"], 0, "{v}");
     assert_eq!(v["pushes_applied_twice"], 0, "{v}");
     assert_eq!(v["pushes_applied"], v["pushes_acknowledged"], "{v}");

@@ -21,7 +21,7 @@ use crate::layout::{ChunkId, Layout};
 use bincode::{Decode, Encode};
 
 /// Protocol version carried by registrations; a peer with another version is refused.
-pub const PROTOCOL_VERSION: u16 = 14;
+pub const PROTOCOL_VERSION: u16 = 15;
 /// Bytes before the header: the kind byte and the header length.
 pub const FRAME_PREFIX_LEN: usize = 5;
 /// Hard upper bound on an encoded header (also the bincode decode limit).
@@ -594,6 +594,12 @@ pub struct Stats {
     /// Pushes applied per worker as the shard's state holds them now (after a restore: what the restored
     /// state holds), ascending worker ids. A worker's acknowledged pushes beyond its count here were lost.
     pub applied_by_worker: Vec<WorkerApplied>,
+    /// Replicated shards (`--replicas` ≥ 2): log entries the slowest in-sync backup of this process's
+    /// log had not applied when asked, and the most since the process started (0 without backups). Filled
+    /// by the serving process, not the core. (Added in protocol 15.)
+    pub replica_lag_entries: u64,
+    /// See [`Self::replica_lag_entries`].
+    pub replica_lag_peak: u64,
 }
 
 /// One worker's pushes applied by a shard (see [`Stats::applied_by_worker`]).

@@ -117,6 +117,10 @@ pub struct Log {
     /// that counts lags, requests are refused as busy.
     cap_bytes: u64,
     metrics: ReplicaMetrics,
+    /// Entries the slowest in-sync backup had not applied, now and at most so far (measured as backups
+    /// acknowledge).
+    lag_now: std::sync::atomic::AtomicU64,
+    lag_peak: std::sync::atomic::AtomicU64,
 }
 
 #[derive(Debug)]
@@ -145,7 +149,16 @@ impl Log {
                 live: metrics::gauge!("gaps_replica_live_backups", "shard" => label.clone()),
                 dropped: metrics::counter!("gaps_replica_dropped_total", "shard" => label),
             },
+            lag_now: std::sync::atomic::AtomicU64::new(0),
+            lag_peak: std::sync::atomic::AtomicU64::new(0),
         }
+    }
+
+    /// Entries the slowest in-sync backup (one replies wait for) had not applied: now, and at most since
+    /// this log started (0 without one).
+    pub fn lag(&self) -> (u64, u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        (self.lag_now.load(Relaxed), self.lag_peak.load(Relaxed))
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, LogInner> {
@@ -301,6 +314,10 @@ impl Log {
             }
         }
         let live = inner.followers.values().filter(|f| f.live);
+        let in_sync_lag =
+            live.clone().map(|f| inner.next.saturating_sub(1).saturating_sub(f.applied)).max().unwrap_or(0);
+        self.lag_now.store(in_sync_lag, std::sync::atomic::Ordering::Relaxed);
+        self.lag_peak.fetch_max(in_sync_lag, std::sync::atomic::Ordering::Relaxed);
         // A fenced log acknowledges nothing: every waiting reply wakes, and finds it fenced.
         let acked = if self.fenced() { u64::MAX } else { live.clone().map(|f| f.applied).min().unwrap_or(u64::MAX) };
         self.metrics.live.set(live.count() as f64);

@@ -361,7 +361,11 @@ fn run_actor(
                             continue;
                         }
                     };
-                    let (answer, events) = core.handle_checked(frame, now, finite);
+                    let (mut answer, events) = core.handle_checked(frame, now, finite);
+                    // The replica log's lag is the process's, not the core's (a backup's core knows none).
+                    if let (Some(log), Message::Stats(stats)) = (&log, &mut answer.msg) {
+                        (stats.replica_lag_entries, stats.replica_lag_peak) = log.lag();
+                    }
                     // A split dealt or reported finished is journaled before the worker hears of it.
                     journal_changes(&mut core, &mut journal);
                     let gba_hold = pull.as_ref().and(core.take_gba_hold());
