@@ -669,12 +669,9 @@ async fn megabyte_payloads_go_past_the_cache_and_are_still_checked_value_by_valu
     server.shutdown().await.expect("shutdown");
 }
 
-/// A worker waiting for a synchronous step is held by the shard until the step completes (a `WaitStep`),
-/// or answered when its time is up with the step not reached — never polled.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_wait_for_a_step_is_held_until_the_step_or_its_time_is_up() {
-    let certs = ClusterCerts::generate(&[]).expect("certs");
-    let core = ShardConfig {
+/// Shard 0 of 1 serving `layout()` with SGD at `LR`, zero initial values and a 30 s lease, in `modes`.
+fn one_shard(modes: gaps_shard::modes::ModeConfig) -> ShardConfig {
+    ShardConfig {
         shard: 0,
         num_shards: 1,
         layout: layout(),
@@ -686,8 +683,16 @@ async fn a_wait_for_a_step_is_held_until_the_step_or_its_time_is_up() {
         epoch: 77,
         threads: 1,
         sparse: gaps_shard::core::SparseSettings::default(),
-        modes: gaps_shard::modes::ModeConfig { mode: gaps_shard::Mode::Sync, ..Default::default() },
-    };
+        modes,
+    }
+}
+
+/// A worker waiting for a synchronous step is held by the shard until the step completes (a `WaitStep`),
+/// or answered when its time is up with the step not reached — never polled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_for_a_step_is_held_until_the_step_or_its_time_is_up() {
+    let certs = ClusterCerts::generate(&[]).expect("certs");
+    let core = one_shard(gaps_shard::modes::ModeConfig { mode: gaps_shard::Mode::Sync, ..Default::default() });
     let cfg = ServiceConfig {
         tick_interval: Duration::from_millis(50),
         ..ServiceConfig::new("127.0.0.1:0".parse().expect("addr"), certs.shard_material(0).expect("tls"), core)
@@ -760,20 +765,8 @@ async fn a_wait_for_a_step_is_held_until_the_step_or_its_time_is_up() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gba_push_pull_is_held_for_its_step_and_answered_with_values_either_way() {
     let certs = ClusterCerts::generate(&[]).expect("certs");
-    let core = ShardConfig {
-        shard: 0,
-        num_shards: 1,
-        layout: layout(),
-        rule: Rule::Sgd,
-        hyper: Hyper { lr: LR, momentum: 0.0, weight_decay: 0.0, ..Hyper::default() },
-        init: Init { seed: 5, std: 0.0 },
-        lease: Duration::from_secs(30),
-        advertise: String::new(),
-        epoch: 77,
-        threads: 1,
-        sparse: gaps_shard::core::SparseSettings::default(),
-        modes: gaps_shard::modes::ModeConfig { mode: gaps_shard::Mode::Gba, gba_hold: 1.0, ..Default::default() },
-    };
+    let core =
+        one_shard(gaps_shard::modes::ModeConfig { mode: gaps_shard::Mode::Gba, gba_hold: 1.0, ..Default::default() });
     let cfg = ServiceConfig::new("127.0.0.1:0".parse().expect("addr"), certs.shard_material(0).expect("tls"), core);
     let server = service::start(cfg).await.expect("start");
     let a = Client::connect(options(&certs, &server.advertise, Role::Worker)).await.expect("a");
