@@ -135,6 +135,10 @@ pub struct SimArgs {
     /// GBA: gradients more than this many steps stale are dropped.
     #[arg(long, env = "GAPS_SIM_GBA_THRESHOLD", default_value_t = 4)]
     pub gba_threshold: u64,
+    /// GBA (`--mode gba`): a worker whose gradient left the step short waits for the step while the missing
+    /// gradients are due within this fraction of its own step time, as the server's `--gba-hold` does.
+    #[arg(long, env = "GAPS_SIM_GBA_HOLD", default_value_t = 0.5)]
+    pub gba_hold: f64,
     /// SSP: pushes a worker may run ahead of the slowest.
     #[arg(long, env = "GAPS_SIM_SSP_BOUND", default_value_t = 3)]
     pub ssp_bound: u64,
@@ -224,6 +228,7 @@ impl SimArgs {
             test: 4096,
             mode: SimMode::Async,
             gba_threshold: 4,
+            gba_hold: 0.5,
             ssp_bound: 3,
             linear_scaling: true,
             kill_workers: Vec::new(),
@@ -636,6 +641,15 @@ impl Durations {
         Duration::from_secs_f64((self.millis(t) / 1000.0).clamp(0.0, 1e12))
     }
 
+    /// The simulated time at the shard's clock `d` (the inverse of [`Self::clock`]).
+    fn time_at_clock(&self, d: Duration) -> f64 {
+        if self.profile.is_some() {
+            d.as_secs_f64()
+        } else {
+            d.as_secs_f64() * 1000.0
+        }
+    }
+
     fn unit(&self) -> &'static str {
         if self.profile.is_some() {
             "seconds"
@@ -744,6 +758,7 @@ fn setup(args: &SimArgs) -> Result<(Box<dyn Task>, ShardCore, Hyper)> {
                 SimMode::Auto => gaps_shard::modes::Mode::Auto,
             },
             gba_threshold: args.gba_threshold,
+            gba_hold: args.gba_hold,
             ssp_bound: args.ssp_bound,
             lr_ramp_steps: u64::try_from(args.lr_ramp_steps).ok(),
             ..gaps_shard::modes::ModeConfig::default()
@@ -805,6 +820,8 @@ struct Blocked {
     clock: u64,
     /// The duration of its next batch, drawn when it was popped (so the draw order never depends on waits).
     duration: f64,
+    /// GBA's hold: goes on at this simulated time if the step has not come by then.
+    until: Option<f64>,
 }
 
 /// Registers one virtual worker with the shard and returns its id.
@@ -869,6 +886,8 @@ fn run_async(args: &SimArgs) -> Result<SimReport> {
     let mut adds = args.add_workers.clone();
     let mut blocked: Vec<Blocked> = Vec::new();
     let scaled = matches!(args.mode, SimMode::Gba | SimMode::Auto) && args.linear_scaling;
+    anyhow::ensure!((0.0..=1.0).contains(&args.gba_hold), "--gba-hold must be between 0 and 1");
+    let holds = args.mode == SimMode::Gba && args.gba_hold > 0.0;
 
     let Schedule { batches_per_epoch, total, warmup, decays } = Schedule::new(args, task.as_ref());
     let needs_read = args.rule.layout().needs_read;
@@ -925,6 +944,14 @@ fn run_async(args: &SimArgs) -> Result<SimReport> {
             workers.push(vw);
         }
         release(&mut core, &mut workers, &mut blocked, &mut heap, now, args.pull_dtype, task.as_ref(), &mut batches)?;
+        // Held workers whose hold ends before the next gradient arrives go on at its end, on what a pull
+        // reads then (nothing changed since the last event).
+        while let Some(i) = next_hold_to_end(&blocked, heap.peek().map_or(f64::INFINITY, |d: &Due| d.time)) {
+            let b = blocked.swap_remove(i);
+            let until = b.until.unwrap_or(now);
+            workers[b.worker].refresh(&mut core, task.as_ref(), &mut batches, args.pull_dtype)?;
+            heap.push(Due { time: until + b.duration, worker: b.worker as u32 });
+        }
         // Entries of killed workers are skipped, so every event is one gradient.
         let due = loop {
             let Some(due) = heap.pop() else {
@@ -995,10 +1022,13 @@ fn run_async(args: &SimArgs) -> Result<SimReport> {
             decisions: Default::default(),
             data: None,
         };
-        // The shard's clock is the simulated time (auto's minimum time in a mode counts in it).
-        let (reply, _) = core.handle(Frame { msg: Message::Push(push), payload }, durations.clock(now));
+        // The shard's clock is the simulated time (auto's minimum time in a mode counts in it). Under `gba`
+        // with a hold the worker sends a push-pull, as the real one does, and may be held for its step.
+        let msg = if holds { Message::PushPull(push) } else { Message::Push(push) };
+        let (reply, _) = core.handle(Frame { msg, payload }, durations.clock(now));
+        let held = if holds { core.take_gba_hold().map(|until| durations.time_at_clock(until)) } else { None };
         let ack = match reply.msg {
-            Message::Ack(ack) => ack,
+            Message::Ack(ack) | Message::PushPullReply(gaps_common::wire::PushPullReply { ack, .. }) => ack,
             Message::Error(e) if e.code == gaps_common::ErrorCode::NonFinite => {
                 diverged = true;
                 break;
@@ -1008,7 +1038,12 @@ fn run_async(args: &SimArgs) -> Result<SimReport> {
         let tau = ack.max_staleness;
         staleness.push(tau.min(u64::from(u32::MAX)) as u32);
         if ack.wait_for_step > 0 || ack.wait_for_clock > 0 {
-            blocked.push(Blocked { worker: w, step: ack.wait_for_step, clock: ack.wait_for_clock, duration: next });
+            let b =
+                Blocked { worker: w, step: ack.wait_for_step, clock: ack.wait_for_clock, duration: next, until: None };
+            blocked.push(b);
+        } else if let Some(until) = held {
+            let step = core.global_step() + 1;
+            blocked.push(Blocked { worker: w, step, clock: 0, duration: next, until: Some(until.max(now)) });
         } else {
             heap.push(Due { time: now + next, worker: w as u32 });
             let vw = &mut workers[w];
@@ -1043,6 +1078,17 @@ fn run_async(args: &SimArgs) -> Result<SimReport> {
     let mut report = finish(args, task.as_ref(), &mut core, outcome)?;
     report.workers_final = live;
     Ok(report)
+}
+
+/// The held worker (GBA's hold) whose hold ends first, if it ends by `next` (the next gradient's arrival).
+fn next_hold_to_end(blocked: &[Blocked], next: f64) -> Option<usize> {
+    blocked
+        .iter()
+        .enumerate()
+        .filter_map(|(i, b)| b.until.map(|u| (i, u)))
+        .filter(|(_, u)| *u <= next)
+        .min_by(|a, b| a.1.total_cmp(&b.1))
+        .map(|(i, _)| i)
 }
 
 /// Lets every waiting worker whose condition now holds start its next batch at `now`, on fresh parameters.
