@@ -309,10 +309,12 @@ pub async fn run(exe: &Path, shapes: &[(u32, u32, u32)], steps: u64, torch: Opti
         .await
         .context("the single-process baseline panicked")??;
     let mut torch_runs = Vec::new();
-    for t in torch.map(|t| t.threads.clone()).unwrap_or_default() {
-        let torch = torch.cloned().context("no PyTorch")?;
+    for (torch, &threads) in torch.iter().flat_map(|t| t.threads.iter().map(move |n| (*t, n))) {
+        let torch = torch.clone();
         torch_runs.push(
-            tokio::task::spawn_blocking(move || torch.run(t, steps)).await.context("the PyTorch run panicked")??,
+            tokio::task::spawn_blocking(move || torch.run(threads, steps))
+                .await
+                .context("the PyTorch run panicked")??,
         );
     }
     let mut out = Vec::new();

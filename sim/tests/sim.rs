@@ -145,17 +145,14 @@ fn bad_flags_are_refused_with_a_reason() {
     }
 }
 
-/// GBA's hold as the server runs it: with workers of equal speed (timing noise only), a worker whose
-/// gradient left the step short waits for the step, so gradients are fresher than without the hold, at a
-/// cost in simulated time; a hold of 0 is GBA as before.
-#[test]
-fn the_simulated_gba_hold_makes_gradients_fresher_at_some_cost_in_time() {
-    use gaps_sim::ModelChoice;
-    let args = |gba_hold| SimArgs {
-        model: ModelChoice::Ctr,
+/// The hashed-logistic-regression CTR model with Adagrad η 0.05 and the synchronous hyper-parameters for
+/// every mode (no warm-up, decay or linear scaling), batch 64, one epoch of 8,192 samples, 2,048 test ones.
+fn ctr_adagrad(mode: SimMode, workers: u32) -> SimArgs {
+    SimArgs {
+        model: gaps_sim::ModelChoice::Ctr,
         rule: Rule::Adagrad,
-        mode: SimMode::Gba,
-        workers: 8,
+        mode,
+        workers,
         lr: 0.05,
         momentum: 0.0,
         warmup_epochs: 0.0,
@@ -165,10 +162,16 @@ fn the_simulated_gba_hold_makes_gradients_fresher_at_some_cost_in_time() {
         batch: 64,
         train: 8192,
         test: 2048,
-        heterogeneity: 0.1,
-        gba_hold,
         ..SimArgs::defaults()
-    };
+    }
+}
+
+/// GBA's hold as the server runs it: with workers of equal speed (timing noise only), a worker whose
+/// gradient left the step short waits for the step, so gradients are fresher than without the hold, at a
+/// cost in simulated time; a hold of 0 is GBA as before.
+#[test]
+fn the_simulated_gba_hold_makes_gradients_fresher_at_some_cost_in_time() {
+    let args = |gba_hold| SimArgs { heterogeneity: 0.1, gba_hold, ..ctr_adagrad(SimMode::Gba, 8) };
     let (off, on) = (run(&args(0.0)).expect("no hold"), run(&args(0.5)).expect("hold"));
     assert!(
         on.staleness_mean < off.staleness_mean,
@@ -187,23 +190,12 @@ fn the_simulated_gba_hold_makes_gradients_fresher_at_some_cost_in_time() {
 
 #[test]
 fn gba_matches_sync_on_the_ctr_model_at_a_fraction_of_the_wall_time_with_stragglers() {
-    use gaps_sim::ModelChoice;
     let args = |mode| SimArgs {
-        model: ModelChoice::Ctr,
-        rule: Rule::Adagrad,
-        mode,
-        workers: 8,
-        lr: 0.05,
-        momentum: 0.0,
-        warmup_epochs: 0.0,
-        no_lr_decay: true,
-        linear_scaling: false,
         epochs: 2,
-        batch: 64,
         train: 16_384,
         test: 4096,
         stragglers: vec![(0, 3.0), (1, 3.0)],
-        ..SimArgs::defaults()
+        ..ctr_adagrad(mode, 8)
     };
     let sync = run(&args(SimMode::Sync)).expect("sync");
     let gba = run(&args(SimMode::Gba)).expect("gba");
@@ -382,22 +374,7 @@ fn a_sweep_fills_every_cell_and_prints_the_bound_beside_the_optimum() {
 #[test]
 fn ctr_rows_go_through_the_sparse_table_and_sync_equals_the_dense_reference() {
     use gaps_sim::ModelChoice;
-    let base = SimArgs {
-        model: ModelChoice::Ctr,
-        rule: Rule::Adagrad,
-        mode: SimMode::Sync,
-        workers: 4,
-        lr: 0.05,
-        momentum: 0.0,
-        warmup_epochs: 0.0,
-        no_lr_decay: true,
-        linear_scaling: false,
-        epochs: 1,
-        batch: 64,
-        train: 8192,
-        test: 2048,
-        ..SimArgs::defaults()
-    };
+    let base = ctr_adagrad(SimMode::Sync, 4);
     let sparse = run(&base).expect("sparse");
     let dense = run(&SimArgs { model: ModelChoice::CtrDense, ..base.clone() }).expect("dense");
     assert_eq!((sparse.model.as_str(), dense.model.as_str()), ("ctr", "ctr-dense"));

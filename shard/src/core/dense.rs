@@ -148,8 +148,9 @@ impl ShardCore {
             return Ok(alone);
         }
         // gba: a gradient that went into a step still short of others expected soon waits for the step (the
-        // caller holds the request; see `hold`), and reads the values then. Not under `auto`, whose GBA runs
-        // only while a worker straggles, for speed (its accuracy comes from running sync otherwise).
+        // caller holds the request; see `hold`), and reads the values then. Only under `--mode gba`, not
+        // `auto`, whose GBA runs only while a worker straggles, for speed (its accuracy comes from running sync
+        // otherwise); the mode in force is checked too (a checkpoint restored may carry another).
         if self.active == Mode::Gba
             && self.cfg.modes.mode == Mode::Gba
             && !ack.duplicate

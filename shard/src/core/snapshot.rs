@@ -282,8 +282,8 @@ impl ShardCore {
     /// This shard's whole state for a backup's copy (replicated shards): a checkpoint, then what a
     /// checkpoint leaves to the restart — the clock, the leases' deadlines, when the step in progress
     /// started, when the coordinator last decided a mode, the straggler detector, the tables' eviction
-    /// samplers, GBA's hold — and the checkpoint's length last, so that [`ShardCore::from_copy`] continues exactly where
-    /// this core is: fed the same requests and ticks afterwards, it answers as this core does.
+    /// samplers, GBA's hold — and the checkpoint's length last, so that [`ShardCore::from_copy`] continues
+    /// exactly where this core is: fed the same requests and ticks afterwards, it answers as this core does.
     pub fn copy_state(&self) -> Result<Vec<u8>, ShardError> {
         let mut out = self.checkpoint_into(0, Vec::new())?;
         let checkpoint_len = out.len() as u64;
