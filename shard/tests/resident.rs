@@ -83,13 +83,15 @@ fn push(core: &mut ShardCore, worker: u32, seq: u64, pulled: &Frame, salt: f32) 
     call(core, msg, grads)
 }
 
-/// Three workers pull together and then push (staleness 0, 1, 2 in the asynchronous modes), four rounds;
-/// the second worker leaves; two more rounds. Every reply, in order.
+/// Three workers pull together and then push (staleness 0, 1, 2 in the asynchronous modes), each push
+/// followed by a pull, four rounds; the second worker leaves; two more rounds. Every reply, in order.
 fn scenario(core: &mut ShardCore, workers: &[u32], rounds: std::ops::Range<u64>, out: &mut Vec<Frame>) {
     for round in rounds {
         let pulled: Vec<Frame> = workers.iter().map(|_| pull(core)).collect();
         for (i, (w, p)) in workers.iter().zip(&pulled).enumerate() {
             out.push(push(core, *w, round, p, 0.01 * (i as f32 + 1.0) + 0.001 * round as f32));
+            // A read between two pushes of a step: GBA reads the step in progress ahead.
+            out.push(pull(core));
         }
         out.extend(pulled);
     }
@@ -107,7 +109,7 @@ fn run(core: &mut ShardCore) -> Vec<Frame> {
 
 #[test]
 fn every_rule_answers_the_same_with_the_state_resident_on_a_device() {
-    for mode in [Mode::Async, Mode::Sync] {
+    for mode in [Mode::Async, Mode::Sync, Mode::Gba] {
         for rule in Rule::ALL {
             let what = format!("{rule} {mode}");
             let mut plain = ShardCore::new(config(rule, mode)).expect("core");
@@ -226,7 +228,7 @@ fn initial_values_and_reads_go_through_the_device() {
 #[test]
 #[ignore = "needs an NVIDIA GPU (cargo test -p gaps-shard --test resident -- --ignored)"]
 fn every_rule_answers_the_same_with_the_state_in_gpu_memory() {
-    for mode in [Mode::Async, Mode::Sync] {
+    for mode in [Mode::Async, Mode::Sync, Mode::Gba] {
         for rule in Rule::ALL {
             let what = format!("{rule} {mode}");
             let gpu = gaps_kernels::cuda::CudaArenas::open(0).unwrap_or_else(|e| panic!("this test needs a GPU: {e}"));

@@ -1,6 +1,7 @@
 //! Dense pull and push: validation of a whole push before any change, staleness per chunk, per-tensor
 //! rules, and the update fan-out over the rayon pool.
 
+use super::resident::STEP_WORKER;
 use super::*;
 
 /// One validated chunk update of a push.
@@ -87,7 +88,7 @@ impl ShardCore {
                 "pull asks for {total} elements, more than four copies of this shard's {owned_elems}"
             )));
         }
-        if self.reads_step_ahead() && picked.iter().any(|i| self.accum_counts[*i] > 0) {
+        if self.gba_reads_ahead() && picked.iter().any(|i| self.accum_counts[*i] > 0) {
             return self.pull_step_ahead(metas, &picked);
         }
         if self.shared_replies
@@ -409,11 +410,6 @@ impl ShardCore {
         Ok(())
     }
 
-    /// Whether dense pulls read the step in progress ([`ShardCore::gba_reads_ahead`], CPU-held state only).
-    pub(super) fn reads_step_ahead(&self) -> bool {
-        self.gba_reads_ahead() && self.resident.is_none()
-    }
-
     /// A pull while the gba step in progress has gradients for some of the chunks: those chunks are read as
     /// the step would leave them were it applied now with the gradients it has ([`Self::step_ahead`]),
     /// the others as they are. Versions stay the applied ones.
@@ -482,15 +478,29 @@ impl ShardCore {
             gaps_kernels::pull_values(rule, &hyper, lr, workers, params, shared, &mut out);
             out
         };
+        // Copies of the state, from the host or from the device holding it (one copy back per chunk and
+        // gradient of the step: the preview is kept until the chunk's next gradient).
+        let (mut params, mut shared) = match self.resident {
+            None => ((*slot.params).clone(), slot.shared.clone()),
+            Some(_) => {
+                let (mut params, mut shared) = (Vec::with_capacity(slot.len), Vec::new());
+                self.resident_planes(index, &mut params, &mut shared)?;
+                (params, shared)
+            }
+        };
         // What a pull reads now, to interpolate from (only when the preview moves part of the way).
-        let now = (share < 1.0).then(|| view(&slot.params, &slot.shared));
-        let mut params = (*slot.params).clone();
-        let mut shared = slot.shared.clone();
+        let now = (share < 1.0).then(|| view(&params, &shared));
         let n = params.len();
         // The step is applied with the synchronous stripe's planes (`apply_now` with worker u32::MAX).
-        let mut worker = match layout.worker_planes {
-            0 => Vec::new(),
-            planes => slot.workers.get(&u32::MAX).cloned().unwrap_or_else(|| vec![0.0; planes * n]),
+        let mut worker = match (layout.worker_planes, slot.workers.get(&STEP_WORKER)) {
+            (0, _) => Vec::new(),
+            (planes, None) => vec![0.0; planes * n],
+            (_, Some(plane)) if self.resident.is_none() => plane.clone(),
+            (_, Some(_)) => {
+                let mut plane = Vec::new();
+                self.resident_worker_plane(index, STEP_WORKER, &mut plane)?;
+                plane
+            }
         };
         let read = if layout.needs_read { params.clone() } else { Vec::new() };
         let scalars = PushScalars { lr, lr_max: self.lr_max[t].max(lr), staleness: 0, t: slot.version + 1, workers };

@@ -184,8 +184,8 @@ impl ShardCore {
         self.leases.len().max(1)
     }
 
-    /// gba with `gba_lookahead`: pulls read the step in progress (dense chunks only where the state is
-    /// held by the CPU: [`ShardCore::reads_step_ahead`]).
+    /// gba with `gba_lookahead`: pulls read the step in progress (dense chunks and embedding rows; a chunk
+    /// held on a device is copied back to compute its preview).
     pub(super) fn gba_reads_ahead(&self) -> bool {
         self.active == Mode::Gba && self.cfg.modes.gba_lookahead
     }
