@@ -422,19 +422,30 @@ fn summary(worker: &mut Proc, timeout: Duration) -> serde_json::Value {
 
 /// The shards' counters, read over the bridge by an observer connecting to `coordinator` directly.
 fn shard_stats(dir: &Path, coordinator: &str, worker: &str) -> Vec<gaps_common::wire::Stats> {
+    let (runtime, observer) = observer(dir, coordinator, worker);
+    runtime.block_on(async move { observer.stats().await }).expect("shard stats")
+}
+
+/// A cluster checkpoint asked by an observer with certificate `cert` (only shard 0's may ask): each shard's
+/// file.
+fn cluster_checkpoint(dir: &Path, coordinator: &str, cert: &str) -> gaps_common::wire::CheckpointDone {
+    let (runtime, observer) = observer(dir, coordinator, cert);
+    runtime.block_on(async move { observer.checkpoint().await }).expect("a cluster checkpoint")
+}
+
+/// An observer connected to the cluster with `worker`'s certificate, and the runtime it runs on.
+fn observer(dir: &Path, coordinator: &str, worker: &str) -> (tokio::runtime::Runtime, gaps_worker::client::Client) {
+    use gaps_worker::client::{Client, ClientOptions};
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("runtime");
-    runtime.block_on(async {
-        use gaps_worker::client::{Client, ClientOptions};
-        let tls = gaps_transport::tls::TlsMaterial::load(
-            Path::new(&path(dir, "certs/ca.pem")),
-            Path::new(&path(dir, &format!("certs/{worker}.pem"))),
-            Path::new(&path(dir, &format!("certs/{worker}.key"))),
-        )
-        .expect("worker certificate");
-        let opts = ClientOptions::new(coordinator.to_string(), tls, gaps_common::wire::Role::Observer, "netns-test");
-        let observer = Client::connect(opts).await.expect("observer connects over the bridge");
-        observer.stats().await.expect("shard stats")
-    })
+    let tls = gaps_transport::tls::TlsMaterial::load(
+        Path::new(&path(dir, "certs/ca.pem")),
+        Path::new(&path(dir, &format!("certs/{worker}.pem"))),
+        Path::new(&path(dir, &format!("certs/{worker}.key"))),
+    )
+    .expect("worker certificate");
+    let opts = ClientOptions::new(coordinator.to_string(), tls, gaps_common::wire::Role::Observer, "netns-test");
+    let observer = runtime.block_on(Client::connect(opts)).expect("observer connects over the bridge");
+    (runtime, observer)
 }
 
 /// Issue 14 (c): a shard cut off from the network is noticed by the worker within seconds (its requests
@@ -616,7 +627,17 @@ fn wait_for_line(proc: &Proc, needle: &str, timeout: Duration) {
 fn a_primary_cut_off_from_the_coordinator_acknowledges_nothing_once_its_copy_took_over() {
     let net = Net::new(4, 4);
     let dir = setup(&net, "failover", &["worker", "w2"], &[]);
-    let shards = start_shards(&net, &dir, &[], &["--replicas=2", "--request-timeout=5s"]);
+    // Every request that changes a shard's state is recorded (the old primary's and the copy's), and the
+    // cluster's checkpoint at the end is compared with a replay of the records.
+    let (record, checkpoints) = (path(&dir, "records"), path(&dir, "checkpoints"));
+    let (record_flag, checkpoint_flag) =
+        (format!("--record-requests={record}"), format!("--checkpoint-dir={checkpoints}"));
+    let shards = start_shards(
+        &net,
+        &dir,
+        &[],
+        &["--replicas=2", "--request-timeout=5s", record_flag.as_str(), checkpoint_flag.as_str()],
+    );
     for s in &shards {
         wait_for_line(s, "backup caught up", Duration::from_secs(30));
     }
@@ -652,6 +673,34 @@ fn a_primary_cut_off_from_the_coordinator_acknowledges_nothing_once_its_copy_too
         assert!(acked >= steps, "worker {id} pushed to shard 1 every step: {s}");
     }
     eprintln!("workers: {summaries:?}");
+    // The final model equals a replay of the acknowledged requests: the old primary's record up to the last
+    // entry its copy had when it took over, then the copy's own, applied to the state the old primary
+    // started from, ends exactly at the copy's checkpoint (parameters, optimizer state, ledgers, counters).
+    let done = cluster_checkpoint(&dir, &coordinator, "shard-0");
+    let file = &done.shards.iter().find(|c| c.shard == 1).expect("shard 1's checkpoint").path;
+    let replay = Command::new(gaps_exe())
+        .args([
+            "server",
+            "--shard-index=1",
+            "--num-shards=2",
+            &format!("--listen={}:7070", net.addr(1)),
+            &format!("--ca={}", path(&dir, "certs/ca.pem")),
+            &format!("--cert={}", path(&dir, "certs/shard-1.pem")),
+            &format!("--key={}", path(&dir, "certs/shard-1.key")),
+            &format!("--layout={}", path(&dir, "layout.toml")),
+            &format!("--coordinator={coordinator}"),
+            "--replicas=2",
+            &format!("--replay-records={record}/shard-1-process-1.rec,{record}/shard-1-process-0.rec"),
+            &format!("--replay-checkpoint={file}"),
+        ])
+        .output()
+        .expect("run the replay");
+    let report = String::from_utf8_lossy(&replay.stdout);
+    assert!(replay.status.success(), "the replay: {report}\n{}", String::from_utf8_lossy(&replay.stderr));
+    let report: serde_json::Value = serde_json::from_str(report.trim()).expect("the replay's report");
+    let acked: u64 = summaries.iter().map(|s| s["acknowledged_by_shard"][1].as_u64().unwrap_or(0)).sum();
+    assert_eq!(report["pushes_applied"], acked, "the replay applied exactly the acknowledged pushes: {report}");
+    eprintln!("replay: {report}");
     drop(shards);
     let _ = std::fs::remove_dir_all(&dir);
 }

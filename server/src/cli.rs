@@ -115,6 +115,17 @@ pub struct ServerArgs {
     /// either and the backup holds every request the primary acknowledged.
     #[arg(long, env = "GAPS_FAILOVER_AFTER", default_value = "1s", value_parser = parse_duration)]
     pub failover_after: Duration,
+    /// Tests of replication: record every request that changes a served shard's state in this folder
+    /// (`gaps_server::record`).
+    #[arg(long, hide = true)]
+    pub record_requests: Option<PathBuf>,
+    /// Tests of replication: serve nothing; replay these request records of this shard (the first serving
+    /// process's, then each that took it over) and check the result against --replay-checkpoint.
+    #[arg(long, hide = true, value_delimiter = ',')]
+    pub replay_records: Vec<PathBuf>,
+    /// The checkpoint the replay must end equal to (with --replay-records).
+    #[arg(long, hide = true, requires = "replay_records")]
+    pub replay_checkpoint: Option<PathBuf>,
     /// How long a request's header, and then its payload, may take to arrive; a slower or stalled sender is
     /// cut off (and counted).
     #[arg(long, env = "GAPS_REQUEST_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
@@ -426,6 +437,7 @@ impl ServerArgs {
             replicas: self.replicas,
             replica_ack_timeout: self.replica_ack_timeout,
             failover_after: self.failover_after,
+            record: self.record_requests.clone(),
         })
     }
 }
@@ -494,6 +506,11 @@ pub async fn run(args: &ServerArgs) -> Result<()> {
         anyhow::bail!("--shard-index {} must be below --num-shards {}", args.shard_index, args.num_shards);
     }
     let mut cfg = args.service_config()?;
+    if !args.replay_records.is_empty() {
+        let replayed = crate::record::replay(&cfg.core, &args.replay_records, args.replay_checkpoint.as_deref())?;
+        println!("{}", serde_json::to_string(&replayed).context("encoding the replay's report")?);
+        return Ok(());
+    }
     if let Some(budget) = cfg.core.sparse.memory_budget.filter(|_| !cfg.core.layout.tables.is_empty()) {
         let how = if args.tables.table_memory.is_some() {
             "--table-memory".to_string()

@@ -7,6 +7,7 @@
 //! - [`data`]: cuts the training files into the coordinator's dealt splits (dynamic data sharding).
 //! - [`journal`]: the coordinator's dealer journal (async mode: a restore does not deal finished splits again).
 //! - [`replication`]: replicated shards (`--replicas`): the primary's log, shipped to backups that keep a copy.
+//! - [`record`]: a shard's request record and its replay (tests of replication; hidden flags).
 //! - [`cli`]: flags and the process entry point (bin `gaps-server`).
 //!
 //! Architecture invariant: this crate links neither the worker, nor the models, nor the data readers
@@ -19,6 +20,7 @@ pub mod cli;
 pub mod data;
 pub mod journal;
 pub mod metrics;
+pub mod record;
 pub mod replication;
 pub mod service;
 

@@ -844,13 +844,13 @@ impl Backups {
         }
     }
 
-    /// The copy of `shard`, taken over: its core and the primary's clock at its last entry. The copy is gone
-    /// from here (the primary's log is refused from now on).
-    pub fn take(&self, shard: u32) -> Option<(ShardCore, Duration)> {
+    /// The copy of `shard`, taken over: its core, the primary's clock at its last entry and that entry's
+    /// index. The copy is gone from here (the primary's log is refused from now on).
+    pub fn take(&self, shard: u32) -> Option<(ShardCore, Duration, u64)> {
         let mut r = self.replicas.get(&shard)?.lock().ok()?;
         r.taking_over = true;
-        let clock = r.clock;
-        r.core.take().map(|core| (core, clock))
+        let (clock, applied) = (r.clock, r.applied);
+        r.core.take().map(|core| (core, clock, applied))
     }
 
     fn handle_now(&self, frame: Frame) -> Result<ReplicaAck> {

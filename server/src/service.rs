@@ -99,6 +99,9 @@ pub struct ServiceConfig {
     pub replica_ack_timeout: Duration,
     /// A backup whose primary sent nothing for this long asks the coordinator to take the shard over.
     pub failover_after: Duration,
+    /// Record every request that changes a served shard's state in this folder (tests of replication:
+    /// [`crate::record`]).
+    pub record: Option<std::path::PathBuf>,
 }
 
 impl ServiceConfig {
@@ -131,6 +134,7 @@ impl ServiceConfig {
             replicas: 1,
             replica_ack_timeout: crate::replication::DEFAULT_ACK_TIMEOUT,
             failover_after: crate::replication::DEFAULT_FAILOVER_AFTER,
+            record: None,
         }
     }
 }
@@ -257,7 +261,11 @@ enum NoSnapshot {
 }
 
 /// Takes `p` if the core is at its point; keeps it for later if not yet; answers it if never.
-fn try_snapshot(core: &ShardCore, p: PendingSnapshot) -> Option<PendingSnapshot> {
+fn try_snapshot(
+    core: &ShardCore,
+    p: PendingSnapshot,
+    record: &mut Option<crate::record::Recorder>,
+) -> Option<PendingSnapshot> {
     if p.reply.is_closed() {
         return None;
     }
@@ -270,13 +278,28 @@ fn try_snapshot(core: &ShardCore, p: PendingSnapshot) -> Option<PendingSnapshot>
         Readiness::Ready => {
             let started = Instant::now();
             let taken = match core.checkpoint_into(p.id, p.buf) {
-                Ok(bytes) => Ok(Snapshot { bytes, pause: started.elapsed(), step: core.global_step() }),
+                Ok(bytes) => {
+                    if let Some(r) = record {
+                        r.item(&crate::record::Item::Checkpoint { id: p.id });
+                    }
+                    Ok(Snapshot { bytes, pause: started.elapsed(), step: core.global_step() })
+                }
                 Err(e) => Err(NoSnapshot::Failed(e.to_string())),
             };
             let _ = p.reply.send(taken);
             None
         }
     }
+}
+
+/// Where the core's thread writes what it handled besides its replies.
+struct Sinks {
+    /// The dealer's journal (the coordinator, async).
+    journal: Option<std::fs::File>,
+    /// The replica log its backups follow.
+    log: Option<Arc<Log>>,
+    /// The request record (`--record-requests`).
+    record: Option<crate::record::Recorder>,
 }
 
 /// Runs the core on the calling thread until every sender of `queue` is gone. A checkpoint waiting for its
@@ -290,10 +313,10 @@ fn run_actor(
     mut queue: mpsc::Receiver<Command>,
     started: Instant,
     part_wait: Duration,
-    mut journal: Option<std::fs::File>,
-    log: Option<Arc<Log>>,
+    sinks: Sinks,
     mut wake: Alarm,
 ) {
+    let Sinks { mut journal, log, mut record } = sinks;
     // A request that cannot be logged for the backups is refused, unhandled.
     let log_request = |now: Duration, frame: &Frame| {
         log.as_ref()
@@ -325,6 +348,9 @@ fn run_actor(
                                 continue;
                             }
                         };
+                        if let Some(r) = &mut record {
+                            r.request(index, now, &whole);
+                        }
                         let (answer, mut events) = core.handle_checked(whole, now, finite);
                         for (reply, _) in replies {
                             let _ = reply.send((answer.clone(), std::mem::take(&mut events), Vec::new(), index));
@@ -361,6 +387,9 @@ fn run_actor(
                             continue;
                         }
                     };
+                    if let Some(r) = &mut record {
+                        r.request(index, now, &frame);
+                    }
                     let (mut answer, events) = core.handle_checked(frame, now, finite);
                     // The replica log's lag is the process's, not the core's (a backup's core knows none).
                     if let (Some(log), Message::Stats(stats)) = (&log, &mut answer.msg) {
@@ -402,8 +431,9 @@ fn run_actor(
                     let _ = reply.send((frame, Vec::new(), Vec::new(), 0));
                 }
                 let now = started.elapsed();
-                if let Some(log) = &log {
-                    log.tick(now);
+                let index = log.as_ref().map_or(0, |log| log.tick(now));
+                if let Some(r) = &mut record {
+                    r.tick(index, now);
                 }
                 let events = core.tick(now);
                 let _ = reply.send((events, core.stats()));
@@ -412,6 +442,9 @@ fn run_actor(
             Command::Replace(f) => {
                 f(&mut core);
                 pending = None;
+                if let Some(r) = &mut record {
+                    r.item(&crate::record::Item::Replaced);
+                }
                 // The backups' copies do not continue the replaced core: each copies a new snapshot.
                 if let Some(log) = &log {
                     log.reset();
@@ -423,13 +456,16 @@ fn run_actor(
                     Some(log) => core.copy_state().map(|bytes| (log.follow(backup), bytes)).map_err(|e| e.to_string()),
                     None => Err("this shard keeps no replica log".into()),
                 };
+                if let (Some(r), Ok((index, _))) = (&mut record, &taken) {
+                    r.item(&crate::record::Item::Followed { backup, index: *index });
+                }
                 let _ = reply.send(taken);
             }
         }
         // The dealer's changes are journaled before a checkpoint can be taken after them.
         journal_changes(&mut core, &mut journal);
         if let Some(p) = pending.take() {
-            pending = try_snapshot(&core, p);
+            pending = try_snapshot(&core, p, &mut record);
         }
         if !parked.is_empty() {
             release_waits(&mut core, &mut parked, started.elapsed());
@@ -878,6 +914,8 @@ struct Takeover {
     clock: Duration,
     /// The replica epoch the coordinator granted.
     epoch: u64,
+    /// The last entry of the primary's log the copy applied.
+    applied: u64,
     endpoint: (quinn::Endpoint, net::PathTuning),
 }
 
@@ -905,9 +943,9 @@ async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<Takeover>) -
             cfg.core.shard
         );
     }
-    let (taken_core, taken_key, taken_clock, bound, replica_epoch) = match takeover {
-        Some(t) => (Some(t.core), Some(t.key), Some(t.clock), Some(t.endpoint), t.epoch),
-        None => (None, None, None, None, 0),
+    let (taken_core, taken_key, taken_clock, bound, replica_epoch, taken_index) = match takeover {
+        Some(t) => (Some(t.core), Some(t.key), Some(t.clock), Some(t.endpoint), t.epoch, t.applied),
+        None => (None, None, None, None, 0, 0),
     };
     let taken_core_given = taken_core.is_some();
     let (endpoint, path) = match bound {
@@ -1099,11 +1137,19 @@ async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<Takeover>) -
     // A striped push whose parts did not all come within a request's time limit is given up.
     let part_wait = cfg.request_timeout;
     let wake = Alarm { runtime: tokio::runtime::Handle::current(), queue: queue.downgrade(), armed: None };
+    let record = match &cfg.record {
+        Some(dir) => {
+            let rec = crate::record::Recorder::create(dir, shard, process, taken_index, &core)?;
+            info!(shard, path = %rec.path().display(), "recording every request that changes this shard's state");
+            Some(rec)
+        }
+        None => None,
+    };
     std::thread::Builder::new()
         .name(format!("gaps-shard-{shard}"))
         .spawn({
-            let log = log.clone();
-            move || run_actor(core, receiver, started, part_wait, journal, log, wake)
+            let sinks = Sinks { journal, log: log.clone(), record };
+            move || run_actor(core, receiver, started, part_wait, sinks, wake)
         })
         .context("starting the shard's core thread")?;
     let budget_units = (cfg.inflight_bytes / BUDGET_UNIT).clamp(1, u64::from(u32::MAX >> 3)) as u32;
@@ -1332,7 +1378,7 @@ async fn take_over(
             }
         }
     };
-    let (core, clock) = backups.take(shard).context("the copy is gone")?;
+    let (core, clock, applied) = backups.take(shard).context("the copy is gone")?;
     let mut c = cfg.clone();
     c.core = ShardConfig { shard, ..cfg.core.clone() };
     c.advertise = Some(addr.clone());
@@ -1346,6 +1392,7 @@ async fn take_over(
         key: shared.credentials.raw(),
         clock,
         epoch: granted_epoch,
+        applied,
         endpoint: (endpoint, path),
     };
     let server = start_serving(c, Some(takeover)).await?;
@@ -1492,21 +1539,21 @@ async fn take_checkpoint(shared: &Shared, id: Option<u64>, at: CheckpointAt) -> 
     Ok(Written { id, path, step })
 }
 
-/// Asks shard `index` at `addr` for checkpoint `id` at `at`.
+/// Asks shard `peer` for checkpoint `id` at `at`.
 async fn peer_checkpoint(
     endpoint: quinn::Endpoint,
     config: Option<quinn::ClientConfig>,
     cluster: String,
-    index: u32,
-    addr: String,
+    peer: gaps_shard::PeerShard,
     id: u64,
     at: CheckpointAt,
 ) -> Result<ShardCheckpoint, CheckpointFailure> {
+    let (index, addr) = (peer.index, peer.addr.as_str());
     let fail = |e: RpcError| CheckpointFailure::Other(anyhow!("shard {index} at {addr}: {e}"));
-    let conn = net::connect_with(&endpoint, config, net::resolve(&addr).await.map_err(fail)?, Duration::from_secs(5))
+    let conn = net::connect_with(&endpoint, config, net::resolve(addr).await.map_err(fail)?, Duration::from_secs(5))
         .await
         .map_err(fail)?;
-    net::expect_shard(&conn, &cluster, index).map_err(fail)?;
+    net::expect_shard(&conn, &cluster, peer.process).map_err(fail)?;
     let request = Message::CheckpointRequest(CheckpointRequest { id, at });
     let reply = net::call(&conn, &request, &[], &Limits::default(), CHECKPOINT_WAIT + Duration::from_secs(10)).await;
     conn.close(0u32.into(), b"checkpoint");
@@ -1579,14 +1626,15 @@ async fn apply_rollback(shared: &Shared, id: u64) -> Result<u64> {
     Ok(step)
 }
 
-/// Asks shard `index` at `addr` (the coordinator's request) for one rollback stage.
-async fn peer_rollback(shared: &Shared, index: u32, addr: &str, req: Rollback) -> Result<RollbackReply> {
+/// Asks shard `peer` (the coordinator's request) for one rollback stage.
+async fn peer_rollback(shared: &Shared, peer: &gaps_shard::PeerShard, req: Rollback) -> Result<RollbackReply> {
+    let (index, addr) = (peer.index, peer.addr.as_str());
     let config = shared.rotated.lock().ok().and_then(|c| c.clone());
     let target = net::resolve(addr).await.map_err(|e| anyhow!("shard {index} at {addr}: {e}"))?;
     let conn = net::connect_with(&shared.endpoint, config, target, Duration::from_secs(5))
         .await
         .map_err(|e| anyhow!("shard {index} at {addr}: {e}"))?;
-    net::expect_shard(&conn, &shared.own.cluster, index).map_err(|e| anyhow!("shard {index} at {addr}: {e}"))?;
+    net::expect_shard(&conn, &shared.own.cluster, peer.process).map_err(|e| anyhow!("shard {index} at {addr}: {e}"))?;
     let reply = net::call(&conn, &Message::Rollback(req), &[], &Limits::default(), CHECKPOINT_WAIT).await;
     conn.close(0u32.into(), b"rollback");
     match reply {
@@ -1615,8 +1663,8 @@ async fn cluster_rollback(shared: &Shared, restored: u64) -> Result<(u64, u64)> 
     }
     let ask = Rollback { id: restored, stage: RollbackStage::List };
     let mut common: std::collections::BTreeSet<u64> = own_checkpoints(shared, restored)?.into_iter().collect();
-    for (index, addr) in &peers {
-        let held = peer_rollback(shared, *index, addr, ask).await?.held;
+    for peer in &peers {
+        let held = peer_rollback(shared, peer, ask).await?.held;
         common.retain(|id| held.contains(id));
     }
     let Some(&id) = common.last() else {
@@ -1624,8 +1672,8 @@ async fn cluster_rollback(shared: &Shared, restored: u64) -> Result<(u64, u64)> 
     };
     let apply = Rollback { id, stage: RollbackStage::Apply };
     let mut steps = vec![(shared.shard, apply_rollback(shared, id).await?)];
-    for (index, addr) in &peers {
-        steps.push((*index, peer_rollback(shared, *index, addr, apply).await?.step));
+    for peer in &peers {
+        steps.push((peer.index, peer_rollback(shared, peer, apply).await?.step));
     }
     let step = steps[0].1;
     if steps.iter().any(|(_, s)| *s != step) {
@@ -1647,8 +1695,9 @@ async fn roll_back_cluster_after_restore(shared: Arc<Shared>, id: u64, mut stop:
         let result = if shared.shard == 0 {
             cluster_rollback(&shared, id).await
         } else {
-            let coordinator = shared.coordinator.clone().unwrap_or_default();
-            peer_rollback(&shared, 0, &coordinator, Rollback { id, stage: RollbackStage::Restored })
+            let coordinator =
+                gaps_shard::PeerShard { index: 0, addr: shared.coordinator.clone().unwrap_or_default(), process: 0 };
+            peer_rollback(&shared, &coordinator, Rollback { id, stage: RollbackStage::Restored })
                 .await
                 .and_then(|r| Ok((r.held.first().copied().context("an empty rollback reply")?, r.step)))
         };
@@ -1695,10 +1744,10 @@ async fn cluster_checkpoint(shared: &Shared) -> Result<CheckpointDone> {
         let at = if stepped { CheckpointAt::Step(step + margin) } else { CheckpointAt::Quiescent };
         let id = next_id(shared);
         let mut tasks = tokio::task::JoinSet::new();
-        for (index, addr) in peers.iter().cloned() {
+        for peer in peers.iter().cloned() {
             let (endpoint, cluster) = (shared.endpoint.clone(), shared.own.cluster.clone());
             let config = shared.rotated.lock().ok().and_then(|c| c.clone());
-            tasks.spawn(async move { (index, peer_checkpoint(endpoint, config, cluster, index, addr, id, at).await) });
+            tasks.spawn(async move { (peer.index, peer_checkpoint(endpoint, config, cluster, peer, id, at).await) });
         }
         let own = take_checkpoint(shared, Some(id), at).await.map(|w| ShardCheckpoint {
             shard: shared.shard,

@@ -19,5 +19,7 @@ pub mod sparse;
 pub mod stripes;
 
 pub use crate::checkpoint::CheckpointError;
-pub use crate::core::{CoreEvent, Init, Readiness, ShardConfig, ShardCore, ShardError, SparseSettings, SEQ_WINDOW};
+pub use crate::core::{
+    CoreEvent, Init, PeerShard, Readiness, ShardConfig, ShardCore, ShardError, SparseSettings, SEQ_WINDOW,
+};
 pub use crate::modes::{Mode, ModeConfig};

@@ -252,6 +252,17 @@ pub enum Readiness {
     Never(u64),
 }
 
+/// Another shard as the coordinator knows it ([`ShardCore::peer_shards`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerShard {
+    /// The shard.
+    pub index: u32,
+    /// Where it is served.
+    pub addr: String,
+    /// The shard process serving it (its certificate's index).
+    pub process: u32,
+}
+
 /// Something the core wants the embedding service to log or export.
 #[derive(Debug, Clone, PartialEq)]
 pub enum CoreEvent {
@@ -771,14 +782,16 @@ impl ShardCore {
         }
     }
 
-    /// The other shards' addresses (coordinator only: the shards that joined it), shard order.
-    pub fn peer_shards(&self) -> Vec<(u32, String)> {
-        self.coordinator
-            .as_ref()
-            .map(|c| {
-                c.shard_addrs.iter().filter(|(i, _)| **i != self.cfg.shard).map(|(i, a)| (*i, a.clone())).collect()
-            })
-            .unwrap_or_default()
+    /// The other shards (coordinator only: the shards that joined it), shard order: where each is served and
+    /// by which shard process (the one whose certificate it answers with; another than its own once a
+    /// backup took it over).
+    pub fn peer_shards(&self) -> Vec<PeerShard> {
+        let Some(c) = self.coordinator.as_ref() else { return Vec::new() };
+        c.shard_addrs
+            .iter()
+            .filter(|(i, _)| **i != self.cfg.shard)
+            .map(|(i, a)| PeerShard { index: *i, addr: a.clone(), process: c.replica_set(*i).process })
+            .collect()
     }
 
     /// Handles one request and returns the reply frame (an error reply when the request is refused; a
