@@ -9,6 +9,8 @@
 //! - [`buffers`]: a bounded recycler for very large `f32` buffers (payloads of many-MiB tensors).
 //! - [`identity`]: who a certificate says its holder is (its SPIFFE URI name, its validity), read by a small
 //!   DER reader on std alone (thiserror for its error), fuzzed (`fuzz/fuzz_targets/identity.rs`).
+//! - [`quorum`]: shard 0's configuration (who serves the coordinator's shard, with which backups in sync),
+//!   chosen by a majority of the shard processes (single-decree Paxos per version), sans-IO.
 //!
 //! Architecture invariant: this crate has no async runtime and no networking; `cargo tree -p gaps-common`
 //! shows neither tokio nor quinn, nor TLS: certificates are made and verified in `gaps-transport` (only the
@@ -20,6 +22,7 @@ pub mod dtype;
 pub mod identity;
 pub mod layout;
 pub mod layout_file;
+pub mod quorum;
 pub mod rng;
 pub mod wire;
 
