@@ -14,14 +14,16 @@
 //! Every length is checked against [`Limits`] before anything is allocated, and a header must be consumed
 //! exactly.
 //!
-//! This module holds the only types of the project that derive bincode's `Encode`/`Decode`.
+//! This module and [`crate::quorum`] (shard 0's configuration and the messages that choose it) hold the only
+//! types of the project that derive bincode's `Encode`/`Decode`.
 
 use crate::dtype::WireDtype;
 use crate::layout::{ChunkId, Layout};
+use crate::quorum::{ConfigAccept, ConfigAccepted, ConfigPrepare, ConfigPromise, ConfigRefused, CoordinatorConfig};
 use bincode::{Decode, Encode};
 
 /// Protocol version carried by registrations; a peer with another version is refused.
-pub const PROTOCOL_VERSION: u16 = 15;
+pub const PROTOCOL_VERSION: u16 = 16;
 /// Bytes before the header: the kind byte and the header length.
 pub const FRAME_PREFIX_LEN: usize = 5;
 /// Hard upper bound on an encoded header (also the bincode decode limit).
@@ -1144,6 +1146,18 @@ pub enum Message {
     Promote(Promote),
     /// The coordinator's answer to both.
     ReplicaEpoch(ReplicaEpoch),
+    /// Choosing shard 0's configuration ([`crate::quorum`], protocol 16), phase 1, proposer to acceptor.
+    ConfigPrepare(ConfigPrepare),
+    /// An acceptor's promise.
+    ConfigPromise(ConfigPromise),
+    /// Phase 2, proposer to acceptor.
+    ConfigAccept(ConfigAccept),
+    /// An acceptor accepted.
+    ConfigAccepted(ConfigAccepted),
+    /// An acceptor refused, with what it knows.
+    ConfigRefused(ConfigRefused),
+    /// A configuration chosen (to every process), and an acceptor's answer to it: the last it knows.
+    ConfigChosen(CoordinatorConfig),
 }
 
 /// Defines `kind()`, header encoding and kind-directed decoding for every variant in one place.
@@ -1187,7 +1201,8 @@ message_kinds! {
     29 => DataStatus, 30 => WaitStep, 31 => Initialize, 32 => Initialized,
     33 => TableScan, 34 => TableRows, 35 => TableLoad, 36 => TableLoaded,
     37 => ReplicaSnapshot, 38 => ReplicaAppend, 39 => ReplicaAck, 40 => ReplicaReport, 41 => Promote,
-    42 => ReplicaEpoch,
+    42 => ReplicaEpoch, 43 => ConfigPrepare, 44 => ConfigPromise, 45 => ConfigAccept, 46 => ConfigAccepted,
+    47 => ConfigRefused, 48 => ConfigChosen,
 }
 
 fn config() -> impl bincode::config::Config {
@@ -1690,6 +1705,37 @@ mod tests {
             Frame::new(Message::ReplicaReport(ReplicaReport { shard: 1, process: 2, epoch: 3, in_sync: vec![0, 4] })),
             Frame::new(Message::Promote(Promote { shard: 1, process: 0, epoch: 3, addr: "h:9".into() })),
             Frame::new(Message::ReplicaEpoch(ReplicaEpoch { shard: 1, epoch: 4 })),
+            Frame::new(Message::ConfigPrepare(ConfigPrepare {
+                ballot: crate::quorum::Ballot { round: 3, proposer: 1 },
+                base: CoordinatorConfig { version: 2, serving: 0, addr: "h:1".into(), in_sync: vec![1, 2] },
+            })),
+            Frame::new(Message::ConfigPromise(ConfigPromise {
+                version: 3,
+                ballot: crate::quorum::Ballot { round: 3, proposer: 1 },
+                accepted: Some((
+                    crate::quorum::Ballot { round: 2, proposer: 0 },
+                    CoordinatorConfig { version: 3, serving: 0, addr: "h:1".into(), in_sync: vec![2] },
+                )),
+            })),
+            Frame::new(Message::ConfigAccept(ConfigAccept {
+                ballot: crate::quorum::Ballot { round: 4, proposer: 1 },
+                base: CoordinatorConfig { version: 2, serving: 0, addr: "h:1".into(), in_sync: vec![1] },
+                value: CoordinatorConfig { version: 3, serving: 1, addr: "h:2".into(), in_sync: vec![] },
+            })),
+            Frame::new(Message::ConfigAccepted(ConfigAccepted {
+                version: 3,
+                ballot: crate::quorum::Ballot { round: 4, proposer: 1 },
+            })),
+            Frame::new(Message::ConfigRefused(ConfigRefused {
+                promised: crate::quorum::Ballot { round: 9, proposer: 2 },
+                chosen: CoordinatorConfig { version: 3, serving: 1, addr: "h:2".into(), in_sync: vec![] },
+            })),
+            Frame::new(Message::ConfigChosen(CoordinatorConfig {
+                version: 4,
+                serving: 1,
+                addr: "h:2".into(),
+                in_sync: vec![2],
+            })),
             Frame::new(Message::DataStatus(DataStatus {
                 shard: 1,
                 counts: vec![GrantCount { grant: 78, split: 4, samples: 900 }],
@@ -1757,7 +1803,7 @@ mod tests {
     fn every_message_round_trips() {
         let frames = samples();
         let kinds: std::collections::BTreeSet<u8> = frames.iter().map(|f| f.msg.kind()).collect();
-        assert_eq!(kinds.len(), 39, "one sample per kind");
+        assert_eq!(kinds.len(), 45, "one sample per kind");
         for f in frames {
             let bytes = encode_frame(&f).expect("encode");
             let back = decode_frame(&bytes, &Limits::default()).expect("decode");

@@ -156,6 +156,11 @@ pub fn authorize(msg: &Message, peer: &PeerIdentity, bound: Option<u32>) -> Resu
         | (Message::Promote(gaps_common::wire::Promote { process, .. }), _) => {
             Err(format!("{peer} cannot speak for shard process {process} (only that process's certificate can)"))
         }
+        // Shard 0's configuration is chosen by the shard processes alone.
+        (msg, Role::Shard(_)) if crate::quorum::is_quorum_message(msg) => Ok(()),
+        (msg, _) if crate::quorum::is_quorum_message(msg) => {
+            Err(format!("{peer} cannot choose shard 0's configuration (only a shard certificate can)"))
+        }
         // Data is dealt to workers only (a split dealt to anyone else would never be trained).
         (Message::SplitRequest(_), Role::Shard(_)) => {
             Err(format!("{peer} is not a worker certificate; only workers are dealt data"))

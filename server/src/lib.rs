@@ -7,6 +7,8 @@
 //! - [`data`]: cuts the training files into the coordinator's dealt splits (dynamic data sharding).
 //! - [`journal`]: the coordinator's dealer journal (async mode: a restore does not deal finished splits again).
 //! - [`replication`]: replicated shards (`--replicas`): the primary's log, shipped to backups that keep a copy.
+//! - [`quorum`]: shard 0's configuration chosen by a majority of the shard processes (each one's acceptor,
+//!   the coordinator's proposals).
 //! - [`record`]: a shard's request record and its replay (tests of replication; hidden flags).
 //! - [`cli`]: flags and the process entry point (bin `gaps-server`).
 //!
@@ -20,6 +22,7 @@ pub mod cli;
 pub mod data;
 pub mod journal;
 pub mod metrics;
+pub mod quorum;
 pub mod record;
 pub mod replication;
 pub mod service;

@@ -441,6 +441,9 @@ pub struct ShipContext {
     pub epoch: u64,
     /// Reports to the coordinator go one at a time, so that they arrive in the order the set changed.
     pub reporting: tokio::sync::Mutex<()>,
+    /// Shard 0 in a cluster that chooses its configuration by majority: its backups in sync are reported
+    /// there (see [`crate::quorum`]).
+    pub quorum: Option<Arc<crate::quorum::Quorum>>,
     /// Asks the core for a snapshot for `backup` (its bytes and the log index it holds).
     pub snapshot: Arc<dyn Fn(u32) -> SnapshotReply + Send + Sync>,
 }
@@ -498,8 +501,9 @@ pub async fn ship(ctx: Arc<ShipContext>, log: Arc<Log>, backup: u32, mut stop: w
 /// in-sync set when it did. False when the coordinator answered that another process serves the shard now
 /// (this one is fenced).
 async fn release(ctx: &ShipContext, log: &Log, backup: u32) -> bool {
-    // The coordinator's own shard is never taken over (its fail-over is not built yet), so it needs no leave.
-    if ctx.shard == 0 || !log.is_live(backup) {
+    // Without a majority to choose shard 0's configuration, nobody can take it over: its backups need no
+    // leave.
+    if (ctx.shard == 0 && ctx.quorum.is_none()) || !log.is_live(backup) {
         log.unfollow(backup);
         return true;
     }
@@ -539,6 +543,9 @@ enum Reported {
 async fn report(ctx: &ShipContext, log: &Log, except: Option<u32>) -> Result<(), Reported> {
     let _one = ctx.reporting.lock().await;
     let in_sync = log.live_set(except);
+    if let Some(quorum) = &ctx.quorum {
+        return report_to_quorum(ctx, quorum, log, in_sync, except).await;
+    }
     let msg =
         Message::ReplicaReport(ReplicaReport { shard: ctx.shard, process: ctx.process, epoch: ctx.epoch, in_sync });
     match ctx.link.call(&msg).await {
@@ -552,6 +559,65 @@ async fn report(ctx: &ShipContext, log: &Log, except: Option<u32>) -> Result<(),
         Ok(other) => Err(Reported::Failed(anyhow!("the coordinator answered with {}", net::kind_name(&other.msg)))),
         Err(e) => Err(Reported::Failed(anyhow!("the coordinator ({}): {e}", ctx.link.coordinator))),
     }
+}
+
+/// [`report`] for shard 0 when a majority of the shard processes chooses its configuration: a configuration
+/// with these backups in sync, chosen; another process chosen to serve shard 0 means this one is fenced.
+async fn report_to_quorum(
+    ctx: &ShipContext,
+    quorum: &crate::quorum::Quorum,
+    log: &Log,
+    in_sync: Vec<u32>,
+    except: Option<u32>,
+) -> Result<(), Reported> {
+    let me = ctx.process;
+    let base = quorum.chosen();
+    if base.serving != me {
+        return Err(Reported::Moved);
+    }
+    if base.in_sync != in_sync {
+        let peers = process_addresses(ctx).await.map_err(Reported::Failed)?;
+        let addr = ctx.link.coordinator.clone();
+        let want = |base: &gaps_common::quorum::CoordinatorConfig| gaps_common::quorum::CoordinatorConfig {
+            version: base.version + 1,
+            serving: me,
+            addr: addr.clone(),
+            in_sync: in_sync.clone(),
+        };
+        let chosen = quorum.propose(want, &peers, &ctx.link, QUORUM_WAIT).await.map_err(Reported::Failed)?;
+        if chosen.serving != me {
+            return Err(Reported::Moved);
+        }
+        if chosen.in_sync != in_sync {
+            return Err(Reported::Failed(anyhow!(
+                "shard 0's configuration {} was chosen with backups {:?} in sync, not {in_sync:?}; telling again",
+                chosen.version,
+                chosen.in_sync
+            )));
+        }
+        info!(version = chosen.version, in_sync = ?chosen.in_sync, "shard 0's backups in sync, chosen by a majority");
+    }
+    if let Some(backup) = except {
+        log.unfollow(backup);
+    }
+    Ok(())
+}
+
+/// How long one report of shard 0's backups waits for a majority of the shard processes.
+const QUORUM_WAIT: Duration = Duration::from_secs(5);
+
+/// Every other shard process and where it listens, from the coordinator's map (a process whose shard was
+/// taken over and that is not back is left out).
+async fn process_addresses(ctx: &ShipContext) -> Result<Vec<(u32, String)>> {
+    let map = ctx.link.map(&format!("shard-{} quorum", ctx.shard)).await.map_err(|e| anyhow!("the map: {e}"))?;
+    let mut out = Vec::new();
+    for p in (0..map.num_shards).filter(|p| *p != ctx.process) {
+        let own = map.shards.iter().find(|s| s.index == p && s.process == p);
+        if let Some(s) = own.or_else(|| map.spare.iter().find(|s| s.index == p)) {
+            out.push((p, s.addr.clone()));
+        }
+    }
+    Ok(out)
 }
 
 async fn ship_once(ctx: &ShipContext, log: &Log, backup: u32, said: &mut bool) -> Result<()> {
@@ -594,7 +660,7 @@ async fn ship_once(ctx: &ShipContext, log: &Log, backup: u32, said: &mut bool) -
     let mut applied = index;
     let mut logged = log.logged.subscribe();
     // Once the backup counts, the coordinator hears of it (until then it may not promote the copy).
-    let (mut reported, mut said_failure) = (ctx.shard == 0, false);
+    let (mut reported, mut said_failure) = (ctx.shard == 0 && ctx.quorum.is_none(), false);
     loop {
         if !reported && log.is_live(backup) {
             match report(ctx, log, None).await {

@@ -686,6 +686,8 @@ struct Shared {
     /// The replica log of this shard (with `--replicas` ≥ 2), and the copies of other shards kept here.
     log: Option<Arc<Log>>,
     backups: Option<Arc<Backups>>,
+    /// This process's part in choosing shard 0's configuration (with `--replicas` ≥ 2 and ≥ 3 processes).
+    quorum: Option<Arc<crate::quorum::Quorum>>,
     /// The address clients reach this shard at.
     advertise: String,
     /// Copies of each shard the cluster keeps (told to clients with the map).
@@ -827,6 +829,12 @@ impl RunningServer {
         self.shared.log.as_ref().map_or(0, |l| l.live_backups())
     }
 
+    /// The last configuration of shard 0 this process knows chosen by a majority (None: the cluster does not
+    /// choose it so, [`crate::quorum::enabled`]).
+    pub fn shard0_config(&self) -> Option<gaps_common::quorum::CoordinatorConfig> {
+        self.shared.quorum.as_ref().map(|q| q.chosen())
+    }
+
     /// Requests and connections refused because the certificate or credential did not allow them.
     pub fn unauthorized(&self) -> u64 {
         self.shared.unauthorized.load(Ordering::Relaxed)
@@ -916,6 +924,8 @@ struct Takeover {
     epoch: u64,
     /// The last entry of the primary's log the copy applied.
     applied: u64,
+    /// The process's part in choosing shard 0's configuration.
+    quorum: Option<Arc<crate::quorum::Quorum>>,
     endpoint: (quinn::Endpoint, net::PathTuning),
 }
 
@@ -943,9 +953,9 @@ async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<Takeover>) -
             cfg.core.shard
         );
     }
-    let (taken_core, taken_key, taken_clock, bound, replica_epoch, taken_index) = match takeover {
-        Some(t) => (Some(t.core), Some(t.key), Some(t.clock), Some(t.endpoint), t.epoch, t.applied),
-        None => (None, None, None, None, 0, 0),
+    let (taken_core, taken_key, taken_clock, bound, replica_epoch, taken_index, taken_quorum) = match takeover {
+        Some(t) => (Some(t.core), Some(t.key), Some(t.clock), Some(t.endpoint), t.epoch, t.applied, Some(t.quorum)),
+        None => (None, None, None, None, 0, 0, None),
     };
     let taken_core_given = taken_core.is_some();
     let (endpoint, path) = match bound {
@@ -1122,6 +1132,23 @@ async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<Takeover>) -
         }
     };
     let log = (cfg.replicas > 1).then(|| Arc::new(Log::new(shard, cfg.inflight_bytes)));
+    // One acceptor per process: a shard taken over here shares the process's.
+    let quorum = match taken_quorum {
+        Some(q) => q,
+        None if crate::quorum::enabled(cfg.replicas, cfg.core.num_shards) => {
+            let coordinator = cfg.coordinator.clone().unwrap_or_else(|| advertise.clone());
+            let dir = cfg.checkpoint.as_ref().map(|c| c.dir.as_path());
+            if dir.is_none() {
+                warn!(
+                    process,
+                    "no --checkpoint-dir: this process's part in choosing shard 0's configuration lives in memory \
+                     only (restarted during a choice, it could answer twice)"
+                );
+            }
+            Some(Arc::new(crate::quorum::Quorum::open(process, cfg.core.num_shards, &coordinator, dir)?))
+        }
+        None => None,
+    };
     if let (true, Some(log)) = (spare, &log) {
         warn!(
             shard,
@@ -1207,6 +1234,7 @@ async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<Takeover>) -
         shard,
         log: log.clone(),
         backups,
+        quorum: quorum.clone(),
         advertise: advertise.clone(),
         replicas: cfg.replicas,
         taken_over: std::sync::Mutex::new(Vec::new()),
@@ -1268,6 +1296,7 @@ async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<Takeover>) -
             process,
             epoch: replica_epoch,
             reporting: tokio::sync::Mutex::new(()),
+            quorum: quorum.clone().filter(|_| shard == 0),
             snapshot: Arc::new(move |backup| {
                 let (tx, rx) = oneshot::channel();
                 if let Err(mpsc::error::TrySendError::Full(Command::ReplicaSnapshot { reply, .. })) =
@@ -1393,6 +1422,7 @@ async fn take_over(
         clock,
         epoch: granted_epoch,
         applied,
+        quorum: shared.quorum.clone(),
         endpoint: (endpoint, path),
     };
     let server = start_serving(c, Some(takeover)).await?;
@@ -2212,6 +2242,17 @@ async fn serve_request(
             let fenced = shared.log.as_ref().is_some_and(|l| l.fenced());
             let handled = if let Err(reason) = crate::auth::authorize(&frame.msg, &peer.identity, bound) {
                 Some((refuse_unauthorized(shared, peer, &reason), Vec::new(), Vec::new()))
+            } else if crate::quorum::is_quorum_message(&frame.msg) {
+                // A fenced process still takes part in choosing shard 0's configuration.
+                let reply = match (&shared.quorum, &peer.identity.role) {
+                    (Some(q), Role::Shard(sender)) => q.handle(*sender, &frame.msg),
+                    _ => Frame::new(Message::error(
+                        ErrorCode::Misconfigured,
+                        "this cluster does not choose shard 0's configuration by majority (it takes --replicas 2 \
+                         or more and at least 3 shard processes)",
+                    )),
+                };
+                Some((reply, Vec::new(), Vec::new()))
             } else if fenced && !matches!(frame.msg, Message::ReplicaSnapshot(_) | Message::ReplicaAppend(_)) {
                 Some((moved(shared), Vec::new(), Vec::new()))
             } else if let Some(refusal) = promote_refusal(shared, &frame.msg).await {
@@ -2382,7 +2423,10 @@ async fn promote_refusal(shared: &Shared, msg: &Message) -> Option<Frame> {
             format!("shard {shard}'s primary at {addr} answers: it is not taken over"),
         ))),
         _ => {
-            if let Some(log) = &shared.log {
+            // Not when a majority chooses shard 0's backups: a probe that got no answer does not prove the
+            // process dead, and only a configuration chosen without it lets replies stop waiting for it
+            // (its shipping task proposes one once its ack timeout passes).
+            if let (Some(log), None) = (&shared.log, &shared.quorum) {
                 log.unfollow(process);
             }
             None

@@ -15,11 +15,15 @@ use gaps_worker::client::{Client, ClientOptions};
 use std::time::Duration;
 
 fn core_config(shard: u32, mode: Mode) -> ShardConfig {
+    ShardConfig { num_shards: 2, ..core_config_of(shard, 2, mode) }
+}
+
+fn core_config_of(shard: u32, num_shards: u32, mode: Mode) -> ShardConfig {
     let mut adam = TensorSpec::new("b", 70);
     adam.rule.rule = Some("adam".into());
     ShardConfig {
         shard,
-        num_shards: 2,
+        num_shards,
         layout: Layout::new(vec![TensorSpec::new("w", 600), adam], 64).expect("layout"),
         rule: Rule::Momentum,
         hyper: Hyper { lr: 0.01, momentum: 0.9, ..Hyper::default() },
@@ -309,4 +313,82 @@ async fn a_killed_process_started_again_keeps_copies_again_while_training_goes_o
     copy_matches(&again, &s0, 1, mode).await;
     again.shutdown().await.expect("shutdown");
     s0.shutdown().await.expect("shutdown");
+}
+
+/// With three processes a majority chooses shard 0's configuration (docs/replication.md, step 4): the
+/// coordinator's backup in sync is chosen once it counts; when that backup dies, the coordinator's replies
+/// go on without it only once a majority (itself and process 2) chose the configuration without it. With
+/// process 2 dead first, no majority is left when the backup dies: the configuration stays as it was, and a
+/// push to shard 0 is refused as busy rather than acknowledged without its copy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shard_0_goes_on_without_its_backup_only_once_a_majority_chose_so() {
+    for without_majority in [false, true] {
+        let certs = ClusterCerts::generate(&[]).expect("certs");
+        let start = |shard: u32, coordinator: Option<String>| {
+            let cfg = ServiceConfig {
+                coordinator,
+                join_timeout: Duration::from_secs(20),
+                tick_interval: Duration::from_millis(100),
+                replicas: 2,
+                replica_ack_timeout: Duration::from_millis(500),
+                failover_after: Duration::from_secs(3600),
+                request_timeout: Duration::from_secs(3),
+                data: Some(DealerConfig {
+                    table: SplitTable::Synthetic { samples_per_split: 100 },
+                    epochs: None,
+                    grant_floor: 1 << 32,
+                }),
+                ..ServiceConfig::new(
+                    "127.0.0.1:0".parse().expect("addr"),
+                    certs.shard_material(shard).expect("tls"),
+                    core_config_of(shard, 3, Mode::Async),
+                )
+            };
+            async move { service::start(cfg).await.expect("start shard") }
+        };
+        let s0 = start(0, None).await;
+        let s1 = start(1, Some(s0.advertise.clone())).await;
+        let s2 = start(2, Some(s0.advertise.clone())).await;
+        let config = |s: &RunningServer| s.shard0_config().expect("a majority chooses shard 0's configuration");
+        for _ in 0..400 {
+            if config(&s0).in_sync == [1] && config(&s2).in_sync == [1] {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        assert_eq!((config(&s0).version, config(&s0).serving, config(&s0).in_sync), (1, 0, vec![1]));
+        // A split request goes to the coordinator alone and changes its state (the dealer's loans): its
+        // answer waits for shard 0's backups as a push's does.
+        let mut o = ClientOptions::new(&s0.advertise, certs.worker_material().expect("tls"), Role::Worker, "t");
+        o.rpc_timeout = Duration::from_secs(6);
+        let worker = Client::connect(o).await.expect("connect");
+        let first = worker.next_split(None).await.expect("a split with every process up").split.expect("a split").grant;
+        if without_majority {
+            s2.crash();
+            s1.crash();
+            let refused = worker.next_split(Some(first)).await;
+            assert!(refused.is_err(), "shard 0 answered a change its only copy never got: {refused:?}");
+            assert_eq!(config(&s0).in_sync, vec![1], "no majority, no new configuration");
+        } else {
+            s1.crash();
+            for _ in 0..400 {
+                if config(&s0).in_sync.is_empty() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+            let chosen = config(&s0);
+            assert_eq!((chosen.version, chosen.serving, chosen.in_sync.clone()), (2, 0, vec![]));
+            for _ in 0..100 {
+                if config(&s2) == chosen {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+            assert_eq!(config(&s2), chosen, "process 2 was told");
+            worker.next_split(Some(first)).await.expect("shard 0 goes on without its backup");
+            s2.shutdown().await.expect("shutdown");
+        }
+        s0.shutdown().await.expect("shutdown");
+    }
 }

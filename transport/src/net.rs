@@ -1070,6 +1070,12 @@ pub fn kind_name(msg: &Message) -> &'static str {
         Message::ReplicaReport(_) => "replica-report",
         Message::Promote(_) => "promote",
         Message::ReplicaEpoch(_) => "replica-epoch",
+        Message::ConfigPrepare(_) => "config-prepare",
+        Message::ConfigPromise(_) => "config-promise",
+        Message::ConfigAccept(_) => "config-accept",
+        Message::ConfigAccepted(_) => "config-accepted",
+        Message::ConfigRefused(_) => "config-refused",
+        Message::ConfigChosen(_) => "config-chosen",
     }
 }
 

@@ -1,0 +1,215 @@
+//! The service's part in choosing shard 0's configuration by a majority of the shard processes
+//! (`gaps_common::quorum`, docs/replication.md step 4): each process's acceptor — its state written to
+//! its checkpoint folder before it answers, so that a restarted process keeps its promises — and the
+//! proposals of the process serving shard 0 (its backups in sync, before its replies stop waiting for one).
+//! On with `--replicas` ≥ 2 and at least 3 shard processes; with 2, no majority survives either's loss, and
+//! shard 0 keeps its backups as before (dropped without asking; never taken over).
+
+use crate::replication::CoordinatorLink;
+use anyhow::{anyhow, bail, Context, Result};
+use gaps_common::quorum::{Acceptor, CoordinatorConfig, Outcome, Proposer, Refusal, Send};
+use gaps_common::wire::{ErrorCode, Frame, Limits, Message};
+use gaps_transport::net;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::Duration;
+use tracing::{info, warn};
+
+/// How long a proposer waits for one acceptor's answer.
+const ANSWER_WAIT: Duration = Duration::from_millis(1500);
+
+/// Whether a cluster chooses shard 0's configuration by majority.
+pub fn enabled(replicas: u32, processes: u32) -> bool {
+    replicas >= 2 && processes >= 3
+}
+
+/// Whether `msg` is one of the messages that choose shard 0's configuration.
+pub fn is_quorum_message(msg: &Message) -> bool {
+    matches!(msg, Message::ConfigPrepare(_) | Message::ConfigAccept(_) | Message::ConfigChosen(_))
+}
+
+/// This process's acceptor and its proposals.
+#[derive(Debug)]
+pub struct Quorum {
+    process: u32,
+    processes: u32,
+    acceptor: Mutex<Acceptor>,
+    file: Option<PathBuf>,
+}
+
+impl Quorum {
+    /// Process `process` of `processes`: its acceptor as its folder `dir` kept it, or a new one that knows
+    /// the cluster's start (process 0 serving shard 0 at `coordinator`). Without a folder the state lives in
+    /// memory only (a process restarted during a choice could then answer twice; give every process
+    /// `--checkpoint-dir`).
+    pub fn open(process: u32, processes: u32, coordinator: &str, dir: Option<&Path>) -> Result<Self> {
+        let file = dir.map(|d| d.join(format!("quorum-process-{process}.bin")));
+        let acceptor = match file.as_ref().filter(|f| f.exists()) {
+            Some(f) => {
+                let bytes = std::fs::read(f).with_context(|| format!("reading {}", f.display()))?;
+                let a = Acceptor::from_bytes(&bytes)
+                    .map_err(|e| anyhow!("{}: not an acceptor's state: {e}", f.display()))?;
+                info!(process, chosen = ?a.chosen(), "shard 0's configuration as this process last knew it");
+                a
+            }
+            None => Acceptor::new(CoordinatorConfig {
+                version: 0,
+                serving: 0,
+                addr: coordinator.to_string(),
+                in_sync: Vec::new(),
+            }),
+        };
+        Ok(Quorum { process, processes, acceptor: Mutex::new(acceptor), file })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Acceptor> {
+        // Every change to the acceptor is one call that leaves it whole.
+        self.acceptor.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The last configuration of shard 0 this process knows chosen.
+    pub fn chosen(&self) -> CoordinatorConfig {
+        self.lock().chosen().clone()
+    }
+
+    /// Writes the acceptor's state (before any answer that depends on it goes out).
+    fn save(&self, a: &Acceptor) -> Result<()> {
+        let Some(file) = &self.file else { return Ok(()) };
+        let bytes = a.to_bytes();
+        let tmp = file.with_extension("tmp");
+        {
+            use std::io::Write;
+            let mut f = std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+            f.write_all(&bytes).and_then(|()| f.sync_all()).with_context(|| format!("writing {}", tmp.display()))?;
+        }
+        std::fs::rename(&tmp, file).with_context(|| format!("renaming {}", tmp.display()))
+    }
+
+    /// Answers a [`is_quorum_message`] request from shard process `sender`.
+    pub fn handle(&self, sender: u32, msg: &Message) -> Frame {
+        let mut a = self.lock();
+        let before = a.clone();
+        let answer = match msg {
+            Message::ConfigPrepare(p) => a.prepare(p).map(Message::ConfigPromise),
+            Message::ConfigAccept(x) => a.accept(x).map(Message::ConfigAccepted),
+            Message::ConfigChosen(c) => {
+                if a.learn(c) {
+                    info!(from = sender, version = c.version, serving = c.serving, in_sync = ?c.in_sync, "shard 0's configuration chosen");
+                }
+                Ok(Message::ConfigChosen(a.chosen().clone()))
+            }
+            other => Err(Refusal::Invalid(format!("{} does not choose a configuration", net::kind_name(other)))),
+        };
+        if *a != before {
+            if let Err(e) = self.save(&a) {
+                // Nothing is answered on a promise that may not outlive a restart.
+                *a = before;
+                return Frame::new(Message::error(ErrorCode::Internal, format!("keeping the acceptor's state: {e:#}")));
+            }
+        }
+        Frame::new(match answer {
+            Ok(m) => m,
+            Err(Refusal::Outdated(r)) => Message::ConfigRefused(r),
+            Err(Refusal::Invalid(why)) => Message::error(ErrorCode::Misconfigured, why),
+        })
+    }
+
+    /// Proposes `want` (the version after the last chosen one this process knows, built from it by `want`)
+    /// to every process in `peers` (process, address) and this one, until a configuration is chosen for that
+    /// version — this one, or one proposed earlier that a majority had accepted — or `within` has passed.
+    /// Every process is told what was chosen.
+    pub async fn propose(
+        &self,
+        want: impl Fn(&CoordinatorConfig) -> CoordinatorConfig,
+        peers: &[(u32, String)],
+        link: &CoordinatorLink,
+        within: Duration,
+    ) -> Result<CoordinatorConfig> {
+        let base = self.chosen();
+        let mut proposer =
+            Proposer::new(self.process, self.processes, base.clone(), want(&base)).map_err(|e| anyhow!(e))?;
+        let started = std::time::Instant::now();
+        let mut next = Send::Prepare(proposer.prepare());
+        let outcome = loop {
+            let msg = match &next {
+                Send::Prepare(p) => Message::ConfigPrepare(p.clone()),
+                Send::Accept(a) => Message::ConfigAccept(a.clone()),
+                Send::Nothing => unreachable!("set to a message below"),
+            };
+            let mut answers = vec![(self.process, self.handle(self.process, &msg))];
+            answers.extend(ask_all(link, peers, &msg).await);
+            let mut accept = None;
+            for (from, frame) in answers {
+                match frame.msg {
+                    Message::ConfigPromise(p) => {
+                        if let Send::Accept(a) = proposer.on_promise(from, &p) {
+                            accept = Some(a);
+                        }
+                    }
+                    Message::ConfigAccepted(a) => drop(proposer.on_accepted(from, &a)),
+                    Message::ConfigRefused(r) => drop(proposer.on_refused(&r)),
+                    _ => {}
+                }
+            }
+            match proposer.outcome() {
+                Outcome::Pending => {}
+                done => break done,
+            }
+            if started.elapsed() >= within {
+                bail!("no majority of the {} shard processes answered within {within:?}", self.processes);
+            }
+            next = match accept {
+                Some(a) => Send::Accept(a),
+                None => {
+                    // Refused or too few answers: a higher ballot after a pause (two proposers that keep
+                    // pre-empting each other drift apart).
+                    let pause = 20 + u64::from(self.process) * 17 + (started.elapsed().as_millis() as u64 % 50);
+                    tokio::time::sleep(Duration::from_millis(pause)).await;
+                    Send::Prepare(proposer.retry().context("the proposal ended")?)
+                }
+            };
+        };
+        let chosen = match outcome {
+            Outcome::Chosen(c) | Outcome::Superseded(c) => c,
+            Outcome::Pending => unreachable!("left the loop on an outcome"),
+        };
+        let tell = Message::ConfigChosen(chosen.clone());
+        self.handle(self.process, &tell);
+        let (link, peers) = (link.clone(), peers.to_vec());
+        tokio::spawn(async move { ask_all(&link, &peers, &tell).await });
+        Ok(chosen)
+    }
+}
+
+/// Sends `msg` to every process in `peers` at once; the answers that came within [`ANSWER_WAIT`].
+async fn ask_all(link: &CoordinatorLink, peers: &[(u32, String)], msg: &Message) -> Vec<(u32, Frame)> {
+    let mut tasks = tokio::task::JoinSet::new();
+    for (process, addr) in peers.iter().cloned() {
+        let (link, msg) = (link.clone(), msg.clone());
+        tasks.spawn(async move {
+            let call = async {
+                let conn = link.connect(&addr, process).await?;
+                let reply = net::call(&conn, &msg, &[], &Limits::default(), ANSWER_WAIT).await;
+                conn.close(0u32.into(), b"done");
+                reply
+            };
+            match tokio::time::timeout(ANSWER_WAIT, call).await {
+                Ok(Ok(frame)) => Some((process, frame)),
+                Ok(Err(e)) => {
+                    tracing::debug!(process, %addr, error = %e, "no answer about shard 0's configuration");
+                    None
+                }
+                Err(_) => None,
+            }
+        });
+    }
+    let mut out = Vec::new();
+    while let Some(joined) = tasks.join_next().await {
+        match joined {
+            Ok(Some(answer)) => out.push(answer),
+            Ok(None) => {}
+            Err(e) => warn!(error = %e, "a request about shard 0's configuration failed"),
+        }
+    }
+    out
+}
