@@ -34,7 +34,7 @@ impl CoordinatorConfig {
     /// Whether `next` may follow `self`: the next version, served by the same process (backups added or
     /// dropped) or by one of its backups in sync (a takeover, with no backup in sync yet).
     pub fn may_follow(&self, next: &CoordinatorConfig) -> bool {
-        next.version == self.version + 1
+        Some(next.version) == self.version.checked_add(1)
             && !next.in_sync.contains(&next.serving)
             && (next.serving == self.serving || (self.in_sync.contains(&next.serving) && next.in_sync.is_empty()))
     }
@@ -141,6 +141,11 @@ impl Acceptor {
         }
     }
 
+    /// The round of the ballot it promised for the version in progress.
+    pub fn promised_round(&self) -> u64 {
+        self.promised.round
+    }
+
     /// The last configuration this acceptor knows chosen.
     pub fn chosen(&self) -> &CoordinatorConfig {
         &self.chosen
@@ -169,7 +174,8 @@ impl Acceptor {
             return Err(self.refused());
         }
         self.promised = p.ballot;
-        Ok(ConfigPromise { version: self.chosen.version + 1, ballot: p.ballot, accepted: self.accepted.clone() })
+        let version = self.chosen.version.saturating_add(1);
+        Ok(ConfigPromise { version, ballot: p.ballot, accepted: self.accepted.clone() })
     }
 
     /// Phase 2 (see [`ConfigAccept`]).
@@ -231,8 +237,17 @@ pub struct Proposer {
 }
 
 impl Proposer {
-    /// Process `me` proposes `want` (version `base.version + 1`, valid after `base`) to `voters` acceptors.
-    pub fn new(me: u32, voters: u32, base: CoordinatorConfig, want: CoordinatorConfig) -> Result<Self, String> {
+    /// Process `me` proposes `want` (version `base.version + 1`, valid after `base`) to `voters` acceptors,
+    /// with ballots above round `above`: a process must never use one ballot for two proposals of a version
+    /// (a late phase 2 message of the first could overwrite the second's choice), so it passes the highest
+    /// round it used or promised before ([`Proposer::round`], [`Acceptor::promised_round`]).
+    pub fn new(
+        me: u32,
+        voters: u32,
+        base: CoordinatorConfig,
+        want: CoordinatorConfig,
+        above: u64,
+    ) -> Result<Self, String> {
         if !base.may_follow(&want) {
             return Err(format!("configuration {want:?} cannot follow {base:?}"));
         }
@@ -244,7 +259,7 @@ impl Proposer {
             voters,
             base,
             want,
-            ballot: Ballot { round: 1, proposer: me },
+            ballot: Ballot { round: above.saturating_add(1), proposer: me },
             phase: Phase::Preparing { promises: Default::default() },
             highest: 0,
         })
@@ -252,6 +267,11 @@ impl Proposer {
 
     fn majority(&self) -> usize {
         self.voters as usize / 2 + 1
+    }
+
+    /// The round of the current ballot.
+    pub fn round(&self) -> u64 {
+        self.ballot.round
     }
 
     /// Phase 1 of the current ballot.
@@ -270,7 +290,7 @@ impl Proposer {
     /// Acceptor `from` promised: once a majority did, phase 2 with the value of the highest-numbered
     /// proposal they accepted before, or this proposer's own.
     pub fn on_promise(&mut self, from: u32, p: &ConfigPromise) -> Send {
-        if p.ballot != self.ballot || p.version != self.base.version + 1 {
+        if p.ballot != self.ballot || p.version != self.want.version {
             return Send::Nothing;
         }
         let majority = self.majority();
@@ -287,7 +307,7 @@ impl Proposer {
 
     /// Acceptor `from` accepted: once a majority did, the value is chosen (tell every process).
     pub fn on_accepted(&mut self, from: u32, a: &ConfigAccepted) -> Outcome {
-        if a.ballot != self.ballot || a.version != self.base.version + 1 {
+        if a.ballot != self.ballot || a.version != self.want.version {
             return self.outcome();
         }
         let majority = self.majority();
@@ -308,7 +328,7 @@ impl Proposer {
             return self.outcome();
         }
         if r.chosen.version > self.base.version {
-            let done = if r.chosen.version == self.base.version + 1 {
+            let done = if r.chosen.version == self.want.version {
                 Outcome::Chosen(r.chosen.clone())
             } else {
                 Outcome::Superseded(r.chosen.clone())
@@ -325,7 +345,7 @@ impl Proposer {
         if matches!(self.phase, Phase::Done(_)) {
             return None;
         }
-        self.ballot = Ballot { round: self.ballot.round.max(self.highest) + 1, proposer: self.me };
+        self.ballot = Ballot { round: self.ballot.round.max(self.highest).saturating_add(1), proposer: self.me };
         self.phase = Phase::Preparing { promises: Default::default() };
         Some(self.prepare())
     }
@@ -357,7 +377,7 @@ mod tests {
     fn a_proposal_with_a_majority_is_chosen() {
         let base = config(0, 0, &[1]);
         let mut acceptors: Vec<Acceptor> = (0..3).map(|_| Acceptor::new(base.clone())).collect();
-        let mut p = Proposer::new(1, 3, base.clone(), config(1, 1, &[])).expect("valid");
+        let mut p = Proposer::new(1, 3, base.clone(), config(1, 1, &[]), 0).expect("valid");
         let prepare = p.prepare();
         let mut accept = None;
         for (i, a) in acceptors.iter_mut().enumerate().take(2) {
@@ -372,7 +392,7 @@ mod tests {
         assert_eq!(p.outcome(), Outcome::Chosen(config(1, 1, &[])));
         // The third acceptor, late, is told by a refusal to an outdated proposer what was chosen.
         assert!(acceptors[2].learn(&config(1, 1, &[])));
-        let mut late = Proposer::new(0, 3, base.clone(), config(1, 0, &[])).expect("valid");
+        let mut late = Proposer::new(0, 3, base.clone(), config(1, 0, &[]), 0).expect("valid");
         let Err(Refusal::Outdated(r)) = acceptors[0].prepare(&late.prepare()) else { panic!("not refused") };
         assert_eq!(r.chosen.version, 0, "acceptor 0 only accepted; it learns the choice when told");
         acceptors[0].learn(&config(1, 1, &[]));
@@ -382,14 +402,33 @@ mod tests {
         let bad =
             ConfigAccept { ballot: Ballot { round: 9, proposer: 2 }, base: base.clone(), value: config(1, 2, &[]) };
         assert!(matches!(acceptors[1].accept(&bad), Err(Refusal::Invalid(_))));
-        assert!(Proposer::new(2, 3, base, config(1, 2, &[])).is_err());
+        assert!(Proposer::new(2, 3, base, config(1, 2, &[]), 0).is_err());
     }
 
     /// Two or three proposers of different configurations for the same version, acceptors answering in a
-    /// random order, messages lost, repeated and late, proposers retrying: never two different
-    /// configurations chosen for one version, and once every message goes through, one is.
+    /// random order, messages lost, repeated and late, proposers retrying, and proposers that give up and
+    /// start again with another value (above every round they used, as `gaps_server::quorum` does): never
+    /// two different configurations accepted by a majority for one version — judged from the acceptors, not
+    /// only from what proposers saw — and once every message goes through, one is chosen.
     #[test]
     fn conflicting_proposals_never_choose_two_configurations() {
+        for seed in 0..5000u64 {
+            if let Err(why) = run_proposals(seed, true) {
+                panic!("seed {seed}: {why}");
+            }
+        }
+    }
+
+    /// The same with a process that reuses its ballots when it starts a proposal again: some seed chooses
+    /// two configurations (the test above would catch the mistake).
+    #[test]
+    fn reusing_a_ballot_for_another_value_can_choose_two_configurations() {
+        // (Seed 3667 is the first, 2026-11-27.)
+        assert!((0..5000u64).any(|seed| run_proposals(seed, false).is_err()), "no seed found the reuse");
+    }
+
+    /// One randomised run (see the tests above); Err with what went wrong.
+    fn run_proposals(seed: u64, rounds_above_used: bool) -> Result<(), String> {
         #[derive(Clone)]
         enum Msg {
             Prepare(u32, ConfigPrepare),
@@ -398,99 +437,130 @@ mod tests {
             Accepted(u32, ConfigAccepted),
             Refused(ConfigRefused),
         }
-        for seed in 0..400u64 {
-            let mut rng = Rng::new(seed);
-            let voters = if seed % 2 == 0 { 3 } else { 5 };
-            let base = config(0, 0, &[1, 2]);
-            let wants = [config(1, 0, &[2]), config(1, 1, &[]), config(1, 2, &[])];
-            let proposers_n = 2 + (seed % 2) as usize;
-            let mut proposers: Vec<Proposer> = (0..proposers_n)
-                .map(|i| Proposer::new(i as u32, voters, base.clone(), wants[i].clone()).expect("valid"))
-                .collect();
-            let mut acceptors: Vec<Acceptor> = (0..voters).map(|_| Acceptor::new(base.clone())).collect();
-            // In flight: (to, message); proposers are 0.., acceptors are 100...
-            let mut flight: Vec<(usize, Msg)> = Vec::new();
-            for (i, p) in proposers.iter().enumerate() {
-                for a in 0..voters as usize {
-                    flight.push((100 + a, Msg::Prepare(i as u32, p.prepare())));
+        let mut rng = Rng::new(seed);
+        let voters = if seed % 2 == 0 { 3 } else { 5 };
+        let majority = voters as usize / 2 + 1;
+        let base = config(0, 0, &[1, 2]);
+        // Each proposer's values, one per incarnation in turn (process 0 is the coordinator changing its
+        // backups; 1 and 2 are backups taking over).
+        let values = [
+            vec![config(1, 0, &[2]), config(1, 0, &[]), config(1, 0, &[1])],
+            vec![config(1, 1, &[])],
+            vec![config(1, 2, &[])],
+        ];
+        let n = 2 + (seed % 2) as usize;
+        let mut incarnation = vec![0usize; n];
+        let mut used = vec![0u64; n];
+        let mut proposers: Vec<Proposer> = (0..n)
+            .map(|i| Proposer::new(i as u32, voters, base.clone(), values[i][0].clone(), 0).expect("valid"))
+            .collect();
+        let mut acceptors: Vec<Acceptor> = (0..voters).map(|_| Acceptor::new(base.clone())).collect();
+        // Who accepted what under each ballot, seen from the acceptors.
+        let mut accepted: Vec<(Ballot, CoordinatorConfig, std::collections::BTreeSet<usize>)> = Vec::new();
+        let mut flight: Vec<(usize, Msg)> = Vec::new();
+        let prepare_all = |flight: &mut Vec<(usize, Msg)>, i: usize, p: ConfigPrepare| {
+            for a in 0..voters as usize {
+                flight.push((100 + a, Msg::Prepare(i as u32, p.clone())));
+            }
+        };
+        for (i, p) in proposers.iter().enumerate() {
+            prepare_all(&mut flight, i, p.prepare());
+        }
+        let mut chosen: Vec<CoordinatorConfig> = Vec::new();
+        let lossy_until = 300 + rng.below(300) as usize;
+        for step in 0..5000 {
+            let lossy = step < lossy_until;
+            // A proposer gives up and starts again with its next value.
+            if lossy && rng.below(60) == 0 {
+                let i = rng.below(n as u64) as usize;
+                if proposers[i].outcome() == Outcome::Pending {
+                    used[i] = used[i].max(proposers[i].round());
+                    incarnation[i] += 1;
+                    let want = values[i][incarnation[i] % values[i].len()].clone();
+                    let above = if rounds_above_used { used[i] } else { 0 };
+                    proposers[i] = Proposer::new(i as u32, voters, base.clone(), want, above).expect("valid");
+                    prepare_all(&mut flight, i, proposers[i].prepare());
                 }
             }
-            let mut chosen: Vec<CoordinatorConfig> = Vec::new();
-            let lossy_until = 300 + rng.below(300) as usize;
-            for step in 0..5000 {
+            if flight.is_empty() {
+                // Lost messages: every undecided proposer tries again.
+                for (i, p) in proposers.iter_mut().enumerate() {
+                    if let Some(prepare) = p.retry() {
+                        prepare_all(&mut flight, i, prepare);
+                    }
+                }
                 if flight.is_empty() {
-                    // Lost messages: every undecided proposer tries again.
-                    for (i, p) in proposers.iter_mut().enumerate() {
-                        if let Some(prepare) = p.retry() {
-                            for a in 0..voters as usize {
-                                flight.push((100 + a, Msg::Prepare(i as u32, prepare.clone())));
-                            }
-                        }
-                    }
-                    if flight.is_empty() {
-                        break;
-                    }
-                }
-                let at = rng.below(flight.len() as u64) as usize;
-                let (to, msg) = flight.swap_remove(at);
-                let lossy = step < lossy_until;
-                if lossy && rng.below(5) == 0 {
-                    continue; // lost
-                }
-                if lossy && rng.below(8) == 0 {
-                    flight.push((to, msg.clone())); // delivered twice
-                }
-                match (to, msg) {
-                    (a, Msg::Prepare(from, p)) => {
-                        let reply = match acceptors[a - 100].prepare(&p) {
-                            Ok(promise) => Msg::Promise((a - 100) as u32, promise),
-                            Err(Refusal::Outdated(r)) => Msg::Refused(r),
-                            Err(Refusal::Invalid(why)) => panic!("{why}"),
-                        };
-                        flight.push((from as usize, reply));
-                    }
-                    (a, Msg::Accept(from, x)) => {
-                        let reply = match acceptors[a - 100].accept(&x) {
-                            Ok(ok) => Msg::Accepted((a - 100) as u32, ok),
-                            Err(Refusal::Outdated(r)) => Msg::Refused(r),
-                            Err(Refusal::Invalid(why)) => panic!("{why}"),
-                        };
-                        flight.push((from as usize, reply));
-                    }
-                    (p, Msg::Promise(from, promise)) => {
-                        if let Send::Accept(x) = proposers[p].on_promise(from, &promise) {
-                            for a in 0..voters as usize {
-                                flight.push((100 + a, Msg::Accept(p as u32, x.clone())));
-                            }
-                        }
-                    }
-                    (p, Msg::Accepted(from, ok)) => {
-                        if let Outcome::Chosen(c) = proposers[p].on_accepted(from, &ok) {
-                            chosen.push(c.clone());
-                            // Chosen: every acceptor is told (some of these are lost too).
-                            for a in acceptors.iter_mut() {
-                                if !lossy || rng.below(3) != 0 {
-                                    a.learn(&c);
-                                }
-                            }
-                        }
-                    }
-                    (p, Msg::Refused(r)) => {
-                        if let Outcome::Chosen(c) = proposers[p].on_refused(&r) {
-                            chosen.push(c);
-                        }
-                    }
+                    break;
                 }
             }
-            assert!(!chosen.is_empty(), "seed {seed}: nothing chosen once messages went through");
-            assert!(chosen.iter().all(|c| *c == chosen[0]), "seed {seed}: two configurations chosen: {chosen:?}");
-            assert!(wants.contains(&chosen[0]), "seed {seed}: {:?} was never proposed", chosen[0]);
-            for p in &proposers {
-                assert!(
-                    matches!(p.outcome(), Outcome::Chosen(ref c) if *c == chosen[0]) || p.outcome() == Outcome::Pending
-                );
+            let at = rng.below(flight.len() as u64) as usize;
+            let (to, msg) = flight.swap_remove(at);
+            if lossy && rng.below(5) == 0 {
+                continue; // lost
+            }
+            if lossy && rng.below(8) == 0 {
+                flight.push((to, msg.clone())); // delivered twice, later
+            }
+            match (to, msg) {
+                (a, Msg::Prepare(from, p)) => {
+                    let reply = match acceptors[a - 100].prepare(&p) {
+                        Ok(promise) => Msg::Promise((a - 100) as u32, promise),
+                        Err(Refusal::Outdated(r)) => Msg::Refused(r),
+                        Err(Refusal::Invalid(why)) => return Err(why),
+                    };
+                    flight.push((from as usize, reply));
+                }
+                (a, Msg::Accept(from, x)) => {
+                    let reply = match acceptors[a - 100].accept(&x) {
+                        Ok(ok) => {
+                            match accepted.iter_mut().find(|(b, v, _)| *b == x.ballot && *v == x.value) {
+                                Some((_, _, by)) => drop(by.insert(a)),
+                                None => accepted.push((x.ballot, x.value.clone(), [a].into())),
+                            }
+                            Msg::Accepted((a - 100) as u32, ok)
+                        }
+                        Err(Refusal::Outdated(r)) => Msg::Refused(r),
+                        Err(Refusal::Invalid(why)) => return Err(why),
+                    };
+                    flight.push((from as usize, reply));
+                }
+                (p, Msg::Promise(from, promise)) => {
+                    if let Send::Accept(x) = proposers[p].on_promise(from, &promise) {
+                        for a in 0..voters as usize {
+                            flight.push((100 + a, Msg::Accept(p as u32, x.clone())));
+                        }
+                    }
+                }
+                (p, Msg::Accepted(from, ok)) => {
+                    if let Outcome::Chosen(c) = proposers[p].on_accepted(from, &ok) {
+                        chosen.push(c.clone());
+                        // Chosen: every acceptor is told (some of these are lost too).
+                        for a in acceptors.iter_mut() {
+                            if !lossy || rng.below(3) != 0 {
+                                a.learn(&c);
+                            }
+                        }
+                    }
+                }
+                (p, Msg::Refused(r)) => {
+                    if let Outcome::Chosen(c) = proposers[p].on_refused(&r) {
+                        chosen.push(c);
+                    }
+                }
             }
         }
+        // What a majority of acceptors accepted under one ballot was chosen, whether or not a proposer saw it.
+        chosen.extend(accepted.iter().filter(|(_, _, by)| by.len() >= majority).map(|(_, v, _)| v.clone()));
+        if chosen.is_empty() {
+            return Err("nothing chosen once messages went through".into());
+        }
+        if chosen.iter().any(|c| *c != chosen[0]) {
+            return Err(format!("two configurations chosen: {chosen:?}"));
+        }
+        if !values.iter().flatten().any(|v| *v == chosen[0]) {
+            return Err(format!("{:?} was never proposed", chosen[0]));
+        }
+        Ok(())
     }
 
     #[test]

@@ -11,7 +11,8 @@ use gaps_common::quorum::{Acceptor, CoordinatorConfig, Outcome, Proposer, Refusa
 use gaps_common::wire::{ErrorCode, Frame, Limits, Message};
 use gaps_transport::net;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tracing::{info, warn};
 
@@ -35,6 +36,9 @@ pub struct Quorum {
     processes: u32,
     acceptor: Mutex<Acceptor>,
     file: Option<PathBuf>,
+    /// The highest round this process proposed with (its ballots never repeat: a late phase-2 message of an
+    /// earlier proposal could otherwise overwrite a later one's choice).
+    last_round: AtomicU64,
 }
 
 impl Quorum {
@@ -59,12 +63,17 @@ impl Quorum {
                 in_sync: Vec::new(),
             }),
         };
-        Ok(Quorum { process, processes, acceptor: Mutex::new(acceptor), file })
+        Ok(Quorum { process, processes, acceptor: Mutex::new(acceptor), file, last_round: AtomicU64::new(0) })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Acceptor> {
         // Every change to the acceptor is one call that leaves it whole.
         self.acceptor.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// This process's index.
+    pub fn process(&self) -> u32 {
+        self.process
     }
 
     /// The last configuration of shard 0 this process knows chosen.
@@ -82,11 +91,36 @@ impl Quorum {
             let mut f = std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
             f.write_all(&bytes).and_then(|()| f.sync_all()).with_context(|| format!("writing {}", tmp.display()))?;
         }
-        std::fs::rename(&tmp, file).with_context(|| format!("renaming {}", tmp.display()))
+        std::fs::rename(&tmp, file).with_context(|| format!("renaming {}", tmp.display()))?;
+        // The rename itself must outlive a crash: the folder is synced too.
+        if let Some(dir) = file.parent() {
+            std::fs::File::open(dir)
+                .and_then(|d| d.sync_all())
+                .with_context(|| format!("syncing {}", dir.display()))?;
+        }
+        Ok(())
     }
 
-    /// Answers a [`is_quorum_message`] request from shard process `sender`.
+    /// [`Quorum::handle`] off the async threads (it writes and syncs a file).
+    pub async fn handle_async(self: &Arc<Self>, sender: u32, msg: &Message) -> Frame {
+        let (this, msg) = (self.clone(), msg.clone());
+        tokio::task::spawn_blocking(move || this.handle(sender, &msg)).await.unwrap_or_else(|e| {
+            Frame::new(Message::error(ErrorCode::Internal, format!("the acceptor's task failed: {e}")))
+        })
+    }
+
+    /// Answers a [`is_quorum_message`] request from shard process `sender` (blocking: it writes and syncs
+    /// the acceptor's file before answering).
     pub fn handle(&self, sender: u32, msg: &Message) -> Frame {
+        let ballot = match msg {
+            Message::ConfigPrepare(p) => Some(p.ballot),
+            Message::ConfigAccept(x) => Some(x.ballot),
+            _ => None,
+        };
+        if let Some(b) = ballot.filter(|b| b.proposer != sender) {
+            let why = format!("shard process {sender} cannot propose under process {}'s ballot", b.proposer);
+            return Frame::new(Message::error(ErrorCode::Unauthorized, why));
+        }
         let mut a = self.lock();
         let before = a.clone();
         let answer = match msg {
@@ -119,24 +153,36 @@ impl Quorum {
     /// version — this one, or one proposed earlier that a majority had accepted — or `within` has passed.
     /// Every process is told what was chosen.
     pub async fn propose(
-        &self,
+        self: &Arc<Self>,
         want: impl Fn(&CoordinatorConfig) -> CoordinatorConfig,
         peers: &[(u32, String)],
         link: &CoordinatorLink,
         within: Duration,
     ) -> Result<CoordinatorConfig> {
-        let base = self.chosen();
+        let (base, promised) = {
+            let a = self.lock();
+            (a.chosen().clone(), a.promised_round())
+        };
+        let above = self.last_round.load(Ordering::SeqCst).max(promised);
         let mut proposer =
-            Proposer::new(self.process, self.processes, base.clone(), want(&base)).map_err(|e| anyhow!(e))?;
+            Proposer::new(self.process, self.processes, base.clone(), want(&base), above).map_err(|e| anyhow!(e))?;
         let started = std::time::Instant::now();
         let mut next = Send::Prepare(proposer.prepare());
         let outcome = loop {
+            if started.elapsed() >= within {
+                bail!("no majority of the {} shard processes agreed within {within:?}", self.processes);
+            }
+            self.last_round.fetch_max(proposer.round(), Ordering::SeqCst);
             let msg = match &next {
                 Send::Prepare(p) => Message::ConfigPrepare(p.clone()),
                 Send::Accept(a) => Message::ConfigAccept(a.clone()),
                 Send::Nothing => unreachable!("set to a message below"),
             };
-            let mut answers = vec![(self.process, self.handle(self.process, &msg))];
+            let own = self.handle_async(self.process, &msg).await;
+            if let Message::Error(e) = &own.msg {
+                bail!("this process's own acceptor: {}", e.message);
+            }
+            let mut answers = vec![(self.process, own)];
             answers.extend(ask_all(link, peers, &msg).await);
             let mut accept = None;
             for (from, frame) in answers {
@@ -155,9 +201,6 @@ impl Quorum {
                 Outcome::Pending => {}
                 done => break done,
             }
-            if started.elapsed() >= within {
-                bail!("no majority of the {} shard processes answered within {within:?}", self.processes);
-            }
             next = match accept {
                 Some(a) => Send::Accept(a),
                 None => {
@@ -174,12 +217,64 @@ impl Quorum {
             Outcome::Pending => unreachable!("left the loop on an outcome"),
         };
         let tell = Message::ConfigChosen(chosen.clone());
-        self.handle(self.process, &tell);
+        self.handle_async(self.process, &tell).await;
         let (link, peers) = (link.clone(), peers.to_vec());
         tokio::spawn(async move { ask_all(&link, &peers, &tell).await });
         Ok(chosen)
     }
 }
+
+/// What became of a proposal of shard 0's backups in sync ([`Quorum::propose_in_sync`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum InSync {
+    /// Chosen as proposed (or already the configuration).
+    Chosen,
+    /// Another process serves shard 0 now: this one must acknowledge nothing more.
+    Moved(CoordinatorConfig),
+    /// A configuration proposed earlier was chosen for that version instead: propose again.
+    Other(CoordinatorConfig),
+}
+
+impl Quorum {
+    /// This process, serving shard 0 at `addr`, has backups `in_sync` (sorted): chosen, unless the last
+    /// configuration it knows is that already and `skip_if_known` (a new configuration that drops a backup
+    /// is always proposed: a proposal this process never heard the end of may have been chosen since).
+    pub async fn propose_in_sync(
+        self: &Arc<Self>,
+        in_sync: Vec<u32>,
+        addr: String,
+        skip_if_known: bool,
+        peers: &[(u32, String)],
+        link: &CoordinatorLink,
+    ) -> Result<InSync> {
+        let me = self.process;
+        let base = self.chosen();
+        if base.serving != me {
+            return Ok(InSync::Moved(base));
+        }
+        if skip_if_known && base.in_sync == in_sync {
+            return Ok(InSync::Chosen);
+        }
+        let want = |base: &CoordinatorConfig| CoordinatorConfig {
+            version: base.version.saturating_add(1),
+            serving: me,
+            addr: addr.clone(),
+            in_sync: in_sync.clone(),
+        };
+        let chosen = self.propose(want, peers, link, PROPOSAL_WAIT).await?;
+        Ok(if chosen.serving != me {
+            InSync::Moved(chosen)
+        } else if chosen.in_sync != in_sync {
+            InSync::Other(chosen)
+        } else {
+            info!(version = chosen.version, in_sync = ?chosen.in_sync, "shard 0's backups in sync, chosen by a majority");
+            InSync::Chosen
+        })
+    }
+}
+
+/// How long one proposal of shard 0's backups waits for a majority of the shard processes.
+const PROPOSAL_WAIT: Duration = Duration::from_secs(5);
 
 /// Sends `msg` to every process in `peers` at once; the answers that came within [`ANSWER_WAIT`].
 async fn ask_all(link: &CoordinatorLink, peers: &[(u32, String)], msg: &Message) -> Vec<(u32, Frame)> {

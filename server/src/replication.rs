@@ -565,46 +565,30 @@ async fn report(ctx: &ShipContext, log: &Log, except: Option<u32>) -> Result<(),
 /// with these backups in sync, chosen; another process chosen to serve shard 0 means this one is fenced.
 async fn report_to_quorum(
     ctx: &ShipContext,
-    quorum: &crate::quorum::Quorum,
+    quorum: &Arc<crate::quorum::Quorum>,
     log: &Log,
     in_sync: Vec<u32>,
     except: Option<u32>,
 ) -> Result<(), Reported> {
-    let me = ctx.process;
-    let base = quorum.chosen();
-    if base.serving != me {
-        return Err(Reported::Moved);
-    }
-    if base.in_sync != in_sync {
-        let peers = process_addresses(ctx).await.map_err(Reported::Failed)?;
-        let addr = ctx.link.coordinator.clone();
-        let want = |base: &gaps_common::quorum::CoordinatorConfig| gaps_common::quorum::CoordinatorConfig {
-            version: base.version + 1,
-            serving: me,
-            addr: addr.clone(),
-            in_sync: in_sync.clone(),
-        };
-        let chosen = quorum.propose(want, &peers, &ctx.link, QUORUM_WAIT).await.map_err(Reported::Failed)?;
-        if chosen.serving != me {
-            return Err(Reported::Moved);
+    use crate::quorum::InSync;
+    let peers = process_addresses(ctx).await.map_err(Reported::Failed)?;
+    let addr = ctx.link.coordinator.clone();
+    match quorum.propose_in_sync(in_sync, addr, except.is_none(), &peers, &ctx.link).await {
+        Ok(InSync::Chosen) => {
+            if let Some(backup) = except {
+                log.unfollow(backup);
+            }
+            Ok(())
         }
-        if chosen.in_sync != in_sync {
-            return Err(Reported::Failed(anyhow!(
-                "shard 0's configuration {} was chosen with backups {:?} in sync, not {in_sync:?}; telling again",
-                chosen.version,
-                chosen.in_sync
-            )));
-        }
-        info!(version = chosen.version, in_sync = ?chosen.in_sync, "shard 0's backups in sync, chosen by a majority");
+        Ok(InSync::Moved(_)) => Err(Reported::Moved),
+        Ok(InSync::Other(c)) => Err(Reported::Failed(anyhow!(
+            "shard 0's configuration {} was chosen with backups {:?} in sync; telling again",
+            c.version,
+            c.in_sync
+        ))),
+        Err(e) => Err(Reported::Failed(e)),
     }
-    if let Some(backup) = except {
-        log.unfollow(backup);
-    }
-    Ok(())
 }
-
-/// How long one report of shard 0's backups waits for a majority of the shard processes.
-const QUORUM_WAIT: Duration = Duration::from_secs(5);
 
 /// Every other shard process and where it listens, from the coordinator's map (a process whose shard was
 /// taken over and that is not back is left out).

@@ -1632,6 +1632,24 @@ async fn apply_rollback(shared: &Shared, id: u64) -> Result<u64> {
     let found = tokio::task::spawn_blocking(move || store.load(id)).await.context("reading a checkpoint")??;
     let gpu = gaps_kernels::cuda::CudaArenas::for_choice(shared.device).context("--device")?;
     let slots = shared.device_worker_slots;
+    // The copies of shard 0 do not continue the state it goes back to: a majority must first choose a
+    // configuration without them (its backups copy a snapshot afterwards and are proposed in again).
+    if let (0, Some(quorum)) = (shared.shard, &shared.quorum) {
+        let (tx, rx) = oneshot::channel();
+        shared.send(Command::Inspect(Box::new(move |core| drop(tx.send(core.process_addrs()))))).await?;
+        let peers: Vec<(u32, String)> =
+            rx.await.context("the core stopped")?.into_iter().filter(|(p, _)| *p != quorum.process()).collect();
+        let link = crate::replication::CoordinatorLink {
+            coordinator: shared.advertise.clone(),
+            cluster: shared.own.cluster.clone(),
+            endpoint: shared.endpoint.clone(),
+            rotated: shared.rotated.clone(),
+        };
+        match quorum.propose_in_sync(Vec::new(), shared.advertise.clone(), false, &peers, &link).await? {
+            crate::quorum::InSync::Chosen => {}
+            other => bail!("shard 0's backups could not be dropped before its rollback: {other:?}"),
+        }
+    }
     let (tx, rx) = oneshot::channel();
     shared
         .send(Command::Replace(Box::new(move |core: &mut ShardCore| {
@@ -2245,7 +2263,7 @@ async fn serve_request(
             } else if crate::quorum::is_quorum_message(&frame.msg) {
                 // A fenced process still takes part in choosing shard 0's configuration.
                 let reply = match (&shared.quorum, &peer.identity.role) {
-                    (Some(q), Role::Shard(sender)) => q.handle(*sender, &frame.msg),
+                    (Some(q), Role::Shard(sender)) => q.handle_async(*sender, &frame.msg).await,
                     _ => Frame::new(Message::error(
                         ErrorCode::Misconfigured,
                         "this cluster does not choose shard 0's configuration by majority (it takes --replicas 2 \

@@ -63,14 +63,28 @@ fn steps(dir: &Path, shard: u32) -> BTreeMap<u64, (u64, Option<u64>)> {
         .collect()
 }
 
-async fn train(certs: &ClusterCerts, coordinator: &str, workers: usize, iterations: usize) {
+/// `workers` workers train `iterations` steps each, and go on (up to 50 times as many) until `enough` says
+/// the checkpoints the test needs were written while they trained (a schedule runs on the clock, training on
+/// a machine whose load varies: no number of steps guarantees a number of checkpoints).
+async fn train(
+    certs: &ClusterCerts,
+    coordinator: &str,
+    workers: usize,
+    iterations: usize,
+    enough: impl Fn() -> bool + Send + Sync + 'static,
+) {
+    let enough = std::sync::Arc::new(enough);
     let mut tasks = Vec::new();
     for w in 0..workers {
         let mut o = ClientOptions::new(coordinator, certs.worker_material().expect("tls"), Role::Worker, "t");
         o.rpc_timeout = Duration::from_secs(20);
+        let enough = enough.clone();
         tasks.push(tokio::spawn(async move {
             let c = Client::connect(o).await.expect("connect");
-            for i in 0..iterations {
+            for i in 0..iterations * 50 {
+                if i >= iterations && enough() {
+                    break;
+                }
                 let s = c.pull().await.expect("pull");
                 let g = s
                     .tensors
@@ -95,7 +109,12 @@ async fn in_sync_every_shard_writes_the_coordinators_checkpoint_at_the_same_step
     let certs = ClusterCerts::generate(&[]).expect("certs");
     let s0 = start_shard(&certs, &dir, 0, None, Mode::Sync).await;
     let s1 = start_shard(&certs, &dir, 1, Some(s0.advertise.clone()), Mode::Sync).await;
-    train(&certs, &s0.advertise, 3, 150).await;
+    let d = dir.clone();
+    train(&certs, &s0.advertise, 3, 150, move || {
+        let (a, b) = (steps(&d, 0), steps(&d, 1));
+        a.iter().filter(|(id, (_, at))| at.is_some() && b.contains_key(id)).count() >= 2
+    })
+    .await;
 
     let (a, b) = (steps(&dir, 0), steps(&dir, 1));
     let common: Vec<u64> = a.keys().filter(|id| b.contains_key(id)).copied().collect();
@@ -128,7 +147,12 @@ async fn in_async_every_shard_writes_the_coordinators_id_and_gaps_checkpoint_rea
     let certs = ClusterCerts::generate(&[]).expect("certs");
     let s0 = start_shard(&certs, &dir, 0, None, Mode::Async).await;
     let s1 = start_shard(&certs, &dir, 1, Some(s0.advertise.clone()), Mode::Async).await;
-    train(&certs, &s0.advertise, 2, 60).await;
+    let d = dir.clone();
+    train(&certs, &s0.advertise, 2, 60, move || {
+        let (a, b) = (steps(&d, 0), steps(&d, 1));
+        a.keys().filter(|id| b.contains_key(id)).count() >= 2
+    })
+    .await;
     let (a, b) = (steps(&dir, 0), steps(&dir, 1));
     assert!(a.values().chain(b.values()).all(|(_, at)| at.is_none()), "async: at the quiescent point");
     let common = a.keys().filter(|id| b.contains_key(id)).count();
@@ -211,7 +235,12 @@ async fn a_worker_certificates_checkpoint_requests_are_refused_and_the_schedule_
             refused
         }));
     }
-    train(&certs, &s0.advertise, 3, 150).await;
+    let d = dir.clone();
+    train(&certs, &s0.advertise, 3, 150, move || {
+        let (a, b) = (steps(&d, 0), steps(&d, 1));
+        a.iter().filter(|(id, (_, at))| at.is_some() && b.contains_key(id)).count() >= 3
+    })
+    .await;
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     for a in attackers {
         assert!(a.await.expect("attacker") >= 3, "the attack ran through the training");
