@@ -1,0 +1,411 @@
+//! The core's thread: the queue of commands it runs, a striped push put together, held requests (step
+//! waits, GBA's held push-pulls) and their timer, checkpoints taken between two requests, and what it
+//! writes besides its replies (the dealer's journal, the replica log, the request record).
+
+use super::*;
+
+/// What the QUIC tasks ask of the core's thread.
+pub(super) enum Command {
+    /// Handle one request frame (`finite`: its payload holds no NaN or ±∞, checked as it was read).
+    Handle { frame: Box<Frame>, finite: bool, reply: oneshot::Sender<Answer> },
+    /// Expire leases and idle rows; report the counters.
+    Tick { reply: oneshot::Sender<(Vec<CoreEvent>, Stats)> },
+    /// Read the core (tests, reports).
+    Inspect(Box<dyn FnOnce(&ShardCore) + Send>),
+    /// Change the core between two requests (a rollback replaces it); a checkpoint waiting for a point is
+    /// given up, since the core it waited on is gone.
+    Replace(Box<dyn FnOnce(&mut ShardCore) + Send>),
+    /// Snapshot the core as checkpoint `id` into `buf` once it reaches `at`; the reply carries the snapshot,
+    /// or the step the core had already passed. Dropping the reply's receiver gives it up.
+    Checkpoint(PendingSnapshot),
+    /// Snapshot the core for backup process `backup` (replicated shards): the log index it holds, and its
+    /// bytes. The backup follows the log from that index on.
+    ReplicaSnapshot { backup: u32, reply: oneshot::Sender<Result<(u64, Vec<u8>), String>> },
+    /// A held request's time may be up (sent by a timer set when it was held).
+    Wake,
+}
+
+/// The core's answer to one request: the reply, what changed, the parameter buffers the reply shares
+/// instead of a payload (`ShardCore::set_shared_replies`), and the request's entry in the replica log (0:
+/// none; the reply goes once every live backup applied it).
+pub(super) type Answer = (Frame, Vec<CoreEvent>, Vec<Arc<Vec<f32>>>, u64);
+
+/// Parameters a reply shares with the core, as the bytes of one payload part.
+pub(super) struct SharedParams(pub(super) Arc<Vec<f32>>);
+
+impl AsRef<[f32]> for SharedParams {
+    fn as_ref(&self) -> &[f32] {
+        &self.0
+    }
+}
+
+/// A checkpoint the core takes when it reaches the point asked for.
+pub(super) struct PendingSnapshot {
+    pub(super) id: u64,
+    pub(super) at: CheckpointAt,
+    pub(super) buf: Vec<u8>,
+    pub(super) reply: oneshot::Sender<Result<Snapshot, NoSnapshot>>,
+}
+
+/// The core's state, copied for a checkpoint.
+pub(super) struct Snapshot {
+    pub(super) bytes: Vec<u8>,
+    /// How long the core paused to copy it.
+    pub(super) pause: Duration,
+    /// Synchronous/GBA steps applied when it was copied.
+    pub(super) step: u64,
+}
+
+/// Why the core took no snapshot.
+#[derive(Debug)]
+pub(super) enum NoSnapshot {
+    /// It is past the step asked for (it has applied this many).
+    TooLate(u64),
+    /// The device holding the dense state could not be read.
+    Failed(String),
+}
+
+/// Takes `p` if the core is at its point; keeps it for later if not yet; answers it if never.
+pub(super) fn try_snapshot(
+    core: &ShardCore,
+    p: PendingSnapshot,
+    record: &mut Option<crate::record::Recorder>,
+) -> Option<PendingSnapshot> {
+    if p.reply.is_closed() {
+        return None;
+    }
+    match core.checkpoint_readiness(p.at) {
+        Readiness::Later => Some(p),
+        Readiness::Never(step) => {
+            let _ = p.reply.send(Err(NoSnapshot::TooLate(step)));
+            None
+        }
+        Readiness::Ready => {
+            let started = Instant::now();
+            let taken = match core.checkpoint_into(p.id, p.buf) {
+                Ok(bytes) => {
+                    if let Some(r) = record {
+                        r.item(&crate::record::Item::Checkpoint { id: p.id });
+                    }
+                    Ok(Snapshot { bytes, pause: started.elapsed(), step: core.global_step() })
+                }
+                Err(e) => Err(NoSnapshot::Failed(e.to_string())),
+            };
+            let _ = p.reply.send(taken);
+            None
+        }
+    }
+}
+
+/// Where the core's thread writes what it handled besides its replies.
+pub(super) struct Sinks {
+    /// The dealer's journal (the coordinator, async).
+    pub(super) journal: Option<std::fs::File>,
+    /// The replica log its backups follow.
+    pub(super) log: Option<Arc<Log>>,
+    /// The request record (`--record-requests`).
+    pub(super) record: Option<crate::record::Recorder>,
+}
+
+/// Runs the core on the calling thread until every sender of `queue` is gone. A checkpoint waiting for its
+/// step is checked after every command, so it is taken right after the request that completed the step,
+/// before any other is handled.
+///
+/// The parts of a push striped over several connections are held here until the push is whole, then handled
+/// as one request and every part answered with its reply; incomplete pushes are given up after `part_wait`.
+pub(super) fn run_actor(
+    mut core: ShardCore,
+    mut queue: mpsc::Receiver<Command>,
+    started: Instant,
+    part_wait: Duration,
+    sinks: Sinks,
+    mut wake: Alarm,
+) {
+    let Sinks { mut journal, log, mut record } = sinks;
+    // A request that cannot be logged for the backups is refused, unhandled.
+    let log_request = |now: Duration, frame: &Frame| {
+        log.as_ref()
+            .map_or(Ok(0), |l| l.request(now, frame))
+            .map_err(|(code, msg)| Box::new(Frame::new(Message::error(code, msg))))
+    };
+    // A part's reply and whether its payload was found finite as it was read.
+    type Reply = (oneshot::Sender<Answer>, bool);
+    let mut pending: Option<PendingSnapshot> = None;
+    let mut parts: Assembler<Reply> = Assembler::default();
+    let mut parked: Vec<ParkedWait> = Vec::new();
+    while let Some(command) = queue.blocking_recv() {
+        match command {
+            Command::Handle { frame, finite, reply } => match frame.msg {
+                Message::PushPart(part) if !core.push_applied(part.push.worker, part.push.seq) => {
+                    let offered = parts.offer(part, frame.payload, (reply, finite), started.elapsed());
+                    for ((reply, _), frame) in offered.answer_now {
+                        let _ = reply.send((frame, Vec::new(), Vec::new(), 0));
+                    }
+                    if let Some((whole, replies)) = offered.whole {
+                        let finite = replies.iter().all(|(_, f)| *f);
+                        let now = started.elapsed();
+                        let index = match log_request(now, &whole) {
+                            Ok(index) => index,
+                            Err(refusal) => {
+                                for (reply, _) in replies {
+                                    let _ = reply.send((*refusal.clone(), Vec::new(), Vec::new(), 0));
+                                }
+                                continue;
+                            }
+                        };
+                        if let Some(r) = &mut record {
+                            r.request(index, now, &whole);
+                        }
+                        let (answer, mut events) = core.handle_checked(whole, now, finite);
+                        for (reply, _) in replies {
+                            let _ = reply.send((answer.clone(), std::mem::take(&mut events), Vec::new(), index));
+                        }
+                    }
+                }
+                // A wait for a step not reached yet is held here (not in the core, which never blocks) until the
+                // step comes or its time is up, instead of the worker polling.
+                Message::WaitStep(wait)
+                    if wait.max_wait_ms > 0 && !core.wait_satisfied(&wait) && parked.len() < MAX_PARKED_WAITS =>
+                {
+                    let ms = wait.max_wait_ms.min(gaps_common::wire::MAX_WAIT_STEP_MS);
+                    parked.push((
+                        HeldRequest::Wait(wait),
+                        started.elapsed() + Duration::from_millis(u64::from(ms)),
+                        reply,
+                    ));
+                }
+                // A part of a push applied before is answered by the core, as a duplicate.
+                msg => {
+                    let pull = match &msg {
+                        Message::PushPull(p) => Some(gaps_common::wire::Pull {
+                            epoch: p.epoch,
+                            chunks: p.chunks.iter().map(|c| c.id).collect(),
+                        }),
+                        _ => None,
+                    };
+                    let frame = Frame { msg, payload: frame.payload };
+                    let now = started.elapsed();
+                    let index = match log_request(now, &frame) {
+                        Ok(index) => index,
+                        Err(refusal) => {
+                            let _ = reply.send((*refusal, Vec::new(), Vec::new(), 0));
+                            continue;
+                        }
+                    };
+                    if let Some(r) = &mut record {
+                        r.request(index, now, &frame);
+                    }
+                    let (mut answer, events) = core.handle_checked(frame, now, finite);
+                    // The replica log's lag is the process's, not the core's (a backup's core knows none).
+                    if let (Some(log), Message::Stats(stats)) = (&log, &mut answer.msg) {
+                        (stats.replica_lag_entries, stats.replica_lag_peak) = log.lag();
+                    }
+                    // A split dealt or reported finished is journaled before the worker hears of it.
+                    journal_changes(&mut core, &mut journal);
+                    let gba_hold = pull.as_ref().and(core.take_gba_hold());
+                    match (pull, &answer.msg) {
+                        // A GBA push-pull held for its step (see `gaps_shard`'s `hold`): answered with the
+                        // values once the step is applied or the hold's short time is up, whichever is first.
+                        (Some(pull), Message::PushPullReply(PushPullReply { ack, chunks }))
+                            if chunks.is_empty() && gba_hold.is_some() && parked.len() < MAX_PARKED_WAITS =>
+                        {
+                            let until = gba_hold.unwrap_or(now);
+                            let ack = gaps_common::wire::Ack { wait_for_step: core.global_step() + 1, ..*ack };
+                            let held = HeldRequest::PushPull { ack, pull, events, index, soft: true };
+                            parked.push((held, until, reply));
+                        }
+                        // A push-pull whose ack asks the worker to wait for the step: held until the step is
+                        // applied, then answered with the new values (no wait request, no pull after it).
+                        (Some(pull), Message::PushPullReply(PushPullReply { ack, chunks }))
+                            if chunks.is_empty()
+                                && (ack.wait_for_step > 0 || ack.wait_for_clock > 0)
+                                && parked.len() < MAX_PARKED_WAITS =>
+                        {
+                            let held = HeldRequest::PushPull { ack: *ack, pull, events, index, soft: false };
+                            parked.push((held, started.elapsed() + HOLD_PUSH_PULL, reply));
+                        }
+                        _ => {
+                            let _ = reply.send((answer, events, core.take_reply_views(), index));
+                        }
+                    }
+                }
+            },
+            Command::Wake => wake.rang(started.elapsed()),
+            Command::Tick { reply } => {
+                for ((reply, _), frame) in parts.expire(started.elapsed(), part_wait) {
+                    let _ = reply.send((frame, Vec::new(), Vec::new(), 0));
+                }
+                let now = started.elapsed();
+                let index = log.as_ref().map_or(0, |log| log.tick(now));
+                if let Some(r) = &mut record {
+                    r.tick(index, now);
+                }
+                let events = core.tick(now);
+                let _ = reply.send((events, core.stats()));
+            }
+            Command::Inspect(f) => f(&core),
+            Command::Replace(f) => {
+                f(&mut core);
+                pending = None;
+                if let Some(r) = &mut record {
+                    r.item(&crate::record::Item::Replaced);
+                }
+                // The backups' copies do not continue the replaced core: each copies a new snapshot.
+                if let Some(log) = &log {
+                    log.reset();
+                }
+            }
+            Command::Checkpoint(p) => pending = Some(p),
+            Command::ReplicaSnapshot { backup, reply } => {
+                let taken = match &log {
+                    Some(log) => core.copy_state().map(|bytes| (log.follow(backup), bytes)).map_err(|e| e.to_string()),
+                    None => Err("this shard keeps no replica log".into()),
+                };
+                if let (Some(r), Ok((index, _))) = (&mut record, &taken) {
+                    r.item(&crate::record::Item::Followed { backup, index: *index });
+                }
+                let _ = reply.send(taken);
+            }
+        }
+        // The dealer's changes are journaled before a checkpoint can be taken after them.
+        journal_changes(&mut core, &mut journal);
+        if let Some(p) = pending.take() {
+            pending = try_snapshot(&core, p, &mut record);
+        }
+        if !parked.is_empty() {
+            release_waits(&mut core, &mut parked, started.elapsed());
+            wake.arm(&parked, started.elapsed());
+        }
+    }
+}
+
+/// Wakes the core's thread at the earliest deadline of the held GBA push-pulls (the thread blocks on its
+/// queue between requests; ticks come every 250 ms, a hold lasts milliseconds). One timer is armed at a
+/// time, for the earliest deadline; a later hold arms nothing while an earlier timer is pending.
+pub(super) struct Alarm {
+    pub(super) runtime: tokio::runtime::Handle,
+    pub(super) queue: mpsc::WeakSender<Command>,
+    /// When the armed timer rings, if one is.
+    pub(super) armed: Option<Duration>,
+}
+
+impl Alarm {
+    /// Arms the timer for the earliest deadline of the soft holds in `parked`, unless one rings by then.
+    pub(super) fn arm(&mut self, parked: &[ParkedWait], now: Duration) {
+        let earliest = parked
+            .iter()
+            .filter(|(held, _, _)| matches!(held, HeldRequest::PushPull { soft: true, .. }))
+            .map(|(_, until, _)| *until)
+            .min();
+        let Some(at) = earliest else { return };
+        if self.armed.is_some_and(|armed| armed <= at) {
+            return;
+        }
+        self.armed = Some(at);
+        let (queue, after) = (self.queue.clone(), at.saturating_sub(now));
+        self.runtime.spawn(async move {
+            tokio::time::sleep(after).await;
+            if let Some(queue) = queue.upgrade() {
+                let _ = queue.send(Command::Wake).await;
+            }
+        });
+    }
+
+    /// A [`Command::Wake`] came at `now`: the timer armed for then or before has rung.
+    pub(super) fn rang(&mut self, now: Duration) {
+        if self.armed.is_some_and(|armed| armed <= now + Duration::from_millis(1)) {
+            self.armed = None;
+        }
+    }
+}
+
+/// Appends the dealer's changes since the last call to the coordinator's journal (async); a journal that
+/// cannot be written is given up, said once.
+pub(super) fn journal_changes(core: &mut ShardCore, journal: &mut Option<std::fs::File>) {
+    let Some(file) = journal.as_mut() else { return };
+    let changes = core.take_dealer_journal();
+    if changes.is_empty() {
+        return;
+    }
+    if let Err(e) = crate::journal::append(file, &changes) {
+        error!(%e, "writing the dealer journal failed; a restore will deal again the splits finished since its checkpoint");
+        core.stop_dealer_journal();
+        *journal = None;
+    }
+}
+
+/// Most [`Message::WaitStep`] requests a shard holds at once (one per worker is the norm); more are
+/// answered at once.
+pub(super) const MAX_PARKED_WAITS: usize = 8192;
+
+/// How long a push-pull whose step is not complete is held for the step's values before it is answered
+/// with its ack alone (the worker then waits with [`Message::WaitStep`] and pulls).
+pub(super) const HOLD_PUSH_PULL: Duration = Duration::from_secs(1);
+
+/// What a held request waits for.
+pub(super) enum HeldRequest {
+    /// A [`Message::WaitStep`]: answered with the shard's stats.
+    Wait(gaps_common::wire::WaitStep),
+    /// A push-pull applied into a step not yet complete: answered with `ack` and the values `pull` reads once
+    /// the step is applied (with the events of the push). `soft` (GBA's hold): when the time is up first,
+    /// answered with the values read then, and the worker goes on; otherwise with the ack alone, and the
+    /// worker waits for the step itself.
+    PushPull {
+        ack: gaps_common::wire::Ack,
+        pull: gaps_common::wire::Pull,
+        events: Vec<CoreEvent>,
+        index: u64,
+        soft: bool,
+    },
+}
+
+/// A held request: what it waits for, until when, and where its answer goes.
+pub(super) type ParkedWait = (HeldRequest, Duration, oneshot::Sender<Answer>);
+
+/// Answers the held requests whose step came, and those whose time is up at `now`.
+pub(super) fn release_waits(core: &mut ShardCore, parked: &mut Vec<ParkedWait>, now: Duration) {
+    let satisfied = |core: &ShardCore, held: &HeldRequest| match held {
+        HeldRequest::Wait(wait) => core.wait_satisfied(wait),
+        HeldRequest::PushPull { ack, .. } => core.wait_satisfied(&gaps_common::wire::WaitStep {
+            step: ack.wait_for_step,
+            clock: ack.wait_for_clock,
+            max_wait_ms: 0,
+        }),
+    };
+    if !parked.iter().any(|(held, until, _)| satisfied(core, held) || now >= *until) {
+        return;
+    }
+    let mut stats = None;
+    for (held, until, reply) in std::mem::take(parked) {
+        let ready = satisfied(core, &held);
+        if !(ready || now >= until) {
+            parked.push((held, until, reply));
+            continue;
+        }
+        let answer = match held {
+            HeldRequest::Wait(_) => {
+                let stats = stats.get_or_insert_with(|| Frame::new(Message::Stats(core.stats())));
+                (stats.clone(), Vec::new(), Vec::new(), 0)
+            }
+            HeldRequest::PushPull { ack, pull, events, index, soft } => {
+                let go_on = gaps_common::wire::Ack { wait_for_step: 0, wait_for_clock: 0, ..ack };
+                // A hold's ack asks for no wait: the worker goes on with what it reads.
+                let ack = if soft { go_on } else { ack };
+                let alone = Frame::new(Message::PushPullReply(PushPullReply { ack, chunks: Vec::new() }));
+                if !(ready || soft) {
+                    (alone, events, Vec::new(), index)
+                } else {
+                    match core.handle(Frame::new(Message::Pull(pull)), now).0 {
+                        Frame { msg: Message::PullReply(PullReply { chunks }), payload } => {
+                            let msg = Message::PushPullReply(PushPullReply { ack: go_on, chunks });
+                            (Frame { msg, payload }, events, core.take_reply_views(), index)
+                        }
+                        // The read failed: the ack alone, and the worker pulls on its own.
+                        _ => (alone, events, Vec::new(), index),
+                    }
+                }
+            }
+        };
+        let _ = reply.send(answer);
+    }
+}
