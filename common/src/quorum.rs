@@ -424,7 +424,8 @@ mod tests {
     #[test]
     fn reusing_a_ballot_for_another_value_can_choose_two_configurations() {
         // (Seed 3667 is the first, 2026-11-27.)
-        assert!((0..5000u64).any(|seed| run_proposals(seed, false).is_err()), "no seed found the reuse");
+        let two = |seed| run_proposals(seed, false).is_err_and(|why| why.contains("two configurations"));
+        assert!((0..5000u64).any(two), "no seed found the reuse");
     }
 
     /// One randomised run (see the tests above); Err with what went wrong.

@@ -29,3 +29,28 @@ pub mod service;
 
 pub use gaps_shard::{CoreEvent, Init, ShardConfig, ShardCore, ShardError};
 pub use service::{RunningServer, ServiceConfig};
+
+/// What the unit tests of several modules share.
+#[cfg(test)]
+pub(crate) mod test_support {
+    use std::time::Duration;
+
+    /// Shard `shard` of `num_shards` holding one 100-float tensor in chunks of 32, updated by `rule`.
+    pub(crate) fn shard_config(shard: u32, num_shards: u32, rule: gaps_kernels::Rule) -> gaps_shard::ShardConfig {
+        gaps_shard::ShardConfig {
+            shard,
+            num_shards,
+            layout: gaps_common::layout::Layout::new(vec![gaps_common::layout::TensorSpec::new("w", 100)], 32)
+                .expect("layout"),
+            rule,
+            hyper: gaps_kernels::Hyper::default(),
+            init: gaps_shard::Init { seed: 1, std: 0.1 },
+            lease: Duration::from_secs(5),
+            advertise: "a:1".into(),
+            epoch: 3,
+            threads: 1,
+            sparse: gaps_shard::SparseSettings::default(),
+            modes: gaps_shard::modes::ModeConfig::default(),
+        }
+    }
+}

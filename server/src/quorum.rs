@@ -39,6 +39,11 @@ pub struct Quorum {
     /// The highest round this process proposed with (its ballots never repeat: a late phase-2 message of an
     /// earlier proposal could otherwise overwrite a later one's choice).
     last_round: AtomicU64,
+    /// One proposal at a time: two at once would take the same round.
+    proposing: tokio::sync::Mutex<()>,
+    /// Held across a change of shard 0's backups in sync: reading the backups that count, having the
+    /// configuration chosen, and acting on it (see [`Quorum::changing`]).
+    changes: tokio::sync::Mutex<()>,
 }
 
 impl Quorum {
@@ -63,12 +68,27 @@ impl Quorum {
                 in_sync: Vec::new(),
             }),
         };
-        Ok(Quorum { process, processes, acceptor: Mutex::new(acceptor), file, last_round: AtomicU64::new(0) })
+        Ok(Quorum {
+            process,
+            processes,
+            acceptor: Mutex::new(acceptor),
+            file,
+            last_round: AtomicU64::new(0),
+            proposing: tokio::sync::Mutex::new(()),
+            changes: tokio::sync::Mutex::new(()),
+        })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Acceptor> {
         // Every change to the acceptor is one call that leaves it whole.
         self.acceptor.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Held by whoever changes shard 0's backups in sync, from reading which backups count to acting on the
+    /// configuration chosen (a shipping task's report, a rollback that drops every backup): two such changes
+    /// interleaved could leave a chosen configuration naming a backup whose replies no longer wait for it.
+    pub async fn changing(&self) -> tokio::sync::MutexGuard<'_, ()> {
+        self.changes.lock().await
     }
 
     /// This process's index.
@@ -159,6 +179,7 @@ impl Quorum {
         link: &CoordinatorLink,
         within: Duration,
     ) -> Result<CoordinatorConfig> {
+        let _one = self.proposing.lock().await;
         let (base, promised) = {
             let a = self.lock();
             (a.chosen().clone(), a.promised_round())

@@ -277,24 +277,10 @@ pub fn replay(cfg: &ShardConfig, paths: &[PathBuf], checkpoint: Option<&Path>) -
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gaps_common::layout::{Layout, TensorSpec};
     use gaps_common::wire::{Message, Push, PushChunk};
 
     fn config() -> ShardConfig {
-        ShardConfig {
-            shard: 0,
-            num_shards: 1,
-            layout: Layout::new(vec![TensorSpec::new("w", 100)], 32).expect("layout"),
-            rule: gaps_kernels::Rule::Momentum,
-            hyper: gaps_kernels::Hyper::default(),
-            init: gaps_shard::Init { seed: 1, std: 0.1 },
-            lease: Duration::from_secs(5),
-            advertise: "a:1".into(),
-            epoch: 3,
-            threads: 1,
-            sparse: gaps_shard::SparseSettings::default(),
-            modes: gaps_shard::modes::ModeConfig::default(),
-        }
+        crate::test_support::shard_config(0, 1, gaps_kernels::Rule::Momentum)
     }
 
     fn push(cfg: &ShardConfig, seq: u64) -> Frame {

@@ -542,10 +542,12 @@ enum Reported {
 /// here before any other report can go (so a report never names a backup that no longer counts).
 async fn report(ctx: &ShipContext, log: &Log, except: Option<u32>) -> Result<(), Reported> {
     let _one = ctx.reporting.lock().await;
-    let in_sync = log.live_set(except);
     if let Some(quorum) = &ctx.quorum {
+        let _changing = quorum.changing().await;
+        let in_sync = log.live_set(except);
         return report_to_quorum(ctx, quorum, log, in_sync, except).await;
     }
+    let in_sync = log.live_set(except);
     let msg =
         Message::ReplicaReport(ReplicaReport { shard: ctx.shard, process: ctx.process, epoch: ctx.epoch, in_sync });
     match ctx.link.call(&msg).await {
@@ -995,7 +997,6 @@ impl Replica {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gaps_common::layout::{Layout, TensorSpec};
     use gaps_common::wire::{bytes_to_words, Heartbeat, Pull};
 
     fn log() -> Log {
@@ -1091,21 +1092,7 @@ mod tests {
     }
 
     fn backups() -> Arc<Backups> {
-        let layout = Layout::new(vec![TensorSpec::new("w", 100)], 32).expect("layout");
-        let cfg = ShardConfig {
-            shard: 1,
-            num_shards: 2,
-            layout,
-            rule: gaps_kernels::Rule::Sgd,
-            hyper: gaps_kernels::Hyper::default(),
-            init: gaps_shard::Init { seed: 1, std: 0.1 },
-            lease: Duration::from_secs(5),
-            advertise: "a:1".into(),
-            epoch: 3,
-            threads: 1,
-            sparse: gaps_shard::SparseSettings::default(),
-            modes: gaps_shard::modes::ModeConfig::default(),
-        };
+        let cfg = crate::test_support::shard_config(1, 2, gaps_kernels::Rule::Sgd);
         Arc::new(Backups::new(&[0], &cfg, 2, None, |_| 1 << 20))
     }
 

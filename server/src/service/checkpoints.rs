@@ -179,19 +179,26 @@ pub(super) async fn apply_rollback(shared: &Shared, id: u64) -> Result<u64> {
     let gpu = gaps_kernels::cuda::CudaArenas::for_choice(shared.device).context("--device")?;
     let slots = shared.device_worker_slots;
     // The copies of shard 0 do not continue the state it goes back to: a majority must first choose a
-    // configuration without them (its backups copy a snapshot afterwards and are proposed in again).
+    // configuration without them (its backups copy a snapshot afterwards and are proposed in again), and no
+    // backup is proposed in again before the core is replaced.
+    let _changing = match &shared.quorum {
+        Some(quorum) if shared.shard == 0 => Some(quorum.changing().await),
+        _ => None,
+    };
     if let (0, Some(quorum)) = (shared.shard, &shared.quorum) {
         let (tx, rx) = oneshot::channel();
         shared.send(Command::Inspect(Box::new(move |core| drop(tx.send(core.process_addrs()))))).await?;
         let peers: Vec<(u32, String)> =
             rx.await.context("the core stopped")?.into_iter().filter(|(p, _)| *p != quorum.process()).collect();
+        // The address shard 0's configurations name (the shipping tasks' `CoordinatorLink`'s).
+        let addr = shared.coordinator.clone().unwrap_or_else(|| shared.advertise.clone());
         let link = crate::replication::CoordinatorLink {
-            coordinator: shared.advertise.clone(),
+            coordinator: addr.clone(),
             cluster: shared.own.cluster.clone(),
             endpoint: shared.endpoint.clone(),
             rotated: shared.rotated.clone(),
         };
-        match quorum.propose_in_sync(Vec::new(), shared.advertise.clone(), false, &peers, &link).await? {
+        match quorum.propose_in_sync(Vec::new(), addr, false, &peers, &link).await? {
             crate::quorum::InSync::Chosen => {}
             other => bail!("shard 0's backups could not be dropped before its rollback: {other:?}"),
         }
