@@ -1058,6 +1058,15 @@ pub struct ReplicaEpoch {
     pub epoch: u64,
 }
 
+/// Any peer's question to any shard process: where is the coordinator (shard 0) served now? Answered with
+/// [`Message::ConfigChosen`], the last configuration of shard 0 the process knows chosen (version 0, process
+/// 0 at the address the process was given, where a majority does not choose it). (Added in protocol 16.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Encode, Decode)]
+pub struct CoordinatorWhere {
+    /// The version of shard 0's configuration the asker knows (for the answerer's logs).
+    pub known: u64,
+}
+
 /// Every message of the protocol. The kind byte on the wire is [`Message::kind`].
 #[derive(Debug, Clone, PartialEq)]
 pub enum Message {
@@ -1158,6 +1167,8 @@ pub enum Message {
     ConfigRefused(ConfigRefused),
     /// A configuration chosen (to every process), and an acceptor's answer to it: the last it knows.
     ConfigChosen(CoordinatorConfig),
+    /// Where the coordinator is, asked of any shard process.
+    CoordinatorWhere(CoordinatorWhere),
 }
 
 /// Defines `kind()`, header encoding and kind-directed decoding for every variant in one place.
@@ -1202,7 +1213,7 @@ message_kinds! {
     33 => TableScan, 34 => TableRows, 35 => TableLoad, 36 => TableLoaded,
     37 => ReplicaSnapshot, 38 => ReplicaAppend, 39 => ReplicaAck, 40 => ReplicaReport, 41 => Promote,
     42 => ReplicaEpoch, 43 => ConfigPrepare, 44 => ConfigPromise, 45 => ConfigAccept, 46 => ConfigAccepted,
-    47 => ConfigRefused, 48 => ConfigChosen,
+    47 => ConfigRefused, 48 => ConfigChosen, 49 => CoordinatorWhere,
 }
 
 fn config() -> impl bincode::config::Config {
@@ -1730,6 +1741,7 @@ mod tests {
                 promised: crate::quorum::Ballot { round: 9, proposer: 2 },
                 chosen: CoordinatorConfig { version: 3, serving: 1, addr: "h:2".into(), in_sync: vec![] },
             })),
+            Frame::new(Message::CoordinatorWhere(CoordinatorWhere { known: 3 })),
             Frame::new(Message::ConfigChosen(CoordinatorConfig {
                 version: 4,
                 serving: 1,
@@ -1803,7 +1815,7 @@ mod tests {
     fn every_message_round_trips() {
         let frames = samples();
         let kinds: std::collections::BTreeSet<u8> = frames.iter().map(|f| f.msg.kind()).collect();
-        assert_eq!(kinds.len(), 45, "one sample per kind");
+        assert_eq!(kinds.len(), 46, "one sample per kind");
         for f in frames {
             let bytes = encode_frame(&f).expect("encode");
             let back = decode_frame(&bytes, &Limits::default()).expect("decode");

@@ -357,6 +357,9 @@ async fn shard_0_goes_on_without_its_backup_only_once_a_majority_chose_so() {
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
         assert_eq!((config(&s0).version, config(&s0).serving, config(&s0).in_sync), (1, 0, vec![1]));
+        // Any process tells any certificate where the coordinator is: a worker's asks process 2.
+        let asked = coordinator_where(&certs, &s2.advertise).await;
+        assert_eq!((asked.version, asked.serving, asked.addr.as_str()), (1, 0, s0.advertise.as_str()), "{asked:?}");
         // A split request goes to the coordinator alone and changes its state (the dealer's loans): its
         // answer waits for shard 0's backups as a push's does.
         let mut o = ClientOptions::new(&s0.advertise, certs.worker_material().expect("tls"), Role::Worker, "t");
@@ -390,5 +393,21 @@ async fn shard_0_goes_on_without_its_backup_only_once_a_majority_chose_so() {
             s2.shutdown().await.expect("shutdown");
         }
         s0.shutdown().await.expect("shutdown");
+    }
+}
+
+/// What shard process `addr` answers a worker certificate's [`Message::CoordinatorWhere`] with.
+async fn coordinator_where(certs: &ClusterCerts, addr: &str) -> gaps_common::quorum::CoordinatorConfig {
+    use gaps_common::wire::{CoordinatorWhere, Limits, Message};
+    use gaps_transport::net;
+    let tls = certs.worker_material().expect("tls");
+    let target = net::resolve(addr).await.expect("address");
+    let (endpoint, _) = net::client_endpoint_tuned(&tls, target).expect("endpoint");
+    let conn = net::connect(&endpoint, target, Duration::from_secs(5)).await.expect("connect");
+    let ask = Message::CoordinatorWhere(CoordinatorWhere { known: 0 });
+    let reply = net::call(&conn, &ask, &[], &Limits::default(), Duration::from_secs(5)).await.expect("an answer");
+    match reply.msg {
+        Message::ConfigChosen(c) => c,
+        other => panic!("answered with {other:?}"),
     }
 }

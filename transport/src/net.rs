@@ -1076,6 +1076,7 @@ pub fn kind_name(msg: &Message) -> &'static str {
         Message::ConfigAccepted(_) => "config-accepted",
         Message::ConfigRefused(_) => "config-refused",
         Message::ConfigChosen(_) => "config-chosen",
+        Message::CoordinatorWhere(_) => "coordinator-where",
     }
 }
 

@@ -393,6 +393,8 @@ pub(super) async fn serve_request(
             let fenced = shared.log.as_ref().is_some_and(|l| l.fenced());
             let handled = if let Err(reason) = crate::auth::authorize(&frame.msg, &peer.identity, bound) {
                 Some((refuse_unauthorized(shared, peer, &reason), Vec::new(), Vec::new()))
+            } else if let Message::CoordinatorWhere(_) = frame.msg {
+                Some((Frame::new(Message::ConfigChosen(coordinator_where(shared))), Vec::new(), Vec::new()))
             } else if crate::quorum::is_quorum_message(&frame.msg) {
                 // A fenced process still takes part in choosing shard 0's configuration.
                 let reply = match (&shared.quorum, &peer.identity.role) {
@@ -536,8 +538,21 @@ pub(super) fn reply_parts(
     }
 }
 
-/// Refuses a request its peer may not send: counted, logged at a bounded rate, and answered with a reason
-/// that names the certificate and the request, nothing of the model.
+/// Where this process knows the coordinator to be ([`Message::CoordinatorWhere`]): the configuration of
+/// shard 0 last chosen by a majority, or, where none chooses it, process 0 at the address this process was
+/// given (its own, on shard 0).
+pub(super) fn coordinator_where(shared: &Shared) -> gaps_common::quorum::CoordinatorConfig {
+    match &shared.quorum {
+        Some(q) => q.chosen(),
+        None => gaps_common::quorum::CoordinatorConfig {
+            version: 0,
+            serving: 0,
+            addr: shared.coordinator.clone().unwrap_or_else(|| shared.advertise.clone()),
+            in_sync: Vec::new(),
+        },
+    }
+}
+
 /// The answer of a shard process that no longer serves its shard (a backup took it over).
 pub(super) fn moved(shared: &Shared) -> Frame {
     let msg = format!("shard {} is served by another shard process now: fetch the cluster map again", shared.shard);
@@ -592,6 +607,8 @@ pub(super) async fn promote_refusal(shared: &Shared, msg: &Message) -> Option<Fr
 /// How long the coordinator waits for a primary's answer before it lets a backup take the shard over.
 pub(super) const PROBE_WAIT: Duration = Duration::from_millis(500);
 
+/// Refuses a request its peer may not send: counted, logged at a bounded rate, and answered with a reason
+/// that names the certificate and the request, nothing of the model.
 pub(super) fn refuse_unauthorized(shared: &Shared, peer: &ConnPeer, reason: &str) -> Frame {
     shared.unauthorized.fetch_add(1, Ordering::Relaxed);
     shared.metrics.unauthorized.increment(1);

@@ -863,11 +863,12 @@ impl ShardCore {
             Message::Promote(p) => self.promote(&p, &mut events),
             Message::ReplicaEpoch(_) => Err(ShardError::NotARequest("replica epoch")),
             // Shard 0's configuration is chosen by the shard processes, outside any core.
-            Message::ConfigPrepare(_) | Message::ConfigAccept(_) | Message::ConfigChosen(_) => {
-                Err(ShardError::Misconfigured(
-                    "shard 0's configuration is chosen by the shard service, not the core".into(),
-                ))
-            }
+            Message::ConfigPrepare(_)
+            | Message::ConfigAccept(_)
+            | Message::ConfigChosen(_)
+            | Message::CoordinatorWhere(_) => Err(ShardError::Misconfigured(
+                "shard 0's configuration is chosen by the shard service, not the core".into(),
+            )),
             Message::ConfigPromise(_) | Message::ConfigAccepted(_) | Message::ConfigRefused(_) => {
                 Err(ShardError::NotARequest("configuration answer"))
             }
