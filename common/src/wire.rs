@@ -291,6 +291,28 @@ pub struct ClusterMap {
     pub spare: Vec<ShardAddr>,
 }
 
+impl ClusterMap {
+    /// Where each shard process listens, process order (see [`process_addrs`]).
+    pub fn process_addrs(&self) -> Vec<(u32, String)> {
+        process_addrs(&self.shards, &self.spare)
+    }
+}
+
+/// Where each shard process listens, process order, from a map's shards and spare processes: its own
+/// shard's address while it serves it, else its address as a spare (a process whose shard was taken over
+/// and that is not back is missing).
+pub fn process_addrs(shards: &[ShardAddr], spare: &[ShardAddr]) -> Vec<(u32, String)> {
+    let mut out: Vec<(u32, String)> =
+        shards.iter().filter(|s| s.process == s.index).map(|s| (s.index, s.addr.clone())).collect();
+    for s in spare {
+        if !out.iter().any(|(p, _)| *p == s.index) {
+            out.push((s.index, s.addr.clone()));
+        }
+    }
+    out.sort();
+    out
+}
+
 /// Read a set of chunks.
 #[derive(Debug, Clone, PartialEq, Eq, Encode, Decode)]
 pub struct Pull {

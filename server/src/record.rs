@@ -88,36 +88,45 @@ impl Recorder {
 
     fn entry(&mut self, entry: LogEntry) {
         match entry.encode() {
-            Ok(bytes) => self.item(&Item::Entry(bytes)),
+            Ok(bytes) => {
+                let written = self.write_parts(2, &[&bytes]);
+                self.log_failure(written);
+            }
             Err(e) => tracing::warn!(path = %self.path.display(), %e, "a request could not be recorded"),
         }
     }
 
     /// Records a point a replay needs (a backup following, a checkpoint, a rollback).
     pub fn item(&mut self, item: &Item) {
-        if let Err(e) = self.write(item) {
+        let written = self.write(item);
+        self.log_failure(written);
+    }
+
+    fn log_failure(&self, written: Result<()>) {
+        if let Err(e) = written {
             tracing::warn!(path = %self.path.display(), error = format!("{e:#}"), "the request record is incomplete");
         }
     }
 
     fn write(&mut self, item: &Item) -> Result<()> {
-        let (kind, body): (u8, Vec<u8>) = match item {
+        match item {
             Item::Start { process, index, state } => {
-                let mut b = Vec::with_capacity(12 + state.len());
-                b.extend_from_slice(&process.to_le_bytes());
-                b.extend_from_slice(&index.to_le_bytes());
-                b.extend_from_slice(state);
-                (1, b)
+                self.write_parts(1, &[&process.to_le_bytes(), &index.to_le_bytes(), state])
             }
-            Item::Entry(bytes) => (2, bytes.clone()),
-            Item::Followed { backup, index } => (3, [&backup.to_le_bytes()[..], &index.to_le_bytes()].concat()),
-            Item::Checkpoint { id } => (4, id.to_le_bytes().to_vec()),
-            Item::Replaced => (5, Vec::new()),
-        };
-        let mut out = Vec::with_capacity(9 + body.len());
+            Item::Entry(bytes) => self.write_parts(2, &[bytes]),
+            Item::Followed { backup, index } => self.write_parts(3, &[&backup.to_le_bytes(), &index.to_le_bytes()]),
+            Item::Checkpoint { id } => self.write_parts(4, &[&id.to_le_bytes()]),
+            Item::Replaced => self.write_parts(5, &[]),
+        }
+    }
+
+    /// One item: its kind, its length, then `parts` one after the other, in one write.
+    fn write_parts(&mut self, kind: u8, parts: &[&[u8]]) -> Result<()> {
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        let mut out = Vec::with_capacity(9 + len);
         out.push(kind);
-        out.extend_from_slice(&(body.len() as u64).to_le_bytes());
-        out.extend_from_slice(&body);
+        out.extend_from_slice(&(len as u64).to_le_bytes());
+        parts.iter().for_each(|p| out.extend_from_slice(p));
         self.file.write_all(&out).with_context(|| format!("writing {}", self.path.display()))
     }
 }

@@ -596,14 +596,7 @@ async fn report_to_quorum(
 /// taken over and that is not back is left out).
 async fn process_addresses(ctx: &ShipContext) -> Result<Vec<(u32, String)>> {
     let map = ctx.link.map(&format!("shard-{} quorum", ctx.shard)).await.map_err(|e| anyhow!("the map: {e}"))?;
-    let mut out = Vec::new();
-    for p in (0..map.num_shards).filter(|p| *p != ctx.process) {
-        let own = map.shards.iter().find(|s| s.index == p && s.process == p);
-        if let Some(s) = own.or_else(|| map.spare.iter().find(|s| s.index == p)) {
-            out.push((p, s.addr.clone()));
-        }
-    }
-    Ok(out)
+    Ok(map.process_addrs().into_iter().filter(|(p, _)| *p != ctx.process).collect())
 }
 
 async fn ship_once(ctx: &ShipContext, log: &Log, backup: u32, said: &mut bool) -> Result<()> {
@@ -731,11 +724,10 @@ struct Incomplete;
 async fn map_address(ctx: &ShipContext, backup: u32) -> Result<Result<String>, Incomplete> {
     Ok(match ctx.link.map(&format!("shard-{} replication", ctx.shard)).await {
         Ok(map) => map
-            .shards
-            .iter()
-            .find(|s| s.index == backup && s.process == backup)
-            .or_else(|| map.spare.iter().find(|s| s.index == backup))
-            .map(|s| s.addr.clone())
+            .process_addrs()
+            .into_iter()
+            .find(|(p, _)| *p == backup)
+            .map(|(_, addr)| addr)
             .with_context(|| {
                 format!("shard process {backup} is not in the coordinator's map (its shard was taken over and it is not back)")
             }),

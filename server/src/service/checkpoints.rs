@@ -191,7 +191,7 @@ pub(super) async fn apply_rollback(shared: &Shared, id: u64) -> Result<u64> {
         let peers: Vec<(u32, String)> =
             rx.await.context("the core stopped")?.into_iter().filter(|(p, _)| *p != quorum.process()).collect();
         // The address shard 0's configurations name (the shipping tasks' `CoordinatorLink`'s).
-        let addr = shared.coordinator.clone().unwrap_or_else(|| shared.advertise.clone());
+        let addr = shared.coordinator_addr();
         let link = crate::replication::CoordinatorLink {
             coordinator: addr.clone(),
             cluster: shared.own.cluster.clone(),

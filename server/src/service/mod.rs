@@ -303,6 +303,10 @@ struct Shared {
 }
 
 impl Shared {
+    /// The coordinator's address as this process was given it (its own on shard 0).
+    pub(super) fn coordinator_addr(&self) -> String {
+        self.coordinator.clone().unwrap_or_else(|| self.advertise.clone())
+    }
     /// Sends `command` to the core, waiting while its queue is full.
     async fn send(&self, command: Command) -> Result<()> {
         self.queue.send(command).await.map_err(|_| anyhow!("shard {} core thread stopped", self.shard))

@@ -547,7 +547,7 @@ pub(super) fn coordinator_where(shared: &Shared) -> gaps_common::quorum::Coordin
         None => gaps_common::quorum::CoordinatorConfig {
             version: 0,
             serving: 0,
-            addr: shared.coordinator.clone().unwrap_or_else(|| shared.advertise.clone()),
+            addr: shared.coordinator_addr(),
             in_sync: Vec::new(),
         },
     }

@@ -69,6 +69,8 @@ pub(super) async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<T
         None => addr.to_string(),
     };
     cfg.core.advertise = advertise.clone();
+    // The coordinator's address as this process was given it (its own on shard 0).
+    let coordinator_addr = cfg.coordinator.clone().unwrap_or_else(|| advertise.clone());
     let shard = cfg.core.shard;
     let health = cfg.health.clone();
     let report = |what: &str| {
@@ -144,7 +146,6 @@ pub(super) async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<T
     let quorum = match taken_quorum {
         Some(q) => q,
         None if crate::quorum::enabled(cfg.replicas, cfg.core.num_shards) => {
-            let coordinator = cfg.coordinator.clone().unwrap_or_else(|| advertise.clone());
             let dir = cfg.checkpoint.as_ref().map(|c| c.dir.as_path());
             if dir.is_none() {
                 warn!(
@@ -153,7 +154,7 @@ pub(super) async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<T
                      only (restarted during a choice, it could answer twice)"
                 );
             }
-            Some(Arc::new(crate::quorum::Quorum::open(process, cfg.core.num_shards, &coordinator, dir)?))
+            Some(Arc::new(crate::quorum::Quorum::open(process, cfg.core.num_shards, &coordinator_addr, dir)?))
         }
         None => None,
     };
@@ -257,7 +258,7 @@ pub(super) async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<T
         tokio::spawn(roll_back_cluster_after_restore(shared.clone(), info.id, shutdown_rx.clone()));
     }
     let link = crate::replication::CoordinatorLink {
-        coordinator: cfg.coordinator.clone().unwrap_or_else(|| advertise.clone()),
+        coordinator: coordinator_addr.clone(),
         cluster: shared.own.cluster.clone(),
         endpoint: endpoint.clone(),
         rotated: shared.rotated.clone(),

@@ -329,20 +329,9 @@ impl ShardCore {
     /// it serves it, or its address as a spare (a process whose shard was taken over and that is not back
     /// is missing).
     pub fn process_addrs(&self) -> Vec<(u32, String)> {
-        let Some(c) = self.coordinator.as_ref() else { return Vec::new() };
-        let mut out: Vec<(u32, String)> = c
-            .shard_addrs
-            .iter()
-            .filter(|(shard, _)| c.replica_set(**shard).process == **shard)
-            .map(|(shard, addr)| (*shard, addr.clone()))
-            .collect();
-        for (p, addr) in &c.spare {
-            if !out.iter().any(|(q, _)| q == p) {
-                out.push((*p, addr.clone()));
-            }
-        }
-        out.sort();
-        out
+        self.coordinator
+            .as_ref()
+            .map_or_else(Vec::new, |c| gaps_common::wire::process_addrs(&c.shard_list(), &c.spare_addrs()))
     }
 
     /// A primary's report of its backups in sync ([`ReplicaReport`]); refused as moved when the sender no
