@@ -295,7 +295,12 @@ impl ReplicationReport {
         ReplicationReport {
             failovers: map.shards.iter().map(|s| s.epoch).sum(),
             serving: map.shards.iter().map(|s| s.process).collect(),
-            backups_in_sync: map.shards.iter().map(|s| (s.index != 0).then(|| s.backups.clone())).collect(),
+            // Shard 0's are listed where a majority of 3 or more processes chooses them.
+            backups_in_sync: map
+                .shards
+                .iter()
+                .map(|s| (s.index != 0 || (map.replicas >= 2 && map.num_shards >= 3)).then(|| s.backups.clone()))
+                .collect(),
             spare_processes: map.spare.iter().map(|s| s.index).collect(),
             failover_s: Vec::new(),
             replica_lag_peak: Vec::new(),
@@ -1140,7 +1145,7 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
                 if let Some(p) = servers.get_mut(k.index as usize) {
                     // The shard's replica epoch before the kill (a take-over raises it), asked for at most 1 s
                     // so that the kill is not held up.
-                    let watched = args.replicas > 1 && k.index != 0;
+                    let watched = args.replicas > 1 && (k.index != 0 || (args.replicas >= 2 && args.servers >= 3));
                     let before = if watched {
                         tokio::time::timeout(Duration::from_secs(1), observer.current_map())
                             .await
@@ -1167,7 +1172,13 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
                 let i = k.index as usize;
                 let addr = addrs[i].clone();
                 eprintln!("[gaps local] restarting shard {i} on {addr} at {:.1}s", since.as_secs_f64());
-                let coordinator_arg = (i != 0).then_some(coordinator.as_str());
+                // Process 0 restarted where a majority moves the coordinator asks process 1 where it is now.
+                let moves = args.replicas >= 2 && args.servers >= 3;
+                let coordinator_arg = match i {
+                    0 if moves => Some(addrs[1].as_str()),
+                    0 => None,
+                    _ => Some(coordinator.as_str()),
+                };
                 let mut p = spawn_role(
                     exe,
                     args.server_bin.as_deref(),

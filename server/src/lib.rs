@@ -6,6 +6,7 @@
 //! - [`metrics`]: Prometheus export over a small hyper service.
 //! - [`data`]: cuts the training files into the coordinator's dealt splits (dynamic data sharding).
 //! - [`journal`]: the coordinator's dealer journal (async mode: a restore does not deal finished splits again).
+//! - [`link`]: how a shard process reaches the coordinator, wherever a majority moved it.
 //! - [`replication`]: replicated shards (`--replicas`): the primary's log, shipped to backups that keep a copy.
 //! - [`quorum`]: shard 0's configuration chosen by a majority of the shard processes (each one's acceptor,
 //!   the coordinator's proposals).
@@ -21,6 +22,7 @@ pub mod checkpoint;
 pub mod cli;
 pub mod data;
 pub mod journal;
+pub mod link;
 pub mod metrics;
 pub mod quorum;
 pub mod record;

@@ -5,7 +5,7 @@
 //! On with `--replicas` ≥ 2 and at least 3 shard processes; with 2, no majority survives either's loss, and
 //! shard 0 keeps its backups as before (dropped without asking; never taken over).
 
-use crate::replication::CoordinatorLink;
+use crate::link::CoordinatorLink;
 use anyhow::{anyhow, bail, Context, Result};
 use gaps_common::quorum::{Acceptor, CoordinatorConfig, Outcome, Proposer, Refusal, Send};
 use gaps_common::wire::{ErrorCode, Frame, Limits, Message};
@@ -96,9 +96,20 @@ impl Quorum {
         self.process
     }
 
+    /// How many shard processes vote.
+    pub fn processes(&self) -> u32 {
+        self.processes
+    }
+
     /// The last configuration of shard 0 this process knows chosen.
     pub fn chosen(&self) -> CoordinatorConfig {
         self.lock().chosen().clone()
+    }
+
+    /// Adopts `config`, which a shard process knows chosen, if it is newer than the last one this process
+    /// knows (kept in the acceptor's file as a `ConfigChosen` from that process would be).
+    pub async fn learn(self: &Arc<Self>, config: &CoordinatorConfig) {
+        self.handle_async(self.process, &Message::ConfigChosen(config.clone())).await;
     }
 
     /// Writes the acceptor's state (before any answer that depends on it goes out).

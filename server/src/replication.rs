@@ -22,10 +22,7 @@
 //! held after it (`shard/tests/replica.rs`, `server/tests/replication.rs`).
 
 use anyhow::{anyhow, bail, Context, Result};
-use gaps_common::wire::{
-    ErrorCode, Frame, Limits, Message, Register, ReplicaAck, ReplicaAppend, ReplicaReport, ReplicaSnapshot, Role,
-    PROTOCOL_VERSION,
-};
+use gaps_common::wire::{ErrorCode, Frame, Limits, Message, ReplicaAck, ReplicaAppend, ReplicaReport, ReplicaSnapshot};
 use gaps_shard::replica::{changes_state, Entry, LogEntry};
 use gaps_shard::{ShardConfig, ShardCore};
 use gaps_transport::net::{self, Bytes, RpcError};
@@ -376,54 +373,7 @@ impl Log {
     }
 }
 
-/// How a shard process reaches the coordinator: its endpoint and client configuration, and the cluster the
-/// coordinator's certificate must be of.
-#[derive(Clone)]
-pub struct CoordinatorLink {
-    /// The coordinator's address (this process's own for shard 0).
-    pub coordinator: String,
-    pub cluster: String,
-    pub endpoint: quinn::Endpoint,
-    /// The client configuration after a certificate rotation (None: the endpoint's own).
-    pub rotated: Arc<Mutex<Option<quinn::ClientConfig>>>,
-}
-
-impl std::fmt::Debug for CoordinatorLink {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CoordinatorLink").field("coordinator", &self.coordinator).finish()
-    }
-}
-
-impl CoordinatorLink {
-    /// Connects to `addr`, which must hold shard `index`'s certificate of the cluster.
-    pub async fn connect(&self, addr: &str, index: u32) -> Result<quinn::Connection, RpcError> {
-        let target = net::resolve(addr).await?;
-        let config = self.rotated.lock().ok().and_then(|c| c.clone());
-        let conn = net::connect_with(&self.endpoint, config, target, Duration::from_secs(5)).await?;
-        net::expect_shard(&conn, &self.cluster, index)?;
-        Ok(conn)
-    }
-
-    /// One request to the coordinator on a connection of its own.
-    pub async fn call(&self, msg: &Message) -> Result<Frame, RpcError> {
-        let conn = self.connect(&self.coordinator, 0).await?;
-        let reply = net::call(&conn, msg, &[], &Limits::default(), Duration::from_secs(10)).await;
-        conn.close(0u32.into(), b"done");
-        reply
-    }
-
-    /// The coordinator's cluster map (as an observer sees it).
-    pub async fn map(&self, who: &str) -> Result<gaps_common::wire::ClusterMap, RpcError> {
-        let request =
-            Message::Register(Register { protocol: PROTOCOL_VERSION, role: Role::Observer, name: who.to_string() });
-        match self.call(&request).await? {
-            Frame { msg: Message::ClusterMap(map), .. } => Ok(map),
-            other => {
-                Err(RpcError::Unexpected { addr: self.coordinator.clone(), kind: net::kind_name(&other.msg).into() })
-            }
-        }
-    }
-}
+pub use crate::link::CoordinatorLink;
 
 /// A snapshot of the core for a backup: the log index it holds and its bytes, or why none was taken.
 pub type SnapshotReply = tokio::sync::oneshot::Receiver<Result<(u64, Vec<u8>), String>>;
@@ -438,6 +388,8 @@ pub struct ShipContext {
     pub ack_timeout: Duration,
     /// This process's index (the sender of reports) and the replica epoch it serves the shard under.
     pub process: u32,
+    /// Where this shard is served (shard 0's configurations name it).
+    pub advertise: String,
     pub epoch: u64,
     /// Reports to the coordinator go one at a time, so that they arrive in the order the set changed.
     pub reporting: tokio::sync::Mutex<()>,
@@ -559,7 +511,7 @@ async fn report(ctx: &ShipContext, log: &Log, except: Option<u32>) -> Result<(),
         }
         Err(RpcError::Remote { code: ErrorCode::Moved, .. }) => Err(Reported::Moved),
         Ok(other) => Err(Reported::Failed(anyhow!("the coordinator answered with {}", net::kind_name(&other.msg)))),
-        Err(e) => Err(Reported::Failed(anyhow!("the coordinator ({}): {e}", ctx.link.coordinator))),
+        Err(e) => Err(Reported::Failed(anyhow!("the coordinator ({}): {e}", ctx.link.coordinator().0))),
     }
 }
 
@@ -574,7 +526,7 @@ async fn report_to_quorum(
 ) -> Result<(), Reported> {
     use crate::quorum::InSync;
     let peers = process_addresses(ctx).await.map_err(Reported::Failed)?;
-    let addr = ctx.link.coordinator.clone();
+    let addr = ctx.advertise.clone();
     match quorum.propose_in_sync(in_sync, addr, except.is_none(), &peers, &ctx.link).await {
         Ok(InSync::Chosen) => {
             if let Some(backup) = except {
@@ -732,7 +684,7 @@ async fn map_address(ctx: &ShipContext, backup: u32) -> Result<Result<String>, I
                 format!("shard process {backup} is not in the coordinator's map (its shard was taken over and it is not back)")
             }),
         Err(RpcError::Remote { code: ErrorCode::ClusterIncomplete, .. }) => return Err(Incomplete),
-        Err(e) => Err(anyhow!("the coordinator's map ({}): {e}", ctx.link.coordinator)),
+        Err(e) => Err(anyhow!("the coordinator's map ({}): {e}", ctx.link.coordinator().0)),
     })
 }
 
@@ -774,6 +726,8 @@ pub struct Backups {
     /// The cluster's shard count and copies of each shard (who may send a shard's log: its ring).
     num_shards: u32,
     copies: u32,
+    /// A copy of shard 0 may be taken over: a majority chooses its configuration ([`crate::quorum`]).
+    coordinator_fails_over: bool,
 }
 
 impl std::fmt::Debug for Backups {
@@ -810,7 +764,8 @@ impl Backups {
             };
             replicas.insert(shard, Mutex::new(replica));
         }
-        Backups { replicas, num_shards: own.num_shards, copies }
+        let coordinator_fails_over = crate::quorum::enabled(copies, own.num_shards);
+        Backups { replicas, num_shards: own.num_shards, copies, coordinator_fails_over }
     }
 
     /// The largest request a primary sends this process: a batch of its largest entries, or a snapshot
@@ -858,8 +813,9 @@ impl Backups {
     /// The copies that hold a snapshot and whose primary sent nothing for `silence`.
     pub fn silent(&self, silence: Duration) -> Vec<u32> {
         let mut out = Vec::new();
-        // The coordinator's own shard is not taken over yet (step 4). A copy busy applying is not silent.
-        for (shard, r) in self.replicas.iter().filter(|(s, _)| **s != 0) {
+        // The coordinator's own shard is taken over only where a majority chooses its configuration. A copy
+        // busy applying is not silent.
+        for (shard, r) in self.replicas.iter().filter(|(s, _)| **s != 0 || self.coordinator_fails_over) {
             let Ok(r) = r.try_lock() else { continue };
             if !r.taking_over && r.core.is_some() && r.heard.is_some_and(|t| t.elapsed() >= silence) {
                 out.push(*shard);

@@ -182,7 +182,17 @@ async fn start_failing_over(
     coordinator: Option<String>,
     mode: Mode,
 ) -> RunningServer {
-    let core = core_config(shard, mode);
+    start_failing_over_of(certs, (shard, 2), coordinator, mode).await
+}
+
+/// [`start_failing_over`] for shard `shard` of `num_shards`.
+async fn start_failing_over_of(
+    certs: &ClusterCerts,
+    (shard, num_shards): (u32, u32),
+    coordinator: Option<String>,
+    mode: Mode,
+) -> RunningServer {
+    let core = core_config_of(shard, num_shards, mode);
     let cfg = ServiceConfig {
         coordinator,
         join_timeout: Duration::from_secs(20),
@@ -243,6 +253,67 @@ async fn in_sync_a_killed_primarys_backup_takes_over_and_loses_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_gba_a_killed_primarys_backup_takes_over_and_loses_nothing() {
     a_killed_primarys_backup_takes_over(Mode::Gba).await;
+}
+
+/// The coordinator's process dies (as SIGKILL would have it) while three workers push, its last pushes held
+/// from its backup; a majority of the other two chooses that backup (process 1) to serve shard 0, which it
+/// does from its copy; the workers find it, go on and end; shard 0's copy holds exactly the pushes shard 0
+/// acknowledged, none twice, and the other shards lost nothing either.
+async fn the_coordinators_backup_takes_over(mode: Mode) {
+    let certs = ClusterCerts::generate(&[]).expect("certs");
+    let s0 = start_failing_over_of(&certs, (0, 3), None, mode).await;
+    let s1 = start_failing_over_of(&certs, (1, 3), Some(s0.advertise.clone()), mode).await;
+    let s2 = start_failing_over_of(&certs, (2, 3), Some(s0.advertise.clone()), mode).await;
+    for _ in 0..400 {
+        let counted = [&s0, &s1, &s2].iter().all(|s| s.live_backups() == 1);
+        if counted && s2.shard0_config().is_some_and(|c| c.in_sync == [1]) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(s2.shard0_config().map(|c| c.in_sync), Some(vec![1]), "shard 0's backup in sync, chosen");
+    let progress = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let tasks = spawn_workers(&certs, &s0.advertise, 3, 120, &progress);
+    while progress.load(std::sync::atomic::Ordering::Relaxed) < 90 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    s0.hold_replication(true);
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    s0.crash();
+    let mut acked = Vec::new();
+    for t in tasks {
+        acked.push(t.await.expect("a worker trained through the coordinator's fail-over"));
+    }
+    let chosen = s2.shard0_config().expect("a configuration");
+    assert_eq!((chosen.serving, chosen.in_sync.clone()), (1, vec![]), "process 1 serves shard 0: {chosen:?}");
+    let mut o = ClientOptions::new(&chosen.addr, certs.worker_material().expect("tls"), Role::Observer, "o");
+    o.rpc_timeout = Duration::from_secs(20);
+    let observer = Client::connect(o).await.expect("an observer registers with the new coordinator");
+    let map = observer.map().clone();
+    assert_eq!((map.shards[0].process, map.shards[0].epoch), (1, 1), "shard 0 served by process 1: {map:?}");
+    let stats = observer.stats().await.expect("stats");
+    for shard in 0..3 {
+        for (worker, by_shard) in &acked {
+            let held = stats[shard].applied_by_worker.iter().find(|a| a.worker == *worker).map_or(0, |a| a.applied);
+            assert_eq!(
+                held, by_shard[shard],
+                "worker {worker}, shard {shard}: holds exactly what it acknowledged ({mode:?})"
+            );
+        }
+        assert_eq!(stats[shard].pushes_applied_twice, 0);
+    }
+    s1.shutdown().await.expect("shutdown");
+    s2.shutdown().await.expect("shutdown");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_async_the_coordinators_backup_takes_over_and_loses_nothing() {
+    the_coordinators_backup_takes_over(Mode::Async).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_sync_the_coordinators_backup_takes_over_and_loses_nothing() {
+    the_coordinators_backup_takes_over(Mode::Sync).await;
 }
 
 /// The copy of `shard` that `holder` keeps equals the shard's state on `primary` (the shard served there as

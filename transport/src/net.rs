@@ -527,6 +527,23 @@ pub fn expect_shard(conn: &quinn::Connection, cluster: &str, index: u32) -> Resu
     }
 }
 
+/// Checks that the server holds some shard process's certificate of `cluster`; returns that process's index
+/// (the coordinator may be served by any shard process once a majority moved it).
+pub fn expect_any_shard(conn: &quinn::Connection, cluster: &str) -> Result<u32, RpcError> {
+    let addr = conn.remote_address().to_string();
+    match peer_identity(conn) {
+        Ok(PeerIdentity { cluster: c, role: Role::Shard(i) }) if c == cluster => Ok(i),
+        other => {
+            conn.close(4u32.into(), b"unexpected server identity");
+            let message = match other {
+                Ok(id) => format!("expected a shard of cluster {cluster:?}, the server's certificate is {id}"),
+                Err(e) => e,
+            };
+            Err(RpcError::Identity { addr, message })
+        }
+    }
+}
+
 /// Tensor data owned elsewhere (a `Vec<f32>`, a slice of shared tensors) seen as little-endian bytes.
 struct F32Owner<T>(T);
 

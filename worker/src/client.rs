@@ -377,6 +377,9 @@ struct Inner {
     steps: AtomicU64,
     /// When the coordinator was last asked where the shards are (after a shard stopped answering).
     map_asked: Mutex<Option<Instant>>,
+    /// Every shard process and where it listens, from the last map (asked where the coordinator is should it
+    /// move: replicated shards with a majority choosing shard 0's configuration).
+    processes: Mutex<Vec<(u32, String)>>,
     /// The newest two mode decisions any shard answered with (None before the first answer); passed on
     /// with every push.
     decisions: Mutex<Option<ModeDecisions>>,
@@ -446,10 +449,24 @@ impl Client {
             let per_call = opts.rpc_timeout.min(left).min((left / 4).max(Duration::from_secs(2)));
             let attempt = async {
                 let conn = net::connect(&endpoint, coordinator, per_call).await?;
-                net::expect_shard(&conn, &cluster, 0)?;
+                // Any shard process's certificate: the coordinator moves where a majority chooses who serves
+                // shard 0; the map must then name the process that answered as serving it.
+                let process = net::expect_any_shard(&conn, &cluster)?;
                 let reply = net::call(&conn, &register, &[], &opts.limits, per_call).await;
                 conn.close(0u32.into(), b"registered");
-                reply
+                match reply {
+                    Ok(Frame { msg: Message::ClusterMap(map), .. })
+                        if map.shards.first().is_some_and(|s| s.process != process) =>
+                    {
+                        Err(RpcError::Identity {
+                            addr: coordinator.to_string(),
+                            message: format!(
+                                "shard process {process} answered, but its map says another serves shard 0"
+                            ),
+                        })
+                    }
+                    other => other,
+                }
             };
             let attempt = async {
                 match tokio::time::timeout(left, attempt).await {
@@ -529,6 +546,7 @@ impl Client {
                 sparse_answered: tokio::sync::Notify::new(),
             });
         }
+        let processes = map.process_addrs();
         let client = Client {
             inner: Arc::new(Inner {
                 opts,
@@ -552,6 +570,7 @@ impl Client {
                 data_tag: Mutex::new(None),
                 waited_us: AtomicU64::new(0),
                 steps: AtomicU64::new(0),
+                processes: Mutex::new(processes),
                 map_asked: Mutex::new(None),
                 decisions: Mutex::new(None),
             }),
@@ -742,7 +761,7 @@ impl Client {
             // backup took the shard over, and the request goes there instead.
             let route_epoch = self.inner.shards[shard].route().epoch;
             let moved = async {
-                if self.inner.map.replicas < 2 || shard == 0 {
+                if self.inner.map.replicas < 2 || (shard == 0 && !self.coordinator_moves()) {
                     return std::future::pending().await;
                 }
                 tokio::time::sleep(MOVED_CHECK_AFTER).await;
@@ -779,11 +798,16 @@ impl Client {
                 net::call_with(&conn, msg, payload, &opts.limits, opts.rpc_timeout, &mut *sink).await
             };
             let result = tokio::select! {
-                reply = attempt_once => reply,
-                () = moved => Err(RpcError::Connection {
-                    addr: self.inner.shards[shard].addr().to_string(),
-                    message: "a backup took the shard over".into(),
-                }),
+                reply = attempt_once => Some(reply),
+                () = moved => None,
+            };
+            // Another process serves the shard now (its route says where): the request goes there at once,
+            // with the same sequence number.
+            let Some(result) = result else {
+                attempt += 1;
+                self.inner.retries.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(shard, addr = %self.inner.shards[shard].addr(), "the shard moved to its backup; sending there");
+                continue;
             };
             match result {
                 Ok(frame) => return Ok((frame, attempt)),
@@ -845,10 +869,11 @@ impl Client {
     }
 
     /// Asks the coordinator where the shards are served now and follows each that a backup took over (a
-    /// newer replica epoch); true when shard `shard` moved. At most one question per 300 ms; the coordinator's
-    /// own shard is never taken over.
+    /// newer replica epoch); true when shard `shard` moved. At most one question per 300 ms. Shard 0 — the
+    /// coordinator itself — moves only where a majority of the shard processes chooses who serves it
+    /// ([`Client::coordinator_moves`]): for it, the processes are asked where the coordinator is first.
     async fn follow_map(&self, shard: usize) -> bool {
-        if shard == 0 {
+        if shard == 0 && !self.coordinator_moves() {
             return false;
         }
         {
@@ -858,7 +883,7 @@ impl Client {
             }
             *last = Some(Instant::now());
         }
-        let Ok(map) = self.ask_map().await else { return false };
+        let Ok(map) = self.ask_map(shard == 0).await else { return false };
         let mut moved = false;
         for s in &map.shards {
             let Some(link) = self.inner.shards.get(s.index as usize) else { continue };
@@ -883,16 +908,56 @@ impl Client {
         moved
     }
 
-    /// The coordinator's current cluster map, asked on a connection of its own as an observer registers
-    /// (2 s to connect, 2 s for the answer).
-    async fn ask_map(&self) -> Result<ClusterMap, ClientError> {
+    /// Whether the coordinator (shard 0) can move: replicated shards on 3 processes or more, where a
+    /// majority of them chooses who serves it.
+    pub fn coordinator_moves(&self) -> bool {
+        self.inner.map.replicas >= 2 && self.inner.map.num_shards >= 3
+    }
+
+    /// The coordinator's current cluster map: asked where shard 0 is served as this client knows it, and —
+    /// where the coordinator can move — of the process the shard processes say serves it when that one does
+    /// not answer, or first when `locate` (shard 0's own requests went wrong: the process this client knows
+    /// may be an old coordinator cut off from the others). Each question: 2 s to connect, 2 s for the answer.
+    async fn ask_map(&self, locate: bool) -> Result<ClusterMap, ClientError> {
+        let route = self.inner.shards[0].route();
+        let mut asked = None;
+        if !locate || !self.coordinator_moves() {
+            let first = self.map_from(&route.name, route.process).await;
+            if first.is_ok() || !self.coordinator_moves() {
+                return first;
+            }
+            asked = Some(first);
+        }
+        let map = match (self.locate_coordinator().await, asked) {
+            (Some(c), _) if (c.serving, c.addr.as_str()) != (route.process, route.name.as_str()) => {
+                self.map_from(&c.addr, c.serving).await
+            }
+            (_, Some(first)) => first,
+            // Nobody knows of another coordinator than the one shard 0's requests already go to: it did not
+            // move (asking it again could wait seconds on a dead process).
+            (Some(_), None) => {
+                return Err(ClientError::BadMap("shard 0 is served where it was; nothing moved".into()));
+            }
+            (None, None) => self.map_from(&route.name, route.process).await,
+        }?;
+        if let Ok(mut p) = self.inner.processes.lock() {
+            let known = map.process_addrs();
+            if !known.is_empty() {
+                *p = known;
+            }
+        }
+        Ok(map)
+    }
+
+    /// The cluster map shard process `process` at `addr` hands an observer.
+    async fn map_from(&self, addr: &str, process: u32) -> Result<ClusterMap, ClientError> {
         let opts = &self.inner.opts;
         let register =
             Message::Register(Register { protocol: PROTOCOL_VERSION, role: Role::Observer, name: opts.name.clone() });
-        let addr = net::resolve(&opts.coordinator).await?;
+        let addr = net::resolve(addr).await?;
         let rotated = self.inner.rotated.lock().map_err(|_| RpcError::Setup("TLS lock poisoned".into()))?.clone();
         let conn = net::connect_with(&self.inner.endpoint, rotated, addr, Duration::from_secs(2)).await?;
-        net::expect_shard(&conn, &self.inner.cluster, 0)?;
+        net::expect_shard(&conn, &self.inner.cluster, process)?;
         let reply = net::call(&conn, &register, &[], &opts.limits, Duration::from_secs(2)).await;
         conn.close(0u32.into(), b"map");
         match reply?.msg {
@@ -901,11 +966,53 @@ impl Client {
         }
     }
 
+    /// The newest configuration of shard 0 that the shard processes this client knows say was chosen: all are
+    /// asked at once (each within 1.5 s), and the answer is in once a majority of the cluster's processes
+    /// answered (a dead one is not waited for) or none is left to; None when none answered.
+    async fn locate_coordinator(&self) -> Option<gaps_common::quorum::CoordinatorConfig> {
+        let processes = self.inner.processes.lock().map(|p| p.clone()).unwrap_or_default();
+        let rotated = self.inner.rotated.lock().ok()?.clone();
+        let wait = Duration::from_millis(1500);
+        let mut asks = tokio::task::JoinSet::new();
+        for (process, addr) in processes {
+            let (this, rotated) = (self.clone(), rotated.clone());
+            asks.spawn(async move {
+                let ask = async {
+                    let target = net::resolve(&addr).await?;
+                    let conn = net::connect_with(&this.inner.endpoint, rotated, target, wait).await?;
+                    net::expect_shard(&conn, &this.inner.cluster, process)?;
+                    let msg = Message::CoordinatorWhere(gaps_common::wire::CoordinatorWhere { known: 0 });
+                    let reply = net::call(&conn, &msg, &[], &this.inner.opts.limits, wait).await;
+                    conn.close(0u32.into(), b"where");
+                    reply
+                };
+                match tokio::time::timeout(wait, ask).await {
+                    Ok(Ok(Frame { msg: Message::ConfigChosen(c), .. })) => Some(c),
+                    _ => None,
+                }
+            });
+        }
+        let majority = self.inner.map.num_shards as usize / 2 + 1;
+        let (mut newest, mut answers): (Option<gaps_common::quorum::CoordinatorConfig>, usize) = (None, 0);
+        while let Some(joined) = asks.join_next().await {
+            if let Ok(Some(c)) = joined {
+                answers += 1;
+                if newest.as_ref().is_none_or(|n| c.version > n.version) {
+                    newest = Some(c);
+                }
+                if answers >= majority {
+                    break;
+                }
+            }
+        }
+        newest
+    }
+
     /// The coordinator's cluster map as it is now: who serves each shard under which replica epoch, the
     /// backups in sync, the spare processes (the map of [`Client::map`] is the one received at
     /// registration).
     pub async fn current_map(&self) -> Result<ClusterMap, ClientError> {
-        self.ask_map().await
+        self.ask_map(false).await
     }
 
     fn take_injected_drop(&self) -> bool {

@@ -190,15 +190,9 @@ pub(super) async fn apply_rollback(shared: &Shared, id: u64) -> Result<u64> {
         shared.send(Command::Inspect(Box::new(move |core| drop(tx.send(core.process_addrs()))))).await?;
         let peers: Vec<(u32, String)> =
             rx.await.context("the core stopped")?.into_iter().filter(|(p, _)| *p != quorum.process()).collect();
-        // The address shard 0's configurations name (the shipping tasks' `CoordinatorLink`'s).
-        let addr = shared.coordinator_addr();
-        let link = crate::replication::CoordinatorLink {
-            coordinator: addr.clone(),
-            cluster: shared.own.cluster.clone(),
-            endpoint: shared.endpoint.clone(),
-            rotated: shared.rotated.clone(),
-        };
-        match quorum.propose_in_sync(Vec::new(), addr, false, &peers, &link).await? {
+        // The address shard 0's configurations name: where this process serves it.
+        let addr = shared.advertise.clone();
+        match quorum.propose_in_sync(Vec::new(), addr, false, &peers, &shared.link).await? {
             crate::quorum::InSync::Chosen => {}
             other => bail!("shard 0's backups could not be dropped before its rollback: {other:?}"),
         }
@@ -300,8 +294,8 @@ pub(super) async fn roll_back_cluster_after_restore(shared: Arc<Shared>, id: u64
         let result = if shared.shard == 0 {
             cluster_rollback(&shared, id).await
         } else {
-            let coordinator =
-                gaps_shard::PeerShard { index: 0, addr: shared.coordinator.clone().unwrap_or_default(), process: 0 };
+            let (addr, process) = shared.link.coordinator();
+            let coordinator = gaps_shard::PeerShard { index: 0, addr, process };
             peer_rollback(&shared, &coordinator, Rollback { id, stage: RollbackStage::Restored })
                 .await
                 .and_then(|r| Ok((r.held.first().copied().context("an empty rollback reply")?, r.step)))

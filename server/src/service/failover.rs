@@ -20,7 +20,11 @@ pub(super) async fn watch_primaries(
             if !backups.begin_takeover(shard) {
                 continue;
             }
-            match take_over(&shared, &cfg, &link, &backups, shard).await {
+            let taken = match shard {
+                0 => take_over_coordinator(&shared, &cfg, &link, &backups).await,
+                _ => take_over(&shared, &cfg, &link, &backups, shard).await,
+            };
+            match taken {
                 Ok(()) => {}
                 Err(e) => {
                     backups.abandon_takeover(shard);
@@ -29,6 +33,121 @@ pub(super) async fn watch_primaries(
             }
         }
     }
+}
+
+/// A new endpoint on this process's IP (a free port) for a shard it takes over, and the address it is
+/// advertised at.
+fn takeover_endpoint(shared: &Shared, cfg: &ServiceConfig) -> Result<((quinn::Endpoint, net::PathTuning), String)> {
+    let (endpoint, path) = net::server_endpoint(SocketAddr::new(cfg.listen.ip(), 0), &cfg.tls)?;
+    let port = endpoint.local_addr().context("reading the bound address")?.port();
+    let addr = match shared.advertise.rsplit_once(':') {
+        Some((host, _)) => format!("{host}:{port}"),
+        None => bail!("this shard's address {} has no port", shared.advertise),
+    };
+    Ok(((endpoint, path), addr))
+}
+
+/// Serves the copy of `shard` taken from `backups` (its core given as `core`) on `endpoint` at `addr` under
+/// replica epoch `epoch`, beside this process's own shard.
+#[allow(clippy::too_many_arguments)]
+async fn serve_copy(
+    shared: &Arc<Shared>,
+    cfg: &ServiceConfig,
+    coordinator: Option<String>,
+    core: ShardCore,
+    (clock, applied): (Duration, u64),
+    endpoint: (quinn::Endpoint, net::PathTuning),
+    addr: String,
+    epoch: u64,
+) -> Result<()> {
+    let shard = core.config().shard;
+    let mut c = cfg.clone();
+    c.core = ShardConfig { shard, ..cfg.core.clone() };
+    c.advertise = Some(addr);
+    c.coordinator = coordinator;
+    c.restore = Restore::Never;
+    c.data = None;
+    c.health = None;
+    let takeover = Takeover {
+        core,
+        process: shared.shard,
+        key: shared.credentials.raw(),
+        clock,
+        epoch,
+        applied,
+        quorum: shared.quorum.clone(),
+        endpoint,
+    };
+    let server = start_serving(c, Some(takeover)).await?;
+    shared.taken_over.lock().map_err(|_| anyhow!("lock poisoned"))?.push(server);
+    Ok(())
+}
+
+/// Takes shard 0 — the coordinator — over where a majority of the shard processes chooses its configuration
+/// (docs/replication.md, step 4): once the coordinator also fails to answer a probe, this process proposes
+/// itself as the one serving shard 0 at a new endpoint, and serves its copy only if exactly that is chosen.
+/// The proposal is valid only from a backup in the last configuration's in-sync set (every reply of the old
+/// coordinator waited for it), or from this process itself where an earlier takeover of its own was chosen
+/// but never served; the old coordinator learns of it at its next proposal and answers `Moved` from then on.
+pub(super) async fn take_over_coordinator(
+    shared: &Arc<Shared>,
+    cfg: &ServiceConfig,
+    link: &crate::link::CoordinatorLink,
+    backups: &Backups,
+) -> Result<()> {
+    let silent_since = Instant::now() - cfg.failover_after;
+    let quorum =
+        shared.quorum.clone().context("shard 0 is taken over only where a majority chooses its configuration")?;
+    let me = quorum.process();
+    // Where the shard processes listen, from the copy's own coordinator tables; the newest configuration
+    // any of them knows.
+    if let Some(processes) = backups.inspect(0, |_, core| core.map(ShardCore::process_addrs)).flatten() {
+        link.remember(processes);
+    }
+    link.locate().await;
+    let base = quorum.chosen();
+    if base.serving != me && !base.in_sync.contains(&me) {
+        bail!(
+            "this process is not among shard 0's backups in sync (configuration {}: {:?})",
+            base.version,
+            base.in_sync
+        );
+    }
+    if base.serving != me {
+        let probe = Message::StatsRequest(gaps_common::wire::StatsRequest);
+        let answered =
+            tokio::time::timeout(PROBE_WAIT, link.call_at(&base.addr, base.serving, &probe, PROBE_WAIT)).await;
+        if let Ok(Ok(_)) = answered {
+            bail!("the coordinator at {} answers: it is not taken over", base.addr);
+        }
+    }
+    let (endpoint, addr) = takeover_endpoint(shared, cfg)?;
+    let peers: Vec<(u32, String)> = link.processes().into_iter().filter(|(p, _)| *p != me).collect();
+    let want = |base: &gaps_common::quorum::CoordinatorConfig| gaps_common::quorum::CoordinatorConfig {
+        version: base.version.saturating_add(1),
+        serving: me,
+        addr: addr.clone(),
+        in_sync: Vec::new(),
+    };
+    let chosen = quorum.propose(want, &peers, link, Duration::from_secs(5)).await?;
+    if (chosen.serving, chosen.addr.as_str()) != (me, addr.as_str()) {
+        bail!(
+            "shard 0's configuration {} was chosen otherwise: served by process {} at {}",
+            chosen.version,
+            chosen.serving,
+            chosen.addr
+        );
+    }
+    let (mut core, clock, applied) = backups.take(0).context("the copy is gone")?;
+    let epoch = core.serve_coordinator_copy(me, &addr).map_err(|e| anyhow!("{e}"))?;
+    serve_copy(shared, cfg, None, core, (clock, applied), endpoint, addr.clone(), epoch).await?;
+    warn!(
+        %addr,
+        version = chosen.version,
+        took_ms = silent_since.elapsed().as_millis() as u64,
+        "took over shard 0 (the coordinator), a majority of the shard processes chose so: serving its copy"
+    );
+    Ok(())
 }
 
 /// Asks the coordinator to let this process serve its copy of `shard` and serves it on an endpoint of its own.
@@ -40,12 +159,7 @@ pub(super) async fn take_over(
     shard: u32,
 ) -> Result<()> {
     let silent_since = Instant::now() - cfg.failover_after;
-    let (endpoint, path) = net::server_endpoint(SocketAddr::new(cfg.listen.ip(), 0), &cfg.tls)?;
-    let port = endpoint.local_addr().context("reading the bound address")?.port();
-    let addr = match shared.advertise.rsplit_once(':') {
-        Some((host, _)) => format!("{host}:{port}"),
-        None => bail!("this shard's address {} has no port", shared.advertise),
-    };
+    let (endpoint, addr) = takeover_endpoint(shared, cfg)?;
     let map = link.map(&format!("shard-{} takeover", shared.shard)).await.context("the coordinator's map")?;
     let epoch = map.shards.iter().find(|s| s.index == shard).map(|s| s.epoch).context("no such shard in the map")?;
     let promote =
@@ -64,31 +178,14 @@ pub(super) async fn take_over(
         }
     };
     let (core, clock, applied) = backups.take(shard).context("the copy is gone")?;
-    let mut c = cfg.clone();
-    c.core = ShardConfig { shard, ..cfg.core.clone() };
-    c.advertise = Some(addr.clone());
-    c.coordinator = Some(link.coordinator.clone());
-    c.restore = Restore::Never;
-    c.data = None;
-    c.health = None;
-    let takeover = Takeover {
-        core,
-        process: shared.shard,
-        key: shared.credentials.raw(),
-        clock,
-        epoch: granted_epoch,
-        applied,
-        quorum: shared.quorum.clone(),
-        endpoint: (endpoint, path),
-    };
-    let server = start_serving(c, Some(takeover)).await?;
+    let coordinator = Some(link.coordinator().0);
+    serve_copy(shared, cfg, coordinator, core, (clock, applied), endpoint, addr.clone(), granted_epoch).await?;
     warn!(
         shard,
         %addr,
         took_ms = silent_since.elapsed().as_millis() as u64,
         "took over a shard whose primary went silent: serving its copy"
     );
-    shared.taken_over.lock().map_err(|_| anyhow!("lock poisoned"))?.push(server);
     Ok(())
 }
 

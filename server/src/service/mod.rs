@@ -250,8 +250,6 @@ struct Shared {
     /// Where updates run, for a core rebuilt by a rollback.
     device: gaps_kernels::cuda::DeviceChoice,
     device_worker_slots: u32,
-    /// The coordinator's address (shards ≥ 1), which a restored shard asks for a cluster rollback.
-    coordinator: Option<String>,
     /// Rollbacks this shard went through, and the checkpoint and step of the last.
     rollbacks: AtomicU64,
     last_rollback: std::sync::Mutex<Option<(u64, u64)>>,
@@ -294,6 +292,8 @@ struct Shared {
     backups: Option<Arc<Backups>>,
     /// This process's part in choosing shard 0's configuration (with `--replicas` ≥ 2 and ≥ 3 processes).
     quorum: Option<Arc<crate::quorum::Quorum>>,
+    /// How this process reaches the coordinator (wherever a majority moved it).
+    link: crate::link::CoordinatorLink,
     /// The address clients reach this shard at.
     advertise: String,
     /// Copies of each shard the cluster keeps (told to clients with the map).
@@ -303,10 +303,6 @@ struct Shared {
 }
 
 impl Shared {
-    /// The coordinator's address as this process was given it (its own on shard 0).
-    pub(super) fn coordinator_addr(&self) -> String {
-        self.coordinator.clone().unwrap_or_else(|| self.advertise.clone())
-    }
     /// Sends `command` to the core, waiting while its queue is full.
     async fn send(&self, command: Command) -> Result<()> {
         self.queue.send(command).await.map_err(|_| anyhow!("shard {} core thread stopped", self.shard))

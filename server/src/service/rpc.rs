@@ -468,6 +468,13 @@ pub(super) async fn serve_request(
                 reply.map(|(mut reply, events, views, _)| {
                     if let Message::ClusterMap(map) = &mut reply.msg {
                         map.replicas = shared.replicas;
+                        // Shard 0's backups in sync are the configuration a majority chose last.
+                        if let (0, Some(q)) = (shared.shard, &shared.quorum) {
+                            let chosen = q.chosen();
+                            if let Some(s0) = map.shards.first_mut().filter(|s| s.process == chosen.serving) {
+                                s0.backups = chosen.in_sync;
+                            }
+                        }
                         if let (true, Some(w)) = (registers_worker, map.worker_id) {
                             map.token = Some(shared.credentials.token(w, &peer.identity));
                             shared.registrants.insert(w, peer.identity.clone());
@@ -547,7 +554,7 @@ pub(super) fn coordinator_where(shared: &Shared) -> gaps_common::quorum::Coordin
         None => gaps_common::quorum::CoordinatorConfig {
             version: 0,
             serving: 0,
-            addr: shared.coordinator_addr(),
+            addr: shared.link.given.clone(),
             in_sync: Vec::new(),
         },
     }
@@ -574,14 +581,8 @@ pub(super) async fn promote_refusal(shared: &Shared, msg: &Message) -> Option<Fr
         Ok(()) => rx.await.ok().flatten()?,
         Err(_) => return None,
     };
-    let link = crate::replication::CoordinatorLink {
-        coordinator: addr.clone(),
-        cluster: shared.own.cluster.clone(),
-        endpoint: shared.endpoint.clone(),
-        rotated: shared.rotated.clone(),
-    };
     let probe = async {
-        let conn = link.connect(&addr, process).await?;
+        let conn = shared.link.connect(&addr, process).await?;
         let stats = Message::StatsRequest(gaps_common::wire::StatsRequest);
         let reply = net::call(&conn, &stats, &[], &Limits::default(), PROBE_WAIT).await;
         conn.close(0u32.into(), b"probe");

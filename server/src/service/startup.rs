@@ -69,9 +69,13 @@ pub(super) async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<T
         None => addr.to_string(),
     };
     cfg.core.advertise = advertise.clone();
-    // The coordinator's address as this process was given it (its own on shard 0).
-    let coordinator_addr = cfg.coordinator.clone().unwrap_or_else(|| advertise.clone());
     let shard = cfg.core.shard;
+    // The coordinator's address as this process was given it (its own on shard 0: a `--coordinator` given to
+    // process 0 only says which shard process to ask where the coordinator is now).
+    let coordinator_addr = match &cfg.coordinator {
+        Some(given) if shard != 0 => given.clone(),
+        _ => advertise.clone(),
+    };
     let health = cfg.health.clone();
     let report = |what: &str| {
         if let Some(h) = &health {
@@ -90,17 +94,42 @@ pub(super) async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<T
     // f32 replies share the parameters rather than copying them on the core's thread.
     core.set_shared_replies(true);
     set_up_device(&mut core, &cfg, shard)?;
+    // One acceptor per process: a shard taken over here shares the process's.
+    let quorum = match taken_quorum {
+        Some(q) => q,
+        None if crate::quorum::enabled(cfg.replicas, cfg.core.num_shards) => {
+            let dir = cfg.checkpoint.as_ref().map(|c| c.dir.as_path());
+            if dir.is_none() {
+                warn!(
+                    process,
+                    "no --checkpoint-dir: this process's part in choosing shard 0's configuration lives in memory \
+                     only (restarted during a choice, it could answer twice)"
+                );
+            }
+            Some(Arc::new(crate::quorum::Quorum::open(process, cfg.core.num_shards, &coordinator_addr, dir)?))
+        }
+        None => None,
+    };
+    // Where a majority chooses shard 0's configuration, the coordinator is where the last one this process
+    // knows put it (the address given at start until a takeover) or, newer, the one the process at
+    // `--coordinator` knows.
+    if let (Some(q), Some(ask), false) = (&quorum, &cfg.coordinator, taken_core_given) {
+        learn_where_the_coordinator_is(&endpoint, ask, &own.cluster, q).await;
+    }
+    let moved_coordinator = quorum.as_ref().map(|q| q.chosen()).filter(|c| c.version > 0 && c.serving != process);
     // A process whose shard was taken over while it was down comes back as a spare: it serves no shard
     // (its own answers `Moved`) and keeps copies of others, its old shard's among them.
     let mut spare = false;
     let auth_key = if let Some(key) = taken_key {
         key
-    } else if shard != 0 {
+    } else if shard != 0 || moved_coordinator.is_some() {
         report("joining the coordinator");
-        let coordinator =
-            cfg.coordinator.clone().context("shards other than 0 need --coordinator (shard 0's address)")?;
+        let (coordinator, serving) = match &moved_coordinator {
+            Some(c) => (c.addr.clone(), c.serving),
+            None => (cfg.coordinator.clone().context("shards other than 0 need --coordinator (shard 0's address)")?, 0),
+        };
         let (key, served_elsewhere) =
-            join_coordinator(&endpoint, &coordinator, &own.cluster, &mut core, cfg.join_timeout).await?;
+            join_coordinator(&endpoint, (&coordinator, serving), &own.cluster, &mut core, cfg.join_timeout).await?;
         if served_elsewhere && cfg.replicas < 2 {
             bail!("shard {shard} was taken over by another shard process while this one was down; start it with --replicas as the cluster's to keep copies");
         }
@@ -142,22 +171,6 @@ pub(super) async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<T
         }
     };
     let log = (cfg.replicas > 1).then(|| Arc::new(Log::new(shard, cfg.inflight_bytes)));
-    // One acceptor per process: a shard taken over here shares the process's.
-    let quorum = match taken_quorum {
-        Some(q) => q,
-        None if crate::quorum::enabled(cfg.replicas, cfg.core.num_shards) => {
-            let dir = cfg.checkpoint.as_ref().map(|c| c.dir.as_path());
-            if dir.is_none() {
-                warn!(
-                    process,
-                    "no --checkpoint-dir: this process's part in choosing shard 0's configuration lives in memory \
-                     only (restarted during a choice, it could answer twice)"
-                );
-            }
-            Some(Arc::new(crate::quorum::Quorum::open(process, cfg.core.num_shards, &coordinator_addr, dir)?))
-        }
-        None => None,
-    };
     if let (true, Some(log)) = (spare, &log) {
         warn!(
             shard,
@@ -189,6 +202,14 @@ pub(super) async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<T
         })
         .context("starting the shard's core thread")?;
     let budget_units = (cfg.inflight_bytes / BUDGET_UNIT).clamp(1, u64::from(u32::MAX >> 3)) as u32;
+    let rotated = Arc::new(std::sync::Mutex::new(None));
+    let link = crate::link::CoordinatorLink::new(
+        coordinator_addr.clone(),
+        own.cluster.clone(),
+        endpoint.clone(),
+        rotated.clone(),
+        quorum.clone(),
+    );
     let shared = Arc::new(Shared {
         queue,
         budget: Semaphore::new(budget_units as usize),
@@ -211,7 +232,8 @@ pub(super) async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<T
         path,
         started,
         own,
-        rotated: Arc::new(std::sync::Mutex::new(None)),
+        rotated,
+        link: link.clone(),
         credentials,
         bindings: DashMap::new(),
         per_ip: DashMap::new(),
@@ -234,7 +256,6 @@ pub(super) async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<T
         cluster_lock: tokio::sync::Mutex::new(()),
         device: cfg.device,
         device_worker_slots: cfg.device_worker_slots,
-        coordinator: cfg.coordinator.clone(),
         rollbacks: AtomicU64::new(0),
         last_rollback: std::sync::Mutex::new(None),
         checkpoints_written: AtomicU64::new(0),
@@ -257,12 +278,6 @@ pub(super) async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<T
         // per-shard restore, see docs/manual.md, "Failures and recovery").
         tokio::spawn(roll_back_cluster_after_restore(shared.clone(), info.id, shutdown_rx.clone()));
     }
-    let link = crate::replication::CoordinatorLink {
-        coordinator: coordinator_addr.clone(),
-        cluster: shared.own.cluster.clone(),
-        endpoint: endpoint.clone(),
-        rotated: shared.rotated.clone(),
-    };
     if let Some(log) = &log {
         let queue = shared.queue.clone();
         let ctx = Arc::new(crate::replication::ShipContext {
@@ -270,6 +285,7 @@ pub(super) async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<T
             link: link.clone(),
             ack_timeout: cfg.replica_ack_timeout,
             process,
+            advertise: advertise.clone(),
             epoch: replica_epoch,
             reporting: tokio::sync::Mutex::new(()),
             quorum: quorum.clone().filter(|_| shard == 0),
@@ -321,10 +337,45 @@ pub(super) fn payload_limit(layout: &gaps_common::Layout, owned: u64, read_echo:
     (owned_bytes * echo).max(sparse_bytes).clamp(4, gaps_common::wire::DEFAULT_MAX_PAYLOAD_BYTES)
 }
 
+/// Asks the shard process at `addr` where the coordinator is and adopts its answer if it is newer than what
+/// `quorum` knows (a process that restarts after shard 0 was taken over learns so; within 5 s, else it goes
+/// on with what it knows).
+pub(super) async fn learn_where_the_coordinator_is(
+    endpoint: &quinn::Endpoint,
+    addr: &str,
+    cluster: &str,
+    quorum: &Arc<crate::quorum::Quorum>,
+) {
+    let ask = async {
+        let target = net::resolve(addr).await?;
+        let conn = net::connect(endpoint, target, Duration::from_secs(5)).await?;
+        net::expect_any_shard(&conn, cluster)?;
+        let msg = Message::CoordinatorWhere(gaps_common::wire::CoordinatorWhere { known: 0 });
+        let reply = net::call(&conn, &msg, &[], &Limits::default(), Duration::from_secs(5)).await;
+        conn.close(0u32.into(), b"where");
+        reply
+    };
+    match tokio::time::timeout(Duration::from_secs(5), ask).await {
+        Ok(Ok(Frame { msg: Message::ConfigChosen(c), .. })) => {
+            if c.version > quorum.chosen().version {
+                info!(version = c.version, serving = c.serving, addr = %c.addr, "learned where the coordinator is now");
+            }
+            quorum.learn(&c).await;
+        }
+        Ok(Ok(other)) => warn!(%addr, kind = net::kind_name(&other.msg), "an odd answer to where the coordinator is"),
+        Ok(Err(e)) => {
+            warn!(%addr, error = %e, "could not ask where the coordinator is; going on with what this process knows")
+        }
+        Err(_) => {
+            warn!(%addr, "no answer to where the coordinator is within 5 s; going on with what this process knows")
+        }
+    }
+}
+
 /// Joins the coordinator; returns the cluster's credential key it hands to shards.
 pub(super) async fn join_coordinator(
     endpoint: &quinn::Endpoint,
-    coordinator: &str,
+    (coordinator, serving): (&str, u32),
     cluster: &str,
     core: &mut ShardCore,
     timeout: Duration,
@@ -336,7 +387,7 @@ pub(super) async fn join_coordinator(
         let attempt = async {
             let addr = net::resolve(coordinator).await?;
             let conn = net::connect(endpoint, addr, Duration::from_secs(5)).await?;
-            net::expect_shard(&conn, cluster, 0)?;
+            net::expect_shard(&conn, cluster, serving)?;
             let reply = net::call(&conn, &request, &[], &limits, Duration::from_secs(10)).await;
             conn.close(0u32.into(), b"joined");
             reply
@@ -499,6 +550,10 @@ pub(super) fn spawn_checkpoint_schedule(shared: Arc<Shared>, every: Duration, mu
             tokio::select! {
                 _ = stop.changed() => return,
                 _ = interval.tick() => {}
+            }
+            // A process that no longer serves this shard (another took it over) keeps no checkpoints of it.
+            if shared.log.as_ref().is_some_and(|l| l.fenced()) {
+                continue;
             }
             if shared.shard == 0 {
                 if let Err(e) = cluster_checkpoint(&shared).await {

@@ -208,7 +208,8 @@ impl ShardCore {
                 req.shard, req.num_shards
             )));
         }
-        if req.shard == 0 || req.shard >= num_shards {
+        // Process 0 joins only as a spare, once another process serves shard 0 (a majority chose so).
+        if req.shard >= num_shards || (req.shard == 0 && c.replica_set(0).process == 0) {
             return Err(ShardError::Misconfigured(format!("shard index {} is not in 1..{num_shards}", req.shard)));
         }
         if req.layout_fingerprint != fingerprint {
@@ -355,6 +356,18 @@ impl ShardCore {
         set.in_sync = in_sync;
         c.replica_sets.insert(r.shard, set);
         Ok(Frame::new(Message::ReplicaEpoch(ReplicaEpoch { shard: r.shard, epoch: r.epoch })))
+    }
+
+    /// On a copy of the coordinator that shard process `process` takes over (a majority chose it to serve
+    /// shard 0 at `addr`, docs/replication.md step 4): the coordinator's tables say so before its first
+    /// request — shard 0 served by `process` under the next replica epoch, no backup in sync — so that the
+    /// maps it hands out send clients there. Returns that epoch.
+    pub fn serve_coordinator_copy(&mut self, process: u32, addr: &str) -> Result<u64, ShardError> {
+        let c = self.coordinator()?;
+        let epoch = c.replica_set(0).epoch + 1;
+        c.replica_sets.insert(0, ReplicaSet { process, epoch, in_sync: Vec::new() });
+        c.shard_addrs.insert(0, addr.to_string());
+        Ok(epoch)
     }
 
     /// A backup taking over its shard ([`Promote`]): granted to a backup in sync under the shard's epoch,
