@@ -117,8 +117,16 @@ pub fn acting_worker(msg: &Message) -> Option<u32> {
 }
 
 /// Whether `peer`, on a connection authenticated as `bound` (if any), may send `msg`; the reason if not.
-/// ([`Message::Authenticate`] is checked by its handler.)
-pub fn authorize(msg: &Message, peer: &PeerIdentity, bound: Option<u32>) -> Result<(), String> {
+/// ([`Message::Authenticate`] is checked by its handler.) `coordinator` says which shard process serves
+/// shard 0 now (asked only for the coordinator's orders: besides shard 0's own certificate, which an
+/// operator presents, that process's may give them once a majority moved the coordinator there).
+pub fn authorize(
+    msg: &Message,
+    peer: &PeerIdentity,
+    bound: Option<u32>,
+    coordinator: &dyn Fn() -> u32,
+) -> Result<(), String> {
+    let is_coordinator = |role: &Role| *role == Role::Shard(0) || *role == Role::Shard(coordinator());
     match (msg, &peer.role) {
         (Message::RegisterShard(r), Role::Shard(i)) if *i == r.shard => Ok(()),
         (Message::RegisterShard(r), _) => Err(format!("{peer} cannot join as shard {}", r.shard)),
@@ -128,13 +136,13 @@ pub fn authorize(msg: &Message, peer: &PeerIdentity, bound: Option<u32>) -> Resu
         // Checkpoints are the coordinator's to order: its schedule asks every shard, and an operator's
         // on-demand checkpoint (`gaps checkpoint`) presents the coordinator's certificate. A worker that
         // could order them could make shards write without end, or wait for a step never reached.
-        (Message::CheckpointRequest(_), role) if *role != Role::Shard(0) => {
+        (Message::CheckpointRequest(_), role) if !is_coordinator(role) => {
             Err(format!("{peer} cannot ask for checkpoints (only the coordinator's certificate can)"))
         }
         // A restarted shard asks the coordinator to roll the cluster back; only the coordinator lists a
         // shard's checkpoints or makes it restore one.
         (Message::Rollback(Rollback { stage: RollbackStage::Restored, .. }), Role::Shard(_)) => Ok(()),
-        (Message::Rollback(_), role) if *role != Role::Shard(0) => {
+        (Message::Rollback(_), role) if !is_coordinator(role) => {
             Err(format!("{peer} cannot roll shards back (only the coordinator's certificate can)"))
         }
         // A shard's log and snapshots come from a shard process (the copies check that it is one of the
@@ -245,22 +253,22 @@ mod tests {
                 layout_fingerprint: 0,
             })
         };
-        assert!(authorize(&join(1), &id(Role::Shard(1)), None).is_ok());
-        assert!(authorize(&join(2), &id(Role::Shard(1)), None).is_err());
-        assert!(authorize(&join(1), &id(Role::Worker("w".into())), None).is_err());
+        assert!(authorize(&join(1), &id(Role::Shard(1)), None, &|| 0).is_ok());
+        assert!(authorize(&join(2), &id(Role::Shard(1)), None, &|| 0).is_err());
+        assert!(authorize(&join(1), &id(Role::Worker("w".into())), None, &|| 0).is_err());
         let hb = Message::Heartbeat(Heartbeat { worker: 7 });
         let w = id(Role::Worker("w".into()));
-        assert!(authorize(&hb, &w, Some(7)).is_ok());
-        assert!(authorize(&hb, &w, Some(6)).is_err());
-        assert!(authorize(&hb, &w, None).is_err());
-        assert!(authorize(&Message::Leave(Leave { worker: 7 }), &id(Role::Shard(0)), None).is_err());
+        assert!(authorize(&hb, &w, Some(7), &|| 0).is_ok());
+        assert!(authorize(&hb, &w, Some(6), &|| 0).is_err());
+        assert!(authorize(&hb, &w, None, &|| 0).is_err());
+        assert!(authorize(&Message::Leave(Leave { worker: 7 }), &id(Role::Shard(0)), None, &|| 0).is_err());
         let split =
             |worker| Message::SplitRequest(gaps_common::wire::SplitRequest { epoch: 1, worker, finished: None });
-        assert!(authorize(&split(7), &w, Some(7)).is_ok());
-        assert!(authorize(&split(7), &w, Some(6)).is_err(), "another worker's split");
-        assert!(authorize(&split(7), &w, None).is_err(), "an unbound connection");
-        assert!(authorize(&split(7), &id(Role::Shard(0)), Some(7)).is_err(), "a shard certificate");
-        let err = authorize(&join(2), &id(Role::Shard(1)), None).expect_err("refused");
+        assert!(authorize(&split(7), &w, Some(7), &|| 0).is_ok());
+        assert!(authorize(&split(7), &w, Some(6), &|| 0).is_err(), "another worker's split");
+        assert!(authorize(&split(7), &w, None, &|| 0).is_err(), "an unbound connection");
+        assert!(authorize(&split(7), &id(Role::Shard(0)), Some(7), &|| 0).is_err(), "a shard certificate");
+        let err = authorize(&join(2), &id(Role::Shard(1)), None, &|| 0).expect_err("refused");
         assert!(!err.contains("fingerprint") && !err.contains("layout"), "{err}");
     }
 
@@ -269,24 +277,28 @@ mod tests {
         use gaps_common::wire::{CheckpointAt, CheckpointRequest};
         for (req_id, at) in [(0, CheckpointAt::Quiescent), (0, CheckpointAt::Step(1 << 62)), (9, CheckpointAt::Now)] {
             let req = Message::CheckpointRequest(CheckpointRequest { id: req_id, at });
-            assert!(authorize(&req, &id(Role::Shard(0)), None).is_ok(), "{req:?}");
-            assert!(authorize(&req, &id(Role::Shard(2)), None).is_err(), "another shard: {req:?}");
+            assert!(authorize(&req, &id(Role::Shard(0)), None, &|| 0).is_ok(), "{req:?}");
+            assert!(authorize(&req, &id(Role::Shard(2)), None, &|| 0).is_err(), "another shard: {req:?}");
+            // Once a majority moved the coordinator to process 2, its certificate orders them too.
+            assert!(authorize(&req, &id(Role::Shard(2)), None, &|| 2).is_ok(), "the coordinator now: {req:?}");
+            assert!(authorize(&req, &id(Role::Shard(1)), None, &|| 2).is_err(), "another shard: {req:?}");
             let worker = id(Role::Worker("w".into()));
-            assert!(authorize(&req, &worker, None).is_err(), "a worker: {req:?}");
-            assert!(authorize(&req, &worker, Some(3)).is_err(), "an authenticated worker: {req:?}");
+            assert!(authorize(&req, &worker, None, &|| 0).is_err(), "a worker: {req:?}");
+            assert!(authorize(&req, &worker, Some(3), &|| 0).is_err(), "an authenticated worker: {req:?}");
         }
     }
 
     #[test]
     fn only_shards_start_a_rollback_and_only_the_coordinator_runs_one() {
         let restored = Message::Rollback(Rollback { id: 5, stage: RollbackStage::Restored });
-        assert!(authorize(&restored, &id(Role::Shard(3)), None).is_ok());
-        assert!(authorize(&restored, &id(Role::Worker("w".into())), Some(1)).is_err());
+        assert!(authorize(&restored, &id(Role::Shard(3)), None, &|| 0).is_ok());
+        assert!(authorize(&restored, &id(Role::Worker("w".into())), Some(1), &|| 0).is_err());
         for stage in [RollbackStage::List, RollbackStage::Apply] {
             let req = Message::Rollback(Rollback { id: 5, stage });
-            assert!(authorize(&req, &id(Role::Shard(0)), None).is_ok());
-            assert!(authorize(&req, &id(Role::Shard(1)), None).is_err());
-            assert!(authorize(&req, &id(Role::Worker("w".into())), Some(1)).is_err());
+            assert!(authorize(&req, &id(Role::Shard(0)), None, &|| 0).is_ok());
+            assert!(authorize(&req, &id(Role::Shard(1)), None, &|| 0).is_err());
+            assert!(authorize(&req, &id(Role::Shard(1)), None, &|| 1).is_ok(), "the coordinator now");
+            assert!(authorize(&req, &id(Role::Worker("w".into())), Some(1), &|| 0).is_err());
         }
     }
 
@@ -296,10 +308,10 @@ mod tests {
         let append = Message::ReplicaAppend(ReplicaAppend { shard: 2, first: 1, lens: vec![] });
         let snapshot = Message::ReplicaSnapshot(ReplicaSnapshot { shard: 2, index: 0, offset: 0, total: 1, bytes: 1 });
         for msg in [append, snapshot] {
-            assert!(authorize(&msg, &id(Role::Shard(2)), None).is_ok(), "{msg:?}");
+            assert!(authorize(&msg, &id(Role::Shard(2)), None, &|| 0).is_ok(), "{msg:?}");
             // Which shard processes may serve shard 2 is the copies' to check (`replication::ring`).
-            assert!(authorize(&msg, &id(Role::Shard(3)), None).is_ok(), "another shard: {msg:?}");
-            assert!(authorize(&msg, &id(Role::Worker("w".into())), Some(2)).is_err(), "a worker: {msg:?}");
+            assert!(authorize(&msg, &id(Role::Shard(3)), None, &|| 0).is_ok(), "another shard: {msg:?}");
+            assert!(authorize(&msg, &id(Role::Worker("w".into())), Some(2), &|| 0).is_err(), "a worker: {msg:?}");
         }
     }
 
@@ -309,9 +321,9 @@ mod tests {
         let report = Message::ReplicaReport(ReplicaReport { shard: 1, process: 2, epoch: 0, in_sync: vec![] });
         let promote = Message::Promote(Promote { shard: 1, process: 2, epoch: 0, addr: "x:1".into() });
         for msg in [report, promote] {
-            assert!(authorize(&msg, &id(Role::Shard(2)), None).is_ok(), "{msg:?}");
-            assert!(authorize(&msg, &id(Role::Shard(1)), None).is_err(), "the shard's own index: {msg:?}");
-            assert!(authorize(&msg, &id(Role::Worker("w".into())), Some(2)).is_err(), "a worker: {msg:?}");
+            assert!(authorize(&msg, &id(Role::Shard(2)), None, &|| 0).is_ok(), "{msg:?}");
+            assert!(authorize(&msg, &id(Role::Shard(1)), None, &|| 0).is_err(), "the shard's own index: {msg:?}");
+            assert!(authorize(&msg, &id(Role::Worker("w".into())), Some(2), &|| 0).is_err(), "a worker: {msg:?}");
         }
     }
 

@@ -66,18 +66,29 @@ impl CoordinatorLink {
         }
     }
 
-    /// Connects to `addr`, which must hold shard process `index`'s certificate of the cluster.
+    /// Connects to `addr`, which must hold shard process `index`'s certificate of the cluster (within 5 s).
     pub async fn connect(&self, addr: &str, index: u32) -> Result<quinn::Connection, RpcError> {
+        self.connect_within(addr, index, Duration::from_secs(5)).await
+    }
+
+    /// [`CoordinatorLink::connect`] within `within`.
+    pub async fn connect_within(
+        &self,
+        addr: &str,
+        index: u32,
+        within: Duration,
+    ) -> Result<quinn::Connection, RpcError> {
         let target = net::resolve(addr).await?;
         let config = self.rotated.lock().ok().and_then(|c| c.clone());
-        let conn = net::connect_with(&self.endpoint, config, target, Duration::from_secs(5)).await?;
+        let conn = net::connect_with(&self.endpoint, config, target, within).await?;
         net::expect_shard(&conn, &self.cluster, index)?;
         Ok(conn)
     }
 
-    /// One request to shard process `process` at `addr` on a connection of its own.
+    /// One request to shard process `process` at `addr` on a connection of its own (2 s to connect: a
+    /// coordinator that does not answer is looked for elsewhere).
     pub async fn call_at(&self, addr: &str, process: u32, msg: &Message, wait: Duration) -> Result<Frame, RpcError> {
-        let conn = self.connect(addr, process).await?;
+        let conn = self.connect_within(addr, process, Duration::from_secs(2).min(wait)).await?;
         let reply = net::call(&conn, msg, &[], &Limits::default(), wait).await;
         conn.close(0u32.into(), b"done");
         reply

@@ -215,7 +215,8 @@ impl Quorum {
                 bail!("this process's own acceptor: {}", e.message);
             }
             let mut answers = vec![(self.process, own)];
-            answers.extend(ask_all(link, peers, &msg).await);
+            // In once a majority answered with this process's own answer (a peer cut off is not waited for).
+            answers.extend(ask_all(link, peers, &msg, self.processes as usize / 2).await);
             let mut accept = None;
             for (from, frame) in answers {
                 match frame.msg {
@@ -251,7 +252,7 @@ impl Quorum {
         let tell = Message::ConfigChosen(chosen.clone());
         self.handle_async(self.process, &tell).await;
         let (link, peers) = (link.clone(), peers.to_vec());
-        tokio::spawn(async move { ask_all(&link, &peers, &tell).await });
+        tokio::spawn(async move { ask_all(&link, &peers, &tell, usize::MAX).await });
         Ok(chosen)
     }
 }
@@ -308,8 +309,9 @@ impl Quorum {
 /// How long one proposal of shard 0's backups waits for a majority of the shard processes.
 const PROPOSAL_WAIT: Duration = Duration::from_secs(5);
 
-/// Sends `msg` to every process in `peers` at once; the answers that came within [`ANSWER_WAIT`].
-async fn ask_all(link: &CoordinatorLink, peers: &[(u32, String)], msg: &Message) -> Vec<(u32, Frame)> {
+/// Sends `msg` to every process in `peers` at once; the answers that came within [`ANSWER_WAIT`], returned
+/// once `enough` answered (the others are given up).
+async fn ask_all(link: &CoordinatorLink, peers: &[(u32, String)], msg: &Message, enough: usize) -> Vec<(u32, Frame)> {
     let mut tasks = tokio::task::JoinSet::new();
     for (process, addr) in peers.iter().cloned() {
         let (link, msg) = (link.clone(), msg.clone());
@@ -333,7 +335,12 @@ async fn ask_all(link: &CoordinatorLink, peers: &[(u32, String)], msg: &Message)
     let mut out = Vec::new();
     while let Some(joined) = tasks.join_next().await {
         match joined {
-            Ok(Some(answer)) => out.push(answer),
+            Ok(Some(answer)) => {
+                out.push(answer);
+                if out.len() >= enough {
+                    break;
+                }
+            }
             Ok(None) => {}
             Err(e) => warn!(error = %e, "a request about shard 0's configuration failed"),
         }

@@ -118,6 +118,9 @@ pub struct Log {
     /// acknowledge).
     lag_now: std::sync::atomic::AtomicU64,
     lag_peak: std::sync::atomic::AtomicU64,
+    /// Backups found dead by a probe (the coordinator's, before a takeover): their shipping tasks stop
+    /// waiting for an answer at once, and the backup leaves as one that timed out would.
+    suspects: watch::Sender<Vec<u32>>,
 }
 
 #[derive(Debug)]
@@ -148,7 +151,21 @@ impl Log {
             },
             lag_now: std::sync::atomic::AtomicU64::new(0),
             lag_peak: std::sync::atomic::AtomicU64::new(0),
+            suspects: watch::Sender::new(Vec::new()),
         }
+    }
+
+    /// Backup `backup` did not answer a probe: its shipping task gives up waiting for it now rather than at
+    /// the ack timeout (it leaves the live set the usual way: where the coordinator or a majority must agree,
+    /// only once they did).
+    pub fn suspect(&self, backup: u32) {
+        self.suspects.send_if_modified(|s| {
+            let new = !s.contains(&backup);
+            if new {
+                s.push(backup);
+            }
+            new
+        });
     }
 
     /// Entries the slowest in-sync backup (one replies wait for) had not applied: now, and at most since
@@ -256,6 +273,11 @@ impl Log {
     /// Backup `backup` starts from a snapshot holding every entry logged so far (called by the actor, which
     /// took the snapshot between two entries); the index it holds.
     pub fn follow(&self, backup: u32) -> u64 {
+        self.suspects.send_if_modified(|s| {
+            let before = s.len();
+            s.retain(|p| *p != backup);
+            s.len() != before
+        });
         let mut inner = self.lock();
         let at = inner.next - 1;
         inner.followers.insert(backup, Follower { applied: at, live: false });
@@ -453,6 +475,15 @@ pub async fn ship(ctx: Arc<ShipContext>, log: Arc<Log>, backup: u32, mut stop: w
 /// in-sync set when it did. False when the coordinator answered that another process serves the shard now
 /// (this one is fenced).
 async fn release(ctx: &ShipContext, log: &Log, backup: u32) -> bool {
+    // Shard 0 where a majority chooses who serves it: a backup that stopped answering may have taken it over
+    // (its copy refuses this process's log from then on); if the processes know so, this one is fenced.
+    if let (0, Some(quorum)) = (ctx.shard, &ctx.quorum) {
+        ctx.link.locate().await;
+        if quorum.chosen().serving != ctx.process {
+            log.fence();
+            return false;
+        }
+    }
     // Without a majority to choose shard 0's configuration, nobody can take it over: its backups need no
     // leave.
     if (ctx.shard == 0 && ctx.quorum.is_none()) || !log.is_live(backup) {
@@ -625,7 +656,11 @@ async fn ship_once(ctx: &ShipContext, log: &Log, backup: u32, said: &mut bool) -
         let lens = batch.iter().map(|(_, b)| b.len() as u32).collect();
         let msg = Message::ReplicaAppend(ReplicaAppend { shard: ctx.shard, first, lens });
         let parts = padded(batch.into_iter().map(|(_, b)| b).collect());
-        let got = call(ctx, &conn, &msg, &parts, ctx.ack_timeout).await?;
+        let mut suspected = log.suspects.subscribe();
+        let got = tokio::select! {
+            got = call(ctx, &conn, &msg, &parts, ctx.ack_timeout) => got?,
+            _ = suspected.wait_for(|s| s.contains(&backup)) => bail!("backup {backup} did not answer a probe"),
+        };
         if got != last {
             bail!("backup {backup} applied up to {got}, not {last}");
         }

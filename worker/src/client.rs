@@ -380,6 +380,8 @@ struct Inner {
     /// Every shard process and where it listens, from the last map (asked where the coordinator is should it
     /// move: replicated shards with a majority choosing shard 0's configuration).
     processes: Mutex<Vec<(u32, String)>>,
+    /// When they were last asked where the coordinator is.
+    located: Mutex<Option<Instant>>,
     /// The newest two mode decisions any shard answered with (None before the first answer); passed on
     /// with every push.
     decisions: Mutex<Option<ModeDecisions>>,
@@ -422,6 +424,28 @@ impl Inner {
     }
 }
 
+/// Where the shard process at `addr` says the coordinator is (the configuration of shard 0 it knows chosen
+/// last), resolved; None when it does not say within `wait`.
+async fn coordinator_named_by(
+    endpoint: &quinn::Endpoint,
+    addr: std::net::SocketAddr,
+    cluster: &str,
+    wait: Duration,
+) -> Option<std::net::SocketAddr> {
+    let ask = async {
+        let conn = net::connect(endpoint, addr, wait).await?;
+        net::expect_any_shard(&conn, cluster)?;
+        let msg = Message::CoordinatorWhere(gaps_common::wire::CoordinatorWhere { known: 0 });
+        let reply = net::call(&conn, &msg, &[], &Limits::default(), wait).await;
+        conn.close(0u32.into(), b"where");
+        reply
+    };
+    match tokio::time::timeout(wait, ask).await {
+        Ok(Ok(Frame { msg: Message::ConfigChosen(c), .. })) => net::resolve(&c.addr).await.ok(),
+        _ => None,
+    }
+}
+
 /// A connected client. Cheap to clone; clones share connections and counters.
 #[derive(Debug, Clone)]
 pub struct Client {
@@ -440,7 +464,10 @@ impl Client {
         let (endpoint, path) = net::client_endpoint_tuned(&opts.tls, coordinator)?;
         let register =
             Message::Register(Register { protocol: PROTOCOL_VERSION, role: opts.role, name: opts.name.clone() });
-        let mut tries = 0u32;
+        let (mut tries, mut redirects) = (0u32, 0u32);
+        // Where the registration goes: the address given, or where the process there says the coordinator is
+        // now (a majority moved it: the process given answers `Moved`, or that it is not the coordinator).
+        let mut coordinator = coordinator;
         let map = loop {
             // `connect_timeout` bounds the whole wait: every attempt gets at most the time that is left, and at
             // most a quarter of it (but 2 s at least), so that a handshake lost on a loaded machine is tried
@@ -456,7 +483,7 @@ impl Client {
                 conn.close(0u32.into(), b"registered");
                 match reply {
                     Ok(Frame { msg: Message::ClusterMap(map), .. })
-                        if map.shards.first().is_some_and(|s| s.process != process) =>
+                        if map.shards.first().is_none_or(|s| s.process != process) =>
                     {
                         Err(RpcError::Identity {
                             addr: coordinator.to_string(),
@@ -485,6 +512,18 @@ impl Client {
                 }
                 Err(RpcError::Remote { code: ErrorCode::ClusterIncomplete | ErrorCode::Busy, message, .. }) => message,
                 Err(e) if e.is_retryable() => e.to_string(),
+                Err(e @ RpcError::Remote { code: ErrorCode::Moved | ErrorCode::Misconfigured, .. })
+                    if redirects < 3 =>
+                {
+                    match coordinator_named_by(&endpoint, coordinator, &cluster, per_call).await {
+                        Some(now) if now != coordinator => {
+                            debug!(from = %coordinator, to = %now, "the coordinator moved: registering there");
+                            (redirects, coordinator) = (redirects + 1, now);
+                            continue;
+                        }
+                        _ => return Err(e.into()),
+                    }
+                }
                 Err(e) => return Err(e.into()),
             };
             // Exponential backoff with jitter: hundreds of workers started at once do not come back at once.
@@ -571,6 +610,7 @@ impl Client {
                 waited_us: AtomicU64::new(0),
                 steps: AtomicU64::new(0),
                 processes: Mutex::new(processes),
+                located: Mutex::new(None),
                 map_asked: Mutex::new(None),
                 decisions: Mutex::new(None),
             }),
@@ -764,8 +804,17 @@ impl Client {
                 if self.inner.map.replicas < 2 || (shard == 0 && !self.coordinator_moves()) {
                     return std::future::pending().await;
                 }
-                tokio::time::sleep(MOVED_CHECK_AFTER).await;
+                // Another request may find the move first: the route is looked at every 50 ms (a lock), the
+                // coordinator asked once the request waited MOVED_CHECK_AFTER.
+                let began = Instant::now();
                 loop {
+                    if self.inner.shards[shard].route().epoch != route_epoch {
+                        return;
+                    }
+                    if began.elapsed() < MOVED_CHECK_AFTER {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
                     self.follow_map(shard).await;
                     if self.inner.shards[shard].route().epoch != route_epoch {
                         return;
@@ -919,34 +968,48 @@ impl Client {
     /// not answer, or first when `locate` (shard 0's own requests went wrong: the process this client knows
     /// may be an old coordinator cut off from the others). Each question: 2 s to connect, 2 s for the answer.
     async fn ask_map(&self, locate: bool) -> Result<ClusterMap, ClientError> {
+        let map = self.coordinator_map(locate).await?;
+        let known = map.process_addrs();
+        if let (Ok(mut p), false) = (self.inner.processes.lock(), known.is_empty()) {
+            *p = known;
+        }
+        Ok(map)
+    }
+
+    /// [`Client::ask_map`] before the processes it lists are remembered.
+    async fn coordinator_map(&self, locate: bool) -> Result<ClusterMap, ClientError> {
         let route = self.inner.shards[0].route();
+        let moves = self.coordinator_moves();
         let mut asked = None;
-        if !locate || !self.coordinator_moves() {
+        if !locate || !moves {
             let first = self.map_from(&route.name, route.process).await;
-            if first.is_ok() || !self.coordinator_moves() {
+            if first.is_ok() || !moves {
                 return first;
             }
             asked = Some(first);
         }
-        let map = match (self.locate_coordinator().await, asked) {
+        // The processes are asked at most once a second (each question is a handshake with every one).
+        {
+            let Ok(mut last) = self.inner.located.lock() else {
+                return Err(ClientError::BadMap("lock poisoned".into()));
+            };
+            if last.is_some_and(|t| t.elapsed() < Duration::from_secs(1)) {
+                return asked.unwrap_or_else(|| {
+                    Err(ClientError::BadMap("the shard processes were asked where the coordinator is just now".into()))
+                });
+            }
+            *last = Some(Instant::now());
+        }
+        match (self.locate_coordinator().await, asked) {
             (Some(c), _) if (c.serving, c.addr.as_str()) != (route.process, route.name.as_str()) => {
                 self.map_from(&c.addr, c.serving).await
             }
             (_, Some(first)) => first,
             // Nobody knows of another coordinator than the one shard 0's requests already go to: it did not
             // move (asking it again could wait seconds on a dead process).
-            (Some(_), None) => {
-                return Err(ClientError::BadMap("shard 0 is served where it was; nothing moved".into()));
-            }
+            (Some(_), None) => Err(ClientError::BadMap("shard 0 is served where it was; nothing moved".into())),
             (None, None) => self.map_from(&route.name, route.process).await,
-        }?;
-        if let Ok(mut p) = self.inner.processes.lock() {
-            let known = map.process_addrs();
-            if !known.is_empty() {
-                *p = known;
-            }
         }
-        Ok(map)
     }
 
     /// The cluster map shard process `process` at `addr` hands an observer.

@@ -391,7 +391,8 @@ pub(super) async fn serve_request(
             };
             let bound = shared.bindings.get(&peer.conn_id).map(|w| *w);
             let fenced = shared.log.as_ref().is_some_and(|l| l.fenced());
-            let handled = if let Err(reason) = crate::auth::authorize(&frame.msg, &peer.identity, bound) {
+            let coordinator = || shared.link.coordinator().1;
+            let handled = if let Err(reason) = crate::auth::authorize(&frame.msg, &peer.identity, bound, &coordinator) {
                 Some((refuse_unauthorized(shared, peer, &reason), Vec::new(), Vec::new()))
             } else if let Message::CoordinatorWhere(_) = frame.msg {
                 Some((Frame::new(Message::ConfigChosen(coordinator_where(shared))), Vec::new(), Vec::new()))
@@ -594,11 +595,13 @@ pub(super) async fn promote_refusal(shared: &Shared, msg: &Message) -> Option<Fr
             format!("shard {shard}'s primary at {addr} answers: it is not taken over"),
         ))),
         _ => {
-            // Not when a majority chooses shard 0's backups: a probe that got no answer does not prove the
-            // process dead, and only a configuration chosen without it lets replies stop waiting for it
-            // (its shipping task proposes one once its ack timeout passes).
-            if let (Some(log), None) = (&shared.log, &shared.quorum) {
-                log.unfollow(process);
+            // Where a majority chooses shard 0's backups, a probe that got no answer does not prove the
+            // process dead: its shipping task stops waiting for it and proposes a configuration without it
+            // at once (rather than after its ack timeout), and replies stop waiting once that is chosen.
+            match (&shared.log, &shared.quorum) {
+                (Some(log), None) => log.unfollow(process),
+                (Some(log), Some(_)) => log.suspect(process),
+                _ => {}
             }
             None
         }

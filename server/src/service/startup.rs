@@ -116,6 +116,15 @@ pub(super) async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<T
     if let (Some(q), Some(ask), false) = (&quorum, &cfg.coordinator, taken_core_given) {
         learn_where_the_coordinator_is(&endpoint, ask, &own.cluster, q).await;
     }
+    // Process 0 started again (restored, or its acceptor knows configurations chosen since the start) serves
+    // shard 0 only once a majority chose so; else it comes back as a spare.
+    if let (Some(q), 0, false) = (&quorum, shard, taken_core_given) {
+        if restored.is_some() || q.chosen().version > 0 {
+            report("asking the shard processes who serves shard 0");
+            let peers = core.process_addrs();
+            settle_coordinator_restart(&endpoint, &own.cluster, q, peers, &advertise, cfg.join_timeout).await?;
+        }
+    }
     let moved_coordinator = quorum.as_ref().map(|q| q.chosen()).filter(|c| c.version > 0 && c.serving != process);
     // A process whose shard was taken over while it was down comes back as a spare: it serves no shard
     // (its own answers `Moved`) and keeps copies of others, its old shard's among them.
@@ -335,6 +344,89 @@ pub(super) fn payload_limit(layout: &gaps_common::Layout, owned: u64, read_echo:
     let widest = layout.tables.iter().map(|t| u64::from(t.dim)).max();
     let sparse_bytes = widest.map_or(0, |dim| MAX_SPARSE_ROWS_PER_RPC * (3 + 2 * dim) * 4);
     (owned_bytes * echo).max(sparse_bytes).clamp(4, gaps_common::wire::DEFAULT_MAX_PAYLOAD_BYTES)
+}
+
+/// Process 0 started again where a majority chooses shard 0's configuration: it must not serve shard 0 on
+/// its own say-so — a backup in sync may hold what it acknowledged since its checkpoint, or may have taken
+/// shard 0 over while it was down. It asks the shard processes its restored tables list (`processes`) for the newest
+/// configuration until one names another process serving shard 0 (it then joins that one as a spare), or
+/// names this one with no backup in sync — then it has a configuration that has it serve at `advertise`
+/// chosen (no backup held more than its checkpoint: what was acknowledged since is lost, as without
+/// copies). While backups in sync are listed it waits for one of them to take shard 0 over. Fails after
+/// `timeout`.
+pub(super) async fn settle_coordinator_restart(
+    endpoint: &quinn::Endpoint,
+    cluster: &str,
+    quorum: &Arc<crate::quorum::Quorum>,
+    processes: Vec<(u32, String)>,
+    advertise: &str,
+    timeout: Duration,
+) -> Result<()> {
+    let me = quorum.process();
+    let peers: Vec<(u32, String)> = processes.into_iter().filter(|(p, _)| *p != me).collect();
+    let started = quorum.chosen();
+    if peers.is_empty() {
+        if started.serving != me {
+            // The caller joins the process serving it.
+            return Ok(());
+        }
+        bail!(
+            "shard 0's configuration moved on from the start (version {}) but this process knows no other shard              process to ask who serves shard 0 now (no checkpoint with the coordinator's tables): start it with              --coordinator naming any shard process",
+            started.version
+        );
+    }
+    let rotated = Arc::new(std::sync::Mutex::new(None));
+    let link = crate::link::CoordinatorLink::new(
+        advertise.to_string(),
+        cluster.to_string(),
+        endpoint.clone(),
+        rotated,
+        Some(quorum.clone()),
+    );
+    link.remember(peers.clone());
+    let deadline = Instant::now() + timeout;
+    let mut said = false;
+    loop {
+        link.locate().await;
+        let base = quorum.chosen();
+        if base.serving != me {
+            info!(version = base.version, serving = base.serving, "another shard process serves shard 0 now");
+            return Ok(());
+        }
+        if base.in_sync.is_empty() {
+            let want = |base: &gaps_common::quorum::CoordinatorConfig| gaps_common::quorum::CoordinatorConfig {
+                version: base.version.saturating_add(1),
+                serving: me,
+                addr: advertise.to_string(),
+                in_sync: Vec::new(),
+            };
+            match quorum.propose(want, &peers, &link, Duration::from_secs(5)).await {
+                Ok(c) if c.serving == me && c.addr == advertise => {
+                    info!(version = c.version, "serving shard 0 again, a majority of the shard processes chose so");
+                    return Ok(());
+                }
+                Ok(_) => continue,
+                Err(e) => {
+                    warn!(error = format!("{e:#}"), "could not have this process chosen to serve shard 0; trying again")
+                }
+            }
+        } else if !said {
+            info!(
+                in_sync = ?base.in_sync,
+                "shard 0's backups in sync hold what it acknowledged: waiting for one of them to take it over"
+            );
+            said = true;
+        }
+        if Instant::now() >= deadline {
+            bail!(
+                "within {timeout:?}, no majority of the shard processes chose who serves shard 0 now (last known:                  configuration {}, process {} with backups {:?} in sync)",
+                base.version,
+                base.serving,
+                base.in_sync
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 }
 
 /// Asks the shard process at `addr` where the coordinator is and adopts its answer if it is newer than what
