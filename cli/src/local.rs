@@ -273,20 +273,59 @@ pub struct ReplicationReport {
     /// Per shard, the process serving it (its own index unless a backup took it over).
     pub serving: Vec<u32>,
     /// Per shard, the processes whose copy is in sync (replies wait for them) as the coordinator knows them:
-    /// a process killed and restarted empty appears here again once it caught up. Null for shard 0: the
-    /// coordinator's own copies are not reported to it (their fail-over is not built; its log says when
-    /// they catch up).
+    /// a process killed and restarted empty appears here again once it caught up. For shard 0, those of the
+    /// configuration a majority chose last; null where no majority chooses it (fewer than 3 processes: its
+    /// copies are not reported to the coordinator, its log says when they catch up).
     pub backups_in_sync: Vec<Option<Vec<u32>>>,
     /// Processes that serve no shard (theirs was taken over while they were down) and keep copies.
     pub spare_processes: Vec<u32>,
-    /// Per shard killed (`--kill-shard`, shards ≥ 1, in kill order): seconds from the SIGKILL until the
-    /// coordinator's map showed a backup serving it (null: not within a minute).
+    /// Per shard killed (`--kill-shard`, in kill order; shard 0 where a majority chooses who serves it):
+    /// seconds from the SIGKILL until the coordinator's map showed a backup serving it (null: not within a
+    /// minute).
     pub failover_s: Vec<Option<f64>>,
     /// Per shard, as its serving process reports it at the end: the most log entries its slowest in-sync
     /// backup (one replies wait for) was behind, since that process started serving ([`Stats::replica_lag_peak`]).
     ///
     /// [`Stats::replica_lag_peak`]: gaps_common::wire::Stats::replica_lag_peak
     pub replica_lag_peak: Vec<u64>,
+    /// Per shard, as its serving process reports it at the end: how it copied the shard to each backup since
+    /// it started serving it (re-replication: snapshots, bytes, the longest pause of the core to take one,
+    /// the longest until the backup caught up; [`Stats::replica_copies`]).
+    ///
+    /// [`Stats::replica_copies`]: gaps_common::wire::Stats::replica_copies
+    pub rereplication: Vec<Vec<CopyReport>>,
+}
+
+/// One backup's copies of a shard (see [`ReplicationReport::rereplication`]).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct CopyReport {
+    /// The backup's shard process.
+    pub backup: u32,
+    /// Snapshots taken for it, and their bytes sent.
+    pub snapshots: u64,
+    pub bytes: u64,
+    /// Whether replies waited for it at the end (it had caught up).
+    pub live: bool,
+    /// Bytes of a snapshot still being sent at the end (0: none).
+    pub bytes_left: u64,
+    /// The longest pause of the shard's core to take a snapshot for it, and the longest from a snapshot to
+    /// the backup counting, in seconds.
+    pub pause_peak_s: f64,
+    pub catch_up_peak_s: f64,
+}
+
+impl CopyReport {
+    fn of(c: &gaps_common::wire::ReplicaCopy) -> Self {
+        CopyReport {
+            backup: c.backup,
+            snapshots: c.snapshots,
+            bytes: c.bytes_sent,
+            live: c.live,
+            bytes_left: c.copying_total.saturating_sub(c.copying_sent),
+            pause_peak_s: c.pause_peak_us as f64 / 1e6,
+            catch_up_peak_s: c.catch_up_peak_ms as f64 / 1e3,
+        }
+    }
 }
 
 impl ReplicationReport {
@@ -304,6 +343,7 @@ impl ReplicationReport {
             spare_processes: map.spare.iter().map(|s| s.index).collect(),
             failover_s: Vec::new(),
             replica_lag_peak: Vec::new(),
+            rereplication: Vec::new(),
         }
     }
 }
@@ -1357,6 +1397,8 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
         let replication = if let Some(map) = map {
             let mut report = ReplicationReport::from_map(&map);
             report.replica_lag_peak = stats.iter().map(|s| s.replica_lag_peak).collect();
+            report.rereplication =
+                stats.iter().map(|s| s.replica_copies.iter().map(CopyReport::of).collect()).collect();
             // A fail-over still under way when training ended gets 10 s more to finish.
             for mut watch in failover_watches {
                 let took = tokio::time::timeout(Duration::from_secs(10), &mut watch).await;

@@ -966,6 +966,16 @@ fn a_killed_replicated_shard_is_taken_over_and_the_summary_says_so() {
     let lag = v["replica_lag_peak"].as_array().expect("replica_lag_peak");
     assert_eq!(lag.len(), 3, "{v}");
     assert!(lag.iter().all(|l| l.as_u64().is_some()), "{v}");
+    // Re-replication, per shard as its serving process copied it: shard 2's process copied it to process 0
+    // once (a snapshot, then the log until it caught up); every copy listed took a snapshot of some bytes.
+    let copies = v["rereplication"].as_array().expect("rereplication");
+    assert_eq!(copies.len(), 3, "{v}");
+    let shard2 = copies[2].as_array().expect("shard 2's copies");
+    assert!(shard2.iter().any(|c| c["backup"] == 0 && c["live"] == true), "{v}");
+    for c in copies.iter().flat_map(|s| s.as_array().expect("copies").iter()) {
+        assert!(c["snapshots"].as_u64() >= Some(1) && c["bytes"].as_u64() > Some(0), "{c}");
+        assert!(c["pause_peak_s"].as_f64().is_some_and(|p| p > 0.0), "{c}");
+    }
     assert_eq!(v["pushes_lost"], 0, "{v}");
     assert_eq!(v["pushes_applied_twice"], 0, "{v}");
     assert_eq!(v["pushes_applied"], v["pushes_acknowledged"], "{v}");

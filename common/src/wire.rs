@@ -23,7 +23,7 @@ use crate::quorum::{ConfigAccept, ConfigAccepted, ConfigPrepare, ConfigPromise, 
 use bincode::{Decode, Encode};
 
 /// Protocol version carried by registrations; a peer with another version is refused.
-pub const PROTOCOL_VERSION: u16 = 16;
+pub const PROTOCOL_VERSION: u16 = 17;
 /// Bytes before the header: the kind byte and the header length.
 pub const FRAME_PREFIX_LEN: usize = 5;
 /// Hard upper bound on an encoded header (also the bincode decode limit).
@@ -624,6 +624,31 @@ pub struct Stats {
     pub replica_lag_entries: u64,
     /// See [`Self::replica_lag_entries`].
     pub replica_lag_peak: u64,
+    /// Replicated shards: the copies this process made of the shard for each of its backups since it
+    /// started serving it (re-replication), backup order. Filled by the serving process. (Added in
+    /// protocol 17.)
+    pub replica_copies: Vec<ReplicaCopy>,
+}
+
+/// How a serving process copied its shard to one backup (see [`Stats::replica_copies`]): a snapshot, then
+/// the log from the snapshot's index until the backup caught up and counts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Encode, Decode)]
+pub struct ReplicaCopy {
+    /// The backup's shard process.
+    pub backup: u32,
+    /// Snapshots taken for it (the first, and one after each time it was dropped).
+    pub snapshots: u64,
+    /// Bytes of snapshots sent to it, whole ones and the one in progress.
+    pub bytes_sent: u64,
+    /// The snapshot being sent now: its size, and how much of it is sent (0 and 0: none).
+    pub copying_total: u64,
+    pub copying_sent: u64,
+    /// Whether replies wait for it now (it caught up).
+    pub live: bool,
+    /// The longest the shard's core paused to take one of its snapshots, in microseconds.
+    pub pause_peak_us: u64,
+    /// The longest from a snapshot taken until the backup caught up and counted, in milliseconds.
+    pub catch_up_peak_ms: u64,
 }
 
 /// One worker's pushes applied by a shard (see [`Stats::applied_by_worker`]).

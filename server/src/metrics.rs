@@ -226,6 +226,14 @@ pub fn install_recorder() -> anyhow::Result<PrometheusHandle> {
         "Backups dropped from the live set (failed, late, or too far behind); each copies a new snapshot."
     );
     metrics::describe_counter!(
+        "gaps_replica_snapshots_total",
+        "Snapshots of this shard taken for its backups (the first copy, and one after each drop)."
+    );
+    metrics::describe_gauge!(
+        "gaps_replica_copy_bytes_left",
+        "Bytes of the snapshots being sent to this shard's backups not sent yet (re-replication progress)."
+    );
+    metrics::describe_counter!(
         "gaps_requests_timed_out_total",
         "Requests cut off: not whole within the request timeout, stalled, or their reply not taken."
     );

@@ -95,6 +95,9 @@ struct LogInner {
     bytes: u64,
     /// Backup process → its state; entries are logged only while there is one.
     followers: BTreeMap<u32, Follower>,
+    /// Backup process → how it was copied (kept when it is dropped: a new snapshot adds to it), and when its
+    /// last snapshot was taken while it has not caught up since.
+    copies: BTreeMap<u32, (gaps_common::wire::ReplicaCopy, Option<std::time::Instant>)>,
 }
 
 /// A primary's log (see the module's text).
@@ -129,6 +132,9 @@ struct ReplicaMetrics {
     log_bytes: metrics::Gauge,
     live: metrics::Gauge,
     dropped: metrics::Counter,
+    /// Snapshots taken for backups, and bytes of the ones being sent not sent yet (re-replication).
+    snapshots: metrics::Counter,
+    copy_left: metrics::Gauge,
 }
 
 impl Log {
@@ -147,12 +153,48 @@ impl Log {
                 lag: metrics::gauge!("gaps_replica_lag_entries", "shard" => label.clone()),
                 log_bytes: metrics::gauge!("gaps_replica_log_bytes", "shard" => label.clone()),
                 live: metrics::gauge!("gaps_replica_live_backups", "shard" => label.clone()),
-                dropped: metrics::counter!("gaps_replica_dropped_total", "shard" => label),
+                dropped: metrics::counter!("gaps_replica_dropped_total", "shard" => label.clone()),
+                snapshots: metrics::counter!("gaps_replica_snapshots_total", "shard" => label.clone()),
+                copy_left: metrics::gauge!("gaps_replica_copy_bytes_left", "shard" => label),
             },
             lag_now: std::sync::atomic::AtomicU64::new(0),
             lag_peak: std::sync::atomic::AtomicU64::new(0),
             suspects: watch::Sender::new(Vec::new()),
         }
+    }
+
+    /// A snapshot for `backup` was taken, pausing the core for `pause`.
+    pub fn snapshot_taken(&self, backup: u32, pause: Duration) {
+        let mut inner = self.lock();
+        let (copy, since) = inner.copies.entry(backup).or_default();
+        copy.backup = backup;
+        copy.snapshots += 1;
+        copy.pause_peak_us = copy.pause_peak_us.max(pause.as_micros().min(u128::from(u64::MAX)) as u64);
+        *since = Some(std::time::Instant::now());
+        self.metrics.snapshots.increment(1);
+    }
+
+    /// `sent` bytes of the `total` of `backup`'s snapshot are sent (`sent == total`: the whole of it).
+    fn snapshot_progress(&self, backup: u32, sent: u64, total: u64, piece: u64) {
+        let mut inner = self.lock();
+        let (copy, _) = inner.copies.entry(backup).or_default();
+        copy.bytes_sent += piece;
+        (copy.copying_sent, copy.copying_total) = if sent >= total { (0, 0) } else { (sent, total) };
+        let left: u64 = inner.copies.values().map(|(c, _)| c.copying_total.saturating_sub(c.copying_sent)).sum();
+        self.metrics.copy_left.set(left as f64);
+    }
+
+    /// How each backup was copied (see [`gaps_common::wire::Stats::replica_copies`]).
+    pub fn copies(&self) -> Vec<gaps_common::wire::ReplicaCopy> {
+        let inner = self.lock();
+        inner
+            .copies
+            .iter()
+            .map(|(b, (c, _))| gaps_common::wire::ReplicaCopy {
+                live: inner.followers.get(b).is_some_and(|f| f.live),
+                ..*c
+            })
+            .collect()
     }
 
     /// Backup `backup` did not answer a probe: its shipping task gives up waiting for it now rather than at
@@ -311,6 +353,11 @@ impl Log {
         if !f.live && f.applied + 1 >= next {
             f.live = true;
             info!(shard = self.shard, backup, index = f.applied, "backup caught up: replies now wait for it");
+            if let Some((copy, since)) = inner.copies.get_mut(&backup) {
+                if let Some(t) = since.take() {
+                    copy.catch_up_peak_ms = copy.catch_up_peak_ms.max(t.elapsed().as_millis() as u64);
+                }
+            }
         }
         self.settle(&mut inner);
         true
@@ -604,6 +651,7 @@ async fn ship_once(ctx: &ShipContext, log: &Log, backup: u32, said: &mut bool) -
         });
         let parts = padded(vec![piece]);
         let applied = call(ctx, &conn, &msg, &parts, ctx.ack_timeout.max(Duration::from_secs(30))).await?;
+        log.snapshot_progress(backup, end as u64, total, (end - offset) as u64);
         offset = end;
         if offset >= bytes.len() {
             if applied != index {
@@ -1038,6 +1086,30 @@ mod tests {
         assert_eq!(*l.acked.borrow(), u64::MAX, "no live backup: nothing waits");
         assert!(l.batch(1, second).is_err() && !l.acknowledged(1, 3));
         assert_eq!(l.request(Duration::ZERO, &heartbeat()), Ok(0), "nothing logged without a backup");
+    }
+
+    #[test]
+    fn each_backups_copies_are_counted_across_drops() {
+        let l = log();
+        l.follow(1);
+        l.snapshot_taken(1, Duration::from_micros(300));
+        l.snapshot_progress(1, 40, 100, 40);
+        let copying = l.copies();
+        assert_eq!(copying.len(), 1);
+        assert_eq!((copying[0].copying_sent, copying[0].copying_total, copying[0].live), (40, 100, false));
+        l.snapshot_progress(1, 100, 100, 60);
+        let first = l.request(Duration::ZERO, &heartbeat()).expect("logged");
+        assert!(l.acknowledged(1, first));
+        let c = l.copies()[0];
+        assert_eq!((c.snapshots, c.bytes_sent, c.copying_total, c.live, c.pause_peak_us), (1, 100, 0, true, 300));
+        // Dropped, then copied again: the counts go on, the longest pause stays the longest.
+        l.unfollow(1);
+        assert!(!l.copies()[0].live);
+        l.follow(1);
+        l.snapshot_taken(1, Duration::from_micros(100));
+        l.snapshot_progress(1, 100, 100, 100);
+        let c = l.copies()[0];
+        assert_eq!((c.backup, c.snapshots, c.bytes_sent, c.pause_peak_us), (1, 2, 200, 300));
     }
 
     #[test]

@@ -316,6 +316,61 @@ async fn in_sync_the_coordinators_backup_takes_over_and_loses_nothing() {
     the_coordinators_backup_takes_over(Mode::Sync).await;
 }
 
+/// Process 0 killed and started again at once, before its backup took shard 0 over: it does not serve shard
+/// 0 from what it held (its backup in sync holds more), waits until a majority chose that backup to serve
+/// it, and comes back as a spare — one that tells a worker registering through it where the coordinator is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn process_0_started_again_before_the_takeover_waits_for_it_and_comes_back_as_a_spare() {
+    let certs = ClusterCerts::generate(&[]).expect("certs");
+    let dir = std::env::temp_dir().join(format!("gaps-replication-restart-0-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let start = |shard: u32, coordinator: Option<String>| {
+        let cfg = ServiceConfig {
+            coordinator,
+            join_timeout: Duration::from_secs(30),
+            tick_interval: Duration::from_millis(100),
+            replicas: 2,
+            failover_after: Duration::from_millis(800),
+            checkpoint: Some(service::CheckpointConfig { dir: dir.clone(), every: None, keep: 2 }),
+            ..ServiceConfig::new(
+                "127.0.0.1:0".parse().expect("addr"),
+                certs.shard_material(shard).expect("tls"),
+                core_config_of(shard, 3, Mode::Async),
+            )
+        };
+        async move { service::start(cfg).await.expect("start shard") }
+    };
+    let s0 = start(0, None).await;
+    let s1 = start(1, Some(s0.advertise.clone())).await;
+    let s2 = start(2, Some(s0.advertise.clone())).await;
+    for _ in 0..400 {
+        if s2.shard0_config().is_some_and(|c| c.in_sync == [1]) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(s2.shard0_config().map(|c| c.in_sync), Some(vec![1]), "shard 0's backup in sync, chosen");
+    s0.crash();
+    // Started again with its acceptor's file (configuration 1: process 1 in sync) and process 1 to ask.
+    let again = start(0, Some(s1.advertise.clone())).await;
+    let now = again.shard0_config().expect("a configuration");
+    assert_eq!((now.serving, now.in_sync.clone()), (1, vec![]), "process 1 took shard 0 over: {now:?}");
+    assert_eq!(s2.shard0_config().map(|c| c.serving), Some(1));
+    // A worker given process 0's address registers with the coordinator it names.
+    let mut o = ClientOptions::new(&again.advertise, certs.worker_material().expect("tls"), Role::Worker, "w");
+    o.rpc_timeout = Duration::from_secs(10);
+    let worker = Client::connect(o).await.expect("registered through the spare");
+    assert_eq!((worker.map().shards[0].process, worker.map().shards[0].epoch), (1, 1));
+    assert!(worker.map().spare.iter().any(|s| s.index == 0), "process 0 is a spare: {:?}", worker.map().spare);
+    let s = worker.pull().await.expect("pull");
+    let g = s.tensors.iter().map(|t| vec![0.01; t.len()]).collect();
+    worker.push(g, &s).await.expect("a push through the new coordinator");
+    for s in [again, s1, s2] {
+        s.shutdown().await.expect("shutdown");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// The copy of `shard` that `holder` keeps equals the shard's state on `primary` (the shard served there as
 /// its own or as one it took over), read until both stand at the same log index (ticks keep the log moving).
 async fn copy_matches(holder: &RunningServer, primary: &RunningServer, shard: u32, mode: Mode) {

@@ -199,6 +199,7 @@ pub(super) fn run_actor(
                     // The replica log's lag is the process's, not the core's (a backup's core knows none).
                     if let (Some(log), Message::Stats(stats)) = (&log, &mut answer.msg) {
                         (stats.replica_lag_entries, stats.replica_lag_peak) = log.lag();
+                        stats.replica_copies = log.copies();
                     }
                     // A split dealt or reported finished is journaled before the worker hears of it.
                     journal_changes(&mut core, &mut journal);
@@ -257,10 +258,14 @@ pub(super) fn run_actor(
             }
             Command::Checkpoint(p) => pending = Some(p),
             Command::ReplicaSnapshot { backup, reply } => {
+                let began = Instant::now();
                 let taken = match &log {
                     Some(log) => core.copy_state().map(|bytes| (log.follow(backup), bytes)).map_err(|e| e.to_string()),
                     None => Err("this shard keeps no replica log".into()),
                 };
+                if let (Some(log), Ok(_)) = (&log, &taken) {
+                    log.snapshot_taken(backup, began.elapsed());
+                }
                 if let (Some(r), Ok((index, _))) = (&mut record, &taken) {
                     r.item(&crate::record::Item::Followed { backup, index: *index });
                 }

@@ -113,15 +113,18 @@ pub(super) async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<T
     // Where a majority chooses shard 0's configuration, the coordinator is where the last one this process
     // knows put it (the address given at start until a takeover) or, newer, the one the process at
     // `--coordinator` knows.
+    let mut asked = None;
     if let (Some(q), Some(ask), false) = (&quorum, &cfg.coordinator, taken_core_given) {
-        learn_where_the_coordinator_is(&endpoint, ask, &own.cluster, q).await;
+        asked = learn_where_the_coordinator_is(&endpoint, ask, &own.cluster, q).await;
     }
     // Process 0 started again (restored, or its acceptor knows configurations chosen since the start) serves
     // shard 0 only once a majority chose so; else it comes back as a spare.
     if let (Some(q), 0, false) = (&quorum, shard, taken_core_given) {
         if restored.is_some() || q.chosen().version > 0 {
             report("asking the shard processes who serves shard 0");
-            let peers = core.process_addrs();
+            // The processes the restored tables list, and the one `--coordinator` named.
+            let mut peers = core.process_addrs();
+            peers.extend(asked.clone().filter(|(p, _)| !peers.iter().any(|(q, _)| q == p)));
             settle_coordinator_restart(&endpoint, &own.cluster, q, peers, &advertise, cfg.join_timeout).await?;
         }
     }
@@ -431,30 +434,33 @@ pub(super) async fn settle_coordinator_restart(
 
 /// Asks the shard process at `addr` where the coordinator is and adopts its answer if it is newer than what
 /// `quorum` knows (a process that restarts after shard 0 was taken over learns so; within 5 s, else it goes
-/// on with what it knows).
+/// on with what it knows). Returns the process that answered, with `addr`.
 pub(super) async fn learn_where_the_coordinator_is(
     endpoint: &quinn::Endpoint,
     addr: &str,
     cluster: &str,
     quorum: &Arc<crate::quorum::Quorum>,
-) {
+) -> Option<(u32, String)> {
     let ask = async {
         let target = net::resolve(addr).await?;
         let conn = net::connect(endpoint, target, Duration::from_secs(5)).await?;
-        net::expect_any_shard(&conn, cluster)?;
+        let process = net::expect_any_shard(&conn, cluster)?;
         let msg = Message::CoordinatorWhere(gaps_common::wire::CoordinatorWhere { known: 0 });
         let reply = net::call(&conn, &msg, &[], &Limits::default(), Duration::from_secs(5)).await;
         conn.close(0u32.into(), b"where");
-        reply
+        reply.map(|r| (process, r))
     };
     match tokio::time::timeout(Duration::from_secs(5), ask).await {
-        Ok(Ok(Frame { msg: Message::ConfigChosen(c), .. })) => {
+        Ok(Ok((process, Frame { msg: Message::ConfigChosen(c), .. }))) => {
             if c.version > quorum.chosen().version {
                 info!(version = c.version, serving = c.serving, addr = %c.addr, "learned where the coordinator is now");
             }
             quorum.learn(&c).await;
+            return Some((process, addr.to_string()));
         }
-        Ok(Ok(other)) => warn!(%addr, kind = net::kind_name(&other.msg), "an odd answer to where the coordinator is"),
+        Ok(Ok((_, other))) => {
+            warn!(%addr, kind = net::kind_name(&other.msg), "an odd answer to where the coordinator is")
+        }
         Ok(Err(e)) => {
             warn!(%addr, error = %e, "could not ask where the coordinator is; going on with what this process knows")
         }
@@ -462,6 +468,7 @@ pub(super) async fn learn_where_the_coordinator_is(
             warn!(%addr, "no answer to where the coordinator is within 5 s; going on with what this process knows")
         }
     }
+    None
 }
 
 /// Joins the coordinator; returns the cluster's credential key it hands to shards.
