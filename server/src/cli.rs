@@ -29,7 +29,9 @@ pub struct ServerArgs {
     /// Address clients should use to reach this shard (default: the listen address; required with 0.0.0.0).
     #[arg(long, env = "GAPS_ADVERTISE")]
     pub advertise: Option<String>,
-    /// Address of the coordinator, shard 0 (required for every other shard).
+    /// Address of the coordinator, shard 0 (required for every other shard). With --replicas 2 or more on
+    /// 3 or more shards, any shard process will do: it is asked where the coordinator is now (given to
+    /// shard 0, it only says whom to ask).
     #[arg(long, env = "GAPS_COORDINATOR")]
     pub coordinator: Option<String>,
     /// The cluster CA certificate (PEM).
