@@ -981,6 +981,42 @@ fn a_killed_replicated_shard_is_taken_over_and_the_summary_says_so() {
     assert_eq!(v["pushes_applied"], v["pushes_acknowledged"], "{v}");
 }
 
+/// Every shard process of a replicated cluster killed at once and started again (every copy lost): the
+/// processes do not wait for each other forever — process 0 finds no other answering, serves from its
+/// checkpoint, the others join it — and training finishes from the cluster checkpoint it rolled back to,
+/// nothing applied twice.
+#[test]
+fn a_replicated_cluster_killed_whole_starts_again_from_its_checkpoints() {
+    let v = run_local(&[
+        "local",
+        "--model",
+        "dlrm",
+        "--servers",
+        "3",
+        "--workers",
+        "2",
+        "--steps",
+        "200",
+        "--replicas",
+        "2",
+        "--mode",
+        "sync",
+        "--checkpoint-every",
+        "300ms",
+        "--kill-shard",
+        "0@1s,1@1s,2@1s",
+        "--restart-shard",
+        "0@1.5s,1@1.5s,2@1.5s",
+        "--json",
+        "--timeout",
+        "300s",
+    ]);
+    assert_eq!(v["shard_restarts"], 3, "{v}");
+    assert_eq!(v["serving"], serde_json::json!([0, 1, 2]), "{v}");
+    assert_eq!(v["pushes_applied_twice"], 0, "{v}");
+    assert_eq!(v["steps"], 400, "{v}");
+}
+
 /// The coordinator's process (shard 0) killed with SIGKILL: a majority of the other two chooses its backup,
 /// process 1, to serve shard 0; workers find it and finish; process 0, started again, learns so from
 /// process 1 and comes back as a spare keeping a copy of shard 0 — nothing acknowledged lost or applied

@@ -30,8 +30,8 @@ pub struct ServerArgs {
     #[arg(long, env = "GAPS_ADVERTISE")]
     pub advertise: Option<String>,
     /// Address of the coordinator, shard 0 (required for every other shard). With --replicas 2 or more on
-    /// 3 or more shards, any shard process will do: it is asked where the coordinator is now (given to
-    /// shard 0, it only says whom to ask).
+    /// 3 or more shards, a process started again asks it where the coordinator is now (after a takeover,
+    /// any live shard process will do; given to shard 0, it only says whom to ask).
     #[arg(long, env = "GAPS_COORDINATOR")]
     pub coordinator: Option<String>,
     /// The cluster CA certificate (PEM).

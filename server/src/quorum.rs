@@ -35,6 +35,9 @@ pub struct Quorum {
     process: u32,
     processes: u32,
     acceptor: Mutex<Acceptor>,
+    /// The acceptor's last chosen configuration, read without waiting for the acceptor's lock (held across
+    /// a file sync).
+    chosen: Mutex<CoordinatorConfig>,
     file: Option<PathBuf>,
     /// The highest round this process proposed with (its ballots never repeat: a late phase-2 message of an
     /// earlier proposal could otherwise overwrite a later one's choice).
@@ -71,6 +74,7 @@ impl Quorum {
         Ok(Quorum {
             process,
             processes,
+            chosen: Mutex::new(acceptor.chosen().clone()),
             acceptor: Mutex::new(acceptor),
             file,
             last_round: AtomicU64::new(0),
@@ -103,7 +107,7 @@ impl Quorum {
 
     /// The last configuration of shard 0 this process knows chosen.
     pub fn chosen(&self) -> CoordinatorConfig {
-        self.lock().chosen().clone()
+        self.chosen.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// Adopts `config`, which a shard process knows chosen, if it is newer than the last one this process
@@ -171,6 +175,7 @@ impl Quorum {
                 *a = before;
                 return Frame::new(Message::error(ErrorCode::Internal, format!("keeping the acceptor's state: {e:#}")));
             }
+            *self.chosen.lock().unwrap_or_else(|p| p.into_inner()) = a.chosen().clone();
         }
         Frame::new(match answer {
             Ok(m) => m,

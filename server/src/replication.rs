@@ -169,6 +169,7 @@ impl Log {
         let (copy, since) = inner.copies.entry(backup).or_default();
         copy.backup = backup;
         copy.snapshots += 1;
+        (copy.copying_sent, copy.copying_total) = (0, 0);
         copy.pause_peak_us = copy.pause_peak_us.max(pause.as_micros().min(u128::from(u64::MAX)) as u64);
         *since = Some(std::time::Instant::now());
         self.metrics.snapshots.increment(1);
@@ -340,6 +341,10 @@ impl Log {
         let mut inner = self.lock();
         if inner.followers.remove(&backup).is_some() {
             self.metrics.dropped.increment(1);
+        }
+        // A copy cut short is no longer under way.
+        if let Some((copy, _)) = inner.copies.get_mut(&backup) {
+            (copy.copying_sent, copy.copying_total) = (0, 0);
         }
         self.settle(&mut inner);
     }

@@ -392,7 +392,15 @@ pub(super) async fn serve_request(
             let bound = shared.bindings.get(&peer.conn_id).map(|w| *w);
             let fenced = shared.log.as_ref().is_some_and(|l| l.fenced());
             let coordinator = || shared.link.coordinator().1;
-            let handled = if let Err(reason) = crate::auth::authorize(&frame.msg, &peer.identity, bound, &coordinator) {
+            let mut allowed = crate::auth::authorize(&frame.msg, &peer.identity, bound, &coordinator);
+            // The coordinator's order from a shard process this one does not know as the coordinator: it may
+            // have missed a configuration chosen since (the news goes out once); it asks, then judges again.
+            let order = matches!(frame.msg, Message::CheckpointRequest(_) | Message::Rollback(_));
+            if allowed.is_err() && order && shared.quorum.is_some() && matches!(peer.identity.role, Role::Shard(_)) {
+                shared.link.locate().await;
+                allowed = crate::auth::authorize(&frame.msg, &peer.identity, bound, &coordinator);
+            }
+            let handled = if let Err(reason) = allowed {
                 Some((refuse_unauthorized(shared, peer, &reason), Vec::new(), Vec::new()))
             } else if let Message::CoordinatorWhere(_) = frame.msg {
                 Some((Frame::new(Message::ConfigChosen(coordinator_where(shared))), Vec::new(), Vec::new()))

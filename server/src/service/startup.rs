@@ -125,7 +125,9 @@ pub(super) async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<T
             // The processes the restored tables list, and the one `--coordinator` named.
             let mut peers = core.process_addrs();
             peers.extend(asked.clone().filter(|(p, _)| !peers.iter().any(|(q, _)| q == p)));
-            settle_coordinator_restart(&endpoint, &own.cluster, q, peers, &advertise, cfg.join_timeout).await?;
+            let hinted = cfg.coordinator.is_some();
+            settle_coordinator_restart(&endpoint, &own.cluster, q, (peers, hinted), &advertise, cfg.join_timeout)
+                .await?;
         }
     }
     let moved_coordinator = quorum.as_ref().map(|q| q.chosen()).filter(|c| c.version > 0 && c.serving != process);
@@ -140,8 +142,14 @@ pub(super) async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<T
             Some(c) => (c.addr.clone(), c.serving),
             None => (cfg.coordinator.clone().context("shards other than 0 need --coordinator (shard 0's address)")?, 0),
         };
-        let (key, served_elsewhere) =
-            join_coordinator(&endpoint, (&coordinator, serving), &own.cluster, &mut core, cfg.join_timeout).await?;
+        let (key, served_elsewhere) = join_coordinator(
+            &endpoint,
+            (&coordinator, serving),
+            &own.cluster,
+            &mut core,
+            (cfg.join_timeout, quorum.as_ref()),
+        )
+        .await?;
         if served_elsewhere && cfg.replicas < 2 {
             bail!("shard {shard} was taken over by another shard process while this one was down; start it with --replicas as the cluster's to keep copies");
         }
@@ -355,13 +363,14 @@ pub(super) fn payload_limit(layout: &gaps_common::Layout, owned: u64, read_echo:
 /// configuration until one names another process serving shard 0 (it then joins that one as a spare), or
 /// names this one with no backup in sync — then it has a configuration that has it serve at `advertise`
 /// chosen (no backup held more than its checkpoint: what was acknowledged since is lost, as without
-/// copies). While backups in sync are listed it waits for one of them to take shard 0 over. Fails after
-/// `timeout`.
+/// copies). While backups in sync are listed it waits for one of them to take shard 0 over. Where no other
+/// process answers at all for [`RESTART_QUIET`], the whole cluster is starting again (the others wait to
+/// join this one): it serves from its own state, as before a majority chose. Fails after `timeout`.
 pub(super) async fn settle_coordinator_restart(
     endpoint: &quinn::Endpoint,
     cluster: &str,
     quorum: &Arc<crate::quorum::Quorum>,
-    processes: Vec<(u32, String)>,
+    (processes, hinted): (Vec<(u32, String)>, bool),
     advertise: &str,
     timeout: Duration,
 ) -> Result<()> {
@@ -371,6 +380,12 @@ pub(super) async fn settle_coordinator_restart(
     if peers.is_empty() {
         if started.serving != me {
             // The caller joins the process serving it.
+            return Ok(());
+        }
+        if hinted {
+            // The process `--coordinator` named did not answer and no other is known (no checkpoint with
+            // the coordinator's tables): the cluster is starting again as a whole.
+            warn!("no other shard process answers: serving shard 0 from this process's own state");
             return Ok(());
         }
         bail!(
@@ -388,9 +403,22 @@ pub(super) async fn settle_coordinator_restart(
     );
     link.remember(peers.clone());
     let deadline = Instant::now() + timeout;
-    let mut said = false;
+    let (mut said, began) = (false, Instant::now());
+    let mut heard_any = false;
     loop {
-        link.locate().await;
+        heard_any |= link.locate_heard().await.1;
+        // No other shard process answers at all: the cluster is starting again as a whole (they wait to join
+        // this one) — or this one is cut off from them. Nobody holds more of shard 0 than this process's
+        // checkpoint then, and it serves from it as without a majority (a majority cut off from it that
+        // took shard 0 over is the risk this leaves; it is the same as before processes chose).
+        if !heard_any && began.elapsed() >= RESTART_QUIET {
+            warn!(
+                waited = ?RESTART_QUIET,
+                "no other shard process answers: serving shard 0 from this process's own state (the cluster is \
+                 starting again as a whole)"
+            );
+            return Ok(());
+        }
         let base = quorum.chosen();
         if base.serving != me {
             info!(version = base.version, serving = base.serving, "another shard process serves shard 0 now");
@@ -432,6 +460,10 @@ pub(super) async fn settle_coordinator_restart(
     }
 }
 
+/// How long a restarted process 0 waits for any other shard process to answer before it takes the cluster
+/// to be starting again as a whole ([`settle_coordinator_restart`]).
+const RESTART_QUIET: Duration = Duration::from_secs(5);
+
 /// Asks the shard process at `addr` where the coordinator is and adopts its answer if it is newer than what
 /// `quorum` knows (a process that restarts after shard 0 was taken over learns so; within 5 s, else it goes
 /// on with what it knows). Returns the process that answered, with `addr`.
@@ -471,20 +503,23 @@ pub(super) async fn learn_where_the_coordinator_is(
     None
 }
 
-/// Joins the coordinator; returns the cluster's credential key it hands to shards.
+/// Joins the coordinator; returns the cluster's credential key it hands to shards. Where a majority moves
+/// the coordinator (`quorum`), a process that answers `Moved` (it no longer serves shard 0) is asked where
+/// the coordinator is now, and the join goes there (three times at most).
 pub(super) async fn join_coordinator(
     endpoint: &quinn::Endpoint,
     (coordinator, serving): (&str, u32),
     cluster: &str,
     core: &mut ShardCore,
-    timeout: Duration,
+    (timeout, quorum): (Duration, Option<&Arc<crate::quorum::Quorum>>),
 ) -> Result<(gaps_common::wire::Token, bool)> {
     let started = Instant::now();
     let request = core.join_request();
     let limits = Limits::default();
+    let (mut coordinator, mut serving, mut redirects) = (coordinator.to_string(), serving, 0);
     loop {
         let attempt = async {
-            let addr = net::resolve(coordinator).await?;
+            let addr = net::resolve(&coordinator).await?;
             let conn = net::connect(endpoint, addr, Duration::from_secs(5)).await?;
             net::expect_shard(&conn, cluster, serving)?;
             let reply = net::call(&conn, &request, &[], &limits, Duration::from_secs(10)).await;
@@ -501,6 +536,17 @@ pub(super) async fn join_coordinator(
                 return Ok((key, served_elsewhere));
             }
             Ok(other) => bail!("the coordinator at {coordinator} answered with {}", net::kind_name(&other.msg)),
+            Err(RpcError::Remote { code: ErrorCode::Moved, .. }) if quorum.is_some() && redirects < 3 => {
+                let q = quorum.expect("checked above");
+                learn_where_the_coordinator_is(endpoint, &coordinator, cluster, q).await;
+                let now = q.chosen();
+                if (now.addr.as_str(), now.serving) == (coordinator.as_str(), serving) {
+                    bail!("the coordinator at {coordinator} no longer serves shard 0 and says nothing newer");
+                }
+                info!(from = %coordinator, to = %now.addr, serving = now.serving, "the coordinator moved: joining there");
+                (coordinator, serving, redirects) = (now.addr, now.serving, redirects + 1);
+                continue;
+            }
             Err(e @ (RpcError::Remote { .. } | RpcError::Identity { .. })) => {
                 bail!("the coordinator refused this shard: {e}")
             }
