@@ -124,7 +124,8 @@ pub struct LocalArgs {
     /// evaluations in a row (0: never stop early).
     #[arg(long, env = "GAPS_PATIENCE", default_value_t = 3)]
     pub patience: u32,
-    /// Kill shard I with SIGKILL T after training starts: `I@T`, e.g. `1@3s` (repeatable).
+    /// Kill shard I with SIGKILL T after training starts: `I@T`, e.g. `1@3s` (repeatable). With
+    /// --replicas, not before every shard's backups count (at most a minute later).
     #[arg(long = "kill-shard", env = "GAPS_KILL_SHARDS", value_delimiter = ',', value_parser = parse_kill)]
     pub kill_shards: Vec<Kill>,
     /// Start shard I again T after training starts, on the same address, from its newest checkpoint:
@@ -1170,6 +1171,8 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
         let mut outputs: Vec<Option<String>> = Vec::new();
         let mut killed = Vec::new();
         let mut shard_kills: Vec<Kill> = args.kill_shards.clone();
+        // Replicated shards: whether every shard's backups counted once (kills wait for it).
+        let mut copies_ready = false;
         // Replicated shards: for each shard killed, a task that measures how long until a backup serves it.
         let mut failover_watches: Vec<tokio::task::JoinHandle<Option<f64>>> = Vec::new();
         let mut shard_restarts_due: Vec<Kill> = args.restart_shards.clone();
@@ -1181,7 +1184,24 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             if let Some(d) = &checkpoint_dir {
                 checkpoints_seen.extend(checkpoint_files(d));
             }
-            for k in shard_kills.iter().filter(|k| k.at <= since) {
+            // With copies, a kill waits until every shard's backups count (a copy still catching up could not
+            // take over: the run would not test a fail-over); bounded by a minute.
+            let kills_due = shard_kills.iter().any(|k| k.at <= since);
+            if kills_due && args.replicas > 1 && !copies_ready {
+                let map = tokio::time::timeout(Duration::from_secs(1), observer.current_map()).await;
+                let counted = |m: &gaps_common::wire::ClusterMap| {
+                    let shard0_listed = args.replicas >= 2 && args.servers >= 3;
+                    m.shards.iter().filter(|s| s.index != 0 || shard0_listed).all(|s| !s.backups.is_empty())
+                };
+                copies_ready =
+                    matches!(&map, Ok(Ok(m)) if counted(m)) || training_started.elapsed() > Duration::from_secs(60);
+            }
+            let kills_now: Vec<Kill> = if args.replicas > 1 && !copies_ready {
+                Vec::new()
+            } else {
+                shard_kills.iter().filter(|k| k.at <= since).cloned().collect()
+            };
+            for k in &kills_now {
                 if let Some(p) = servers.get_mut(k.index as usize) {
                     // The shard's replica epoch before the kill (a take-over raises it), asked for at most 1 s
                     // so that the kill is not held up.
@@ -1207,8 +1227,14 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
                     }
                 }
             }
-            shard_kills.retain(|k| k.at > since);
-            for k in shard_restarts_due.iter().filter(|k| k.at <= since) {
+            shard_kills.retain(|k| !kills_now.contains(k));
+            // A shard is started again only once it was killed.
+            let restarts_now: Vec<Kill> = shard_restarts_due
+                .iter()
+                .filter(|k| k.at <= since && !shard_kills.iter().any(|x| x.index == k.index))
+                .cloned()
+                .collect();
+            for k in &restarts_now {
                 let i = k.index as usize;
                 let addr = addrs[i].clone();
                 eprintln!("[gaps local] restarting shard {i} on {addr} at {:.1}s", since.as_secs_f64());
@@ -1231,7 +1257,7 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
                 shard_restarts += 1;
                 servers[i] = p;
             }
-            shard_restarts_due.retain(|k| k.at > since);
+            shard_restarts_due.retain(|k| !restarts_now.contains(k));
             // Injected failures and arrivals.
             for k in kills.iter().filter(|k| k.at <= since) {
                 if let Some(p) = workers.get_mut(k.index as usize) {
