@@ -125,7 +125,8 @@ pub struct LocalArgs {
     #[arg(long, env = "GAPS_PATIENCE", default_value_t = 3)]
     pub patience: u32,
     /// Kill shard I with SIGKILL T after training starts: `I@T`, e.g. `1@3s` (repeatable). With
-    /// --replicas, not before every shard's backups count (at most a minute later).
+    /// --replicas, the first kill waits until every shard's backups count (for at most a minute of
+    /// training), and a restart of that shard keeps its distance from the kill.
     #[arg(long = "kill-shard", env = "GAPS_KILL_SHARDS", value_delimiter = ',', value_parser = parse_kill)]
     pub kill_shards: Vec<Kill>,
     /// Start shard I again T after training starts, on the same address, from its newest checkpoint:
@@ -1173,6 +1174,8 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
         let mut shard_kills: Vec<Kill> = args.kill_shards.clone();
         // Replicated shards: whether every shard's backups counted once (kills wait for it).
         let mut copies_ready = false;
+        // Per shard, how much later than asked its last kill came (a restart keeps its distance from it).
+        let mut kill_delay: std::collections::BTreeMap<u32, Duration> = std::collections::BTreeMap::new();
         // Replicated shards: for each shard killed, a task that measures how long until a backup serves it.
         let mut failover_watches: Vec<tokio::task::JoinHandle<Option<f64>>> = Vec::new();
         let mut shard_restarts_due: Vec<Kill> = args.restart_shards.clone();
@@ -1201,20 +1204,18 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             } else {
                 shard_kills.iter().filter(|k| k.at <= since).cloned().collect()
             };
+            // The shards' replica epochs before the kills (a take-over raises one), asked once for all the
+            // kills due now (kills due together come together) and for at most 1 s.
+            let watched = |k: &Kill| args.replicas > 1 && (k.index != 0 || (args.replicas >= 2 && args.servers >= 3));
+            let epochs_before = if kills_now.iter().any(watched) {
+                tokio::time::timeout(Duration::from_secs(1), observer.current_map()).await.ok().and_then(Result::ok)
+            } else {
+                None
+            };
             for k in &kills_now {
                 if let Some(p) = servers.get_mut(k.index as usize) {
-                    // The shard's replica epoch before the kill (a take-over raises it), asked for at most 1 s
-                    // so that the kill is not held up.
-                    let watched = args.replicas > 1 && (k.index != 0 || (args.replicas >= 2 && args.servers >= 3));
-                    let before = if watched {
-                        tokio::time::timeout(Duration::from_secs(1), observer.current_map())
-                            .await
-                            .ok()
-                            .and_then(Result::ok)
-                            .and_then(|m| m.shards.get(k.index as usize).map(|s| s.epoch))
-                    } else {
-                        None
-                    };
+                    let watched = watched(k);
+                    let before = epochs_before.as_ref().and_then(|m| m.shards.get(k.index as usize).map(|s| s.epoch));
                     eprintln!("[gaps local] killing shard {} (SIGKILL) at {:.1}s", k.index, since.as_secs_f64());
                     let _ = p.child.start_kill();
                     let _ = p.child.wait().await;
@@ -1227,11 +1228,17 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
                     }
                 }
             }
+            for k in &kills_now {
+                kill_delay.insert(k.index, since.saturating_sub(k.at));
+            }
             shard_kills.retain(|k| !kills_now.contains(k));
             // A shard is started again only once it was killed.
             let restarts_now: Vec<Kill> = shard_restarts_due
                 .iter()
-                .filter(|k| k.at <= since && !shard_kills.iter().any(|x| x.index == k.index))
+                .filter(|k| {
+                    let delay = kill_delay.get(&k.index).copied().unwrap_or_default();
+                    k.at + delay <= since && !shard_kills.iter().any(|x| x.index == k.index && x.at <= k.at)
+                })
                 .cloned()
                 .collect();
             for k in &restarts_now {

@@ -35,6 +35,8 @@ pub struct CoordinatorLink {
     /// Every shard process and where it listens, as the coordinator's last map said (asked where the
     /// coordinator is when it does not answer).
     processes: Arc<Mutex<Vec<(u32, String)>>>,
+    /// When [`CoordinatorLink::locate_rarely`] last asked.
+    located: Arc<Mutex<Option<std::time::Instant>>>,
 }
 
 impl std::fmt::Debug for CoordinatorLink {
@@ -52,7 +54,15 @@ impl CoordinatorLink {
         rotated: Arc<Mutex<Option<quinn::ClientConfig>>>,
         quorum: Option<Arc<Quorum>>,
     ) -> Self {
-        CoordinatorLink { given, cluster, endpoint, rotated, quorum, processes: Arc::new(Mutex::new(Vec::new())) }
+        CoordinatorLink {
+            given,
+            cluster,
+            endpoint,
+            rotated,
+            quorum,
+            processes: Arc::new(Mutex::new(Vec::new())),
+            located: Arc::new(Mutex::new(None)),
+        }
     }
 
     /// Where the coordinator is as this process knows it: its address and the shard process serving it.
@@ -146,6 +156,19 @@ impl CoordinatorLink {
     /// configuration the coordinator never moves: false.)
     pub async fn locate(&self) -> bool {
         self.locate_heard().await.0
+    }
+
+    /// [`CoordinatorLink::locate`] at most once a second (for what a peer's request makes this process ask:
+    /// a peer must not make it ask the whole cluster per request); false when it did not ask.
+    pub async fn locate_rarely(&self) -> bool {
+        {
+            let Ok(mut last) = self.located.lock() else { return false };
+            if last.is_some_and(|t| t.elapsed() < Duration::from_secs(1)) {
+                return false;
+            }
+            *last = Some(std::time::Instant::now());
+        }
+        self.locate().await
     }
 
     /// [`CoordinatorLink::locate`], and whether any process answered at all.

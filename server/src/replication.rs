@@ -181,6 +181,11 @@ impl Log {
         let (copy, _) = inner.copies.entry(backup).or_default();
         copy.bytes_sent += piece;
         (copy.copying_sent, copy.copying_total) = if sent >= total { (0, 0) } else { (sent, total) };
+        self.copies_changed(&inner);
+    }
+
+    /// Publishes the bytes of copies under way not sent yet.
+    fn copies_changed(&self, inner: &LogInner) {
         let left: u64 = inner.copies.values().map(|(c, _)| c.copying_total.saturating_sub(c.copying_sent)).sum();
         self.metrics.copy_left.set(left as f64);
     }
@@ -333,6 +338,10 @@ impl Log {
     pub fn reset(&self) {
         let mut inner = self.lock();
         inner.followers.clear();
+        for (copy, _) in inner.copies.values_mut() {
+            (copy.copying_sent, copy.copying_total) = (0, 0);
+        }
+        self.copies_changed(&inner);
         self.settle(&mut inner);
     }
 
@@ -346,6 +355,7 @@ impl Log {
         if let Some((copy, _)) = inner.copies.get_mut(&backup) {
             (copy.copying_sent, copy.copying_total) = (0, 0);
         }
+        self.copies_changed(&inner);
         self.settle(&mut inner);
     }
 

@@ -397,7 +397,7 @@ pub(super) async fn serve_request(
             // have missed a configuration chosen since (the news goes out once); it asks, then judges again.
             let order = matches!(frame.msg, Message::CheckpointRequest(_) | Message::Rollback(_));
             if allowed.is_err() && order && shared.quorum.is_some() && matches!(peer.identity.role, Role::Shard(_)) {
-                shared.link.locate().await;
+                shared.link.locate_rarely().await;
                 allowed = crate::auth::authorize(&frame.msg, &peer.identity, bound, &coordinator);
             }
             let handled = if let Err(reason) = allowed {

@@ -125,9 +125,15 @@ pub(super) async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<T
             // The processes the restored tables list, and the one `--coordinator` named.
             let mut peers = core.process_addrs();
             peers.extend(asked.clone().filter(|(p, _)| !peers.iter().any(|(q, _)| q == p)));
-            let hinted = cfg.coordinator.is_some();
-            settle_coordinator_restart(&endpoint, &own.cluster, q, (peers, hinted), &advertise, cfg.join_timeout)
-                .await?;
+            settle_coordinator_restart(
+                &endpoint,
+                &own.cluster,
+                q,
+                (peers, asked.is_some()),
+                &advertise,
+                cfg.join_timeout,
+            )
+            .await?;
         }
     }
     let moved_coordinator = quorum.as_ref().map(|q| q.chosen()).filter(|c| c.version > 0 && c.serving != process);
@@ -370,7 +376,7 @@ pub(super) async fn settle_coordinator_restart(
     endpoint: &quinn::Endpoint,
     cluster: &str,
     quorum: &Arc<crate::quorum::Quorum>,
-    (processes, hinted): (Vec<(u32, String)>, bool),
+    (processes, answered): (Vec<(u32, String)>, bool),
     advertise: &str,
     timeout: Duration,
 ) -> Result<()> {
@@ -380,12 +386,6 @@ pub(super) async fn settle_coordinator_restart(
     if peers.is_empty() {
         if started.serving != me {
             // The caller joins the process serving it.
-            return Ok(());
-        }
-        if hinted {
-            // The process `--coordinator` named did not answer and no other is known (no checkpoint with
-            // the coordinator's tables): the cluster is starting again as a whole.
-            warn!("no other shard process answers: serving shard 0 from this process's own state");
             return Ok(());
         }
         bail!(
@@ -404,7 +404,8 @@ pub(super) async fn settle_coordinator_restart(
     link.remember(peers.clone());
     let deadline = Instant::now() + timeout;
     let (mut said, began) = (false, Instant::now());
-    let mut heard_any = false;
+    // The process `--coordinator` named answering counts: the cluster is not starting again as a whole.
+    let mut heard_any = answered;
     loop {
         heard_any |= link.locate_heard().await.1;
         // No other shard process answers at all: the cluster is starting again as a whole (they wait to join
@@ -462,7 +463,7 @@ pub(super) async fn settle_coordinator_restart(
 
 /// How long a restarted process 0 waits for any other shard process to answer before it takes the cluster
 /// to be starting again as a whole ([`settle_coordinator_restart`]).
-const RESTART_QUIET: Duration = Duration::from_secs(5);
+const RESTART_QUIET: Duration = Duration::from_secs(10);
 
 /// Asks the shard process at `addr` where the coordinator is and adopts its answer if it is newer than what
 /// `quorum` knows (a process that restarts after shard 0 was taken over learns so; within 5 s, else it goes
@@ -540,12 +541,13 @@ pub(super) async fn join_coordinator(
                 let q = quorum.expect("checked above");
                 learn_where_the_coordinator_is(endpoint, &coordinator, cluster, q).await;
                 let now = q.chosen();
-                if (now.addr.as_str(), now.serving) == (coordinator.as_str(), serving) {
-                    bail!("the coordinator at {coordinator} no longer serves shard 0 and says nothing newer");
+                if (now.addr.as_str(), now.serving) != (coordinator.as_str(), serving) {
+                    info!(from = %coordinator, to = %now.addr, serving = now.serving, "the coordinator moved: joining there");
+                    (coordinator, serving, redirects) = (now.addr, now.serving, redirects + 1);
+                    continue;
                 }
-                info!(from = %coordinator, to = %now.addr, serving = now.serving, "the coordinator moved: joining there");
-                (coordinator, serving, redirects) = (now.addr, now.serving, redirects + 1);
-                continue;
+                // A takeover under way: nothing newer is known yet; tried again until the join timeout.
+                format!("the coordinator at {coordinator} no longer serves shard 0 and says nothing newer yet")
             }
             Err(e @ (RpcError::Remote { .. } | RpcError::Identity { .. })) => {
                 bail!("the coordinator refused this shard: {e}")
