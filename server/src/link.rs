@@ -9,12 +9,11 @@
 //! before it tries once more.
 
 use crate::quorum::Quorum;
-use gaps_common::quorum::CoordinatorConfig;
-use gaps_common::wire::{CoordinatorWhere, ErrorCode, Frame, Limits, Message, Register, Role, PROTOCOL_VERSION};
+use gaps_common::wire::{ErrorCode, Frame, Limits, Message, Register, Role, PROTOCOL_VERSION};
 use gaps_transport::net::{self, RpcError};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tracing::{debug, info};
+use tracing::info;
 
 /// How long one process is given to say where the coordinator is.
 const WHERE_WAIT: Duration = Duration::from_millis(1500);
@@ -104,6 +103,13 @@ impl CoordinatorLink {
         reply
     }
 
+    /// Whether shard process `process` at `addr` answers a stats request on a new connection within `within`
+    /// (a probe before a takeover: a primary that answers is not taken over).
+    pub async fn answers(&self, addr: &str, process: u32, within: Duration) -> bool {
+        let probe = Message::StatsRequest(gaps_common::wire::StatsRequest);
+        matches!(tokio::time::timeout(within, self.call_at(addr, process, &probe, within)).await, Ok(Ok(_)))
+    }
+
     /// One request to the coordinator on a connection of its own. Where a majority chooses shard 0's
     /// configuration, a coordinator that does not answer (or answers that it no longer serves shard 0) is
     /// looked for anew among the shard processes, and the request goes once more if it moved.
@@ -178,7 +184,8 @@ impl CoordinatorLink {
         let peers: Vec<(u32, String)> = self.processes().into_iter().filter(|(p, _)| *p != quorum.process()).collect();
         // With this process's own answer, a majority of the processes is in once half of them answered.
         let enough = (quorum.processes() as usize / 2).max(1);
-        let newest = newest_configuration(self, &peers, enough).await;
+        let config = self.rotated.lock().ok().and_then(|c| c.clone());
+        let newest = net::newest_coordinator(&self.endpoint, config, &self.cluster, &peers, (enough, WHERE_WAIT)).await;
         let heard = newest.is_some();
         let Some(newest) = newest.filter(|c| c.version > before.version) else { return (false, heard) };
         quorum.learn(&newest).await;
@@ -194,46 +201,4 @@ impl CoordinatorLink {
 /// Whether `e` is a shard's answer that another process serves it now.
 pub fn is_moved(e: &RpcError) -> bool {
     matches!(e, RpcError::Remote { code: ErrorCode::Moved, .. })
-}
-
-/// The newest configuration of shard 0 that `peers` (process, address) know chosen, asked of all at once
-/// (each within [`WHERE_WAIT`]): in once `enough` answered (a dead process is not waited for) or none is
-/// left to.
-async fn newest_configuration(
-    link: &CoordinatorLink,
-    peers: &[(u32, String)],
-    enough: usize,
-) -> Option<CoordinatorConfig> {
-    let mut tasks = tokio::task::JoinSet::new();
-    for (process, addr) in peers.iter().cloned() {
-        let link = link.clone();
-        tasks.spawn(async move {
-            let ask = Message::CoordinatorWhere(CoordinatorWhere { known: 0 });
-            match tokio::time::timeout(WHERE_WAIT, link.call_at(&addr, process, &ask, WHERE_WAIT)).await {
-                Ok(Ok(Frame { msg: Message::ConfigChosen(c), .. })) => Some(c),
-                Ok(Ok(other)) => {
-                    debug!(process, kind = net::kind_name(&other.msg), "an odd answer to where the coordinator is");
-                    None
-                }
-                Ok(Err(e)) => {
-                    debug!(process, %addr, error = %e, "no answer to where the coordinator is");
-                    None
-                }
-                Err(_) => None,
-            }
-        });
-    }
-    let (mut newest, mut answers): (Option<CoordinatorConfig>, usize) = (None, 0);
-    while let Some(joined) = tasks.join_next().await {
-        if let Ok(Some(c)) = joined {
-            answers += 1;
-            if newest.as_ref().is_none_or(|n| c.version > n.version) {
-                newest = Some(c);
-            }
-            if answers >= enough {
-                break;
-            }
-        }
-    }
-    newest
 }

@@ -311,6 +311,29 @@ impl Quorum {
     }
 }
 
+impl Quorum {
+    /// Proposes that this process serve shard 0 at `addr` with no backup in sync — a backup in sync taking it
+    /// over, or the process serving it at a new address — to `peers` and this one: the configuration chosen
+    /// for that version, and whether it is exactly that.
+    pub async fn propose_serving(
+        self: &Arc<Self>,
+        addr: &str,
+        peers: &[(u32, String)],
+        link: &CoordinatorLink,
+    ) -> Result<(CoordinatorConfig, bool)> {
+        let me = self.process;
+        let want = |base: &CoordinatorConfig| CoordinatorConfig {
+            version: base.version.saturating_add(1),
+            serving: me,
+            addr: addr.to_string(),
+            in_sync: Vec::new(),
+        };
+        let chosen = self.propose(want, peers, link, PROPOSAL_WAIT).await?;
+        let mine = chosen.serving == me && chosen.addr == addr;
+        Ok((chosen, mine))
+    }
+}
+
 /// How long one proposal of shard 0's backups waits for a majority of the shard processes.
 const PROPOSAL_WAIT: Duration = Duration::from_secs(5);
 

@@ -182,18 +182,21 @@ async fn start_failing_over(
     coordinator: Option<String>,
     mode: Mode,
 ) -> RunningServer {
-    start_failing_over_of(certs, (shard, 2), coordinator, mode).await
+    start_failing_over_of(certs, (shard, 2), coordinator, mode, None).await
 }
 
-/// [`start_failing_over`] for shard `shard` of `num_shards`.
+/// [`start_failing_over`] for shard `shard` of `num_shards`, keeping its state (its acceptor's among it) in
+/// `dir` where given.
 async fn start_failing_over_of(
     certs: &ClusterCerts,
     (shard, num_shards): (u32, u32),
     coordinator: Option<String>,
     mode: Mode,
+    dir: Option<&std::path::Path>,
 ) -> RunningServer {
     let core = core_config_of(shard, num_shards, mode);
     let cfg = ServiceConfig {
+        checkpoint: dir.map(|d| service::CheckpointConfig { dir: d.to_path_buf(), every: None, keep: 2 }),
         coordinator,
         join_timeout: Duration::from_secs(20),
         tick_interval: Duration::from_millis(100),
@@ -232,12 +235,21 @@ async fn a_killed_primarys_backup_takes_over(mode: Mode) {
     let map = observer.map().clone();
     assert_eq!((map.shards[1].process, map.shards[1].epoch), (0, 1), "shard 1 served by process 0: {map:?}");
     let stats = observer.stats().await.expect("stats");
-    for (worker, by_shard) in &acked {
-        let held = stats[1].applied_by_worker.iter().find(|a| a.worker == *worker).map_or(0, |a| a.applied);
-        assert_eq!(held, by_shard[1], "worker {worker}: shard 1 holds exactly the pushes it acknowledged ({mode:?})");
-    }
-    assert_eq!(stats[1].pushes_applied_twice, 0);
+    holds_what_it_acknowledged(&stats, 1, &acked, mode);
     s0.shutdown().await.expect("shutdown");
+}
+
+/// Shard `shard`'s ledger holds, for each worker, exactly the pushes that worker saw it acknowledge (`acked`:
+/// worker id, acknowledged per shard), and none applied twice.
+fn holds_what_it_acknowledged(stats: &[gaps_common::wire::Stats], shard: usize, acked: &[(u32, Vec<u64>)], mode: Mode) {
+    for (worker, by_shard) in acked {
+        let held = stats[shard].applied_by_worker.iter().find(|a| a.worker == *worker).map_or(0, |a| a.applied);
+        assert_eq!(
+            held, by_shard[shard],
+            "worker {worker}: shard {shard} holds exactly what it acknowledged ({mode:?})"
+        );
+    }
+    assert_eq!(stats[shard].pushes_applied_twice, 0, "shard {shard} ({mode:?})");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -261,9 +273,9 @@ async fn in_gba_a_killed_primarys_backup_takes_over_and_loses_nothing() {
 /// acknowledged, none twice, and the other shards lost nothing either.
 async fn the_coordinators_backup_takes_over(mode: Mode) {
     let certs = ClusterCerts::generate(&[]).expect("certs");
-    let s0 = start_failing_over_of(&certs, (0, 3), None, mode).await;
-    let s1 = start_failing_over_of(&certs, (1, 3), Some(s0.advertise.clone()), mode).await;
-    let s2 = start_failing_over_of(&certs, (2, 3), Some(s0.advertise.clone()), mode).await;
+    let s0 = start_failing_over_of(&certs, (0, 3), None, mode, None).await;
+    let s1 = start_failing_over_of(&certs, (1, 3), Some(s0.advertise.clone()), mode, None).await;
+    let s2 = start_failing_over_of(&certs, (2, 3), Some(s0.advertise.clone()), mode, None).await;
     for _ in 0..400 {
         let counted = [&s0, &s1, &s2].iter().all(|s| s.live_backups() == 1);
         if counted && s2.shard0_config().is_some_and(|c| c.in_sync == [1]) {
@@ -293,14 +305,7 @@ async fn the_coordinators_backup_takes_over(mode: Mode) {
     assert_eq!((map.shards[0].process, map.shards[0].epoch), (1, 1), "shard 0 served by process 1: {map:?}");
     let stats = observer.stats().await.expect("stats");
     for shard in 0..3 {
-        for (worker, by_shard) in &acked {
-            let held = stats[shard].applied_by_worker.iter().find(|a| a.worker == *worker).map_or(0, |a| a.applied);
-            assert_eq!(
-                held, by_shard[shard],
-                "worker {worker}, shard {shard}: holds exactly what it acknowledged ({mode:?})"
-            );
-        }
-        assert_eq!(stats[shard].pushes_applied_twice, 0);
+        holds_what_it_acknowledged(&stats, shard, &acked, mode);
     }
     s1.shutdown().await.expect("shutdown");
     s2.shutdown().await.expect("shutdown");
@@ -325,20 +330,7 @@ async fn process_0_started_again_before_the_takeover_waits_for_it_and_comes_back
     let dir = std::env::temp_dir().join(format!("gaps-replication-restart-0-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let start = |shard: u32, coordinator: Option<String>| {
-        let cfg = ServiceConfig {
-            coordinator,
-            join_timeout: Duration::from_secs(30),
-            tick_interval: Duration::from_millis(100),
-            replicas: 2,
-            failover_after: Duration::from_millis(800),
-            checkpoint: Some(service::CheckpointConfig { dir: dir.clone(), every: None, keep: 2 }),
-            ..ServiceConfig::new(
-                "127.0.0.1:0".parse().expect("addr"),
-                certs.shard_material(shard).expect("tls"),
-                core_config_of(shard, 3, Mode::Async),
-            )
-        };
-        async move { service::start(cfg).await.expect("start shard") }
+        start_failing_over_of(&certs, (shard, 3), coordinator, Mode::Async, Some(dir.as_path()))
     };
     let s0 = start(0, None).await;
     let s1 = start(1, Some(s0.advertise.clone())).await;

@@ -544,6 +544,74 @@ pub fn expect_any_shard(conn: &quinn::Connection, cluster: &str) -> Result<u32, 
     }
 }
 
+/// Asks the shard process at `addr` where the coordinator is ([`Message::CoordinatorWhere`]), all within
+/// `wait`: the process that answered — its certificate must be a shard's of `cluster`, and process `expect`'s
+/// where given — and the configuration of shard 0 it knows chosen last. `config` replaces the endpoint's
+/// client configuration (after a certificate rotation).
+pub async fn coordinator_where(
+    endpoint: &quinn::Endpoint,
+    config: Option<quinn::ClientConfig>,
+    addr: &str,
+    (cluster, expect): (&str, Option<u32>),
+    wait: Duration,
+) -> Result<(u32, gaps_common::quorum::CoordinatorConfig), RpcError> {
+    let ask = async {
+        let target = resolve(addr).await?;
+        let conn = connect_with(endpoint, config, target, wait).await?;
+        let process = match expect {
+            Some(i) => expect_shard(&conn, cluster, i).map(|()| i)?,
+            None => expect_any_shard(&conn, cluster)?,
+        };
+        let msg = Message::CoordinatorWhere(wire::CoordinatorWhere { known: 0 });
+        let reply = call(&conn, &msg, &[], &Limits::default(), wait).await;
+        conn.close(0u32.into(), b"where");
+        match reply?.msg {
+            Message::ConfigChosen(c) => Ok((process, c)),
+            other => Err(RpcError::Unexpected { addr: addr.to_string(), kind: kind_name(&other).into() }),
+        }
+    };
+    match tokio::time::timeout(wait, ask).await {
+        Ok(answer) => answer,
+        Err(_) => Err(RpcError::Timeout { addr: addr.to_string(), timeout: wait }),
+    }
+}
+
+/// The newest configuration of shard 0 that the shard processes `peers` (process, address) know chosen:
+/// all asked at once ([`coordinator_where`], each within `wait`), in once `enough` answered (a dead process
+/// is not waited for) or none is left to; None when none answered.
+pub async fn newest_coordinator(
+    endpoint: &quinn::Endpoint,
+    config: Option<quinn::ClientConfig>,
+    cluster: &str,
+    peers: &[(u32, String)],
+    (enough, wait): (usize, Duration),
+) -> Option<gaps_common::quorum::CoordinatorConfig> {
+    let mut asks = tokio::task::JoinSet::new();
+    for (process, addr) in peers.iter().cloned() {
+        let (endpoint, config, cluster) = (endpoint.clone(), config.clone(), cluster.to_string());
+        asks.spawn(async move {
+            let answer = coordinator_where(&endpoint, config, &addr, (&cluster, Some(process)), wait).await;
+            if let Err(e) = &answer {
+                tracing::debug!(process, %addr, error = %e, "no answer to where the coordinator is");
+            }
+            answer.ok().map(|(_, c)| c)
+        });
+    }
+    let (mut newest, mut answers): (Option<gaps_common::quorum::CoordinatorConfig>, usize) = (None, 0);
+    while let Some(joined) = asks.join_next().await {
+        if let Ok(Some(c)) = joined {
+            answers += 1;
+            if newest.as_ref().is_none_or(|n| c.version > n.version) {
+                newest = Some(c);
+            }
+            if answers >= enough {
+                break;
+            }
+        }
+    }
+    newest
+}
+
 /// Tensor data owned elsewhere (a `Vec<f32>`, a slice of shared tensors) seen as little-endian bytes.
 struct F32Owner<T>(T);
 

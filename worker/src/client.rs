@@ -322,6 +322,11 @@ impl ShardLink {
         self.route.lock().map_or_else(|p| p.into_inner().clone(), |r| r.clone())
     }
 
+    /// The replica epoch of the route (read without copying the route: requests look at it while they wait).
+    fn epoch(&self) -> u64 {
+        self.route.lock().map_or_else(|p| p.into_inner().epoch, |r| r.epoch)
+    }
+
     /// Waits until no sparse push to this shard is in flight.
     async fn sparse_settled(&self) {
         loop {
@@ -432,18 +437,8 @@ async fn coordinator_named_by(
     cluster: &str,
     wait: Duration,
 ) -> Option<std::net::SocketAddr> {
-    let ask = async {
-        let conn = net::connect(endpoint, addr, wait).await?;
-        net::expect_any_shard(&conn, cluster)?;
-        let msg = Message::CoordinatorWhere(gaps_common::wire::CoordinatorWhere { known: 0 });
-        let reply = net::call(&conn, &msg, &[], &Limits::default(), wait).await;
-        conn.close(0u32.into(), b"where");
-        reply
-    };
-    match tokio::time::timeout(wait, ask).await {
-        Ok(Ok(Frame { msg: Message::ConfigChosen(c), .. })) => net::resolve(&c.addr).await.ok(),
-        _ => None,
-    }
+    let (_, c) = net::coordinator_where(endpoint, None, &addr.to_string(), (cluster, None), wait).await.ok()?;
+    net::resolve(&c.addr).await.ok()
 }
 
 /// A connected client. Cheap to clone; clones share connections and counters.
@@ -799,7 +794,7 @@ impl Client {
             // With copies of the shards, a request (or its connection) that waits long may wait for a dead
             // primary, whose connection only times out after seconds: the coordinator's map tells whether a
             // backup took the shard over, and the request goes there instead.
-            let route_epoch = self.inner.shards[shard].route().epoch;
+            let route_epoch = self.inner.shards[shard].epoch();
             let moved = async {
                 if self.inner.map.replicas < 2 || (shard == 0 && !self.coordinator_moves()) {
                     return std::future::pending().await;
@@ -808,7 +803,7 @@ impl Client {
                 // coordinator asked once the request waited MOVED_CHECK_AFTER.
                 let began = Instant::now();
                 loop {
-                    if self.inner.shards[shard].route().epoch != route_epoch {
+                    if self.inner.shards[shard].epoch() != route_epoch {
                         return;
                     }
                     if began.elapsed() < MOVED_CHECK_AFTER {
@@ -816,7 +811,7 @@ impl Client {
                         continue;
                     }
                     self.follow_map(shard).await;
-                    if self.inner.shards[shard].route().epoch != route_epoch {
+                    if self.inner.shards[shard].epoch() != route_epoch {
                         return;
                     }
                     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -936,7 +931,7 @@ impl Client {
         let mut moved = false;
         for s in &map.shards {
             let Some(link) = self.inner.shards.get(s.index as usize) else { continue };
-            if s.epoch <= link.route().epoch {
+            if s.epoch <= link.epoch() {
                 continue;
             }
             let Ok(addr) = net::resolve(&s.addr).await else { continue };
@@ -1035,40 +1030,9 @@ impl Client {
     async fn locate_coordinator(&self) -> Option<gaps_common::quorum::CoordinatorConfig> {
         let processes = self.inner.processes.lock().map(|p| p.clone()).unwrap_or_default();
         let rotated = self.inner.rotated.lock().ok()?.clone();
-        let wait = Duration::from_millis(1500);
-        let mut asks = tokio::task::JoinSet::new();
-        for (process, addr) in processes {
-            let (this, rotated) = (self.clone(), rotated.clone());
-            asks.spawn(async move {
-                let ask = async {
-                    let target = net::resolve(&addr).await?;
-                    let conn = net::connect_with(&this.inner.endpoint, rotated, target, wait).await?;
-                    net::expect_shard(&conn, &this.inner.cluster, process)?;
-                    let msg = Message::CoordinatorWhere(gaps_common::wire::CoordinatorWhere { known: 0 });
-                    let reply = net::call(&conn, &msg, &[], &this.inner.opts.limits, wait).await;
-                    conn.close(0u32.into(), b"where");
-                    reply
-                };
-                match tokio::time::timeout(wait, ask).await {
-                    Ok(Ok(Frame { msg: Message::ConfigChosen(c), .. })) => Some(c),
-                    _ => None,
-                }
-            });
-        }
         let majority = self.inner.map.num_shards as usize / 2 + 1;
-        let (mut newest, mut answers): (Option<gaps_common::quorum::CoordinatorConfig>, usize) = (None, 0);
-        while let Some(joined) = asks.join_next().await {
-            if let Ok(Some(c)) = joined {
-                answers += 1;
-                if newest.as_ref().is_none_or(|n| c.version > n.version) {
-                    newest = Some(c);
-                }
-                if answers >= majority {
-                    break;
-                }
-            }
-        }
-        newest
+        let wait = Duration::from_millis(1500);
+        net::newest_coordinator(&self.inner.endpoint, rotated, &self.inner.cluster, &processes, (majority, wait)).await
     }
 
     /// The coordinator's cluster map as it is now: who serves each shard under which replica epoch, the

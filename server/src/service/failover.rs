@@ -113,24 +113,13 @@ pub(super) async fn take_over_coordinator(
             base.in_sync
         );
     }
-    if base.serving != me {
-        let probe = Message::StatsRequest(gaps_common::wire::StatsRequest);
-        let answered =
-            tokio::time::timeout(PROBE_WAIT, link.call_at(&base.addr, base.serving, &probe, PROBE_WAIT)).await;
-        if let Ok(Ok(_)) = answered {
-            bail!("the coordinator at {} answers: it is not taken over", base.addr);
-        }
+    if base.serving != me && link.answers(&base.addr, base.serving, PROBE_WAIT).await {
+        bail!("the coordinator at {} answers: it is not taken over", base.addr);
     }
     let (endpoint, addr) = takeover_endpoint(shared, cfg)?;
     let peers: Vec<(u32, String)> = link.processes().into_iter().filter(|(p, _)| *p != me).collect();
-    let want = |base: &gaps_common::quorum::CoordinatorConfig| gaps_common::quorum::CoordinatorConfig {
-        version: base.version.saturating_add(1),
-        serving: me,
-        addr: addr.clone(),
-        in_sync: Vec::new(),
-    };
-    let chosen = quorum.propose(want, &peers, link, Duration::from_secs(5)).await?;
-    if (chosen.serving, chosen.addr.as_str()) != (me, addr.as_str()) {
+    let (chosen, mine) = quorum.propose_serving(&addr, &peers, link).await?;
+    if !mine {
         bail!(
             "shard 0's configuration {} was chosen otherwise: served by process {} at {}",
             chosen.version,

@@ -590,19 +590,12 @@ pub(super) async fn promote_refusal(shared: &Shared, msg: &Message) -> Option<Fr
         Ok(()) => rx.await.ok().flatten()?,
         Err(_) => return None,
     };
-    let probe = async {
-        let conn = shared.link.connect(&addr, process).await?;
-        let stats = Message::StatsRequest(gaps_common::wire::StatsRequest);
-        let reply = net::call(&conn, &stats, &[], &Limits::default(), PROBE_WAIT).await;
-        conn.close(0u32.into(), b"probe");
-        reply
-    };
-    match tokio::time::timeout(PROBE_WAIT, probe).await {
-        Ok(Ok(_)) => Some(Frame::new(Message::error(
+    match shared.link.answers(&addr, process, PROBE_WAIT).await {
+        true => Some(Frame::new(Message::error(
             ErrorCode::Misconfigured,
             format!("shard {shard}'s primary at {addr} answers: it is not taken over"),
         ))),
-        _ => {
+        false => {
             // Where a majority chooses shard 0's backups, a probe that got no answer does not prove the
             // process dead: its shipping task stops waiting for it and proposes a configuration without it
             // at once (rather than after its ack timeout), and replies stop waiting once that is chosen.

@@ -426,14 +426,8 @@ pub(super) async fn settle_coordinator_restart(
             return Ok(());
         }
         if base.in_sync.is_empty() {
-            let want = |base: &gaps_common::quorum::CoordinatorConfig| gaps_common::quorum::CoordinatorConfig {
-                version: base.version.saturating_add(1),
-                serving: me,
-                addr: advertise.to_string(),
-                in_sync: Vec::new(),
-            };
-            match quorum.propose(want, &peers, &link, Duration::from_secs(5)).await {
-                Ok(c) if c.serving == me && c.addr == advertise => {
+            match quorum.propose_serving(advertise, &peers, &link).await {
+                Ok((c, true)) => {
                     info!(version = c.version, "serving shard 0 again, a majority of the shard processes chose so");
                     return Ok(());
                 }
@@ -474,34 +468,19 @@ pub(super) async fn learn_where_the_coordinator_is(
     cluster: &str,
     quorum: &Arc<crate::quorum::Quorum>,
 ) -> Option<(u32, String)> {
-    let ask = async {
-        let target = net::resolve(addr).await?;
-        let conn = net::connect(endpoint, target, Duration::from_secs(5)).await?;
-        let process = net::expect_any_shard(&conn, cluster)?;
-        let msg = Message::CoordinatorWhere(gaps_common::wire::CoordinatorWhere { known: 0 });
-        let reply = net::call(&conn, &msg, &[], &Limits::default(), Duration::from_secs(5)).await;
-        conn.close(0u32.into(), b"where");
-        reply.map(|r| (process, r))
-    };
-    match tokio::time::timeout(Duration::from_secs(5), ask).await {
-        Ok(Ok((process, Frame { msg: Message::ConfigChosen(c), .. }))) => {
+    match net::coordinator_where(endpoint, None, addr, (cluster, None), Duration::from_secs(5)).await {
+        Ok((process, c)) => {
             if c.version > quorum.chosen().version {
                 info!(version = c.version, serving = c.serving, addr = %c.addr, "learned where the coordinator is now");
             }
             quorum.learn(&c).await;
-            return Some((process, addr.to_string()));
+            Some((process, addr.to_string()))
         }
-        Ok(Ok((_, other))) => {
-            warn!(%addr, kind = net::kind_name(&other.msg), "an odd answer to where the coordinator is")
-        }
-        Ok(Err(e)) => {
-            warn!(%addr, error = %e, "could not ask where the coordinator is; going on with what this process knows")
-        }
-        Err(_) => {
-            warn!(%addr, "no answer to where the coordinator is within 5 s; going on with what this process knows")
+        Err(e) => {
+            warn!(%addr, error = %e, "could not ask where the coordinator is; going on with what this process knows");
+            None
         }
     }
-    None
 }
 
 /// Joins the coordinator; returns the cluster's credential key it hands to shards. Where a majority moves
