@@ -799,7 +799,11 @@ pub(crate) struct Proc {
 
 impl Proc {
     pub(crate) fn log_tail(&self) -> String {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        Self::tail_of(&self.log)
+    }
+
+    fn tail_of(log: &Path) -> String {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
         // The error and its causes matter here, not a backtrace after them.
         let text = text.split("\nStack backtrace:").next().unwrap_or_default();
         let lines: Vec<&str> = text.lines().collect();
@@ -864,21 +868,37 @@ fn drain_worker_output(
 
 /// Reads a server's `listening` line: its address and the version it restored, if it restored.
 pub(crate) async fn listening_addr(p: &mut Proc, timeout: Duration) -> Result<(String, Option<u64>)> {
+    listening_reader(p, timeout)?.await.context("the listening line's reader")?
+}
+
+/// A server's address and the version it restored, if it restored.
+pub(crate) type Listened = (String, Option<u64>);
+
+/// [`listening_addr`] as a task of its own (a server started again may wait for others to start before it
+/// serves; nothing else waits for it meanwhile).
+pub(crate) fn listening_reader(
+    p: &mut Proc,
+    timeout: Duration,
+) -> Result<tokio::task::JoinHandle<Result<Listened>>> {
     let stdout = p.child.stdout.take().context("server stdout")?;
-    let mut lines = BufReader::new(stdout).lines();
-    let line = tokio::time::timeout(timeout, lines.next_line())
-        .await
-        .map_err(|_| anyhow!("{} did not report its address within {timeout:?}", p.name))?
-        .context("reading server output")?;
-    let Some(line) = line else {
-        bail!("{} exited before serving; its log ends with:\n{}", p.name, p.log_tail());
-    };
-    let v: gaps_server::cli::Listening = serde_json::from_str(&line)
-        .with_context(|| format!("{}'s first line is not its listening line: {line:?}", p.name))?;
-    if v.event != gaps_server::cli::Listening::EVENT {
-        bail!("{}'s first line is a {:?} event, not its listening line", p.name, v.event);
-    }
-    Ok((v.addr, v.restored_version))
+    let (name, log) = (p.name.clone(), p.log.clone());
+    Ok(tokio::spawn(async move {
+        let mut lines = BufReader::new(stdout).lines();
+        let line = tokio::time::timeout(timeout, lines.next_line())
+            .await
+            .map_err(|_| anyhow!("{name} did not report its address within {timeout:?}"))?
+            .context("reading server output")?;
+        let Some(line) = line else {
+            let tail = Proc::tail_of(&log);
+            bail!("{name} exited before serving; its log ends with:\n{tail}");
+        };
+        let v: gaps_server::cli::Listening = serde_json::from_str(&line)
+            .with_context(|| format!("{name}'s first line is not its listening line: {line:?}"))?;
+        if v.event != gaps_server::cli::Listening::EVENT {
+            bail!("{name}'s first line is a {:?} event, not its listening line", v.event);
+        }
+        Ok((v.addr, v.restored_version))
+    }))
 }
 
 /// Checkpoint manifests present now, as (shard folder, file name).
@@ -1180,6 +1200,9 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
         let mut failover_watches: Vec<tokio::task::JoinHandle<Option<f64>>> = Vec::new();
         let mut shard_restarts_due: Vec<Kill> = args.restart_shards.clone();
         let (mut shard_restarts, mut restored_version) = (0u32, 0u64);
+        let mut restarts_of: std::collections::BTreeMap<usize, u32> = std::collections::BTreeMap::new();
+        // The listening lines of the servers started again, read as they come.
+        let mut restart_reports = Vec::new();
         let mut checkpoints_seen = std::collections::BTreeSet::new();
         let mut timeline: Vec<(f64, f64, f64)> = Vec::new();
         loop {
@@ -1187,8 +1210,8 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             if let Some(d) = &checkpoint_dir {
                 checkpoints_seen.extend(checkpoint_files(d));
             }
-            // With copies, a kill waits until every shard's backups count (a copy still catching up could not
-            // take over: the run would not test a fail-over); bounded by a minute.
+            // With copies, kills wait until every shard's backups count (a copy still catching up could not
+            // take over: the run would not test a fail-over); bounded by a minute from the start.
             let kills_due = shard_kills.iter().any(|k| k.at <= since);
             if kills_due && args.replicas > 1 && !copies_ready {
                 let map = tokio::time::timeout(Duration::from_secs(1), observer.current_map()).await;
@@ -1231,6 +1254,8 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             for k in &kills_now {
                 kill_delay.insert(k.index, since.saturating_sub(k.at));
             }
+            // The next kills wait for the copies to count again.
+            copies_ready &= kills_now.is_empty();
             shard_kills.retain(|k| !kills_now.contains(k));
             // A shard is started again only once it was killed.
             let restarts_now: Vec<Kill> = shard_restarts_due
@@ -1241,6 +1266,9 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
                 })
                 .cloned()
                 .collect();
+            // Every restart due now starts before any is waited for: a whole cluster started again settles who
+            // serves shard 0 among its processes before they serve.
+            let mut restarted = Vec::new();
             for k in &restarts_now {
                 let i = k.index as usize;
                 let addr = addrs[i].clone();
@@ -1252,15 +1280,21 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
                     0 => None,
                     _ => Some(coordinator.as_str()),
                 };
-                let mut p = spawn_role(
+                let p = spawn_role(
                     exe,
                     args.server_bin.as_deref(),
-                    &format!("shard-{i}-restart"),
+                    // A shard started again more than once keeps each life's log.
+                    &match restarts_of.entry(i).and_modify(|n| *n += 1).or_insert(1) {
+                        1 => format!("shard-{i}-restart"),
+                        n => format!("shard-{i}-restart-{n}"),
+                    },
                     &server_args(i as u32, coordinator_arg, &addr),
                     dir,
                 )?;
-                let (_, restored) = listening_addr(&mut p, Duration::from_secs(30)).await?;
-                restored_version = restored_version.max(restored.unwrap_or(0));
+                restarted.push((i, p));
+            }
+            for (i, mut p) in restarted {
+                restart_reports.push(listening_reader(&mut p, Duration::from_secs(30))?);
                 shard_restarts += 1;
                 servers[i] = p;
             }
@@ -1300,11 +1334,23 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
                     outputs[i] = Some(text.with_context(|| format!("reading {}'s output", p.name))?);
                 }
             }
+            // A server started again that does not come up fails the run.
+            let mut pending = Vec::new();
+            for report in restart_reports.drain(..) {
+                if !report.is_finished() {
+                    pending.push(report);
+                    continue;
+                }
+                let (_, restored) = report.await.context("the listening line's reader")??;
+                restored_version = restored_version.max(restored.unwrap_or(0));
+            }
+            restart_reports = pending;
             if outputs.iter().all(Option::is_some)
                 && kills.is_empty()
                 && adds.is_empty()
                 && shard_kills.is_empty()
                 && shard_restarts_due.is_empty()
+                && restart_reports.is_empty()
             {
                 break;
             }

@@ -981,14 +981,16 @@ fn a_killed_replicated_shard_is_taken_over_and_the_summary_says_so() {
     assert_eq!(v["pushes_applied"], v["pushes_acknowledged"], "{v}");
 }
 
-/// Every shard process of a replicated cluster killed at once and started again (every copy lost): the
-/// processes do not wait for each other forever — process 0 finds no other answering, serves from its
-/// checkpoint, the others join it — and training finishes from the shards' checkpoints, nothing applied
-/// twice. (Async: each shard restores its own checkpoint. The same in sync, through the cluster rollback,
-/// failed once under CI's load — a worker waited 15 s for a step after three rollbacks — and is not
-/// asserted here yet.)
+/// Shards taken over, then every shard process of the replicated cluster killed at once and started again
+/// (every copy lost): process 1, which took shard 0 over, serves it again from its checkpoint at a new address
+/// once a majority of the starting processes chose so (each says it holds no copy); process 0, which took
+/// shard 2 over after process 2 was killed and started again at once (process 2 then waited for it as a
+/// spare), has shard 2 granted back and serves it again; processes 0 and 2 come back as spares. Training
+/// finishes from the checkpoints, nothing applied twice. (Async: each shard restores its own checkpoint; the
+/// same in sync went through the cluster rollback in every sitting here, but a whole-cluster restart in sync
+/// failed once under CI's load, so it is not asserted yet.)
 #[test]
-fn a_replicated_cluster_killed_whole_starts_again_from_its_checkpoints() {
+fn a_replicated_cluster_killed_whole_after_takeovers_serves_them_again_from_its_checkpoints() {
     let v = run_local(&[
         "local",
         "--model",
@@ -998,7 +1000,7 @@ fn a_replicated_cluster_killed_whole_starts_again_from_its_checkpoints() {
         "--workers",
         "2",
         "--steps",
-        "200",
+        "800",
         "--replicas",
         "2",
         "--mode",
@@ -1006,17 +1008,21 @@ fn a_replicated_cluster_killed_whole_starts_again_from_its_checkpoints() {
         "--checkpoint-every",
         "300ms",
         "--kill-shard",
-        "0@1s,1@1s,2@1s",
+        "0@1s,2@4s,0@7.5s,1@7.5s,2@7.5s",
         "--restart-shard",
-        "0@1.5s,1@1.5s,2@1.5s",
+        "0@2.5s,2@4.1s,0@8s,1@8s,2@8s",
         "--json",
         "--timeout",
         "300s",
     ]);
-    assert_eq!(v["shard_restarts"], 3, "{v}");
-    assert_eq!(v["serving"], serde_json::json!([0, 1, 2]), "{v}");
+    assert_eq!(v["shard_restarts"], 5, "{v}");
+    assert_eq!(v["serving"], serde_json::json!([1, 1, 0]), "{v}");
+    // Process 1 may be listed too: joining before process 2 did, its shard still listed a backup in sync,
+    // so it waited as a spare and had shard 1 granted back on an endpoint of its own.
+    let spare = v["spare_processes"].as_array().expect("spare processes").clone();
+    assert!(spare.contains(&0.into()) && spare.contains(&2.into()), "{v}");
     assert_eq!(v["pushes_applied_twice"], 0, "{v}");
-    assert_eq!(v["steps"], 400, "{v}");
+    assert_eq!(v["steps"], 1600, "{v}");
 }
 
 /// The coordinator's process (shard 0) killed with SIGKILL: a majority of the other two chooses its backup,

@@ -23,7 +23,7 @@ use crate::quorum::{ConfigAccept, ConfigAccepted, ConfigPrepare, ConfigPromise, 
 use bincode::{Decode, Encode};
 
 /// Protocol version carried by registrations; a peer with another version is refused.
-pub const PROTOCOL_VERSION: u16 = 17;
+pub const PROTOCOL_VERSION: u16 = 18;
 /// Bytes before the header: the kind byte and the header length.
 pub const FRAME_PREFIX_LEN: usize = 5;
 /// Hard upper bound on an encoded header (also the bincode decode limit).
@@ -1106,12 +1106,27 @@ pub struct ReplicaEpoch {
 }
 
 /// Any peer's question to any shard process: where is the coordinator (shard 0) served now? Answered with
-/// [`Message::ConfigChosen`], the last configuration of shard 0 the process knows chosen (version 0, process
-/// 0 at the address the process was given, where a majority does not choose it). (Added in protocol 16.)
+/// [`Message::CoordinatorAt`]: the last configuration of shard 0 the process knows chosen (version 0, process
+/// 0 at the address the process was given, where a majority does not choose it), and the shards it holds
+/// copies of. (Added in protocol 16; the answer's copies in 18.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Encode, Decode)]
 pub struct CoordinatorWhere {
     /// The version of shard 0's configuration the asker knows (for the answerer's logs).
     pub known: u64,
+}
+
+/// A shard process's answer to [`Message::CoordinatorWhere`] (protocol 18): where it knows the coordinator
+/// to be, and which shards it holds a copy of in memory — none while it starts. A process serving shard 0
+/// that starts again takes this as proof that a backup of its last configuration holds nothing it lacks.
+#[derive(Debug, Clone, PartialEq, Eq, Encode, Decode)]
+pub struct CoordinatorAt {
+    /// The last configuration of shard 0 the process knows chosen.
+    pub config: CoordinatorConfig,
+    /// The shards whose copies the process holds (taken from their primaries since it started), sorted.
+    pub copies: Vec<u32>,
+    /// The process is starting: it answers only where the coordinator is and its part in choosing shard 0's
+    /// configuration.
+    pub starting: bool,
 }
 
 /// Every message of the protocol. The kind byte on the wire is [`Message::kind`].
@@ -1216,6 +1231,8 @@ pub enum Message {
     ConfigChosen(CoordinatorConfig),
     /// Where the coordinator is, asked of any shard process.
     CoordinatorWhere(CoordinatorWhere),
+    /// The answer to [`Message::CoordinatorWhere`].
+    CoordinatorAt(CoordinatorAt),
 }
 
 /// Defines `kind()`, header encoding and kind-directed decoding for every variant in one place.
@@ -1260,7 +1277,7 @@ message_kinds! {
     33 => TableScan, 34 => TableRows, 35 => TableLoad, 36 => TableLoaded,
     37 => ReplicaSnapshot, 38 => ReplicaAppend, 39 => ReplicaAck, 40 => ReplicaReport, 41 => Promote,
     42 => ReplicaEpoch, 43 => ConfigPrepare, 44 => ConfigPromise, 45 => ConfigAccept, 46 => ConfigAccepted,
-    47 => ConfigRefused, 48 => ConfigChosen, 49 => CoordinatorWhere,
+    47 => ConfigRefused, 48 => ConfigChosen, 49 => CoordinatorWhere, 50 => CoordinatorAt,
 }
 
 fn config() -> impl bincode::config::Config {
@@ -1789,6 +1806,11 @@ mod tests {
                 chosen: CoordinatorConfig { version: 3, serving: 1, addr: "h:2".into(), in_sync: vec![] },
             })),
             Frame::new(Message::CoordinatorWhere(CoordinatorWhere { known: 3 })),
+            Frame::new(Message::CoordinatorAt(CoordinatorAt {
+                config: CoordinatorConfig { version: 4, serving: 1, addr: "h:2".into(), in_sync: vec![2] },
+                copies: vec![0, 2],
+                starting: false,
+            })),
             Frame::new(Message::ConfigChosen(CoordinatorConfig {
                 version: 4,
                 serving: 1,

@@ -86,7 +86,21 @@ pub fn load_or_create_key(dir: &Path) -> Result<Token> {
             .map_err(|_| anyhow::anyhow!("{} is not a 32-byte key: delete it to make a new one", path.display()));
     }
     let key = random_key()?;
-    let tmp = dir.join("auth.key.tmp");
+    write_key(dir, &key)?;
+    Ok(key)
+}
+
+/// Keeps `key` as the cluster's credential key in `dir` (a process serving shard 0 that it took over: served
+/// again from this folder, it hands out the same key).
+pub fn keep_key(dir: &Path, key: &Token) -> Result<()> {
+    match std::fs::read(dir.join("auth.key")) {
+        Ok(bytes) if bytes == key.as_slice() => Ok(()),
+        _ => write_key(dir, key),
+    }
+}
+
+fn write_key(dir: &Path, key: &Token) -> Result<()> {
+    let (path, tmp) = (dir.join("auth.key"), dir.join("auth.key.tmp"));
     {
         use std::io::Write;
         let mut options = std::fs::OpenOptions::new();
@@ -94,10 +108,9 @@ pub fn load_or_create_key(dir: &Path) -> Result<Token> {
         #[cfg(unix)]
         std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
         let mut f = options.open(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
-        f.write_all(&key).and_then(|()| f.sync_all()).with_context(|| format!("writing {}", tmp.display()))?;
+        f.write_all(key).and_then(|()| f.sync_all()).with_context(|| format!("writing {}", tmp.display()))?;
     }
-    std::fs::rename(&tmp, &path).with_context(|| format!("renaming {}", tmp.display()))?;
-    Ok(key)
+    std::fs::rename(&tmp, &path).with_context(|| format!("renaming {}", tmp.display()))
 }
 
 /// The worker a request acts for, if it is one that must come from that worker.

@@ -880,6 +880,12 @@ impl Backups {
         self.replicas.iter().map(|(s, r)| (*s, r.lock().map_or(0, |r| r.applied))).collect()
     }
 
+    /// The shards whose copies here hold a snapshot (a copy busy applying holds one), sorted.
+    pub fn held(&self) -> Vec<u32> {
+        let holds = |r: &Mutex<Replica>| r.try_lock().map_or(true, |r| r.core.is_some() || r.incoming.is_some());
+        self.replicas.iter().filter(|(_, r)| holds(r)).map(|(s, _)| *s).collect()
+    }
+
     /// Reads the copy of `shard` (tests and reports): the last entry applied and the core.
     pub fn inspect<T>(&self, shard: u32, f: impl FnOnce(u64, Option<&ShardCore>) -> T) -> Option<T> {
         let r = self.replicas.get(&shard)?.lock().ok()?;

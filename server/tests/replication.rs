@@ -211,6 +211,13 @@ async fn start_failing_over_of(
 /// coordinator's process takes it over; every worker goes on, and the copy that took over holds every push
 /// that shard 1 acknowledged, none twice.
 async fn a_killed_primarys_backup_takes_over(mode: Mode) {
+    a_killed_primarys_backup_takes_over_with(mode, false).await;
+}
+
+/// [`a_killed_primarys_backup_takes_over`]; `again`: shard 1's process is started again at once, before
+/// its backup took over — it must not serve shard 1 from what it holds (nothing: its backup holds more) but
+/// join as a spare and leave the shard to that backup.
+async fn a_killed_primarys_backup_takes_over_with(mode: Mode, again: bool) {
     let certs = ClusterCerts::generate(&[]).expect("certs");
     let s0 = start_failing_over(&certs, 0, None, mode).await;
     let s1 = start_failing_over(&certs, 1, Some(s0.advertise.clone()), mode).await;
@@ -225,6 +232,10 @@ async fn a_killed_primarys_backup_takes_over(mode: Mode) {
     s1.hold_replication(true);
     tokio::time::sleep(Duration::from_millis(150)).await;
     s1.crash();
+    let restarted = match again {
+        true => Some(start_failing_over(&certs, 1, Some(s0.advertise.clone()), mode).await),
+        false => None,
+    };
     let mut acked = Vec::new();
     for t in tasks {
         acked.push(t.await.expect("a worker trained through the fail-over"));
@@ -234,9 +245,20 @@ async fn a_killed_primarys_backup_takes_over(mode: Mode) {
     let observer = Client::connect(o).await.expect("observer");
     let map = observer.map().clone();
     assert_eq!((map.shards[1].process, map.shards[1].epoch), (0, 1), "shard 1 served by process 0: {map:?}");
+    if again {
+        assert!(map.spare.iter().any(|s| s.index == 1), "process 1 came back as a spare: {map:?}");
+    }
     let stats = observer.stats().await.expect("stats");
     holds_what_it_acknowledged(&stats, 1, &acked, mode);
+    if let Some(s1) = restarted {
+        s1.shutdown().await.expect("shutdown");
+    }
     s0.shutdown().await.expect("shutdown");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_primary_started_again_before_its_backup_took_over_waits_for_it_and_loses_nothing() {
+    a_killed_primarys_backup_takes_over_with(Mode::Async, true).await;
 }
 
 /// Shard `shard`'s ledger holds, for each worker, exactly the pushes that worker saw it acknowledge (`acked`:
@@ -525,7 +547,11 @@ async fn coordinator_where(certs: &ClusterCerts, addr: &str) -> gaps_common::quo
     let ask = Message::CoordinatorWhere(CoordinatorWhere { known: 0 });
     let reply = net::call(&conn, &ask, &[], &Limits::default(), Duration::from_secs(5)).await.expect("an answer");
     match reply.msg {
-        Message::ConfigChosen(c) => c,
+        // A running process answers as running, with the copies it holds (process 1 holds shard 0's).
+        Message::CoordinatorAt(at) => {
+            assert!(!at.starting, "{at:?}");
+            at.config
+        }
         other => panic!("answered with {other:?}"),
     }
 }

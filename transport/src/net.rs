@@ -546,7 +546,7 @@ pub fn expect_any_shard(conn: &quinn::Connection, cluster: &str) -> Result<u32, 
 
 /// Asks the shard process at `addr` where the coordinator is ([`Message::CoordinatorWhere`]), all within
 /// `wait`: the process that answered — its certificate must be a shard's of `cluster`, and process `expect`'s
-/// where given — and the configuration of shard 0 it knows chosen last. `config` replaces the endpoint's
+/// where given — and its answer: the configuration of shard 0 it knows chosen last, the copies it holds. `config` replaces the endpoint's
 /// client configuration (after a certificate rotation).
 pub async fn coordinator_where(
     endpoint: &quinn::Endpoint,
@@ -554,7 +554,7 @@ pub async fn coordinator_where(
     addr: &str,
     (cluster, expect): (&str, Option<u32>),
     wait: Duration,
-) -> Result<(u32, gaps_common::quorum::CoordinatorConfig), RpcError> {
+) -> Result<(u32, wire::CoordinatorAt), RpcError> {
     let ask = async {
         let target = resolve(addr).await?;
         let conn = connect_with(endpoint, config, target, wait).await?;
@@ -566,7 +566,7 @@ pub async fn coordinator_where(
         let reply = call(&conn, &msg, &[], &Limits::default(), wait).await;
         conn.close(0u32.into(), b"where");
         match reply?.msg {
-            Message::ConfigChosen(c) => Ok((process, c)),
+            Message::CoordinatorAt(at) => Ok((process, at)),
             other => Err(RpcError::Unexpected { addr: addr.to_string(), kind: kind_name(&other).into() }),
         }
     };
@@ -594,7 +594,7 @@ pub async fn newest_coordinator(
             if let Err(e) = &answer {
                 tracing::debug!(process, %addr, error = %e, "no answer to where the coordinator is");
             }
-            answer.ok().map(|(_, c)| c)
+            answer.ok().map(|(_, at)| at.config)
         });
     }
     let (mut newest, mut answers): (Option<gaps_common::quorum::CoordinatorConfig>, usize) = (None, 0);
@@ -1162,6 +1162,7 @@ pub fn kind_name(msg: &Message) -> &'static str {
         Message::ConfigRefused(_) => "config-refused",
         Message::ConfigChosen(_) => "config-chosen",
         Message::CoordinatorWhere(_) => "coordinator-where",
+        Message::CoordinatorAt(_) => "coordinator-at",
     }
 }
 

@@ -437,7 +437,8 @@ async fn coordinator_named_by(
     cluster: &str,
     wait: Duration,
 ) -> Option<std::net::SocketAddr> {
-    let (_, c) = net::coordinator_where(endpoint, None, &addr.to_string(), (cluster, None), wait).await.ok()?;
+    let (_, at) = net::coordinator_where(endpoint, None, &addr.to_string(), (cluster, None), wait).await.ok()?;
+    let c = at.config;
     net::resolve(&c.addr).await.ok()
 }
 

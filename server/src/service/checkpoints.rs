@@ -115,6 +115,9 @@ pub(super) async fn take_checkpoint(
     Ok(Written { id, path, step })
 }
 
+/// How long the coordinator's checkpoint round waits to reach a shard.
+const PEER_CONNECT_WAIT: Duration = Duration::from_secs(2);
+
 /// Asks shard `peer` for checkpoint `id` at `at`.
 pub(super) async fn peer_checkpoint(
     endpoint: quinn::Endpoint,
@@ -126,7 +129,8 @@ pub(super) async fn peer_checkpoint(
 ) -> Result<ShardCheckpoint, CheckpointFailure> {
     let (index, addr) = (peer.index, peer.addr.as_str());
     let fail = |e: RpcError| CheckpointFailure::Other(anyhow!("shard {index} at {addr}: {e}"));
-    let conn = net::connect_with(&endpoint, config, net::resolve(addr).await.map_err(fail)?, Duration::from_secs(5))
+    // A dead shard holds up the round (and the next ones) no longer than a handshake's wait.
+    let conn = net::connect_with(&endpoint, config, net::resolve(addr).await.map_err(fail)?, PEER_CONNECT_WAIT)
         .await
         .map_err(fail)?;
     net::expect_shard(&conn, &cluster, peer.process).map_err(fail)?;

@@ -38,13 +38,7 @@ pub(super) async fn watch_primaries(
 /// A new endpoint on this process's IP (a free port) for a shard it takes over, and the address it is
 /// advertised at.
 fn takeover_endpoint(shared: &Shared, cfg: &ServiceConfig) -> Result<((quinn::Endpoint, net::PathTuning), String)> {
-    let (endpoint, path) = net::server_endpoint(SocketAddr::new(cfg.listen.ip(), 0), &cfg.tls)?;
-    let port = endpoint.local_addr().context("reading the bound address")?.port();
-    let addr = match shared.advertise.rsplit_once(':') {
-        Some((host, _)) => format!("{host}:{port}"),
-        None => bail!("this shard's address {} has no port", shared.advertise),
-    };
-    Ok(((endpoint, path), addr))
+    endpoint_beside(&shared.advertise, cfg)
 }
 
 /// Serves the copy of `shard` taken from `backups` (its core given as `core`) on `endpoint` at `addr` under
@@ -70,8 +64,9 @@ async fn serve_copy(
     c.health = None;
     let takeover = Takeover {
         core,
+        restored: None,
         process: shared.shard,
-        key: shared.credentials.raw(),
+        key: Some(shared.credentials.raw()),
         clock,
         epoch,
         applied,

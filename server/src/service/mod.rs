@@ -36,11 +36,14 @@ use tracing::{debug, error, info, warn, Instrument};
 mod actor;
 mod checkpoints;
 mod failover;
+mod restart;
 mod rpc;
+mod starting;
 mod startup;
 use actor::*;
 use checkpoints::*;
 use failover::*;
+use restart::*;
 use rpc::*;
 pub use startup::start;
 use startup::*;
@@ -258,6 +261,9 @@ struct Shared {
     last_checkpoint_ms: AtomicU64,
     /// Wakes checkpoints that wait for a step when the shard shuts down.
     stopping: tokio::sync::Notify,
+    /// On the coordinator: who serves which shard changed (a promotion, a shard joining), which a checkpoint
+    /// of its own makes durable at once ([`spawn_table_checkpoints`]).
+    tables_changed: tokio::sync::Notify,
     /// The shard's endpoint, also used to reach the other shards (the coordinator's cluster checkpoints).
     endpoint: quinn::Endpoint,
     started: Instant,

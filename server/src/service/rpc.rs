@@ -403,7 +403,10 @@ pub(super) async fn serve_request(
             let handled = if let Err(reason) = allowed {
                 Some((refuse_unauthorized(shared, peer, &reason), Vec::new(), Vec::new()))
             } else if let Message::CoordinatorWhere(_) = frame.msg {
-                Some((Frame::new(Message::ConfigChosen(coordinator_where(shared))), Vec::new(), Vec::new()))
+                let copies = shared.backups.as_ref().map_or_else(Vec::new, |b| b.held());
+                let at =
+                    gaps_common::wire::CoordinatorAt { config: coordinator_where(shared), copies, starting: false };
+                Some((Frame::new(Message::CoordinatorAt(at)), Vec::new(), Vec::new()))
             } else if crate::quorum::is_quorum_message(&frame.msg) {
                 // A fenced process still takes part in choosing shard 0's configuration.
                 let reply = match (&shared.quorum, &peer.identity.role) {
@@ -584,12 +587,17 @@ pub(super) async fn promote_refusal(shared: &Shared, msg: &Message) -> Option<Fr
     let (tx, rx) = oneshot::channel();
     let shard = p.shard;
     let ask = Command::Inspect(Box::new(move |core| {
-        let _ = tx.send(core.serving(shard));
+        let _ = tx.send(core.serving(shard).map(|serving| (core.serving_ended(shard), serving)));
     }));
-    let (addr, process, _) = match shared.send(ask).await {
+    let (ended, (addr, process, _)) = match shared.send(ask).await {
         Ok(()) => rx.await.ok().flatten()?,
         Err(_) => return None,
     };
+    // The process serving it asks itself (it started again), or joined again since it began serving it: its
+    // life that served the shard ended, and nothing is probed (its address answers for its new life).
+    if ended || process == p.process {
+        return None;
+    }
     match shared.link.answers(&addr, process, PROBE_WAIT).await {
         true => Some(Frame::new(Message::error(
             ErrorCode::Misconfigured,
@@ -681,8 +689,12 @@ pub(super) fn record(m: &ShardMetrics, request: RpcKind, reply: &Message) {
     }
 }
 
-/// A worker that left or whose lease expired no longer counts against its registrant's certificate.
+/// A worker that left or whose lease expired no longer counts against its registrant's certificate; a
+/// change of who serves which shard is checkpointed on the coordinator ([`Shared::tables_changed`]).
 pub(super) fn forget_registrations(shared: &Shared, events: &[CoreEvent]) {
+    if events.iter().any(|e| matches!(e, CoreEvent::ShardPromoted { .. } | CoreEvent::ShardJoined(_))) {
+        shared.tables_changed.notify_one();
+    }
     for e in events {
         if let CoreEvent::WorkerLeft(w) | CoreEvent::WorkerExpired(w) = e {
             if let Some((_, identity)) = shared.registrants.remove(w) {

@@ -8,14 +8,18 @@ pub async fn start(cfg: ServiceConfig) -> Result<RunningServer> {
     start_serving(cfg, None).await
 }
 
-/// A backup's copy of a shard that this process takes over (replicated shards): served with the process's
-/// own certificate on an endpoint of its own, bound before the coordinator was told its address.
+/// A shard this process serves beside its own on an endpoint of its own, bound before the coordinator (or a
+/// majority, for shard 0) was told its address: a backup's copy it takes over, or — the process served the
+/// shard when it stopped — the shard's newest checkpoint in this process's folder.
 pub(super) struct Takeover {
+    /// The copy taken over, or the shard restored from this process's checkpoint (`restored` says which).
     pub(super) core: ShardCore,
+    /// The checkpoint `core` was restored from (None: a copy).
+    pub(super) restored: Option<gaps_shard::core::CheckpointInfo>,
     /// This process's index.
     pub(super) process: u32,
-    /// The cluster's credential key (the workers' tokens stay valid).
-    pub(super) key: gaps_common::wire::Token,
+    /// The cluster's credential key (the workers' tokens stay valid; None: shard 0's own key file).
+    pub(super) key: Option<gaps_common::wire::Token>,
     /// The primary's clock at the copy's last entry: the copy's clock goes on from there.
     pub(super) clock: Duration,
     /// The replica epoch the coordinator granted.
@@ -51,11 +55,13 @@ pub(super) async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<T
             cfg.core.shard
         );
     }
-    let (taken_core, taken_key, taken_clock, bound, replica_epoch, taken_index, taken_quorum) = match takeover {
-        Some(t) => (Some(t.core), Some(t.key), Some(t.clock), Some(t.endpoint), t.epoch, t.applied, Some(t.quorum)),
+    let takes_over = takeover.is_some();
+    let (taken, taken_key, taken_clock, bound, replica_epoch, taken_index, taken_quorum) = match takeover {
+        Some(t) => {
+            (Some((t.core, t.restored)), t.key, Some(t.clock), Some(t.endpoint), t.epoch, t.applied, Some(t.quorum))
+        }
         None => (None, None, None, None, 0, 0, None),
     };
-    let taken_core_given = taken_core.is_some();
     let (endpoint, path) = match bound {
         Some(bound) => bound,
         None => net::server_endpoint(cfg.listen, &cfg.tls)?,
@@ -87,7 +93,10 @@ pub(super) async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<T
         Some(c) => Some(CheckpointStore::open(&c.dir, shard, c.keep)?),
         None => None,
     };
-    let (mut core, restored) = initial_core(&cfg, shard, store.as_ref(), taken_core)?;
+    let (mut core, restored) = match taken {
+        Some(taken) => taken,
+        None => initial_core(&cfg, shard, store.as_ref())?,
+    };
     let journal = set_up_dealer(&mut core, &cfg, shard, store.as_ref(), restored.is_some())?;
     // Pull replies go out as the core packs them (16-bit values converted straight from the parameters).
     core.set_packed_replies(true);
@@ -97,69 +106,72 @@ pub(super) async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<T
     // One acceptor per process: a shard taken over here shares the process's.
     let quorum = match taken_quorum {
         Some(q) => q,
-        None if crate::quorum::enabled(cfg.replicas, cfg.core.num_shards) => {
-            let dir = cfg.checkpoint.as_ref().map(|c| c.dir.as_path());
-            if dir.is_none() {
-                warn!(
-                    process,
-                    "no --checkpoint-dir: this process's part in choosing shard 0's configuration lives in memory \
-                     only (restarted during a choice, it could answer twice)"
-                );
-            }
-            Some(Arc::new(crate::quorum::Quorum::open(process, cfg.core.num_shards, &coordinator_addr, dir)?))
-        }
-        None => None,
+        None => open_quorum(&cfg, process, &coordinator_addr)?,
+    };
+    // While it starts, the process answers the others where it knows the coordinator to be (holding no copy)
+    // and takes part in choosing shard 0's configuration (a whole cluster starting again chooses so).
+    let answering = match (&quorum, takes_over) {
+        (Some(q), false) => Some(super::starting::Answering::start(endpoint.clone(), q.clone(), own.cluster.clone())),
+        _ => None,
     };
     // Where a majority chooses shard 0's configuration, the coordinator is where the last one this process
     // knows put it (the address given at start until a takeover) or, newer, the one the process at
     // `--coordinator` knows.
     let mut asked = None;
-    if let (Some(q), Some(ask), false) = (&quorum, &cfg.coordinator, taken_core_given) {
+    if let (Some(q), Some(ask), false) = (&quorum, &cfg.coordinator, takes_over) {
         asked = learn_where_the_coordinator_is(&endpoint, ask, &own.cluster, q).await;
     }
-    // Process 0 started again (restored, or its acceptor knows configurations chosen since the start) serves
-    // shard 0 only once a majority chose so; else it comes back as a spare.
-    if let (Some(q), 0, false) = (&quorum, shard, taken_core_given) {
-        if restored.is_some() || q.chosen().version > 0 {
+    // The process that served shard 0 when it stopped (process 0, or one that took it over) serves it again
+    // only once a majority chose so; else it comes back without it.
+    let mut coordinator_here = None;
+    if let (Some(q), false) = (&quorum, takes_over) {
+        let last = q.chosen();
+        if last.serving == process && (last.version > 0 || (shard == 0 && restored.is_some())) {
             report("asking the shard processes who serves shard 0");
-            // The processes the restored tables list, and the one `--coordinator` named.
-            let mut peers = core.process_addrs();
-            peers.extend(asked.clone().filter(|(p, _)| !peers.iter().any(|(q, _)| q == p)));
-            settle_coordinator_restart(
-                &endpoint,
-                &own.cluster,
-                q,
-                (peers, asked.is_some()),
-                &advertise,
-                cfg.join_timeout,
-            )
-            .await?;
+            let start = ServedShard0 { cfg: &cfg, own: &own, quorum: q, advertise: &advertise, asked: asked.clone() };
+            coordinator_here = start.settle(&endpoint, core.process_addrs()).await?;
         }
     }
-    let moved_coordinator = quorum.as_ref().map(|q| q.chosen()).filter(|c| c.version > 0 && c.serving != process);
+    let chosen = quorum.as_ref().map(|q| q.chosen()).filter(|c| c.version > 0);
     // A process whose shard was taken over while it was down comes back as a spare: it serves no shard
     // (its own answers `Moved`) and keeps copies of others, its old shard's among them.
     let mut spare = false;
+    let mut resume = Vec::new();
+    let join_at = match (&chosen, shard, takes_over) {
+        (_, _, true) => None,
+        // Process 0 joins another serving shard 0 as a spare.
+        (Some(c), 0, false) => (c.serving != 0).then(|| (c.addr.clone(), c.serving)),
+        (None, 0, false) => None,
+        (Some(c), _, false) => Some((c.addr.clone(), c.serving)),
+        (None, _, false) => {
+            Some((cfg.coordinator.clone().context("shards other than 0 need --coordinator (shard 0's address)")?, 0))
+        }
+    };
     let auth_key = if let Some(key) = taken_key {
         key
-    } else if shard != 0 || moved_coordinator.is_some() {
+    } else if let Some((coordinator, serving)) = join_at {
         report("joining the coordinator");
-        let (coordinator, serving) = match &moved_coordinator {
-            Some(c) => (c.addr.clone(), c.serving),
-            None => (cfg.coordinator.clone().context("shards other than 0 need --coordinator (shard 0's address)")?, 0),
-        };
-        let (key, served_elsewhere) = join_coordinator(
-            &endpoint,
-            (&coordinator, serving),
-            &own.cluster,
-            &mut core,
-            (cfg.join_timeout, quorum.as_ref()),
-        )
-        .await?;
+        let ask = (cfg.coordinator.as_deref(), quorum.as_ref());
+        let map =
+            join_coordinator(&endpoint, (&coordinator, serving), &own.cluster, &mut core, (cfg.join_timeout, ask))
+                .await?;
+        let key = map.auth_key.context("the coordinator sent no credential key")?;
+        let served_elsewhere = map.shards.iter().any(|s| s.index == shard && s.process != shard);
         if served_elsewhere && cfg.replicas < 2 {
             bail!("shard {shard} was taken over by another shard process while this one was down; start it with --replicas as the cluster's to keep copies");
         }
-        spare = served_elsewhere;
+        // Listed as a spare while its shard is still its own: a backup in sync holds more (it waits for it to
+        // take the shard over, or has it granted back where that backup started again too).
+        let waits = !served_elsewhere && map.spare.iter().any(|s| s.index == shard);
+        spare = served_elsewhere || waits;
+        // Shards this process served when it stopped (shard 0's is settled above): served again from its
+        // checkpoints once the coordinator grants it.
+        resume = map
+            .shards
+            .iter()
+            .filter(|s| s.process == process && (s.index != shard || waits) && s.index != 0)
+            .map(|s| (s.index, s.epoch))
+            .collect();
         key
     } else {
         // The coordinator's key outlives a restart with its checkpoints (the tokens it gave stay valid).
@@ -168,12 +180,16 @@ pub(super) async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<T
             None => crate::auth::random_key()?,
         }
     };
+    // A shard taken over or served again keeps the cluster's key in its folder (shard 0's, restored later).
+    if let (true, Some(store)) = (takes_over && shard == 0, &store) {
+        crate::auth::keep_key(store.dir(), &auth_key)?;
+    }
     let credentials = Credentials::new(auth_key, core.epoch());
     let widest = core.config().layout.tables.iter().map(|t| u64::from(t.dim)).max();
     let read_echo = core.needs_read();
     let mut max_payload_bytes = payload_limit(&core.config().layout, core.owned_elems() as u64, read_echo);
     let backups = match cfg.replicas {
-        _ if taken_core_given => None,
+        _ if takes_over => None,
         0 | 1 => None,
         r => {
             let mut shards = crate::replication::backed_up_by(shard, cfg.core.num_shards, r);
@@ -198,10 +214,17 @@ pub(super) async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<T
     };
     let log = (cfg.replicas > 1).then(|| Arc::new(Log::new(shard, cfg.inflight_bytes)));
     if let (true, Some(log)) = (spare, &log) {
-        warn!(
-            shard,
-            "this shard was taken over by another shard process while this one was down: serving none, keeping copies"
-        );
+        match resume.iter().any(|(s, _)| *s == shard) {
+            true => warn!(
+                shard,
+                "a backup in sync holds more of this shard than its checkpoint: serving none here, until it takes \
+                 the shard over (or the shard is granted back to this process, should that backup hold nothing)"
+            ),
+            false => warn!(
+                shard,
+                "this shard was taken over by another shard process while this one was down: serving none, keeping copies"
+            ),
+        }
         log.fence();
     }
     let limits = Limits { max_payload_bytes, ..Limits::default() };
@@ -273,6 +296,7 @@ pub(super) async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<T
         log_connections: LogLimiter::new(Duration::from_secs(1)),
         last_checkpoint_ms: AtomicU64::new(0),
         stopping: tokio::sync::Notify::new(),
+        tables_changed: tokio::sync::Notify::new(),
         next_checkpoint: AtomicU64::new(match &store {
             Some(s) => s.next_id()?.max(restored.as_ref().map_or(0, |r| r.id + 1)),
             None => 1,
@@ -293,11 +317,14 @@ pub(super) async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<T
         quorum: quorum.clone(),
         advertise: advertise.clone(),
         replicas: cfg.replicas,
-        taken_over: std::sync::Mutex::new(Vec::new()),
+        taken_over: std::sync::Mutex::new(coordinator_here.into_iter().collect()),
     });
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     if let Some(every) = cfg.checkpoint.as_ref().and_then(|c| c.every) {
         spawn_checkpoint_schedule(shared.clone(), every, shutdown_rx.clone());
+    }
+    if shard == 0 && cfg.replicas > 1 && shared.store.is_some() {
+        spawn_table_checkpoints(shared.clone(), shutdown_rx.clone());
     }
     if let (Some(info), true, false) = (&restored, cfg.core.modes.mode != gaps_shard::Mode::Async, spare) {
         // Consistent recovery: every shard goes back to one cluster checkpoint (async keeps the cheaper
@@ -337,9 +364,16 @@ pub(super) async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<T
             );
         }
     }
+    if !resume.is_empty() {
+        let resuming = resume_shards(shared.clone(), cfg.clone(), link.clone(), resume, shutdown_rx.clone());
+        tokio::spawn(resuming.instrument(tracing::info_span!("resume", process)));
+    }
     if shared.backups.is_some() {
         let watch = watch_primaries(shared.clone(), cfg.clone(), link, shutdown_rx.clone());
         tokio::spawn(watch.instrument(tracing::info_span!("takeover", process)));
+    }
+    if let Some(answering) = answering {
+        answering.stop().await;
     }
     let task = tokio::spawn(
         serve(endpoint, shared.clone(), shutdown_rx, cfg.tick_interval).instrument(tracing::info_span!("shard", shard)),
@@ -363,102 +397,6 @@ pub(super) fn payload_limit(layout: &gaps_common::Layout, owned: u64, read_echo:
     (owned_bytes * echo).max(sparse_bytes).clamp(4, gaps_common::wire::DEFAULT_MAX_PAYLOAD_BYTES)
 }
 
-/// Process 0 started again where a majority chooses shard 0's configuration: it must not serve shard 0 on
-/// its own say-so — a backup in sync may hold what it acknowledged since its checkpoint, or may have taken
-/// shard 0 over while it was down. It asks the shard processes its restored tables list (`processes`) for the newest
-/// configuration until one names another process serving shard 0 (it then joins that one as a spare), or
-/// names this one with no backup in sync — then it has a configuration that has it serve at `advertise`
-/// chosen (no backup held more than its checkpoint: what was acknowledged since is lost, as without
-/// copies). While backups in sync are listed it waits for one of them to take shard 0 over. Where no other
-/// process answers at all for [`RESTART_QUIET`], the whole cluster is starting again (the others wait to
-/// join this one): it serves from its own state, as before a majority chose. Fails after `timeout`.
-pub(super) async fn settle_coordinator_restart(
-    endpoint: &quinn::Endpoint,
-    cluster: &str,
-    quorum: &Arc<crate::quorum::Quorum>,
-    (processes, answered): (Vec<(u32, String)>, bool),
-    advertise: &str,
-    timeout: Duration,
-) -> Result<()> {
-    let me = quorum.process();
-    let peers: Vec<(u32, String)> = processes.into_iter().filter(|(p, _)| *p != me).collect();
-    let started = quorum.chosen();
-    if peers.is_empty() {
-        if started.serving != me {
-            // The caller joins the process serving it.
-            return Ok(());
-        }
-        bail!(
-            "shard 0's configuration moved on from the start (version {}) but this process knows no other shard              process to ask who serves shard 0 now (no checkpoint with the coordinator's tables): start it with              --coordinator naming any shard process",
-            started.version
-        );
-    }
-    let rotated = Arc::new(std::sync::Mutex::new(None));
-    let link = crate::link::CoordinatorLink::new(
-        advertise.to_string(),
-        cluster.to_string(),
-        endpoint.clone(),
-        rotated,
-        Some(quorum.clone()),
-    );
-    link.remember(peers.clone());
-    let deadline = Instant::now() + timeout;
-    let (mut said, began) = (false, Instant::now());
-    // The process `--coordinator` named answering counts: the cluster is not starting again as a whole.
-    let mut heard_any = answered;
-    loop {
-        heard_any |= link.locate_heard().await.1;
-        // No other shard process answers at all: the cluster is starting again as a whole (they wait to join
-        // this one) — or this one is cut off from them. Nobody holds more of shard 0 than this process's
-        // checkpoint then, and it serves from it as without a majority (a majority cut off from it that
-        // took shard 0 over is the risk this leaves; it is the same as before processes chose).
-        if !heard_any && began.elapsed() >= RESTART_QUIET {
-            warn!(
-                waited = ?RESTART_QUIET,
-                "no other shard process answers: serving shard 0 from this process's own state (the cluster is \
-                 starting again as a whole)"
-            );
-            return Ok(());
-        }
-        let base = quorum.chosen();
-        if base.serving != me {
-            info!(version = base.version, serving = base.serving, "another shard process serves shard 0 now");
-            return Ok(());
-        }
-        if base.in_sync.is_empty() {
-            match quorum.propose_serving(advertise, &peers, &link).await {
-                Ok((c, true)) => {
-                    info!(version = c.version, "serving shard 0 again, a majority of the shard processes chose so");
-                    return Ok(());
-                }
-                Ok(_) => continue,
-                Err(e) => {
-                    warn!(error = format!("{e:#}"), "could not have this process chosen to serve shard 0; trying again")
-                }
-            }
-        } else if !said {
-            info!(
-                in_sync = ?base.in_sync,
-                "shard 0's backups in sync hold what it acknowledged: waiting for one of them to take it over"
-            );
-            said = true;
-        }
-        if Instant::now() >= deadline {
-            bail!(
-                "within {timeout:?}, no majority of the shard processes chose who serves shard 0 now (last known:                  configuration {}, process {} with backups {:?} in sync)",
-                base.version,
-                base.serving,
-                base.in_sync
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
-}
-
-/// How long a restarted process 0 waits for any other shard process to answer before it takes the cluster
-/// to be starting again as a whole ([`settle_coordinator_restart`]).
-const RESTART_QUIET: Duration = Duration::from_secs(10);
-
 /// Asks the shard process at `addr` where the coordinator is and adopts its answer if it is newer than what
 /// `quorum` knows (a process that restarts after shard 0 was taken over learns so; within 5 s, else it goes
 /// on with what it knows). Returns the process that answered, with `addr`.
@@ -469,7 +407,8 @@ pub(super) async fn learn_where_the_coordinator_is(
     quorum: &Arc<crate::quorum::Quorum>,
 ) -> Option<(u32, String)> {
     match net::coordinator_where(endpoint, None, addr, (cluster, None), Duration::from_secs(5)).await {
-        Ok((process, c)) => {
+        Ok((process, at)) => {
+            let c = at.config;
             if c.version > quorum.chosen().version {
                 info!(version = c.version, serving = c.serving, addr = %c.addr, "learned where the coordinator is now");
             }
@@ -483,24 +422,37 @@ pub(super) async fn learn_where_the_coordinator_is(
     }
 }
 
-/// Joins the coordinator; returns the cluster's credential key it hands to shards. Where a majority moves
-/// the coordinator (`quorum`), a process that answers `Moved` (it no longer serves shard 0) is asked where
-/// the coordinator is now, and the join goes there (three times at most).
+/// Joins the coordinator at `coordinator` (served by shard process `serving`); returns its map (with the
+/// cluster's credential key). Where a majority moves the coordinator (`quorum`), a process that answers
+/// `Moved` (it no longer serves shard 0) is asked where the coordinator is now, and the join goes there;
+/// while the coordinator does not answer (a whole cluster starting again: a process serving shard 0 before
+/// may serve it at a new address), the process at `ask` (`--coordinator`) is asked where it is, at most once
+/// a second. A process still starting answers `Busy`: the join tries again until `timeout`.
 pub(super) async fn join_coordinator(
     endpoint: &quinn::Endpoint,
     (coordinator, serving): (&str, u32),
     cluster: &str,
     core: &mut ShardCore,
-    (timeout, quorum): (Duration, Option<&Arc<crate::quorum::Quorum>>),
-) -> Result<(gaps_common::wire::Token, bool)> {
+    (timeout, (ask, quorum)): (Duration, (Option<&str>, Option<&Arc<crate::quorum::Quorum>>)),
+) -> Result<gaps_common::wire::ClusterMap> {
     let started = Instant::now();
     let request = core.join_request();
     let limits = Limits::default();
     let (mut coordinator, mut serving, mut redirects) = (coordinator.to_string(), serving, 0);
+    let mut asked_at: Option<Instant> = None;
     loop {
+        // A configuration chosen meanwhile (every process is told) moves the coordinator.
+        if let Some(now) = quorum.map(|q| q.chosen()).filter(|c| c.version > 0) {
+            if (now.addr.as_str(), now.serving) != (coordinator.as_str(), serving) {
+                info!(from = %coordinator, to = %now.addr, serving = now.serving, "the coordinator is elsewhere now: joining there");
+                (coordinator, serving) = (now.addr, now.serving);
+            }
+        }
         let attempt = async {
             let addr = net::resolve(&coordinator).await?;
-            let conn = net::connect(endpoint, addr, Duration::from_secs(5)).await?;
+            // Where the coordinator can move, a dead address is given up sooner (asked anew, above).
+            let connect_wait = Duration::from_secs(if quorum.is_some() { 2 } else { 5 });
+            let conn = net::connect(endpoint, addr, connect_wait).await?;
             net::expect_shard(&conn, cluster, serving)?;
             let reply = net::call(&conn, &request, &[], &limits, Duration::from_secs(10)).await;
             conn.close(0u32.into(), b"joined");
@@ -509,11 +461,8 @@ pub(super) async fn join_coordinator(
         let last = match attempt.await {
             Ok(Frame { msg: Message::ClusterMap(map), .. }) => {
                 core.joined(&map).map_err(|e| anyhow!("joining the coordinator at {coordinator}: {e}"))?;
-                let key = map.auth_key.context("the coordinator sent no credential key")?;
                 info!(shard = core.config().shard, epoch = map.epoch, "joined the coordinator");
-                let own = core.config().shard;
-                let served_elsewhere = map.shards.iter().any(|s| s.index == own && s.process != own);
-                return Ok((key, served_elsewhere));
+                return Ok(map);
             }
             Ok(other) => bail!("the coordinator at {coordinator} answered with {}", net::kind_name(&other.msg)),
             Err(RpcError::Remote { code: ErrorCode::Moved, .. }) if quorum.is_some() && redirects < 3 => {
@@ -528,10 +477,20 @@ pub(super) async fn join_coordinator(
                 // A takeover under way: nothing newer is known yet; tried again until the join timeout.
                 format!("the coordinator at {coordinator} no longer serves shard 0 and says nothing newer yet")
             }
+            // A shard process that is starting answers nothing else yet.
+            Err(RpcError::Remote { code: ErrorCode::Busy, message, .. }) => message,
             Err(e @ (RpcError::Remote { .. } | RpcError::Identity { .. })) => {
                 bail!("the coordinator refused this shard: {e}")
             }
-            Err(e) => e.to_string(),
+            Err(e) => {
+                if let (Some(q), Some(ask)) = (quorum, ask) {
+                    if asked_at.is_none_or(|t| t.elapsed() >= Duration::from_secs(1)) {
+                        asked_at = Some(Instant::now());
+                        learn_where_the_coordinator_is(endpoint, ask, cluster, q).await;
+                    }
+                }
+                e.to_string()
+            }
         };
         if started.elapsed() >= timeout {
             bail!("could not reach the coordinator at {coordinator} within {timeout:?}: {last}");
@@ -541,31 +500,44 @@ pub(super) async fn join_coordinator(
     }
 }
 
-/// The core a shard starts with: a copy taken over, the checkpoint `--restore` names (or the newest in the
-/// store), or a fresh one.
+/// This process's part in choosing shard 0's configuration, where a majority chooses it: its acceptor as its
+/// folder kept it, or one that knows the start (process 0 serving shard 0 at `coordinator`).
+fn open_quorum(cfg: &ServiceConfig, process: u32, coordinator: &str) -> Result<Option<Arc<crate::quorum::Quorum>>> {
+    if !crate::quorum::enabled(cfg.replicas, cfg.core.num_shards) {
+        return Ok(None);
+    }
+    let dir = cfg.checkpoint.as_ref().map(|c| c.dir.as_path());
+    if dir.is_none() {
+        warn!(
+            process,
+            "no --checkpoint-dir: this process's part in choosing shard 0's configuration lives in memory only \
+             (restarted during a choice, it could answer twice)"
+        );
+    }
+    Ok(Some(Arc::new(crate::quorum::Quorum::open(process, cfg.core.num_shards, coordinator, dir)?)))
+}
+
+/// The core a shard starts with: the checkpoint `--restore` names (or the newest in the store), or a fresh
+/// one.
 pub(super) fn initial_core(
     cfg: &ServiceConfig,
     shard: u32,
     store: Option<&CheckpointStore>,
-    taken_core: Option<ShardCore>,
 ) -> Result<(ShardCore, Option<gaps_shard::core::CheckpointInfo>)> {
     let snapshot = match (&cfg.restore, store) {
         (Restore::Never, _) | (Restore::Auto, None) => None,
         (Restore::Auto, Some(store)) => store.latest()?.map(|found| (found.path, found.bytes)),
         (Restore::Path(path), _) => Some((path.clone(), crate::checkpoint::load_path(path)?)),
     };
-    Ok(match (taken_core, snapshot) {
-        (Some(core), _) => (core, None),
-        (None, Some((path, bytes))) => {
+    Ok(match snapshot {
+        Some((path, bytes)) => {
             let (core, info) = ShardCore::checkpoint_info(&bytes)
                 .and_then(|info| ShardCore::restore(cfg.core.clone(), &bytes).map(|core| (core, info)))
                 .map_err(|e| anyhow!("restoring shard {shard} from {}: {e}", path.display()))?;
             info!(shard, checkpoint = info.id, path = %path.display(), versions = ?info.tensor_versions, "restored");
             (core, Some(info))
         }
-        (None, None) => {
-            (ShardCore::new(cfg.core.clone()).map_err(|e| anyhow!("configuring shard {shard}: {e}"))?, None)
-        }
+        None => (ShardCore::new(cfg.core.clone()).map_err(|e| anyhow!("configuring shard {shard}: {e}"))?, None),
     })
 }
 
@@ -699,6 +671,27 @@ pub(super) fn spawn_checkpoint_schedule(shared: Arc<Shared>, every: Duration, mu
                     ),
                     Err(e) => warn!(shard = shared.shard, error = %e, "writing a checkpoint failed"),
                 }
+            }
+        }
+    });
+}
+
+/// On the coordinator of replicated shards: a checkpoint of its own as soon as who serves which shard
+/// changed (a promotion, a shard joining), so that a coordinator restored from its checkpoints — the whole
+/// cluster started again — knows every takeover (the cluster's scheduled checkpoints wait for every shard,
+/// a dead one too). Changes that come together share one checkpoint.
+pub(super) fn spawn_table_checkpoints(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                _ = stop.changed() => return,
+                _ = shared.tables_changed.notified() => {}
+            }
+            if shared.log.as_ref().is_some_and(|l| l.fenced()) {
+                continue;
+            }
+            if let Err(e) = take_checkpoint(&shared, None, CheckpointAt::Quiescent).await {
+                warn!(error = %e, "could not checkpoint the coordinator's tables after a change");
             }
         }
     });

@@ -13,6 +13,10 @@ pub(super) struct Coordinator {
     /// Shard processes that came back after their shard was taken over: where they listen (they serve no
     /// shard, and keep copies of others).
     pub(super) spare: BTreeMap<u32, String>,
+    /// Shards whose serving process joined again since it began serving them: that life of it ended, and a
+    /// backup's promotion is not held up by probing its address (not kept in checkpoints: after a restore
+    /// every process joins again).
+    pub(super) ended: std::collections::BTreeSet<u32>,
     pub(super) next_worker: u32,
     /// Every worker id ever handed out.
     pub(super) registered: u32,
@@ -218,10 +222,22 @@ impl ShardCore {
                 req.shard
             )));
         }
+        // A process that joins has just started: it holds no copy of any shard, and no set counts it in sync.
+        for set in c.replica_sets.values_mut() {
+            set.in_sync.retain(|p| *p != req.shard);
+        }
+        // Every shard this process served, its own and any it took over, lost its server with its last life.
+        let served: Vec<u32> =
+            c.shard_addrs.keys().copied().filter(|s| c.replica_set(*s).process == req.shard).collect();
+        c.ended.extend(served);
         let set = c.replica_set(req.shard);
         // A process whose shard was taken over while it was down comes back as a spare, which serves no shard
-        // and keeps copies of others (it learns so from the map below).
-        let table = if set.process != req.shard { &mut c.spare } else { &mut c.shard_addrs };
+        // and keeps copies of others (it learns so from the map below). So does one whose shard has a backup
+        // in sync, which holds what it acknowledged since its checkpoint: that backup takes the shard over (its
+        // old primary's life ended: no probe), or, should it turn out to hold nothing (it started again too,
+        // and joins), the process has its shard granted back ([`ShardCore::promote`]).
+        let waits = set.process == req.shard && !set.in_sync.is_empty();
+        let table = if set.process != req.shard || waits { &mut c.spare } else { &mut c.shard_addrs };
         table.insert(req.shard, req.addr.clone());
         events.push(CoreEvent::ShardJoined(req.shard));
         let (shards, spare) = (c.shard_list(), c.spare_addrs());
@@ -326,6 +342,12 @@ impl ShardCore {
         Some((c.shard_addrs.get(&shard)?.clone(), set.process, set.epoch))
     }
 
+    /// On the coordinator, whether the process serving `shard` joined again since it began serving it (the
+    /// life of it that served the shard ended).
+    pub fn serving_ended(&self, shard: u32) -> bool {
+        self.coordinator.as_ref().is_some_and(|c| c.ended.contains(&shard))
+    }
+
     /// On the coordinator, where each shard process listens, process order: its own shard's address while
     /// it serves it, or its address as a spare (a process whose shard was taken over and that is not back
     /// is missing).
@@ -366,13 +388,14 @@ impl ShardCore {
         let c = self.coordinator()?;
         let epoch = c.replica_set(0).epoch + 1;
         c.replica_sets.insert(0, ReplicaSet { process, epoch, in_sync: Vec::new() });
+        c.ended.remove(&0);
         c.shard_addrs.insert(0, addr.to_string());
         Ok(epoch)
     }
 
     /// A backup taking over its shard ([`Promote`]): granted to a backup in sync under the shard's epoch,
-    /// which then serves it under the next epoch at its address. (The service checked that the primary does
-    /// not answer.)
+    /// which then serves it under the next epoch at its address — or to the process serving it, started again,
+    /// once no backup is in sync. (The service checked that the primary does not answer.)
     pub(super) fn promote(&mut self, p: &Promote, events: &mut Vec<CoreEvent>) -> Result<Frame, ShardError> {
         let num_shards = self.cfg.num_shards;
         let c = self.coordinator()?;
@@ -389,7 +412,17 @@ impl ShardCore {
                 p.shard, set.epoch, p.epoch
             )));
         }
-        if !set.in_sync.contains(&p.process) {
+        if set.process == p.process {
+            // The process serving the shard started again and serves it from its checkpoint at a new address:
+            // only once no backup is in sync (one that is holds what was acknowledged since; it takes the
+            // shard over instead). A process that joins holds no copy, and leaves every in-sync set.
+            if !set.in_sync.is_empty() {
+                return Err(ShardError::Misconfigured(format!(
+                    "shard {}'s backups {:?} are in sync: one of them takes it over",
+                    p.shard, set.in_sync
+                )));
+            }
+        } else if !set.in_sync.contains(&p.process) {
             return Err(ShardError::Misconfigured(format!(
                 "shard process {} is not a backup in sync of shard {} (in sync: {:?})",
                 p.process, p.shard, set.in_sync
@@ -397,6 +430,7 @@ impl ShardCore {
         }
         let epoch = set.epoch + 1;
         c.replica_sets.insert(p.shard, ReplicaSet { process: p.process, epoch, in_sync: Vec::new() });
+        c.ended.remove(&p.shard);
         c.shard_addrs.insert(p.shard, p.addr.clone());
         events.push(CoreEvent::ShardPromoted { shard: p.shard, process: p.process, epoch });
         Ok(Frame::new(Message::ReplicaEpoch(ReplicaEpoch { shard: p.shard, epoch })))

@@ -866,7 +866,8 @@ impl ShardCore {
             Message::ConfigPrepare(_)
             | Message::ConfigAccept(_)
             | Message::ConfigChosen(_)
-            | Message::CoordinatorWhere(_) => Err(ShardError::Misconfigured(
+            | Message::CoordinatorWhere(_)
+            | Message::CoordinatorAt(_) => Err(ShardError::Misconfigured(
                 "shard 0's configuration is chosen by the shard service, not the core".into(),
             )),
             Message::ConfigPromise(_) | Message::ConfigAccepted(_) | Message::ConfigRefused(_) => {
