@@ -876,10 +876,7 @@ pub(crate) type Listened = (String, Option<u64>);
 
 /// [`listening_addr`] as a task of its own (a server started again may wait for others to start before it
 /// serves; nothing else waits for it meanwhile).
-pub(crate) fn listening_reader(
-    p: &mut Proc,
-    timeout: Duration,
-) -> Result<tokio::task::JoinHandle<Result<Listened>>> {
+pub(crate) fn listening_reader(p: &mut Proc, timeout: Duration) -> Result<tokio::task::JoinHandle<Result<Listened>>> {
     let stdout = p.child.stdout.take().context("server stdout")?;
     let (name, log) = (p.name.clone(), p.log.clone());
     Ok(tokio::spawn(async move {
@@ -1294,7 +1291,8 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
                 restarted.push((i, p));
             }
             for (i, mut p) in restarted {
-                restart_reports.push(listening_reader(&mut p, Duration::from_secs(30))?);
+                // A process started again may wait for the others (up to its join timeout) before it serves.
+                restart_reports.push(listening_reader(&mut p, Duration::from_secs(90))?);
                 shard_restarts += 1;
                 servers[i] = p;
             }

@@ -194,8 +194,20 @@ async fn start_failing_over_of(
     mode: Mode,
     dir: Option<&std::path::Path>,
 ) -> RunningServer {
+    let cfg = failing_over_config(certs, (shard, num_shards), coordinator, mode, dir);
+    service::start(cfg).await.expect("start shard")
+}
+
+/// The configuration [`start_failing_over_of`] starts.
+fn failing_over_config(
+    certs: &ClusterCerts,
+    (shard, num_shards): (u32, u32),
+    coordinator: Option<String>,
+    mode: Mode,
+    dir: Option<&std::path::Path>,
+) -> ServiceConfig {
     let core = core_config_of(shard, num_shards, mode);
-    let cfg = ServiceConfig {
+    ServiceConfig {
         checkpoint: dir.map(|d| service::CheckpointConfig { dir: d.to_path_buf(), every: None, keep: 2 }),
         coordinator,
         join_timeout: Duration::from_secs(20),
@@ -203,8 +215,7 @@ async fn start_failing_over_of(
         replicas: 2,
         failover_after: Duration::from_millis(800),
         ..ServiceConfig::new("127.0.0.1:0".parse().expect("addr"), certs.shard_material(shard).expect("tls"), core)
-    };
-    service::start(cfg).await.expect("start shard")
+    }
 }
 
 /// Shard 1's process dies (as SIGKILL would have it) while three workers push; its backup on the
@@ -219,7 +230,12 @@ async fn a_killed_primarys_backup_takes_over(mode: Mode) {
 /// join as a spare and leave the shard to that backup.
 async fn a_killed_primarys_backup_takes_over_with(mode: Mode, again: bool) {
     let certs = ClusterCerts::generate(&[]).expect("certs");
-    let s0 = start_failing_over(&certs, 0, None, mode).await;
+    // Started again, shard 1's process joins well before its backup (here) takes over.
+    let mut cfg0 = failing_over_config(&certs, (0, 2), None, mode, None);
+    if again {
+        cfg0.failover_after = Duration::from_secs(4);
+    }
+    let s0 = service::start(cfg0).await.expect("start shard");
     let s1 = start_failing_over(&certs, 1, Some(s0.advertise.clone()), mode).await;
     both_copies_count(&s0, &s1).await;
     let progress = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -233,7 +249,16 @@ async fn a_killed_primarys_backup_takes_over_with(mode: Mode, again: bool) {
     tokio::time::sleep(Duration::from_millis(150)).await;
     s1.crash();
     let restarted = match again {
-        true => Some(start_failing_over(&certs, 1, Some(s0.advertise.clone()), mode).await),
+        true => {
+            let s1 = start_failing_over(&certs, 1, Some(s0.advertise.clone()), mode).await;
+            // It joined before the takeover: listed as a spare while shard 1 is still its own — it serves
+            // nothing from what it holds.
+            let tables = s0.with_core(|c| (c.serving(1), c.spare_processes())).await.expect("the coordinator");
+            let (serving, spare) = tables;
+            assert_eq!(serving.map(|(_, p, e)| (p, e)), Some((1, 0)), "not taken over yet");
+            assert_eq!(spare, [1], "process 1 waits as a spare");
+            Some(s1)
+        }
         false => None,
     };
     let mut acked = Vec::new();

@@ -223,32 +223,38 @@ pub(super) fn endpoint_beside(
     Ok(((endpoint, path), addr))
 }
 
-/// Serves again the shards other than its own and shard 0 that this process served when it stopped
-/// (`shards`: index and replica epoch, from the coordinator's map), each from its newest checkpoint in this
-/// process's folder, once the coordinator grants it — which it does when no backup of the shard is in sync
-/// any more (backups that started since hold no copy); a shard a backup took over meanwhile is left to it.
+/// Serves again the shards other than shard 0 that this process served when it stopped (`shards`: index and
+/// replica epoch, from the coordinator's map: ones it took over in an earlier life, and its own where it
+/// joined as a spare to wait for a backup in sync), each from its newest checkpoint in this process's folder,
+/// once the coordinator grants it — which it does when no backup of the shard is in sync any more (backups
+/// that started since hold no copy). A shard a backup took over meanwhile is left to it; each shard is asked
+/// for on its own, again and again (at most every 10 s) until it is served here or elsewhere.
 pub(super) async fn resume_shards(
     shared: Arc<Shared>,
     cfg: ServiceConfig,
     link: crate::link::CoordinatorLink,
     shards: Vec<(u32, u64)>,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
 ) {
+    let mut each = tokio::task::JoinSet::new();
     for (shard, epoch) in shards {
-        let resumed = tokio::select! {
-            _ = stop.changed() => return,
-            r = resume_shard(&shared, &cfg, &link, shard, epoch) => r,
-        };
-        match resumed {
-            Ok(true) => {}
-            Ok(false) => info!(shard, "another shard process serves it now: not served again here"),
-            Err(e) => error!(
-                shard,
-                error = format!("{e:#}"),
-                "could not serve again a shard this process served when it stopped: it stays unserved"
-            ),
-        }
+        let (shared, cfg, link, mut stop) = (shared.clone(), cfg.clone(), link.clone(), stop.clone());
+        each.spawn(async move {
+            tokio::select! {
+                _ = stop.changed() => {}
+                r = resume_shard(&shared, &cfg, &link, shard, epoch) => match r {
+                    Ok(true) => {}
+                    Ok(false) => info!(shard, "another shard process serves it now: not served again here"),
+                    Err(e) => error!(
+                        shard,
+                        error = format!("{e:#}"),
+                        "could not serve again a shard this process served when it stopped: it stays unserved"
+                    ),
+                },
+            }
+        });
     }
+    while each.join_next().await.is_some() {}
 }
 
 /// [`resume_shards`] for one shard: true once served here, false when another process serves it.
@@ -263,18 +269,24 @@ async fn resume_shard(
     c.core = ShardConfig { shard, ..cfg.core.clone() };
     c.restore = Restore::Auto;
     let store = match &cfg.checkpoint {
-        Some(ck) => CheckpointStore::open(&ck.dir, shard, ck.keep)?,
-        None => bail!("this process served shard {shard} when it stopped but was started without --checkpoint-dir"),
+        Some(ck) => Some(CheckpointStore::open(&ck.dir, shard, ck.keep)?),
+        None => None,
     };
-    let (core, info) = match initial_core(&c, shard, Some(&store))? {
-        (core, Some(info)) => (core, info),
-        (_, None) => bail!(
-            "this process served shard {shard} when it stopped but {} holds no checkpoint of it",
-            store.dir().display()
-        ),
+    let (core, info) = match initial_core(&c, shard, store.as_ref())? {
+        // Its own shard starts fresh without a checkpoint, as it would have had it not waited.
+        (core, info) if info.is_some() || shard == shared.shard => (core, info),
+        _ => match &store {
+            Some(store) => {
+                bail!(
+                    "this process served shard {shard} when it stopped but {} holds no checkpoint of it",
+                    store.dir().display()
+                )
+            }
+            None => bail!("this process served shard {shard} when it stopped but was started without --checkpoint-dir"),
+        },
     };
-    let deadline = Instant::now() + cfg.join_timeout;
     let (endpoint, addr) = endpoint_beside(&shared.advertise, cfg)?;
+    let mut pause = Duration::from_secs(1);
     let promote =
         Message::Promote(gaps_common::wire::Promote { shard, process: shared.shard, epoch, addr: addr.clone() });
     let granted = loop {
@@ -295,11 +307,9 @@ async fn resume_shard(
                 e.to_string()
             }
         };
-        if Instant::now() >= deadline {
-            bail!("the coordinator did not grant it within {:?}: {why}", cfg.join_timeout);
-        }
         debug!(shard, %why, "not granted yet");
-        tokio::time::sleep(Duration::from_secs(1)).await;
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(10));
     };
     c.advertise = Some(addr.clone());
     c.coordinator = Some(link.coordinator().0);
@@ -307,7 +317,7 @@ async fn resume_shard(
     c.health = None;
     let takeover = Takeover {
         core,
-        restored: Some(info),
+        restored: info,
         process: shared.shard,
         key: Some(shared.credentials.raw()),
         clock: Duration::ZERO,

@@ -587,15 +587,16 @@ pub(super) async fn promote_refusal(shared: &Shared, msg: &Message) -> Option<Fr
     let (tx, rx) = oneshot::channel();
     let shard = p.shard;
     let ask = Command::Inspect(Box::new(move |core| {
-        let _ = tx.send(core.serving(shard).map(|serving| (core.serving_ended(shard), serving)));
+        let _ = tx.send(core.serving(shard));
     }));
-    let (ended, (addr, process, _)) = match shared.send(ask).await {
+    let (addr, process, _) = match shared.send(ask).await {
         Ok(()) => rx.await.ok().flatten()?,
         Err(_) => return None,
     };
-    // The process serving it asks itself (it started again), or joined again since it began serving it: its
-    // life that served the shard ended, and nothing is probed (its address answers for its new life).
-    if ended || process == p.process {
+    // The process serving it asks for it itself: it started again (its life that served the shard ended), and
+    // the core grants it only where no backup is in sync. (A spare, or a process still starting, at the old
+    // address answers the probe `Moved` or `Busy`: not serving.)
+    if process == p.process {
         return None;
     }
     match shared.link.answers(&addr, process, PROBE_WAIT).await {
@@ -690,9 +691,13 @@ pub(super) fn record(m: &ShardMetrics, request: RpcKind, reply: &Message) {
 }
 
 /// A worker that left or whose lease expired no longer counts against its registrant's certificate; a
-/// change of who serves which shard is checkpointed on the coordinator ([`Shared::tables_changed`]).
+/// change of who serves which shard, or a backup newly in sync, is checkpointed on the coordinator
+/// ([`Shared::tables_changed`]).
 pub(super) fn forget_registrations(shared: &Shared, events: &[CoreEvent]) {
-    if events.iter().any(|e| matches!(e, CoreEvent::ShardPromoted { .. } | CoreEvent::ShardJoined(_))) {
+    let tables = |e: &CoreEvent| {
+        matches!(e, CoreEvent::ShardPromoted { .. } | CoreEvent::ShardJoined(_) | CoreEvent::InSyncGrew { .. })
+    };
+    if events.iter().any(tables) {
         shared.tables_changed.notify_one();
     }
     for e in events {
@@ -717,6 +722,7 @@ pub(super) fn log_events(events: &[CoreEvent]) {
             CoreEvent::ShardPromoted { shard, process, epoch } => {
                 warn!(shard, process, epoch, "a backup took over a shard whose primary went silent")
             }
+            CoreEvent::InSyncGrew { shard, in_sync } => debug!(shard, ?in_sync, "a shard's backups in sync grew"),
             CoreEvent::DeviceFault(what) => error!(%what, "device fault"),
             CoreEvent::ModeDecided { number, to, from_step, reason } => {
                 warn!(number, %to, from_step, %reason, "cluster mode decided (every shard switches at that worker step)")

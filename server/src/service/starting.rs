@@ -9,10 +9,17 @@ use super::*;
 
 /// Connections answered at once while starting (more are refused).
 const MAX_CONNECTIONS: usize = 64;
+/// Connections of one certificate answered at once while starting: one peer cannot take every slot.
+const MAX_PER_IDENTITY: u32 = 4;
+/// How long a handshake may take (a connection that does not finish it gives its slot back).
+const HANDSHAKE_WAIT: Duration = Duration::from_secs(2);
 /// How long one connection is served while starting.
 const CONNECTION_LIFE: Duration = Duration::from_secs(10);
 /// Requests answered on one connection while starting.
 const REQUESTS_PER_CONNECTION: usize = 64;
+
+/// Connections per certificate under way.
+type PerIdentity = Arc<std::sync::Mutex<std::collections::HashMap<PeerIdentity, u32>>>;
 
 /// The answering task, until [`Answering::stop`].
 pub(super) struct Answering {
@@ -42,6 +49,7 @@ async fn answer(
     mut stopped: watch::Receiver<bool>,
 ) {
     let mut connections = tokio::task::JoinSet::new();
+    let per_identity = PerIdentity::default();
     loop {
         let incoming = tokio::select! {
             _ = stopped.changed() => break,
@@ -54,22 +62,32 @@ async fn answer(
             incoming.refuse();
             continue;
         }
-        let (quorum, cluster) = (quorum.clone(), cluster.clone());
+        let (quorum, cluster, per_identity) = (quorum.clone(), cluster.clone(), per_identity.clone());
         connections.spawn(async move {
-            let _ = tokio::time::timeout(CONNECTION_LIFE, answer_connection(incoming, quorum, &cluster)).await;
+            let answering = answer_connection(incoming, quorum, &cluster, &per_identity);
+            let _ = tokio::time::timeout(CONNECTION_LIFE, answering).await;
         });
     }
     connections.abort_all();
 }
 
-async fn answer_connection(incoming: quinn::Incoming, quorum: Arc<crate::quorum::Quorum>, cluster: &str) {
-    let Ok(conn) = incoming.await else { return };
+async fn answer_connection(
+    incoming: quinn::Incoming,
+    quorum: Arc<crate::quorum::Quorum>,
+    cluster: &str,
+    per_identity: &PerIdentity,
+) {
+    let Ok(Ok(conn)) = tokio::time::timeout(HANDSHAKE_WAIT, incoming).await else { return };
     let identity = match net::peer_identity(&conn) {
         Ok(id) if id.cluster == cluster => id,
         _ => {
             conn.close(3u32.into(), b"refused: not a certificate of this cluster");
             return;
         }
+    };
+    let Some(_slot) = IdentitySlot::take(per_identity, &identity) else {
+        conn.close(4u32.into(), b"refused: this certificate holds its share of a starting process's connections");
+        return;
     };
     for _ in 0..REQUESTS_PER_CONNECTION {
         let Ok((mut send, mut recv)) = conn.accept_bi().await else { return };
@@ -106,4 +124,34 @@ async fn answer_request(quorum: &Arc<crate::quorum::Quorum>, identity: &PeerIden
 fn starting_refusal(quorum: &crate::quorum::Quorum, msg: &Message) -> Message {
     let why = format!("shard process {} is starting: it cannot answer {} yet", quorum.process(), net::kind_name(msg));
     Message::error(ErrorCode::Busy, why)
+}
+
+/// One connection of a certificate counted while it is answered.
+struct IdentitySlot<'a> {
+    map: &'a PerIdentity,
+    identity: PeerIdentity,
+}
+
+impl<'a> IdentitySlot<'a> {
+    fn take(map: &'a PerIdentity, identity: &PeerIdentity) -> Option<Self> {
+        let mut m = map.lock().unwrap_or_else(|p| p.into_inner());
+        let n = m.entry(identity.clone()).or_insert(0);
+        if *n >= MAX_PER_IDENTITY {
+            return None;
+        }
+        *n += 1;
+        Some(IdentitySlot { map, identity: identity.clone() })
+    }
+}
+
+impl Drop for IdentitySlot<'_> {
+    fn drop(&mut self) {
+        let mut m = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = m.get_mut(&self.identity) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                m.remove(&self.identity);
+            }
+        }
+    }
 }

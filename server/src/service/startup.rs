@@ -151,7 +151,16 @@ pub(super) async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<T
         key
     } else if let Some((coordinator, serving)) = join_at {
         report("joining the coordinator");
-        let ask = (cfg.coordinator.as_deref(), quorum.as_ref());
+        // Whom to ask where the coordinator is while it is silent: the process `--coordinator` names, and the
+        // processes a restored coordinator's tables list (process 0's).
+        let asks: Vec<String> = cfg
+            .coordinator
+            .iter()
+            .cloned()
+            .chain(core.process_addrs().into_iter().map(|(_, a)| a))
+            .filter(|a| *a != advertise)
+            .collect();
+        let ask = (asks.as_slice(), quorum.as_ref());
         let map =
             join_coordinator(&endpoint, (&coordinator, serving), &own.cluster, &mut core, (cfg.join_timeout, ask))
                 .await?;
@@ -325,6 +334,11 @@ pub(super) async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<T
     }
     if shard == 0 && cfg.replicas > 1 && shared.store.is_some() {
         spawn_table_checkpoints(shared.clone(), shutdown_rx.clone());
+        // Shard 0 served by another process than before (a copy taken over, or served again from a
+        // checkpoint): its folder holds a checkpoint of it at once.
+        if takes_over {
+            shared.tables_changed.notify_one();
+        }
     }
     if let (Some(info), true, false) = (&restored, cfg.core.modes.mode != gaps_shard::Mode::Async, spare) {
         // Consistent recovery: every shard goes back to one cluster checkpoint (async keeps the cheaper
@@ -426,20 +440,20 @@ pub(super) async fn learn_where_the_coordinator_is(
 /// cluster's credential key). Where a majority moves the coordinator (`quorum`), a process that answers
 /// `Moved` (it no longer serves shard 0) is asked where the coordinator is now, and the join goes there;
 /// while the coordinator does not answer (a whole cluster starting again: a process serving shard 0 before
-/// may serve it at a new address), the process at `ask` (`--coordinator`) is asked where it is, at most once
-/// a second. A process still starting answers `Busy`: the join tries again until `timeout`.
+/// may serve it at a new address), the processes at `asks` are asked where it is, one a second in turn. A
+/// process still starting answers `Busy`: the join tries again until `timeout`.
 pub(super) async fn join_coordinator(
     endpoint: &quinn::Endpoint,
     (coordinator, serving): (&str, u32),
     cluster: &str,
     core: &mut ShardCore,
-    (timeout, (ask, quorum)): (Duration, (Option<&str>, Option<&Arc<crate::quorum::Quorum>>)),
+    (timeout, (asks, quorum)): (Duration, (&[String], Option<&Arc<crate::quorum::Quorum>>)),
 ) -> Result<gaps_common::wire::ClusterMap> {
     let started = Instant::now();
     let request = core.join_request();
     let limits = Limits::default();
     let (mut coordinator, mut serving, mut redirects) = (coordinator.to_string(), serving, 0);
-    let mut asked_at: Option<Instant> = None;
+    let (mut asked_at, mut turn): (Option<Instant>, usize) = (None, 0);
     loop {
         // A configuration chosen meanwhile (every process is told) moves the coordinator.
         if let Some(now) = quorum.map(|q| q.chosen()).filter(|c| c.version > 0) {
@@ -483,10 +497,11 @@ pub(super) async fn join_coordinator(
                 bail!("the coordinator refused this shard: {e}")
             }
             Err(e) => {
-                if let (Some(q), Some(ask)) = (quorum, ask) {
+                if let (Some(q), false) = (quorum, asks.is_empty()) {
                     if asked_at.is_none_or(|t| t.elapsed() >= Duration::from_secs(1)) {
                         asked_at = Some(Instant::now());
-                        learn_where_the_coordinator_is(endpoint, ask, cluster, q).await;
+                        learn_where_the_coordinator_is(endpoint, &asks[turn % asks.len()], cluster, q).await;
+                        turn += 1;
                     }
                 }
                 e.to_string()
@@ -677,7 +692,7 @@ pub(super) fn spawn_checkpoint_schedule(shared: Arc<Shared>, every: Duration, mu
 }
 
 /// On the coordinator of replicated shards: a checkpoint of its own as soon as who serves which shard
-/// changed (a promotion, a shard joining), so that a coordinator restored from its checkpoints — the whole
+/// changed (a promotion, a shard joining, a backup newly in sync, shard 0 served by this process), so that a coordinator restored from its checkpoints — the whole
 /// cluster started again — knows every takeover (the cluster's scheduled checkpoints wait for every shard,
 /// a dead one too). Changes that come together share one checkpoint.
 pub(super) fn spawn_table_checkpoints(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {

@@ -13,10 +13,6 @@ pub(super) struct Coordinator {
     /// Shard processes that came back after their shard was taken over: where they listen (they serve no
     /// shard, and keep copies of others).
     pub(super) spare: BTreeMap<u32, String>,
-    /// Shards whose serving process joined again since it began serving them: that life of it ended, and a
-    /// backup's promotion is not held up by probing its address (not kept in checkpoints: after a restore
-    /// every process joins again).
-    pub(super) ended: std::collections::BTreeSet<u32>,
     pub(super) next_worker: u32,
     /// Every worker id ever handed out.
     pub(super) registered: u32,
@@ -226,16 +222,13 @@ impl ShardCore {
         for set in c.replica_sets.values_mut() {
             set.in_sync.retain(|p| *p != req.shard);
         }
-        // Every shard this process served, its own and any it took over, lost its server with its last life.
-        let served: Vec<u32> =
-            c.shard_addrs.keys().copied().filter(|s| c.replica_set(*s).process == req.shard).collect();
-        c.ended.extend(served);
         let set = c.replica_set(req.shard);
         // A process whose shard was taken over while it was down comes back as a spare, which serves no shard
         // and keeps copies of others (it learns so from the map below). So does one whose shard has a backup
-        // in sync, which holds what it acknowledged since its checkpoint: that backup takes the shard over (its
-        // old primary's life ended: no probe), or, should it turn out to hold nothing (it started again too,
-        // and joins), the process has its shard granted back ([`ShardCore::promote`]).
+        // in sync, which holds what it acknowledged since its checkpoint: that backup takes the shard over (the
+        // probe of the old address finds a spare, which answers `Moved`), or, should it turn out to hold
+        // nothing (it started again too, and joins), the process has its shard granted back
+        // ([`ShardCore::promote`]).
         let waits = set.process == req.shard && !set.in_sync.is_empty();
         let table = if set.process != req.shard || waits { &mut c.spare } else { &mut c.shard_addrs };
         table.insert(req.shard, req.addr.clone());
@@ -342,10 +335,9 @@ impl ShardCore {
         Some((c.shard_addrs.get(&shard)?.clone(), set.process, set.epoch))
     }
 
-    /// On the coordinator, whether the process serving `shard` joined again since it began serving it (the
-    /// life of it that served the shard ended).
-    pub fn serving_ended(&self, shard: u32) -> bool {
-        self.coordinator.as_ref().is_some_and(|c| c.ended.contains(&shard))
+    /// On the coordinator, the shard processes that joined as spares (serving no shard of their own).
+    pub fn spare_processes(&self) -> Vec<u32> {
+        self.coordinator.as_ref().map_or_else(Vec::new, |c| c.spare.keys().copied().collect())
     }
 
     /// On the coordinator, where each shard process listens, process order: its own shard's address while
@@ -359,7 +351,11 @@ impl ShardCore {
 
     /// A primary's report of its backups in sync ([`ReplicaReport`]); refused as moved when the sender no
     /// longer serves the shard under that epoch.
-    pub(super) fn replica_report(&mut self, r: &ReplicaReport) -> Result<Frame, ShardError> {
+    pub(super) fn replica_report(
+        &mut self,
+        r: &ReplicaReport,
+        events: &mut Vec<CoreEvent>,
+    ) -> Result<Frame, ShardError> {
         let num_shards = self.cfg.num_shards;
         let c = self.coordinator()?;
         if r.shard >= num_shards {
@@ -375,6 +371,9 @@ impl ShardCore {
         let mut in_sync: Vec<u32> = r.in_sync.iter().copied().filter(|p| *p < num_shards && *p != r.process).collect();
         in_sync.sort_unstable();
         in_sync.dedup();
+        if in_sync.iter().any(|p| !set.in_sync.contains(p)) {
+            events.push(CoreEvent::InSyncGrew { shard: r.shard, in_sync: in_sync.clone() });
+        }
         set.in_sync = in_sync;
         c.replica_sets.insert(r.shard, set);
         Ok(Frame::new(Message::ReplicaEpoch(ReplicaEpoch { shard: r.shard, epoch: r.epoch })))
@@ -388,7 +387,6 @@ impl ShardCore {
         let c = self.coordinator()?;
         let epoch = c.replica_set(0).epoch + 1;
         c.replica_sets.insert(0, ReplicaSet { process, epoch, in_sync: Vec::new() });
-        c.ended.remove(&0);
         c.shard_addrs.insert(0, addr.to_string());
         Ok(epoch)
     }
@@ -430,7 +428,6 @@ impl ShardCore {
         }
         let epoch = set.epoch + 1;
         c.replica_sets.insert(p.shard, ReplicaSet { process: p.process, epoch, in_sync: Vec::new() });
-        c.ended.remove(&p.shard);
         c.shard_addrs.insert(p.shard, p.addr.clone());
         events.push(CoreEvent::ShardPromoted { shard: p.shard, process: p.process, epoch });
         Ok(Frame::new(Message::ReplicaEpoch(ReplicaEpoch { shard: p.shard, epoch })))

@@ -283,6 +283,14 @@ pub enum CoreEvent {
         /// The shard's new replica epoch.
         epoch: u64,
     },
+    /// A shard's backups in sync gained one (replicated shards): only these may take it over, so the
+    /// coordinator keeps the news in a checkpoint.
+    InSyncGrew {
+        /// The shard.
+        shard: u32,
+        /// Its backups in sync now.
+        in_sync: Vec<u32>,
+    },
     /// The coordinator decided a cluster-wide mode (`auto`); every shard switches at `from_step`.
     ModeDecided {
         /// The decision's number.
@@ -859,7 +867,7 @@ impl ShardCore {
                 Err(ShardError::Misconfigured("replication is run by the shard service, not the core".into()))
             }
             Message::ReplicaAck(_) => Err(ShardError::NotARequest("replica ack")),
-            Message::ReplicaReport(r) => self.replica_report(&r),
+            Message::ReplicaReport(r) => self.replica_report(&r, &mut events),
             Message::Promote(p) => self.promote(&p, &mut events),
             Message::ReplicaEpoch(_) => Err(ShardError::NotARequest("replica epoch")),
             // Shard 0's configuration is chosen by the shard processes, outside any core.
