@@ -1,0 +1,782 @@
+//! The worker's client library: registers with the coordinator, keeps one connection per shard, routes
+//! chunks by the cluster map, and runs pulls and pushes against all shards concurrently. A push that meets a
+//! broken connection is sent again, on a new connection, with the same sequence number, so the shard applies
+//! it exactly once.
+
+use crate::net::{self, RpcError};
+use gaps_common::dtype::WireDtype;
+use gaps_common::layout::sparse_owner;
+use gaps_common::layout::{ChunkId, Layout};
+use gaps_common::wire::{
+    ids_to_words, Authenticate, CheckpointAt, CheckpointDone, CheckpointRequest, ClusterMap, ErrorCode, Frame,
+    Heartbeat, Leave, Limits, Message, ModeDecisions, Pull, Push, PushChunk, PushPart, PushPullReply, Register, Role,
+    SparsePull, SparsePush, Stats, StatsRequest, MAX_PUSH_PARTS, PROTOCOL_VERSION,
+};
+use gaps_kernels::{Hyper, Rule};
+use gaps_transport::tls::TlsMaterial;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tracing::{debug, warn};
+
+mod dense;
+mod membership;
+mod routes;
+mod sparse;
+
+/// How to reach and talk to a cluster.
+#[derive(Debug, Clone)]
+pub struct ClientOptions {
+    /// The coordinator's (shard 0's) `host:port`.
+    pub coordinator: String,
+    /// CA and this client's certificate.
+    pub tls: TlsMaterial,
+    /// Worker (gets an id and a lease) or observer.
+    pub role: Role,
+    /// Name for logs.
+    pub name: String,
+    /// How long to wait for the coordinator and for a complete cluster before giving up.
+    pub connect_timeout: Duration,
+    /// How long one RPC may take.
+    pub rpc_timeout: Duration,
+    /// How long a shard may stay unreachable (dead, restarting) before a request to it fails: until then the
+    /// client sends the request again on new connections, logging which shard it waits for.
+    pub shard_down_timeout: Duration,
+    /// Frame limits for replies.
+    pub limits: Limits,
+    /// Connections to each shard that one large push or pull is striped over, by chunk (1: no striping).
+    /// One QUIC connection's packets are encrypted and decrypted by one task, so a bulk transfer on one
+    /// connection runs at what one core does; parts on several connections spread that work. Only transfers
+    /// of at least [`STRIPE_MIN_BYTES`] per part use more than the first connection (small models never open
+    /// another); at most [`MAX_PUSH_PARTS`] lanes.
+    pub lanes: usize,
+}
+
+/// Default of [`ClientOptions::lanes`]: one. On loopback with 2 cores for both ends, a bare quinn echo of
+/// 4 MiB each way moved 1.4 GB/s over one connection and 2.0–2.3 over two to four, but only because the
+/// echoes of different connections overlapped the two directions; a gaps push must be applied before the
+/// pull that follows it, and striping measured slower there (`gaps bench transport --lanes 4`: 1 Mi floats
+/// 1.42 against 1.54 GB/s, 16 Mi 0.93 against 1.27), the parts' reassembly costing a copy. Striping is for
+/// hosts where one connection's packet work saturates a core while others idle.
+pub const DEFAULT_LANES: usize = 1;
+
+/// The least payload a striped part carries: smaller transfers go on fewer connections.
+pub const STRIPE_MIN_BYTES: u64 = 512 << 10;
+
+impl ClientOptions {
+    /// Options with the defaults used by the binaries.
+    pub fn new(coordinator: impl Into<String>, tls: TlsMaterial, role: Role, name: impl Into<String>) -> Self {
+        ClientOptions {
+            coordinator: coordinator.into(),
+            tls,
+            role,
+            name: name.into(),
+            connect_timeout: Duration::from_secs(30),
+            rpc_timeout: Duration::from_secs(30),
+            shard_down_timeout: Duration::from_secs(600),
+            limits: Limits::default(),
+            lanes: DEFAULT_LANES,
+        }
+    }
+}
+
+/// Cuts `chunks` (each with its payload bytes) into at most `lanes` groups of consecutive chunks with about
+/// equal bytes, none under [`STRIPE_MIN_BYTES`] unless there is only one: the index ranges of the groups.
+fn stripe_groups(bytes: &[u64], lanes: usize) -> Vec<std::ops::Range<usize>> {
+    let total: u64 = bytes.iter().sum();
+    let by_size = usize::try_from(total / STRIPE_MIN_BYTES).unwrap_or(usize::MAX);
+    let groups = lanes.min(usize::from(MAX_PUSH_PARTS)).min(bytes.len()).min(by_size).max(1);
+    let mut out = Vec::with_capacity(groups);
+    let (mut start, mut sum) = (0usize, 0u64);
+    for (i, b) in bytes.iter().enumerate() {
+        sum += b;
+        // Close group g once it reaches its share of the total (leaving a chunk for each group still to come).
+        let g = out.len() as u64 + 1;
+        let left = bytes.len() - (i + 1);
+        let remaining_groups = groups - out.len() - 1;
+        if out.len() + 1 < groups && (sum * groups as u64 >= total * g || left == remaining_groups) {
+            out.push(start..i + 1);
+            start = i + 1;
+        }
+    }
+    out.push(start..bytes.len());
+    out
+}
+
+/// A client-side failure, with what was being done.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The cluster could not be joined in time; the message names what is missing.
+    #[error("could not join the cluster via {coordinator} within {waited:?}: {last}")]
+    JoinTimeout {
+        /// Coordinator address.
+        coordinator: String,
+        /// Time waited.
+        waited: Duration,
+        /// The last reason.
+        last: String,
+    },
+    /// The cluster map is inconsistent.
+    #[error("invalid cluster map: {0}")]
+    BadMap(String),
+    /// An RPC failed (after retries where retrying is safe).
+    #[error(transparent)]
+    Rpc(#[from] RpcError),
+    /// The caller passed tensors that do not match the layout.
+    #[error("{0}")]
+    Shape(String),
+    /// A gradient holds NaN or ±Inf (checked before anything is sent, so no shard applies part of it).
+    #[error("{0}")]
+    NonFinite(String),
+}
+
+/// The first non-finite value of `values`, as an error naming `what` and its position.
+fn check_finite(what: &str, values: &[f32]) -> Result<(), ClientError> {
+    match gaps_common::dtype::first_non_finite(values) {
+        Some(i) => Err(ClientError::NonFinite(format!("{what} holds {} at element {i}", values[i]))),
+        None => Ok(()),
+    }
+}
+
+/// Where one shard's pull reply goes: its chunks' slices of the snapshot, in request order. Also takes the
+/// reply to a [`Message::PushPull`], which carries the same values or none (`filled` says which).
+struct PullInto<'a> {
+    expected: Vec<(gaps_common::layout::ChunkId, u32)>,
+    slices: Vec<&'a mut [f32]>,
+    versions: Vec<u64>,
+    filled: bool,
+}
+
+impl<'a> PullInto<'a> {
+    fn new(expected: Vec<(gaps_common::layout::ChunkId, u32)>, slices: Vec<&'a mut [f32]>) -> Self {
+        PullInto { expected, slices, versions: Vec::new(), filled: false }
+    }
+}
+
+impl net::ReplySink for PullInto<'_> {
+    fn destination<'s>(&'s mut self, msg: &Message) -> Result<Option<Vec<&'s mut [f32]>>, String> {
+        self.filled = false;
+        let chunks = match msg {
+            Message::PullReply(reply) => &reply.chunks,
+            // A push-pull whose ack asks the worker to wait carries no values.
+            Message::PushPullReply(reply) if reply.chunks.is_empty() => return Ok(None),
+            Message::PushPullReply(reply) => &reply.chunks,
+            other => return Err(format!("a {} message answered a pull", net::kind_name(other))),
+        };
+        if chunks.len() != self.expected.len() {
+            return Err(format!("{} chunks returned, {} asked for", chunks.len(), self.expected.len()));
+        }
+        for (meta, (id, len)) in chunks.iter().zip(&self.expected) {
+            if meta.id != *id || meta.len != *len {
+                return Err(format!("chunk {:?} of {} values answered for {id:?} of {len}", meta.id, meta.len));
+            }
+        }
+        self.versions = chunks.iter().map(|c| c.version).collect();
+        self.filled = true;
+        Ok(Some(self.slices.iter_mut().map(|s| &mut **s).collect()))
+    }
+}
+
+/// One pull request: (shard, lane, the chunks it reads with their global indices).
+type PullRequest<'t> = (usize, usize, &'t [(ChunkId, u64)]);
+
+/// One stripe of a shard's push: its range of the shard's chunks and its payload parts.
+type Stripe = (std::ops::Range<usize>, Vec<net::Bytes>);
+
+/// Runs `futures` concurrently on the current task and returns their outputs in order.
+async fn join_all<F: std::future::Future>(futures: Vec<F>) -> Vec<F::Output> {
+    let mut pending: Vec<Option<std::pin::Pin<Box<F>>>> = futures.into_iter().map(|f| Some(Box::pin(f))).collect();
+    let mut done: Vec<Option<F::Output>> = pending.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut all = true;
+        for (slot, out) in pending.iter_mut().zip(done.iter_mut()) {
+            if let Some(fut) = slot {
+                match fut.as_mut().poll(cx) {
+                    std::task::Poll::Ready(v) => {
+                        *out = Some(v);
+                        *slot = None;
+                    }
+                    std::task::Poll::Pending => all = false,
+                }
+            }
+        }
+        if all {
+            std::task::Poll::Ready(())
+        } else {
+            std::task::Poll::Pending
+        }
+    })
+    .await;
+    done.into_iter().flatten().collect()
+}
+
+/// One range of one tensor of a shared set, as the bytes of a payload part.
+struct TensorSlice {
+    tensors: Arc<Vec<Vec<f32>>>,
+    tensor: usize,
+    range: std::ops::Range<usize>,
+}
+
+impl AsRef<[f32]> for TensorSlice {
+    fn as_ref(&self) -> &[f32] {
+        self.tensors.get(self.tensor).and_then(|t| t.get(self.range.clone())).unwrap_or(&[])
+    }
+}
+
+/// A model snapshot as pulled: one vector per tensor plus the version of every chunk (global order).
+/// For the DANA rules the values are the look-ahead the shards sent, which is where gradients are computed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Snapshot {
+    /// Tensor values, layout order (shared, so a push can echo them without a copy).
+    pub tensors: Arc<Vec<Vec<f32>>>,
+    /// Version of each chunk, indexed by global chunk index.
+    pub versions: Vec<u64>,
+}
+
+impl Snapshot {
+    /// Hands this snapshot's tensor buffers to the process's recycler of very large buffers (see
+    /// `gaps_common::buffers`) when no one else holds them, so the next pull reuses their memory instead of
+    /// faulting in fresh pages. Call it on a snapshot you are done with; dropping it is also correct.
+    pub fn recycle(self) {
+        if let Ok(tensors) = Arc::try_unwrap(self.tensors) {
+            tensors.into_iter().for_each(gaps_common::buffers::give);
+        }
+    }
+}
+
+/// Rows of one sparse table as pulled, in the order of the ids asked for.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SparseRows {
+    /// The ids, as asked.
+    pub ids: Vec<u64>,
+    /// `ids.len() × dim` values.
+    pub values: Vec<f32>,
+    /// The version of each row.
+    pub versions: Vec<u32>,
+    /// Floats per row.
+    pub dim: usize,
+}
+
+/// What one push did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PushSummary {
+    /// Shard pushes acknowledged as newly applied.
+    pub applied: u32,
+    /// Shard pushes acknowledged as duplicates of an earlier delivery.
+    pub duplicates: u32,
+    /// Times a shard push was sent again after a transport failure.
+    pub retries: u32,
+    /// Largest staleness reported by any shard.
+    pub max_staleness: u64,
+    /// Shard pushes refused because they were computed on versions the shard has not reached: it was
+    /// restored from a checkpoint taken before them. The gradient is dropped for that shard (the next pull
+    /// reads the restored state).
+    pub stale_after_restore: u32,
+}
+
+/// Where a shard is served: the address as the cluster map gives it (a name is resolved again for every new
+/// connection, so a shard restarted elsewhere under the same DNS name is found), that address when the client
+/// learned it, the shard process whose certificate the server must hold (the shard's own, or the backup that
+/// took it over), and the shard's replica epoch.
+#[derive(Debug, Clone)]
+struct Route {
+    name: String,
+    addr: SocketAddr,
+    process: u32,
+    epoch: u64,
+}
+
+#[derive(Debug)]
+struct ShardLink {
+    index: u32,
+    /// Where it is served (changes when a backup takes it over).
+    route: Mutex<Route>,
+    /// One connection per lane (lane 0 carries everything that is not striped).
+    conns: Vec<Mutex<Option<quinn::Connection>>>,
+    /// Next push sequence number for this shard (starts at 1).
+    next_seq: AtomicU64,
+    /// Pushes this shard acknowledged (applied now or before).
+    acknowledged: AtomicU64,
+    /// Chunks this shard owns, global order, with their global indices.
+    chunks: Vec<(ChunkId, u64)>,
+    /// Sparse pushes to this shard not answered yet, and the signal that one was: in sync and gba the
+    /// dense push, which ends the worker's step on the shard, goes only after them, so that the rows are
+    /// summed into the same step.
+    sparse_in_flight: AtomicUsize,
+    sparse_answered: tokio::sync::Notify,
+}
+
+/// Decrements a shard's count of sparse pushes in flight when dropped (also when the task is cancelled).
+struct InFlight<'a>(&'a ShardLink);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.sparse_in_flight.fetch_sub(1, Ordering::SeqCst);
+        self.0.sparse_answered.notify_waiters();
+    }
+}
+
+impl ShardLink {
+    /// The shard's address as last learned.
+    fn addr(&self) -> SocketAddr {
+        self.route.lock().map_or_else(|p| p.into_inner().addr, |r| r.addr)
+    }
+
+    fn route(&self) -> Route {
+        self.route.lock().map_or_else(|p| p.into_inner().clone(), |r| r.clone())
+    }
+
+    /// The replica epoch of the route (read without copying the route: requests look at it while they wait).
+    fn epoch(&self) -> u64 {
+        self.route.lock().map_or_else(|p| p.into_inner().epoch, |r| r.epoch)
+    }
+
+    /// Waits until no sparse push to this shard is in flight.
+    async fn sparse_settled(&self) {
+        loop {
+            let answered = self.sparse_answered.notified();
+            tokio::pin!(answered);
+            answered.as_mut().enable();
+            if self.sparse_in_flight.load(Ordering::SeqCst) == 0 {
+                return;
+            }
+            answered.await;
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Inner {
+    opts: ClientOptions,
+    /// The cluster named in this client's certificate: every shard must hold a certificate of it.
+    cluster: String,
+    /// The client configuration after a certificate rotation (None: the endpoint's own).
+    rotated: Mutex<Option<quinn::ClientConfig>>,
+    endpoint: quinn::Endpoint,
+    /// The UDP path tuning of the endpoint (from the route to the coordinator).
+    path: net::PathTuning,
+    map: ClusterMap,
+    shards: Vec<ShardLink>,
+    /// Test and chaos hook: close the connection after this many requests were written, before their reply.
+    drop_after_send: AtomicU32,
+    pushes_sent: AtomicU64,
+    /// Shard pushes acknowledged (applied now or before, as a duplicate).
+    pushes_acknowledged: AtomicU64,
+    /// Shard pushes a restored shard refused (computed before its restore).
+    stale_after_restore: AtomicU64,
+    /// Waits for a step that ended because the shard had gone back (a cluster rollback).
+    rollbacks_seen: AtomicU64,
+    retries: AtomicU64,
+    /// The shards' default update rule.
+    rule: Rule,
+    /// Each tensor's rule and hyper-parameters as far as the worker needs them (the layout's overrides on
+    /// the shards' defaults).
+    tensor_rules: Vec<(Rule, Hyper)>,
+    /// DANA-Slim: this worker's momentum, one vector per tensor (created on the first push).
+    slim_momentum: Mutex<Vec<Vec<f32>>>,
+    /// Each table's rule.
+    table_rules: Vec<Rule>,
+    /// When the last dense pull finished: the next push reports the time since as its compute time.
+    last_pull: Mutex<Option<Instant>>,
+    /// Time spent waiting for synchronous steps or bounded staleness after pushes, microseconds.
+    waited_us: AtomicU64,
+    /// Where the next dense push's samples came from (dynamic data sharding; [`Client::set_data_tag`]).
+    data_tag: Mutex<Option<gaps_common::wire::DataTag>>,
+    /// Dense pushes made (the step number the next push carries).
+    steps: AtomicU64,
+    /// When the coordinator was last asked where the shards are (after a shard stopped answering).
+    map_asked: Mutex<Option<Instant>>,
+    /// Every shard process and where it listens, from the last map (asked where the coordinator is should it
+    /// move: replicated shards with a majority choosing shard 0's configuration).
+    processes: Mutex<Vec<(u32, String)>>,
+    /// When they were last asked where the coordinator is.
+    located: Mutex<Option<Instant>>,
+    /// The newest two mode decisions any shard answered with (None before the first answer); passed on
+    /// with every push.
+    decisions: Mutex<Option<ModeDecisions>>,
+}
+
+impl Inner {
+    /// Counts one push acknowledged by shard `s` (applied now or before).
+    fn count_acknowledged(&self, s: usize) {
+        self.pushes_acknowledged.fetch_add(1, Ordering::Relaxed);
+        if let Some(link) = self.shards.get(s) {
+            link.acknowledged.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Keeps the newest two of the known decisions and a shard's.
+    fn learn(&self, decisions: &ModeDecisions) {
+        if let Ok(mut known) = self.decisions.lock() {
+            match known.as_mut() {
+                Some(k) => k.merge(decisions),
+                None => *known = Some(*decisions),
+            }
+        }
+    }
+
+    /// The decisions known now.
+    fn decisions(&self) -> Option<ModeDecisions> {
+        self.decisions.lock().ok().and_then(|d| *d)
+    }
+
+    /// True while the cluster runs a synchronous mode (sync or gba, also under auto; mode codes 1 and 2),
+    /// or before any shard said which: a step's rows must then reach each shard before the dense push that
+    /// ends the step.
+    fn synchronous(&self) -> bool {
+        self.decisions().is_none_or(|d| matches!(d.latest.mode, 1 | 2))
+    }
+
+    /// True when a push carries the read parameters of chunk `id` (its tensor's rule measures drift).
+    fn echoes(&self, id: &ChunkId) -> bool {
+        self.tensor_rules[id.tensor as usize].0.layout().needs_read
+    }
+}
+
+/// Where the shard process at `addr` says the coordinator is (the configuration of shard 0 it knows chosen
+/// last), resolved; None when it does not say within `wait`.
+async fn coordinator_named_by(
+    endpoint: &quinn::Endpoint,
+    addr: std::net::SocketAddr,
+    cluster: &str,
+    wait: Duration,
+) -> Option<std::net::SocketAddr> {
+    let (_, at) = net::coordinator_where(endpoint, None, &addr.to_string(), (cluster, None), wait).await.ok()?;
+    let c = at.config;
+    net::resolve(&c.addr).await.ok()
+}
+
+/// A connected client. Cheap to clone; clones share connections and counters.
+#[derive(Debug, Clone)]
+pub struct Client {
+    inner: Arc<Inner>,
+}
+
+impl Client {
+    /// Registers with the coordinator (waiting, up to `connect_timeout`, for it to come up and for every
+    /// shard to join) and connects to every shard.
+    pub async fn connect(opts: ClientOptions) -> Result<Client, ClientError> {
+        let started = Instant::now();
+        let deadline = started + opts.connect_timeout;
+        let cluster =
+            opts.tls.own_identity().map_err(|e| RpcError::Setup(format!("this client's certificate: {e}")))?.cluster;
+        let coordinator = net::resolve(&opts.coordinator).await?;
+        let (endpoint, path) = net::client_endpoint_tuned(&opts.tls, coordinator)?;
+        let register =
+            Message::Register(Register { protocol: PROTOCOL_VERSION, role: opts.role, name: opts.name.clone() });
+        let (mut tries, mut redirects) = (0u32, 0u32);
+        // Where the registration goes: the address given, or where the process there says the coordinator is
+        // now (a majority moved it: the process given answers `Moved`, or that it is not the coordinator).
+        let mut coordinator = coordinator;
+        let map = loop {
+            // `connect_timeout` bounds the whole wait: every attempt gets at most the time that is left, and at
+            // most a quarter of it (but 2 s at least), so that a handshake lost on a loaded machine is tried
+            // again rather than waited for until the end.
+            let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+            let per_call = opts.rpc_timeout.min(left).min((left / 4).max(Duration::from_secs(2)));
+            let attempt = async {
+                let conn = net::connect(&endpoint, coordinator, per_call).await?;
+                // Any shard process's certificate: the coordinator moves where a majority chooses who serves
+                // shard 0; the map must then name the process that answered as serving it.
+                let process = net::expect_any_shard(&conn, &cluster)?;
+                let reply = net::call(&conn, &register, &[], &opts.limits, per_call).await;
+                conn.close(0u32.into(), b"registered");
+                match reply {
+                    Ok(Frame { msg: Message::ClusterMap(map), .. })
+                        if map.shards.first().is_none_or(|s| s.process != process) =>
+                    {
+                        Err(RpcError::Identity {
+                            addr: coordinator.to_string(),
+                            message: format!(
+                                "shard process {process} answered, but its map says another serves shard 0"
+                            ),
+                        })
+                    }
+                    other => other,
+                }
+            };
+            let attempt = async {
+                match tokio::time::timeout(left, attempt).await {
+                    Ok(result) => result,
+                    Err(_) => Err(RpcError::Timeout { addr: coordinator.to_string(), timeout: left }),
+                }
+            };
+            let last = match attempt.await {
+                Ok(Frame { msg: Message::ClusterMap(map), .. }) => break map,
+                Ok(other) => {
+                    return Err(RpcError::Unexpected {
+                        addr: coordinator.to_string(),
+                        kind: net::kind_name(&other.msg).into(),
+                    }
+                    .into())
+                }
+                Err(RpcError::Remote { code: ErrorCode::ClusterIncomplete | ErrorCode::Busy, message, .. }) => message,
+                Err(e) if e.is_retryable() => e.to_string(),
+                Err(e @ RpcError::Remote { code: ErrorCode::Moved | ErrorCode::Misconfigured, .. })
+                    if redirects < 3 =>
+                {
+                    match coordinator_named_by(&endpoint, coordinator, &cluster, per_call).await {
+                        Some(now) if now != coordinator => {
+                            debug!(from = %coordinator, to = %now, "the coordinator moved: registering there");
+                            (redirects, coordinator) = (redirects + 1, now);
+                            continue;
+                        }
+                        _ => return Err(e.into()),
+                    }
+                }
+                Err(e) => return Err(e.into()),
+            };
+            // Exponential backoff with jitter: hundreds of workers started at once do not come back at once.
+            tries += 1;
+            let base = (100u64 << tries.min(4)).min(1_600);
+            let pause = Duration::from_millis(base / 2 + jitter_ms(base / 2));
+            // Give up when no further attempt fits (a pause and at least as long again for the attempt): the
+            // error reports what the last complete attempt said.
+            if Instant::now() + 2 * pause >= deadline {
+                return Err(ClientError::JoinTimeout {
+                    coordinator: opts.coordinator.clone(),
+                    waited: started.elapsed(),
+                    last,
+                });
+            }
+            debug!(%last, "cluster not ready, retrying");
+            tokio::time::sleep(pause).await;
+        };
+        map.layout.validate().map_err(|e| ClientError::BadMap(e.to_string()))?;
+        let rule: Rule =
+            map.rule.name.parse().map_err(|e: gaps_kernels::KernelError| ClientError::BadMap(e.to_string()))?;
+        let hyper = Hyper { momentum: map.rule.momentum, weight_decay: map.rule.weight_decay, ..Hyper::default() };
+        let sparse_rule: Rule =
+            map.rule.sparse.parse().map_err(|e: gaps_kernels::KernelError| ClientError::BadMap(e.to_string()))?;
+        let tensor_rules = map
+            .layout
+            .tensors
+            .iter()
+            .map(|t| hyper.resolve(rule, &t.rule))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| ClientError::BadMap(e.to_string()))?;
+        let table_rules = map
+            .layout
+            .tables
+            .iter()
+            .map(|t| hyper.resolve(sparse_rule, &t.rule).map(|(r, _)| r))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| ClientError::BadMap(e.to_string()))?;
+        if map.shards.len() != map.num_shards as usize
+            || map.shards.iter().enumerate().any(|(i, s)| s.index as usize != i)
+        {
+            return Err(ClientError::BadMap(format!("expected {} shards in index order", map.num_shards)));
+        }
+        let mut owned: Vec<Vec<(ChunkId, u64)>> = vec![Vec::new(); map.num_shards as usize];
+        for (g, id) in map.layout.chunks().enumerate() {
+            owned[g % map.num_shards as usize].push((id, g as u64));
+        }
+        let mut shards = Vec::with_capacity(map.shards.len());
+        for (s, chunks) in map.shards.iter().zip(owned) {
+            let addr = net::resolve(&s.addr).await?;
+            shards.push(ShardLink {
+                index: s.index,
+                route: Mutex::new(Route { name: s.addr.clone(), addr, process: s.process, epoch: s.epoch }),
+                conns: (0..opts.lanes.clamp(1, usize::from(MAX_PUSH_PARTS))).map(|_| Mutex::new(None)).collect(),
+                next_seq: AtomicU64::new(1),
+                acknowledged: AtomicU64::new(0),
+                chunks,
+                sparse_in_flight: AtomicUsize::new(0),
+                sparse_answered: tokio::sync::Notify::new(),
+            });
+        }
+        let processes = map.process_addrs();
+        let client = Client {
+            inner: Arc::new(Inner {
+                opts,
+                cluster,
+                rotated: Mutex::new(None),
+                endpoint,
+                path,
+                map,
+                shards,
+                drop_after_send: AtomicU32::new(0),
+                pushes_sent: AtomicU64::new(0),
+                pushes_acknowledged: AtomicU64::new(0),
+                stale_after_restore: AtomicU64::new(0),
+                rollbacks_seen: AtomicU64::new(0),
+                retries: AtomicU64::new(0),
+                rule,
+                tensor_rules,
+                slim_momentum: Mutex::new(Vec::new()),
+                table_rules,
+                last_pull: Mutex::new(None),
+                data_tag: Mutex::new(None),
+                waited_us: AtomicU64::new(0),
+                steps: AtomicU64::new(0),
+                processes: Mutex::new(processes),
+                located: Mutex::new(None),
+                map_asked: Mutex::new(None),
+                decisions: Mutex::new(None),
+            }),
+        };
+        // Connect to every shard now, so a missing or unreachable shard fails by name — tried again with a
+        // jittered backoff until the connect timeout, since a handshake can be lost on a loaded machine.
+        for s in 0..client.inner.shards.len() {
+            let mut tries = 0u32;
+            loop {
+                let remaining = deadline.saturating_duration_since(Instant::now()).max(Duration::from_secs(1));
+                let bound = remaining.min((remaining / 4).max(Duration::from_secs(2)));
+                match client.connection(s, 0, bound).await {
+                    Ok(_) => break,
+                    Err(e) if Instant::now() + Duration::from_millis(200) < deadline => {
+                        tries += 1;
+                        let base = (100u64 << tries.min(4)).min(1_600);
+                        debug!(shard = s, error = %e, "connecting to a shard, trying again");
+                        tokio::time::sleep(Duration::from_millis(base / 2 + jitter_ms(base / 2))).await;
+                    }
+                    Err(e) => {
+                        return Err(ClientError::JoinTimeout {
+                            coordinator: client.inner.opts.coordinator.clone(),
+                            waited: started.elapsed(),
+                            last: format!("shard {} at {} is unreachable: {e}", s, client.inner.shards[s].addr()),
+                        })
+                    }
+                }
+            }
+        }
+        Ok(client)
+    }
+
+    /// The cluster map received at registration.
+    pub fn map(&self) -> &ClusterMap {
+        &self.inner.map
+    }
+
+    /// The model layout.
+    pub fn layout(&self) -> &Layout {
+        &self.inner.map.layout
+    }
+
+    /// This worker's id (None for observers).
+    pub fn worker_id(&self) -> Option<u32> {
+        self.inner.map.worker_id
+    }
+
+    /// Replaces the TLS material (certificate rotation): new connections use `tls`, open ones keep theirs.
+    /// The new certificate must name the same identity (the worker's credential is bound to it).
+    pub fn reload_tls(&self, tls: &TlsMaterial) -> Result<(), ClientError> {
+        let setup = |m: String| ClientError::from(RpcError::Setup(m));
+        let new = tls.own_identity().map_err(|e| setup(format!("the new certificate: {e}")))?;
+        let old = self.inner.opts.tls.own_identity().map_err(|e| setup(format!("the old certificate: {e}")))?;
+        if new != old {
+            return Err(setup(format!("the new certificate is {new}, this client is {old}")));
+        }
+        let config = net::client_config(tls, &self.inner.path)?;
+        *self.inner.rotated.lock().map_err(|_| setup("the TLS lock is poisoned".into()))? = Some(config);
+        Ok(())
+    }
+
+    /// Makes the next push report `compute` as the time its gradient took (instead of the time since the
+    /// last pull), for callers that measure it themselves.
+    pub fn report_compute_time(&self, compute: Duration) {
+        if let Ok(mut last) = self.inner.last_pull.lock() {
+            *last = Instant::now().checked_sub(compute).or(Some(Instant::now()));
+        }
+    }
+
+    /// This worker's id and the credential the coordinator gave it (None for observers).
+    pub fn credential(&self) -> Option<(u32, gaps_common::wire::Token)> {
+        self.inner.map.worker_id.zip(self.inner.map.token)
+    }
+
+    /// Shard pushes sent (each `(shard, seq)` once, however often it was retried).
+    pub fn pushes_sent(&self) -> u64 {
+        self.inner.pushes_sent.load(Ordering::Relaxed)
+    }
+
+    /// Requests sent again after a transport failure.
+    pub fn retries(&self) -> u64 {
+        self.inner.retries.load(Ordering::Relaxed)
+    }
+
+    /// True while the cluster trains in a synchronous mode (sync or gba, also under auto), or before any
+    /// shard said which: a step's rows must then reach each shard before its dense push.
+    pub fn synchronous(&self) -> bool {
+        self.inner.synchronous()
+    }
+
+    /// Shard pushes acknowledged since connecting (each applied exactly once by its shard).
+    pub fn pushes_acknowledged(&self) -> u64 {
+        self.inner.pushes_acknowledged.load(Ordering::Relaxed)
+    }
+
+    /// [`Client::pushes_acknowledged`] per shard, in shard order (to hold against each shard's
+    /// [`Stats::applied_by_worker`]).
+    pub fn pushes_acknowledged_by_shard(&self) -> Vec<u64> {
+        self.inner.shards.iter().map(|l| l.acknowledged.load(Ordering::Relaxed)).collect()
+    }
+
+    /// Shard pushes a restored shard refused because they were computed before its restore.
+    pub fn stale_after_restore(&self) -> u64 {
+        self.inner.stale_after_restore.load(Ordering::Relaxed)
+    }
+
+    /// Waits for a synchronous step that ended because the shard had rolled back to a cluster checkpoint.
+    pub fn rollbacks_seen(&self) -> u64 {
+        self.inner.rollbacks_seen.load(Ordering::Relaxed)
+    }
+
+    /// Test and chaos hook: the next `n` requests are written completely and then their connection is
+    /// closed before the reply is read, as if the network failed at the worst moment.
+    pub fn inject_connection_drops(&self, n: u32) {
+        self.inner.drop_after_send.store(n, Ordering::SeqCst);
+    }
+}
+
+/// How long a request to a replicated shard waits before the client asks whether the shard moved.
+const MOVED_CHECK_AFTER: Duration = Duration::from_millis(700);
+
+/// A pseudo-random pause of 0..=`max_ms` milliseconds (the clock's nanoseconds, mixed), so that clients
+/// that were refused together do not come back together.
+pub(crate) fn jitter_ms(max_ms: u64) -> u64 {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+    let mixed = u64::from(nanos).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 17;
+    mixed % (max_ms + 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stripes_are_consecutive_balanced_and_never_below_the_minimum() {
+        let mib = 1u64 << 20;
+        let check = |bytes: &[u64], lanes: usize| {
+            let groups = stripe_groups(bytes, lanes);
+            // Consecutive, covering every chunk once, none empty.
+            assert_eq!(groups.first().map(|g| g.start), Some(0));
+            assert_eq!(groups.last().map(|g| g.end), Some(bytes.len()));
+            assert!(groups.windows(2).all(|w| w[0].end == w[1].start));
+            assert!(groups.iter().all(|g| !g.is_empty()) || bytes.is_empty());
+            groups
+        };
+        // Small transfers stay whole: a stripe carries at least STRIPE_MIN_BYTES.
+        assert_eq!(check(&[1000; 8], 4).len(), 1);
+        assert_eq!(check(&[STRIPE_MIN_BYTES; 3], 8).len(), 3);
+        assert_eq!(check(&[mib; 4], 1).len(), 1, "one lane: no striping");
+        // Four equal chunks over four lanes; sixteen over four: four each.
+        assert_eq!(check(&[mib; 4], 4), vec![0..1, 1..2, 2..3, 3..4]);
+        assert_eq!(check(&[mib; 16], 4), vec![0..4, 4..8, 8..12, 12..16]);
+        // Fewer chunks than lanes: one chunk a stripe.
+        assert_eq!(check(&[4 * mib, 4 * mib], 8).len(), 2);
+        // Unequal chunks: no stripe holds more than its share plus one chunk.
+        let bytes = [3 * mib, mib, mib, mib, 2 * mib, mib, mib, 2 * mib];
+        let groups = check(&bytes, 4);
+        assert_eq!(groups.len(), 4);
+        let total: u64 = bytes.iter().sum();
+        for g in &groups {
+            let sum: u64 = bytes[g.clone()].iter().sum();
+            assert!(sum <= total / 4 + 3 * mib, "{g:?}: {sum}");
+        }
+        // Never more stripes than a push may have parts.
+        assert_eq!(check(&vec![mib; 200], 500).len(), usize::from(MAX_PUSH_PARTS));
+        assert_eq!(check(&[], 4), vec![0..0]);
+    }
+}
