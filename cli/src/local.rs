@@ -1208,7 +1208,8 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
                 checkpoints_seen.extend(checkpoint_files(d));
             }
             // With copies, kills wait until every shard's backups count (a copy still catching up could not
-            // take over: the run would not test a fail-over); bounded by a minute from the start.
+            // take over: the run would not test a fail-over), at the start and after a restart; bounded by a
+            // minute from the start.
             let kills_due = shard_kills.iter().any(|k| k.at <= since);
             if kills_due && args.replicas > 1 && !copies_ready {
                 let map = tokio::time::timeout(Duration::from_secs(1), observer.current_map()).await;
@@ -1233,6 +1234,14 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
                 None
             };
             for k in &kills_now {
+                // A server started again that is killed before it reported is not waited for.
+                restart_reports.retain(|(i, r): &(usize, tokio::task::JoinHandle<_>)| {
+                    let killed = *i == k.index as usize;
+                    if killed {
+                        r.abort();
+                    }
+                    !killed
+                });
                 if let Some(p) = servers.get_mut(k.index as usize) {
                     let watched = watched(k);
                     let before = epochs_before.as_ref().and_then(|m| m.shards.get(k.index as usize).map(|s| s.epoch));
@@ -1251,8 +1260,7 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             for k in &kills_now {
                 kill_delay.insert(k.index, since.saturating_sub(k.at));
             }
-            // The next kills wait for the copies to count again.
-            copies_ready &= kills_now.is_empty();
+
             shard_kills.retain(|k| !kills_now.contains(k));
             // A shard is started again only once it was killed.
             let restarts_now: Vec<Kill> = shard_restarts_due
@@ -1291,11 +1299,14 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
                 restarted.push((i, p));
             }
             for (i, mut p) in restarted {
-                // A process started again may wait for the others (up to its join timeout) before it serves.
-                restart_reports.push(listening_reader(&mut p, Duration::from_secs(90))?);
+                // A process started again may wait for the others (up to its join timeout, twice: to settle who
+                // serves shard 0, then to join) before it serves.
+                restart_reports.push((i, listening_reader(&mut p, Duration::from_secs(150))?));
                 shard_restarts += 1;
                 servers[i] = p;
             }
+            // Kills after a restart wait for the copies to count again (the process started again copies).
+            copies_ready &= restarts_now.is_empty();
             shard_restarts_due.retain(|k| !restarts_now.contains(k));
             // Injected failures and arrivals.
             for k in kills.iter().filter(|k| k.at <= since) {
@@ -1334,9 +1345,9 @@ async fn run_in(args: &LocalArgs, exe: &Path, dir: &Path, started: Instant, dead
             }
             // A server started again that does not come up fails the run.
             let mut pending = Vec::new();
-            for report in restart_reports.drain(..) {
+            for (i, report) in restart_reports.drain(..) {
                 if !report.is_finished() {
-                    pending.push(report);
+                    pending.push((i, report));
                     continue;
                 }
                 let (_, restored) = report.await.context("the listening line's reader")??;

@@ -981,6 +981,44 @@ fn a_killed_replicated_shard_is_taken_over_and_the_summary_says_so() {
     assert_eq!(v["pushes_applied"], v["pushes_acknowledged"], "{v}");
 }
 
+/// Every shard process of a replicated cluster killed at once and started again, no takeover before (every
+/// copy lost): the processes settle who serves shard 0 while each waits to join (starting processes say they
+/// hold no copy; process 0, which backs up shard 2, drops itself from its restored tables' in-sync sets, so
+/// process 2 does not wait for that lost copy), and training finishes from the shards' checkpoints, nothing
+/// applied twice. (Async: each shard restores its own checkpoint.)
+#[test]
+fn a_replicated_cluster_killed_whole_starts_again_from_its_checkpoints() {
+    let v = run_local(&[
+        "local",
+        "--model",
+        "dlrm",
+        "--servers",
+        "3",
+        "--workers",
+        "2",
+        "--steps",
+        "200",
+        "--replicas",
+        "2",
+        "--mode",
+        "async",
+        "--checkpoint-every",
+        "300ms",
+        "--kill-shard",
+        "0@1s,1@1s,2@1s",
+        "--restart-shard",
+        "0@1.5s,1@1.5s,2@1.5s",
+        "--json",
+        "--timeout",
+        "300s",
+    ]);
+    assert_eq!(v["shard_restarts"], 3, "{v}");
+    assert_eq!(v["serving"], serde_json::json!([0, 1, 2]), "{v}");
+    assert_eq!(v["spare_processes"], serde_json::json!([]), "{v}");
+    assert_eq!(v["pushes_applied_twice"], 0, "{v}");
+    assert_eq!(v["steps"], 400, "{v}");
+}
+
 /// Shards taken over, then every shard process of the replicated cluster killed at once and started again
 /// (every copy lost): process 1, which took shard 0 over, serves it again from its checkpoint at a new address
 /// once a majority of the starting processes chose so (each says it holds no copy); process 0, which took

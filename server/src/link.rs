@@ -161,7 +161,21 @@ impl CoordinatorLink {
     /// any of them knows chosen; true when that moved the coordinator. (Without a majority choosing shard 0's
     /// configuration the coordinator never moves: false.)
     pub async fn locate(&self) -> bool {
-        self.locate_heard().await.0
+        let Some(quorum) = &self.quorum else { return false };
+        let before = quorum.chosen();
+        let peers: Vec<(u32, String)> = self.processes().into_iter().filter(|(p, _)| *p != quorum.process()).collect();
+        // With this process's own answer, a majority of the processes is in once half of them answered.
+        let enough = (quorum.processes() as usize / 2).max(1);
+        let config = self.rotated.lock().ok().and_then(|c| c.clone());
+        let newest = net::newest_coordinator(&self.endpoint, config, &self.cluster, &peers, (enough, WHERE_WAIT)).await;
+        let Some(newest) = newest.filter(|c| c.version > before.version) else { return false };
+        quorum.learn(&newest).await;
+        let after = quorum.chosen();
+        let moved = (after.serving, &after.addr) != (before.serving, &before.addr);
+        if moved {
+            info!(version = after.version, serving = after.serving, addr = %after.addr, "the coordinator moved");
+        }
+        moved
     }
 
     /// [`CoordinatorLink::locate`] at most once a second (for what a peer's request makes this process ask:
@@ -175,26 +189,6 @@ impl CoordinatorLink {
             *last = Some(std::time::Instant::now());
         }
         self.locate().await
-    }
-
-    /// [`CoordinatorLink::locate`], and whether any process answered at all.
-    pub async fn locate_heard(&self) -> (bool, bool) {
-        let Some(quorum) = &self.quorum else { return (false, false) };
-        let before = quorum.chosen();
-        let peers: Vec<(u32, String)> = self.processes().into_iter().filter(|(p, _)| *p != quorum.process()).collect();
-        // With this process's own answer, a majority of the processes is in once half of them answered.
-        let enough = (quorum.processes() as usize / 2).max(1);
-        let config = self.rotated.lock().ok().and_then(|c| c.clone());
-        let newest = net::newest_coordinator(&self.endpoint, config, &self.cluster, &peers, (enough, WHERE_WAIT)).await;
-        let heard = newest.is_some();
-        let Some(newest) = newest.filter(|c| c.version > before.version) else { return (false, heard) };
-        quorum.learn(&newest).await;
-        let after = quorum.chosen();
-        let moved = (after.serving, &after.addr) != (before.serving, &before.addr);
-        if moved {
-            info!(version = after.version, serving = after.serving, addr = %after.addr, "the coordinator moved");
-        }
-        (moved, heard)
     }
 }
 

@@ -115,12 +115,15 @@ pub(super) async fn take_checkpoint(
     Ok(Written { id, path, step })
 }
 
-/// How long the coordinator's checkpoint round waits to reach a shard.
-const PEER_CONNECT_WAIT: Duration = Duration::from_secs(2);
+/// How long the coordinator's checkpoint round waits to reach a shard: with copies, 2 s (a dead shard holds up
+/// the rounds, and with them the coordinator's tables, no longer); without, 5 s.
+fn peer_connect_wait(replicas: u32) -> Duration {
+    Duration::from_secs(if replicas > 1 { 2 } else { 5 })
+}
 
 /// Asks shard `peer` for checkpoint `id` at `at`.
 pub(super) async fn peer_checkpoint(
-    endpoint: quinn::Endpoint,
+    (endpoint, connect_wait): (quinn::Endpoint, Duration),
     config: Option<quinn::ClientConfig>,
     cluster: String,
     peer: gaps_shard::PeerShard,
@@ -129,8 +132,7 @@ pub(super) async fn peer_checkpoint(
 ) -> Result<ShardCheckpoint, CheckpointFailure> {
     let (index, addr) = (peer.index, peer.addr.as_str());
     let fail = |e: RpcError| CheckpointFailure::Other(anyhow!("shard {index} at {addr}: {e}"));
-    // A dead shard holds up the round (and the next ones) no longer than a handshake's wait.
-    let conn = net::connect_with(&endpoint, config, net::resolve(addr).await.map_err(fail)?, PEER_CONNECT_WAIT)
+    let conn = net::connect_with(&endpoint, config, net::resolve(addr).await.map_err(fail)?, connect_wait)
         .await
         .map_err(fail)?;
     net::expect_shard(&conn, &cluster, peer.process).map_err(fail)?;
@@ -350,7 +352,8 @@ pub(super) async fn cluster_checkpoint(shared: &Shared) -> Result<CheckpointDone
         for peer in peers.iter().cloned() {
             let (endpoint, cluster) = (shared.endpoint.clone(), shared.own.cluster.clone());
             let config = shared.rotated.lock().ok().and_then(|c| c.clone());
-            tasks.spawn(async move { (peer.index, peer_checkpoint(endpoint, config, cluster, peer, id, at).await) });
+            let reach = (endpoint, peer_connect_wait(shared.replicas));
+            tasks.spawn(async move { (peer.index, peer_checkpoint(reach, config, cluster, peer, id, at).await) });
         }
         let own = take_checkpoint(shared, Some(id), at).await.map(|w| ShardCheckpoint {
             shard: shared.shard,

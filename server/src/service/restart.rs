@@ -293,18 +293,20 @@ async fn resume_shard(
         let why = match link.call(&promote).await {
             Ok(Frame { msg: Message::ReplicaEpoch(e), .. }) => break e.epoch,
             Ok(other) => format!("the coordinator answered with {}", net::kind_name(&other.msg)),
-            Err(e) if crate::link::is_moved(&e) => return Ok(false),
             // Refused for now: a backup may still be in sync.
-            Err(e @ RpcError::Remote { .. }) => e.to_string(),
+            Err(e @ RpcError::Remote { .. }) if !crate::link::is_moved(&e) => e.to_string(),
+            // The answer may have been lost (then the map shows the grant), or `Moved`: the shard went to
+            // another process or epoch — or only the coordinator moved (a takeover of shard 0 under way).
             Err(e) => {
-                // The answer may have been lost: the map says whether the coordinator granted it.
                 let map = link.map(&format!("shard-{} resume", shared.shard)).await;
-                let mine =
-                    |s: &gaps_common::wire::ShardAddr| s.index == shard && s.process == shared.shard && s.addr == addr;
-                if let Some(s) = map.as_ref().ok().and_then(|m| m.shards.iter().find(|s| mine(s))) {
-                    break s.epoch;
+                let entry = map.as_ref().ok().and_then(|m| m.shards.iter().find(|s| s.index == shard).cloned());
+                match entry {
+                    Some(s) if s.process == shared.shard && s.addr == addr => break s.epoch,
+                    Some(s) if crate::link::is_moved(&e) && (s.process != shared.shard || s.epoch != epoch) => {
+                        return Ok(false)
+                    }
+                    _ => e.to_string(),
                 }
-                e.to_string()
             }
         };
         debug!(shard, %why, "not granted yet");

@@ -31,7 +31,7 @@ pub(super) async fn serve(
                 let Ok((events, stats)) = rx.await else { return };
                 shared.metrics.observe(&stats);
                 log_events(&events);
-                forget_registrations(&shared, &events);
+                after_events(&shared, &events);
             }
         })
     };
@@ -504,7 +504,7 @@ pub(super) async fn serve_request(
                 return;
             };
             log_events(&events);
-            forget_registrations(shared, &events);
+            after_events(shared, &events);
             record(&shared.metrics, kind, &reply.msg);
             (reply, views, histogram)
         }
@@ -693,7 +693,7 @@ pub(super) fn record(m: &ShardMetrics, request: RpcKind, reply: &Message) {
 /// A worker that left or whose lease expired no longer counts against its registrant's certificate; a
 /// change of who serves which shard, or a backup newly in sync, is checkpointed on the coordinator
 /// ([`Shared::tables_changed`]).
-pub(super) fn forget_registrations(shared: &Shared, events: &[CoreEvent]) {
+pub(super) fn after_events(shared: &Shared, events: &[CoreEvent]) {
     let tables = |e: &CoreEvent| {
         matches!(e, CoreEvent::ShardPromoted { .. } | CoreEvent::ShardJoined(_) | CoreEvent::InSyncGrew { .. })
     };

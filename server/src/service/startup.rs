@@ -97,6 +97,10 @@ pub(super) async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<T
         Some(taken) => taken,
         None => initial_core(&cfg, shard, store.as_ref())?,
     };
+    // The coordinator's tables restored by a process that started again: its copies are gone.
+    if shard == 0 && restored.is_some() {
+        core.serving_restored(process);
+    }
     let journal = set_up_dealer(&mut core, &cfg, shard, store.as_ref(), restored.is_some())?;
     // Pull replies go out as the core packs them (16-bit values converted straight from the parameters).
     core.set_packed_replies(true);

@@ -46,6 +46,14 @@ impl Coordinator {
             .collect()
     }
 
+    /// Shard process `process` started again (it joins, or serves shard 0 from restored tables): it holds no
+    /// copy of any shard, and no set counts it in sync.
+    pub(super) fn started_again(&mut self, process: u32) {
+        for set in self.replica_sets.values_mut() {
+            set.in_sync.retain(|p| *p != process);
+        }
+    }
+
     /// Shard `shard`'s replica set.
     pub(super) fn replica_set(&self, shard: u32) -> ReplicaSet {
         self.replica_sets.get(&shard).cloned().unwrap_or(ReplicaSet { process: shard, epoch: 0, in_sync: Vec::new() })
@@ -219,9 +227,7 @@ impl ShardCore {
             )));
         }
         // A process that joins has just started: it holds no copy of any shard, and no set counts it in sync.
-        for set in c.replica_sets.values_mut() {
-            set.in_sync.retain(|p| *p != req.shard);
-        }
+        c.started_again(req.shard);
         let set = c.replica_set(req.shard);
         // A process whose shard was taken over while it was down comes back as a spare, which serves no shard
         // and keeps copies of others (it learns so from the map below). So does one whose shard has a backup
@@ -333,6 +339,14 @@ impl ShardCore {
         let c = self.coordinator.as_ref()?;
         let set = c.replica_set(shard);
         Some((c.shard_addrs.get(&shard)?.clone(), set.process, set.epoch))
+    }
+
+    /// On a coordinator restored from its checkpoint by shard process `process` (it started again): that
+    /// process holds no copy of any shard now, and no replica set counts it in sync.
+    pub fn serving_restored(&mut self, process: u32) {
+        if let Some(c) = self.coordinator.as_mut() {
+            c.started_again(process);
+        }
     }
 
     /// On the coordinator, the shard processes that joined as spares (serving no shard of their own).
