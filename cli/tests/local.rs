@@ -1017,6 +1017,9 @@ fn a_replicated_cluster_killed_whole_starts_again_from_its_checkpoints() {
     // its restored tables listed as its backup in sync (and waited as a spare until that one said it holds
     // nothing), on an endpoint of its own: `spare_processes` depends on the order of the joins.
     assert_eq!(v["serving"], serde_json::json!([0, 1, 2]), "{v}");
+    // Every shard is copied again, a spare's copies included (they go to its own endpoint).
+    let in_sync = v["backups_in_sync"].as_array().expect("backups in sync").clone();
+    assert!(in_sync.iter().all(|b| b.as_array().is_some_and(|b| !b.is_empty())), "{v}");
     assert_eq!(v["pushes_applied_twice"], 0, "{v}");
     assert_eq!(v["steps"], 400, "{v}");
 }

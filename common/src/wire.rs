@@ -298,13 +298,13 @@ impl ClusterMap {
     }
 }
 
-/// Where each shard process listens, process order, from a map's shards and spare processes: its own
-/// shard's address while it serves it, else its address as a spare (a process whose shard was taken over
-/// and that is not back is missing).
+/// Where each shard process listens, process order, from a map's shards and spare processes: its address as
+/// a spare where it joined as one (its own endpoint, which keeps its copies of other shards — even where it
+/// was granted its own shard back, served then on an endpoint of its own), else its own shard's address while
+/// it serves it (a process whose shard was taken over and that is not back is missing).
 pub fn process_addrs(shards: &[ShardAddr], spare: &[ShardAddr]) -> Vec<(u32, String)> {
-    let mut out: Vec<(u32, String)> =
-        shards.iter().filter(|s| s.process == s.index).map(|s| (s.index, s.addr.clone())).collect();
-    for s in spare {
+    let mut out: Vec<(u32, String)> = spare.iter().map(|s| (s.index, s.addr.clone())).collect();
+    for s in shards.iter().filter(|s| s.process == s.index) {
         if !out.iter().any(|(p, _)| *p == s.index) {
             out.push((s.index, s.addr.clone()));
         }

@@ -236,8 +236,13 @@ impl ShardCore {
         // nothing (it started again too, and joins), the process has its shard granted back
         // ([`ShardCore::promote`]).
         let waits = set.process == req.shard && !set.in_sync.is_empty();
-        let table = if set.process != req.shard || waits { &mut c.spare } else { &mut c.shard_addrs };
-        table.insert(req.shard, req.addr.clone());
+        if set.process != req.shard || waits {
+            c.spare.insert(req.shard, req.addr.clone());
+        } else {
+            // Serving its own shard again: no longer a spare (an earlier life may have been one).
+            c.spare.remove(&req.shard);
+            c.shard_addrs.insert(req.shard, req.addr.clone());
+        }
         events.push(CoreEvent::ShardJoined(req.shard));
         let (shards, spare) = (c.shard_list(), c.spare_addrs());
         // The joining shard needs the epoch and layout even while other shards are still missing.
