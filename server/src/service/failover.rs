@@ -41,15 +41,16 @@ fn takeover_endpoint(shared: &Shared, cfg: &ServiceConfig) -> Result<((quinn::En
     endpoint_beside(&shared.advertise, cfg)
 }
 
-/// Serves the copy of `shard` taken from `backups` (its core given as `core`) on `endpoint` at `addr` under
-/// replica epoch `epoch`, beside this process's own shard.
+/// Serves the copy of `shard` taken from `backups` (its core given as `core`, going on from the primary's
+/// `clock` and log index `applied`) — or the shard restored from this process's checkpoint `restored` — on
+/// `endpoint` at `addr` under replica epoch `epoch`, beside this process's own shard.
 #[allow(clippy::too_many_arguments)]
-async fn serve_copy(
+pub(super) async fn serve_copy(
     shared: &Arc<Shared>,
     cfg: &ServiceConfig,
     coordinator: Option<String>,
     core: ShardCore,
-    (clock, applied): (Duration, u64),
+    (clock, applied, restored): (Duration, u64, Option<gaps_shard::core::CheckpointInfo>),
     endpoint: (quinn::Endpoint, net::PathTuning),
     addr: String,
     epoch: u64,
@@ -64,7 +65,7 @@ async fn serve_copy(
     c.health = None;
     let takeover = Takeover {
         core,
-        restored: None,
+        restored,
         process: shared.shard,
         key: Some(shared.credentials.raw()),
         clock,
@@ -124,7 +125,7 @@ pub(super) async fn take_over_coordinator(
     }
     let (mut core, clock, applied) = backups.take(0).context("the copy is gone")?;
     let epoch = core.serve_coordinator_copy(me, &addr).map_err(|e| anyhow!("{e}"))?;
-    serve_copy(shared, cfg, None, core, (clock, applied), endpoint, addr.clone(), epoch).await?;
+    serve_copy(shared, cfg, None, core, (clock, applied, None), endpoint, addr.clone(), epoch).await?;
     warn!(
         %addr,
         version = chosen.version,
@@ -163,7 +164,7 @@ pub(super) async fn take_over(
     };
     let (core, clock, applied) = backups.take(shard).context("the copy is gone")?;
     let coordinator = Some(link.coordinator().0);
-    serve_copy(shared, cfg, coordinator, core, (clock, applied), endpoint, addr.clone(), granted_epoch).await?;
+    serve_copy(shared, cfg, coordinator, core, (clock, applied, None), endpoint, addr.clone(), granted_epoch).await?;
     warn!(
         shard,
         %addr,

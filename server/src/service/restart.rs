@@ -313,23 +313,9 @@ async fn resume_shard(
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(Duration::from_secs(10));
     };
-    c.advertise = Some(addr.clone());
-    c.coordinator = Some(link.coordinator().0);
-    c.data = None;
-    c.health = None;
-    let takeover = Takeover {
-        core,
-        restored: info,
-        process: shared.shard,
-        key: Some(shared.credentials.raw()),
-        clock: Duration::ZERO,
-        epoch: granted,
-        applied: 0,
-        quorum: shared.quorum.clone(),
-        endpoint,
-    };
-    let server = start_serving(c, Some(takeover)).await?;
-    shared.taken_over.lock().map_err(|_| anyhow!("lock poisoned"))?.push(server);
+    let coordinator = Some(link.coordinator().0);
+    let from = (Duration::ZERO, 0, info);
+    serve_copy(shared, cfg, coordinator, core, from, endpoint, addr.clone(), granted).await?;
     warn!(shard, %addr, epoch = granted, "serving again a shard this process served when it stopped, from its checkpoint");
     Ok(true)
 }
