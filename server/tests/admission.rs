@@ -1,7 +1,7 @@
 //! An authenticated peer may still be hostile: requests that declare much and send little must not hold the
 //! shard's in-flight memory, a stalled sender is cut off, and when the budget is truly taken a request is
 //! answered busy (and sent again by the client) instead of waiting without end. The attacker here is a raw
-//! QUIC client writing frame bytes by hand from the wire format (`common/src/wire.rs`: a kind byte, the
+//! QUIC client writing frame bytes by hand from the wire format (`common/src/wire/`: a kind byte, the
 //! header's length as u32 LE, a bincode-2 varint header, then the payload), not the project's client.
 
 use gaps_common::layout::{Layout, SparseSpec, TensorSpec};

@@ -174,7 +174,7 @@ async fn in_async_every_shard_writes_the_coordinators_id_and_gaps_checkpoint_rea
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// A `CheckpointRequest` written by hand from the wire format (`common/src/wire.rs`): kind 17, the header's
+/// A `CheckpointRequest` written by hand from the wire format (`common/src/wire/`): kind 17, the header's
 /// length as u32 LE, then the bincode-2 header — `id` 0 (varint), `at` variant 2 (`Step`) and the step
 /// 2^62 (varint marker 253, then 8 bytes LE). Before, such a request from any certificate held the
 /// checkpoint lock for 20 s while it waited for the step.
