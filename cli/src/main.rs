@@ -10,7 +10,7 @@ use std::path::PathBuf;
 #[derive(Debug, Parser)]
 #[command(name = "gaps", version, propagate_version = true)]
 struct Cli {
-    /// Settings from a TOML file; flags and `GAPS_*` variables override it (docs/manual.md: "Configuration file").
+    /// Settings from a TOML file; flags and `GAPS_*` variables override it (docs/guide/cluster.md, "Configuration file").
     #[arg(long, env = "GAPS_CONFIG", global = true, value_name = "FILE")]
     config: Option<std::path::PathBuf>,
     #[command(subcommand)]

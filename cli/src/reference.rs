@@ -16,7 +16,7 @@ pub fn flags_markdown(cmd: &clap::Command) -> String {
         "# Flag reference\n\n\
          Every command's flags, generated from the programs' own definitions (`gaps reference > \
          docs/reference/flags.md`; a test fails when this file is not current). A flag with an `env` variable \
-         can also be set by it, or in a `--config` TOML file (docs/manual.md, \"Configuration file\"); a \
+         can also be set by it, or in a `--config` TOML file (docs/guide/cluster.md, \"Configuration file\"); a \
          flag beats a variable, which beats the file. `gaps server` and `gaps worker` take the same flags as \
          the `gaps-server` and `gaps-worker` programs.\n",
     );

@@ -227,7 +227,7 @@ pub struct TableArgs {
     pub sparse_lr: f32,
     /// L2 regularization λ of embedding rows, applied lazily: a row's update adds λ·row to its gradient
     /// each time a batch touches it (untouched rows cost nothing). Off by default: on a 500,000-line
-    /// synthetic file λ of 1e-4 to 1e-2 did not reduce overfitting (docs/manual.md, "Real-data defaults").
+    /// synthetic file λ of 1e-4 to 1e-2 did not reduce overfitting (docs/guide/models.md, "Real-data defaults").
     #[arg(long, env = "GAPS_SPARSE_WEIGHT_DECAY", default_value_t = DEFAULT_SPARSE_WEIGHT_DECAY)]
     pub sparse_weight_decay: f32,
     /// Standard deviation of the embedding initializer.
@@ -253,9 +253,9 @@ pub struct TableArgs {
     pub table_ttl: Option<Duration>,
 }
 
-/// Default `--sparse-weight-decay` (docs/manual.md, "Real-data defaults": the sweep behind it).
+/// Default `--sparse-weight-decay` (docs/guide/models.md, "Real-data defaults": the sweep behind it).
 pub const DEFAULT_SPARSE_WEIGHT_DECAY: f32 = 0.0;
-/// `--sparse-adagrad-init` of `gaps local` for runs that pass over a data file more than once (docs/manual.md,
+/// `--sparse-adagrad-init` of `gaps local` for runs that pass over a data file more than once (docs/guide/models.md,
 /// "Real-data defaults").
 pub const REPEATED_PASSES_ADAGRAD_INIT: f32 = 0.1;
 

@@ -253,7 +253,7 @@ impl LocalArgs {
     }
     /// The table flags for the servers: as given, except that a run passing over a data file more than
     /// once (`--epochs` above 1, or `--steps`) starts Adagrad rows at 0.1 unless `--sparse-adagrad-init`
-    /// was given (docs/manual.md, "Real-data defaults").
+    /// was given (docs/guide/models.md, "Real-data defaults").
     pub fn tables(&self) -> gaps_server::cli::TableArgs {
         let mut tables = self.tables.clone();
         let repeats = self.data != "synthetic" && (self.epochs.is_some_and(|e| e > 1) || self.steps.is_some());

@@ -346,7 +346,7 @@ pub(super) async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<T
     }
     if let (Some(info), true, false) = (&restored, cfg.core.modes.mode != gaps_shard::Mode::Async, spare) {
         // Consistent recovery: every shard goes back to one cluster checkpoint (async keeps the cheaper
-        // per-shard restore, see docs/manual.md, "Failures and recovery").
+        // per-shard restore, see docs/guide/recovery.md).
         tokio::spawn(roll_back_cluster_after_restore(shared.clone(), info.id, shutdown_rx.clone()));
     }
     if let Some(log) = &log {

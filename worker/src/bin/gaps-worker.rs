@@ -7,7 +7,7 @@ use clap::Parser;
 #[derive(Debug, Parser)]
 #[command(name = "gaps-worker", version)]
 struct Cli {
-    /// Settings from a TOML file; flags and `GAPS_*` variables override it (docs/manual.md: "Configuration file").
+    /// Settings from a TOML file; flags and `GAPS_*` variables override it (docs/guide/cluster.md, "Configuration file").
     #[arg(long, env = "GAPS_CONFIG", global = true, value_name = "FILE")]
     config: Option<std::path::PathBuf>,
     #[command(flatten)]
