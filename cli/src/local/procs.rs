@@ -1,4 +1,5 @@
-//! procs (split out of mod.rs).
+//! The child processes of a local run: started with their logs, their output read as it comes, stopped;
+//! the files they leave (checkpoints, step logs).
 
 use super::*;
 

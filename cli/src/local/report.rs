@@ -1,4 +1,5 @@
-//! report (split out of mod.rs).
+//! What a local run reports: [`LocalReport`] and the JSON summary it prints ([`LocalSummary`]), the
+//! replication, data and CTR parts, and the figures computed from the shards' counters.
 
 use super::*;
 
