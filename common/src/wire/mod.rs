@@ -145,6 +145,8 @@ mod control;
 pub use control::*;
 mod replica;
 pub use replica::*;
+mod direction;
+pub use direction::*;
 /// Every message of the protocol. The kind byte on the wire is [`Message::kind`].
 #[derive(Debug, Clone, PartialEq)]
 pub enum Message {

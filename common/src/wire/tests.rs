@@ -452,3 +452,31 @@ fn block_on<F: std::future::Future>(fut: F) -> F::Output {
         }
     }
 }
+
+#[test]
+fn every_kind_is_a_request_or_a_reply_and_comes_back_whole() {
+    let (mut requests, mut replies) = (Vec::new(), Vec::new());
+    for frame in samples() {
+        let msg = frame.msg;
+        let debug = format!("{msg:?}");
+        let back: Message = match msg.clone().into_request() {
+            Ok(r) => {
+                assert!(debug.starts_with(&format!("{}(", r.name())), "{} for {debug}", r.name());
+                requests.push(r.name());
+                r.into()
+            }
+            Err(r) => {
+                assert!(debug.starts_with(&format!("{}(", r.name())), "{} for {debug}", r.name());
+                replies.push(r.name());
+                (*r).into()
+            }
+        };
+        assert_eq!(back, msg);
+    }
+    for asks in ["Pull", "Push", "SparsePull", "SparsePush", "Register", "Promote", "Heartbeat", "StatsRequest"] {
+        assert!(requests.contains(&asks), "{asks} is a request: {requests:?}");
+    }
+    for answers in ["PullReply", "SparsePullReply", "Ack", "Error", "Stats", "ClusterMap", "CoordinatorAt"] {
+        assert!(replies.contains(&answers), "{answers} is a reply: {replies:?}");
+    }
+}

@@ -30,7 +30,7 @@ use gaps_common::wire::{
     ModeDecision, ModeDecisions, ModeSwitchRecord, Pull, PullReply, Push, PushPullReply, Register, RegisterShard, Role,
     RuleInfo, ShardAddr, SparsePull, SparsePullReply, SparsePush, Stats, WorkerApplied, PROTOCOL_VERSION,
 };
-use gaps_common::wire::{Promote, ReplicaEpoch, ReplicaReport};
+use gaps_common::wire::{Promote, ReplicaEpoch, ReplicaReport, Request};
 use gaps_kernels::{Bufs, Hyper, PushScalars, Rule};
 use membership::Coordinator;
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
@@ -815,84 +815,16 @@ impl ShardCore {
         let mut events = Vec::new();
         self.reply_views.clear();
         self.gba_hold.clear_asked();
-        let payload_in = req.payload.len() as u64 * 4;
-        self.stats.payload_bytes_in += payload_in;
-        let is_push =
-            matches!(req.msg, Message::Push(_) | Message::PushPull(_) | Message::PushPart(_) | Message::SparsePush(_));
-        let now_s = now.as_secs().min(u64::from(u32::MAX)) as u32;
-        self.now_s = now_s;
-        let result = match req.msg {
-            Message::Pull(p) => self.pull(&p),
-            Message::Push(p) => self.push(&p, &req.payload, finite, now, &mut events),
-            Message::PushPull(p) => self.push_pull(&p, &req.payload, finite, now, &mut events),
-            // A part of a push applied before is acknowledged as a duplicate; new parts are put together by
-            // the service (`crate::stripes`), which hands the core whole pushes.
-            Message::PushPart(p) => match self.check_push(p.push.epoch, p.push.worker, p.push.seq) {
-                Ok(Some(duplicate)) => Ok(duplicate),
-                Ok(None) => Err(ShardError::Misconfigured(
-                    "parts of a striped push are put together by the shard service; the core takes whole pushes".into(),
-                )),
-                Err(e) => Err(e),
-            },
-            Message::SparsePull(p) => self.sparse_pull(&p, &req.payload, now_s),
-            Message::SparsePush(p) => self.sparse_push(&p, &req.payload, now_s),
-            Message::SparsePullReply(_) => Err(ShardError::NotARequest("sparse pull reply")),
-            Message::Register(r) => self.register(&r, now, &mut events),
-            Message::RegisterShard(r) => self.register_shard(&r, &mut events),
-            Message::Heartbeat(h) => self.heartbeat(h, now, &mut events),
-            Message::Leave(l) => self.leave(l, &mut events),
-            Message::SplitRequest(r) => self.split_request(&r, now, &mut events),
-            Message::DataStatusRequest(r) => Ok(Frame::new(Message::DataStatus(self.data_status(r.after_grant)))),
-            Message::SplitGrant(_) => Err(ShardError::NotARequest("split grant")),
-            Message::DataStatus(_) => Err(ShardError::NotARequest("data status")),
-            Message::Initialize(i) => self.initialize(&i, &req.payload),
-            Message::Initialized(_) => Err(ShardError::NotARequest("initialized")),
-            Message::TableScan(r) => self.table_scan(&r),
-            Message::TableLoad(r) => self.table_load(&r, &req.payload, now_s),
-            Message::TableRows(_) => Err(ShardError::NotARequest("table rows")),
-            Message::TableLoaded(_) => Err(ShardError::NotARequest("table loaded")),
-            // The core answers at once; the service holds the request until `wait_satisfied`.
-            Message::StatsRequest(_) | Message::WaitStep(_) => Ok(Frame::new(Message::Stats(self.stats()))),
-            // Files are the service's business: a core on its own cannot write one.
-            Message::CheckpointRequest(_) => {
-                Err(ShardError::Misconfigured("checkpoints are written by the shard service, not the core".into()))
+        let Frame { msg, payload } = req;
+        self.stats.payload_bytes_in += payload.len() as u64 * 4;
+        self.now_s = now.as_secs().min(u64::from(u32::MAX)) as u32;
+        let (result, is_push) = match msg.into_request() {
+            Ok(request) => {
+                let is_push = request.is_push();
+                (self.serve(request, &payload, finite, now, &mut events), is_push)
             }
-            Message::CheckpointDone(_) => Err(ShardError::NotARequest("checkpoint done")),
-            Message::Rollback(_) => {
-                Err(ShardError::Misconfigured("rollbacks are run by the shard service, not the core".into()))
-            }
-            Message::RollbackReply(_) => Err(ShardError::NotARequest("rollback reply")),
-            // Replication is between shard services; a core is replicated by being fed its primary's log.
-            Message::ReplicaSnapshot(_) | Message::ReplicaAppend(_) => {
-                Err(ShardError::Misconfigured("replication is run by the shard service, not the core".into()))
-            }
-            Message::ReplicaAck(_) => Err(ShardError::NotARequest("replica ack")),
-            Message::ReplicaReport(r) => self.replica_report(&r, &mut events),
-            Message::Promote(p) => self.promote(&p, &mut events),
-            Message::ReplicaEpoch(_) => Err(ShardError::NotARequest("replica epoch")),
-            // Shard 0's configuration is chosen by the shard processes, outside any core.
-            Message::ConfigPrepare(_)
-            | Message::ConfigAccept(_)
-            | Message::ConfigChosen(_)
-            | Message::CoordinatorWhere(_)
-            | Message::CoordinatorAt(_) => Err(ShardError::Misconfigured(
-                "shard 0's configuration is chosen by the shard service, not the core".into(),
-            )),
-            Message::ConfigPromise(_) | Message::ConfigAccepted(_) | Message::ConfigRefused(_) => {
-                Err(ShardError::NotARequest("configuration answer"))
-            }
-            // Credentials are checked by the service, which knows the connection's certificate.
-            Message::Authenticate(_) => {
-                Err(ShardError::Misconfigured("credentials are checked by the shard service, not the core".into()))
-            }
-            Message::Authenticated(_) => Err(ShardError::NotARequest("authenticated")),
-            Message::ClusterMap(_) => Err(ShardError::NotARequest("cluster map")),
-            Message::PullReply(_) => Err(ShardError::NotARequest("pull reply")),
-            Message::PushPullReply(_) => Err(ShardError::NotARequest("push-pull reply")),
-            Message::Ack(_) => Err(ShardError::NotARequest("ack")),
-            Message::Error(_) => Err(ShardError::NotARequest("error")),
-            Message::HeartbeatAck(_) => Err(ShardError::NotARequest("heartbeat ack")),
-            Message::Stats(_) => Err(ShardError::NotARequest("stats")),
+            // An answer sent as a request changes nothing.
+            Err(reply) => (Err(ShardError::NotARequest(reply.name())), false),
         };
         let reply = match result {
             Ok(frame) => frame,
@@ -906,8 +838,71 @@ impl ShardCore {
         // Values declared (a packed reply holds fewer slots), four bytes each as the receiver holds them.
         self.stats.payload_bytes_out += reply.msg.payload_elems() * 4;
         // The request's payload was only read; a very large one is recycled for the next request.
-        gaps_common::buffers::give(req.payload);
+        gaps_common::buffers::give(payload);
         (reply, events)
+    }
+
+    /// One request, to the part of the core that answers it.
+    fn serve(
+        &mut self,
+        request: Request,
+        payload: &[f32],
+        finite: bool,
+        now: Duration,
+        events: &mut Vec<CoreEvent>,
+    ) -> Result<Frame, ShardError> {
+        let now_s = self.now_s;
+        match request {
+            Request::Pull(p) => self.pull(&p),
+            Request::Push(p) => self.push(&p, payload, finite, now, events),
+            Request::PushPull(p) => self.push_pull(&p, payload, finite, now, events),
+            // A part of a push applied before is acknowledged as a duplicate; new parts are put together by
+            // the service (`crate::stripes`), which hands the core whole pushes.
+            Request::PushPart(p) => match self.check_push(p.push.epoch, p.push.worker, p.push.seq) {
+                Ok(Some(duplicate)) => Ok(duplicate),
+                Ok(None) => Err(ShardError::Misconfigured(
+                    "parts of a striped push are put together by the shard service; the core takes whole pushes".into(),
+                )),
+                Err(e) => Err(e),
+            },
+            Request::SparsePull(p) => self.sparse_pull(&p, payload, now_s),
+            Request::SparsePush(p) => self.sparse_push(&p, payload, now_s),
+            Request::Register(r) => self.register(&r, now, events),
+            Request::RegisterShard(r) => self.register_shard(&r, events),
+            Request::Heartbeat(h) => self.heartbeat(h, now, events),
+            Request::Leave(l) => self.leave(l, events),
+            Request::SplitRequest(r) => self.split_request(&r, now, events),
+            Request::DataStatusRequest(r) => Ok(Frame::new(Message::DataStatus(self.data_status(r.after_grant)))),
+            Request::Initialize(i) => self.initialize(&i, payload),
+            Request::TableScan(r) => self.table_scan(&r),
+            Request::TableLoad(r) => self.table_load(&r, payload, now_s),
+            // The core answers at once; the service holds the request until `wait_satisfied`.
+            Request::StatsRequest(_) | Request::WaitStep(_) => Ok(Frame::new(Message::Stats(self.stats()))),
+            // Files are the service's business: a core on its own cannot write one.
+            Request::CheckpointRequest(_) => {
+                Err(ShardError::Misconfigured("checkpoints are written by the shard service, not the core".into()))
+            }
+            Request::Rollback(_) => {
+                Err(ShardError::Misconfigured("rollbacks are run by the shard service, not the core".into()))
+            }
+            // Replication is between shard services; a core is replicated by being fed its primary's log.
+            Request::ReplicaSnapshot(_) | Request::ReplicaAppend(_) => {
+                Err(ShardError::Misconfigured("replication is run by the shard service, not the core".into()))
+            }
+            Request::ReplicaReport(r) => self.replica_report(&r, events),
+            Request::Promote(p) => self.promote(&p, events),
+            // Shard 0's configuration is chosen by the shard processes, outside any core.
+            Request::ConfigPrepare(_)
+            | Request::ConfigAccept(_)
+            | Request::ConfigChosen(_)
+            | Request::CoordinatorWhere(_) => Err(ShardError::Misconfigured(
+                "shard 0's configuration is chosen by the shard service, not the core".into(),
+            )),
+            // Credentials are checked by the service, which knows the connection's certificate.
+            Request::Authenticate(_) => {
+                Err(ShardError::Misconfigured("credentials are checked by the shard service, not the core".into()))
+            }
+        }
     }
 
     /// Expires worker leases and idle sparse rows (TTL eviction). Returns what changed.
