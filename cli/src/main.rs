@@ -161,18 +161,7 @@ struct LayoutArgs {
 #[derive(Debug, Subcommand)]
 enum BenchCommand {
     /// DLRM training samples per second through local clusters of 1×1, 1×4, 2×2 and 2×4 shards × workers.
-    E2e {
-        /// Steps per worker.
-        #[arg(long, env = "GAPS_BENCH_STEPS", default_value_t = 1200)]
-        steps: u64,
-        /// Also train a single-process PyTorch DLRM of the same shape, data and optimizers with this Python
-        /// (it must import torch and gaps), at 1 and 2 threads, and report every shape ÷ each.
-        #[arg(long, env = "GAPS_BENCH_TORCH", value_name = "PYTHON")]
-        torch: Option<PathBuf>,
-        /// The PyTorch baseline script.
-        #[arg(long, env = "GAPS_BENCH_TORCH_SCRIPT", default_value = "python/benches/torch_baseline.py")]
-        torch_script: PathBuf,
-    },
+    E2e(E2eArgs),
     /// Sync, gba, async and auto on the same data under three straggler profiles (none, one worker 4×
     /// slower, one that stalls): wall time, speed-up over sync beside the simulator's prediction, time to a
     /// target AUC, final AUC and log-loss, gradients dropped.
@@ -196,68 +185,194 @@ enum BenchCommand {
         dim: u32,
     },
     /// Parameters per second of every update rule against a streaming loop over the same bytes.
-    Kernels {
-        /// Print one JSON line per case on stdout.
-        #[arg(long, env = "GAPS_JSON")]
-        json: bool,
-        /// Where to run: cpu, cuda, or auto (cuda when a GPU is present).
-        #[arg(long, env = "GAPS_DEVICE", default_value = "cpu")]
-        device: String,
-        /// Parameter counts to measure (suffixes Ki and Mi allowed).
-        #[arg(long, env = "GAPS_BENCH_SIZES", value_delimiter = ',', default_value = "1Mi,16Mi,64Mi", value_parser = parse_count)]
-        sizes: Vec<usize>,
-        /// Threads for the CPU path (0: one per core).
-        #[arg(long, env = "GAPS_THREADS", default_value_t = 0)]
-        threads: usize,
-        /// Seconds to time each case.
-        #[arg(long, env = "GAPS_BENCH_SECONDS", default_value_t = 0.5)]
-        seconds: f64,
-        /// `update`: each rule's loop on resident buffers against a streaming loop over the same bytes.
-        /// `server`: a push and a pull through the shard's device-resident state (host gradient in, update,
-        /// parameters out): on the CPU against the per-chunk CPU path, on a GPU against the pinned-copy
-        /// bound of the bytes that cross.
-        #[arg(long, default_value = "update", value_parser = ["update", "server"])]
-        path: String,
-    },
+    Kernels(KernelsArgs),
     /// Push+pull payload throughput against one and two shards, with a plain quinn baseline.
-    Transport {
-        /// Print one JSON line per case on stdout.
-        #[arg(long, env = "GAPS_JSON")]
-        json: bool,
-        /// Seconds to time each case.
-        #[arg(long, env = "GAPS_BENCH_SECONDS", default_value_t = 3.0)]
-        seconds: f64,
-        /// One small round per case (a smoke test).
-        #[arg(long, env = "GAPS_BENCH_QUICK")]
-        quick: bool,
-        /// Run only the cases whose name contains this (e.g. `1shard_1Mi`, `sparse`), or only the case named exactly this.
-        #[arg(long)]
-        only: Option<String>,
-        /// Rows in the sparse cases' table.
-        #[arg(long, default_value_t = 10_000_000)]
-        sparse_rows: u64,
-        /// Measurements per case, alternating gaps and its baselines (medians are reported).
-        #[arg(long, default_value_t = 3)]
-        repeats: u32,
-        /// Time gaps alone, without the baselines (for profiling one case with perf; ratios print as 0).
-        #[arg(long)]
-        gaps_only: bool,
-        /// Connections per shard the gaps client stripes large pushes and pulls over.
-        #[arg(long, default_value_t = gaps_worker::client::DEFAULT_LANES)]
-        lanes: usize,
-        /// Dense rounds as a push then a pull, two requests per shard (`Client::push`, `Client::pull`),
-        /// instead of one push-pull request (`Client::push_pull`, what `gaps-worker` uses).
-        #[arg(long)]
-        separate: bool,
-        /// Dense sizes in floats, comma-separated (suffixes Ki and Mi allowed); sizes of 64Ki and more also
-        /// run with bfloat16 on the wire. Default 1000,1Mi,16Mi.
-        #[arg(long, value_delimiter = ',', value_parser = parse_count)]
-        floats: Vec<usize>,
-        /// Busy processes to run beside every case, gaps and baselines alike (the cases on a machine other
-        /// programs load; JSON lines carry `hog`). 0: none.
-        #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=256))]
-        hog: u32,
-    },
+    Transport(TransportArgs),
+}
+
+/// `gaps bench e2e`.
+#[derive(Debug, clap::Args)]
+struct E2eArgs {
+    /// Steps per worker.
+    #[arg(long, env = "GAPS_BENCH_STEPS", default_value_t = 1200)]
+    steps: u64,
+    /// Also train a single-process PyTorch DLRM of the same shape, data and optimizers with this Python
+    /// (it must import torch and gaps), at 1 and 2 threads, and report every shape ÷ each.
+    #[arg(long, env = "GAPS_BENCH_TORCH", value_name = "PYTHON")]
+    torch: Option<PathBuf>,
+    /// The PyTorch baseline script.
+    #[arg(long, env = "GAPS_BENCH_TORCH_SCRIPT", default_value = "python/benches/torch_baseline.py")]
+    torch_script: PathBuf,
+}
+
+/// `gaps bench e2e`.
+async fn bench_e2e(args: E2eArgs) -> Result<()> {
+    let E2eArgs { steps, torch, torch_script } = args;
+    let exe = std::env::current_exe().context("locating the gaps executable")?;
+    let torch = match torch {
+        Some(python) => {
+            anyhow::ensure!(
+                torch_script.is_file(),
+                "the PyTorch baseline script {} is not there (run from the repository root, or give \
+                 --torch-script)",
+                torch_script.display()
+            );
+            Some(gaps_cli::e2e::TorchBaseline { python, script: torch_script, threads: vec![1, 2] })
+        }
+        None => None,
+    };
+    let run = gaps_cli::e2e::run(&exe, gaps_cli::e2e::SHAPES, steps, torch.as_ref()).await?;
+    let torch_heads: String = run.torch.iter().map(|t| format!(" {:>10}", format!("÷ torch {}t", t.threads))).collect();
+    eprintln!("{:<16} {:>12} {:>8} {:>14}{torch_heads}", "cluster", "samples/s", "AUC", "÷ 1 process");
+    let base = &run.baseline;
+    eprintln!("{:<16} {:>12.0} {:>8.4} {:>14}", "single process", base.samples_per_s, base.auc, "1.00");
+    println!("{}", base.to_json());
+    for t in &run.torch {
+        eprintln!(
+            "{:<16} {:>12.0} {:>8.4} {:>14.2}",
+            format!("torch {}t", t.threads),
+            t.samples_per_s,
+            t.auc,
+            t.samples_per_s / base.samples_per_s.max(1e-9)
+        );
+        println!("{}", gaps_cli::reports::line(t));
+    }
+    for r in &run.shapes {
+        let name = r.name().trim_start_matches("dlrm_").to_string();
+        let vs_torch: String = r.torch_ratios.iter().map(|(_, x)| format!(" {x:>10.2}")).collect();
+        eprintln!("{name:<16} {:>12.0} {:>8.4} {:>14.2}{vs_torch}", r.samples_per_s, r.auc, r.ratio);
+        println!("{}", r.to_json());
+    }
+    Ok(())
+}
+
+/// `gaps bench kernels`.
+#[derive(Debug, clap::Args)]
+struct KernelsArgs {
+    /// Print one JSON line per case on stdout.
+    #[arg(long, env = "GAPS_JSON")]
+    json: bool,
+    /// Where to run: cpu, cuda, or auto (cuda when a GPU is present).
+    #[arg(long, env = "GAPS_DEVICE", default_value = "cpu")]
+    device: String,
+    /// Parameter counts to measure (suffixes Ki and Mi allowed).
+    #[arg(long, env = "GAPS_BENCH_SIZES", value_delimiter = ',', default_value = "1Mi,16Mi,64Mi", value_parser = parse_count)]
+    sizes: Vec<usize>,
+    /// Threads for the CPU path (0: one per core).
+    #[arg(long, env = "GAPS_THREADS", default_value_t = 0)]
+    threads: usize,
+    /// Seconds to time each case.
+    #[arg(long, env = "GAPS_BENCH_SECONDS", default_value_t = 0.5)]
+    seconds: f64,
+    /// `update`: each rule's loop on resident buffers against a streaming loop over the same bytes.
+    /// `server`: a push and a pull through the shard's device-resident state (host gradient in, update,
+    /// parameters out): on the CPU against the per-chunk CPU path, on a GPU against the pinned-copy
+    /// bound of the bytes that cross.
+    #[arg(long, default_value = "update", value_parser = ["update", "server"])]
+    path: String,
+}
+
+/// `gaps bench kernels`.
+fn bench_kernels(args: KernelsArgs) -> Result<()> {
+    let KernelsArgs { json, device, sizes, threads, seconds, path } = args;
+    anyhow::ensure!(seconds.is_finite() && seconds > 0.0, "--seconds must be positive");
+    let min_time = std::time::Duration::from_secs_f64(seconds);
+    let threads =
+        if threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { threads };
+    let choice: gaps_kernels::cuda::DeviceChoice = device.parse()?;
+    let server = path == "server";
+    let results = match (gaps_kernels::cuda::CudaDevice::for_choice(choice)?, server) {
+        (Some(gpu), false) => {
+            eprintln!("[gaps bench] GPU: {}", gpu.name());
+            gaps_benches::kernels::run_cuda(&gpu, &sizes, false)?
+        }
+        (Some(gpu), true) => {
+            eprintln!("[gaps bench] GPU: {}", gpu.name());
+            drop(gpu);
+            // The CPU path of the same pushes in the same run: the GPU's push must beat it.
+            let mut rows = gaps_benches::kernels::run_server_cuda(&sizes, false)?;
+            rows.extend(gaps_benches::kernels::run_server_host(&sizes, threads, min_time, false)?);
+            rows
+        }
+        (None, false) => gaps_benches::kernels::run_cpu(&sizes, threads, min_time, false)?,
+        (None, true) => gaps_benches::kernels::run_server_host(&sizes, threads, min_time, false)?,
+    };
+    gaps_benches::kernels::print(&results, json);
+    Ok(())
+}
+
+/// `gaps bench transport`.
+#[derive(Debug, clap::Args)]
+struct TransportArgs {
+    /// Print one JSON line per case on stdout.
+    #[arg(long, env = "GAPS_JSON")]
+    json: bool,
+    /// Seconds to time each case.
+    #[arg(long, env = "GAPS_BENCH_SECONDS", default_value_t = 3.0)]
+    seconds: f64,
+    /// One small round per case (a smoke test).
+    #[arg(long, env = "GAPS_BENCH_QUICK")]
+    quick: bool,
+    /// Run only the cases whose name contains this (e.g. `1shard_1Mi`, `sparse`), or only the case named exactly this.
+    #[arg(long)]
+    only: Option<String>,
+    /// Rows in the sparse cases' table.
+    #[arg(long, default_value_t = 10_000_000)]
+    sparse_rows: u64,
+    /// Measurements per case, alternating gaps and its baselines (medians are reported).
+    #[arg(long, default_value_t = 3)]
+    repeats: u32,
+    /// Time gaps alone, without the baselines (for profiling one case with perf; ratios print as 0).
+    #[arg(long)]
+    gaps_only: bool,
+    /// Connections per shard the gaps client stripes large pushes and pulls over.
+    #[arg(long, default_value_t = gaps_worker::client::DEFAULT_LANES)]
+    lanes: usize,
+    /// Dense rounds as a push then a pull, two requests per shard (`Client::push`, `Client::pull`),
+    /// instead of one push-pull request (`Client::push_pull`, what `gaps-worker` uses).
+    #[arg(long)]
+    separate: bool,
+    /// Dense sizes in floats, comma-separated (suffixes Ki and Mi allowed); sizes of 64Ki and more also
+    /// run with bfloat16 on the wire. Default 1000,1Mi,16Mi.
+    #[arg(long, value_delimiter = ',', value_parser = parse_count)]
+    floats: Vec<usize>,
+    /// Busy processes to run beside every case, gaps and baselines alike (the cases on a machine other
+    /// programs load; JSON lines carry `hog`). 0: none.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=256))]
+    hog: u32,
+}
+
+/// `gaps bench transport`.
+async fn bench_transport(args: TransportArgs) -> Result<()> {
+    let TransportArgs { json, seconds, quick, only, sparse_rows, repeats, gaps_only, lanes, separate, floats, hog } =
+        args;
+    anyhow::ensure!(seconds.is_finite() && seconds > 0.0, "--seconds must be positive");
+    anyhow::ensure!(sparse_rows >= 2 * gaps_benches::transport::SPARSE_ROWS, "--sparse-rows must be at least 8192");
+    let mut opts = gaps_benches::transport::TransportOptions::new(quick, std::time::Duration::from_secs_f64(seconds));
+    opts.only = only;
+    opts.gaps_only = gaps_only;
+    anyhow::ensure!((1..=64).contains(&lanes), "--lanes must be 1 to 64");
+    opts.lanes = lanes;
+    opts.separate = separate;
+    opts.hog = hog as usize;
+    if hog > 0 {
+        eprintln!("[gaps bench] {hog} busy process(es) run beside every case");
+    }
+    anyhow::ensure!(floats.iter().all(|n| (1..=1 << 26).contains(n)), "--floats: each size must be 1 to 64Mi floats");
+    if !floats.is_empty() {
+        // Each size once (a case is named by its size), smallest first.
+        let mut sizes: Vec<u64> = floats.iter().map(|n| *n as u64).collect();
+        sizes.sort_unstable();
+        sizes.dedup();
+        opts.floats = Some(sizes);
+    }
+    if !quick {
+        opts.sparse_rows = sparse_rows;
+        opts.repeats = repeats.clamp(1, 50);
+    }
+    let results = gaps_benches::transport::run(&opts).await?;
+    gaps_benches::transport::print(&results, json);
+    Ok(())
 }
 
 use gaps_common::config::parse_count;
@@ -478,69 +593,8 @@ async fn bench(cmd: BenchCommand) -> Result<()> {
             }
             println!("{}", result?.to_json());
         }
-        BenchCommand::Kernels { json, device, sizes, threads, seconds, path } => {
-            anyhow::ensure!(seconds.is_finite() && seconds > 0.0, "--seconds must be positive");
-            let min_time = std::time::Duration::from_secs_f64(seconds);
-            let threads =
-                if threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { threads };
-            let choice: gaps_kernels::cuda::DeviceChoice = device.parse()?;
-            let server = path == "server";
-            let results = match (gaps_kernels::cuda::CudaDevice::for_choice(choice)?, server) {
-                (Some(gpu), false) => {
-                    eprintln!("[gaps bench] GPU: {}", gpu.name());
-                    gaps_benches::kernels::run_cuda(&gpu, &sizes, false)?
-                }
-                (Some(gpu), true) => {
-                    eprintln!("[gaps bench] GPU: {}", gpu.name());
-                    drop(gpu);
-                    // The CPU path of the same pushes in the same run: the GPU's push must beat it.
-                    let mut rows = gaps_benches::kernels::run_server_cuda(&sizes, false)?;
-                    rows.extend(gaps_benches::kernels::run_server_host(&sizes, threads, min_time, false)?);
-                    rows
-                }
-                (None, false) => gaps_benches::kernels::run_cpu(&sizes, threads, min_time, false)?,
-                (None, true) => gaps_benches::kernels::run_server_host(&sizes, threads, min_time, false)?,
-            };
-            gaps_benches::kernels::print(&results, json);
-        }
-        BenchCommand::E2e { steps, torch, torch_script } => {
-            let exe = std::env::current_exe().context("locating the gaps executable")?;
-            let torch = match torch {
-                Some(python) => {
-                    anyhow::ensure!(
-                        torch_script.is_file(),
-                        "the PyTorch baseline script {} is not there (run from the repository root, or give \
-                         --torch-script)",
-                        torch_script.display()
-                    );
-                    Some(gaps_cli::e2e::TorchBaseline { python, script: torch_script, threads: vec![1, 2] })
-                }
-                None => None,
-            };
-            let run = gaps_cli::e2e::run(&exe, gaps_cli::e2e::SHAPES, steps, torch.as_ref()).await?;
-            let torch_heads: String =
-                run.torch.iter().map(|t| format!(" {:>10}", format!("÷ torch {}t", t.threads))).collect();
-            eprintln!("{:<16} {:>12} {:>8} {:>14}{torch_heads}", "cluster", "samples/s", "AUC", "÷ 1 process");
-            let base = &run.baseline;
-            eprintln!("{:<16} {:>12.0} {:>8.4} {:>14}", "single process", base.samples_per_s, base.auc, "1.00");
-            println!("{}", base.to_json());
-            for t in &run.torch {
-                eprintln!(
-                    "{:<16} {:>12.0} {:>8.4} {:>14.2}",
-                    format!("torch {}t", t.threads),
-                    t.samples_per_s,
-                    t.auc,
-                    t.samples_per_s / base.samples_per_s.max(1e-9)
-                );
-                println!("{}", gaps_cli::reports::line(t));
-            }
-            for r in &run.shapes {
-                let name = r.name().trim_start_matches("dlrm_").to_string();
-                let vs_torch: String = r.torch_ratios.iter().map(|(_, x)| format!(" {x:>10.2}")).collect();
-                eprintln!("{name:<16} {:>12.0} {:>8.4} {:>14.2}{vs_torch}", r.samples_per_s, r.auc, r.ratio);
-                println!("{}", r.to_json());
-            }
-        }
+        BenchCommand::Kernels(args) => bench_kernels(args)?,
+        BenchCommand::E2e(args) => bench_e2e(args).await?,
         BenchCommand::Stragglers(args) => {
             let exe = std::env::current_exe().context("locating the gaps executable")?;
             let runs = gaps_cli::stragglers::run(&args, &exe).await?;
@@ -567,53 +621,7 @@ async fn bench(cmd: BenchCommand) -> Result<()> {
             );
             println!("{}", r.to_json());
         }
-        BenchCommand::Transport {
-            json,
-            seconds,
-            quick,
-            only,
-            sparse_rows,
-            repeats,
-            gaps_only,
-            lanes,
-            separate,
-            floats,
-            hog,
-        } => {
-            anyhow::ensure!(seconds.is_finite() && seconds > 0.0, "--seconds must be positive");
-            anyhow::ensure!(
-                sparse_rows >= 2 * gaps_benches::transport::SPARSE_ROWS,
-                "--sparse-rows must be at least 8192"
-            );
-            let mut opts =
-                gaps_benches::transport::TransportOptions::new(quick, std::time::Duration::from_secs_f64(seconds));
-            opts.only = only;
-            opts.gaps_only = gaps_only;
-            anyhow::ensure!((1..=64).contains(&lanes), "--lanes must be 1 to 64");
-            opts.lanes = lanes;
-            opts.separate = separate;
-            opts.hog = hog as usize;
-            if hog > 0 {
-                eprintln!("[gaps bench] {hog} busy process(es) run beside every case");
-            }
-            anyhow::ensure!(
-                floats.iter().all(|n| (1..=1 << 26).contains(n)),
-                "--floats: each size must be 1 to 64Mi floats"
-            );
-            if !floats.is_empty() {
-                // Each size once (a case is named by its size), smallest first.
-                let mut sizes: Vec<u64> = floats.iter().map(|n| *n as u64).collect();
-                sizes.sort_unstable();
-                sizes.dedup();
-                opts.floats = Some(sizes);
-            }
-            if !quick {
-                opts.sparse_rows = sparse_rows;
-                opts.repeats = repeats.clamp(1, 50);
-            }
-            let results = gaps_benches::transport::run(&opts).await?;
-            gaps_benches::transport::print(&results, json);
-        }
+        BenchCommand::Transport(args) => bench_transport(args).await?,
     }
     Ok(())
 }

@@ -34,6 +34,7 @@ use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tracing::{debug, error, info, warn, Instrument};
 
 mod actor;
+mod assemble;
 mod checkpoints;
 mod failover;
 mod restart;
@@ -41,6 +42,7 @@ mod rpc;
 mod starting;
 mod startup;
 use actor::*;
+use assemble::*;
 use checkpoints::*;
 use failover::*;
 use restart::*;

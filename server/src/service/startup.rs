@@ -39,41 +39,15 @@ pub(super) fn start_serving(cfg: ServiceConfig, takeover: Option<Takeover>) -> S
 }
 
 pub(super) async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<Takeover>) -> Result<RunningServer> {
-    crate::replication::check_replicas(cfg.replicas, cfg.core.num_shards)?;
-    if cfg.replicas > 1 && cfg.device != gaps_kernels::cuda::DeviceChoice::Cpu {
-        bail!(
-            "--replicas {} runs every copy's updates on the CPU, so that copies stay equal bit for bit: pass --device cpu",
-            cfg.replicas
-        );
-    }
-    let own = cfg.tls.own_identity().context("reading this shard's certificate")?;
     let process = takeover.as_ref().map_or(cfg.core.shard, |t| t.process);
-    if own.role != Role::Shard(process) {
-        bail!(
-            "this is shard {} but its certificate is {own}: pass the shard-{}.pem made by `gaps certs`",
-            cfg.core.shard,
-            cfg.core.shard
-        );
-    }
+    let own = check_start(&cfg, process)?;
     let takes_over = takeover.is_some();
-    let (taken, taken_key, taken_clock, bound, replica_epoch, taken_index, taken_quorum) = match takeover {
-        Some(t) => {
-            (Some((t.core, t.restored)), t.key, Some(t.clock), Some(t.endpoint), t.epoch, t.applied, Some(t.quorum))
-        }
-        None => (None, None, None, None, 0, 0, None),
-    };
-    let (endpoint, path) = match bound {
+    let given = Given::of(takeover);
+    let (endpoint, path) = match given.bound {
         Some(bound) => bound,
         None => net::server_endpoint(cfg.listen, &cfg.tls)?,
     };
-    let addr = endpoint.local_addr().context("reading the bound address")?;
-    let advertise = match &cfg.advertise {
-        Some(a) => a.clone(),
-        None if addr.ip().is_unspecified() => {
-            bail!("listening on {addr}: pass --advertise HOST:PORT so clients know where to reach this shard")
-        }
-        None => addr.to_string(),
-    };
+    let (addr, advertise) = advertised(&endpoint, &cfg)?;
     cfg.core.advertise = advertise.clone();
     let shard = cfg.core.shard;
     // The coordinator's address as this process was given it (its own on shard 0: a `--coordinator` given to
@@ -83,32 +57,14 @@ pub(super) async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<T
         _ => advertise.clone(),
     };
     let health = cfg.health.clone();
-    let report = |what: &str| {
-        if let Some(h) = &health {
-            h.starting(what);
-        }
-    };
-    report("restoring");
+    report(&health, "restoring");
     let store = match &cfg.checkpoint {
         Some(c) => Some(CheckpointStore::open(&c.dir, shard, c.keep)?),
         None => None,
     };
-    let (mut core, restored) = match taken {
-        Some(taken) => taken,
-        None => initial_core(&cfg, shard, store.as_ref())?,
-    };
-    // The coordinator's tables restored by a process that started again: its copies are gone.
-    if shard == 0 && restored.is_some() {
-        core.serving_restored(process);
-    }
-    let journal = set_up_dealer(&mut core, &cfg, shard, store.as_ref(), restored.is_some())?;
-    // Pull replies go out as the core packs them (16-bit values converted straight from the parameters).
-    core.set_packed_replies(true);
-    // f32 replies share the parameters rather than copying them on the core's thread.
-    core.set_shared_replies(true);
-    set_up_device(&mut core, &cfg, shard)?;
+    let (mut core, restored, journal) = core_to_serve(&cfg, process, given.taken, store.as_ref())?;
     // One acceptor per process: a shard taken over here shares the process's.
-    let quorum = match taken_quorum {
+    let quorum = match given.quorum {
         Some(q) => q,
         None => open_quorum(&cfg, process, &coordinator_addr)?,
     };
@@ -118,278 +74,59 @@ pub(super) async fn start_serving_now(mut cfg: ServiceConfig, takeover: Option<T
         (Some(q), false) => Some(super::starting::Answering::start(endpoint.clone(), q.clone(), own.cluster.clone())),
         _ => None,
     };
-    // Where a majority chooses shard 0's configuration, the coordinator is where the last one this process
-    // knows put it (the address given at start until a takeover) or, newer, the one the process at
-    // `--coordinator` knows.
-    let mut asked = None;
-    if let (Some(q), Some(ask), false) = (&quorum, &cfg.coordinator, takes_over) {
-        asked = learn_where_the_coordinator_is(&endpoint, ask, &own.cluster, q).await;
-    }
-    // The process that served shard 0 when it stopped (process 0, or one that took it over) serves it again
-    // only once a majority chose so; else it comes back without it.
-    let mut coordinator_here = None;
-    if let (Some(q), false) = (&quorum, takes_over) {
-        let last = q.chosen();
-        if last.serving == process && (last.version > 0 || (shard == 0 && restored.is_some())) {
-            report("asking the shard processes who serves shard 0");
-            let start = ServedShard0 { cfg: &cfg, own: &own, quorum: q, advertise: &advertise, asked: asked.clone() };
-            coordinator_here = start.settle(&endpoint, core.process_addrs()).await?;
-        }
-    }
+    let place = Place { endpoint: &endpoint, own: &own, advertise: &advertise, process, takes_over, health: &health };
+    let coordinator_here = match (&quorum, takes_over) {
+        (Some(q), false) => shard0_here(&cfg, &place, q, restored.is_some(), core.process_addrs()).await?,
+        _ => None,
+    };
     let chosen = quorum.as_ref().map(|q| q.chosen()).filter(|c| c.version > 0);
-    // A process whose shard was taken over while it was down comes back as a spare: it serves no shard
-    // (its own answers `Moved`) and keeps copies of others, its old shard's among them.
-    let mut spare = false;
-    let mut resume = Vec::new();
-    let join_at = match (&chosen, shard, takes_over) {
-        (_, _, true) => None,
-        // Process 0 joins another serving shard 0 as a spare.
-        (Some(c), 0, false) => (c.serving != 0).then(|| (c.addr.clone(), c.serving)),
-        (None, 0, false) => None,
-        (Some(c), _, false) => Some((c.addr.clone(), c.serving)),
-        (None, _, false) => {
-            Some((cfg.coordinator.clone().context("shards other than 0 need --coordinator (shard 0's address)")?, 0))
-        }
+    let joined = match given.key {
+        Some(key) => Joined { auth_key: key, spare: false, resume: Vec::new() },
+        None => join_cluster(&cfg, &place, chosen.as_ref(), &mut core, quorum.as_ref(), store.as_ref()).await?,
     };
-    let auth_key = if let Some(key) = taken_key {
-        key
-    } else if let Some((coordinator, serving)) = join_at {
-        report("joining the coordinator");
-        // Whom to ask where the coordinator is while it is silent: the process `--coordinator` names, and the
-        // processes a restored coordinator's tables list (process 0's).
-        let asks: Vec<String> = cfg
-            .coordinator
-            .iter()
-            .cloned()
-            .chain(core.process_addrs().into_iter().map(|(_, a)| a))
-            .filter(|a| *a != advertise)
-            .collect();
-        let ask = (asks.as_slice(), quorum.as_ref());
-        let map =
-            join_coordinator(&endpoint, (&coordinator, serving), &own.cluster, &mut core, (cfg.join_timeout, ask))
-                .await?;
-        let key = map.auth_key.context("the coordinator sent no credential key")?;
-        let served_elsewhere = map.shards.iter().any(|s| s.index == shard && s.process != shard);
-        if served_elsewhere && cfg.replicas < 2 {
-            bail!("shard {shard} was taken over by another shard process while this one was down; start it with --replicas as the cluster's to keep copies");
-        }
-        // Listed as a spare while its shard is still its own: a backup in sync holds more (it waits for it to
-        // take the shard over, or has it granted back where that backup started again too).
-        let waits = !served_elsewhere && map.spare.iter().any(|s| s.index == shard);
-        spare = served_elsewhere || waits;
-        // Shards this process served when it stopped (shard 0's is settled above): served again from its
-        // checkpoints once the coordinator grants it.
-        resume = map
-            .shards
-            .iter()
-            .filter(|s| s.process == process && (s.index != shard || waits) && s.index != 0)
-            .map(|s| (s.index, s.epoch))
-            .collect();
-        key
-    } else {
-        // The coordinator's key outlives a restart with its checkpoints (the tokens it gave stay valid).
-        match &store {
-            Some(store) => crate::auth::load_or_create_key(store.dir())?,
-            None => crate::auth::random_key()?,
-        }
-    };
+    let Joined { auth_key, spare, resume } = joined;
     // A shard taken over or served again keeps the cluster's key in its folder (shard 0's, restored later).
     if let (true, Some(store)) = (takes_over && shard == 0, &store) {
         crate::auth::keep_key(store.dir(), &auth_key)?;
     }
     let credentials = Credentials::new(auth_key, core.epoch());
-    let widest = core.config().layout.tables.iter().map(|t| u64::from(t.dim)).max();
     let read_echo = core.needs_read();
     let mut max_payload_bytes = payload_limit(&core.config().layout, core.owned_elems() as u64, read_echo);
     let backups = match cfg.replicas {
         _ if takes_over => None,
         0 | 1 => None,
-        r => {
-            let mut shards = crate::replication::backed_up_by(shard, cfg.core.num_shards, r);
-            if spare {
-                shards.push(shard);
-            }
-            // A copy's shard has this one's layout and rules; only what it owns differs.
-            let limit = |c: &ShardConfig| {
-                let owned = c
-                    .layout
-                    .chunks_of_shard(c.shard, c.num_shards)
-                    .into_iter()
-                    .map(|id| c.layout.chunk_len(id).unwrap_or(0) as u64)
-                    .sum();
-                payload_limit(&c.layout, owned, read_echo)
-            };
-            let backups = Backups::new(&shards, &cfg.core, r, cfg.data.as_ref(), limit);
-            max_payload_bytes = max_payload_bytes.max(backups.largest_request());
-            info!(shard, copies_of = ?shards, "keeping copies of other shards (--replicas {r})");
-            Some(Arc::new(backups))
-        }
+        r => Some(copies_kept(&cfg, r, spare, read_echo)),
     };
-    let log = (cfg.replicas > 1).then(|| Arc::new(Log::new(shard, cfg.inflight_bytes)));
-    if let (true, Some(log)) = (spare, &log) {
-        match resume.iter().any(|(s, _)| *s == shard) {
-            true => warn!(
-                shard,
-                "a backup in sync holds more of this shard than its checkpoint: serving none here, until it takes \
-                 the shard over (or the shard is granted back to this process, should that backup hold nothing)"
-            ),
-            false => warn!(
-                shard,
-                "this shard was taken over by another shard process while this one was down: serving none, keeping copies"
-            ),
-        }
-        log.fence();
+    if let Some(b) = &backups {
+        max_payload_bytes = max_payload_bytes.max(b.largest_request());
     }
-    let limits = Limits { max_payload_bytes, ..Limits::default() };
+    let log = replica_log(&cfg, spare, &resume);
     let chunk_elems = u64::from(core.config().layout.chunk_elems);
-    let (queue, receiver) = mpsc::channel(cfg.queue_depth.max(1));
-    // A copy taken over goes on from its primary's clock (leases and waits are deadlines on it).
-    let started = taken_clock.and_then(|c| Instant::now().checked_sub(c)).unwrap_or_else(Instant::now);
-    // A striped push whose parts did not all come within a request's time limit is given up.
-    let part_wait = cfg.request_timeout;
-    let wake = Alarm { runtime: tokio::runtime::Handle::current(), queue: queue.downgrade(), armed: None };
-    let record = match &cfg.record {
-        Some(dir) => {
-            let rec = crate::record::Recorder::create(dir, shard, process, taken_index, &core)?;
-            info!(shard, path = %rec.path().display(), "recording every request that changes this shard's state");
-            Some(rec)
-        }
-        None => None,
-    };
-    std::thread::Builder::new()
-        .name(format!("gaps-shard-{shard}"))
-        .spawn({
-            let sinks = Sinks { journal, log: log.clone(), record };
-            move || run_actor(core, receiver, started, part_wait, sinks, wake)
-        })
-        .context("starting the shard's core thread")?;
-    let budget_units = (cfg.inflight_bytes / BUDGET_UNIT).clamp(1, u64::from(u32::MAX >> 3)) as u32;
-    let rotated = Arc::new(std::sync::Mutex::new(None));
-    let link = crate::link::CoordinatorLink::new(
-        coordinator_addr.clone(),
-        own.cluster.clone(),
-        endpoint.clone(),
-        rotated.clone(),
-        quorum.clone(),
-    );
-    let shared = Arc::new(Shared {
+    let widest_table = core.config().layout.tables.iter().map(|t| u64::from(t.dim)).max().unwrap_or(0);
+    let (queue, started) = start_core_thread(&cfg, core, (process, given.applied, given.clock), journal, log.clone())?;
+    let parts = SharedParts {
         queue,
-        budget: Semaphore::new(budget_units as usize),
-        budget_units,
-        held_bytes: AtomicU64::new(0),
-        peak_held_bytes: AtomicU64::new(0),
-        metrics: ShardMetrics::register(shard),
-        limits,
-        connections: Arc::new(Semaphore::new(cfg.max_connections.max(1))),
-        request_timeout: cfg.request_timeout,
-        stall_timeout: cfg.stall_timeout,
-        budget_wait: cfg.budget_wait,
-        idle_timeout: cfg.idle_timeout,
-        connection_units: (budget_units / CONNECTION_SHARE_DIVISOR).max(1),
-        busy: AtomicU64::new(0),
-        idle_closed: AtomicU64::new(0),
-        timed_out: AtomicU64::new(0),
-        refused: AtomicU64::new(0),
         endpoint: endpoint.clone(),
         path,
         started,
         own,
-        rotated,
-        link: link.clone(),
+        coordinator_addr,
+        quorum: quorum.clone(),
         credentials,
-        bindings: DashMap::new(),
-        per_ip: DashMap::new(),
-        max_per_ip: cfg.max_connections_per_ip.max(1),
-        registrants: DashMap::new(),
-        per_certificate: DashMap::new(),
-        max_per_certificate: cfg.max_workers_per_certificate.max(1),
-        unauthorized: AtomicU64::new(0),
-        log_unauthorized: LogLimiter::new(Duration::from_secs(1)),
-        log_malformed: LogLimiter::new(Duration::from_secs(1)),
-        log_connections: LogLimiter::new(Duration::from_secs(1)),
-        last_checkpoint_ms: AtomicU64::new(0),
-        stopping: tokio::sync::Notify::new(),
-        tables_changed: tokio::sync::Notify::new(),
-        next_checkpoint: AtomicU64::new(match &store {
-            Some(s) => s.next_id()?.max(restored.as_ref().map_or(0, |r| r.id + 1)),
-            None => 1,
-        }),
         store,
-        checkpoint_lock: tokio::sync::Mutex::new(Vec::new()),
-        cluster_lock: tokio::sync::Mutex::new(()),
-        device: cfg.device,
-        device_worker_slots: cfg.device_worker_slots,
-        rollbacks: AtomicU64::new(0),
-        last_rollback: std::sync::Mutex::new(None),
-        checkpoints_written: AtomicU64::new(0),
+        restored_id: restored.as_ref().map(|r| r.id),
+        max_payload_bytes,
         chunk_elems,
-        widest_table: widest.unwrap_or(0),
-        shard,
+        widest_table,
         log: log.clone(),
         backups,
-        quorum: quorum.clone(),
         advertise: advertise.clone(),
-        replicas: cfg.replicas,
-        taken_over: std::sync::Mutex::new(coordinator_here.into_iter().collect()),
-    });
+        coordinator_here,
+    };
+    let shared = Arc::new(shared_state(&cfg, parts)?);
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
-    if let Some(every) = cfg.checkpoint.as_ref().and_then(|c| c.every) {
-        spawn_checkpoint_schedule(shared.clone(), every, shutdown_rx.clone());
-    }
-    if shard == 0 && cfg.replicas > 1 && shared.store.is_some() {
-        spawn_table_checkpoints(shared.clone(), shutdown_rx.clone());
-        // Shard 0 served by another process than before (a copy taken over, or served again from a
-        // checkpoint): its folder holds a checkpoint of it at once.
-        if takes_over {
-            shared.tables_changed.notify_one();
-        }
-    }
-    if let (Some(info), true, false) = (&restored, cfg.core.modes.mode != gaps_shard::Mode::Async, spare) {
-        // Consistent recovery: every shard goes back to one cluster checkpoint (async keeps the cheaper
-        // per-shard restore, see docs/guide/recovery.md).
-        tokio::spawn(roll_back_cluster_after_restore(shared.clone(), info.id, shutdown_rx.clone()));
-    }
-    if let Some(log) = &log {
-        let queue = shared.queue.clone();
-        let ctx = Arc::new(crate::replication::ShipContext {
-            shard,
-            link: link.clone(),
-            ack_timeout: cfg.replica_ack_timeout,
-            process,
-            advertise: advertise.clone(),
-            epoch: replica_epoch,
-            reporting: tokio::sync::Mutex::new(()),
-            quorum: quorum.clone().filter(|_| shard == 0),
-            snapshot: Arc::new(move |backup| {
-                let (tx, rx) = oneshot::channel();
-                if let Err(mpsc::error::TrySendError::Full(Command::ReplicaSnapshot { reply, .. })) =
-                    queue.try_send(Command::ReplicaSnapshot { backup, reply: tx })
-                {
-                    let _ = reply.send(Err("the core's queue is full; trying again".into()));
-                }
-                rx
-            }),
-        });
-        let backups = if spare {
-            Vec::new()
-        } else {
-            crate::replication::backups_of(shard, process, cfg.core.num_shards, cfg.replicas)
-        };
-        for backup in backups {
-            let span = tracing::info_span!("replication", shard, backup);
-            tokio::spawn(
-                crate::replication::ship(ctx.clone(), log.clone(), backup, shutdown_rx.clone()).instrument(span),
-            );
-        }
-    }
-    if !resume.is_empty() {
-        let resuming = resume_shards(shared.clone(), cfg.clone(), link.clone(), resume, shutdown_rx.clone());
-        tokio::spawn(resuming.instrument(tracing::info_span!("resume", process)));
-    }
-    if shared.backups.is_some() {
-        let watch = watch_primaries(shared.clone(), cfg.clone(), link, shutdown_rx.clone());
-        tokio::spawn(watch.instrument(tracing::info_span!("takeover", process)));
-    }
+    let background = Background { restored: restored.as_ref(), spare, takes_over, process, epoch: given.epoch };
+    spawn_background(&shared, &cfg, background, log, resume, &shutdown_rx);
     if let Some(answering) = answering {
         answering.stop().await;
     }
