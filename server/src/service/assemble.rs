@@ -239,7 +239,7 @@ pub(super) fn replica_log(cfg: &ServiceConfig, spare: bool, resume: &[(u32, u64)
         match resume.iter().any(|(s, _)| *s == shard) {
             true => warn!(
                 shard,
-                "a backup in sync holds more of this shard than its checkpoint: serving none here, until it takes \\
+                "a backup in sync holds more of this shard than its checkpoint: serving none here, until it takes \
                  the shard over (or the shard is granted back to this process, should that backup hold nothing)"
             ),
             false => warn!(

@@ -57,7 +57,7 @@ pub enum ShardError {
     #[error("{0}")]
     SequenceWindow(String),
     /// See [`ErrorCode::UnknownKind`].
-    #[error("a {0} message is not a request")]
+    #[error("{0} is an answer, not a request")]
     NotARequest(&'static str),
     /// A sparse row belongs to another shard; see [`ErrorCode::NotOwner`].
     #[error("row {id} of table {table} belongs to shard {owner}, not to shard {me}")]
