@@ -537,6 +537,10 @@ async fn shard_0_goes_on_without_its_backup_only_once_a_majority_chose_so() {
             let refused = worker.next_split(Some(first)).await;
             assert!(refused.is_err(), "shard 0 answered a change its only copy never got: {refused:?}");
             assert_eq!(config(&s0).in_sync, vec![1], "no majority, no new configuration");
+            // Nor does it show a worker a map while its backups lack what it logged (a read index): a
+            // coordinator cut off from a majority must not send workers after changes nobody else has.
+            let map = worker.current_map().await;
+            assert!(map.is_err(), "shard 0 showed a worker its map without its backups: {map:?}");
         } else {
             s1.crash();
             for _ in 0..400 {

@@ -465,7 +465,14 @@ pub(super) async fn serve_request(
                 // acknowledges nothing.
                 let reply = match (&shared.log, reply) {
                     (Some(log), Some(answer)) => {
-                        match tokio::time::timeout(shared.request_timeout, log.wait(answer.3)).await {
+                        // The coordinator's map goes out to a worker or observer only once the backups hold
+                        // everything it shows (a read index): a coordinator cut off from a majority cannot
+                        // send workers after a change (a promotion) its backups never got. Shard processes are
+                        // answered at once: choosing a configuration without a silent backup asks for maps.
+                        let worker_map = matches!(answer.0.msg, Message::ClusterMap(_))
+                            && matches!(peer.identity.role, Role::Worker(_));
+                        let index = if worker_map { answer.3.max(log.last_index()) } else { answer.3 };
+                        match tokio::time::timeout(shared.request_timeout, log.wait(index)).await {
                             Ok(true) => Some(answer),
                             Ok(false) => Some((moved(shared), Vec::new(), Vec::new(), 0)),
                             Err(_) => {
