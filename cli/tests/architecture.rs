@@ -105,7 +105,6 @@ fn functions(file: &str, text: &str) -> Vec<(String, usize, String, usize)> {
         let mut rest = trimmed;
         for prefix in ["pub(crate) ", "pub(super) ", "pub ", "async ", "unsafe ", "const "] {
             rest = rest.strip_prefix(prefix).unwrap_or(rest);
-            rest = rest.strip_prefix(prefix).unwrap_or(rest);
         }
         let Some(sig) = rest.strip_prefix("fn ") else { continue };
         if line.trim_end().ends_with(';') || line.trim_end().ends_with('}') {
