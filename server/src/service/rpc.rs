@@ -389,123 +389,7 @@ pub(super) async fn serve_request(
                 RpcKind::Pull => &shared.metrics.rpc_pull_seconds,
                 RpcKind::Other => &shared.metrics.rpc_other_seconds,
             };
-            let bound = shared.bindings.get(&peer.conn_id).map(|w| *w);
-            let fenced = shared.log.as_ref().is_some_and(|l| l.fenced());
-            let coordinator = || shared.link.coordinator().1;
-            let mut allowed = crate::auth::authorize(&frame.msg, &peer.identity, bound, &coordinator);
-            // The coordinator's order from a shard process this one does not know as the coordinator: it may
-            // have missed a configuration chosen since (the news goes out once); it asks, then judges again.
-            let order = matches!(frame.msg, Message::CheckpointRequest(_) | Message::Rollback(_));
-            if allowed.is_err() && order && shared.quorum.is_some() && matches!(peer.identity.role, Role::Shard(_)) {
-                shared.link.locate_rarely().await;
-                allowed = crate::auth::authorize(&frame.msg, &peer.identity, bound, &coordinator);
-            }
-            let handled = if let Err(reason) = allowed {
-                Some((refuse_unauthorized(shared, peer, &reason), Vec::new(), Vec::new()))
-            } else if let Message::CoordinatorWhere(_) = frame.msg {
-                let copies = shared.backups.as_ref().map_or_else(Vec::new, |b| b.held());
-                let at =
-                    gaps_common::wire::CoordinatorAt { config: coordinator_where(shared), copies, starting: false };
-                Some((Frame::new(Message::CoordinatorAt(at)), Vec::new(), Vec::new()))
-            } else if crate::quorum::is_quorum_message(&frame.msg) {
-                // A fenced process still takes part in choosing shard 0's configuration.
-                let reply = match (&shared.quorum, &peer.identity.role) {
-                    (Some(q), Role::Shard(sender)) => q.handle_async(*sender, &frame.msg).await,
-                    _ => Frame::new(Message::error(
-                        ErrorCode::Misconfigured,
-                        "this cluster does not choose shard 0's configuration by majority (it takes --replicas 2 \
-                         or more and at least 3 shard processes)",
-                    )),
-                };
-                Some((reply, Vec::new(), Vec::new()))
-            } else if fenced && !matches!(frame.msg, Message::ReplicaSnapshot(_) | Message::ReplicaAppend(_)) {
-                Some((moved(shared), Vec::new(), Vec::new()))
-            } else if let Some(refusal) = promote_refusal(shared, &frame.msg).await {
-                Some((refusal, Vec::new(), Vec::new()))
-            } else if let Message::Authenticate(a) = frame.msg {
-                Some((authenticate(shared, peer, a), Vec::new(), Vec::new()))
-            } else if let Message::CheckpointRequest(req) = frame.msg {
-                Some((checkpoint_reply(shared, req).await, Vec::new(), Vec::new()))
-            } else if let Message::Rollback(req) = frame.msg {
-                Some((rollback_reply(shared, req).await, Vec::new(), Vec::new()))
-            } else if matches!(frame.msg, Message::ReplicaSnapshot(_) | Message::ReplicaAppend(_)) {
-                let sender = match peer.identity.role {
-                    Role::Shard(p) => p,
-                    _ => u32::MAX,
-                };
-                let reply = match &shared.backups {
-                    Some(backups) => backups.handle(sender, frame).await,
-                    None => Frame::new(Message::error(
-                        ErrorCode::Misconfigured,
-                        format!("shard {} keeps no copies of other shards (--replicas 1)", shared.shard),
-                    )),
-                };
-                Some((reply, Vec::new(), Vec::new()))
-            } else if matches!(&frame.msg, Message::Register(r) if r.role == WireRole::Worker)
-                && shared.per_certificate.get(&peer.identity).is_some_and(|n| *n >= shared.max_per_certificate)
-            {
-                let reason = format!(
-                    "this certificate already holds {} live workers, the most one may register \
-                     (--max-workers-per-certificate)",
-                    shared.max_per_certificate
-                );
-                Some((refuse_unauthorized(shared, peer, &reason), Vec::new(), Vec::new()))
-            } else {
-                let registers_worker = matches!(&frame.msg, Message::Register(r) if r.role == WireRole::Worker);
-                let registers_shard = matches!(frame.msg, Message::RegisterShard(_));
-                let (tx, rx) = oneshot::channel();
-                let reply = match shared.send(Command::Handle { frame: Box::new(frame), finite, reply: tx }).await {
-                    Ok(()) => rx.await.ok(),
-                    Err(_) => None,
-                };
-                // A request that changed the shard is answered once every live backup applied it. A backup
-                // that does not answer stops counting within its ack timeout once the coordinator heard of
-                // it; should the wait outlast a request's time limit (the coordinator unreachable) the reply
-                // says to send the request again, and a fenced shard (another process serves it now)
-                // acknowledges nothing.
-                let reply = match (&shared.log, reply) {
-                    (Some(log), Some(answer)) => {
-                        // The coordinator's map goes out to a worker or observer only once the backups hold
-                        // everything it shows (a read index): a coordinator cut off from a majority cannot
-                        // send workers after a change (a promotion) its backups never got. Shard processes are
-                        // answered at once: choosing a configuration without a silent backup asks for maps.
-                        let worker_map = matches!(answer.0.msg, Message::ClusterMap(_))
-                            && matches!(peer.identity.role, Role::Worker(_));
-                        let index = if worker_map { answer.3.max(log.last_index()) } else { answer.3 };
-                        match tokio::time::timeout(shared.request_timeout, log.wait(index)).await {
-                            Ok(true) => Some(answer),
-                            Ok(false) => Some((moved(shared), Vec::new(), Vec::new(), 0)),
-                            Err(_) => {
-                                let msg = "the shard's backups did not acknowledge the request in time; send it again";
-                                Some((Frame::new(Message::error(ErrorCode::Busy, msg)), Vec::new(), Vec::new(), 0))
-                            }
-                        }
-                    }
-                    (_, reply) => reply,
-                };
-                // Credentials go out with the map: a worker's token to its registrant, the key to a shard.
-                reply.map(|(mut reply, events, views, _)| {
-                    if let Message::ClusterMap(map) = &mut reply.msg {
-                        map.replicas = shared.replicas;
-                        // Shard 0's backups in sync are the configuration a majority chose last.
-                        if let (0, Some(q)) = (shared.shard, &shared.quorum) {
-                            let chosen = q.chosen();
-                            if let Some(s0) = map.shards.first_mut().filter(|s| s.process == chosen.serving) {
-                                s0.backups = chosen.in_sync;
-                            }
-                        }
-                        if let (true, Some(w)) = (registers_worker, map.worker_id) {
-                            map.token = Some(shared.credentials.token(w, &peer.identity));
-                            shared.registrants.insert(w, peer.identity.clone());
-                            *shared.per_certificate.entry(peer.identity.clone()).or_insert(0) += 1;
-                        }
-                        if registers_shard {
-                            map.auth_key = Some(shared.credentials.raw());
-                        }
-                    }
-                    (reply, events, views)
-                })
-            };
+            let handled = answer(shared, peer, frame, finite).await;
             let Some((reply, events, views)) = handled else {
                 let _ = send.reset(1u32.into());
                 return;
@@ -534,6 +418,144 @@ pub(super) async fn serve_request(
     }
     let _ = send.finish();
     histogram.record(started.elapsed().as_secs_f64());
+}
+
+/// What a request that read whole is answered with: refused (unauthorized, fenced, over its certificate's
+/// worker limit), answered here (where the coordinator is, choosing shard 0's configuration, checkpoint and
+/// rollback orders, copies for a backup), or handled by the core; None when the shard is going away.
+async fn answer(
+    shared: &Shared,
+    peer: &ConnPeer,
+    frame: Frame,
+    finite: bool,
+) -> Option<(Frame, Vec<CoreEvent>, Vec<Arc<Vec<f32>>>)> {
+    let bound = shared.bindings.get(&peer.conn_id).map(|w| *w);
+    let fenced = shared.log.as_ref().is_some_and(|l| l.fenced());
+    let coordinator = || shared.link.coordinator().1;
+    let mut allowed = crate::auth::authorize(&frame.msg, &peer.identity, bound, &coordinator);
+    // The coordinator's order from a shard process this one does not know as the coordinator: it may
+    // have missed a configuration chosen since (the news goes out once); it asks, then judges again.
+    let order = matches!(frame.msg, Message::CheckpointRequest(_) | Message::Rollback(_));
+    if allowed.is_err() && order && shared.quorum.is_some() && matches!(peer.identity.role, Role::Shard(_)) {
+        shared.link.locate_rarely().await;
+        allowed = crate::auth::authorize(&frame.msg, &peer.identity, bound, &coordinator);
+    }
+    if let Err(reason) = allowed {
+        Some((refuse_unauthorized(shared, peer, &reason), Vec::new(), Vec::new()))
+    } else if let Message::CoordinatorWhere(_) = frame.msg {
+        let copies = shared.backups.as_ref().map_or_else(Vec::new, |b| b.held());
+        let at = gaps_common::wire::CoordinatorAt { config: coordinator_where(shared), copies, starting: false };
+        Some((Frame::new(Message::CoordinatorAt(at)), Vec::new(), Vec::new()))
+    } else if crate::quorum::is_quorum_message(&frame.msg) {
+        // A fenced process still takes part in choosing shard 0's configuration.
+        let reply = match (&shared.quorum, &peer.identity.role) {
+            (Some(q), Role::Shard(sender)) => q.handle_async(*sender, &frame.msg).await,
+            _ => Frame::new(Message::error(
+                ErrorCode::Misconfigured,
+                "this cluster does not choose shard 0's configuration by majority (it takes --replicas 2 \
+                 or more and at least 3 shard processes)",
+            )),
+        };
+        Some((reply, Vec::new(), Vec::new()))
+    } else if fenced && !matches!(frame.msg, Message::ReplicaSnapshot(_) | Message::ReplicaAppend(_)) {
+        Some((moved(shared), Vec::new(), Vec::new()))
+    } else if let Some(refusal) = promote_refusal(shared, &frame.msg).await {
+        Some((refusal, Vec::new(), Vec::new()))
+    } else if let Message::Authenticate(a) = frame.msg {
+        Some((authenticate(shared, peer, a), Vec::new(), Vec::new()))
+    } else if let Message::CheckpointRequest(req) = frame.msg {
+        Some((checkpoint_reply(shared, req).await, Vec::new(), Vec::new()))
+    } else if let Message::Rollback(req) = frame.msg {
+        Some((rollback_reply(shared, req).await, Vec::new(), Vec::new()))
+    } else if matches!(frame.msg, Message::ReplicaSnapshot(_) | Message::ReplicaAppend(_)) {
+        let sender = match peer.identity.role {
+            Role::Shard(p) => p,
+            _ => u32::MAX,
+        };
+        let reply = match &shared.backups {
+            Some(backups) => backups.handle(sender, frame).await,
+            None => Frame::new(Message::error(
+                ErrorCode::Misconfigured,
+                format!("shard {} keeps no copies of other shards (--replicas 1)", shared.shard),
+            )),
+        };
+        Some((reply, Vec::new(), Vec::new()))
+    } else if matches!(&frame.msg, Message::Register(r) if r.role == WireRole::Worker)
+        && shared.per_certificate.get(&peer.identity).is_some_and(|n| *n >= shared.max_per_certificate)
+    {
+        let reason = format!(
+            "this certificate already holds {} live workers, the most one may register \
+             (--max-workers-per-certificate)",
+            shared.max_per_certificate
+        );
+        Some((refuse_unauthorized(shared, peer, &reason), Vec::new(), Vec::new()))
+    } else {
+        through_the_core(shared, peer, frame, finite).await
+    }
+}
+
+/// A request for the core: sent to the actor; answered once every live backup applied what it changed (a
+/// worker's map once the backups hold all the map shows); the credentials added to a map.
+async fn through_the_core(
+    shared: &Shared,
+    peer: &ConnPeer,
+    frame: Frame,
+    finite: bool,
+) -> Option<(Frame, Vec<CoreEvent>, Vec<Arc<Vec<f32>>>)> {
+    let registers_worker = matches!(&frame.msg, Message::Register(r) if r.role == WireRole::Worker);
+    let registers_shard = matches!(frame.msg, Message::RegisterShard(_));
+    let (tx, rx) = oneshot::channel();
+    let reply = match shared.send(Command::Handle { frame: Box::new(frame), finite, reply: tx }).await {
+        Ok(()) => rx.await.ok(),
+        Err(_) => None,
+    };
+    // A request that changed the shard is answered once every live backup applied it. A backup
+    // that does not answer stops counting within its ack timeout once the coordinator heard of
+    // it; should the wait outlast a request's time limit (the coordinator unreachable) the reply
+    // says to send the request again, and a fenced shard (another process serves it now)
+    // acknowledges nothing.
+    let reply = match (&shared.log, reply) {
+        (Some(log), Some(answer)) => {
+            // The coordinator's map goes out to a worker or observer only once the backups hold
+            // everything it shows (a read index): a coordinator cut off from a majority cannot
+            // send workers after a change (a promotion) its backups never got. Shard processes are
+            // answered at once: choosing a configuration without a silent backup asks for maps.
+            let worker_map =
+                matches!(answer.0.msg, Message::ClusterMap(_)) && matches!(peer.identity.role, Role::Worker(_));
+            let index = if worker_map { answer.3.max(log.last_index()) } else { answer.3 };
+            match tokio::time::timeout(shared.request_timeout, log.wait(index)).await {
+                Ok(true) => Some(answer),
+                Ok(false) => Some((moved(shared), Vec::new(), Vec::new(), 0)),
+                Err(_) => {
+                    let msg = "the shard's backups did not acknowledge the request in time; send it again";
+                    Some((Frame::new(Message::error(ErrorCode::Busy, msg)), Vec::new(), Vec::new(), 0))
+                }
+            }
+        }
+        (_, reply) => reply,
+    };
+    // Credentials go out with the map: a worker's token to its registrant, the key to a shard.
+    reply.map(|(mut reply, events, views, _)| {
+        if let Message::ClusterMap(map) = &mut reply.msg {
+            map.replicas = shared.replicas;
+            // Shard 0's backups in sync are the configuration a majority chose last.
+            if let (0, Some(q)) = (shared.shard, &shared.quorum) {
+                let chosen = q.chosen();
+                if let Some(s0) = map.shards.first_mut().filter(|s| s.process == chosen.serving) {
+                    s0.backups = chosen.in_sync;
+                }
+            }
+            if let (true, Some(w)) = (registers_worker, map.worker_id) {
+                map.token = Some(shared.credentials.token(w, &peer.identity));
+                shared.registrants.insert(w, peer.identity.clone());
+                *shared.per_certificate.entry(peer.identity.clone()).or_insert(0) += 1;
+            }
+            if registers_shard {
+                map.auth_key = Some(shared.credentials.raw());
+            }
+        }
+        (reply, events, views)
+    })
 }
 
 /// The payload parts of reply `msg`: the parameter buffers it shares with the core

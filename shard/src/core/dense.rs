@@ -194,6 +194,45 @@ impl ShardCore {
         if let Some(duplicate) = self.check_push(req.epoch, req.worker, req.seq)? {
             return Ok(duplicate);
         }
+        let (plan, grad_total) = self.plan_push(req, payload, checked_finite)?;
+        let (grads, reads) = payload.split_at(grad_total);
+        self.observe_push(req.worker, req.compute_ms, now, events);
+        self.gba_hold.observe(req.worker, now);
+        self.count_samples(req.data);
+        self.follow_decisions(req.step, &req.decisions, events);
+        self.ramp.fix_reference();
+        let tau = plan.iter().map(|p| p.staleness).max().unwrap_or(0);
+        let mut ack = Ack { seq: req.seq, max_staleness: tau, ..Ack::default() };
+        match self.active {
+            Mode::Sync | Mode::Gba => self.sum_into_step(req, &plan, grads, tau, now, &mut ack)?,
+            _ => {
+                self.apply_now(&plan, req.worker, grads, reads)?;
+                if self.active == Mode::Ssp {
+                    let clock = self.clocks.entry(req.worker).or_insert(0);
+                    *clock += 1;
+                    let mine = *clock;
+                    if mine > self.min_clock() + self.cfg.modes.ssp_bound {
+                        ack.wait_for_clock = mine - self.cfg.modes.ssp_bound;
+                    }
+                }
+            }
+        }
+        self.record_applied(req.worker, req.seq);
+        ack.decisions = self.decisions;
+        Ok(Frame::new(Message::Ack(ack)))
+    }
+
+    /// Checks a push against the shard's chunks before anything changes (a refused push changes nothing):
+    /// every chunk once, of its length, read at a version the shard has reached, echoing the read parameters
+    /// exactly when its rule needs them, room for the worker's planes, a payload of the declared length and,
+    /// unless `checked_finite`, finite. Returns the plan (each chunk's slot and place in the payload) and how
+    /// many of the payload's values are gradients.
+    fn plan_push(
+        &self,
+        req: &Push,
+        payload: &[f32],
+        checked_finite: bool,
+    ) -> Result<(Vec<Planned>, usize), ShardError> {
         // Validate everything before touching any state, so a refused push changes nothing.
         let mut plan = Vec::with_capacity(req.chunks.len());
         let mut seen = BTreeSet::new();
@@ -277,88 +316,78 @@ impl ShardCore {
                 }
             }
         }
-        self.observe_push(req.worker, req.compute_ms, now, events);
-        self.gba_hold.observe(req.worker, now);
-        self.count_samples(req.data);
-        self.follow_decisions(req.step, &req.decisions, events);
-        self.ramp.fix_reference();
-        let tau = plan.iter().map(|p| p.staleness).max().unwrap_or(0);
-        let mut ack = Ack { seq: req.seq, max_staleness: tau, ..Ack::default() };
-        match self.active {
-            Mode::Sync | Mode::Gba => {
-                // A gradient computed before the cluster's last switch (in flight when it happened) was
-                // computed in the mode before: in sync it is summed into the step as GBA would have taken it
-                // (within GBA's threshold), so a switch drops no gradient it need not.
-                let before_switch = self.switches.back().is_some_and(|sw| req.step < sw.from_step);
-                let threshold = self.cfg.modes.gba_threshold;
-                let too_stale = match self.active {
-                    Mode::Sync => tau > 0 && !(before_switch && tau <= threshold),
-                    _ => tau > threshold,
-                };
-                if too_stale {
-                    self.stats.dropped_stale += 1;
-                    if before_switch {
-                        self.stats.pushes_dropped_at_switch += 1;
-                    }
-                    if self.active == Mode::Sync {
-                        // The worker's place in this step is filled by the dropped gradient: it waits for the
-                        // step like everyone else. Left out, it would pull and compute again while the others
-                        // wait for it here — and, with two shards that dropped different workers' gradients
-                        // (their versions move at different moments around a mode switch), each shard would
-                        // wait for a worker that waits on the other.
-                        self.contributors.insert(req.worker);
-                        self.clock = self.clock.max(now);
-                        self.step_started.get_or_insert(now);
-                        if self.step_ready() {
-                            self.complete_step()?;
-                        } else if self.accum_pushes > 0 {
-                            ack.wait_for_step = self.global_step + 1;
-                        } else if self.leases.keys().all(|w| self.contributors.contains(w)) {
-                            // Every live worker sent only stale gradients: nothing to apply, a fresh step.
-                            self.contributors.clear();
-                            self.step_started = None;
-                        }
-                    }
-                } else {
-                    self.stats.staleness_sum += tau;
-                    self.stats.staleness_count += 1;
-                    self.stats.staleness_max = self.stats.staleness_max.max(tau);
-                    for p in &plan {
-                        let n = self.slots[p.slot].len;
-                        let acc = &mut self.accum[p.slot];
-                        if acc.is_empty() {
-                            acc.resize(n, 0.0);
-                        }
-                        acc.iter_mut().zip(&grads[p.offset..p.offset + n]).for_each(|(a, g)| *a += g);
-                        self.accum_counts[p.slot] += 1;
-                        self.ahead_values.remove(&p.slot);
-                    }
-                    self.accum_pushes += 1;
-                    self.contributors.insert(req.worker);
-                    self.clock = self.clock.max(now);
-                    self.step_started.get_or_insert(now);
-                    if self.step_ready() {
-                        self.complete_step()?;
-                    } else if self.active == Mode::Sync {
-                        ack.wait_for_step = self.global_step + 1;
-                    }
+        Ok((plan, grad_total))
+    }
+
+    /// Sums a push's gradients into the synchronous step (sync or gba), or drops them when too stale for the
+    /// mode, and completes the step once it is ready; sets what the ack asks the worker to wait for.
+    fn sum_into_step(
+        &mut self,
+        req: &Push,
+        plan: &[Planned],
+        grads: &[f32],
+        tau: u64,
+        now: Duration,
+        ack: &mut Ack,
+    ) -> Result<(), ShardError> {
+        // A gradient computed before the cluster's last switch (in flight when it happened) was
+        // computed in the mode before: in sync it is summed into the step as GBA would have taken it
+        // (within GBA's threshold), so a switch drops no gradient it need not.
+        let before_switch = self.switches.back().is_some_and(|sw| req.step < sw.from_step);
+        let threshold = self.cfg.modes.gba_threshold;
+        let too_stale = match self.active {
+            Mode::Sync => tau > 0 && !(before_switch && tau <= threshold),
+            _ => tau > threshold,
+        };
+        if too_stale {
+            self.stats.dropped_stale += 1;
+            if before_switch {
+                self.stats.pushes_dropped_at_switch += 1;
+            }
+            if self.active == Mode::Sync {
+                // The worker's place in this step is filled by the dropped gradient: it waits for the
+                // step like everyone else. Left out, it would pull and compute again while the others
+                // wait for it here — and, with two shards that dropped different workers' gradients
+                // (their versions move at different moments around a mode switch), each shard would
+                // wait for a worker that waits on the other.
+                self.contributors.insert(req.worker);
+                self.clock = self.clock.max(now);
+                self.step_started.get_or_insert(now);
+                if self.step_ready() {
+                    self.complete_step()?;
+                } else if self.accum_pushes > 0 {
+                    ack.wait_for_step = self.global_step + 1;
+                } else if self.leases.keys().all(|w| self.contributors.contains(w)) {
+                    // Every live worker sent only stale gradients: nothing to apply, a fresh step.
+                    self.contributors.clear();
+                    self.step_started = None;
                 }
             }
-            _ => {
-                self.apply_now(&plan, req.worker, grads, reads)?;
-                if self.active == Mode::Ssp {
-                    let clock = self.clocks.entry(req.worker).or_insert(0);
-                    *clock += 1;
-                    let mine = *clock;
-                    if mine > self.min_clock() + self.cfg.modes.ssp_bound {
-                        ack.wait_for_clock = mine - self.cfg.modes.ssp_bound;
-                    }
+        } else {
+            self.stats.staleness_sum += tau;
+            self.stats.staleness_count += 1;
+            self.stats.staleness_max = self.stats.staleness_max.max(tau);
+            for p in plan {
+                let n = self.slots[p.slot].len;
+                let acc = &mut self.accum[p.slot];
+                if acc.is_empty() {
+                    acc.resize(n, 0.0);
                 }
+                acc.iter_mut().zip(&grads[p.offset..p.offset + n]).for_each(|(a, g)| *a += g);
+                self.accum_counts[p.slot] += 1;
+                self.ahead_values.remove(&p.slot);
+            }
+            self.accum_pushes += 1;
+            self.contributors.insert(req.worker);
+            self.clock = self.clock.max(now);
+            self.step_started.get_or_insert(now);
+            if self.step_ready() {
+                self.complete_step()?;
+            } else if self.active == Mode::Sync {
+                ack.wait_for_step = self.global_step + 1;
             }
         }
-        self.record_applied(req.worker, req.seq);
-        ack.decisions = self.decisions;
-        Ok(Frame::new(Message::Ack(ack)))
+        Ok(())
     }
 
     /// Applies gradients to the planned chunks now, one update each (`grads` and `reads` indexed by the

@@ -96,6 +96,56 @@ impl ShardCore {
         w.u64(self.cfg.layout.fingerprint());
         w.u64s(&self.tensor_versions);
         w.str(&rule_names(self));
+        self.write_slots(&mut w)?;
+        self.write_coordinator(&mut w);
+        w.bytes(&gaps_common::wire::encode_frame(&Frame::new(Message::Stats(self.stats.clone()))).unwrap_or_default());
+        w.u32(self.lr_scale.to_bits());
+        w.f32s(&self.lr_max);
+        w.f64(self.last_multiplier);
+        w.u8(self.active.code());
+        w.u32(self.accum_pushes);
+        w.u32s(&self.contributors.iter().copied().collect::<Vec<_>>());
+        w.u64(self.global_step);
+        self.ramp.write_to(&mut w);
+        w.u64(self.clocks.len() as u64);
+        for (worker, clock) in &self.clocks {
+            w.u32(*worker);
+            w.u64(*clock);
+        }
+        for table in &self.tables {
+            table.write_to(&mut w);
+        }
+        w.u32s(&self.leases.keys().copied().collect::<Vec<_>>());
+        for accum in &self.row_accum {
+            let (ids, sums) = accum.parts();
+            w.u64s(ids);
+            w.f32s(sums);
+        }
+        self.write_modes(&mut w);
+        // Format 3: per-grant sample counts, then the dealer (last: its settings come later, at
+        // `set_dealer`).
+        self.data.write_to(&mut w);
+        // Format 4: the per-worker push ledgers.
+        let mut ledger: Vec<_> = self.ledger.iter().collect();
+        ledger.sort_by_key(|(id, _)| **id);
+        w.u64(ledger.len() as u64);
+        for (worker, l) in ledger {
+            w.u32(*worker);
+            l.write_to(&mut w);
+        }
+        match &self.dealer {
+            Some(d) => {
+                w.u8(1);
+                d.write_to(&mut w);
+            }
+            None => w.u8(0),
+        }
+        Ok(w.buf)
+    }
+
+    /// Writes every chunk slot (resident state copied back as it goes), the step's counts and the
+    /// exactly-once windows: what [`Self::read_slots`] reads.
+    fn write_slots(&self, w: &mut Writer) -> Result<(), ShardError> {
         let (mut params, mut shared, mut plane) = (Vec::new(), Vec::new(), Vec::new());
         let resident = self.resident.is_some();
         for (i, slot) in self.slots.iter().enumerate() {
@@ -126,8 +176,14 @@ impl ShardCore {
         w.u64(seqs.len() as u64);
         for (worker, window) in seqs {
             w.u32(*worker);
-            window.write_to(&mut w);
+            window.write_to(w);
         }
+        Ok(())
+    }
+
+    /// Writes the coordinator's books, or that this shard is not the coordinator: what
+    /// [`Self::read_coordinator`] reads.
+    fn write_coordinator(&self, w: &mut Writer) {
         match &self.coordinator {
             Some(c) => {
                 w.u8(1);
@@ -153,29 +209,10 @@ impl ShardCore {
             }
             None => w.u8(0),
         }
-        w.bytes(&gaps_common::wire::encode_frame(&Frame::new(Message::Stats(self.stats.clone()))).unwrap_or_default());
-        w.u32(self.lr_scale.to_bits());
-        w.f32s(&self.lr_max);
-        w.f64(self.last_multiplier);
-        w.u8(self.active.code());
-        w.u32(self.accum_pushes);
-        w.u32s(&self.contributors.iter().copied().collect::<Vec<_>>());
-        w.u64(self.global_step);
-        self.ramp.write_to(&mut w);
-        w.u64(self.clocks.len() as u64);
-        for (worker, clock) in &self.clocks {
-            w.u32(*worker);
-            w.u64(*clock);
-        }
-        for table in &self.tables {
-            table.write_to(&mut w);
-        }
-        w.u32s(&self.leases.keys().copied().collect::<Vec<_>>());
-        for accum in &self.row_accum {
-            let (ids, sums) = accum.parts();
-            w.u64s(ids);
-            w.f32s(sums);
-        }
+    }
+
+    /// Writes what [`Self::read_modes`] reads.
+    fn write_modes(&self, w: &mut Writer) {
         for d in [self.decisions.latest, self.decisions.previous] {
             w.u64s(&[d.number, u64::from(d.mode), d.from_step]);
         }
@@ -190,25 +227,6 @@ impl ShardCore {
             w.u64s(&[sw.number, u64::from(sw.from), u64::from(sw.to), sw.from_step, sw.at_global_step]);
             w.str(&sw.reason);
         }
-        // Format 3: per-grant sample counts, then the dealer (last: its settings come later, at
-        // `set_dealer`).
-        self.data.write_to(&mut w);
-        // Format 4: the per-worker push ledgers.
-        let mut ledger: Vec<_> = self.ledger.iter().collect();
-        ledger.sort_by_key(|(id, _)| **id);
-        w.u64(ledger.len() as u64);
-        for (worker, l) in ledger {
-            w.u32(*worker);
-            l.write_to(&mut w);
-        }
-        match &self.dealer {
-            Some(d) => {
-                w.u8(1);
-                d.write_to(&mut w);
-            }
-            None => w.u8(0),
-        }
-        Ok(w.buf)
     }
 
     /// About how many bytes [`ShardCore::checkpoint`] writes: the float planes and tables (the rest is small).
@@ -361,6 +379,109 @@ impl ShardCore {
         Ok(core)
     }
 
+    /// Reads every chunk slot (version, parameters, shared and per-worker planes, step sums), the step's
+    /// counts and the exactly-once windows.
+    fn read_slots(&mut self, r: &mut Reader<'_>) -> Result<(), CheckpointError> {
+        for i in 0..self.slots.len() {
+            let what = format!("chunk slot {i}");
+            let slot = &mut self.slots[i];
+            slot.version = r.u64()?;
+            slot.params = Arc::new(r.f32s_of(slot.params.len(), &what)?);
+            slot.shared = r.f32s_of(slot.shared.len(), &what)?;
+            let planes = self.tensor_rules[slot.tensor as usize].0.layout().worker_planes * slot.params.len();
+            let workers = r.u64()?;
+            slot.workers.clear();
+            for _ in 0..workers {
+                let worker = r.u32()?;
+                slot.workers.insert(worker, r.f32s_of(planes, &what)?);
+            }
+            let accum = r.f32s(&what)?;
+            if !accum.is_empty() && accum.len() != slot.len {
+                return Err(mismatch(format!("{what}: accumulator of {} elements", accum.len())));
+            }
+            self.accum[i] = accum;
+        }
+        self.accum_counts = r.u32s("step counts")?;
+        if self.accum_counts.len() != self.slots.len() {
+            return Err(mismatch("step counts do not match the slots".into()));
+        }
+        let windows = r.u64()?;
+        for _ in 0..windows {
+            let worker = r.u32()?;
+            self.seqs.insert(worker, SeqWindow::read_from(r)?);
+        }
+        Ok(())
+    }
+
+    /// Reads the coordinator's books (shard addresses, worker ids, replica sets, spares), present exactly
+    /// when this shard is the coordinator.
+    fn read_coordinator(&mut self, r: &mut Reader<'_>) -> Result<(), CheckpointError> {
+        let is_coordinator = r.u8()? == 1;
+        if is_coordinator != self.coordinator.is_some() {
+            return Err(mismatch("coordinator role differs".into()));
+        }
+        if let Some(c) = self.coordinator.as_mut() {
+            c.shard_addrs.clear();
+            for _ in 0..r.u64()? {
+                let index = r.u32()?;
+                c.shard_addrs.insert(index, r.str("shard address")?);
+            }
+            // This shard's own address may have changed with the restart.
+            c.shard_addrs.insert(0, self.cfg.advertise.clone());
+            c.next_worker = r.u32()?;
+            c.registered = r.u32()?;
+            c.replica_sets.clear();
+            if r.format() >= 6 {
+                for _ in 0..r.u64()? {
+                    let shard = r.u32()?;
+                    let (process, epoch) = (r.u32()?, r.u64()?);
+                    let in_sync = r.u32s("replica set")?;
+                    c.replica_sets.insert(shard, super::membership::ReplicaSet { process, epoch, in_sync });
+                }
+                c.spare.clear();
+                for _ in 0..r.u64()? {
+                    let process = r.u32()?;
+                    c.spare.insert(process, r.str("spare process")?);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads the mode decisions, the highest step heard of, the decisions' reasons and the switch log.
+    fn read_modes(&mut self, r: &mut Reader<'_>) -> Result<(), CheckpointError> {
+        let mut read_decision = || -> Result<ModeDecision, CheckpointError> {
+            let corrupt = || CheckpointError::Corrupt("mode decision".into());
+            let fields = r.u64s("mode decision")?;
+            let [number, mode, from_step] = fields[..] else { return Err(corrupt()) };
+            Ok(ModeDecision { number, mode: u8::try_from(mode).map_err(|_| corrupt())?, from_step })
+        };
+        let latest = read_decision()?;
+        let previous = read_decision()?;
+        self.decisions = ModeDecisions { latest, previous };
+        self.max_step = r.u64()?;
+        let reasons = r.u64()?;
+        if reasons > 2 {
+            return Err(CheckpointError::Corrupt("mode decision reasons".into()));
+        }
+        for _ in 0..reasons {
+            let number = r.u64()?;
+            self.decision_reasons.push_back((number, r.str("mode decision reason")?));
+        }
+        let corrupt = || CheckpointError::Corrupt("mode switches".into());
+        for _ in 0..r.u64()?.min(super::steps::SWITCH_LOG as u64 + 1) {
+            let fields = r.u64s("mode switch")?;
+            let [number, from, to, from_step, at_global_step] = fields[..] else { return Err(corrupt()) };
+            let (from, to) = (u8::try_from(from).map_err(|_| corrupt())?, u8::try_from(to).map_err(|_| corrupt())?);
+            let reason = r.str("mode switch")?;
+            self.switches.push_back(ModeSwitchRecord { number, from, to, from_step, at_global_step, reason });
+        }
+        if self.switches.len() > super::steps::SWITCH_LOG {
+            return Err(corrupt());
+        }
+        Ok(())
+    }
+
     /// Reads the header of a checkpoint without restoring it.
     pub fn checkpoint_info(bytes: &[u8]) -> Result<CheckpointInfo, CheckpointError> {
         read_info(&mut Reader::new(bytes)?)
@@ -395,63 +516,8 @@ impl ShardCore {
         }
         core.epoch = info.epoch;
         core.tensor_versions = info.tensor_versions;
-        for i in 0..core.slots.len() {
-            let what = format!("chunk slot {i}");
-            let slot = &mut core.slots[i];
-            slot.version = r.u64()?;
-            slot.params = Arc::new(r.f32s_of(slot.params.len(), &what)?);
-            slot.shared = r.f32s_of(slot.shared.len(), &what)?;
-            let planes = core.tensor_rules[slot.tensor as usize].0.layout().worker_planes * slot.params.len();
-            let workers = r.u64()?;
-            slot.workers.clear();
-            for _ in 0..workers {
-                let worker = r.u32()?;
-                slot.workers.insert(worker, r.f32s_of(planes, &what)?);
-            }
-            let accum = r.f32s(&what)?;
-            if !accum.is_empty() && accum.len() != slot.len {
-                return Err(mismatch(format!("{what}: accumulator of {} elements", accum.len())));
-            }
-            core.accum[i] = accum;
-        }
-        core.accum_counts = r.u32s("step counts")?;
-        if core.accum_counts.len() != core.slots.len() {
-            return Err(mismatch("step counts do not match the slots".into()));
-        }
-        let windows = r.u64()?;
-        for _ in 0..windows {
-            let worker = r.u32()?;
-            core.seqs.insert(worker, SeqWindow::read_from(&mut r)?);
-        }
-        let is_coordinator = r.u8()? == 1;
-        if is_coordinator != core.coordinator.is_some() {
-            return Err(mismatch("coordinator role differs".into()));
-        }
-        if let Some(c) = core.coordinator.as_mut() {
-            c.shard_addrs.clear();
-            for _ in 0..r.u64()? {
-                let index = r.u32()?;
-                c.shard_addrs.insert(index, r.str("shard address")?);
-            }
-            // This shard's own address may have changed with the restart.
-            c.shard_addrs.insert(0, core.cfg.advertise.clone());
-            c.next_worker = r.u32()?;
-            c.registered = r.u32()?;
-            c.replica_sets.clear();
-            if r.format() >= 6 {
-                for _ in 0..r.u64()? {
-                    let shard = r.u32()?;
-                    let (process, epoch) = (r.u32()?, r.u64()?);
-                    let in_sync = r.u32s("replica set")?;
-                    c.replica_sets.insert(shard, super::membership::ReplicaSet { process, epoch, in_sync });
-                }
-                c.spare.clear();
-                for _ in 0..r.u64()? {
-                    let process = r.u32()?;
-                    c.spare.insert(process, r.str("spare process")?);
-                }
-            }
-        }
+        core.read_slots(&mut r)?;
+        core.read_coordinator(&mut r)?;
         let stats = r.bytes("counters")?;
         core.stats = match decode_stats(&stats, r.format()) {
             Some(s) => s,
@@ -486,35 +552,7 @@ impl ShardCore {
             let sums = r.f32s("row sums")?;
             accum.restore(ids, sums).map_err(|e| CheckpointError::Corrupt(format!("row sums of table {t}: {e}")))?;
         }
-        let mut read_decision = || -> Result<ModeDecision, CheckpointError> {
-            let corrupt = || CheckpointError::Corrupt("mode decision".into());
-            let fields = r.u64s("mode decision")?;
-            let [number, mode, from_step] = fields[..] else { return Err(corrupt()) };
-            Ok(ModeDecision { number, mode: u8::try_from(mode).map_err(|_| corrupt())?, from_step })
-        };
-        let latest = read_decision()?;
-        let previous = read_decision()?;
-        core.decisions = ModeDecisions { latest, previous };
-        core.max_step = r.u64()?;
-        let reasons = r.u64()?;
-        if reasons > 2 {
-            return Err(CheckpointError::Corrupt("mode decision reasons".into()));
-        }
-        for _ in 0..reasons {
-            let number = r.u64()?;
-            core.decision_reasons.push_back((number, r.str("mode decision reason")?));
-        }
-        let corrupt = || CheckpointError::Corrupt("mode switches".into());
-        for _ in 0..r.u64()?.min(super::steps::SWITCH_LOG as u64 + 1) {
-            let fields = r.u64s("mode switch")?;
-            let [number, from, to, from_step, at_global_step] = fields[..] else { return Err(corrupt()) };
-            let (from, to) = (u8::try_from(from).map_err(|_| corrupt())?, u8::try_from(to).map_err(|_| corrupt())?);
-            let reason = r.str("mode switch")?;
-            core.switches.push_back(ModeSwitchRecord { number, from, to, from_step, at_global_step, reason });
-        }
-        if core.switches.len() > super::steps::SWITCH_LOG {
-            return Err(corrupt());
-        }
+        core.read_modes(&mut r)?;
         if r.format() >= 3 {
             core.data = super::data::GrantCounts::read_from(&mut r)?;
             if r.format() >= 4 {
