@@ -20,13 +20,7 @@ pub(super) fn run_sync(args: &SimArgs) -> Result<SimReport> {
     let mut order_rng = Rng::new(mix(args.seed, 0x0d3));
     let durations = Durations::new(args)?;
     let Schedule { batches_per_epoch, total, warmup, decays } = Schedule::new(args, task.as_ref());
-    let workers_at = |gradients: u64| -> u32 {
-        if args.elastic.is_empty() {
-            return args.workers;
-        }
-        let phase = gradients / (batches_per_epoch as u64 * u64::from(args.elastic_every));
-        args.elastic[(phase % args.elastic.len() as u64) as usize]
-    };
+    let workers_at = |gradients: u64| elastic_workers(args, batches_per_epoch, gradients);
     let needs_read = args.rule.layout().needs_read;
     let mut csv = open_csv(args)?;
     let mut evaluator = Evaluator::new(args, batches_per_epoch);
@@ -46,14 +40,7 @@ pub(super) fn run_sync(args: &SimArgs) -> Result<SimReport> {
         }
         // The last round may be short: the workers without data leave, as at the end of a real job.
         let wanted = (u64::from(workers_at(gradients))).min(total - gradients) as usize;
-        while live.len() > wanted {
-            if let Some((worker, _)) = live.pop() {
-                core.handle(Frame::new(Message::Leave(gaps_common::wire::Leave { worker })), Duration::ZERO);
-            }
-        }
-        while live.len() < wanted {
-            live.push((register(&mut core)?, 0));
-        }
+        resize(&mut core, &mut live, wanted)?;
         // The shard scales η by live / initial workers; the schedule's factor supplies the rest: the initial
         // count for linear scaling (so η·N in all), warmed up from η, and the decays. Without linear scaling
         // the factor divides the shard's multiplier back out.
@@ -71,12 +58,8 @@ pub(super) fn run_sync(args: &SimArgs) -> Result<SimReport> {
         let mut slowest = 0.0f64;
         let mut loss_sum = 0.0f32;
         for (slot, (worker, seq)) in live.iter_mut().enumerate() {
-            if used + args.batch as usize > task.train_size() {
-                order = order_rng.permutation(task.train_size());
-                used = 0;
-            }
-            let batch = &order[used..used + args.batch as usize];
-            used += args.batch as usize;
+            let (from, to) = next_batch(&mut order, &mut used, &mut order_rng, args.batch as usize);
+            let batch = &order[from..to];
             // An embedding task's worker pulls its batch's rows into the round's view (rows do not change
             // within a round: the shard applies the round's row sums when the step ends).
             let (ids, row_versions) = if rows > 0 {
@@ -107,45 +90,16 @@ pub(super) fn run_sync(args: &SimArgs) -> Result<SimReport> {
                 }
             }
             *seq += 1;
-            let mut payload = grad[rows..].to_vec();
-            gaps_common::dtype::round_trip(args.push_dtype, &mut payload);
-            if needs_read {
-                payload.extend_from_slice(&params);
-            }
-            let push = Push {
-                epoch: 1,
-                worker: *worker,
-                seq: *seq,
-                chunks: vec![PushChunk {
-                    id: CHUNK,
-                    read_version: version,
-                    len: (p - rows) as u32,
-                    echo: needs_read,
-                    dtype: WireDtype::F32,
-                }],
-                compute_ms: durations.millis(duration).round().clamp(1.0, f64::from(u32::MAX)) as u32,
-                step: 0,
-                decisions: Default::default(),
-                data: None,
-            };
-            let (reply, _) = core.handle(Frame { msg: Message::Push(push), payload }, Duration::ZERO);
-            if !matches!(reply.msg, Message::Ack(_)) {
-                bail!("the shard refused a push: {:?}", reply.msg);
-            }
+            let compute_ms = durations.millis(duration).round().clamp(1.0, f64::from(u32::MAX)) as u32;
+            push_dense(&mut core, (*worker, *seq), &grad[rows..], (&params, version), needs_read, args, compute_ms)?;
         }
         if diverged {
             break;
         }
         now += slowest;
         if let Some(out) = csv.as_mut() {
-            writeln!(
-                out,
-                "{rounds},{},{now},{},0,{},{},0",
-                gradients / batches_per_epoch as u64,
-                live.len(),
-                loss_sum / live.len() as f32,
-                core.lr()
-            )?;
+            let (epoch, loss) = (gradients / batches_per_epoch as u64, loss_sum / live.len() as f32);
+            writeln!(out, "{rounds},{epoch},{now},{},0,{loss},{},0", live.len(), core.lr())?;
         }
         rounds += 1;
         if core.chunk_values(CHUNK).map_err(|e| anyhow!("{e}"))?.iter().any(|v| !v.is_finite()) {
@@ -177,4 +131,74 @@ pub(super) fn run_sync(args: &SimArgs) -> Result<SimReport> {
     let mut report = finish(args, task.as_ref(), &mut core, outcome)?;
     report.workers_final = live.len() as u32;
     Ok(report)
+}
+
+/// Workers leave (the newest first) or register until `wanted` are live.
+fn resize(core: &mut ShardCore, live: &mut Vec<(u32, u64)>, wanted: usize) -> Result<()> {
+    while live.len() > wanted {
+        if let Some((worker, _)) = live.pop() {
+            core.handle(Frame::new(Message::Leave(gaps_common::wire::Leave { worker })), Duration::ZERO);
+        }
+    }
+    while live.len() < wanted {
+        live.push((register(core)?, 0));
+    }
+    Ok(())
+}
+
+/// Where the next batch of `batch` samples lies in `order` (`from..to`), drawing a new order when the epoch's
+/// is used up.
+fn next_batch(order: &mut Vec<u32>, used: &mut usize, order_rng: &mut Rng, batch: usize) -> (usize, usize) {
+    if *used + batch > order.len() {
+        *order = order_rng.permutation(order.len());
+        *used = 0;
+    }
+    *used += batch;
+    (*used - batch, *used)
+}
+
+/// Pushes a worker's dense gradient `grad` (with the parameters it read echoed where the rule needs them)
+/// as `(worker, seq)`, computed on `read` (the values and their version) in `compute_ms`.
+fn push_dense(
+    core: &mut ShardCore,
+    (worker, seq): (u32, u64),
+    grad: &[f32],
+    read: (&[f32], u64),
+    needs_read: bool,
+    args: &SimArgs,
+    compute_ms: u32,
+) -> Result<()> {
+    let (params, version) = read;
+    let mut payload = grad.to_vec();
+    gaps_common::dtype::round_trip(args.push_dtype, &mut payload);
+    if needs_read {
+        payload.extend_from_slice(params);
+    }
+    let chunk =
+        PushChunk { id: CHUNK, read_version: version, len: grad.len() as u32, echo: needs_read, dtype: WireDtype::F32 };
+    let push = Push {
+        epoch: 1,
+        worker,
+        seq,
+        chunks: vec![chunk],
+        compute_ms,
+        step: 0,
+        decisions: Default::default(),
+        data: None,
+    };
+    let (reply, _) = core.handle(Frame { msg: Message::Push(push), payload }, Duration::ZERO);
+    if !matches!(reply.msg, Message::Ack(_)) {
+        bail!("the shard refused a push: {:?}", reply.msg);
+    }
+    Ok(())
+}
+
+/// How many workers are live after `gradients` (`--elastic`: the list's counts in turn, `--elastic-every`
+/// epochs each; else `--workers`).
+fn elastic_workers(args: &SimArgs, batches_per_epoch: usize, gradients: u64) -> u32 {
+    if args.elastic.is_empty() {
+        return args.workers;
+    }
+    let phase = gradients / (batches_per_epoch as u64 * u64::from(args.elastic_every));
+    args.elastic[(phase % args.elastic.len() as u64) as usize]
 }

@@ -114,173 +114,227 @@ pub(super) struct Sinks {
 /// The parts of a push striped over several connections are held here until the push is whole, then handled
 /// as one request and every part answered with its reply; incomplete pushes are given up after `part_wait`.
 pub(super) fn run_actor(
-    mut core: ShardCore,
+    core: ShardCore,
     mut queue: mpsc::Receiver<Command>,
     started: Instant,
     part_wait: Duration,
     sinks: Sinks,
-    mut wake: Alarm,
+    wake: Alarm,
 ) {
-    let Sinks { mut journal, log, mut record } = sinks;
-    // A request that cannot be logged for the backups is refused, unhandled.
-    let log_request = |now: Duration, frame: &Frame| {
-        log.as_ref()
-            .map_or(Ok(0), |l| l.request(now, frame))
-            .map_err(|(code, msg)| Box::new(Frame::new(Message::error(code, msg))))
+    let Sinks { journal, log, record } = sinks;
+    let mut actor = Actor {
+        core,
+        started,
+        part_wait,
+        journal,
+        log,
+        record,
+        wake,
+        pending: None,
+        parts: Assembler::default(),
+        parked: Vec::new(),
     };
-    // A part's reply and whether its payload was found finite as it was read.
-    type Reply = (oneshot::Sender<Answer>, bool);
-    let mut pending: Option<PendingSnapshot> = None;
-    let mut parts: Assembler<Reply> = Assembler::default();
-    let mut parked: Vec<ParkedWait> = Vec::new();
     while let Some(command) = queue.blocking_recv() {
+        actor.run(command);
+        actor.after_command();
+    }
+}
+
+/// A part's reply and whether its payload was found finite as it was read.
+type PartReply = (oneshot::Sender<Answer>, bool);
+
+/// The core's thread's state: the core, what it writes besides its replies, and what it holds between
+/// commands (a checkpoint waiting for its point, the parts of striped pushes, held requests).
+struct Actor {
+    core: ShardCore,
+    started: Instant,
+    part_wait: Duration,
+    journal: Option<std::fs::File>,
+    log: Option<Arc<Log>>,
+    record: Option<crate::record::Recorder>,
+    wake: Alarm,
+    pending: Option<PendingSnapshot>,
+    parts: Assembler<PartReply>,
+    parked: Vec<ParkedWait>,
+}
+
+impl Actor {
+    fn run(&mut self, command: Command) {
         match command {
             Command::Handle { frame, finite, reply } => match frame.msg {
-                Message::PushPart(part) if !core.push_applied(part.push.worker, part.push.seq) => {
-                    let offered = parts.offer(part, frame.payload, (reply, finite), started.elapsed());
-                    for ((reply, _), frame) in offered.answer_now {
-                        let _ = reply.send((frame, Vec::new(), Vec::new(), 0));
-                    }
-                    if let Some((whole, replies)) = offered.whole {
-                        let finite = replies.iter().all(|(_, f)| *f);
-                        let now = started.elapsed();
-                        let index = match log_request(now, &whole) {
-                            Ok(index) => index,
-                            Err(refusal) => {
-                                for (reply, _) in replies {
-                                    let _ = reply.send((*refusal.clone(), Vec::new(), Vec::new(), 0));
-                                }
-                                continue;
-                            }
-                        };
-                        if let Some(r) = &mut record {
-                            r.request(index, now, &whole);
-                        }
-                        let (answer, mut events) = core.handle_checked(whole, now, finite);
-                        for (reply, _) in replies {
-                            let _ = reply.send((answer.clone(), std::mem::take(&mut events), Vec::new(), index));
-                        }
-                    }
+                Message::PushPart(part) if !self.core.push_applied(part.push.worker, part.push.seq) => {
+                    self.push_part(part, frame.payload, finite, reply)
                 }
                 // A wait for a step not reached yet is held here (not in the core, which never blocks) until the
                 // step comes or its time is up, instead of the worker polling.
                 Message::WaitStep(wait)
-                    if wait.max_wait_ms > 0 && !core.wait_satisfied(&wait) && parked.len() < MAX_PARKED_WAITS =>
+                    if wait.max_wait_ms > 0
+                        && !self.core.wait_satisfied(&wait)
+                        && self.parked.len() < MAX_PARKED_WAITS =>
                 {
                     let ms = wait.max_wait_ms.min(gaps_common::wire::MAX_WAIT_STEP_MS);
-                    parked.push((
+                    self.parked.push((
                         HeldRequest::Wait(wait),
-                        started.elapsed() + Duration::from_millis(u64::from(ms)),
+                        self.started.elapsed() + Duration::from_millis(u64::from(ms)),
                         reply,
                     ));
                 }
                 // A part of a push applied before is answered by the core, as a duplicate.
-                msg => {
-                    let pull = match &msg {
-                        Message::PushPull(p) => Some(gaps_common::wire::Pull {
-                            epoch: p.epoch,
-                            chunks: p.chunks.iter().map(|c| c.id).collect(),
-                        }),
-                        _ => None,
-                    };
-                    let frame = Frame { msg, payload: frame.payload };
-                    let now = started.elapsed();
-                    let index = match log_request(now, &frame) {
-                        Ok(index) => index,
-                        Err(refusal) => {
-                            let _ = reply.send((*refusal, Vec::new(), Vec::new(), 0));
-                            continue;
-                        }
-                    };
-                    if let Some(r) = &mut record {
-                        r.request(index, now, &frame);
-                    }
-                    let (mut answer, events) = core.handle_checked(frame, now, finite);
-                    // The replica log's lag is the process's, not the core's (a backup's core knows none).
-                    if let (Some(log), Message::Stats(stats)) = (&log, &mut answer.msg) {
-                        (stats.replica_lag_entries, stats.replica_lag_peak) = log.lag();
-                        stats.replica_copies = log.copies();
-                    }
-                    // A split dealt or reported finished is journaled before the worker hears of it.
-                    journal_changes(&mut core, &mut journal);
-                    let gba_hold = pull.as_ref().and(core.take_gba_hold());
-                    match (pull, &answer.msg) {
-                        // A GBA push-pull held for its step (see `gaps_shard`'s `hold`): answered with the
-                        // values once the step is applied or the hold's short time is up, whichever is first.
-                        (Some(pull), Message::PushPullReply(PushPullReply { ack, chunks }))
-                            if chunks.is_empty() && gba_hold.is_some() && parked.len() < MAX_PARKED_WAITS =>
-                        {
-                            let until = gba_hold.unwrap_or(now);
-                            let ack = gaps_common::wire::Ack { wait_for_step: core.global_step() + 1, ..*ack };
-                            let held = HeldRequest::PushPull { ack, pull, events, index, soft: true };
-                            parked.push((held, until, reply));
-                        }
-                        // A push-pull whose ack asks the worker to wait for the step: held until the step is
-                        // applied, then answered with the new values (no wait request, no pull after it).
-                        (Some(pull), Message::PushPullReply(PushPullReply { ack, chunks }))
-                            if chunks.is_empty()
-                                && (ack.wait_for_step > 0 || ack.wait_for_clock > 0)
-                                && parked.len() < MAX_PARKED_WAITS =>
-                        {
-                            let held = HeldRequest::PushPull { ack: *ack, pull, events, index, soft: false };
-                            parked.push((held, started.elapsed() + HOLD_PUSH_PULL, reply));
-                        }
-                        _ => {
-                            let _ = reply.send((answer, events, core.take_reply_views(), index));
-                        }
-                    }
-                }
+                msg => self.request(Frame { msg, payload: frame.payload }, finite, reply),
             },
-            Command::Wake => wake.rang(started.elapsed()),
+            Command::Wake => self.wake.rang(self.started.elapsed()),
             Command::Tick { reply } => {
-                for ((reply, _), frame) in parts.expire(started.elapsed(), part_wait) {
+                for ((reply, _), frame) in self.parts.expire(self.started.elapsed(), self.part_wait) {
                     let _ = reply.send((frame, Vec::new(), Vec::new(), 0));
                 }
-                let now = started.elapsed();
-                let index = log.as_ref().map_or(0, |log| log.tick(now));
-                if let Some(r) = &mut record {
+                let now = self.started.elapsed();
+                let index = self.log.as_ref().map_or(0, |log| log.tick(now));
+                if let Some(r) = &mut self.record {
                     r.tick(index, now);
                 }
-                let events = core.tick(now);
-                let _ = reply.send((events, core.stats()));
+                let events = self.core.tick(now);
+                let _ = reply.send((events, self.core.stats()));
             }
-            Command::Inspect(f) => f(&core),
+            Command::Inspect(f) => f(&self.core),
             Command::Replace(f) => {
-                f(&mut core);
-                pending = None;
-                if let Some(r) = &mut record {
+                f(&mut self.core);
+                self.pending = None;
+                if let Some(r) = &mut self.record {
                     r.item(&crate::record::Item::Replaced);
                 }
                 // The backups' copies do not continue the replaced core: each copies a new snapshot.
-                if let Some(log) = &log {
+                if let Some(log) = &self.log {
                     log.reset();
                 }
             }
-            Command::Checkpoint(p) => pending = Some(p),
-            Command::ReplicaSnapshot { backup, reply } => {
-                let began = Instant::now();
-                let taken = match &log {
-                    Some(log) => core.copy_state().map(|bytes| (log.follow(backup), bytes)).map_err(|e| e.to_string()),
-                    None => Err("this shard keeps no replica log".into()),
-                };
-                if let (Some(log), Ok(_)) = (&log, &taken) {
-                    log.snapshot_taken(backup, began.elapsed());
+            Command::Checkpoint(p) => self.pending = Some(p),
+            Command::ReplicaSnapshot { backup, reply } => self.replica_snapshot(backup, reply),
+        }
+    }
+
+    /// What follows every command: the dealer's changes journaled (before a checkpoint can be taken after
+    /// them), a checkpoint waiting for this point taken, held requests whose step came answered.
+    fn after_command(&mut self) {
+        journal_changes(&mut self.core, &mut self.journal);
+        if let Some(p) = self.pending.take() {
+            self.pending = try_snapshot(&self.core, p, &mut self.record);
+        }
+        if !self.parked.is_empty() {
+            release_waits(&mut self.core, &mut self.parked, self.started.elapsed());
+            self.wake.arm(&self.parked, self.started.elapsed());
+        }
+    }
+
+    /// Logs a request for the backups and the request record; a request that cannot be logged for the
+    /// backups is refused, unhandled. The request's index in the replica log (0: none).
+    fn log_request(&mut self, now: Duration, frame: &Frame) -> Result<u64, Box<Frame>> {
+        let index = self
+            .log
+            .as_ref()
+            .map_or(Ok(0), |l| l.request(now, frame))
+            .map_err(|(code, msg)| Box::new(Frame::new(Message::error(code, msg))))?;
+        if let Some(r) = &mut self.record {
+            r.request(index, now, frame);
+        }
+        Ok(index)
+    }
+
+    /// One part of a striped push: held until the push is whole, then handled as one request and every part
+    /// answered with its reply.
+    fn push_part(
+        &mut self,
+        part: gaps_common::wire::PushPart,
+        payload: Vec<f32>,
+        finite: bool,
+        reply: oneshot::Sender<Answer>,
+    ) {
+        let offered = self.parts.offer(part, payload, (reply, finite), self.started.elapsed());
+        for ((reply, _), frame) in offered.answer_now {
+            let _ = reply.send((frame, Vec::new(), Vec::new(), 0));
+        }
+        let Some((whole, replies)) = offered.whole else { return };
+        let finite = replies.iter().all(|(_, f)| *f);
+        let now = self.started.elapsed();
+        let index = match self.log_request(now, &whole) {
+            Ok(index) => index,
+            Err(refusal) => {
+                for (reply, _) in replies {
+                    let _ = reply.send((*refusal.clone(), Vec::new(), Vec::new(), 0));
                 }
-                if let (Some(r), Ok((index, _))) = (&mut record, &taken) {
-                    r.item(&crate::record::Item::Followed { backup, index: *index });
-                }
-                let _ = reply.send(taken);
+                return;
+            }
+        };
+        let (answer, mut events) = self.core.handle_checked(whole, now, finite);
+        for (reply, _) in replies {
+            let _ = reply.send((answer.clone(), std::mem::take(&mut events), Vec::new(), index));
+        }
+    }
+
+    /// Any other request: handled by the core and answered, or held (a push-pull waiting for its step).
+    fn request(&mut self, frame: Frame, finite: bool, reply: oneshot::Sender<Answer>) {
+        let pull = match &frame.msg {
+            Message::PushPull(p) => {
+                Some(gaps_common::wire::Pull { epoch: p.epoch, chunks: p.chunks.iter().map(|c| c.id).collect() })
+            }
+            _ => None,
+        };
+        let now = self.started.elapsed();
+        let index = match self.log_request(now, &frame) {
+            Ok(index) => index,
+            Err(refusal) => {
+                let _ = reply.send((*refusal, Vec::new(), Vec::new(), 0));
+                return;
+            }
+        };
+        let (mut answer, events) = self.core.handle_checked(frame, now, finite);
+        // The replica log's lag is the process's, not the core's (a backup's core knows none).
+        if let (Some(log), Message::Stats(stats)) = (&self.log, &mut answer.msg) {
+            (stats.replica_lag_entries, stats.replica_lag_peak) = log.lag();
+            stats.replica_copies = log.copies();
+        }
+        // A split dealt or reported finished is journaled before the worker hears of it.
+        journal_changes(&mut self.core, &mut self.journal);
+        let gba_hold = pull.as_ref().and(self.core.take_gba_hold());
+        let room = self.parked.len() < MAX_PARKED_WAITS;
+        match (pull, &answer.msg) {
+            // A GBA push-pull held for its step (see `gaps_shard`'s `hold`): answered with the values once the
+            // step is applied or the hold's short time is up, whichever is first.
+            (Some(pull), Message::PushPullReply(PushPullReply { ack, chunks }))
+                if chunks.is_empty() && gba_hold.is_some() && room =>
+            {
+                let until = gba_hold.unwrap_or(now);
+                let ack = gaps_common::wire::Ack { wait_for_step: self.core.global_step() + 1, ..*ack };
+                let held = HeldRequest::PushPull { ack, pull, events, index, soft: true };
+                self.parked.push((held, until, reply));
+            }
+            // A push-pull whose ack asks the worker to wait for the step: held until the step is applied, then
+            // answered with the new values (no wait request, no pull after it).
+            (Some(pull), Message::PushPullReply(PushPullReply { ack, chunks }))
+                if chunks.is_empty() && (ack.wait_for_step > 0 || ack.wait_for_clock > 0) && room =>
+            {
+                let held = HeldRequest::PushPull { ack: *ack, pull, events, index, soft: false };
+                self.parked.push((held, self.started.elapsed() + HOLD_PUSH_PULL, reply));
+            }
+            _ => {
+                let _ = reply.send((answer, events, self.core.take_reply_views(), index));
             }
         }
-        // The dealer's changes are journaled before a checkpoint can be taken after them.
-        journal_changes(&mut core, &mut journal);
-        if let Some(p) = pending.take() {
-            pending = try_snapshot(&core, p, &mut record);
+    }
+
+    /// A copy of the core for backup process `backup`, with the log index it follows from.
+    fn replica_snapshot(&mut self, backup: u32, reply: oneshot::Sender<Result<(u64, Vec<u8>), String>>) {
+        let began = Instant::now();
+        let taken = match &self.log {
+            Some(log) => self.core.copy_state().map(|bytes| (log.follow(backup), bytes)).map_err(|e| e.to_string()),
+            None => Err("this shard keeps no replica log".into()),
+        };
+        if let (Some(log), Ok(_)) = (&self.log, &taken) {
+            log.snapshot_taken(backup, began.elapsed());
         }
-        if !parked.is_empty() {
-            release_waits(&mut core, &mut parked, started.elapsed());
-            wake.arm(&parked, started.elapsed());
+        if let (Some(r), Ok((index, _))) = (&mut self.record, &taken) {
+            r.item(&crate::record::Item::Followed { backup, index: *index });
         }
+        let _ = reply.send(taken);
     }
 }
 
