@@ -366,35 +366,7 @@ pub fn run(args: &SweepArgs) -> Result<Sweep> {
     let eta = f64::from(args.lr);
     let bound = std::f64::consts::PI / (2.0 * eta * h_max);
     let bound_momentum = std::f64::consts::PI / (2.0 * eta_eff * h_max);
-    let optimum = args
-        .modes
-        .iter()
-        .map(|m| {
-            let best = cells
-                .iter()
-                .filter(|c| c.mode == *m)
-                .filter_map(|c| c.time_to_target.map(|t| (t, c.workers)))
-                .min_by(|a, b| a.0.total_cmp(&b.0));
-            (*m, best.map(|(_, n)| n))
-        })
-        .collect();
-    let optimum_per_seed = args
-        .modes
-        .iter()
-        .map(|m| {
-            let per_seed = (0..seeds)
-                .map(|k| {
-                    grid.iter()
-                        .zip(&times)
-                        .filter(|((_, mode), _)| mode == m)
-                        .filter_map(|((n, _), t)| t[k].map(|t| (t, *n)))
-                        .min_by(|a, b| a.0.total_cmp(&b.0))
-                        .map(|(_, n)| n)
-                })
-                .collect();
-            (*m, per_seed)
-        })
-        .collect();
+    let (optimum, optimum_per_seed) = optima(&args.modes, &grid, &cells, &times, seeds);
     Ok(Sweep {
         cells,
         target,
@@ -663,6 +635,49 @@ impl Sweep {
         s.push_str("</svg>\n");
         s
     }
+}
+
+/// Per mode, the worker count that reached the target soonest on the seeds' mean (None: no count did).
+type Optimum = Vec<(SimMode, Option<u32>)>;
+/// Per mode, for each seed, the worker count that reached the target soonest.
+type OptimumPerSeed = Vec<(SimMode, Vec<Option<u32>>)>;
+
+/// Per mode, the worker count that reached the target soonest: on the seeds' mean, and for each seed.
+fn optima(
+    modes: &[SimMode],
+    grid: &[(u32, SimMode)],
+    cells: &[SweepCell],
+    times: &[Vec<Option<f64>>],
+    seeds: usize,
+) -> (Optimum, OptimumPerSeed) {
+    let optimum = modes
+        .iter()
+        .map(|m| {
+            let best = cells
+                .iter()
+                .filter(|c| c.mode == *m)
+                .filter_map(|c| c.time_to_target.map(|t| (t, c.workers)))
+                .min_by(|a, b| a.0.total_cmp(&b.0));
+            (*m, best.map(|(_, n)| n))
+        })
+        .collect();
+    let optimum_per_seed = modes
+        .iter()
+        .map(|m| {
+            let per_seed = (0..seeds)
+                .map(|k| {
+                    grid.iter()
+                        .zip(times)
+                        .filter(|((_, mode), _)| mode == m)
+                        .filter_map(|((n, _), t)| t[k].map(|t| (t, *n)))
+                        .min_by(|a, b| a.0.total_cmp(&b.0))
+                        .map(|(_, n)| n)
+                })
+                .collect();
+            (*m, per_seed)
+        })
+        .collect();
+    (optimum, optimum_per_seed)
 }
 
 #[cfg(test)]
