@@ -55,8 +55,7 @@ pub(super) fn run_sync(args: &SimArgs) -> Result<SimReport> {
         if rows > 0 {
             round_view[rows..].copy_from_slice(&params);
         }
-        let mut slowest = 0.0f64;
-        let mut loss_sum = 0.0f32;
+        let (mut slowest, mut loss_sum) = (0.0f64, 0.0f32);
         for (slot, (worker, seq)) in live.iter_mut().enumerate() {
             let (from, to) = next_batch(&mut order, &mut used, &mut order_rng, args.batch as usize);
             let batch = &order[from..to];

@@ -154,6 +154,90 @@ pub struct ShardCore {
     restored_dealer: Option<(u32, Vec<u8>)>,
 }
 
+/// Each tensor's and each table's rule with its hyper-parameters, as the layout names them over the
+/// shard's defaults; a table's rule may keep no per-worker state or look-ahead.
+#[allow(clippy::type_complexity)]
+fn resolve_rules(cfg: &ShardConfig) -> Result<(Vec<(Rule, Hyper)>, Vec<(Rule, Hyper)>), ShardError> {
+    let tensor_rules = cfg
+        .layout
+        .tensors
+        .iter()
+        .map(|t| {
+            cfg.hyper
+                .resolve(cfg.rule, &t.rule)
+                .map_err(|e| ShardError::Misconfigured(format!("tensor {:?}: {e}", t.name)))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let table_rules = cfg
+        .layout
+        .tables
+        .iter()
+        .map(|t| {
+            let (rule, hyper) = cfg
+                .sparse
+                .hyper
+                .resolve(cfg.sparse.rule, &t.rule)
+                .map_err(|e| ShardError::Misconfigured(format!("table {:?}: {e}", t.name)))?;
+            let l = rule.layout();
+            if l.worker_planes > 0 || l.lookahead || l.worker_momentum {
+                return Err(ShardError::Misconfigured(format!(
+                    "table {:?}: rule {rule} keeps state per worker or a look-ahead, which embedding rows cannot have",
+                    t.name
+                )));
+            }
+            Ok((rule, hyper))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((tensor_rules, table_rules))
+}
+
+/// The chunk slots this shard owns, initialized (`chunk_base`: each tensor's first global chunk number).
+fn new_slots(
+    cfg: &ShardConfig,
+    chunk_base: &[u64],
+    tensor_rules: &[(Rule, Hyper)],
+) -> Result<Vec<ChunkSlot>, ShardError> {
+    let mut slots = Vec::new();
+    for id in cfg.layout.chunks_of_shard(cfg.shard, cfg.num_shards) {
+        let range = cfg.layout.chunk_range(id).map_err(|e| ShardError::Misconfigured(e.to_string()))?;
+        let global = chunk_base[id.tensor as usize] + u64::from(id.chunk);
+        let params = cfg.init.chunk(global, range.len());
+        slots.push(ChunkSlot {
+            tensor: id.tensor,
+            len: params.len(),
+            shared: vec![0.0; params.len() * tensor_rules[id.tensor as usize].0.layout().shared_planes],
+            params: Arc::new(params),
+            workers: HashMap::new(),
+            version: 0,
+        });
+    }
+    Ok(slots)
+}
+
+/// The embedding tables, the memory budget shared evenly among them.
+fn new_tables(cfg: &ShardConfig, table_rules: &[(Rule, Hyper)]) -> Result<Vec<SparseTable>, ShardError> {
+    let per_table_budget = cfg.sparse.memory_budget.map(|b| b / cfg.layout.tables.len().max(1) as u64);
+    cfg.layout
+        .tables
+        .iter()
+        .enumerate()
+        .map(|(i, spec)| {
+            SparseTable::new(TableConfig {
+                table: i as u32,
+                dim: spec.dim,
+                rule: table_rules[i].0,
+                init_std: cfg.sparse.init_std,
+                adagrad_init: cfg.sparse.adagrad_init,
+                seed: cfg.init.seed,
+                admit_after: cfg.sparse.admit_after,
+                memory_budget: per_table_budget,
+                eviction: cfg.sparse.eviction,
+            })
+            .map_err(|e| ShardError::Misconfigured(e.to_string()))
+        })
+        .collect()
+}
+
 impl ShardCore {
     /// Builds a shard and initialises its chunks. Shard 0 is the coordinator.
     pub fn new(cfg: ShardConfig) -> Result<Self, ShardError> {
@@ -171,50 +255,8 @@ impl ShardCore {
             chunk_base.push(base);
             base += u64::from(cfg.layout.num_chunks(t));
         }
-        let tensor_rules = cfg
-            .layout
-            .tensors
-            .iter()
-            .map(|t| {
-                cfg.hyper
-                    .resolve(cfg.rule, &t.rule)
-                    .map_err(|e| ShardError::Misconfigured(format!("tensor {:?}: {e}", t.name)))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let table_rules = cfg
-            .layout
-            .tables
-            .iter()
-            .map(|t| {
-                let (rule, hyper) = cfg
-                    .sparse
-                    .hyper
-                    .resolve(cfg.sparse.rule, &t.rule)
-                    .map_err(|e| ShardError::Misconfigured(format!("table {:?}: {e}", t.name)))?;
-                let l = rule.layout();
-                if l.worker_planes > 0 || l.lookahead || l.worker_momentum {
-                    return Err(ShardError::Misconfigured(format!(
-                        "table {:?}: rule {rule} keeps state per worker or a look-ahead, which embedding rows cannot have",
-                        t.name
-                    )));
-                }
-                Ok((rule, hyper))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let mut slots = Vec::new();
-        for id in cfg.layout.chunks_of_shard(cfg.shard, cfg.num_shards) {
-            let range = cfg.layout.chunk_range(id).map_err(|e| ShardError::Misconfigured(e.to_string()))?;
-            let global = chunk_base[id.tensor as usize] + u64::from(id.chunk);
-            let params = cfg.init.chunk(global, range.len());
-            slots.push(ChunkSlot {
-                tensor: id.tensor,
-                len: params.len(),
-                shared: vec![0.0; params.len() * tensor_rules[id.tensor as usize].0.layout().shared_planes],
-                params: Arc::new(params),
-                workers: HashMap::new(),
-                version: 0,
-            });
-        }
+        let (tensor_rules, table_rules) = resolve_rules(&cfg)?;
+        let slots = new_slots(&cfg, &chunk_base, &tensor_rules)?;
         let is_coordinator = cfg.shard == 0;
         let mut coordinator = is_coordinator.then(Coordinator::default);
         if let Some(c) = coordinator.as_mut() {
@@ -229,27 +271,7 @@ impl ShardCore {
         };
         let lr_max = tensor_rules.iter().map(|(_, h)| h.lr).collect();
         cfg.sparse.hyper.validate().map_err(|e| ShardError::Misconfigured(format!("sparse rule: {e}")))?;
-        let per_table_budget = cfg.sparse.memory_budget.map(|b| b / cfg.layout.tables.len().max(1) as u64);
-        let tables = cfg
-            .layout
-            .tables
-            .iter()
-            .enumerate()
-            .map(|(i, spec)| {
-                SparseTable::new(TableConfig {
-                    table: i as u32,
-                    dim: spec.dim,
-                    rule: table_rules[i].0,
-                    init_std: cfg.sparse.init_std,
-                    adagrad_init: cfg.sparse.adagrad_init,
-                    seed: cfg.init.seed,
-                    admit_after: cfg.sparse.admit_after,
-                    memory_budget: per_table_budget,
-                    eviction: cfg.sparse.eviction,
-                })
-                .map_err(|e| ShardError::Misconfigured(e.to_string()))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+        let tables = new_tables(&cfg, &table_rules)?;
         let active = match cfg.modes.mode {
             Mode::Auto => Mode::Sync,
             m => m,
