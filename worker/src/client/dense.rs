@@ -192,30 +192,26 @@ impl Client {
         Ok((summary, next))
     }
 
-    /// A push, and with `pull` the new values where every shard could send them with its ack.
-    pub(super) async fn push_then(
-        &self,
-        mut grads: Arc<Vec<Vec<f32>>>,
-        snapshot: &Snapshot,
-        pull: bool,
-    ) -> Result<(PushSummary, Option<Snapshot>), ClientError> {
+    /// Checks a dense push before anything is sent: this client is a worker, the gradients and the snapshot
+    /// match the layout, the gradients are finite (those sent in 32 bits; 16-bit ones are checked as they are
+    /// converted); and applies the worker side of rules with per-worker momentum. The worker's id.
+    fn check_push(&self, grads: &mut Arc<Vec<Vec<f32>>>, snapshot: &Snapshot) -> Result<u32, ClientError> {
         let worker = self.worker_for("push")?;
         let layout = &self.inner.map.layout;
         let matches = |t: &[Vec<f32>]| {
             t.len() == layout.tensors.len() && t.iter().zip(&layout.tensors).all(|(g, s)| g.len() as u64 == s.len)
         };
-        if !matches(&grads) || !matches(&snapshot.tensors) {
+        if !matches(grads) || !matches(&snapshot.tensors) {
             return Err(ClientError::Shape("gradient or snapshot tensors do not match the model layout".into()));
         }
-        // Tensors that travel in a 16-bit format are checked as they are converted (below, before anything is
+        // Tensors that travel in a 16-bit format are checked as they are converted (when the payloads are made, before anything is
         // sent); the others here.
         for (t, (g, spec)) in grads.iter().zip(&layout.tensors).enumerate() {
             if layout.wire_dtype(t as u32) == WireDtype::F32 {
                 check_finite(&format!("the gradient of {}", spec.name), g)?;
             }
         }
-        let read_versions = &snapshot.versions;
-        if read_versions.len() as u64 != layout.total_chunks() {
+        if snapshot.versions.len() as u64 != layout.total_chunks() {
             return Err(ClientError::Shape("read versions do not match the model layout".into()));
         }
         let rules = &self.inner.tensor_rules;
@@ -226,13 +222,26 @@ impl Client {
                 *momentum = grads.iter().map(|g| vec![0.0; g.len()]).collect();
             }
             let tensors =
-                Arc::make_mut(&mut grads).iter_mut().zip(momentum.iter_mut()).zip(snapshot.tensors.iter()).zip(rules);
+                Arc::make_mut(grads).iter_mut().zip(momentum.iter_mut()).zip(snapshot.tensors.iter()).zip(rules);
             for (((g, v), pulled), (rule, hyper)) in tensors {
                 if rule.layout().worker_momentum {
                     gaps_kernels::slim_worker_step(hyper, pulled, v, g);
                 }
             }
         }
+        Ok(worker)
+    }
+
+    /// A push, and with `pull` the new values where every shard could send them with its ack.
+    pub(super) async fn push_then(
+        &self,
+        mut grads: Arc<Vec<Vec<f32>>>,
+        snapshot: &Snapshot,
+        pull: bool,
+    ) -> Result<(PushSummary, Option<Snapshot>), ClientError> {
+        let worker = self.check_push(&mut grads, snapshot)?;
+        let layout = &self.inner.map.layout;
+        let read_versions = &snapshot.versions;
         // Every shard's payload, cut into its stripes, made before any is sent: a bad value found while a
         // gradient is converted stops the push on every shard.
         let mut payloads = Vec::with_capacity(self.inner.shards.len());

@@ -68,6 +68,32 @@ impl Client {
         self.request_on(shard, 0, msg, payload, sink).await
     }
 
+    /// Returns once shard `shard`'s route moved past `route_epoch` (a backup took it over), looking at the
+    /// route every 50 ms and asking the coordinator's map every 300 ms once a request waited
+    /// MOVED_CHECK_AFTER; never without copies of the shards (or for shard 0 when the coordinator cannot move).
+    async fn moved_away(&self, shard: usize, route_epoch: u64) {
+        if self.inner.map.replicas < 2 || (shard == 0 && !self.coordinator_moves()) {
+            return std::future::pending().await;
+        }
+        // Another request may find the move first: the route is looked at every 50 ms (a lock), the
+        // coordinator asked once the request waited MOVED_CHECK_AFTER.
+        let began = Instant::now();
+        loop {
+            if self.inner.shards[shard].epoch() != route_epoch {
+                return;
+            }
+            if began.elapsed() < MOVED_CHECK_AFTER {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+            self.follow_map(shard).await;
+            if self.inner.shards[shard].epoch() != route_epoch {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    }
+
     /// [`Self::request_with`] on one of the shard's lanes (its connections for striped transfers).
     pub(super) async fn request_on<S: net::ReplySink + Send + ?Sized>(
         &self,
@@ -86,28 +112,7 @@ impl Client {
             // primary, whose connection only times out after seconds: the coordinator's map tells whether a
             // backup took the shard over, and the request goes there instead.
             let route_epoch = self.inner.shards[shard].epoch();
-            let moved = async {
-                if self.inner.map.replicas < 2 || (shard == 0 && !self.coordinator_moves()) {
-                    return std::future::pending().await;
-                }
-                // Another request may find the move first: the route is looked at every 50 ms (a lock), the
-                // coordinator asked once the request waited MOVED_CHECK_AFTER.
-                let began = Instant::now();
-                loop {
-                    if self.inner.shards[shard].epoch() != route_epoch {
-                        return;
-                    }
-                    if began.elapsed() < MOVED_CHECK_AFTER {
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                    self.follow_map(shard).await;
-                    if self.inner.shards[shard].epoch() != route_epoch {
-                        return;
-                    }
-                    tokio::time::sleep(Duration::from_millis(300)).await;
-                }
-            };
+            let moved = self.moved_away(shard, route_epoch);
             let attempt_once = async {
                 // A handshake with a live shard takes milliseconds; a short bound lets a restarted shard be
                 // found again soon after it is back, and never outlasts the shard-down timeout.
@@ -116,19 +121,7 @@ impl Client {
                 let bound = opts.rpc_timeout.min(Duration::from_secs(5)).min(left.max(Duration::from_millis(100)));
                 let conn = self.connection(shard, lane, bound).await?;
                 if self.take_injected_drop() {
-                    let (mut send, _recv) = conn.open_bi().await.map_err(|e| RpcError::Connection {
-                        addr: conn.remote_address().to_string(),
-                        message: e.to_string(),
-                    })?;
-                    let _ = net::write_frame(&mut send, msg, payload).await;
-                    let _ = send.finish();
-                    // Give the request time to reach the shard, then cut the connection before the reply.
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    conn.close(1u32.into(), b"injected failure");
-                    return Err(RpcError::Connection {
-                        addr: conn.remote_address().to_string(),
-                        message: "injected connection drop".into(),
-                    });
+                    return Err(send_then_drop(&conn, msg, payload).await);
                 }
                 net::call_with(&conn, msg, payload, &opts.limits, opts.rpc_timeout, &mut *sink).await
             };
@@ -336,4 +329,20 @@ impl Client {
     pub(super) fn take_injected_drop(&self) -> bool {
         self.inner.drop_after_send.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok()
     }
+}
+
+/// An injected failure (tests): the request is sent, then the connection cut before the reply comes.
+async fn send_then_drop(conn: &quinn::Connection, msg: &Message, payload: &[net::Bytes]) -> RpcError {
+    let addr = conn.remote_address().to_string();
+    // The receiving side stays open until the connection is cut, as for a request that waits for its reply.
+    let (mut send, _recv) = match conn.open_bi().await {
+        Ok(streams) => streams,
+        Err(e) => return RpcError::Connection { addr, message: e.to_string() },
+    };
+    let _ = net::write_frame(&mut send, msg, payload).await;
+    let _ = send.finish();
+    // Give the request time to reach the shard, then cut the connection before the reply.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    conn.close(1u32.into(), b"injected failure");
+    RpcError::Connection { addr, message: "injected connection drop".into() }
 }
