@@ -232,26 +232,8 @@ fn a_criteo_file_with_bad_lines_trains_and_reports_them() {
     assert!(v["teacher_auc"].is_null());
 }
 
-/// The run must outlast the straggling by a wide margin on any machine: with 120 steps the fast workers
-/// (about 13 ms a step in gba) finished 1.6 s in, barely after the 1.5 s of straggling, and on a fast
-/// machine the cluster never had the time to switch back (CI, 2026-11-24). 300 steps last at least 3 s.
-#[test]
-fn auto_mode_switches_to_gba_on_an_injected_straggler_and_back_when_it_recovers() {
-    let v = run_local(&["local", "--mode", "auto", "--straggler", "1:4:1500ms", "--steps", "300", "--json"]);
-    assert!(v["mode_switches"].as_u64().expect("switches") >= 2, "{v}");
-    // One list for the cluster, decided by the coordinator, carried out by both shards at the same steps.
-    let switches = v["switches"].as_array().expect("switches");
-    assert!(switches.len() >= 2, "{v}");
-    assert_eq!((switches[0]["from"].as_str(), switches[0]["to"].as_str()), (Some("sync"), Some("gba")), "{v}");
-    assert!(switches[0]["reason"].as_str().is_some_and(|r| r.contains("x the median")), "{v}");
-    assert_eq!((switches[1]["from"].as_str(), switches[1]["to"].as_str()), (Some("gba"), Some("sync")), "{v}");
-    assert_eq!(v["switches_agree"], true, "{v}");
-    assert!(v["steps_sync"].as_u64().expect("sync") > 0, "{v}");
-    assert!(v["steps_gba"].as_u64().expect("gba") > 0, "{v}");
-    assert_eq!(v["pushes_sent"], v["pushes_applied"], "{v}");
-    let (initial, last) = (v["initial_loss"].as_f64().expect("loss"), v["final_loss"].as_f64().expect("loss"));
-    assert!(last < initial / 2.0, "{v}");
-}
+// The automatic mode switch on an injected straggler is checked on the virtual clock of
+// `gaps_shard::testnet` (shard/tests/testnet.rs): here it hung on how fast this machine ran.
 
 #[test]
 fn killed_and_added_workers_leave_the_right_number_at_the_end_and_sync_never_stalls() {
@@ -411,17 +393,10 @@ fn undisturbed(steps: u64, mode: &str) -> f64 {
     v["final_loss"].as_f64().expect("loss")
 }
 
-#[test]
-fn chaos_shards_and_workers_killed_at_seeded_times_and_the_job_still_finishes() {
-    let (last, schedule) = chaos(20261123, 400, "async");
-    // Against the same job undisturbed: within 50 % of its final loss (async runs vary with timing, and a
-    // crash loses at most one checkpoint interval of updates).
-    let calm = undisturbed(400, "async");
-    assert!(last < 1.5 * calm, "chaos {last} vs undisturbed {calm}: {schedule:?}");
-}
-
-/// The long variant (opt-in: `cargo test -p gaps-cli --test local -- --ignored stress_`): more seeds, longer
-/// jobs, async and sync.
+/// Seeded chaos with real processes killed by SIGKILL (opt-in: `cargo test -p gaps-cli --test local --
+/// --ignored stress_`): more seeds, longer jobs, async and sync. The same schedules run on every `cargo test`
+/// on the virtual clock (`shard/tests/testnet.rs`, `chaos_over_seeds_and_modes`), where the job's length does
+/// not depend on the machine.
 #[test]
 #[ignore = "stress test, minutes long: run with --ignored"]
 fn stress_chaos_over_seeds_and_modes() {

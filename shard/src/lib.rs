@@ -17,6 +17,7 @@ pub mod modes;
 pub mod replica;
 pub mod sparse;
 pub mod stripes;
+pub mod testnet;
 
 pub use crate::checkpoint::CheckpointError;
 pub use crate::core::{
