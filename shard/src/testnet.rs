@@ -1,7 +1,13 @@
 //! An in-memory cluster on a virtual clock, for tests: shards are [`ShardCore`]s, workers small state
-//! machines that speak the wire protocol as `gaps-worker` does (register, pull, push with sequence numbers
-//! sent again until acknowledged, wait for synchronous steps, heartbeats, leave), joined by a network that
-//! delays and loses messages and can cut two nodes apart. Shards are killed and restarted from their newest
+//! machines that speak the wire protocol (register, pull, push with sequence numbers sent again until
+//! acknowledged, wait for synchronous steps, heartbeats, leave), joined by a network that delays and loses
+//! messages and can cut two nodes apart.
+//!
+//! What it leaves out of `gaps-worker` and `gaps-server`: a step here is a `Pull` then a `Push` (not the
+//! real worker's `PushPull`), a step wait is polled every millisecond with `WaitStep { max_wait_ms: 0 }` (the
+//! service's held waits and GBA's held push-pulls live in its actor thread, not in the core), and there is
+//! no TLS, striping or replication. The end-to-end versions over real processes stay in
+//! `cli/tests/local.rs` and `cli/tests/netns.rs`. Shards are killed and restarted from their newest
 //! checkpoint, workers killed and added, workers slowed for a while — at virtual times. Every draw comes
 //! from one seed and every event has a place in one queue: a run is reproducible to the message, on any
 //! machine under any load (no wall clock is read).
@@ -35,9 +41,10 @@ pub enum Node {
 /// What happens at a virtual time.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Fault {
-    /// The shard's process dies: its state and every message to it are gone.
+    /// The shard's process dies: its state is gone, and every message that reaches it while it is down.
     KillShard(u32),
-    /// The shard starts again from its newest checkpoint (fresh and joined again when it has none).
+    /// The shard starts again from its newest checkpoint (fresh and joined again when it has none; shard 0
+    /// without a checkpoint starts a new cluster the others do not join again).
     RestartShard(u32),
     /// The worker's process dies; what it sent is still on the wire.
     KillWorker(usize),
@@ -135,6 +142,10 @@ pub struct Report {
     pub pushes_applied: u64,
     /// Acknowledged but not in the shard's ledger (lost with a crash), per worker and shard.
     pub pushes_lost: u64,
+    /// In a shard's ledger but never acknowledged to a worker that lived to the end, per worker and shard
+    /// (must be 0: a shard applies nothing it does not answer, and an answer is never lost here unless
+    /// `loss` is set).
+    pub pushes_applied_unacknowledged: u64,
     pub pushes_applied_twice: u64,
     /// Refused by a restored shard as computed on parameters it no longer has.
     pub stale_after_restore: u64,
@@ -183,6 +194,8 @@ struct Worker {
     waits: BTreeMap<u32, (u64, u64)>,
     sent: u64,
     stale_after_restore: u64,
+    /// When the worker began waiting for a step.
+    waiting_since: Duration,
     slow: Option<(f64, Duration)>,
 }
 
@@ -431,6 +444,7 @@ impl Cluster {
             waits: BTreeMap::new(),
             sent: 0,
             stale_after_restore: 0,
+            waiting_since: Duration::ZERO,
             slow: None,
         });
         let w = self.workers.len() - 1;
@@ -487,7 +501,15 @@ impl Cluster {
                 }
             }
             (Phase::Waiting, Message::Stats(st)) => {
+                match worker.decisions.as_mut() {
+                    Some(d) => d.merge(&st.decisions),
+                    None => worker.decisions = Some(st.decisions),
+                }
                 let (step, clock) = worker.waits[&s];
+                // As the client: a step that does not come within three leases is an error.
+                if self.now.saturating_sub(worker.waiting_since) > 3 * self.spec.lease {
+                    return Err(format!("worker {w}: shard {s} did not finish step {step} within three leases"));
+                }
                 // Reached, or the shard went back (restored): go on.
                 if (st.global_step >= step && st.ssp_min_clock >= clock) || st.global_step + 1 < step {
                     worker.waits.remove(&s);
@@ -590,6 +612,7 @@ impl Cluster {
         let waits: Vec<(u32, (u64, u64))> = self.workers[w].waits.iter().map(|(s, x)| (*s, *x)).collect();
         if !waits.is_empty() {
             self.workers[w].phase = Phase::Waiting;
+            self.workers[w].waiting_since = self.now;
             for (s, (step, clock)) in waits {
                 self.request(w, s, Frame::new(Message::WaitStep(WaitStep { step, clock, max_wait_ms: 0 })));
             }
@@ -632,11 +655,14 @@ impl Cluster {
             stats.push(core.stats());
             switches.push(core.switches().cloned().collect());
         }
-        let mut lost = 0;
+        let (mut lost, mut unacknowledged) = (0, 0);
         for (s, st) in stats.iter().enumerate() {
             for w in &self.workers {
                 let applied = st.applied_by_worker.iter().find(|a| a.worker == w.id).map_or(0, |a| a.applied);
                 lost += w.acked[s].saturating_sub(applied);
+                if w.phase != Phase::Dead {
+                    unacknowledged += applied.saturating_sub(w.acked[s]);
+                }
             }
         }
         Ok(Report {
@@ -646,6 +672,7 @@ impl Cluster {
             pushes_unconfirmed: self.unconfirmed,
             pushes_applied: stats.iter().flat_map(|s| &s.applied_by_worker).map(|a| a.applied).sum(),
             pushes_lost: lost,
+            pushes_applied_unacknowledged: unacknowledged,
             pushes_applied_twice: stats.iter().map(|s| s.pushes_applied_twice).sum(),
             stale_after_restore: self.workers.iter().map(|w| w.stale_after_restore).sum(),
             workers_final: self.workers.iter().filter(|w| w.phase == Phase::Done).count(),

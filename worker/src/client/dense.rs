@@ -204,8 +204,8 @@ impl Client {
         if !matches(grads) || !matches(&snapshot.tensors) {
             return Err(ClientError::Shape("gradient or snapshot tensors do not match the model layout".into()));
         }
-        // Tensors that travel in a 16-bit format are checked as they are converted (when the payloads are made, before anything is
-        // sent); the others here.
+        // Tensors that travel in a 16-bit format are checked as they are converted (when the payloads are
+        // made, before anything is sent); the others here.
         for (t, (g, spec)) in grads.iter().zip(&layout.tensors).enumerate() {
             if layout.wire_dtype(t as u32) == WireDtype::F32 {
                 check_finite(&format!("the gradient of {}", spec.name), g)?;
