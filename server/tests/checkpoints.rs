@@ -117,9 +117,10 @@ async fn a_shard_restarts_from_its_newest_intact_checkpoint() {
     assert_eq!(after.versions, before.versions);
     let rows_after = observer.pull_sparse(0, &[1, 2, 3], false).await.expect("rows");
     assert_eq!(rows_after.values, rows_before.values);
-    // New workers get new ids (the coordinator's counter was kept).
+    // New workers get new ids: the coordinator's counter was kept, and moved past the ids it may have handed
+    // out after the checkpoint (`ShardCore::restarted`), so none is handed out twice.
     let w = client(&certs, &server, Role::Worker).await;
-    assert_eq!(w.map().worker_id, Some(1));
+    assert_eq!(w.map().worker_id, Some(1 + gaps_shard::RESTART_ID_GAP));
     w.leave().await.expect("leave");
     server.shutdown().await.expect("shutdown");
 

@@ -21,6 +21,7 @@ pub mod testnet;
 
 pub use crate::checkpoint::CheckpointError;
 pub use crate::core::{
-    CoreEvent, Init, PeerShard, Readiness, ShardConfig, ShardCore, ShardError, SparseSettings, SEQ_WINDOW,
+    CoreEvent, Init, PeerShard, Readiness, ShardConfig, ShardCore, ShardError, SparseSettings, RESTART_ID_GAP,
+    SEQ_WINDOW,
 };
 pub use crate::modes::{Mode, ModeConfig};

@@ -150,6 +150,10 @@ pub struct Report {
     /// Refused by a restored shard as computed on parameters it no longer has.
     pub stale_after_restore: u64,
     pub workers_final: usize,
+    /// Every worker's id, in the order they started.
+    pub worker_ids: Vec<u32>,
+    /// Why shards refused heartbeats (a worker the shard does not know).
+    pub heartbeats_refused: Vec<String>,
     pub initial_loss: f64,
     pub final_loss: f64,
 }
@@ -223,6 +227,7 @@ pub struct Cluster {
     target: Vec<f32>,
     unconfirmed: u64,
     checkpoints: u64,
+    heartbeats_refused: Vec<String>,
 }
 
 impl Cluster {
@@ -250,6 +255,7 @@ impl Cluster {
             target,
             unconfirmed: 0,
             checkpoints: 0,
+            heartbeats_refused: Vec::new(),
             spec,
         };
         for s in 0..cluster.spec.shards {
@@ -320,6 +326,12 @@ impl Cluster {
                 let Some(core) = slot.core.as_mut() else { return Ok(()) };
                 let (reply, _) = core.handle(*frame, self.now - slot.started);
                 self.send(Node::Shard(s), from, tag, reply);
+            }
+            // A heartbeat's answer (tag 0): only refusals are counted.
+            Event::Deliver { from: Node::Shard(_), to: Node::Worker(_), tag: 0, frame } => {
+                if let Message::Error(e) = frame.msg {
+                    self.heartbeats_refused.push(e.message);
+                }
             }
             Event::Deliver { from: Node::Shard(s), to: Node::Worker(w), tag, frame } => {
                 self.on_reply(w, s, tag, *frame)?
@@ -405,7 +417,11 @@ impl Cluster {
     fn start_shard(&mut self, s: u32, checkpoint: Option<&[u8]>) -> Result<(), String> {
         let cfg = self.shards[s as usize].cfg.clone();
         let core = match checkpoint {
-            Some(bytes) => ShardCore::restore(cfg, bytes).map_err(|e| format!("restoring shard {s}: {e}"))?,
+            Some(bytes) => {
+                let mut core = ShardCore::restore(cfg, bytes).map_err(|e| format!("restoring shard {s}: {e}"))?;
+                core.restarted();
+                core
+            }
             None if s == 0 => ShardCore::new(cfg).map_err(|e| e.to_string())?,
             None => {
                 let mut core = ShardCore::new(cfg).map_err(|e| e.to_string())?;
@@ -676,6 +692,8 @@ impl Cluster {
             pushes_applied_twice: stats.iter().map(|s| s.pushes_applied_twice).sum(),
             stale_after_restore: self.workers.iter().map(|w| w.stale_after_restore).sum(),
             workers_final: self.workers.iter().filter(|w| w.phase == Phase::Done).count(),
+            worker_ids: self.workers.iter().map(|w| w.id).collect(),
+            heartbeats_refused: std::mem::take(&mut self.heartbeats_refused),
             initial_loss,
             final_loss: self.loss_of(&params),
             stats,

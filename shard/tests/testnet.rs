@@ -74,6 +74,13 @@ fn chaos(seed: u64, steps: u64, mode: Mode) -> (Report, Vec<(Duration, Fault)>) 
     assert_eq!(r.pushes_applied_twice, 0, "{schedule:?}: {r:?}");
     assert!(r.pushes_applied <= r.pushes_acknowledged + r.pushes_unconfirmed, "{schedule:?}: {r:?}");
     assert_eq!(r.pushes_applied_unacknowledged, 0, "{schedule:?}: {r:?}");
+    // A worker registered after the coordinator's checkpoint keeps its id through the coordinator's
+    // restart (its heartbeats are taken) and nobody gets it again.
+    assert!(r.heartbeats_refused.is_empty(), "{schedule:?}: {:?}", r.heartbeats_refused);
+    let mut ids = r.worker_ids.clone();
+    ids.sort_unstable();
+    ids.dedup();
+    assert_eq!(ids.len(), r.worker_ids.len(), "one id per worker: {:?}", r.worker_ids);
     assert!(r.pushes_lost > 0, "a crash after a checkpoint loses what came after it: {schedule:?}: {r:?}");
     assert!(r.pushes_lost < r.pushes_acknowledged / 4, "{schedule:?}: {r:?}");
     assert!(r.final_loss < r.initial_loss / 2.0, "{schedule:?}: {r:?}");
@@ -111,6 +118,13 @@ fn a_lossy_network_loses_and_doubles_no_push() {
             (r.pushes_acknowledged, r.pushes_applied, r.pushes_applied_twice),
             (r.pushes_sent, r.pushes_sent, 0)
         );
+        assert_eq!((r.pushes_lost, r.pushes_applied_unacknowledged), (0, 0), "{r:?}");
+        // Every synchronous step holds one gradient of each worker: a worker whose ack was lost and who
+        // sent its push again still waits for the step (its next gradient does not join the same step).
+        if mode == Mode::Sync {
+            let steps: Vec<u64> = r.stats.iter().map(|s| s.steps_sync).collect();
+            assert_eq!(steps, [150, 150], "{r:?}");
+        }
         assert!(r.stats.iter().map(|s| s.pushes_duplicate).sum::<u64>() > 0, "some pushes arrived twice: {r:?}");
         assert!(r.final_loss < r.initial_loss / 2.0, "{r:?}");
     }

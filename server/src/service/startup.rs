@@ -287,9 +287,10 @@ pub(super) fn initial_core(
     };
     Ok(match snapshot {
         Some((path, bytes)) => {
-            let (core, info) = ShardCore::checkpoint_info(&bytes)
+            let (mut core, info) = ShardCore::checkpoint_info(&bytes)
                 .and_then(|info| ShardCore::restore(cfg.core.clone(), &bytes).map(|core| (core, info)))
                 .map_err(|e| anyhow!("restoring shard {shard} from {}: {e}", path.display()))?;
+            core.restarted();
             info!(shard, checkpoint = info.id, path = %path.display(), versions = ?info.tensor_versions, "restored");
             (core, Some(info))
         }

@@ -191,7 +191,10 @@ impl ShardCore {
         now: Duration,
         events: &mut Vec<CoreEvent>,
     ) -> Result<Frame, ShardError> {
-        if let Some(duplicate) = self.check_push(req.epoch, req.worker, req.seq)? {
+        if let Some(mut duplicate) = self.check_push(req.epoch, req.worker, req.seq)? {
+            if let Message::Ack(ack) = &mut duplicate.msg {
+                self.duplicate_waits(req.worker, ack);
+            }
             return Ok(duplicate);
         }
         let (plan, grad_total) = self.plan_push(req, payload, checked_finite)?;
@@ -317,6 +320,24 @@ impl ShardCore {
             }
         }
         Ok((plan, grad_total))
+    }
+
+    /// What the acknowledgement of a push applied before asks the worker to wait for, as the first one did:
+    /// in sync, the step it went into while that step is still open; under bounded staleness, the slowest
+    /// worker's clock while this worker is too far ahead. A worker whose first ack was lost (a reply lost on
+    /// the way, a connection cut) sends the push again and must not skip the step's barrier because of it:
+    /// its next gradient would go into the same step.
+    fn duplicate_waits(&self, worker: u32, ack: &mut Ack) {
+        match self.active {
+            Mode::Sync if self.contributors.contains(&worker) => ack.wait_for_step = self.global_step + 1,
+            Mode::Ssp => {
+                let mine = self.clocks.get(&worker).copied().unwrap_or(0);
+                if mine > self.min_clock() + self.cfg.modes.ssp_bound {
+                    ack.wait_for_clock = mine - self.cfg.modes.ssp_bound;
+                }
+            }
+            _ => {}
+        }
     }
 
     /// Sums a push's gradients into the synchronous step (sync or gba), or drops them when too stale for the

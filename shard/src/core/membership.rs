@@ -60,6 +60,10 @@ impl Coordinator {
     }
 }
 
+/// How many worker ids a coordinator started again from a checkpoint leaves out ([`ShardCore::restarted`]):
+/// more than can register between two checkpoints.
+pub const RESTART_ID_GAP: u32 = 1 << 16;
+
 impl ShardCore {
     /// The registration a non-coordinator shard sends to the coordinator.
     pub fn join_request(&self) -> Message {
@@ -263,6 +267,17 @@ impl ShardCore {
             replicas: 1,
             spare,
         })))
+    }
+
+    /// To call on a shard started again from a checkpoint (a crash, not a rollback): the coordinator may have
+    /// handed out worker ids after the checkpoint was written, which its state no longer knows. Those ids
+    /// stay valid — a worker that holds one is admitted again by its next heartbeat, with its lease — and new
+    /// registrations skip past them ([`RESTART_ID_GAP`] ids), so no id is handed out twice (two workers with
+    /// one id would share one exactly-once window: one's pushes acknowledged as the other's duplicates).
+    pub fn restarted(&mut self) {
+        if let Some(c) = self.coordinator.as_mut() {
+            c.next_worker = c.next_worker.saturating_add(RESTART_ID_GAP);
+        }
     }
 
     /// Renews `worker`'s lease (a heartbeat, a split request); a worker without one joins the live set.

@@ -37,6 +37,7 @@ use gaps_common::wire::{
 use gaps_common::wire::{Promote, ReplicaEpoch, ReplicaReport, Request};
 use gaps_kernels::{Bufs, Hyper, PushScalars, Rule};
 use membership::Coordinator;
+pub use membership::RESTART_ID_GAP;
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
