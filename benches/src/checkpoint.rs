@@ -8,7 +8,7 @@ use gaps_kernels::{Hyper, Rule};
 use gaps_server::checkpoint::{load_verified, CheckpointStore};
 use gaps_shard::{Init, ShardConfig, ShardCore};
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// One measurement.
 #[derive(Debug, Clone, PartialEq)]
@@ -65,18 +65,12 @@ impl CheckpointResult {
 /// Measures one shard of `params` parameters, writing under `dir`.
 pub fn run(params: u64, dir: &Path) -> Result<CheckpointResult> {
     let cfg = ShardConfig {
-        shard: 0,
-        num_shards: 1,
-        layout: Layout::new(vec![TensorSpec::new("w", params)], 1 << 20)?,
         rule: Rule::Momentum,
         hyper: Hyper { lr: 0.01, momentum: 0.9, ..Hyper::default() },
         init: Init { seed: 1, std: 0.01 },
-        lease: Duration::from_secs(10),
         advertise: "bench".into(),
-        epoch: 1,
         threads: 0,
-        sparse: gaps_shard::SparseSettings::default(),
-        modes: gaps_shard::ModeConfig::default(),
+        ..ShardConfig::new(Layout::new(vec![TensorSpec::new("w", params)], 1 << 20)?)
     };
     let core = ShardCore::new(cfg.clone()).map_err(|e| anyhow!("{e}"))?;
     let started = Instant::now();

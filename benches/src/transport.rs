@@ -22,7 +22,7 @@ use anyhow::{Context, Result};
 use gaps_common::dtype::WireDtype;
 use gaps_common::layout::{Layout, SparseSpec, TensorSpec};
 use gaps_common::wire::Role;
-use gaps_kernels::{Hyper, Rule};
+use gaps_kernels::Hyper;
 use gaps_server::service::{self, RunningServer, ServiceConfig};
 use gaps_shard::{Init, ShardConfig};
 use gaps_transport::net;
@@ -358,16 +358,11 @@ async fn start_shards(certs: &ClusterCerts, shards: u32, replicas: u32, layout: 
         let core = ShardConfig {
             shard: s,
             num_shards: shards,
-            layout: layout.clone(),
-            rule: Rule::Sgd,
             hyper: Hyper { lr: 1e-6, momentum: 0.0, weight_decay: 0.0, ..Hyper::default() },
             init: Init { seed: 1, std: 0.0 },
             lease: Duration::from_secs(60),
-            advertise: String::new(),
             epoch: 7,
-            threads: 1,
-            sparse: gaps_shard::core::SparseSettings::default(),
-            modes: gaps_shard::modes::ModeConfig::default(),
+            ..ShardConfig::new(layout.clone())
         };
         let cfg = ServiceConfig {
             coordinator: servers.first().map(|s0| s0.advertise.clone()),

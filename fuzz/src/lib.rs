@@ -146,20 +146,20 @@ const MODES: [Mode; 5] = [Mode::Async, Mode::Sync, Mode::Gba, Mode::Ssp, Mode::A
 fn config(rule: Rule, mode: Mode, shard: u32, num_shards: u32, admit_after: u32) -> ShardConfig {
     let mut gated = TensorSpec::new("g", 9);
     gated.rule.rule = Some("gap-aware".into());
+    let layout =
+        Layout::with_tables(vec![TensorSpec::new("w", 50), gated], 16, vec![SparseSpec::new("e", 3)]).expect("layout");
     ShardConfig {
         shard,
         num_shards,
-        layout: Layout::with_tables(vec![TensorSpec::new("w", 50), gated], 16, vec![SparseSpec::new("e", 3)])
-            .expect("layout"),
         rule,
         hyper: Hyper { lr: 0.05, momentum: 0.9, ..Hyper::default() },
         init: Init { seed: 9, std: 0.1 },
         lease: Duration::from_secs(5),
         advertise: "fuzz".into(),
         epoch: EPOCH,
-        threads: 1,
         sparse: SparseSettings { admit_after, memory_budget: Some(64 << 10), ..SparseSettings::default() },
         modes: ModeConfig { mode, ..ModeConfig::default() },
+        ..ShardConfig::new(layout)
     }
 }
 

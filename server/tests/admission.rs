@@ -6,7 +6,7 @@
 
 use gaps_common::layout::{Layout, SparseSpec, TensorSpec};
 use gaps_common::wire::{self, ErrorCode, Limits, Message, Role};
-use gaps_kernels::{Hyper, Rule};
+use gaps_kernels::Hyper;
 use gaps_server::service::{self, RunningServer, ServiceConfig};
 use gaps_shard::{Init, ShardConfig};
 use gaps_transport::net;
@@ -26,18 +26,11 @@ fn config(certs: &ClusterCerts, inflight: u64, stall: Duration, budget_wait: Dur
     )
     .expect("layout");
     let core = ShardConfig {
-        shard: 0,
-        num_shards: 1,
-        layout,
-        rule: Rule::Sgd,
         hyper: Hyper { lr: 0.01, momentum: 0.0, ..Hyper::default() },
         init: Init { seed: 3, std: 0.1 },
         lease: Duration::from_secs(30),
-        advertise: String::new(),
         epoch: 7,
-        threads: 1,
-        sparse: gaps_shard::SparseSettings::default(),
-        modes: gaps_shard::ModeConfig::default(),
+        ..ShardConfig::new(layout)
     };
     ServiceConfig {
         inflight_bytes: inflight,

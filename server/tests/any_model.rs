@@ -45,17 +45,13 @@ fn config(certs: &ClusterCerts, layout: Layout, shard: u32, shards: u32, coordin
     let core = ShardConfig {
         shard,
         num_shards: shards,
-        layout,
         // The shard-wide defaults differ from every tensor's own settings, so using them would show.
         rule: Rule::Nesterov,
         hyper: Hyper { lr: 0.01, momentum: 0.9, ..Hyper::default() },
         init: Init { seed: 3, std: 0.0 },
-        lease: Duration::from_secs(10),
-        advertise: String::new(),
         epoch: 77,
-        threads: 1,
         sparse: gaps_shard::SparseSettings { init_std: 0.0, ..gaps_shard::SparseSettings::default() },
-        modes: gaps_shard::ModeConfig::default(),
+        ..ShardConfig::new(layout)
     };
     ServiceConfig {
         coordinator,

@@ -8,7 +8,7 @@ use gaps_common::wire::{
     Authenticate, ErrorCode, Frame, Heartbeat, Leave, Limits, Message, Push, PushChunk, Register, RegisterShard, Role,
     PROTOCOL_VERSION,
 };
-use gaps_kernels::{Hyper, Rule};
+use gaps_kernels::Hyper;
 use gaps_server::service::{self, RunningServer, ServiceConfig};
 use gaps_shard::{Init, ShardConfig};
 use gaps_transport::net;
@@ -24,16 +24,10 @@ fn core_config(shard: u32, num_shards: u32) -> ShardConfig {
     ShardConfig {
         shard,
         num_shards,
-        layout: layout(),
-        rule: Rule::Sgd,
         hyper: Hyper { lr: 0.1, momentum: 0.0, ..Hyper::default() },
         init: Init { seed: 1, std: 0.1 },
-        lease: Duration::from_secs(10),
-        advertise: String::new(),
         epoch: 31,
-        threads: 1,
-        sparse: gaps_shard::SparseSettings::default(),
-        modes: gaps_shard::ModeConfig::default(),
+        ..ShardConfig::new(layout())
     }
 }
 

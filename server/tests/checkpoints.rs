@@ -21,18 +21,11 @@ fn config(certs: &ClusterCerts, dir: &Path, every: Option<Duration>, restore: Re
     )
     .expect("layout");
     let core = ShardConfig {
-        shard: 0,
-        num_shards: 1,
-        layout,
         rule: Rule::DanaZero,
         hyper: Hyper { lr: 0.05, momentum: 0.9, ..Hyper::default() },
         init: Init { seed: 2, std: 0.1 },
-        lease: Duration::from_secs(10),
-        advertise: String::new(),
         epoch: 99,
-        threads: 1,
-        sparse: gaps_shard::SparseSettings::default(),
-        modes: gaps_shard::ModeConfig::default(),
+        ..ShardConfig::new(layout)
     };
     ServiceConfig {
         checkpoint: Some(CheckpointConfig { dir: dir.to_path_buf(), every, keep: 2 }),

@@ -24,16 +24,12 @@ async fn start_shard(
     let core = ShardConfig {
         shard,
         num_shards: 2,
-        layout: Layout::new(vec![TensorSpec::new("w", 600), TensorSpec::new("b", 7)], 64).expect("layout"),
         rule: Rule::Momentum,
         hyper: Hyper { lr: 0.01, momentum: 0.9, ..Hyper::default() },
         init: Init { seed: 4, std: 0.1 },
-        lease: Duration::from_secs(10),
-        advertise: String::new(),
         epoch: 77,
-        threads: 1,
-        sparse: gaps_shard::SparseSettings::default(),
         modes: ModeConfig { mode, ..ModeConfig::default() },
+        ..ShardConfig::new(Layout::new(vec![TensorSpec::new("w", 600), TensorSpec::new("b", 7)], 64).expect("layout"))
     };
     let cfg = ServiceConfig {
         coordinator,

@@ -3,7 +3,7 @@
 
 use gaps_common::layout::{Layout, TensorSpec};
 use gaps_common::wire::{self, Message, Push, PushChunk, Role};
-use gaps_kernels::{Hyper, Rule};
+use gaps_kernels::Hyper;
 use gaps_server::service::{self, RunningServer, ServiceConfig};
 use gaps_shard::{Init, ShardConfig};
 use gaps_transport::net;
@@ -14,18 +14,10 @@ use std::time::{Duration, Instant};
 async fn shard(certs: &ClusterCerts, max_connections: usize, request_timeout: Duration) -> RunningServer {
     let layout = Layout::new(vec![TensorSpec::new("w", 1 << 16)], 1 << 16).expect("layout");
     let core = ShardConfig {
-        shard: 0,
-        num_shards: 1,
-        layout,
-        rule: Rule::Sgd,
         hyper: Hyper { lr: 0.1, momentum: 0.0, ..Hyper::default() },
         init: Init { seed: 1, std: 0.0 },
-        lease: Duration::from_secs(10),
-        advertise: String::new(),
         epoch: 5,
-        threads: 1,
-        sparse: gaps_shard::SparseSettings::default(),
-        modes: gaps_shard::ModeConfig::default(),
+        ..ShardConfig::new(layout)
     };
     let tls = certs.shard_material(0).expect("tls");
     let cfg = ServiceConfig {

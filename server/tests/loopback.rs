@@ -672,18 +672,12 @@ async fn megabyte_payloads_go_past_the_cache_and_are_still_checked_value_by_valu
 /// Shard 0 of 1 serving `layout()` with SGD at `LR`, zero initial values and a 30 s lease, in `modes`.
 fn one_shard(modes: gaps_shard::modes::ModeConfig) -> ShardConfig {
     ShardConfig {
-        shard: 0,
-        num_shards: 1,
-        layout: layout(),
-        rule: Rule::Sgd,
         hyper: Hyper { lr: LR, momentum: 0.0, weight_decay: 0.0, ..Hyper::default() },
         init: Init { seed: 5, std: 0.0 },
         lease: Duration::from_secs(30),
-        advertise: String::new(),
         epoch: 77,
-        threads: 1,
-        sparse: gaps_shard::core::SparseSettings::default(),
         modes,
+        ..ShardConfig::new(layout())
     }
 }
 

@@ -3,7 +3,7 @@
 
 use gaps_common::layout::{Layout, TensorSpec};
 use gaps_common::wire::Role;
-use gaps_kernels::{Hyper, Rule};
+use gaps_kernels::Rule;
 use gaps_server::service::{self, ServiceConfig};
 use gaps_shard::{Init, ShardConfig};
 use gaps_transport::tls::ClusterCerts;
@@ -47,18 +47,10 @@ async fn metrics_endpoint_exports_pushes_pulls_bytes_latency_staleness_and_live_
             "127.0.0.1:0".parse().expect("addr"),
             certs.shard_material(0).expect("tls"),
             ShardConfig {
-                shard: 0,
-                num_shards: 1,
-                layout,
                 rule: Rule::Momentum,
-                hyper: Hyper::default(),
                 init: Init { seed: 1, std: 0.0 },
-                lease: Duration::from_secs(10),
-                advertise: String::new(),
                 epoch: 5,
-                threads: 1,
-                sparse: gaps_shard::core::SparseSettings::default(),
-                modes: gaps_shard::modes::ModeConfig::default(),
+                ..ShardConfig::new(layout)
             },
         )
     };

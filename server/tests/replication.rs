@@ -24,16 +24,12 @@ fn core_config_of(shard: u32, num_shards: u32, mode: Mode) -> ShardConfig {
     ShardConfig {
         shard,
         num_shards,
-        layout: Layout::new(vec![TensorSpec::new("w", 600), adam], 64).expect("layout"),
         rule: Rule::Momentum,
         hyper: Hyper { lr: 0.01, momentum: 0.9, ..Hyper::default() },
         init: Init { seed: 4, std: 0.1 },
-        lease: Duration::from_secs(10),
-        advertise: String::new(),
         epoch: 77,
-        threads: 1,
-        sparse: gaps_shard::SparseSettings::default(),
         modes: ModeConfig { mode, ..ModeConfig::default() },
+        ..ShardConfig::new(Layout::new(vec![TensorSpec::new("w", 600), adam], 64).expect("layout"))
     }
 }
 

@@ -16,7 +16,7 @@
 //! ½·Σ(wᵢ − tᵢ)², gradient w − t plus seeded noise), enough to see training go on through faults.
 
 use crate::modes::{Mode, ModeConfig};
-use crate::{Init, ShardConfig, ShardCore, SparseSettings};
+use crate::{Init, ShardConfig, ShardCore};
 use gaps_common::layout::{ChunkId, Layout, TensorSpec};
 use gaps_common::rng::Rng;
 use gaps_common::wire::Frame;
@@ -24,7 +24,7 @@ use gaps_common::wire::{
     ErrorCode, Heartbeat, Leave, Message, ModeDecisions, ModeSwitchRecord, Pull, Push, PushChunk, Register, Role,
     Stats, WaitStep, PROTOCOL_VERSION,
 };
-use gaps_kernels::{Hyper, Rule};
+use gaps_kernels::Hyper;
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 use std::time::Duration;
@@ -111,16 +111,12 @@ impl Spec {
         ShardConfig {
             shard,
             num_shards: self.shards,
-            layout,
-            rule: Rule::Sgd,
             hyper,
             init: Init { seed: self.seed, std: 0.0 },
             lease: self.lease,
             advertise: format!("shard-{shard}"),
-            epoch: 1,
-            threads: 1,
-            sparse: SparseSettings::default(),
             modes: ModeConfig { mode: self.mode, ..ModeConfig::default() },
+            ..ShardConfig::new(layout)
         }
     }
 }

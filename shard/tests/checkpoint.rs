@@ -23,18 +23,15 @@ fn layout(momentum_rule: &str) -> Layout {
 
 fn config(mode: Mode, momentum_rule: &str) -> ShardConfig {
     ShardConfig {
-        shard: 0,
-        num_shards: 1,
-        layout: layout(momentum_rule),
         rule: Rule::Momentum,
         hyper: Hyper { lr: 0.05, momentum: 0.9, ..Hyper::default() },
         init: Init { seed: 4, std: 0.2 },
         lease: Duration::from_secs(60),
         advertise: "127.0.0.1:1".into(),
         epoch: EPOCH,
-        threads: 1,
         sparse: SparseSettings { admit_after: 2, init_std: 0.1, ..SparseSettings::default() },
         modes: ModeConfig { mode, ..ModeConfig::default() },
+        ..ShardConfig::new(layout(momentum_rule))
     }
 }
 

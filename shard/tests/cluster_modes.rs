@@ -28,14 +28,11 @@ fn config(shard: u32, num_shards: u32, mode: Mode) -> ShardConfig {
     ShardConfig {
         shard,
         num_shards,
-        layout,
-        rule: Rule::Sgd,
         hyper: Hyper { lr: 0.1, momentum: 0.0, ..Hyper::default() },
         init: Init { seed: 1, std: 0.0 },
         lease: Duration::from_secs(600),
         advertise: format!("shard-{shard}:1"),
         epoch: EPOCH,
-        threads: 1,
         sparse: SparseSettings {
             rule: Rule::Sgd,
             hyper: Hyper { lr: 0.1, momentum: 0.0, ..Hyper::default() },
@@ -43,6 +40,7 @@ fn config(shard: u32, num_shards: u32, mode: Mode) -> ShardConfig {
             ..SparseSettings::default()
         },
         modes: ModeConfig { mode, gba_threshold: 1, ..ModeConfig::default() },
+        ..ShardConfig::new(layout)
     }
 }
 

@@ -19,16 +19,13 @@ fn config(shard: u32, num_shards: u32, rule: Rule) -> ShardConfig {
     ShardConfig {
         shard,
         num_shards,
-        layout: layout(),
         rule,
         hyper: Hyper { lr: 0.5, momentum: 0.9, weight_decay: 0.0, ..Hyper::default() },
         init: Init { seed: 3, std: 0.1 },
         lease: Duration::from_secs(5),
         advertise: format!("127.0.0.1:{}", 4000 + shard),
         epoch: EPOCH,
-        threads: 1,
-        sparse: gaps_shard::core::SparseSettings::default(),
-        modes: gaps_shard::modes::ModeConfig::default(),
+        ..ShardConfig::new(layout())
     }
 }
 

@@ -18,18 +18,13 @@ const ID: ChunkId = ChunkId { tensor: 0, chunk: 0 };
 /// One shard of one 4-float chunk, SGD with lr 0.1, zero initial values, in `mode`.
 fn config(mode: Mode) -> ShardConfig {
     ShardConfig {
-        shard: 0,
-        num_shards: 1,
-        layout: Layout::new(vec![TensorSpec::new("w", 4)], 4).expect("layout"),
-        rule: Rule::Sgd,
         hyper: Hyper { lr: 0.1, momentum: 0.0, ..Hyper::default() },
         init: Init { seed: 1, std: 0.0 },
         lease: Duration::from_millis(LEASE_MS),
         advertise: "x:1".into(),
         epoch: EPOCH,
-        threads: 1,
-        sparse: SparseSettings::default(),
         modes: ModeConfig { mode, gba_threshold: 1, ssp_bound: 1, ..ModeConfig::default() },
+        ..ShardConfig::new(Layout::new(vec![TensorSpec::new("w", 4)], 4).expect("layout"))
     }
 }
 

@@ -23,20 +23,18 @@ const DIM: u32 = 4;
 fn config(mode: Mode) -> ShardConfig {
     let mut adam = TensorSpec::new("b", 20);
     adam.rule.rule = Some("adam".into());
+    let layout = Layout::with_tables(vec![TensorSpec::new("w", 40), adam], 16, vec![SparseSpec::new("emb", DIM)])
+        .expect("layout");
     ShardConfig {
-        shard: 0,
-        num_shards: 1,
-        layout: Layout::with_tables(vec![TensorSpec::new("w", 40), adam], 16, vec![SparseSpec::new("emb", DIM)])
-            .expect("layout"),
         rule: Rule::Momentum,
         hyper: Hyper { lr: 0.05, momentum: 0.9, ..Hyper::default() },
         init: Init { seed: 5, std: 0.1 },
         lease: Duration::from_millis(800),
         advertise: "primary:1".into(),
         epoch: EPOCH,
-        threads: 1,
         sparse: SparseSettings { init_std: 0.05, ..SparseSettings::default() },
         modes: ModeConfig { mode, gba_threshold: 2, ssp_bound: 2, ..ModeConfig::default() },
+        ..ShardConfig::new(layout)
     }
 }
 

@@ -25,9 +25,6 @@ fn layout() -> Layout {
 
 fn config(rule: Rule, mode: Mode) -> ShardConfig {
     ShardConfig {
-        shard: 0,
-        num_shards: 1,
-        layout: layout(),
         rule,
         hyper: Hyper { lr: 0.03, momentum: 0.9, weight_decay: 1e-4, dc_lambda: 0.5, dc_ms_decay: 0.95 },
         init: Init { seed: 5, std: 0.5 },
@@ -35,8 +32,8 @@ fn config(rule: Rule, mode: Mode) -> ShardConfig {
         advertise: "127.0.0.1:1".into(),
         epoch: EPOCH,
         threads: 2,
-        sparse: gaps_shard::SparseSettings::default(),
         modes: ModeConfig { mode, ..ModeConfig::default() },
+        ..ShardConfig::new(layout())
     }
 }
 

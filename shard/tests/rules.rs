@@ -16,9 +16,6 @@ fn layout() -> Layout {
 
 fn core(rule: Rule, hyper: Hyper) -> ShardCore {
     ShardCore::new(ShardConfig {
-        shard: 0,
-        num_shards: 1,
-        layout: layout(),
         rule,
         hyper,
         init: Init { seed: 11, std: 1.0 },
@@ -26,8 +23,7 @@ fn core(rule: Rule, hyper: Hyper) -> ShardCore {
         advertise: "127.0.0.1:1".into(),
         epoch: EPOCH,
         threads: 2,
-        sparse: gaps_shard::core::SparseSettings::default(),
-        modes: gaps_shard::modes::ModeConfig::default(),
+        ..ShardConfig::new(layout())
     })
     .expect("core")
 }

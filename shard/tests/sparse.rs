@@ -3,7 +3,7 @@
 
 use gaps_common::layout::{sparse_owner, ChunkId, Layout, SparseSpec, TensorSpec};
 use gaps_common::wire::{ids_to_words, ErrorCode, Frame, Message, Push, PushChunk, SparsePull, SparsePush};
-use gaps_kernels::{Hyper, Rule};
+use gaps_kernels::Hyper;
 use gaps_shard::core::SparseSettings;
 use gaps_shard::{Init, ShardConfig, ShardCore};
 use std::time::Duration;
@@ -17,16 +17,13 @@ fn core(shard: u32, num_shards: u32, budget: Option<u64>) -> ShardCore {
     let mut core = ShardCore::new(ShardConfig {
         shard,
         num_shards,
-        layout,
-        rule: Rule::Sgd,
         hyper: Hyper { lr: 0.1, momentum: 0.0, ..Hyper::default() },
         init: Init { seed: 1, std: 0.0 },
         lease: Duration::from_secs(60),
         advertise: "x:1".into(),
         epoch: EPOCH,
-        threads: 1,
         sparse: SparseSettings { memory_budget: budget, init_std: 0.1, ..SparseSettings::default() },
-        modes: gaps_shard::modes::ModeConfig::default(),
+        ..ShardConfig::new(layout)
     })
     .expect("core");
     if shard != 0 {

@@ -97,3 +97,26 @@ pub struct ShardConfig {
     /// Training mode and its policies.
     pub modes: ModeConfig,
 }
+
+impl ShardConfig {
+    /// Shard 0 of a one-shard cluster serving `layout`: plain SGD at the kernels' default hyper-parameters
+    /// (η 0.1), parameters initialized to zero (seed 0), a 10 s worker lease, cluster epoch 1, one thread
+    /// per push, no advertised address, default sparse settings and the default mode (async). Every field
+    /// is public: set the ones that matter with `ShardConfig { rule: …, ..ShardConfig::new(layout) }`.
+    pub fn new(layout: Layout) -> Self {
+        ShardConfig {
+            shard: 0,
+            num_shards: 1,
+            layout,
+            rule: Rule::Sgd,
+            hyper: Hyper::default(),
+            init: Init { seed: 0, std: 0.0 },
+            lease: Duration::from_secs(10),
+            advertise: String::new(),
+            epoch: 1,
+            threads: 1,
+            sparse: SparseSettings::default(),
+            modes: ModeConfig::default(),
+        }
+    }
+}
