@@ -184,14 +184,16 @@ fn request(c: &mut Choices<'_>, layout: &Layout, chunks: &[ChunkId]) -> Option<F
             let push_chunks: Vec<PushChunk> = ids
                 .iter()
                 .map(|id| PushChunk {
-                    id: *id,
-                    read_version: c.below(6),
-                    len: match layout.chunk_len(*id) {
-                        Ok(n) if c.below(12) != 0 => n as u32,
-                        _ => c.below(20) as u32,
-                    },
                     echo: if c.below(12) == 0 { c.below(2) == 0 } else { id.tensor == 1 },
                     dtype: [WireDtype::F32, WireDtype::Bf16, WireDtype::F16][c.below(3) as usize],
+                    ..PushChunk::f32(
+                        *id,
+                        c.below(6),
+                        match layout.chunk_len(*id) {
+                            Ok(n) if c.below(12) != 0 => n as u32,
+                            _ => c.below(20) as u32,
+                        },
+                    )
                 })
                 .collect();
             let declared: usize = push_chunks.iter().map(|p| p.len as usize * (1 + usize::from(p.echo))).sum();
@@ -199,16 +201,7 @@ fn request(c: &mut Choices<'_>, layout: &Layout, chunks: &[ChunkId]) -> Option<F
             let payload = (0..carried).map(|_| c.float()).collect();
             let seq = c.below(64);
             let compute_ms = c.below(64) as u32;
-            let push = Push {
-                epoch,
-                worker,
-                seq,
-                chunks: push_chunks,
-                compute_ms,
-                step: 0,
-                decisions: Default::default(),
-                data: None,
-            };
+            let push = Push { compute_ms, ..Push::new(epoch, worker, seq, push_chunks) };
             Frame { msg: if kind == 2 { Message::PushPull(push) } else { Message::Push(push) }, payload }
         }
         3 => {

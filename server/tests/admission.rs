@@ -124,25 +124,10 @@ async fn header_only_requests_that_declare_hundreds_of_megabytes_hold_nothing_an
 /// A Push header declaring the whole dense model (20,008 floats), then one payload byte: this holds the first
 /// admission of its payload.
 fn push_started_bytes(worker: u32) -> Vec<u8> {
-    let chunk = |tensor, chunk, len| wire::PushChunk {
-        id: gaps_common::layout::ChunkId { tensor, chunk },
-        read_version: 0,
-        len,
-        echo: false,
-        dtype: gaps_common::dtype::WireDtype::F32,
-    };
+    let chunk = |tensor, chunk, len| wire::PushChunk::f32(gaps_common::layout::ChunkId { tensor, chunk }, 0, len);
     let mut chunks: Vec<_> = (0..5).map(|c| chunk(0, c, if c < 4 { 4096 } else { 3616 })).collect();
     chunks.push(chunk(1, 0, 8));
-    let push = wire::Push {
-        epoch: 7,
-        worker,
-        seq: 1,
-        chunks,
-        compute_ms: 0,
-        step: 0,
-        decisions: wire::ModeDecisions::default(),
-        data: None,
-    };
+    let push = wire::Push { decisions: wire::ModeDecisions::default(), ..wire::Push::new(7, worker, 1, chunks) };
     let mut bytes = wire::encode_header(&Message::Push(push), 20_008).expect("header");
     assert_eq!(bytes[0], KIND_PUSH);
     bytes.push(0);

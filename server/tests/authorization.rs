@@ -71,28 +71,10 @@ fn push(worker: u32, seq: u64) -> (Message, Vec<f32>) {
         .chunks()
         .enumerate()
         .filter(|(g, _)| g % 2 == 1) // shard 1 of 2 owns the odd chunks
-        .map(|(_, id)| PushChunk {
-            id,
-            read_version: 0,
-            len: layout().chunk_len(id).expect("len") as u32,
-            echo: false,
-            dtype: gaps_common::dtype::WireDtype::F32,
-        })
+        .map(|(_, id)| PushChunk::f32(id, 0, layout().chunk_len(id).expect("len") as u32))
         .collect::<Vec<_>>();
     let n: usize = chunks.iter().map(|c| c.len as usize).sum();
-    (
-        Message::Push(Push {
-            epoch: 31,
-            worker,
-            seq,
-            chunks,
-            compute_ms: 1,
-            step: 0,
-            decisions: Default::default(),
-            data: None,
-        }),
-        vec![0.5; n],
-    )
+    (Message::Push(Push { compute_ms: 1, ..Push::new(31, worker, seq, chunks) }), vec![0.5; n])
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -42,22 +42,18 @@ async fn stalled_senders_are_cut_off_and_the_shard_keeps_serving() {
     let conn = raw_connection(&certs, &server).await.expect("connect");
     // A header announcing a 256 KiB push, a few payload bytes, then silence.
     let (mut send, mut recv) = conn.open_bi().await.expect("stream");
-    let push = Message::Push(Push {
-        epoch: 5,
-        worker: 0,
-        seq: 1,
-        chunks: vec![PushChunk {
+    let push = Message::Push(Push::new(
+        5,
+        0,
+        1,
+        vec![PushChunk {
             id: gaps_common::ChunkId { tensor: 0, chunk: 0 },
             read_version: 0,
             len: 1 << 16,
             echo: false,
             dtype: gaps_common::dtype::WireDtype::F32,
         }],
-        compute_ms: 0,
-        step: 0,
-        decisions: Default::default(),
-        data: None,
-    });
+    ));
     send.write_all(&wire::encode_header(&push, 1 << 16).expect("header")).await.expect("write");
     send.write_all(&[0u8; 10]).await.expect("write");
     // And a stream that never finishes its header.

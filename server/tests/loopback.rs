@@ -129,23 +129,11 @@ fn whole_push(
         .chunks()
         .zip(versions)
         .map(|(id, v)| PushChunk {
-            id,
-            read_version: *v,
-            len: layout.chunk_len(id).expect("len") as u32,
-            echo: false,
             dtype: dtype(id.tensor),
+            ..PushChunk::f32(id, *v, layout.chunk_len(id).expect("len") as u32)
         })
         .collect();
-    Message::Push(Push {
-        epoch: client.map().epoch,
-        worker: client.worker_id().expect("id"),
-        seq,
-        chunks,
-        compute_ms: 0,
-        step: 0,
-        decisions: Default::default(),
-        data: None,
-    })
+    Message::Push(Push::new(client.map().epoch, client.worker_id().expect("id"), seq, chunks))
 }
 
 async fn shutdown(servers: Vec<RunningServer>) {
@@ -269,29 +257,12 @@ async fn malformed_frames_over_the_network_get_typed_errors_and_change_nothing()
     let ids: Vec<ChunkId> = l.chunks().collect();
     // Fresh f32 gradients of `of`, computed on version 0.
     let chunks_of = |of: &[ChunkId]| -> Vec<PushChunk> {
-        of.iter()
-            .map(|id| PushChunk {
-                id: *id,
-                read_version: 0,
-                len: l.chunk_len(*id).expect("len") as u32,
-                echo: false,
-                dtype: gaps_common::dtype::WireDtype::F32,
-            })
-            .collect()
+        of.iter().map(|id| PushChunk::f32(*id, 0, l.chunk_len(*id).expect("len") as u32)).collect()
     };
     let push = |payload_len: u32, value: f32| {
         let chunks = chunks_of(&ids);
         let total: u32 = chunks.iter().map(|c| c.len).sum();
-        let msg = Message::Push(Push {
-            epoch: client.map().epoch,
-            worker,
-            seq: 1,
-            chunks,
-            compute_ms: 0,
-            step: 0,
-            decisions: Default::default(),
-            data: None,
-        });
+        let msg = Message::Push(Push::new(client.map().epoch, worker, 1, chunks));
         let mut bytes = wire::encode_header(&msg, total as usize).expect("header");
         bytes.extend((0..payload_len).flat_map(|i| if i == 5 { value } else { 0.25f32 }.to_le_bytes()));
         bytes
@@ -314,16 +285,7 @@ async fn malformed_frames_over_the_network_get_typed_errors_and_change_nothing()
         let half = ids.len() / 2;
         let chunks = chunks_of(if index == 0 { &ids[..half] } else { &ids[half..] });
         let n: u32 = chunks.iter().map(|c| c.len).sum();
-        let push = Push {
-            epoch: client.map().epoch,
-            worker: acting,
-            seq,
-            chunks,
-            compute_ms: 0,
-            step: 0,
-            decisions: Default::default(),
-            data: None,
-        };
+        let push = Push::new(client.map().epoch, acting, seq, chunks);
         let msg = Message::PushPart(gaps_common::wire::PushPart { part: index, parts, push });
         let mut bytes = wire::encode_header(&msg, n as usize).expect("header");
         bytes.extend((0..n).flat_map(|i| if i == 3 { value } else { 0.25f32 }.to_le_bytes()));
@@ -343,22 +305,18 @@ async fn malformed_frames_over_the_network_get_typed_errors_and_change_nothing()
     huge.extend_from_slice(&(64u32 << 20).to_le_bytes());
     expect(raw_request(&conn, &huge).await, ErrorCode::TooLarge, "over-limit header");
     // A push whose header declares far more payload than the shard owns is refused before allocation.
-    let big = Message::Push(Push {
-        epoch: client.map().epoch,
+    let big = Message::Push(Push::new(
+        client.map().epoch,
         worker,
-        seq: 2,
-        chunks: vec![PushChunk {
+        2,
+        vec![PushChunk {
             id: ids[0],
             read_version: 0,
             len: u32::MAX,
             echo: false,
             dtype: gaps_common::dtype::WireDtype::F32,
         }],
-        compute_ms: 0,
-        step: 0,
-        decisions: Default::default(),
-        data: None,
-    });
+    ));
     let header = wire::encode_header(&big, u32::MAX as usize).expect("header");
     expect(raw_request(&conn, &header).await, ErrorCode::TooLarge, "over-limit payload");
     let after = client.pull().await.expect("pull");

@@ -590,26 +590,16 @@ impl Cluster {
                         payload.push(worker.params[i] - self.target[i] + noise);
                     }
                     let read_version = worker.versions.get(&id).copied().unwrap_or(0);
-                    chunks.push(PushChunk {
-                        id,
-                        read_version,
-                        len: len as u32,
-                        echo: false,
-                        dtype: Default::default(),
-                    });
+                    chunks.push(PushChunk::f32(id, read_version, len as u32));
                 }
                 let seq = worker.next_seq[s as usize];
                 worker.next_seq[s as usize] += 1;
                 worker.sent += 1;
                 let push = Push {
-                    epoch: worker.epoch,
-                    worker: worker.id,
-                    seq,
-                    chunks,
                     compute_ms: (f64::from(compute_ms) * slow) as u32,
                     step: worker.step,
                     decisions: worker.decisions.unwrap_or_default(),
-                    data: None,
+                    ..Push::new(worker.epoch, worker.id, seq, chunks)
                 };
                 frames.push((s, Frame { msg: Message::Push(push), payload }));
             }

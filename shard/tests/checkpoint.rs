@@ -43,31 +43,9 @@ fn step(core: &mut ShardCore, worker: u32, seq: u64, salt: f32) -> Vec<Frame> {
     let pulled = call(core, Message::Pull(Pull { epoch: EPOCH, chunks: chunks.clone() }), vec![]);
     let Message::PullReply(reply) = &pulled.msg else { panic!("{:?}", pulled.msg) };
     let grads: Vec<f32> = pulled.payload.iter().enumerate().map(|(i, v)| 0.5 * v + salt * (i % 5) as f32).collect();
-    let push_chunks = reply
-        .chunks
-        .iter()
-        .map(|c| PushChunk {
-            id: c.id,
-            read_version: c.version,
-            len: c.len,
-            echo: false,
-            dtype: gaps_common::dtype::WireDtype::F32,
-        })
-        .collect();
-    let pushed = call(
-        core,
-        Message::Push(Push {
-            epoch: EPOCH,
-            worker,
-            seq: 2 * seq - 1,
-            chunks: push_chunks,
-            compute_ms: 5,
-            step: 0,
-            decisions: Default::default(),
-            data: None,
-        }),
-        grads,
-    );
+    let push_chunks = reply.chunks.iter().map(|c| PushChunk::f32(c.id, c.version, c.len)).collect();
+    let pushed =
+        call(core, Message::Push(Push { compute_ms: 5, ..Push::new(EPOCH, worker, 2 * seq - 1, push_chunks) }), grads);
     let ids: Vec<u64> = (0..6).map(|i| (i * 7 + seq) % 11).collect();
     let mut words = Vec::new();
     ids_to_words(&ids, &mut words);

@@ -103,10 +103,7 @@ fn dense_push(
     compute_ms: u32,
     chunks: &[(ChunkId, u64)],
 ) -> Frame {
-    let chunks: Vec<PushChunk> = chunks
-        .iter()
-        .map(|(id, v)| PushChunk { id: *id, read_version: *v, len: 8, echo: false, dtype: Default::default() })
-        .collect();
+    let chunks: Vec<PushChunk> = chunks.iter().map(|(id, v)| PushChunk::f32(*id, *v, 8)).collect();
     let payload = vec![0.01; chunks.len() * 8];
     Frame {
         msg: Message::Push(Push { epoch: EPOCH, worker, seq, chunks, compute_ms, step, decisions, data: None }),

@@ -54,30 +54,9 @@ fn pull_all(core: &mut ShardCore) -> (Vec<f32>, Vec<u64>) {
 
 fn full_push(worker: u32, seq: u64, versions: &[u64], grad: &[f32]) -> (Message, Vec<f32>) {
     let l = layout();
-    let chunks = l
-        .chunks()
-        .zip(versions)
-        .map(|(id, v)| PushChunk {
-            id,
-            read_version: *v,
-            len: l.chunk_len(id).expect("len") as u32,
-            echo: false,
-            dtype: gaps_common::dtype::WireDtype::F32,
-        })
-        .collect();
-    (
-        Message::Push(Push {
-            epoch: EPOCH,
-            worker,
-            seq,
-            chunks,
-            compute_ms: 0,
-            step: 0,
-            decisions: Default::default(),
-            data: None,
-        }),
-        grad.to_vec(),
-    )
+    let chunks =
+        l.chunks().zip(versions).map(|(id, v)| PushChunk::f32(id, *v, l.chunk_len(id).expect("len") as u32)).collect();
+    (Message::Push(Push::new(EPOCH, worker, seq, chunks)), grad.to_vec())
 }
 
 fn grad(seed: u32) -> Vec<f32> {

@@ -67,13 +67,7 @@ fn push(
         epoch: EPOCH,
         worker,
         seq,
-        chunks: vec![PushChunk {
-            id: ID,
-            read_version,
-            len: 4,
-            echo: false,
-            dtype: gaps_common::dtype::WireDtype::F32,
-        }],
+        chunks: vec![PushChunk::f32(ID, read_version, 4)],
         compute_ms,
         // Each worker's pushes are its steps.
         step: seq - 1,
@@ -220,16 +214,7 @@ fn push_pull_at(
     now: Duration,
 ) -> (Ack, Vec<gaps_common::wire::ChunkVersion>, Vec<f32>) {
     let chunk = PushChunk { id: ID, read_version, len: 4, echo: false, dtype: gaps_common::dtype::WireDtype::F32 };
-    let push = Push {
-        epoch: EPOCH,
-        worker,
-        seq,
-        chunks: vec![chunk],
-        compute_ms: 0,
-        step: seq - 1,
-        decisions: Default::default(),
-        data: None,
-    };
+    let push = Push { step: seq - 1, ..Push::new(EPOCH, worker, seq, vec![chunk]) };
     let (r, _) = core.handle(Frame { msg: Message::PushPull(push), payload: vec![grad; 4] }, now);
     match r.msg {
         Message::PushPullReply(PushPullReply { ack, chunks }) => (ack, chunks, r.payload),
@@ -514,20 +499,19 @@ fn the_read_ahead_leaves_the_applied_state_bit_identical() {
                     // Rules that measure drift get the values read back with the gradient.
                     let echo = rule.layout().needs_read;
                     let msg = Message::Push(Push {
-                        epoch: EPOCH,
-                        worker: w,
-                        seq: seq[w as usize],
-                        chunks: vec![PushChunk {
-                            id: ID,
-                            read_version: version,
-                            len: 4,
-                            echo,
-                            dtype: gaps_common::dtype::WireDtype::F32,
-                        }],
-                        compute_ms: 0,
                         step: seq[w as usize] - 1,
-                        decisions: Default::default(),
-                        data: None,
+                        ..Push::new(
+                            EPOCH,
+                            w,
+                            seq[w as usize],
+                            vec![PushChunk {
+                                id: ID,
+                                read_version: version,
+                                len: 4,
+                                echo,
+                                dtype: gaps_common::dtype::WireDtype::F32,
+                            }],
+                        )
                     });
                     let mut payload = vec![grad; 4];
                     if echo {

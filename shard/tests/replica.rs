@@ -155,24 +155,24 @@ fn workload(pair: &mut Pair, seed: u64) {
             seqs[w as usize] += 1;
             let stale = rng.below(6) == 0;
             let push = Push {
-                epoch: EPOCH,
-                worker: w,
-                seq: seqs[w as usize],
-                chunks: reply
-                    .chunks
-                    .iter()
-                    .map(|c| PushChunk {
-                        id: c.id,
-                        read_version: c.version.saturating_sub(u64::from(stale)),
-                        len: c.len,
-                        echo: false,
-                        dtype: c.dtype,
-                    })
-                    .collect(),
                 compute_ms: 10 + if w == 1 && round > 20 { 60 } else { rng.below(5) as u32 },
                 step: seqs[w as usize] / 2,
-                decisions: Default::default(),
-                data: None,
+                ..Push::new(
+                    EPOCH,
+                    w,
+                    seqs[w as usize],
+                    reply
+                        .chunks
+                        .iter()
+                        .map(|c| PushChunk {
+                            id: c.id,
+                            read_version: c.version.saturating_sub(u64::from(stale)),
+                            len: c.len,
+                            echo: false,
+                            dtype: c.dtype,
+                        })
+                        .collect(),
+                )
             };
             let n: usize = reply.chunks.iter().map(|c| c.len as usize).sum();
             let mut grads: Vec<f32> = (0..n).map(|_| (rng.uniform() as f32 - 0.5) * 0.1).collect();

@@ -58,25 +58,10 @@ fn push(core: &mut ShardCore, worker: u32, seq: u64, pulled: &Frame, salt: f32) 
         if echo {
             reads.extend_from_slice(values);
         }
-        chunks.push(PushChunk {
-            id: c.id,
-            read_version: c.version,
-            len: c.len,
-            echo,
-            dtype: gaps_common::dtype::WireDtype::F32,
-        });
+        chunks.push(PushChunk { echo, ..PushChunk::f32(c.id, c.version, c.len) });
     }
     grads.extend(reads);
-    let msg = Message::Push(Push {
-        epoch: EPOCH,
-        worker,
-        seq,
-        chunks,
-        compute_ms: 5,
-        step: seq,
-        decisions: Default::default(),
-        data: None,
-    });
+    let msg = Message::Push(Push { compute_ms: 5, step: seq, ..Push::new(EPOCH, worker, seq, chunks) });
     call(core, msg, grads)
 }
 

@@ -49,27 +49,15 @@ fn push(core: &mut ShardCore, worker: u32, seq: u64, versions: &[u64], grad: &[f
         .chunks()
         .zip(versions)
         .map(|(id, v)| PushChunk {
-            id,
-            read_version: *v,
-            len: l.chunk_len(id).expect("len") as u32,
             echo: read.is_some(),
-            dtype: gaps_common::dtype::WireDtype::F32,
+            ..PushChunk::f32(id, *v, l.chunk_len(id).expect("len") as u32)
         })
         .collect();
     let mut payload = grad.to_vec();
     if let Some(r) = read {
         payload.extend_from_slice(r);
     }
-    let msg = Message::Push(Push {
-        epoch: EPOCH,
-        worker,
-        seq,
-        chunks,
-        compute_ms: 0,
-        step: 0,
-        decisions: Default::default(),
-        data: None,
-    });
+    let msg = Message::Push(Push::new(EPOCH, worker, seq, chunks));
     core.handle(Frame { msg, payload }, Duration::ZERO).0.msg
 }
 

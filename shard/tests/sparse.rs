@@ -101,22 +101,18 @@ fn sparse_rows_are_created_updated_once_and_validated() {
         assert!((b - a - 0.05).abs() < 1e-4, "{b} -> {a}");
     }
     // A dense push from the same worker continues the same sequence: seq 1 is taken.
-    let dense = Message::Push(Push {
-        epoch: EPOCH,
-        worker: 1,
-        seq: 1,
-        chunks: vec![PushChunk {
+    let dense = Message::Push(Push::new(
+        EPOCH,
+        1,
+        1,
+        vec![PushChunk {
             id: ChunkId { tensor: 0, chunk: 0 },
             read_version: 0,
             len: 8,
             echo: false,
             dtype: gaps_common::dtype::WireDtype::F32,
         }],
-        compute_ms: 0,
-        step: 0,
-        decisions: Default::default(),
-        data: None,
-    });
+    ));
     assert!(
         matches!(core.handle(Frame { msg: dense, payload: vec![0.5; 8] }, Duration::ZERO).0.msg, Message::Ack(a) if a.duplicate)
     );

@@ -300,13 +300,7 @@ impl<'a> AsyncSim<'a> {
             epoch: 1,
             worker: w as u32,
             seq: vw.seq,
-            chunks: vec![PushChunk {
-                id: CHUNK,
-                read_version: vw.version,
-                len: (p - rows) as u32,
-                echo: needs_read,
-                dtype: WireDtype::F32,
-            }],
+            chunks: vec![PushChunk { echo: needs_read, ..PushChunk::f32(CHUNK, vw.version, (p - rows) as u32) }],
             compute_ms,
             // The sim's single shard is also the coordinator: it knows every decision it made.
             step: vw.steps - 1,

@@ -175,16 +175,7 @@ fn push_dense(
     }
     let chunk =
         PushChunk { id: CHUNK, read_version: version, len: grad.len() as u32, echo: needs_read, dtype: WireDtype::F32 };
-    let push = Push {
-        epoch: 1,
-        worker,
-        seq,
-        chunks: vec![chunk],
-        compute_ms,
-        step: 0,
-        decisions: Default::default(),
-        data: None,
-    };
+    let push = Push { compute_ms, ..Push::new(1, worker, seq, vec![chunk]) };
     let (reply, _) = core.handle(Frame { msg: Message::Push(push), payload }, Duration::ZERO);
     if !matches!(reply.msg, Message::Ack(_)) {
         bail!("the shard refused a push: {:?}", reply.msg);

@@ -251,6 +251,21 @@ pub struct Push {
     pub data: Option<DataTag>,
 }
 
+impl PushChunk {
+    /// Chunk `id`'s gradient of `len` values computed on version `read_version`, sent as f32 without an echo.
+    pub fn f32(id: ChunkId, read_version: u64, len: u32) -> Self {
+        PushChunk { id, read_version, len, echo: false, dtype: WireDtype::F32 }
+    }
+}
+
+impl Push {
+    /// Push `seq` of `worker` in cluster `epoch`, of `chunks`: no compute time reported, step 0, no mode
+    /// decisions known, no data tag (set the fields that matter with `Push { step, ..Push::new(…) }`).
+    pub fn new(epoch: u64, worker: u32, seq: u64, chunks: Vec<PushChunk>) -> Self {
+        Push { epoch, worker, seq, chunks, compute_ms: 0, step: 0, decisions: ModeDecisions::default(), data: None }
+    }
+}
+
 /// The samples of one step: all from one dealt split ([`DataSplit`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Encode, Decode)]
 pub struct DataTag {
