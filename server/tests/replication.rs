@@ -14,6 +14,18 @@ use gaps_transport::tls::ClusterCerts;
 use gaps_worker::client::{Client, ClientOptions};
 use std::time::Duration;
 
+/// One test per mode of a scenario, each named as it is listed: `per_mode!(scenario: name => Mode::Async, …)`.
+macro_rules! per_mode {
+    ($scenario:ident: $($name:ident => $mode:expr),+ $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                $scenario($mode).await;
+            }
+        )+
+    };
+}
+
 fn core_config(shard: u32, mode: Mode) -> ShardConfig {
     ShardConfig { num_shards: 2, ..core_config_of(shard, 2, mode) }
 }
@@ -110,15 +122,10 @@ async fn copies_equal_their_primaries(mode: Mode) {
     s0.shutdown().await.expect("shutdown");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn in_async_each_backup_holds_its_primarys_state() {
-    copies_equal_their_primaries(Mode::Async).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn in_sync_each_backup_holds_its_primarys_state() {
-    copies_equal_their_primaries(Mode::Sync).await;
-}
+per_mode!(copies_equal_their_primaries:
+    in_async_each_backup_holds_its_primarys_state => Mode::Async,
+    in_sync_each_backup_holds_its_primarys_state => Mode::Sync,
+);
 
 /// Waits until each of the two shards has its backup counting (replies wait for it), and checks it.
 async fn both_copies_count(s0: &RunningServer, s1: &RunningServer) {
@@ -295,20 +302,11 @@ fn holds_what_it_acknowledged(stats: &[gaps_common::wire::Stats], shard: usize, 
     assert_eq!(stats[shard].pushes_applied_twice, 0, "shard {shard} ({mode:?})");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn in_async_a_killed_primarys_backup_takes_over_and_loses_nothing() {
-    a_killed_primarys_backup_takes_over(Mode::Async).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn in_sync_a_killed_primarys_backup_takes_over_and_loses_nothing() {
-    a_killed_primarys_backup_takes_over(Mode::Sync).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn in_gba_a_killed_primarys_backup_takes_over_and_loses_nothing() {
-    a_killed_primarys_backup_takes_over(Mode::Gba).await;
-}
+per_mode!(a_killed_primarys_backup_takes_over:
+    in_async_a_killed_primarys_backup_takes_over_and_loses_nothing => Mode::Async,
+    in_sync_a_killed_primarys_backup_takes_over_and_loses_nothing => Mode::Sync,
+    in_gba_a_killed_primarys_backup_takes_over_and_loses_nothing => Mode::Gba,
+);
 
 /// The coordinator's process dies (as SIGKILL would have it) while three workers push, its last pushes held
 /// from its backup; a majority of the other two chooses that backup (process 1) to serve shard 0, which it
@@ -354,15 +352,10 @@ async fn the_coordinators_backup_takes_over(mode: Mode) {
     s2.shutdown().await.expect("shutdown");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn in_async_the_coordinators_backup_takes_over_and_loses_nothing() {
-    the_coordinators_backup_takes_over(Mode::Async).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn in_sync_the_coordinators_backup_takes_over_and_loses_nothing() {
-    the_coordinators_backup_takes_over(Mode::Sync).await;
-}
+per_mode!(the_coordinators_backup_takes_over:
+    in_async_the_coordinators_backup_takes_over_and_loses_nothing => Mode::Async,
+    in_sync_the_coordinators_backup_takes_over_and_loses_nothing => Mode::Sync,
+);
 
 /// Process 0 killed and started again at once, before its backup took shard 0 over: it does not serve shard
 /// 0 from what it held (its backup in sync holds more), waits until a majority chose that backup to serve
