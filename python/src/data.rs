@@ -10,12 +10,12 @@ pub(super) fn data_spec(data: &str, seed: u64) -> PyResult<DataSpec> {
     }
 }
 
+/// Samples as bytes: labels, integer features, ids (see `held_out`).
+pub(super) type SampleBytes<'py> = (Bound<'py, PyByteArray>, Bound<'py, PyByteArray>, Bound<'py, PyByteArray>);
+
 /// Samples as (labels: float32 bytes, integer features: `n × 13` float32 bytes of log(1 + max(x, 0)) as the
 /// built-in models use, categorical ids: `n × 26` uint64 bytes, `2**64 − 1` where missing).
-pub(super) fn sample_bytes<'py>(
-    py: Python<'py>,
-    samples: &[gaps_models::criteo::Sample],
-) -> (Bound<'py, PyByteArray>, Bound<'py, PyByteArray>, Bound<'py, PyByteArray>) {
+pub(super) fn sample_bytes<'py>(py: Python<'py>, samples: &[gaps_models::criteo::Sample]) -> SampleBytes<'py> {
     use gaps_models::criteo::{NUM_CAT, NUM_INT};
     let labels: Vec<f32> = samples.iter().map(|s| f32::from(s.label)).collect();
     let ints: Vec<f32> = samples.iter().flat_map(|s| (0..NUM_INT).map(move |j| s.log_int(j))).collect();
@@ -49,12 +49,7 @@ impl CriteoStream {
     }
 
     /// The next `n` samples: (labels, integer features, ids) as bytes (see `held_out`).
-    #[allow(clippy::type_complexity)]
-    fn next_batch<'py>(
-        &self,
-        py: Python<'py>,
-        n: usize,
-    ) -> PyResult<(Bound<'py, PyByteArray>, Bound<'py, PyByteArray>, Bound<'py, PyByteArray>)> {
+    fn next_batch<'py>(&self, py: Python<'py>, n: usize) -> PyResult<SampleBytes<'py>> {
         // Parsing (or generating) runs without the GIL, so a reader thread prefetches beside the training.
         let samples =
             py.allow_threads(|| self.stream.lock().map_err(poisoned)?.next_batch(n).map_err(|e| err("config", e)))?;
@@ -99,12 +94,7 @@ impl SplitReader {
 
     /// The next (up to) `n` samples as (labels, integer features, ids) bytes (see `held_out`); empty once the
     /// split is used up.
-    #[allow(clippy::type_complexity)]
-    fn next_batch<'py>(
-        &self,
-        py: Python<'py>,
-        n: usize,
-    ) -> PyResult<(Bound<'py, PyByteArray>, Bound<'py, PyByteArray>, Bound<'py, PyByteArray>)> {
+    fn next_batch<'py>(&self, py: Python<'py>, n: usize) -> PyResult<SampleBytes<'py>> {
         let samples =
             py.allow_threads(|| self.samples.lock().map_err(poisoned)?.next_batch(n).map_err(|e| err("config", e)))?;
         Ok(sample_bytes(py, &samples))
@@ -119,13 +109,7 @@ impl SplitReader {
 /// The held-out samples the built-in evaluation uses: (labels, integer features, ids) as bytes, with
 /// labels float32, features `n × 13` float32, ids `n × 26` uint64 (`2**64 − 1` where missing).
 #[pyfunction]
-#[allow(clippy::type_complexity)]
-pub(super) fn held_out<'py>(
-    py: Python<'py>,
-    data: &str,
-    seed: u64,
-    n: usize,
-) -> PyResult<(Bound<'py, PyByteArray>, Bound<'py, PyByteArray>, Bound<'py, PyByteArray>)> {
+pub(super) fn held_out<'py>(py: Python<'py>, data: &str, seed: u64, n: usize) -> PyResult<SampleBytes<'py>> {
     let held = gaps_models::criteo::held_out(&data_spec(data, seed)?, n).map_err(|e| err("config", e))?;
     Ok(sample_bytes(py, &held.samples))
 }
