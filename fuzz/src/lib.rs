@@ -183,17 +183,16 @@ fn request(c: &mut Choices<'_>, layout: &Layout, chunks: &[ChunkId]) -> Option<F
             let ids = some_chunks(c);
             let push_chunks: Vec<PushChunk> = ids
                 .iter()
+                // Every field drawn in this order (the committed corpus decodes by it).
                 .map(|id| PushChunk {
+                    id: *id,
+                    read_version: c.below(6),
+                    len: match layout.chunk_len(*id) {
+                        Ok(n) if c.below(12) != 0 => n as u32,
+                        _ => c.below(20) as u32,
+                    },
                     echo: if c.below(12) == 0 { c.below(2) == 0 } else { id.tensor == 1 },
                     dtype: [WireDtype::F32, WireDtype::Bf16, WireDtype::F16][c.below(3) as usize],
-                    ..PushChunk::f32(
-                        *id,
-                        c.below(6),
-                        match layout.chunk_len(*id) {
-                            Ok(n) if c.below(12) != 0 => n as u32,
-                            _ => c.below(20) as u32,
-                        },
-                    )
                 })
                 .collect();
             let declared: usize = push_chunks.iter().map(|p| p.len as usize * (1 + usize::from(p.echo))).sum();

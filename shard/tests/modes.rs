@@ -81,6 +81,27 @@ fn push(
     }
 }
 
+/// A push sent again after its ack was lost — whole or as a part of a striped push — is acknowledged as a
+/// duplicate with the wait the first ack asked for while its step is open, and without one once the step
+/// is applied: the worker never leaves a synchronous step early.
+#[test]
+fn a_duplicate_in_sync_asks_for_the_wait_the_first_ack_did() {
+    let mut core = core(Mode::Sync, 2);
+    let (first, _) = push(&mut core, 0, 1, 0, 1.0, 0, ms(1));
+    assert_eq!(first.wait_for_step, 1);
+    let (again, _) = push(&mut core, 0, 1, 0, 1.0, 0, ms(2));
+    assert_eq!((again.duplicate, again.wait_for_step), (true, 1));
+    let part =
+        gaps_common::wire::PushPart { part: 0, parts: 2, push: Push::new(EPOCH, 0, 1, vec![PushChunk::f32(ID, 0, 4)]) };
+    let (r, _) = core.handle(Frame { msg: Message::PushPart(part.clone()), payload: vec![1.0; 4] }, ms(3));
+    let Message::Ack(part_ack) = r.msg else { panic!("{:?}", r.msg) };
+    assert_eq!((part_ack.duplicate, part_ack.wait_for_step), (true, 1));
+    // Worker 1 completes the step: a duplicate now asks for nothing.
+    push(&mut core, 1, 1, 0, 1.0, 0, ms(4));
+    let (late, _) = push(&mut core, 0, 1, 0, 1.0, 0, ms(5));
+    assert_eq!((late.duplicate, late.wait_for_step), (true, 0));
+}
+
 #[test]
 fn a_sync_step_averages_one_gradient_per_live_worker() {
     let mut core = core(Mode::Sync, 3);

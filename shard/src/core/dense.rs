@@ -327,9 +327,13 @@ impl ShardCore {
     /// worker's clock while this worker is too far ahead. A worker whose first ack was lost (a reply lost on
     /// the way, a connection cut) sends the push again and must not skip the step's barrier because of it:
     /// its next gradient would go into the same step.
-    fn duplicate_waits(&self, worker: u32, ack: &mut Ack) {
+    pub(super) fn duplicate_waits(&self, worker: u32, ack: &mut Ack) {
         match self.active {
-            Mode::Sync if self.contributors.contains(&worker) => ack.wait_for_step = self.global_step + 1,
+            // The first ack waited when the step held a gradient (a stale one dropped into an empty step
+            // did not wait).
+            Mode::Sync if self.contributors.contains(&worker) && self.accum_pushes > 0 => {
+                ack.wait_for_step = self.global_step + 1
+            }
             Mode::Ssp => {
                 let mine = self.clocks.get(&worker).copied().unwrap_or(0);
                 if mine > self.min_clock() + self.cfg.modes.ssp_bound {

@@ -187,7 +187,9 @@ impl ShardCore {
             Role::Worker => {
                 let c = self.coordinator()?;
                 let id = c.next_worker;
-                c.next_worker += 1;
+                c.next_worker = id.checked_add(1).ok_or_else(|| {
+                    ShardError::Misconfigured("this cluster handed out every worker id there is".into())
+                })?;
                 c.registered += 1;
                 events.push(CoreEvent::WorkerJoined(id));
                 Some(id)

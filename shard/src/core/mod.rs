@@ -601,7 +601,12 @@ impl ShardCore {
             // A part of a push applied before is acknowledged as a duplicate; new parts are put together by
             // the service (`crate::stripes`), which hands the core whole pushes.
             Request::PushPart(p) => match self.check_push(p.push.epoch, p.push.worker, p.push.seq) {
-                Ok(Some(duplicate)) => Ok(duplicate),
+                Ok(Some(mut duplicate)) => {
+                    if let Message::Ack(ack) = &mut duplicate.msg {
+                        self.duplicate_waits(p.push.worker, ack);
+                    }
+                    Ok(duplicate)
+                }
                 Ok(None) => Err(ShardError::Misconfigured(
                     "parts of a striped push are put together by the shard service; the core takes whole pushes".into(),
                 )),
