@@ -88,7 +88,7 @@ impl ShardCore {
                 "pull asks for {total} elements, more than four copies of this shard's {owned_elems}"
             )));
         }
-        if self.gba_reads_ahead() && picked.iter().any(|i| self.accum_counts[*i] > 0) {
+        if self.gba_reads_ahead() && picked.iter().any(|i| self.step.accum_counts[*i] > 0) {
             return self.pull_step_ahead(metas, &picked);
         }
         if self.shared_replies
@@ -139,7 +139,7 @@ impl ShardCore {
         now: Duration,
         events: &mut Vec<CoreEvent>,
     ) -> Result<Frame, ShardError> {
-        let step = self.global_step;
+        let step = self.step.global_step;
         let pushed = self.push(req, payload, checked_finite, now, events)?;
         let Message::Ack(ack) = pushed.msg else {
             return Err(ShardError::Misconfigured("a push was answered with something other than an ack".into()));
@@ -155,13 +155,14 @@ impl ShardCore {
         if self.active == Mode::Gba
             && self.cfg.modes.mode == Mode::Gba
             && !ack.duplicate
-            && self.global_step == step
-            && self.accum_pushes > 0
+            && self.step.global_step == step
+            && self.step.accum_pushes > 0
             && self
+                .step
                 .gba_hold
                 .decide(
                     req.worker,
-                    self.gba_k().saturating_sub(self.accum_pushes as usize),
+                    self.gba_k().saturating_sub(self.step.accum_pushes as usize),
                     self.leases.keys().copied(),
                     self.cfg.modes.gba_hold,
                     now,
@@ -200,7 +201,7 @@ impl ShardCore {
         let (plan, grad_total) = self.plan_push(req, payload, checked_finite)?;
         let (grads, reads) = payload.split_at(grad_total);
         self.observe_push(req.worker, req.compute_ms, now, events);
-        self.gba_hold.observe(req.worker, now);
+        self.step.gba_hold.observe(req.worker, now);
         self.count_samples(req.data);
         self.follow_decisions(req.step, &req.decisions, events);
         self.ramp.fix_reference();
@@ -331,8 +332,8 @@ impl ShardCore {
         match self.active {
             // The first ack waited when the step held a gradient (a stale one dropped into an empty step
             // did not wait).
-            Mode::Sync if self.contributors.contains(&worker) && self.accum_pushes > 0 => {
-                ack.wait_for_step = self.global_step + 1
+            Mode::Sync if self.step.contributors.contains(&worker) && self.step.accum_pushes > 0 => {
+                ack.wait_for_step = self.step.global_step + 1
             }
             Mode::Ssp => {
                 let mine = self.clocks.get(&worker).copied().unwrap_or(0);
@@ -375,17 +376,17 @@ impl ShardCore {
                 // wait for it here — and, with two shards that dropped different workers' gradients
                 // (their versions move at different moments around a mode switch), each shard would
                 // wait for a worker that waits on the other.
-                self.contributors.insert(req.worker);
+                self.step.contributors.insert(req.worker);
                 self.clock = self.clock.max(now);
-                self.step_started.get_or_insert(now);
+                self.step.step_started.get_or_insert(now);
                 if self.step_ready() {
                     self.complete_step()?;
-                } else if self.accum_pushes > 0 {
-                    ack.wait_for_step = self.global_step + 1;
-                } else if self.leases.keys().all(|w| self.contributors.contains(w)) {
+                } else if self.step.accum_pushes > 0 {
+                    ack.wait_for_step = self.step.global_step + 1;
+                } else if self.leases.keys().all(|w| self.step.contributors.contains(w)) {
                     // Every live worker sent only stale gradients: nothing to apply, a fresh step.
-                    self.contributors.clear();
-                    self.step_started = None;
+                    self.step.contributors.clear();
+                    self.step.step_started = None;
                 }
             }
         } else {
@@ -394,22 +395,22 @@ impl ShardCore {
             self.stats.staleness_max = self.stats.staleness_max.max(tau);
             for p in plan {
                 let n = self.slots[p.slot].len;
-                let acc = &mut self.accum[p.slot];
+                let acc = &mut self.step.accum[p.slot];
                 if acc.is_empty() {
                     acc.resize(n, 0.0);
                 }
                 acc.iter_mut().zip(&grads[p.offset..p.offset + n]).for_each(|(a, g)| *a += g);
-                self.accum_counts[p.slot] += 1;
-                self.ahead_values.remove(&p.slot);
+                self.step.accum_counts[p.slot] += 1;
+                self.step.ahead_values.remove(&p.slot);
             }
-            self.accum_pushes += 1;
-            self.contributors.insert(req.worker);
+            self.step.accum_pushes += 1;
+            self.step.contributors.insert(req.worker);
             self.clock = self.clock.max(now);
-            self.step_started.get_or_insert(now);
+            self.step.step_started.get_or_insert(now);
             if self.step_ready() {
                 self.complete_step()?;
             } else if self.active == Mode::Sync {
-                ack.wait_for_step = self.global_step + 1;
+                ack.wait_for_step = self.step.global_step + 1;
             }
         }
         Ok(())
@@ -470,7 +471,7 @@ impl ShardCore {
     fn pull_step_ahead(&mut self, metas: Vec<ChunkVersion>, picked: &[usize]) -> Result<Frame, ShardError> {
         let mut views = Vec::with_capacity(picked.len());
         for &index in picked {
-            views.push(if self.accum_counts[index] > 0 {
+            views.push(if self.step.accum_counts[index] > 0 {
                 self.step_ahead(index)?
             } else if self.reads_params_in_place(index) {
                 self.slots[index].params.clone()
@@ -507,7 +508,7 @@ impl ShardCore {
     /// it costs 0.01 to 0.02 held-out AUC on short runs). Kept until the slot's next gradient or the step's
     /// end; the applied step is exactly the synchronous one whatever was read.
     fn step_ahead(&mut self, index: usize) -> Result<Arc<Vec<f32>>, ShardError> {
-        if let Some(values) = self.ahead_values.get(&index) {
+        if let Some(values) = self.step.ahead_values.get(&index) {
             return Ok(values.clone());
         }
         let slot = &self.slots[index];
@@ -521,9 +522,9 @@ impl ShardCore {
         // one run in three over), so there the step is estimated from the gradients' mean and the preview
         // moves j/K of the way to it.
         let k = self.gba_k() as f32;
-        let j = self.accum_counts[index].max(1) as f32;
+        let j = self.step.accum_counts[index].max(1) as f32;
         let (share, divisor) = if rule.normalises_step() { ((j / k).min(1.0), j) } else { (1.0, k) };
-        let grad: Vec<f32> = self.accum[index].iter().map(|g| g / divisor).collect();
+        let grad: Vec<f32> = self.step.accum[index].iter().map(|g| g / divisor).collect();
         let lr = self.tensor_lr(t as u32);
         let workers = self.worker_count();
         // What a pull of these values reads (the look-ahead rules' θ − η·c·S).
@@ -575,7 +576,7 @@ impl ShardCore {
             None => full,
         };
         let values = Arc::new(values);
-        self.ahead_values.insert(index, values.clone());
+        self.step.ahead_values.insert(index, values.clone());
         Ok(values)
     }
 
@@ -657,7 +658,7 @@ impl ShardCore {
             }
             Arc::make_mut(&mut s.params).copy_from_slice(&payload[start..start + s.len]);
             s.version = 1;
-            self.ahead_values.remove(&slot);
+            self.step.ahead_values.remove(&slot);
             taken += 1;
         }
         Ok(Frame::new(Message::Initialized(gaps_common::wire::Initialized { taken, kept })))

@@ -96,8 +96,8 @@ impl ShardCore {
     pub(super) fn membership_changed(&mut self, events: &mut Vec<CoreEvent>) {
         let live = self.leases.len() as u32;
         // The step's K, the worker count and the ramp may have changed: reads ahead are computed again.
-        self.ahead_values.clear();
-        let ramped = self.ramp.set_workers(live, self.global_step, self.cfg.modes.lr_ramp_steps);
+        self.step.ahead_values.clear();
+        let ramped = self.ramp.set_workers(live, self.step.global_step, self.cfg.modes.lr_ramp_steps);
         if ramped && matches!(self.active, Mode::Sync | Mode::Gba) {
             events.push(CoreEvent::LrRamp { workers: live, target: self.ramp.target() });
         }
@@ -333,7 +333,7 @@ impl ShardCore {
     /// partition may still retry a push; the window is 512 bytes.)
     pub(super) fn forget_worker(&mut self, worker: u32, events: &mut Vec<CoreEvent>) {
         self.detector.forget(worker);
-        self.gba_hold.forget(worker);
+        self.step.gba_hold.forget(worker);
         self.data_worker_gone(worker);
         self.clocks.remove(&worker);
         if self.resident.is_some() {

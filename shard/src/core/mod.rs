@@ -88,29 +88,12 @@ pub struct ShardCore {
     tables: Vec<SparseTable>,
     /// Live workers (by heartbeat, registration or push) and the time their lease ends.
     leases: BTreeMap<u32, Duration>,
-    /// When the first gradient of the synchronous step in progress arrived. A step does not wait longer than
-    /// a lease for the workers that have not sent theirs: one that heartbeats but never pushes is a
-    /// straggler, not a member whose gradient the step must have.
-    step_started: Option<Duration>,
     /// The latest time the core was driven with.
     clock: Duration,
     /// The mode in force (never `Auto`: auto runs `Sync` or `Gba`).
     active: Mode,
-    /// Synchronous modes: summed gradients per slot (allocated on first use) and how many were summed.
-    accum: Vec<Vec<f32>>,
-    accum_counts: Vec<u32>,
-    /// gba: per slot with gradients in the step in progress, its values as if the step were applied with
-    /// them alone (what a pull reads), computed on first use.
-    ahead_values: HashMap<usize, Arc<Vec<f32>>>,
-    /// Gradients in the current step, and which workers sent them.
-    accum_pushes: u32,
-    contributors: BTreeSet<u32>,
-    /// gba: which push-pulls wait for the step in progress ([`hold`]).
-    gba_hold: hold::GbaHold,
-    /// Aggregated updates applied (sync and gba steps).
-    global_step: u64,
-    /// Synchronous modes: embedding-row gradients of the current step, summed per id, one per table.
-    row_accum: Vec<RowAccum>,
+    /// The synchronous step in progress (sync and gba) and the count of steps applied.
+    step: steps::StepState,
     /// The newest two mode decisions known: under `auto`, the coordinator's own or ones a worker carried
     /// here; otherwise the configured mode (number 0).
     decisions: ModeDecisions,
@@ -282,7 +265,6 @@ impl ShardCore {
         let row_accum = cfg.layout.tables.iter().map(|t| RowAccum::new(t.dim as usize)).collect();
         let decisions = ModeDecisions::start(active.code());
         Ok(ShardCore {
-            row_accum,
             decisions,
             decision_reasons: VecDeque::new(),
             max_step: 0,
@@ -291,16 +273,9 @@ impl ShardCore {
             owned_elems,
             tables,
             leases: BTreeMap::new(),
-            step_started: None,
             clock: Duration::ZERO,
             active,
-            accum: vec![Vec::new(); n_slots],
-            accum_counts: vec![0; n_slots],
-            ahead_values: HashMap::new(),
-            accum_pushes: 0,
-            contributors: BTreeSet::new(),
-            gba_hold: hold::GbaHold::default(),
-            global_step: 0,
+            step: steps::StepState::new(n_slots, row_accum),
             detector: StragglerDetector::default(),
             ramp: LrRamp::default(),
             clocks: BTreeMap::new(),
@@ -350,7 +325,7 @@ impl ShardCore {
     /// it with a pull once the step is applied or the time is up; see `hold`), or None: answer now. Asked
     /// once per push-pull.
     pub fn take_gba_hold(&mut self) -> Option<Duration> {
-        self.gba_hold.take()
+        self.step.gba_hold.take()
     }
 
     /// With `on`, a pull reply that has a 16-bit section carries its payload packed for the wire
@@ -395,7 +370,7 @@ impl ShardCore {
     /// The elastic learning-rate multiplier in force (1 outside the synchronous modes).
     pub fn lr_multiplier(&self) -> f64 {
         match self.active {
-            Mode::Sync | Mode::Gba => self.ramp.multiplier(self.global_step),
+            Mode::Sync | Mode::Gba => self.ramp.multiplier(self.step.global_step),
             _ => 1.0,
         }
     }
@@ -412,7 +387,7 @@ impl ShardCore {
             return Err(ShardError::Misconfigured(format!("learning-rate multiplier must be positive, got {scale}")));
         }
         self.lr_scale = scale;
-        self.ahead_values.clear();
+        self.step.ahead_values.clear();
         Ok(())
     }
 
@@ -435,7 +410,7 @@ impl ShardCore {
 
     /// Whether what `wait` waits for has come: the global step and the slowest live worker's clock.
     pub fn wait_satisfied(&self, wait: &gaps_common::wire::WaitStep) -> bool {
-        self.global_step >= wait.step && self.min_clock() >= wait.clock
+        self.step.global_step >= wait.step && self.min_clock() >= wait.clock
     }
 
     /// Zeroes the counters that reads move (`pulls`, bytes in and out): what a primary's state differs from a
@@ -458,7 +433,7 @@ impl ShardCore {
         s.mode = self.active.code();
         s.lr_multiplier_milli = (self.last_multiplier * 1000.0).round().clamp(0.0, f64::from(u32::MAX)) as u32;
         s.ssp_min_clock = self.min_clock();
-        s.global_step = self.global_step;
+        s.global_step = self.step.global_step;
         s.decisions = self.decisions;
         s.switches = self.switches.iter().cloned().collect();
         s.applied_by_worker = self.applied_by_worker();
@@ -484,12 +459,12 @@ impl ShardCore {
 
     /// Synchronous and GBA steps applied so far.
     pub fn global_step(&self) -> u64 {
-        self.global_step
+        self.step.global_step
     }
 
     /// True while a synchronous or GBA step has gradients accumulated but not yet applied.
     pub fn step_in_progress(&self) -> bool {
-        self.accum_pushes > 0 || self.row_accum.iter().any(|a| !a.is_empty())
+        self.step.accum_pushes > 0 || self.step.row_accum.iter().any(|a| !a.is_empty())
     }
 
     /// The newest two mode decisions this shard knows.
@@ -520,14 +495,14 @@ impl ShardCore {
             CheckpointAt::Now => Readiness::Ready,
             CheckpointAt::Quiescent if quiet => Readiness::Ready,
             CheckpointAt::Quiescent => Readiness::Later,
-            CheckpointAt::Step(n) if self.global_step > n || (self.global_step == n && !quiet) => {
-                Readiness::Never(self.global_step)
+            CheckpointAt::Step(n) if self.step.global_step > n || (self.step.global_step == n && !quiet) => {
+                Readiness::Never(self.step.global_step)
             }
             // No live worker can complete the steps up to it.
-            CheckpointAt::Step(n) if self.global_step < n && quiet && self.leases.is_empty() => {
-                Readiness::Never(self.global_step)
+            CheckpointAt::Step(n) if self.step.global_step < n && quiet && self.leases.is_empty() => {
+                Readiness::Never(self.step.global_step)
             }
-            CheckpointAt::Step(n) if self.global_step == n => Readiness::Ready,
+            CheckpointAt::Step(n) if self.step.global_step == n => Readiness::Ready,
             CheckpointAt::Step(_) => Readiness::Later,
         }
     }
@@ -556,7 +531,7 @@ impl ShardCore {
     pub fn handle_checked(&mut self, req: Frame, now: Duration, finite: bool) -> (Frame, Vec<CoreEvent>) {
         let mut events = Vec::new();
         self.reply_views.clear();
-        self.gba_hold.clear_asked();
+        self.step.gba_hold.clear_asked();
         let Frame { msg, payload } = req;
         self.stats.payload_bytes_in += payload.len() as u64 * 4;
         self.now_s = now.as_secs().min(u64::from(u32::MAX)) as u32;
@@ -695,7 +670,7 @@ impl ShardCore {
             None => Arc::make_mut(&mut self.slots[slot].params).copy_from_slice(values),
             Some(r) => r.load_params(slot, values).map_err(|e| ShardError::Device(e.to_string()))?,
         }
-        self.ahead_values.remove(&slot);
+        self.step.ahead_values.remove(&slot);
         Ok(())
     }
 

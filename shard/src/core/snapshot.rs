@@ -103,9 +103,9 @@ impl ShardCore {
         w.f32s(&self.lr_max);
         w.f64(self.last_multiplier);
         w.u8(self.active.code());
-        w.u32(self.accum_pushes);
-        w.u32s(&self.contributors.iter().copied().collect::<Vec<_>>());
-        w.u64(self.global_step);
+        w.u32(self.step.accum_pushes);
+        w.u32s(&self.step.contributors.iter().copied().collect::<Vec<_>>());
+        w.u64(self.step.global_step);
         self.ramp.write_to(&mut w);
         w.u64(self.clocks.len() as u64);
         for (worker, clock) in &self.clocks {
@@ -116,7 +116,7 @@ impl ShardCore {
             table.write_to(&mut w);
         }
         w.u32s(&self.leases.keys().copied().collect::<Vec<_>>());
-        for accum in &self.row_accum {
+        for accum in &self.step.row_accum {
             let (ids, sums) = accum.parts();
             w.u64s(ids);
             w.f32s(sums);
@@ -168,9 +168,9 @@ impl ShardCore {
                     w.f32s(planes);
                 }
             }
-            w.f32s(&self.accum[i]);
+            w.f32s(&self.step.accum[i]);
         }
-        w.u32s(&self.accum_counts);
+        w.u32s(&self.step.accum_counts);
         let mut seqs: Vec<_> = self.seqs.iter().collect();
         seqs.sort_by_key(|(id, _)| **id);
         w.u64(seqs.len() as u64);
@@ -234,7 +234,7 @@ impl ShardCore {
         let slots: usize = self
             .slots
             .iter()
-            .zip(&self.accum)
+            .zip(&self.step.accum)
             .map(|(s, a)| {
                 let l = self.tensor_rules[s.tensor as usize].0.layout();
                 s.len * (1 + l.shared_planes + l.worker_planes * s.workers.len()) + a.len()
@@ -284,7 +284,7 @@ impl ShardCore {
         core.now_s = self.now_s;
         core.shared_replies = self.shared_replies;
         core.packed_replies = self.packed_replies;
-        core.step_started = (!core.contributors.is_empty()).then_some(self.clock);
+        core.step.step_started = (!core.step.contributors.is_empty()).then_some(self.clock);
         // The dealer goes back with the model: splits finished since the checkpoint are dealt again (their
         // training is gone), and those on loan then are given back (their holders drop them).
         if let Some(d) = &self.dealer {
@@ -309,7 +309,7 @@ impl ShardCore {
         let nanos = |d: Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
         w.u64(nanos(self.clock));
         w.u32(self.now_s);
-        for t in [self.step_started, self.decided_at] {
+        for t in [self.step.step_started, self.decided_at] {
             match t {
                 Some(t) => {
                     w.u8(1);
@@ -327,7 +327,7 @@ impl ShardCore {
         for table in &self.tables {
             w.u64s(&table.sampler_state());
         }
-        self.gba_hold.write_to(&mut w);
+        self.step.gba_hold.write_to(&mut w);
         // The checkpoint, the rest, then the checkpoint's length (appended: the checkpoint is not copied again).
         out.extend_from_slice(&w.buf);
         out.extend_from_slice(&checkpoint_len.to_le_bytes());
@@ -355,7 +355,7 @@ impl ShardCore {
                 _ => return Err(corrupt("a time")),
             })
         };
-        core.step_started = optional(&mut r)?;
+        core.step.step_started = optional(&mut r)?;
         core.decided_at = optional(&mut r)?;
         let leases = r.u64()?;
         if leases != core.leases.len() as u64 {
@@ -374,7 +374,7 @@ impl ShardCore {
             let s: [u64; 4] = r.u64s("sampler")?.try_into().map_err(|_| corrupt("sampler"))?;
             table.set_sampler_state(s);
         }
-        core.gba_hold = super::hold::GbaHold::read_from(&mut r)?;
+        core.step.gba_hold = super::hold::GbaHold::read_from(&mut r)?;
         r.finish()?;
         Ok(core)
     }
@@ -399,10 +399,10 @@ impl ShardCore {
             if !accum.is_empty() && accum.len() != slot.len {
                 return Err(mismatch(format!("{what}: accumulator of {} elements", accum.len())));
             }
-            self.accum[i] = accum;
+            self.step.accum[i] = accum;
         }
-        self.accum_counts = r.u32s("step counts")?;
-        if self.accum_counts.len() != self.slots.len() {
+        self.step.accum_counts = r.u32s("step counts")?;
+        if self.step.accum_counts.len() != self.slots.len() {
             return Err(mismatch("step counts do not match the slots".into()));
         }
         let windows = r.u64()?;
@@ -527,11 +527,11 @@ impl ShardCore {
         core.lr_max = r.f32s_of(core.tensor_rules.len(), "η_max")?;
         core.last_multiplier = r.f64()?;
         core.active = Mode::from_code(r.u8()?).ok_or_else(|| CheckpointError::Corrupt("mode".into()))?;
-        core.accum_pushes = r.u32()?;
-        core.contributors = r.u32s("contributors")?.into_iter().collect();
+        core.step.accum_pushes = r.u32()?;
+        core.step.contributors = r.u32s("contributors")?.into_iter().collect();
         // A step saved in progress waits at most a lease from the restored core's start for the rest.
-        core.step_started = (!core.contributors.is_empty()).then_some(Duration::ZERO);
-        core.global_step = r.u64()?;
+        core.step.step_started = (!core.step.contributors.is_empty()).then_some(Duration::ZERO);
+        core.step.global_step = r.u64()?;
         core.ramp = crate::modes::LrRamp::read_from(&mut r)?;
         core.clocks.clear();
         for _ in 0..r.u64()? {
@@ -547,7 +547,7 @@ impl ShardCore {
         for worker in r.u32s("lease holders")? {
             core.leases.insert(worker, core.cfg.lease);
         }
-        for (t, accum) in core.row_accum.iter_mut().enumerate() {
+        for (t, accum) in core.step.row_accum.iter_mut().enumerate() {
             let ids = r.u64s("row sums")?;
             let sums = r.f32s("row sums")?;
             accum.restore(ids, sums).map_err(|e| CheckpointError::Corrupt(format!("row sums of table {t}: {e}")))?;

@@ -31,7 +31,7 @@ impl ShardCore {
         } else {
             table.peek(&ids, &mut values, &mut versions);
         }
-        if self.gba_reads_ahead() && !self.row_accum[req.table as usize].is_empty() {
+        if self.gba_reads_ahead() && !self.step.row_accum[req.table as usize].is_empty() {
             self.rows_step_ahead(req.table as usize, &ids, &mut values)?;
         }
         let mut out = Vec::with_capacity(ids.len() * (1 + dim as usize));
@@ -97,7 +97,7 @@ impl ShardCore {
     /// were it applied now with what it has (their sums over the step's K gradients), as dense chunks are
     /// ([`ShardCore::step_ahead`]); versions stay the applied ones.
     fn rows_step_ahead(&self, table: usize, ids: &[u64], values: &mut [f32]) -> Result<(), ShardError> {
-        let accum = &self.row_accum[table];
+        let accum = &self.step.row_accum[table];
         let (_, hyper) = self.table_rules[table];
         let rows = &self.tables[table];
         let dim = rows.config().dim as usize;
@@ -136,7 +136,7 @@ impl ShardCore {
                 continue;
             }
             max_staleness = max_staleness.max(staleness);
-            self.row_accum[req.table as usize].add(*id, &grads[k * dim..(k + 1) * dim]);
+            self.step.row_accum[req.table as usize].add(*id, &grads[k * dim..(k + 1) * dim]);
         }
         self.stats.rows_dropped_stale += stale;
         self.tables[req.table as usize].count_dropped(missing);

@@ -6,6 +6,48 @@ use super::*;
 /// How many mode switches a shard remembers (reported in stats).
 pub(super) const SWITCH_LOG: usize = 64;
 
+/// The synchronous step in progress (sync and gba): what it holds, who sent it, since when, and how many
+/// steps were applied before it. One part of [`ShardCore`]'s state, owned and reset as a whole.
+#[derive(Debug)]
+pub(super) struct StepState {
+    /// Summed gradients per slot (allocated on first use) and how many were summed.
+    pub(super) accum: Vec<Vec<f32>>,
+    pub(super) accum_counts: Vec<u32>,
+    /// gba: per slot with gradients in the step in progress, its values as if the step were applied with
+    /// them alone (what a pull reads), computed on first use.
+    pub(super) ahead_values: HashMap<usize, Arc<Vec<f32>>>,
+    /// Gradients in the current step, and which workers sent them.
+    pub(super) accum_pushes: u32,
+    pub(super) contributors: BTreeSet<u32>,
+    /// When the first gradient of the step arrived. A step does not wait longer than a lease for the
+    /// workers that have not sent theirs: one that heartbeats but never pushes is a straggler, not a member
+    /// whose gradient the step must have.
+    pub(super) step_started: Option<Duration>,
+    /// gba: which push-pulls wait for the step in progress ([`hold`]).
+    pub(super) gba_hold: hold::GbaHold,
+    /// Aggregated updates applied (sync and gba steps).
+    pub(super) global_step: u64,
+    /// Embedding-row gradients of the current step, summed per id, one per table.
+    pub(super) row_accum: Vec<RowAccum>,
+}
+
+impl StepState {
+    /// No step begun, none applied, for `slots` chunk slots and the tables' row sums.
+    pub(super) fn new(slots: usize, row_accum: Vec<RowAccum>) -> Self {
+        StepState {
+            accum: vec![Vec::new(); slots],
+            accum_counts: vec![0; slots],
+            ahead_values: HashMap::new(),
+            accum_pushes: 0,
+            contributors: BTreeSet::new(),
+            step_started: None,
+            gba_hold: hold::GbaHold::default(),
+            global_step: 0,
+            row_accum,
+        }
+    }
+}
+
 /// Embedding-row gradients of one table summed per id over a synchronous step.
 #[derive(Debug, Clone)]
 pub(crate) struct RowAccum {
@@ -146,7 +188,7 @@ impl ShardCore {
             from: self.active.code(),
             to: wanted.code(),
             from_step: decision.from_step,
-            at_global_step: self.global_step,
+            at_global_step: self.step.global_step,
             reason: reason.clone(),
         });
         events.push(CoreEvent::ModeSwitch { from: self.active, to: wanted, reason });
@@ -166,15 +208,15 @@ impl ShardCore {
     /// A synchronous step is complete when every live worker contributed (sync) or K = live workers
     /// gradients arrived (gba).
     pub(super) fn step_ready(&self) -> bool {
-        if self.accum_pushes == 0 {
+        if self.step.accum_pushes == 0 {
             return false;
         }
         match self.active {
             Mode::Sync => {
-                self.leases.keys().all(|w| self.contributors.contains(w))
-                    || self.step_started.is_some_and(|t| self.clock.saturating_sub(t) >= self.cfg.lease)
+                self.leases.keys().all(|w| self.step.contributors.contains(w))
+                    || self.step.step_started.is_some_and(|t| self.clock.saturating_sub(t) >= self.cfg.lease)
             }
-            Mode::Gba => self.accum_pushes as usize >= self.gba_k(),
+            Mode::Gba => self.step.accum_pushes as usize >= self.gba_k(),
             _ => false,
         }
     }
@@ -197,7 +239,7 @@ impl ShardCore {
         // Rules that measure drift see none: every gradient of the step was computed on these values.
         let mut reads = Vec::new();
         for slot in 0..self.slots.len() {
-            let count = self.accum_counts[slot];
+            let count = self.step.accum_counts[slot];
             if count == 0 {
                 continue;
             }
@@ -209,23 +251,23 @@ impl ShardCore {
                 self.read_params_into(slot, &mut reads)?;
             }
             plan.push(Planned { slot, tensor, offset: flat.len(), read_offset, staleness: 0 });
-            flat.extend(self.accum[slot].iter().map(|g| g * inv));
-            self.accum[slot].iter_mut().for_each(|g| *g = 0.0);
-            self.accum_counts[slot] = 0;
+            flat.extend(self.step.accum[slot].iter().map(|g| g * inv));
+            self.step.accum[slot].iter_mut().for_each(|g| *g = 0.0);
+            self.step.accum_counts[slot] = 0;
         }
         let mode = self.active;
         self.apply_now(&plan, u32::MAX, &flat, &reads)?;
-        self.apply_rows(self.accum_pushes.max(1))?;
-        self.global_step += 1;
+        self.apply_rows(self.step.accum_pushes.max(1))?;
+        self.step.global_step += 1;
         match mode {
             Mode::Gba => self.stats.steps_gba += 1,
             _ => self.stats.steps_sync += 1,
         }
-        self.contributors.clear();
-        self.step_started = None;
-        self.accum_pushes = 0;
-        self.ahead_values.clear();
-        self.gba_hold.step_completed();
+        self.step.contributors.clear();
+        self.step.step_started = None;
+        self.step.accum_pushes = 0;
+        self.step.ahead_values.clear();
+        self.step.gba_hold.step_completed();
         Ok(())
     }
 }
@@ -241,10 +283,10 @@ impl ShardCore {
         let now_s = self.now_s;
         let workers = self.worker_count();
         for t in 0..self.tables.len() {
-            if self.row_accum[t].is_empty() {
+            if self.step.row_accum[t].is_empty() {
                 continue;
             }
-            let (ids, mut sums) = self.row_accum[t].take();
+            let (ids, mut sums) = self.step.row_accum[t].take();
             sums.iter_mut().for_each(|g| *g *= inv);
             let (rule, hyper) = self.table_rules[t];
             let table = &mut self.tables[t];
