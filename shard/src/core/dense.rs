@@ -152,7 +152,7 @@ impl ShardCore {
         // caller holds the request; see `hold`), and reads the values then. Only under `--mode gba`, not
         // `auto`, whose GBA runs only while a worker straggles, for speed (its accuracy comes from running sync
         // otherwise); the mode in force is checked too (a checkpoint restored may carry another).
-        if self.active == Mode::Gba
+        if self.mode.active == Mode::Gba
             && self.cfg.modes.mode == Mode::Gba
             && !ack.duplicate
             && self.step.global_step == step
@@ -207,11 +207,11 @@ impl ShardCore {
         self.ramp.fix_reference();
         let tau = plan.iter().map(|p| p.staleness).max().unwrap_or(0);
         let mut ack = Ack { seq: req.seq, max_staleness: tau, ..Ack::default() };
-        match self.active {
+        match self.mode.active {
             Mode::Sync | Mode::Gba => self.sum_into_step(req, &plan, grads, tau, now, &mut ack)?,
             _ => {
                 self.apply_now(&plan, req.worker, grads, reads)?;
-                if self.active == Mode::Ssp {
+                if self.mode.active == Mode::Ssp {
                     let clock = self.clocks.entry(req.worker).or_insert(0);
                     *clock += 1;
                     let mine = *clock;
@@ -222,7 +222,7 @@ impl ShardCore {
             }
         }
         self.record_applied(req.worker, req.seq);
-        ack.decisions = self.decisions;
+        ack.decisions = self.mode.decisions;
         Ok(Frame::new(Message::Ack(ack)))
     }
 
@@ -290,7 +290,7 @@ impl ShardCore {
         // Applied now, a push needs the worker's stripe for per-worker planes; summed into a synchronous
         // step it does not (the step is applied with the step's own stripe).
         if self.resident.is_some()
-            && !matches!(self.active, Mode::Sync | Mode::Gba)
+            && !matches!(self.mode.active, Mode::Sync | Mode::Gba)
             && !self.stripes.can_take(req.worker)
             && plan.iter().any(|p| self.tensor_rules[p.tensor as usize].0.layout().worker_planes > 0)
         {
@@ -329,7 +329,7 @@ impl ShardCore {
     /// the way, a connection cut) sends the push again and must not skip the step's barrier because of it:
     /// its next gradient would go into the same step.
     pub(super) fn duplicate_waits(&self, worker: u32, ack: &mut Ack) {
-        match self.active {
+        match self.mode.active {
             // The first ack waited when the step held a gradient (a stale one dropped into an empty step
             // did not wait).
             Mode::Sync if self.step.contributors.contains(&worker) && self.step.accum_pushes > 0 => {
@@ -359,9 +359,9 @@ impl ShardCore {
         // A gradient computed before the cluster's last switch (in flight when it happened) was
         // computed in the mode before: in sync it is summed into the step as GBA would have taken it
         // (within GBA's threshold), so a switch drops no gradient it need not.
-        let before_switch = self.switches.back().is_some_and(|sw| req.step < sw.from_step);
+        let before_switch = self.mode.switches.back().is_some_and(|sw| req.step < sw.from_step);
         let threshold = self.cfg.modes.gba_threshold;
-        let too_stale = match self.active {
+        let too_stale = match self.mode.active {
             Mode::Sync => tau > 0 && !(before_switch && tau <= threshold),
             _ => tau > threshold,
         };
@@ -370,7 +370,7 @@ impl ShardCore {
             if before_switch {
                 self.stats.pushes_dropped_at_switch += 1;
             }
-            if self.active == Mode::Sync {
+            if self.mode.active == Mode::Sync {
                 // The worker's place in this step is filled by the dropped gradient: it waits for the
                 // step like everyone else. Left out, it would pull and compute again while the others
                 // wait for it here — and, with two shards that dropped different workers' gradients
@@ -409,7 +409,7 @@ impl ShardCore {
             self.step.step_started.get_or_insert(now);
             if self.step_ready() {
                 self.complete_step()?;
-            } else if self.active == Mode::Sync {
+            } else if self.mode.active == Mode::Sync {
                 ack.wait_for_step = self.step.global_step + 1;
             }
         }

@@ -108,7 +108,7 @@ impl ShardCore {
             Seen::New => {}
             Seen::Applied => {
                 self.stats.pushes_duplicate += 1;
-                return Ok(Some(Frame::new(Message::Ack(Ack { seq, duplicate: true, decisions: self.decisions, ..Ack::default() }))));
+                return Ok(Some(Frame::new(Message::Ack(Ack { seq, duplicate: true, decisions: self.mode.decisions, ..Ack::default() }))));
             }
             Seen::TooOld => {
                 return Err(ShardError::SequenceWindow(format!(

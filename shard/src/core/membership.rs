@@ -98,7 +98,7 @@ impl ShardCore {
         // The step's K, the worker count and the ramp may have changed: reads ahead are computed again.
         self.step.ahead_values.clear();
         let ramped = self.ramp.set_workers(live, self.step.global_step, self.cfg.modes.lr_ramp_steps);
-        if ramped && matches!(self.active, Mode::Sync | Mode::Gba) {
+        if ramped && matches!(self.mode.active, Mode::Sync | Mode::Gba) {
             events.push(CoreEvent::LrRamp { workers: live, target: self.ramp.target() });
         }
         self.judge(events);
@@ -114,7 +114,7 @@ impl ShardCore {
         self.clock = self.clock.max(now);
         let joined = self.leases.insert(worker, now + self.cfg.lease).is_none();
         if compute_ms > 0 && self.decides_modes() {
-            self.detector.observe(worker, f64::from(compute_ms));
+            self.mode.detector.observe(worker, f64::from(compute_ms));
         }
         if joined {
             self.membership_changed(events);
@@ -332,7 +332,7 @@ impl ShardCore {
     /// look-ahead stops counting it. (Its exactly-once window stays: a worker whose lease expired during a
     /// partition may still retry a push; the window is 512 bytes.)
     pub(super) fn forget_worker(&mut self, worker: u32, events: &mut Vec<CoreEvent>) {
-        self.detector.forget(worker);
+        self.mode.detector.forget(worker);
         self.step.gba_hold.forget(worker);
         self.data_worker_gone(worker);
         self.clocks.remove(&worker);

@@ -90,22 +90,12 @@ pub struct ShardCore {
     leases: BTreeMap<u32, Duration>,
     /// The latest time the core was driven with.
     clock: Duration,
-    /// The mode in force (never `Auto`: auto runs `Sync` or `Gba`).
-    active: Mode,
+    /// The mode in force and how it came to be: decisions, switches, the straggler detector.
+    mode: steps::ModeState,
     /// The synchronous step in progress (sync and gba) and the count of steps applied.
     step: steps::StepState,
-    /// The newest two mode decisions known: under `auto`, the coordinator's own or ones a worker carried
-    /// here; otherwise the configured mode (number 0).
-    decisions: ModeDecisions,
-    /// Why the coordinator made its last two decisions, by number (none where learned from a worker).
-    decision_reasons: VecDeque<(u64, String)>,
-    /// The largest worker step seen in a push (the coordinator places new decisions after it).
-    max_step: u64,
-    /// Mode switches carried out, oldest first (the last [`steps::SWITCH_LOG`]).
-    switches: VecDeque<ModeSwitchRecord>,
     /// Seconds of the last request or tick (rows touched by a step's update are stamped with it).
     now_s: u32,
-    detector: StragglerDetector,
     ramp: LrRamp,
     /// Pushes per worker (bounded staleness).
     clocks: BTreeMap<u32, u64>,
@@ -130,8 +120,6 @@ pub struct ShardCore {
     threads: usize,
     /// Dynamic data sharding: samples accepted per grant, and how many grants' counts were dropped.
     data: data::GrantCounts,
-    /// When the coordinator made its last mode decision (auto; not kept in checkpoints).
-    decided_at: Option<Duration>,
     /// The coordinator's data dealer ([`Self::set_dealer`]).
     dealer: Option<crate::dealer::Dealer>,
     /// A restored checkpoint's dealer section, read once the dealer's settings are known.
@@ -263,20 +251,14 @@ impl ShardCore {
         let n_slots = slots.len();
         let owned_elems = slots.iter().map(|s| s.len).sum();
         let row_accum = cfg.layout.tables.iter().map(|t| RowAccum::new(t.dim as usize)).collect();
-        let decisions = ModeDecisions::start(active.code());
         Ok(ShardCore {
-            decisions,
-            decision_reasons: VecDeque::new(),
-            max_step: 0,
-            switches: VecDeque::new(),
+            mode: steps::ModeState::new(active),
             now_s: 0,
             owned_elems,
             tables,
             leases: BTreeMap::new(),
             clock: Duration::ZERO,
-            active,
             step: steps::StepState::new(n_slots, row_accum),
-            detector: StragglerDetector::default(),
             ramp: LrRamp::default(),
             clocks: BTreeMap::new(),
             last_multiplier: 1.0,
@@ -302,7 +284,6 @@ impl ShardCore {
             data: data::GrantCounts::default(),
             dealer: None,
             restored_dealer: None,
-            decided_at: None,
         })
     }
 
@@ -369,7 +350,7 @@ impl ShardCore {
 
     /// The elastic learning-rate multiplier in force (1 outside the synchronous modes).
     pub fn lr_multiplier(&self) -> f64 {
-        match self.active {
+        match self.mode.active {
             Mode::Sync | Mode::Gba => self.ramp.multiplier(self.step.global_step),
             _ => 1.0,
         }
@@ -377,7 +358,7 @@ impl ShardCore {
 
     /// The mode in force.
     pub fn active_mode(&self) -> Mode {
-        self.active
+        self.mode.active
     }
 
     /// Sets the learning-rate multiplier (warm-up, schedules, elastic ramps). Non-finite or non-positive
@@ -430,12 +411,12 @@ impl ShardCore {
         if let Some(c) = &self.coordinator {
             s.registered_workers = c.registered;
         }
-        s.mode = self.active.code();
+        s.mode = self.mode.active.code();
         s.lr_multiplier_milli = (self.last_multiplier * 1000.0).round().clamp(0.0, f64::from(u32::MAX)) as u32;
         s.ssp_min_clock = self.min_clock();
         s.global_step = self.step.global_step;
-        s.decisions = self.decisions;
-        s.switches = self.switches.iter().cloned().collect();
+        s.decisions = self.mode.decisions;
+        s.switches = self.mode.switches.iter().cloned().collect();
         s.applied_by_worker = self.applied_by_worker();
         for t in &self.tables {
             let ts = t.stats();
@@ -469,12 +450,12 @@ impl ShardCore {
 
     /// The newest two mode decisions this shard knows.
     pub fn decisions(&self) -> ModeDecisions {
-        self.decisions
+        self.mode.decisions
     }
 
     /// The mode switches this shard carried out, oldest first (the last 64).
     pub fn switches(&self) -> impl Iterator<Item = &ModeSwitchRecord> {
-        self.switches.iter()
+        self.mode.switches.iter()
     }
 
     /// Workers holding a lease with this shard.
@@ -647,7 +628,7 @@ impl ShardCore {
         }
         // A step that has waited a lease for workers that push nothing (they only heartbeat, or stalled)
         // completes without them.
-        if self.active == Mode::Sync && self.step_ready() {
+        if self.mode.active == Mode::Sync && self.step_ready() {
             if let Err(e) = self.complete_step() {
                 events.push(CoreEvent::DeviceFault(format!("completing a step without an idle worker: {e}")));
             }

@@ -102,7 +102,7 @@ impl ShardCore {
         w.u32(self.lr_scale.to_bits());
         w.f32s(&self.lr_max);
         w.f64(self.last_multiplier);
-        w.u8(self.active.code());
+        w.u8(self.mode.active.code());
         w.u32(self.step.accum_pushes);
         w.u32s(&self.step.contributors.iter().copied().collect::<Vec<_>>());
         w.u64(self.step.global_step);
@@ -213,17 +213,17 @@ impl ShardCore {
 
     /// Writes what [`Self::read_modes`] reads.
     fn write_modes(&self, w: &mut Writer) {
-        for d in [self.decisions.latest, self.decisions.previous] {
+        for d in [self.mode.decisions.latest, self.mode.decisions.previous] {
             w.u64s(&[d.number, u64::from(d.mode), d.from_step]);
         }
-        w.u64(self.max_step);
-        w.u64(self.decision_reasons.len() as u64);
-        for (number, why) in &self.decision_reasons {
+        w.u64(self.mode.max_step);
+        w.u64(self.mode.decision_reasons.len() as u64);
+        for (number, why) in &self.mode.decision_reasons {
             w.u64(*number);
             w.str(why);
         }
-        w.u64(self.switches.len() as u64);
-        for sw in &self.switches {
+        w.u64(self.mode.switches.len() as u64);
+        for sw in &self.mode.switches {
             w.u64s(&[sw.number, u64::from(sw.from), u64::from(sw.to), sw.from_step, sw.at_global_step]);
             w.str(&sw.reason);
         }
@@ -278,8 +278,8 @@ impl ShardCore {
             then.next_worker = then.next_worker.max(now.next_worker);
             then.registered = then.registered.max(now.registered);
         }
-        core.detector = std::mem::take(&mut self.detector);
-        core.decided_at = self.decided_at;
+        core.mode.detector = std::mem::take(&mut self.mode.detector);
+        core.mode.decided_at = self.mode.decided_at;
         core.clock = self.clock;
         core.now_s = self.now_s;
         core.shared_replies = self.shared_replies;
@@ -309,7 +309,7 @@ impl ShardCore {
         let nanos = |d: Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
         w.u64(nanos(self.clock));
         w.u32(self.now_s);
-        for t in [self.step.step_started, self.decided_at] {
+        for t in [self.step.step_started, self.mode.decided_at] {
             match t {
                 Some(t) => {
                     w.u8(1);
@@ -323,7 +323,7 @@ impl ShardCore {
             w.u32(*worker);
             w.u64(nanos(*until));
         }
-        self.detector.write_to(&mut w);
+        self.mode.detector.write_to(&mut w);
         for table in &self.tables {
             w.u64s(&table.sampler_state());
         }
@@ -356,7 +356,7 @@ impl ShardCore {
             })
         };
         core.step.step_started = optional(&mut r)?;
-        core.decided_at = optional(&mut r)?;
+        core.mode.decided_at = optional(&mut r)?;
         let leases = r.u64()?;
         if leases != core.leases.len() as u64 {
             return Err(corrupt("lease holders"));
@@ -369,7 +369,7 @@ impl ShardCore {
                 None => return Err(corrupt("lease holders")),
             }
         }
-        core.detector = crate::modes::StragglerDetector::read_from(&mut r)?;
+        core.mode.detector = crate::modes::StragglerDetector::read_from(&mut r)?;
         for table in &mut core.tables {
             let s: [u64; 4] = r.u64s("sampler")?.try_into().map_err(|_| corrupt("sampler"))?;
             table.set_sampler_state(s);
@@ -458,15 +458,15 @@ impl ShardCore {
         };
         let latest = read_decision()?;
         let previous = read_decision()?;
-        self.decisions = ModeDecisions { latest, previous };
-        self.max_step = r.u64()?;
+        self.mode.decisions = ModeDecisions { latest, previous };
+        self.mode.max_step = r.u64()?;
         let reasons = r.u64()?;
         if reasons > 2 {
             return Err(CheckpointError::Corrupt("mode decision reasons".into()));
         }
         for _ in 0..reasons {
             let number = r.u64()?;
-            self.decision_reasons.push_back((number, r.str("mode decision reason")?));
+            self.mode.decision_reasons.push_back((number, r.str("mode decision reason")?));
         }
         let corrupt = || CheckpointError::Corrupt("mode switches".into());
         for _ in 0..r.u64()?.min(super::steps::SWITCH_LOG as u64 + 1) {
@@ -474,9 +474,9 @@ impl ShardCore {
             let [number, from, to, from_step, at_global_step] = fields[..] else { return Err(corrupt()) };
             let (from, to) = (u8::try_from(from).map_err(|_| corrupt())?, u8::try_from(to).map_err(|_| corrupt())?);
             let reason = r.str("mode switch")?;
-            self.switches.push_back(ModeSwitchRecord { number, from, to, from_step, at_global_step, reason });
+            self.mode.switches.push_back(ModeSwitchRecord { number, from, to, from_step, at_global_step, reason });
         }
-        if self.switches.len() > super::steps::SWITCH_LOG {
+        if self.mode.switches.len() > super::steps::SWITCH_LOG {
             return Err(corrupt());
         }
         Ok(())
@@ -526,7 +526,7 @@ impl ShardCore {
         core.lr_scale = f32::from_bits(r.u32()?);
         core.lr_max = r.f32s_of(core.tensor_rules.len(), "η_max")?;
         core.last_multiplier = r.f64()?;
-        core.active = Mode::from_code(r.u8()?).ok_or_else(|| CheckpointError::Corrupt("mode".into()))?;
+        core.mode.active = Mode::from_code(r.u8()?).ok_or_else(|| CheckpointError::Corrupt("mode".into()))?;
         core.step.accum_pushes = r.u32()?;
         core.step.contributors = r.u32s("contributors")?.into_iter().collect();
         // A step saved in progress waits at most a lease from the restored core's start for the rest.

@@ -79,7 +79,7 @@ impl ShardCore {
         for values in [grads, reads] {
             rows_finite(req.table, dim, values)?;
         }
-        let max_staleness = if matches!(self.active, Mode::Sync | Mode::Gba) {
+        let max_staleness = if matches!(self.mode.active, Mode::Sync | Mode::Gba) {
             self.accumulate_rows(req, &ids, &read_versions, grads)
         } else {
             let lr = hyper.lr * self.lr_scale;
@@ -90,7 +90,12 @@ impl ShardCore {
         };
         self.stats.staleness_max = self.stats.staleness_max.max(max_staleness);
         self.record_applied(req.worker, req.seq);
-        Ok(Frame::new(Message::Ack(Ack { seq: req.seq, max_staleness, decisions: self.decisions, ..Ack::default() })))
+        Ok(Frame::new(Message::Ack(Ack {
+            seq: req.seq,
+            max_staleness,
+            decisions: self.mode.decisions,
+            ..Ack::default()
+        })))
     }
 
     /// gba: the pulled rows the step in progress holds gradients for are read as the step would leave them
@@ -121,7 +126,7 @@ impl ShardCore {
     /// Returns the largest staleness of a kept row.
     fn accumulate_rows(&mut self, req: &SparsePush, ids: &[u64], read_versions: &[u32], grads: &[f32]) -> u64 {
         let dim = req.dim as usize;
-        let bound = if self.active == Mode::Sync { 0 } else { self.cfg.modes.gba_threshold };
+        let bound = if self.mode.active == Mode::Sync { 0 } else { self.cfg.modes.gba_threshold };
         let table = &self.tables[req.table as usize];
         let mut max_staleness = 0u64;
         let (mut stale, mut missing) = (0u64, 0u64);

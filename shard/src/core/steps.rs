@@ -48,6 +48,42 @@ impl StepState {
     }
 }
 
+/// The mode in force and how it came to be: the decisions known (under `auto` the coordinator's, carried
+/// to the other shards by workers), the switches carried out, and the coordinator's straggler detector.
+/// One part of [`ShardCore`]'s state.
+#[derive(Debug)]
+pub(super) struct ModeState {
+    /// The mode in force (never `Auto`: auto runs `Sync` or `Gba`).
+    pub(super) active: Mode,
+    /// The newest two mode decisions known: under `auto`, the coordinator's own or ones a worker carried
+    /// here; otherwise the configured mode (number 0).
+    pub(super) decisions: ModeDecisions,
+    /// Why the coordinator made its last two decisions, by number (none where learned from a worker).
+    pub(super) decision_reasons: VecDeque<(u64, String)>,
+    /// The largest worker step seen in a push (the coordinator places new decisions after it).
+    pub(super) max_step: u64,
+    /// Mode switches carried out, oldest first (the last [`SWITCH_LOG`]).
+    pub(super) switches: VecDeque<ModeSwitchRecord>,
+    pub(super) detector: StragglerDetector,
+    /// When the coordinator made its last mode decision (auto; not kept in checkpoints).
+    pub(super) decided_at: Option<Duration>,
+}
+
+impl ModeState {
+    /// Running `active` (sync for `auto`), no decision made, nothing switched.
+    pub(super) fn new(active: Mode) -> Self {
+        ModeState {
+            active,
+            decisions: ModeDecisions::start(active.code()),
+            decision_reasons: VecDeque::new(),
+            max_step: 0,
+            switches: VecDeque::new(),
+            detector: StragglerDetector::default(),
+            decided_at: None,
+        }
+    }
+}
+
 /// Embedding-row gradients of one table summed per id over a synchronous step.
 #[derive(Debug, Clone)]
 pub(crate) struct RowAccum {
@@ -120,35 +156,35 @@ impl ShardCore {
             return;
         }
         let live: BTreeSet<u32> = self.leases.keys().copied().collect();
-        let reasons = self.detector.judge(&live, &self.cfg.modes);
-        let latest = self.decisions.latest;
-        let wanted = if self.detector.stragglers().is_empty() { Mode::Sync } else { Mode::Gba };
+        let reasons = self.mode.detector.judge(&live, &self.cfg.modes);
+        let latest = self.mode.decisions.latest;
+        let wanted = if self.mode.detector.stragglers().is_empty() { Mode::Sync } else { Mode::Gba };
         // A mode is kept at least `min_mode_time` (the first decision, out of the initial sync, at once).
-        let settled = self.decided_at.is_none_or(|at| self.clock >= at + self.cfg.modes.min_mode_time);
-        if wanted.code() != latest.mode && self.max_step >= latest.from_step && settled {
-            self.decided_at = Some(self.clock);
+        let settled = self.mode.decided_at.is_none_or(|at| self.clock >= at + self.cfg.modes.min_mode_time);
+        if wanted.code() != latest.mode && self.mode.max_step >= latest.from_step && settled {
+            self.mode.decided_at = Some(self.clock);
             // The reasons of this judgment, or of the change a minimum time in the mode held back.
-            let reason = match (reasons.is_empty(), self.detector.last_change().is_empty()) {
+            let reason = match (reasons.is_empty(), self.mode.detector.last_change().is_empty()) {
                 (false, _) => reasons.join("; "),
-                (true, false) => self.detector.last_change().join("; "),
+                (true, false) => self.mode.detector.last_change().join("; "),
                 (true, true) => "membership changed".to_string(),
             };
             let decision = ModeDecision {
                 number: latest.number.saturating_add(1),
                 mode: wanted.code(),
-                from_step: self.max_step.saturating_add(2),
+                from_step: self.mode.max_step.saturating_add(2),
             };
-            self.decisions.push(decision);
+            self.mode.decisions.push(decision);
             events.push(CoreEvent::ModeDecided {
                 number: decision.number,
                 to: wanted,
                 from_step: decision.from_step,
                 reason: reason.clone(),
             });
-            if self.decision_reasons.len() == 2 {
-                self.decision_reasons.pop_front();
+            if self.mode.decision_reasons.len() == 2 {
+                self.mode.decision_reasons.pop_front();
             }
-            self.decision_reasons.push_back((decision.number, reason));
+            self.mode.decision_reasons.push_back((decision.number, reason));
         }
     }
 
@@ -160,39 +196,39 @@ impl ShardCore {
         if self.cfg.modes.mode != Mode::Auto {
             return;
         }
-        self.max_step = self.max_step.max(step);
+        self.mode.max_step = self.mode.max_step.max(step);
         let valid = |d: &ModeDecision| matches!(Mode::from_code(d.mode), Some(Mode::Sync | Mode::Gba));
-        if valid(&carried.latest) && carried.latest.number > self.decisions.latest.number {
+        if valid(&carried.latest) && carried.latest.number > self.mode.decisions.latest.number {
             let previous = if valid(&carried.previous) { carried.previous } else { carried.latest };
-            self.decisions.merge(&ModeDecisions { latest: carried.latest, previous });
+            self.mode.decisions.merge(&ModeDecisions { latest: carried.latest, previous });
         }
-        let Some(decision) = self.decisions.in_force(step) else { return };
+        let Some(decision) = self.mode.decisions.in_force(step) else { return };
         let Some(wanted) = Mode::from_code(decision.mode) else { return };
-        let newer = self.switches.back().is_none_or(|s| decision.number > s.number);
-        if wanted == self.active || !newer {
+        let newer = self.mode.switches.back().is_none_or(|s| decision.number > s.number);
+        if wanted == self.mode.active || !newer {
             return;
         }
-        if self.active == Mode::Gba && self.step_in_progress() {
+        if self.mode.active == Mode::Gba && self.step_in_progress() {
             // The partial GBA step is applied as it is; sync starts on a fresh step.
             let _ = self.complete_step();
         }
-        let reason = match self.decision_reasons.iter().find(|(n, _)| *n == decision.number) {
+        let reason = match self.mode.decision_reasons.iter().find(|(n, _)| *n == decision.number) {
             Some((_, why)) => why.clone(),
             None => format!("decision {} of the coordinator", decision.number),
         };
-        if self.switches.len() == SWITCH_LOG {
-            self.switches.pop_front();
+        if self.mode.switches.len() == SWITCH_LOG {
+            self.mode.switches.pop_front();
         }
-        self.switches.push_back(ModeSwitchRecord {
+        self.mode.switches.push_back(ModeSwitchRecord {
             number: decision.number,
-            from: self.active.code(),
+            from: self.mode.active.code(),
             to: wanted.code(),
             from_step: decision.from_step,
             at_global_step: self.step.global_step,
             reason: reason.clone(),
         });
-        events.push(CoreEvent::ModeSwitch { from: self.active, to: wanted, reason });
-        self.active = wanted;
+        events.push(CoreEvent::ModeSwitch { from: self.mode.active, to: wanted, reason });
+        self.mode.active = wanted;
         self.stats.mode_switches += 1;
     }
 
@@ -211,7 +247,7 @@ impl ShardCore {
         if self.step.accum_pushes == 0 {
             return false;
         }
-        match self.active {
+        match self.mode.active {
             Mode::Sync => {
                 self.leases.keys().all(|w| self.step.contributors.contains(w))
                     || self.step.step_started.is_some_and(|t| self.clock.saturating_sub(t) >= self.cfg.lease)
@@ -229,7 +265,7 @@ impl ShardCore {
     /// gba with `gba_lookahead`: pulls read the step in progress (dense chunks and embedding rows; a chunk
     /// held on a device is copied back to compute its preview).
     pub(super) fn gba_reads_ahead(&self) -> bool {
-        self.active == Mode::Gba && self.cfg.modes.gba_lookahead
+        self.mode.active == Mode::Gba && self.cfg.modes.gba_lookahead
     }
 
     /// Applies the averaged accumulated gradients as one update of every chunk that received some.
@@ -255,7 +291,7 @@ impl ShardCore {
             self.step.accum[slot].iter_mut().for_each(|g| *g = 0.0);
             self.step.accum_counts[slot] = 0;
         }
-        let mode = self.active;
+        let mode = self.mode.active;
         self.apply_now(&plan, u32::MAX, &flat, &reads)?;
         self.apply_rows(self.step.accum_pushes.max(1))?;
         self.step.global_step += 1;
