@@ -29,6 +29,18 @@ pub(super) struct Work<'a> {
     pub(super) scalars: PushScalars,
 }
 
+/// How pull replies are made (set by the service): one part of [`ShardCore`]'s state.
+#[derive(Debug, Default)]
+pub(super) struct ReplyOptions {
+    /// Pull replies with 16-bit sections carry their values packed for the wire
+    /// ([`ShardCore::set_packed_replies`]).
+    pub(super) packed_replies: bool,
+    /// f32 pull replies share the parameters instead of copying them ([`ShardCore::set_shared_replies`]).
+    pub(super) shared_replies: bool,
+    /// The parameters the last reply shares, in payload order ([`ShardCore::take_reply_views`]).
+    pub(super) reply_views: Vec<Arc<Vec<f32>>>,
+}
+
 impl Work<'_> {
     fn apply(self, threads: usize) -> Result<(), gaps_kernels::KernelError> {
         let bufs = Bufs::from_planes(self.params, self.shared, self.worker, self.grad, self.read);
@@ -91,17 +103,17 @@ impl ShardCore {
         if self.gba_reads_ahead() && picked.iter().any(|i| self.step.accum_counts[*i] > 0) {
             return self.pull_step_ahead(metas, &picked);
         }
-        if self.shared_replies
+        if self.replies.shared_replies
             && metas.iter().all(|m| m.dtype == gaps_common::dtype::WireDtype::F32)
             && picked.iter().all(|i| self.reads_params_in_place(*i))
         {
             // The reply shares the parameters (`set_shared_replies`): no copy on the core's thread.
-            self.reply_views = picked.iter().map(|i| self.slots[*i].params.clone()).collect();
+            self.replies.reply_views = picked.iter().map(|i| self.slots[*i].params.clone()).collect();
             self.stats.pulls += 1;
             return Ok(Frame::new(Message::PullReply(PullReply { chunks: metas })));
         }
         let mut payload = gaps_common::buffers::take(total);
-        if self.packed_replies && metas.iter().any(|m| m.dtype != gaps_common::dtype::WireDtype::F32) {
+        if self.replies.packed_replies && metas.iter().any(|m| m.dtype != gaps_common::dtype::WireDtype::F32) {
             // Straight from the planes into their wire format: no f32 copy of the reply first.
             let mut packer = gaps_common::dtype::Packer::new(payload);
             let mut scratch = Vec::new();
@@ -483,13 +495,13 @@ impl ShardCore {
         }
         self.stats.pulls += 1;
         let all_f32 = metas.iter().all(|m| m.dtype == gaps_common::dtype::WireDtype::F32);
-        if self.shared_replies && all_f32 {
-            self.reply_views = views;
+        if self.replies.shared_replies && all_f32 {
+            self.replies.reply_views = views;
             return Ok(Frame::new(Message::PullReply(PullReply { chunks: metas })));
         }
         let total = views.iter().map(|v| v.len()).sum();
         let mut payload = gaps_common::buffers::take(total);
-        if self.packed_replies && !all_f32 {
+        if self.replies.packed_replies && !all_f32 {
             let mut packer = gaps_common::dtype::Packer::new(payload);
             for (view, meta) in views.iter().zip(&metas) {
                 packer.push(meta.dtype, view);

@@ -20,6 +20,15 @@ pub(super) struct SeqWindow {
     bits: Vec<u64>,
 }
 
+/// Exactly-once bookkeeping, per worker: the window of sequence numbers that decides duplicates, and the
+/// ledger of pushes applied here (checkpointed; kept after the worker leaves). One part of [`ShardCore`]'s
+/// state.
+#[derive(Debug, Default)]
+pub(super) struct ExactlyOnce {
+    pub(super) seqs: HashMap<u32, SeqWindow>,
+    pub(super) ledger: HashMap<u32, AppliedSeqs>,
+}
+
 impl Default for SeqWindow {
     fn default() -> Self {
         SeqWindow { highest: 0, bits: vec![0; (SEQ_WINDOW / 64) as usize] }
@@ -94,7 +103,7 @@ impl SeqWindow {
 impl ShardCore {
     /// True when `worker`'s push `seq` was applied here (a part of it sent again is a duplicate).
     pub fn push_applied(&self, worker: u32, seq: u64) -> bool {
-        self.seqs.get(&worker).is_some_and(|w| w.check(seq) == Seen::Applied)
+        self.once.seqs.get(&worker).is_some_and(|w| w.check(seq) == Seen::Applied)
     }
 
     /// The exactly-once gate shared by dense and sparse pushes: checks the epoch and the sequence window;
@@ -104,7 +113,7 @@ impl ShardCore {
         if seq == 0 {
             return Err(ShardError::SequenceWindow("sequence numbers start at 1".into()));
         }
-        match self.seqs.entry(worker).or_default().check(seq) {
+        match self.once.seqs.entry(worker).or_default().check(seq) {
             Seen::New => {}
             Seen::Applied => {
                 self.stats.pushes_duplicate += 1;
@@ -215,17 +224,17 @@ impl ShardCore {
     /// the worker's ledger; a number the ledger already held is counted as applied twice.
     pub(super) fn record_applied(&mut self, worker: u32, seq: u64) {
         self.stats.pushes_applied += 1;
-        if let Some(window) = self.seqs.get_mut(&worker) {
+        if let Some(window) = self.once.seqs.get_mut(&worker) {
             window.insert(seq);
         }
-        if !self.ledger.contains_key(&worker) && self.ledger.len() >= LEDGER_WORKERS {
+        if !self.once.ledger.contains_key(&worker) && self.once.ledger.len() >= LEDGER_WORKERS {
             // A long elastic run: forget the ledger of the oldest departed worker.
-            let oldest = self.ledger.keys().copied().filter(|w| !self.leases.contains_key(w)).min();
+            let oldest = self.once.ledger.keys().copied().filter(|w| !self.leases.contains_key(w)).min();
             if let Some(oldest) = oldest {
-                self.ledger.remove(&oldest);
+                self.once.ledger.remove(&oldest);
             }
         }
-        if !self.ledger.entry(worker).or_default().insert(seq) {
+        if !self.once.ledger.entry(worker).or_default().insert(seq) {
             self.stats.pushes_applied_twice += 1;
         }
     }
@@ -233,7 +242,7 @@ impl ShardCore {
     /// Pushes applied per worker as this shard's state holds them (ascending worker ids).
     pub(super) fn applied_by_worker(&self) -> Vec<WorkerApplied> {
         let mut out: Vec<WorkerApplied> =
-            self.ledger.iter().map(|(&worker, l)| WorkerApplied { worker, applied: l.applied() }).collect();
+            self.once.ledger.iter().map(|(&worker, l)| WorkerApplied { worker, applied: l.applied() }).collect();
         out.sort_by_key(|w| w.worker);
         out
     }

@@ -77,9 +77,8 @@ pub struct ShardCore {
     owned_elems: usize,
     /// Pushes applied per tensor on this shard (the tensor's global version).
     tensor_versions: Vec<u64>,
-    seqs: HashMap<u32, SeqWindow>,
-    /// Per worker, the pushes applied here (checkpointed; kept after the worker leaves).
-    ledger: HashMap<u32, AppliedSeqs>,
+    /// Exactly-once: each worker's window of sequence numbers and its ledger of pushes applied.
+    once: exactly_once::ExactlyOnce,
     coordinator: Option<Coordinator>,
     stats: Stats,
     /// Multiplier of the configured learning rate (schedules, elastic ramps).
@@ -105,12 +104,8 @@ pub struct ShardCore {
     resident: Option<Box<dyn gaps_kernels::resident::ResidentState>>,
     /// Which worker holds which stripe of the resident worker arena.
     stripes: resident::WorkerStripes,
-    /// Pull replies with 16-bit sections carry their values packed for the wire ([`Self::set_packed_replies`]).
-    packed_replies: bool,
-    /// f32 pull replies share the parameters instead of copying them ([`Self::set_shared_replies`]).
-    shared_replies: bool,
-    /// The parameters the last reply shares, in payload order ([`Self::take_reply_views`]).
-    reply_views: Vec<Arc<Vec<f32>>>,
+    /// How pull replies are made: packed 16-bit sections, shared parameter buffers, the last reply's views.
+    replies: dense::ReplyOptions,
     /// Each tensor's rule and hyper-parameters (the shard's flags with the layout's overrides).
     tensor_rules: Vec<(Rule, Hyper)>,
     /// Each table's rule and hyper-parameters.
@@ -252,6 +247,8 @@ impl ShardCore {
         let owned_elems = slots.iter().map(|s| s.len).sum();
         let row_accum = cfg.layout.tables.iter().map(|t| RowAccum::new(t.dim as usize)).collect();
         Ok(ShardCore {
+            replies: dense::ReplyOptions::default(),
+            once: exactly_once::ExactlyOnce::default(),
             mode: steps::ModeState::new(active),
             now_s: 0,
             owned_elems,
@@ -267,8 +264,6 @@ impl ShardCore {
             chunk_base,
             slots,
             tensor_versions,
-            seqs: HashMap::new(),
-            ledger: HashMap::new(),
             coordinator,
             stats,
             lr_scale: 1.0,
@@ -278,9 +273,6 @@ impl ShardCore {
             threads,
             resident: None,
             stripes: resident::WorkerStripes::default(),
-            packed_replies: false,
-            shared_replies: false,
-            reply_views: Vec::new(),
             data: data::GrantCounts::default(),
             dealer: None,
             restored_dealer: None,
@@ -293,13 +285,13 @@ impl ShardCore {
     /// on the core's thread. The next update of a chunk a reply still holds writes into a fresh copy. Off
     /// by default (in-process callers read the payload).
     pub fn set_shared_replies(&mut self, on: bool) {
-        self.shared_replies = on;
+        self.replies.shared_replies = on;
     }
 
     /// The parameter buffers the last request's reply shares instead of a payload (see
     /// [`Self::set_shared_replies`]): the whole payload, in order, or nothing.
     pub fn take_reply_views(&mut self) -> Vec<Arc<Vec<f32>>> {
-        std::mem::take(&mut self.reply_views)
+        std::mem::take(&mut self.replies.reply_views)
     }
 
     /// Until when the last push-pull is to be held for its GBA step (the caller holds the reply and answers
@@ -314,7 +306,7 @@ impl ShardCore {
     /// slot), converted straight from the parameters, instead of one f32 per value; the embedding service
     /// sends such a payload as it is. Off by default (in-process callers read f32 values).
     pub fn set_packed_replies(&mut self, on: bool) {
-        self.packed_replies = on;
+        self.replies.packed_replies = on;
     }
 
     /// Elements over all dense chunks this shard owns.
@@ -511,7 +503,7 @@ impl ShardCore {
     /// second time. With `finite` false the core checks, as `handle` does.
     pub fn handle_checked(&mut self, req: Frame, now: Duration, finite: bool) -> (Frame, Vec<CoreEvent>) {
         let mut events = Vec::new();
-        self.reply_views.clear();
+        self.replies.reply_views.clear();
         self.step.gba_hold.clear_asked();
         let Frame { msg, payload } = req;
         self.stats.payload_bytes_in += payload.len() as u64 * 4;

@@ -126,7 +126,7 @@ impl ShardCore {
         // `set_dealer`).
         self.data.write_to(&mut w);
         // Format 4: the per-worker push ledgers.
-        let mut ledger: Vec<_> = self.ledger.iter().collect();
+        let mut ledger: Vec<_> = self.once.ledger.iter().collect();
         ledger.sort_by_key(|(id, _)| **id);
         w.u64(ledger.len() as u64);
         for (worker, l) in ledger {
@@ -171,7 +171,7 @@ impl ShardCore {
             w.f32s(&self.step.accum[i]);
         }
         w.u32s(&self.step.accum_counts);
-        let mut seqs: Vec<_> = self.seqs.iter().collect();
+        let mut seqs: Vec<_> = self.once.seqs.iter().collect();
         seqs.sort_by_key(|(id, _)| **id);
         w.u64(seqs.len() as u64);
         for (worker, window) in seqs {
@@ -241,7 +241,7 @@ impl ShardCore {
             })
             .sum();
         let tables: usize = self.tables.iter().map(|t| t.checkpoint_size_hint()).sum();
-        slots * 4 + tables + 64 * self.slots.len() + 600 * self.seqs.len() + 4096
+        slots * 4 + tables + 64 * self.slots.len() + 600 * self.once.seqs.len() + 4096
     }
 
     /// This shard returned to its checkpoint `bytes` (a cluster rollback, every shard to the same checkpoint).
@@ -282,8 +282,8 @@ impl ShardCore {
         core.mode.decided_at = self.mode.decided_at;
         core.clock = self.clock;
         core.now_s = self.now_s;
-        core.shared_replies = self.shared_replies;
-        core.packed_replies = self.packed_replies;
+        core.replies.shared_replies = self.replies.shared_replies;
+        core.replies.packed_replies = self.replies.packed_replies;
         core.step.step_started = (!core.step.contributors.is_empty()).then_some(self.clock);
         // The dealer goes back with the model: splits finished since the checkpoint are dealt again (their
         // training is gone), and those on loan then are given back (their holders drop them).
@@ -408,7 +408,7 @@ impl ShardCore {
         let windows = r.u64()?;
         for _ in 0..windows {
             let worker = r.u32()?;
-            self.seqs.insert(worker, SeqWindow::read_from(r)?);
+            self.once.seqs.insert(worker, SeqWindow::read_from(r)?);
         }
         Ok(())
     }
@@ -564,7 +564,7 @@ impl ShardCore {
                 }
                 for _ in 0..workers {
                     let worker = r.u32()?;
-                    core.ledger.insert(worker, AppliedSeqs::read_from(&mut r)?);
+                    core.once.ledger.insert(worker, AppliedSeqs::read_from(&mut r)?);
                 }
             }
             if r.u8()? == 1 {
