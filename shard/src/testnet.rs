@@ -29,6 +29,9 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 use std::time::Duration;
 
+/// Elements of a chunk of the one dense tensor.
+const CHUNK: u32 = 16;
+
 /// Who sends and receives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Node {
@@ -106,7 +109,7 @@ impl Spec {
     }
 
     fn shard_config(&self, shard: u32) -> ShardConfig {
-        let layout = Layout::new(vec![TensorSpec::new("w", self.params)], 16).expect("a valid layout");
+        let layout = Layout::new(vec![TensorSpec::new("w", self.params)], CHUNK).expect("a valid layout");
         let hyper = Hyper { lr: self.lr, momentum: 0.0, ..Hyper::default() };
         ShardConfig {
             shard,
@@ -197,6 +200,26 @@ struct Worker {
     /// When the worker began waiting for a step.
     waiting_since: Duration,
     slow: Option<(f64, Duration)>,
+}
+
+impl Worker {
+    /// Keeps the newest two of the decisions known and a shard's (as the client does).
+    fn learn(&mut self, decisions: &ModeDecisions) {
+        match self.decisions.as_mut() {
+            Some(d) => d.merge(decisions),
+            None => self.decisions = Some(*decisions),
+        }
+    }
+}
+
+/// Copies a pull reply's chunks (`payload` in their order) into the model's values.
+fn read_chunks(chunks: &[gaps_common::wire::ChunkVersion], payload: &[f32], params: &mut [f32]) {
+    let mut at = 0;
+    for c in chunks {
+        let (start, len) = ((c.id.chunk * CHUNK) as usize, c.len as usize);
+        params[start..start + len].copy_from_slice(&payload[at..at + len]);
+        at += len;
+    }
 }
 
 enum Event {
@@ -487,24 +510,15 @@ impl Cluster {
                 self.pull(w);
             }
             (Phase::Pulling, Message::PullReply(reply)) => {
-                let mut at = 0;
-                for c in &reply.chunks {
-                    let start = (c.id.chunk * 16) as usize;
-                    worker.params[start..start + c.len as usize]
-                        .copy_from_slice(&frame.payload[at..at + c.len as usize]);
-                    worker.versions.insert(c.id, c.version);
-                    at += c.len as usize;
-                }
+                read_chunks(&reply.chunks, &frame.payload, &mut worker.params);
+                worker.versions.extend(reply.chunks.iter().map(|c| (c.id, c.version)));
                 if worker.out.is_empty() {
                     self.compute(w);
                 }
             }
             (Phase::Pushing, Message::Ack(ack)) => {
                 worker.acked[s as usize] += 1;
-                match worker.decisions.as_mut() {
-                    Some(d) => d.merge(&ack.decisions),
-                    None => worker.decisions = Some(ack.decisions),
-                }
+                worker.learn(&ack.decisions);
                 if ack.wait_for_step > 0 || ack.wait_for_clock > 0 {
                     worker.waits.insert(s, (ack.wait_for_step, ack.wait_for_clock));
                 }
@@ -513,10 +527,7 @@ impl Cluster {
                 }
             }
             (Phase::Waiting, Message::Stats(st)) => {
-                match worker.decisions.as_mut() {
-                    Some(d) => d.merge(&st.decisions),
-                    None => worker.decisions = Some(st.decisions),
-                }
+                worker.learn(&st.decisions);
                 let (step, clock) = worker.waits[&s];
                 // As the client: a step that does not come within three leases is an error.
                 if self.now.saturating_sub(worker.waiting_since) > 3 * self.spec.lease {
@@ -583,8 +594,8 @@ impl Cluster {
                 let mut payload = Vec::new();
                 let mut chunks = Vec::new();
                 for id in ids {
-                    let start = (id.chunk * 16) as usize;
-                    let len = 16.min(worker.params.len() - start);
+                    let start = (id.chunk * CHUNK) as usize;
+                    let len = (CHUNK as usize).min(worker.params.len() - start);
                     for i in start..start + len {
                         let noise = 0.1 * (self.rng.uniform() as f32 - 0.5);
                         payload.push(worker.params[i] - self.target[i] + noise);
@@ -648,12 +659,7 @@ impl Cluster {
             let chunks = slot.cfg.layout.chunks_of_shard(s, n);
             let (reply, _) = core.handle(Frame::new(Message::Pull(Pull { epoch: 1, chunks })), self.now - slot.started);
             let Message::PullReply(r) = reply.msg else { return Err(format!("final pull: {:?}", reply.msg)) };
-            let mut at = 0;
-            for c in &r.chunks {
-                let start = (c.id.chunk * 16) as usize;
-                params[start..start + c.len as usize].copy_from_slice(&reply.payload[at..at + c.len as usize]);
-                at += c.len as usize;
-            }
+            read_chunks(&r.chunks, &reply.payload, &mut params);
             stats.push(core.stats());
             switches.push(core.switches().cloned().collect());
         }
