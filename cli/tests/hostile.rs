@@ -8,21 +8,7 @@ use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-const LAYOUT: &str = r#"
-chunk_elems = 64
-
-[[tensor]]
-name = "w"
-shape = [1000]
-rule = "sgd"
-lr = 0.1
-
-[[table]]
-name = "emb"
-dim = 8
-rule = "sgd"
-lr = 0.1
-"#;
+const LAYOUT: &str = include_str!("fixtures/hostile.toml");
 
 struct Shard(Child);
 

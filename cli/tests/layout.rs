@@ -9,28 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-const OWN_MODEL: &str = r#"
-chunk_elems = 8
-
-[[tensor]]
-name = "tower.w"
-shape = [4, 6]
-rule = "nesterov"
-lr = 0.05
-
-[[tensor]]
-name = "tower.b"
-shape = [4]
-rule = "dc-asgd"
-lr = 0.2
-momentum = 0.5
-
-[[table]]
-name = "item_emb"
-dim = 3
-rule = "sgd"
-lr = 0.3
-"#;
+const OWN_MODEL: &str = include_str!("fixtures/own_model.toml");
 
 fn temp_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("gaps-{name}-{}", std::process::id()));

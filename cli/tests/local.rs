@@ -108,6 +108,15 @@ fn run_local(args: &[&str]) -> serde_json::Value {
     serde_json::from_str(line).expect("valid JSON")
 }
 
+/// `gaps local` on a replicated DLRM cluster — three shard processes, two copies of each shard, two workers —
+/// for `steps` steps in `mode`, with `more` flags (kills, restarts, checkpoints) added.
+fn run_replicated(steps: &str, mode: &str, more: &[&str]) -> serde_json::Value {
+    let mut args = vec!["local", "--model", "dlrm", "--servers", "3", "--workers", "2", "--replicas", "2"];
+    args.extend(["--steps", steps, "--mode", mode, "--json", "--timeout", "300s"]);
+    args.extend_from_slice(more);
+    run_local(&args)
+}
+
 /// Each worker prints one ledger line per step; `gaps local` must read them while the run goes on. Before it
 /// did, a run of more than about 500 steps filled the 64 KiB pipe and every worker stalled in `write` forever.
 #[test]
@@ -333,22 +342,18 @@ fn workers_give_up_on_a_dead_shard_after_the_shard_down_timeout_and_name_it() {
 /// finishes, the books balance (no push applied twice, every acknowledged push applied or counted lost),
 /// and returns the final loss with the schedule.
 fn chaos(seed: u64, steps: u64, mode: &str) -> (f64, Vec<String>) {
-    let mut rng = gaps_common::rng::Rng::new(seed);
-    let mut ms = |lo: u64, hi: u64| lo + rng.below(hi - lo);
-    let kill1 = ms(700, 1300);
-    let back1 = kill1 + ms(400, 1000);
-    let kill_worker = ms(1500, 2500);
-    let add_worker = ms(2000, 3000);
-    let kill0 = back1 + ms(800, 1500);
-    let back0 = kill0 + ms(400, 1000);
-    let schedule = vec![
-        format!("--kill-shard=1@{kill1}ms"),
-        format!("--restart-shard=1@{back1}ms"),
-        format!("--kill-shard=0@{kill0}ms"),
-        format!("--restart-shard=0@{back0}ms"),
-        format!("--kill-worker=3@{kill_worker}ms"),
-        format!("--add-worker={add_worker}ms"),
-    ];
+    use gaps_shard::testnet::Fault;
+    let at = |at: &std::time::Duration| at.as_millis();
+    let schedule: Vec<String> = gaps_shard::testnet::chaos_schedule(seed)
+        .iter()
+        .map(|(t, fault)| match fault {
+            Fault::KillShard(i) => format!("--kill-shard={i}@{}ms", at(t)),
+            Fault::RestartShard(i) => format!("--restart-shard={i}@{}ms", at(t)),
+            Fault::KillWorker(w) => format!("--kill-worker={w}@{}ms", at(t)),
+            Fault::AddWorker => format!("--add-worker={}ms", at(t)),
+            other => panic!("the chaos schedule has no {other:?}"),
+        })
+        .collect();
     let steps = steps.to_string();
     let mut args = vec!["local", "--servers", "2", "--workers", "4", "--steps", &steps, "--compute-delay", "10ms"];
     args.extend(["--mode", mode, "--checkpoint-every", "500ms", "--json", "--timeout", "300s"]);
@@ -899,28 +904,7 @@ fn the_straggler_bench_runs_every_mode_and_predicts_its_speed_up() {
 /// copy caught up before the run ended depends on the machine's speed, so only its place is checked.)
 #[test]
 fn a_killed_replicated_shard_is_taken_over_and_the_summary_says_so() {
-    let v = run_local(&[
-        "local",
-        "--model",
-        "dlrm",
-        "--servers",
-        "3",
-        "--workers",
-        "2",
-        "--steps",
-        "400",
-        "--replicas",
-        "2",
-        "--mode",
-        "async",
-        "--kill-shard",
-        "1@1s",
-        "--restart-shard",
-        "1@2.5s",
-        "--json",
-        "--timeout",
-        "300s",
-    ]);
+    let v = run_replicated("400", "async", &["--kill-shard", "1@1s", "--restart-shard", "1@2.5s"]);
     assert_eq!(v["failovers"], 1, "{v}");
     // The take-over was seen: the backup asks after 1 s of silence, the coordinator probes for 0.5 s.
     let took = v["failover_s"][0].as_f64().expect("a fail-over time");
@@ -963,30 +947,11 @@ fn a_killed_replicated_shard_is_taken_over_and_the_summary_says_so() {
 /// applied twice. (Async: each shard restores its own checkpoint.)
 #[test]
 fn a_replicated_cluster_killed_whole_starts_again_from_its_checkpoints() {
-    let v = run_local(&[
-        "local",
-        "--model",
-        "dlrm",
-        "--servers",
-        "3",
-        "--workers",
-        "2",
-        "--steps",
+    let v = run_replicated(
         "200",
-        "--replicas",
-        "2",
-        "--mode",
         "async",
-        "--checkpoint-every",
-        "300ms",
-        "--kill-shard",
-        "0@1s,1@1s,2@1s",
-        "--restart-shard",
-        "0@1.5s,1@1.5s,2@1.5s",
-        "--json",
-        "--timeout",
-        "300s",
-    ]);
+        &["--checkpoint-every", "300ms", "--kill-shard", "0@1s,1@1s,2@1s", "--restart-shard", "0@1.5s,1@1.5s,2@1.5s"],
+    );
     assert_eq!(v["shard_restarts"], 3, "{v}");
     // Each process serves its own shard again — on its own endpoint, or, where it joined before the process
     // its restored tables listed as its backup in sync (and waited as a spare until that one said it holds
@@ -1009,30 +974,18 @@ fn a_replicated_cluster_killed_whole_starts_again_from_its_checkpoints() {
 /// failed once under CI's load, so it is not asserted yet.)
 #[test]
 fn a_replicated_cluster_killed_whole_after_takeovers_serves_them_again_from_its_checkpoints() {
-    let v = run_local(&[
-        "local",
-        "--model",
-        "dlrm",
-        "--servers",
-        "3",
-        "--workers",
-        "2",
-        "--steps",
+    let v = run_replicated(
         "800",
-        "--replicas",
-        "2",
-        "--mode",
         "async",
-        "--checkpoint-every",
-        "300ms",
-        "--kill-shard",
-        "0@1s,2@4s,0@7.5s,1@7.5s,2@7.5s",
-        "--restart-shard",
-        "0@2.5s,2@4.1s,0@8s,1@8s,2@8s",
-        "--json",
-        "--timeout",
-        "300s",
-    ]);
+        &[
+            "--checkpoint-every",
+            "300ms",
+            "--kill-shard",
+            "0@1s,2@4s,0@7.5s,1@7.5s,2@7.5s",
+            "--restart-shard",
+            "0@2.5s,2@4.1s,0@8s,1@8s,2@8s",
+        ],
+    );
     assert_eq!(v["shard_restarts"], 5, "{v}");
     assert_eq!(v["serving"], serde_json::json!([1, 1, 0]), "{v}");
     // Process 1 may be listed too: joining before process 2 did, its shard still listed a backup in sync,
@@ -1049,28 +1002,7 @@ fn a_replicated_cluster_killed_whole_after_takeovers_serves_them_again_from_its_
 /// twice, and the summary says who serves what.
 #[test]
 fn a_killed_coordinator_is_taken_over_by_a_majoritys_choice_and_the_summary_says_so() {
-    let v = run_local(&[
-        "local",
-        "--model",
-        "dlrm",
-        "--servers",
-        "3",
-        "--workers",
-        "2",
-        "--steps",
-        "400",
-        "--replicas",
-        "2",
-        "--mode",
-        "sync",
-        "--kill-shard",
-        "0@1s",
-        "--restart-shard",
-        "0@2.5s",
-        "--json",
-        "--timeout",
-        "300s",
-    ]);
+    let v = run_replicated("400", "sync", &["--kill-shard", "0@1s", "--restart-shard", "0@2.5s"]);
     assert_eq!(v["failovers"], 1, "{v}");
     let took = v["failover_s"][0].as_f64().expect("a fail-over time for the coordinator");
     assert!(took > 0.0 && took < 60.0, "{v}");

@@ -195,27 +195,7 @@ pub fn write(layout: &Layout, format: Format) -> String {
 mod tests {
     use super::*;
 
-    const EXAMPLE: &str = r#"
-chunk_elems = 1024
-
-[[tensor]]
-name = "mlp.w1"
-shape = [64, 13]
-rule = "momentum"
-lr = 0.05
-
-[[tensor]]
-name = "mlp.b1"
-shape = [64]
-rule = "sgd"
-wire_dtype = "bf16"
-
-[[table]]
-name = "emb"
-dim = 16
-rule = "adagrad"
-lr = 0.1
-"#;
+    const EXAMPLE: &str = include_str!("../tests/fixtures/example_layout.toml");
 
     #[test]
     fn toml_and_json_round_trip() {

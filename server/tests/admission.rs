@@ -4,6 +4,8 @@
 //! QUIC client writing frame bytes by hand from the wire format (`common/src/wire/`: a kind byte, the
 //! header's length as u32 LE, a bincode-2 varint header, then the payload), not the project's client.
 
+mod common;
+
 use gaps_common::layout::{Layout, SparseSpec, TensorSpec};
 use gaps_common::wire::{self, ErrorCode, Limits, Message, Role};
 use gaps_kernels::Hyper;
@@ -60,9 +62,8 @@ async fn attacker(certs: &ClusterCerts, server: &RunningServer) -> (quinn::Endpo
 }
 
 fn worker_options(certs: &ClusterCerts, server: &RunningServer) -> ClientOptions {
-    let mut o = ClientOptions::new(&server.advertise, certs.worker_material().expect("tls"), Role::Worker, "honest");
-    o.rpc_timeout = Duration::from_secs(20);
-    o
+    
+    common::options(certs, &server.advertise, Role::Worker, "honest", Duration::from_secs(20))
 }
 
 #[test]

@@ -13,33 +13,7 @@ use std::time::Duration;
 
 /// A model none of the built-in ones has: a momentum matrix, an SGD bias with its own learning rate, a
 /// Gap-Aware vector (its pushes carry the read echo, the others' do not), and an Adagrad embedding table.
-const LAYOUT: &str = r#"
-chunk_elems = 16
-
-[[tensor]]
-name = "proj.w"
-shape = [8, 4]
-rule = "momentum"
-lr = 0.1
-
-[[tensor]]
-name = "proj.b"
-shape = [8]
-rule = "sgd"
-lr = 0.5
-
-[[tensor]]
-name = "gate"
-shape = [5]
-rule = "gap-aware"
-lr = 0.2
-
-[[table]]
-name = "user_emb"
-dim = 4
-rule = "adagrad"
-lr = 0.1
-"#;
+const LAYOUT: &str = include_str!("fixtures/any_model.toml");
 
 fn config(certs: &ClusterCerts, layout: Layout, shard: u32, shards: u32, coordinator: Option<String>) -> ServiceConfig {
     let core = ShardConfig {

@@ -3,6 +3,8 @@
 //! measured is tried with a valid certificate of the cluster CA and must be refused with a typed error,
 //! while the real worker's training all applies.
 
+mod common;
+
 use gaps_common::layout::{Layout, TensorSpec};
 use gaps_common::wire::{
     Authenticate, ErrorCode, Frame, Heartbeat, Leave, Limits, Message, Push, PushChunk, Register, RegisterShard, Role,
@@ -100,8 +102,7 @@ async fn no_certificate_of_the_cluster_acts_as_another_shard_or_worker() {
     let shard2 = raw(&certs.shard_material(2).expect("tls"), s0.addr).await;
     refused(ask(&shard2, join(1), &[]).await, "shard 2's certificate joining as shard 1");
     // Shard 1's address is where it was: a new worker still trains.
-    let mut o = ClientOptions::new(&s0.advertise, certs.worker_material().expect("tls"), Role::Worker, "real");
-    o.rpc_timeout = Duration::from_secs(5);
+    let o = common::options(&certs, &s0.advertise, Role::Worker, "real", Duration::from_secs(5));
     let real = Client::connect(o).await.expect("the real worker connects to both shards");
     let victim = real.worker_id().expect("id");
 
@@ -214,8 +215,7 @@ async fn certificates_of_another_cluster_or_role_or_ca_are_refused_with_the_reas
 async fn certificates_rotate_without_a_restart() {
     let old = certs();
     let s0 = start_shard(&old, 0, 1, None).await;
-    let mut o = ClientOptions::new(&s0.advertise, old.worker_material().expect("tls"), Role::Worker, "before");
-    o.rpc_timeout = Duration::from_secs(5);
+    let o = common::options(&old, &s0.advertise, Role::Worker, "before", Duration::from_secs(5));
     let before = Client::connect(o).await.expect("connect with the old material");
 
     // A new CA; during the move both are trusted. The shard takes its new certificate without a restart.
@@ -226,8 +226,7 @@ async fn certificates_rotate_without_a_restart() {
     s0.reload_tls(&both(new.shard_material(0).expect("tls"))).expect("reload");
 
     // New connections use the new certificate: a worker that trusts only the new CA gets in.
-    let mut o = ClientOptions::new(&s0.advertise, new.worker_material().expect("tls"), Role::Worker, "after");
-    o.rpc_timeout = Duration::from_secs(5);
+    let o = common::options(&new, &s0.advertise, Role::Worker, "after", Duration::from_secs(5));
     let after = Client::connect(o).await.expect("connect with the new material");
     // The open connection of the old worker keeps working.
     let s = before.pull().await.expect("old connection");
@@ -276,8 +275,7 @@ async fn a_certificate_registers_at_most_its_cap_of_live_workers() {
         }
     }
     // Another certificate is not affected.
-    let mut o = ClientOptions::new(&server.advertise, certs.worker_material().expect("tls"), Role::Worker, "honest");
-    o.rpc_timeout = Duration::from_secs(10);
+    let o = common::options(&certs, &server.advertise, Role::Worker, "honest", Duration::from_secs(10));
     let honest = Client::connect(o).await.expect("another certificate registers");
     // One of mallory's workers leaves (on a connection authenticated as it): one more may register.
     let (w, token) = ids[0];
@@ -352,8 +350,7 @@ async fn only_a_shards_own_certificate_replicates_it_and_no_live_primary_is_take
     assert!(ask(&shard1, msg, &words).await.is_err(), "entries longer than the payload");
     assert!(ask(&shard1, snapshot(0), &[0.0, 0.0]).await.is_err(), "shard 0's snapshot from shard 1");
     // The copies still count and the real worker trains through both shards, every push acknowledged.
-    let mut o = ClientOptions::new(&s0.advertise, certs.worker_material().expect("tls"), Role::Worker, "real");
-    o.rpc_timeout = Duration::from_secs(10);
+    let o = common::options(&certs, &s0.advertise, Role::Worker, "real", Duration::from_secs(10));
     let real = Client::connect(o).await.expect("connect");
     for _ in 0..10 {
         let s = real.pull().await.expect("pull");

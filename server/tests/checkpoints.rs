@@ -3,6 +3,8 @@
 //! skipped for the previous intact one; a damaged checkpoint named explicitly stops the start with the file
 //! name.
 
+mod common;
+
 use gaps_common::layout::{Layout, SparseSpec, TensorSpec};
 use gaps_common::wire::Role;
 use gaps_kernels::{Hyper, Rule};
@@ -35,8 +37,7 @@ fn config(certs: &ClusterCerts, dir: &Path, every: Option<Duration>, restore: Re
 }
 
 async fn client(certs: &ClusterCerts, server: &RunningServer, role: Role) -> Client {
-    let mut o = ClientOptions::new(&server.advertise, certs.worker_material().expect("tls"), role, "t");
-    o.rpc_timeout = Duration::from_secs(10);
+    let o = common::options(certs, &server.advertise, role, "t", Duration::from_secs(10));
     Client::connect(o).await.expect("connect")
 }
 

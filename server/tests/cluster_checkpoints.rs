@@ -2,6 +2,8 @@
 //! the step; every shard writes that id at that step, so the shards' files of one checkpoint never mix
 //! steps. In async modes every shard takes it at its next quiescent point.
 
+mod common;
+
 use gaps_common::layout::{Layout, TensorSpec};
 use gaps_common::wire::Role;
 use gaps_kernels::{Hyper, Rule};
@@ -72,8 +74,7 @@ async fn train(
     let enough = std::sync::Arc::new(enough);
     let mut tasks = Vec::new();
     for w in 0..workers {
-        let mut o = ClientOptions::new(coordinator, certs.worker_material().expect("tls"), Role::Worker, "t");
-        o.rpc_timeout = Duration::from_secs(20);
+        let o = common::options(certs, coordinator, Role::Worker, "t", Duration::from_secs(20));
         let enough = enough.clone();
         tasks.push(tokio::spawn(async move {
             let c = Client::connect(o).await.expect("connect");
@@ -82,11 +83,7 @@ async fn train(
                     break;
                 }
                 let s = c.pull().await.expect("pull");
-                let g = s
-                    .tensors
-                    .iter()
-                    .map(|t| t.iter().map(|v| v * 0.1 + ((i + w) % 5) as f32 * 0.01).collect())
-                    .collect();
+                let g = common::toy_gradients(&s, i, w);
                 c.push(g, &s).await.expect("push");
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }

@@ -3,6 +3,8 @@
 //! copy of each shard equals its primary — the same checkpoint bytes at the same log index, the primary's
 //! read counters zeroed — in async and in sync, the coordinator's data dealer included.
 
+mod common;
+
 use gaps_common::layout::{Layout, TensorSpec};
 use gaps_common::wire::Role;
 use gaps_kernels::{Hyper, Rule};
@@ -11,7 +13,7 @@ use gaps_shard::dealer::{DealerConfig, SplitTable};
 use gaps_shard::modes::{Mode, ModeConfig};
 use gaps_shard::{Init, ShardConfig, ShardCore};
 use gaps_transport::tls::ClusterCerts;
-use gaps_worker::client::{Client, ClientOptions};
+use gaps_worker::client::Client;
 use std::time::Duration;
 
 /// One test per mode of a scenario, each named as it is listed: `per_mode!(scenario: name => Mode::Async, …)`.
@@ -67,8 +69,7 @@ async fn start_shard(certs: &ClusterCerts, shard: u32, coordinator: Option<Strin
 async fn train(certs: &ClusterCerts, coordinator: &str, workers: usize, iterations: usize) {
     let mut tasks = Vec::new();
     for w in 0..workers {
-        let mut o = ClientOptions::new(coordinator, certs.worker_material().expect("tls"), Role::Worker, "t");
-        o.rpc_timeout = Duration::from_secs(20);
+        let o = common::options(certs, coordinator, Role::Worker, "t", Duration::from_secs(20));
         tasks.push(tokio::spawn(async move {
             let c = Client::connect(o).await.expect("connect");
             let mut split = None;
@@ -77,11 +78,7 @@ async fn train(certs: &ClusterCerts, coordinator: &str, workers: usize, iteratio
                     split = c.next_split(split).await.expect("split").split.map(|s| s.grant);
                 }
                 let s = c.pull().await.expect("pull");
-                let g = s
-                    .tensors
-                    .iter()
-                    .map(|t| t.iter().map(|v| v * 0.1 + ((i + w) % 5) as f32 * 0.01).collect())
-                    .collect();
+                let g = common::toy_gradients(&s, i, w);
                 c.push(g, &s).await.expect("push");
             }
             c.leave().await.expect("leave");
@@ -149,8 +146,7 @@ fn spawn_workers(
 ) -> Vec<tokio::task::JoinHandle<(u32, Vec<u64>)>> {
     (0..workers)
         .map(|w| {
-            let mut o = ClientOptions::new(coordinator, certs.worker_material().expect("tls"), Role::Worker, "t");
-            o.rpc_timeout = Duration::from_secs(20);
+            let mut o = common::options(certs, coordinator, Role::Worker, "t", Duration::from_secs(20));
             o.shard_down_timeout = Duration::from_secs(60);
             let progress = progress.clone();
             tokio::spawn(async move {
@@ -158,11 +154,7 @@ fn spawn_workers(
                 let heartbeats = c.spawn_heartbeats(Duration::from_millis(200));
                 for i in 0..iterations {
                     let s = c.pull().await.expect("pull");
-                    let g = s
-                        .tensors
-                        .iter()
-                        .map(|t| t.iter().map(|v| v * 0.1 + ((i + w) % 5) as f32 * 0.01).collect())
-                        .collect();
+                    let g = common::toy_gradients(&s, i, w);
                     c.push(g, &s).await.expect("push");
                     progress.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     tokio::time::sleep(Duration::from_millis(5)).await;
@@ -268,8 +260,7 @@ async fn a_killed_primarys_backup_takes_over_with(mode: Mode, again: bool) {
     for t in tasks {
         acked.push(t.await.expect("a worker trained through the fail-over"));
     }
-    let mut o = ClientOptions::new(&s0.advertise, certs.worker_material().expect("tls"), Role::Observer, "o");
-    o.rpc_timeout = Duration::from_secs(20);
+    let o = common::options(&certs, &s0.advertise, Role::Observer, "o", Duration::from_secs(20));
     let observer = Client::connect(o).await.expect("observer");
     let map = observer.map().clone();
     assert_eq!((map.shards[1].process, map.shards[1].epoch), (0, 1), "shard 1 served by process 0: {map:?}");
@@ -339,8 +330,7 @@ async fn the_coordinators_backup_takes_over(mode: Mode) {
     }
     let chosen = s2.shard0_config().expect("a configuration");
     assert_eq!((chosen.serving, chosen.in_sync.clone()), (1, vec![]), "process 1 serves shard 0: {chosen:?}");
-    let mut o = ClientOptions::new(&chosen.addr, certs.worker_material().expect("tls"), Role::Observer, "o");
-    o.rpc_timeout = Duration::from_secs(20);
+    let o = common::options(&certs, &chosen.addr, Role::Observer, "o", Duration::from_secs(20));
     let observer = Client::connect(o).await.expect("an observer registers with the new coordinator");
     let map = observer.map().clone();
     assert_eq!((map.shards[0].process, map.shards[0].epoch), (1, 1), "shard 0 served by process 1: {map:?}");
@@ -385,8 +375,7 @@ async fn process_0_started_again_before_the_takeover_waits_for_it_and_comes_back
     assert_eq!((now.serving, now.in_sync.clone()), (1, vec![]), "process 1 took shard 0 over: {now:?}");
     assert_eq!(s2.shard0_config().map(|c| c.serving), Some(1));
     // A worker given process 0's address registers with the coordinator it names.
-    let mut o = ClientOptions::new(&again.advertise, certs.worker_material().expect("tls"), Role::Worker, "w");
-    o.rpc_timeout = Duration::from_secs(10);
+    let o = common::options(&certs, &again.advertise, Role::Worker, "w", Duration::from_secs(10));
     let worker = Client::connect(o).await.expect("registered through the spare");
     assert_eq!((worker.map().shards[0].process, worker.map().shards[0].epoch), (1, 1));
     assert!(worker.map().spare.iter().any(|s| s.index == 0), "process 0 is a spare: {:?}", worker.map().spare);
@@ -516,8 +505,7 @@ async fn shard_0_goes_on_without_its_backup_only_once_a_majority_chose_so() {
         assert_eq!((asked.version, asked.serving, asked.addr.as_str()), (1, 0, s0.advertise.as_str()), "{asked:?}");
         // A split request goes to the coordinator alone and changes its state (the dealer's loans): its
         // answer waits for shard 0's backups as a push's does.
-        let mut o = ClientOptions::new(&s0.advertise, certs.worker_material().expect("tls"), Role::Worker, "t");
-        o.rpc_timeout = Duration::from_secs(6);
+        let o = common::options(&certs, &s0.advertise, Role::Worker, "t", Duration::from_secs(6));
         let worker = Client::connect(o).await.expect("connect");
         let first = worker.next_split(None).await.expect("a split with every process up").split.expect("a split").grant;
         if without_majority {

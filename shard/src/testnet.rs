@@ -61,6 +61,29 @@ pub enum Fault {
     Heal,
 }
 
+/// The seeded chaos schedule of a two-shard, four-worker job (what `chaos` tests run, here and with real
+/// processes): shard 1 killed and restarted, then shard 0 (the coordinator), worker 3 killed and a worker
+/// added, each at a time drawn from `seed` within the job's first few seconds.
+pub fn chaos_schedule(seed: u64) -> Vec<(Duration, Fault)> {
+    let mut rng = Rng::new(seed);
+    let mut draw = |lo: u64, hi: u64| lo + rng.below(hi - lo);
+    let kill1 = draw(700, 1300);
+    let back1 = kill1 + draw(400, 1000);
+    let kill_worker = draw(1500, 2500);
+    let add_worker = draw(2000, 3000);
+    let kill0 = back1 + draw(800, 1500);
+    let back0 = kill0 + draw(400, 1000);
+    let ms = Duration::from_millis;
+    vec![
+        (ms(kill1), Fault::KillShard(1)),
+        (ms(back1), Fault::RestartShard(1)),
+        (ms(kill0), Fault::KillShard(0)),
+        (ms(back0), Fault::RestartShard(0)),
+        (ms(kill_worker), Fault::KillWorker(3)),
+        (ms(add_worker), Fault::AddWorker),
+    ]
+}
+
 /// A cluster to build.
 #[derive(Clone, Debug)]
 pub struct Spec {

@@ -6,11 +6,13 @@
 //! - In `sync` and `gba` the row gradients of a step are summed per id and applied once; `async` applies
 //!   each push on arrival.
 
+mod common;
+
 use gaps_common::layout::{sparse_owner, ChunkId, Layout, SparseSpec, TensorSpec};
 use gaps_common::rng::Rng;
 use gaps_common::wire::{
     ids_to_words, Ack, Frame, Heartbeat, Message, ModeDecisions, ModeSwitchRecord, Pull, Push, PushChunk, Register,
-    Role, SparsePull, SparsePush, PROTOCOL_VERSION,
+    Role, SparsePull, PROTOCOL_VERSION,
 };
 use gaps_kernels::{Hyper, Rule};
 use gaps_shard::core::SparseSettings;
@@ -126,20 +128,7 @@ fn row_pull(core: &mut ShardCore, ids: &[u64]) -> (Vec<u32>, Vec<f32>) {
 }
 
 fn row_push(worker: u32, seq: u64, ids: &[u64], versions: &[u32], grads: &[f32]) -> Frame {
-    let mut payload = Vec::new();
-    ids_to_words(ids, &mut payload);
-    payload.extend(versions.iter().map(|v| f32::from_bits(*v)));
-    payload.extend_from_slice(grads);
-    let msg = Message::SparsePush(SparsePush {
-        epoch: EPOCH,
-        worker,
-        seq,
-        table: 0,
-        count: ids.len() as u32,
-        dim: DIM,
-        echo_read: false,
-    });
-    Frame { msg, payload }
+    common::sparse_push_frame(EPOCH, worker, seq, DIM, ids, versions, grads)
 }
 
 /// The mode a worker step runs in, by the coordinator's switches.

@@ -1,8 +1,10 @@
 //! Sparse tables through ShardCore: routing, validation, exactly-once shared with dense pushes, evaluation
 //! reads that create nothing, the memory budget.
 
+mod common;
+
 use gaps_common::layout::{sparse_owner, ChunkId, Layout, SparseSpec, TensorSpec};
-use gaps_common::wire::{ids_to_words, ErrorCode, Frame, Message, Push, PushChunk, SparsePull, SparsePush};
+use gaps_common::wire::{ids_to_words, ErrorCode, Frame, Message, Push, PushChunk, SparsePull};
 use gaps_kernels::Hyper;
 use gaps_shard::core::SparseSettings;
 use gaps_shard::{Init, ShardConfig, ShardCore};
@@ -62,20 +64,8 @@ fn sparse_push(
     versions: &[u32],
     grads: &[f32],
 ) -> Result<bool, ErrorCode> {
-    let mut payload = Vec::new();
-    ids_to_words(ids, &mut payload);
-    payload.extend(versions.iter().map(|v| f32::from_bits(*v)));
-    payload.extend_from_slice(grads);
-    let msg = Message::SparsePush(SparsePush {
-        epoch: EPOCH,
-        worker: 1,
-        seq,
-        table: 0,
-        count: ids.len() as u32,
-        dim: DIM,
-        echo_read: false,
-    });
-    match core.handle(Frame { msg, payload }, Duration::ZERO).0.msg {
+    let frame = common::sparse_push_frame(EPOCH, 1, seq, DIM, ids, versions, grads);
+    match core.handle(frame, Duration::ZERO).0.msg {
         Message::Ack(a) => Ok(a.duplicate),
         Message::Error(e) => Err(e.code),
         other => panic!("unexpected {other:?}"),

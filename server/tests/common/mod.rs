@@ -1,0 +1,22 @@
+//! Helpers the server's integration tests share: a client's options, a worker's made-up gradients.
+#![allow(dead_code)] // each test file is its own crate and uses some of them
+
+use gaps_common::wire::Role;
+use gaps_transport::tls::ClusterCerts;
+use gaps_worker::client::{ClientOptions, Snapshot};
+use std::time::Duration;
+
+/// Options for a client of `role` named `name` reaching the cluster at `addr` with the cluster's worker
+/// certificate, each RPC given `rpc_timeout`.
+pub fn options(certs: &ClusterCerts, addr: &str, role: Role, name: &str, rpc_timeout: Duration) -> ClientOptions {
+    let mut o = ClientOptions::new(addr, certs.worker_material().expect("worker tls"), role, name);
+    o.rpc_timeout = rpc_timeout;
+    o
+}
+
+/// Worker `w`'s gradient at its step `i` for every tensor of `s`: a tenth of each parameter plus a small
+/// offset that varies with the step, so that pushes differ and the model moves.
+pub fn toy_gradients(s: &Snapshot, i: usize, w: usize) -> Vec<Vec<f32>> {
+    let offset = ((i + w) % 5) as f32 * 0.01;
+    s.tensors.iter().map(|t| t.iter().map(|v| v * 0.1 + offset).collect()).collect()
+}
