@@ -3,7 +3,7 @@
 
 use crate::local::{listening_addr, spawn, terminate, Proc};
 use anyhow::{bail, Context, Result};
-use gaps_transport::tls::{CertOptions, ClusterCerts};
+use gaps_setup::certs::{CertOptions, ClusterCerts};
 use std::path::PathBuf;
 use std::time::Duration;
 

@@ -10,9 +10,8 @@ use std::path::PathBuf;
 #[derive(Debug, Parser)]
 #[command(name = "gaps", version, propagate_version = true)]
 struct Cli {
-    /// Settings from a TOML file; flags and `GAPS_*` variables override it (docs/guide/cluster.md, "Configuration file").
-    #[arg(long, env = "GAPS_CONFIG", global = true, value_name = "FILE")]
-    config: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    config: gaps_setup::ConfigArg,
     #[command(subcommand)]
     command: Command,
 }
@@ -380,8 +379,7 @@ use gaps_common::config::parse_count;
 #[tokio::main]
 async fn main() -> Result<()> {
     gaps_common::buffers::tune_allocator();
-    let matches = gaps_transport::config_file::parse_args(<Cli as clap::CommandFactory>::command());
-    let cli = <Cli as clap::FromArgMatches>::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    let cli: Cli = gaps_setup::parse();
     // The front door's own commands report through their progress lines; their libraries log warnings only.
     let quiet = matches!(
         cli.command,
@@ -395,7 +393,7 @@ async fn main() -> Result<()> {
             | Command::Checkpoint(_)
             | Command::Reference
     );
-    gaps_transport::init_logging(if quiet { "warn" } else { "info" });
+    gaps_setup::init_logging(if quiet { "warn" } else { "info" });
     match cli.command {
         Command::Cluster(args) => gaps_cli::cluster::run(&args).await,
         Command::Local(args) => local(args).await,
@@ -545,7 +543,7 @@ fn layout(args: LayoutArgs) -> Result<()> {
 
 /// `gaps certs`.
 fn certs(args: CertsArgs) -> Result<()> {
-    use gaps_transport::tls::{CertOptions, CertificateAuthority, ClusterCerts, PemPair};
+    use gaps_setup::certs::{CertOptions, CertificateAuthority, ClusterCerts, PemPair};
     let existing = gaps_transport::tls::TlsMaterial::load(
         &args.out.join("ca.pem"),
         &args.out.join("shard-0.pem"),
@@ -555,7 +553,7 @@ fn certs(args: CertsArgs) -> Result<()> {
     .and_then(|m| m.own_identity().ok())
     .map(|id| id.cluster);
     let cluster =
-        args.cluster_name.clone().or(existing).unwrap_or_else(|| gaps_transport::tls::DEFAULT_CLUSTER.to_string());
+        args.cluster_name.clone().or(existing).unwrap_or_else(|| gaps_setup::certs::DEFAULT_CLUSTER.to_string());
     let opts = CertOptions {
         cluster,
         shards: args.shards,

@@ -46,6 +46,17 @@ fn the_server_links_no_worker_models_or_data() {
 }
 
 #[test]
+fn the_transport_carries_bytes_and_nothing_a_binary_sets_up() {
+    // Flags, config files, logging set-up and certificate issuance are gaps-setup's; the transport loads
+    // TLS material and speaks QUIC.
+    assert_absent("gaps-transport", &["clap", "tracing-subscriber", "rcgen", "gaps-setup"]);
+    let setup = normal_deps("gaps-setup");
+    for wanted in ["clap", "rcgen", "tracing-subscriber", "gaps-transport"] {
+        assert!(setup.iter().any(|d| d == wanted), "gaps-setup lacks {wanted}: {setup:?}");
+    }
+}
+
+#[test]
 fn benches_hold_benches_and_the_front_door_is_its_own_crate() {
     let meta: serde_json::Value =
         serde_json::from_str(&cargo(&["metadata", "--offline", "--no-deps", "--format-version", "1"]))

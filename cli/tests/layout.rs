@@ -75,7 +75,7 @@ fn gaps_layout_prints_files_the_server_accepts() {
 #[test]
 fn a_users_layout_file_is_served_by_shard_processes_and_trained() {
     let dir = temp_dir("own-layout");
-    gaps_transport::tls::ClusterCerts::generate(&[]).expect("certs").write_to(&dir).expect("write certs");
+    gaps_setup::certs::ClusterCerts::generate(&[]).expect("certs").write_to(&dir).expect("write certs");
     let layout = dir.join("own.toml");
     std::fs::write(&layout, OWN_MODEL).expect("layout file");
     let (_s0, coordinator) = start_shard(&dir, &layout, 0, 2, None);
@@ -139,7 +139,7 @@ fn a_users_layout_file_is_served_by_shard_processes_and_trained() {
 #[test]
 fn bad_layout_files_stop_the_server_with_the_reason() {
     let dir = temp_dir("bad-layout");
-    gaps_transport::tls::ClusterCerts::generate(&[]).expect("certs").write_to(&dir).expect("write certs");
+    gaps_setup::certs::ClusterCerts::generate(&[]).expect("certs").write_to(&dir).expect("write certs");
     let cases = [
         ("[[tensor]]\nname = \"w\"\nshape = [3]\nrule = \"adamw\"\n", "adamw"),
         ("[[tensor]]\nname = \"w\"\nshape = [3]\nlr = -1.0\n", "lr"),

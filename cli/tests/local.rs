@@ -429,14 +429,14 @@ fn the_example_config_file_is_valid_for_every_role() {
     ];
     for (name, cmd) in roles {
         let argv: Vec<OsString> = vec![name.into(), format!("--config={}", example.display()).into()];
-        let m = gaps_transport::config_file::parse_from(cmd, &argv).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let m = gaps_setup::config_file::parse_from(cmd, &argv).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert!(m.contains_id("cert"), "{name}");
     }
     let local = ClapCommand::new("gaps")
         .arg(config())
         .subcommand(gaps_cli::local::LocalArgs::augment_args(ClapCommand::new("local")));
     let argv: Vec<OsString> = vec!["gaps".into(), "local".into(), format!("--config={}", example.display()).into()];
-    let m = gaps_transport::config_file::parse_from(local, &argv).expect("gaps local accepts the example");
+    let m = gaps_setup::config_file::parse_from(local, &argv).expect("gaps local accepts the example");
     let l = m.subcommand_matches("local").expect("local");
     assert_eq!(l.get_one::<u32>("servers"), Some(&2));
 }

@@ -10,9 +10,9 @@ use gaps_common::layout::{Layout, SparseSpec, TensorSpec};
 use gaps_common::wire::{self, ErrorCode, Limits, Message, Role};
 use gaps_kernels::Hyper;
 use gaps_server::service::{self, RunningServer, ServiceConfig};
+use gaps_setup::certs::ClusterCerts;
 use gaps_shard::{Init, ShardConfig};
 use gaps_transport::net;
-use gaps_transport::tls::ClusterCerts;
 use gaps_worker::client::{Client, ClientOptions};
 use std::time::{Duration, Instant};
 
@@ -62,7 +62,6 @@ async fn attacker(certs: &ClusterCerts, server: &RunningServer) -> (quinn::Endpo
 }
 
 fn worker_options(certs: &ClusterCerts, server: &RunningServer) -> ClientOptions {
-    
     common::options(certs, &server.advertise, Role::Worker, "honest", Duration::from_secs(20))
 }
 

@@ -6,8 +6,8 @@ use gaps_common::layout::Layout;
 use gaps_common::wire::Role;
 use gaps_kernels::{Hyper, Rule};
 use gaps_server::service::{self, RunningServer, ServiceConfig};
+use gaps_setup::certs::ClusterCerts;
 use gaps_shard::{Init, ShardConfig};
-use gaps_transport::tls::ClusterCerts;
 use gaps_worker::client::{Client, ClientOptions};
 use std::time::Duration;
 

@@ -12,9 +12,10 @@ use gaps_common::wire::{
 };
 use gaps_kernels::Hyper;
 use gaps_server::service::{self, RunningServer, ServiceConfig};
+use gaps_setup::certs::{CertOptions, CertificateAuthority, ClusterCerts};
 use gaps_shard::{Init, ShardConfig};
 use gaps_transport::net;
-use gaps_transport::tls::{CertOptions, CertificateAuthority, ClusterCerts, TlsMaterial};
+use gaps_transport::tls::TlsMaterial;
 use gaps_worker::client::{Client, ClientOptions};
 use std::time::Duration;
 

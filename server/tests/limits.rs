@@ -5,9 +5,9 @@ use gaps_common::layout::{Layout, TensorSpec};
 use gaps_common::wire::{self, Message, Push, PushChunk, Role};
 use gaps_kernels::Hyper;
 use gaps_server::service::{self, RunningServer, ServiceConfig};
+use gaps_setup::certs::ClusterCerts;
 use gaps_shard::{Init, ShardConfig};
 use gaps_transport::net;
-use gaps_transport::tls::ClusterCerts;
 use gaps_worker::client::{Client, ClientError, ClientOptions};
 use std::time::{Duration, Instant};
 

@@ -9,10 +9,10 @@ use gaps_common::layout::{Layout, TensorSpec};
 use gaps_common::wire::Role;
 use gaps_kernels::{Hyper, Rule};
 use gaps_server::service::{self, RunningServer, ServiceConfig};
+use gaps_setup::certs::ClusterCerts;
 use gaps_shard::dealer::{DealerConfig, SplitTable};
 use gaps_shard::modes::{Mode, ModeConfig};
 use gaps_shard::{Init, ShardConfig, ShardCore};
-use gaps_transport::tls::ClusterCerts;
 use gaps_worker::client::Client;
 use std::time::Duration;
 

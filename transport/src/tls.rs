@@ -1,5 +1,6 @@
-//! Mutual TLS for the cluster: a private cluster CA signs every server and worker certificate; every
-//! connection authenticates both ends against that CA. rustls with the ring provider only, TLS 1.3 only.
+//! Mutual TLS for the cluster: a private cluster CA signs every server and worker certificate (issued by
+//! `gaps_setup::certs`); every connection authenticates both ends against that CA. rustls with the ring
+//! provider only, TLS 1.3 only.
 //!
 //! Server certificates always carry the DNS name [`SERVER_NAME`]; clients verify servers against that
 //! name (plus the CA), so a cluster can move hosts without re-issuing certificates. Extra names or IP
@@ -15,12 +16,9 @@ pub const SERVER_NAME: &str = "gaps-server";
 /// ALPN protocol identifier of the gaps protocol.
 pub const ALPN: &[u8] = b"gaps/1";
 
-/// Everything that can go wrong making or loading TLS material.
+/// Everything that can go wrong loading TLS material or building a configuration from it.
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
-    /// Certificate generation failed.
-    #[error("generating certificates: {0}")]
-    Generate(#[from] rcgen::Error),
     /// rustls refused the material or configuration.
     #[error("TLS configuration: {0}")]
     Rustls(#[from] rustls::Error),
@@ -34,17 +32,6 @@ pub enum TlsError {
         path: PathBuf,
         /// What went wrong.
         message: String,
-    },
-    /// A subject alternative name is neither an IP address nor a DNS host name.
-    #[error("{0:?} is neither an IP address nor a DNS host name")]
-    BadName(String),
-    /// Writing certificate files failed.
-    #[error("writing {path}: {source}")]
-    Write {
-        /// The file.
-        path: PathBuf,
-        /// The I/O error.
-        source: std::io::Error,
     },
 }
 
@@ -72,307 +59,23 @@ pub struct TlsMaterial {
     pub identity: Identity,
 }
 
-/// A certificate and key in PEM.
-#[derive(Debug, Clone)]
-pub struct PemPair {
-    /// Certificate, PEM.
-    pub cert: String,
-    /// Private key, PEM (PKCS#8).
-    pub key: String,
-}
-
-/// What `gaps certs` makes.
-#[derive(Debug, Clone)]
-pub struct CertOptions {
-    /// The cluster's name, in every certificate: clusters sharing a CA cannot talk to each other.
-    pub cluster: String,
-    /// Shard certificates to issue (indices `0..shards`).
-    pub shards: u32,
-    /// Worker certificates to issue, by name (`worker` is the one `gaps local` and the README use).
-    pub workers: Vec<String>,
-    /// Extra DNS names or IP addresses for every shard certificate.
-    pub sans: Vec<String>,
-    /// How long the leaf certificates are valid (from an hour ago, for clock skew).
-    pub validity: std::time::Duration,
-    /// How long a new CA is valid.
-    pub ca_validity: std::time::Duration,
-}
-
-/// Default of [`CertOptions::validity`]: a year.
-pub const DEFAULT_VALIDITY: std::time::Duration = std::time::Duration::from_secs(365 * 86_400);
-/// Default of [`CertOptions::ca_validity`]: ten years.
-pub const DEFAULT_CA_VALIDITY: std::time::Duration = std::time::Duration::from_secs(10 * 365 * 86_400);
-/// The cluster name when none is given.
-pub const DEFAULT_CLUSTER: &str = "gaps";
-
-impl Default for CertOptions {
-    fn default() -> Self {
-        CertOptions {
-            cluster: DEFAULT_CLUSTER.into(),
-            shards: 4,
-            workers: vec!["worker".into()],
-            sans: Vec::new(),
-            validity: DEFAULT_VALIDITY,
-            ca_validity: DEFAULT_CA_VALIDITY,
-        }
-    }
-}
-
-/// The cluster CA: signs shard and worker certificates.
-pub struct CertificateAuthority {
-    cert: rcgen::Certificate,
-    key: rcgen::KeyPair,
-    /// Its certificate and key, PEM.
-    pub pem: PemPair,
-}
-
-impl std::fmt::Debug for CertificateAuthority {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CertificateAuthority").finish_non_exhaustive()
-    }
-}
-
-fn time_in(from_now: std::time::Duration, back: bool) -> Result<time::OffsetDateTime, TlsError> {
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-    let at = if back { now.saturating_sub(from_now) } else { now + from_now };
-    time::OffsetDateTime::from_unix_timestamp(at.as_secs() as i64)
-        .map_err(|e| TlsError::Verifier(format!("a validity date out of range: {e}")))
-}
-
-fn ca_params(validity: std::time::Duration) -> Result<rcgen::CertificateParams, TlsError> {
-    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyUsagePurpose};
-    let mut params = CertificateParams::new(Vec::<String>::new())?;
-    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    params.distinguished_name.push(DnType::CommonName, "gaps cluster CA");
-    params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
-    params.not_before = time_in(std::time::Duration::from_secs(3600), true)?;
-    params.not_after = time_in(validity, false)?;
-    Ok(params)
-}
-
-impl CertificateAuthority {
-    /// A new CA valid for `validity`.
-    pub fn new(validity: std::time::Duration) -> Result<Self, TlsError> {
-        let key = rcgen::KeyPair::generate()?;
-        let cert = ca_params(validity)?.self_signed(&key)?;
-        let pem = PemPair { cert: cert.pem(), key: key.serialize_pem() };
-        Ok(CertificateAuthority { cert, key, pem })
-    }
-
-    /// The CA `gaps certs` made earlier, from its PEM files, to issue more certificates under it (they
-    /// verify against the original `ca.pem`: same name, same key).
-    pub fn load(pem: PemPair) -> Result<Self, TlsError> {
-        let key = rcgen::KeyPair::from_pem(&pem.key)?;
-        let cert = ca_params(DEFAULT_CA_VALIDITY)?.self_signed(&key)?;
-        Ok(CertificateAuthority { cert, key, pem })
-    }
-
-    fn leaf(
-        &self,
-        identity: &crate::identity::PeerIdentity,
-        names: Vec<String>,
-        server: bool,
-        validity: std::time::Duration,
-    ) -> Result<PemPair, TlsError> {
-        use rcgen::{CertificateParams, DnType, ExtendedKeyUsagePurpose, KeyPair, KeyUsagePurpose, SanType};
-        let key = KeyPair::generate()?;
-        let mut params = CertificateParams::new(names)?;
-        params.distinguished_name.push(DnType::CommonName, identity.uri());
-        params.subject_alt_names.push(SanType::URI(identity.uri().try_into()?));
-        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
-        // Shards also connect to the coordinator as clients; workers are clients only.
-        params.extended_key_usages = if server {
-            vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth]
-        } else {
-            vec![ExtendedKeyUsagePurpose::ClientAuth]
-        };
-        params.not_before = time_in(std::time::Duration::from_secs(3600), true)?;
-        params.not_after = time_in(validity, false)?;
-        let cert = params.signed_by(&key, &self.cert, &self.key)?;
-        Ok(PemPair { cert: cert.pem(), key: key.serialize_pem() })
-    }
-
-    /// A certificate for shard `index` of `cluster` (names: [`SERVER_NAME`], `localhost`, `127.0.0.1`,
-    /// plus `sans`).
-    pub fn issue_shard(
-        &self,
-        cluster: &str,
-        index: u32,
-        sans: &[String],
-        validity: std::time::Duration,
-    ) -> Result<PemPair, TlsError> {
-        if let Some(bad) = sans.iter().find(|n| !is_valid_san(n)) {
-            return Err(TlsError::BadName(bad.clone()));
-        }
-        check_name(cluster)?;
-        let mut names = vec![SERVER_NAME.to_string(), "localhost".to_string(), "127.0.0.1".to_string()];
-        names.extend(sans.iter().cloned());
-        let id = crate::identity::PeerIdentity { cluster: cluster.into(), role: crate::identity::Role::Shard(index) };
-        self.leaf(&id, names, true, validity)
-    }
-
-    /// A worker certificate named `name` (client use only).
-    pub fn issue_worker(&self, cluster: &str, name: &str, validity: std::time::Duration) -> Result<PemPair, TlsError> {
-        check_name(cluster)?;
-        check_name(name)?;
-        let id =
-            crate::identity::PeerIdentity { cluster: cluster.into(), role: crate::identity::Role::Worker(name.into()) };
-        self.leaf(&id, Vec::new(), false, validity)
-    }
-}
-
-fn check_name(name: &str) -> Result<(), TlsError> {
-    if crate::identity::is_valid_name(name) {
-        Ok(())
-    } else {
-        Err(TlsError::BadName(format!("{name} (a cluster or worker name is 1-63 letters, digits, '-', '_' or '.')")))
-    }
-}
-
-/// A cluster CA with shard and worker certificates.
-#[derive(Debug, Clone)]
-pub struct ClusterCerts {
-    /// The cluster's name.
-    pub cluster: String,
-    /// The CA certificate and key.
-    pub ca: PemPair,
-    /// Shard `i`'s certificate at index `i`.
-    pub shards: Vec<PemPair>,
-    /// Worker certificates by name.
-    pub workers: Vec<(String, PemPair)>,
-}
-
-impl ClusterCerts {
-    /// A new CA with the default options and `extra_sans` on the shard certificates (4 shards, one worker
-    /// certificate named `worker`, cluster [`DEFAULT_CLUSTER`]).
-    pub fn generate(extra_sans: &[String]) -> Result<Self, TlsError> {
-        Self::make(&CertOptions { sans: extra_sans.to_vec(), ..CertOptions::default() }, None)
-    }
-
-    /// Certificates as `opts` says, under `ca` (a new CA when None).
-    pub fn make(opts: &CertOptions, ca: Option<&CertificateAuthority>) -> Result<Self, TlsError> {
-        let fresh;
-        let ca = match ca {
-            Some(ca) => ca,
-            None => {
-                fresh = CertificateAuthority::new(opts.ca_validity)?;
-                &fresh
-            }
-        };
-        let shards = (0..opts.shards)
-            .map(|i| ca.issue_shard(&opts.cluster, i, &opts.sans, opts.validity))
-            .collect::<Result<Vec<_>, _>>()?;
-        let workers = opts
-            .workers
-            .iter()
-            .map(|w| ca.issue_worker(&opts.cluster, w, opts.validity).map(|p| (w.clone(), p)))
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(ClusterCerts { cluster: opts.cluster.clone(), ca: ca.pem.clone(), shards, workers })
-    }
-
-    /// The file names [`ClusterCerts::write_to`] writes (certificate, key), CA first.
-    pub fn file_names(&self) -> Vec<(String, String)> {
-        let mut names = vec![("ca.pem".to_string(), "ca.key".to_string())];
-        names.extend((0..self.shards.len()).map(|i| (format!("shard-{i}.pem"), format!("shard-{i}.key"))));
-        names.extend(self.workers.iter().map(|(w, _)| (format!("{w}.pem"), format!("{w}.key"))));
-        names
-    }
-
-    /// Writes `ca.pem`/`ca.key`, `shard-<i>.pem`/`.key` and `<worker>.pem`/`.key` into `dir` (keys readable
-    /// by the owner only).
-    pub fn write_to(&self, dir: &Path) -> Result<(), TlsError> {
-        std::fs::create_dir_all(dir).map_err(|source| TlsError::Write { path: dir.to_path_buf(), source })?;
-        let pairs = std::iter::once(&self.ca).chain(&self.shards).chain(self.workers.iter().map(|(_, p)| p));
-        for ((cert_name, key_name), pair) in self.file_names().into_iter().zip(pairs) {
-            for (name, text, secret) in [(cert_name, &pair.cert, false), (key_name, &pair.key, true)] {
-                let path = dir.join(name);
-                write_file(&path, text.as_bytes(), secret).map_err(|source| TlsError::Write { path, source })?;
-            }
-        }
-        Ok(())
-    }
-
-    /// TLS material for shard `index`.
-    pub fn shard_material(&self, index: u32) -> Result<TlsMaterial, TlsError> {
-        let pair = self.shards.get(index as usize).ok_or_else(|| TlsError::Pem {
-            path: PathBuf::from(format!("shard-{index}.pem")),
-            message: format!("only {} shard certificates were made", self.shards.len()),
-        })?;
-        material_from_pem(&self.ca.cert, pair)
-    }
-
-    /// The CA's certificate, as trust anchors (to combine CAs during a rotation).
-    pub fn ca_certs(&self) -> Vec<CertificateDer<'static>> {
-        CertificateDer::pem_slice_iter(self.ca.cert.as_bytes()).filter_map(Result::ok).collect()
-    }
-
-    /// TLS material for a worker or observer (the first worker certificate).
-    pub fn worker_material(&self) -> Result<TlsMaterial, TlsError> {
-        let (_, pair) = self.workers.first().ok_or_else(|| TlsError::Pem {
-            path: PathBuf::from("worker.pem"),
-            message: "no worker certificate was made".into(),
-        })?;
-        material_from_pem(&self.ca.cert, pair)
-    }
-
-    /// TLS material for the worker certificate named `name`.
-    pub fn named_worker_material(&self, name: &str) -> Result<TlsMaterial, TlsError> {
-        let (_, pair) = self.workers.iter().find(|(w, _)| w == name).ok_or_else(|| TlsError::Pem {
-            path: PathBuf::from(format!("{name}.pem")),
-            message: "no such worker certificate".into(),
-        })?;
-        material_from_pem(&self.ca.cert, pair)
-    }
-}
-
-/// An IP address, or a DNS host name: dot-separated labels of 1–63 letters, digits and inner hyphens
-/// (a leading `*.` wildcard label is allowed), at most 253 characters.
-fn is_valid_san(name: &str) -> bool {
-    if name.parse::<std::net::IpAddr>().is_ok() {
-        return true;
-    }
-    let host = name.strip_prefix("*.").unwrap_or(name);
-    !host.is_empty()
-        && name.len() <= 253
-        && host.split('.').all(|label| {
-            !label.is_empty()
-                && label.len() <= 63
-                && label.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
-                && !label.starts_with('-')
-                && !label.ends_with('-')
-        })
-}
-
-fn write_file(path: &Path, bytes: &[u8], secret: bool) -> std::io::Result<()> {
-    use std::io::Write;
-    let mut options = std::fs::OpenOptions::new();
-    options.write(true).create(true).truncate(true);
-    #[cfg(unix)]
-    if secret {
-        use std::os::unix::fs::OpenOptionsExt;
-        options.mode(0o600);
-    }
-    #[cfg(not(unix))]
-    let _ = secret;
-    options.open(path)?.write_all(bytes)
-}
-
-fn material_from_pem(ca_pem: &str, pair: &PemPair) -> Result<TlsMaterial, TlsError> {
-    let pem_err = |what: &str, e: rustls::pki_types::pem::Error| TlsError::Pem {
-        path: PathBuf::from(what),
-        message: e.to_string(),
-    };
-    let ca = CertificateDer::pem_slice_iter(ca_pem.as_bytes())
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| pem_err("<ca>", e))?;
-    let chain = CertificateDer::pem_slice_iter(pair.cert.as_bytes())
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| pem_err("<cert>", e))?;
-    let key = PrivateKeyDer::from_pem_slice(pair.key.as_bytes()).map_err(|e| pem_err("<key>", e))?;
-    Ok(TlsMaterial { ca, identity: Identity { chain, key } })
-}
-
 impl TlsMaterial {
+    /// Material from PEM text: the CA certificate(s), this process's certificate chain and its key.
+    pub fn from_pem(ca: &str, cert: &str, key: &str) -> Result<Self, TlsError> {
+        let pem_err = |what: &str, e: rustls::pki_types::pem::Error| TlsError::Pem {
+            path: PathBuf::from(what),
+            message: e.to_string(),
+        };
+        let ca = CertificateDer::pem_slice_iter(ca.as_bytes())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| pem_err("<ca>", e))?;
+        let chain = CertificateDer::pem_slice_iter(cert.as_bytes())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| pem_err("<cert>", e))?;
+        let key = PrivateKeyDer::from_pem_slice(key.as_bytes()).map_err(|e| pem_err("<key>", e))?;
+        Ok(TlsMaterial { ca, identity: Identity { chain, key } })
+    }
+
     /// Loads the CA certificate(s), this process's certificate chain and key from PEM files.
     pub fn load(ca: &Path, cert: &Path, key: &Path) -> Result<Self, TlsError> {
         let pem_err = |path: &Path, e: rustls::pki_types::pem::Error| TlsError::Pem {
@@ -446,81 +149,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn generated_material_builds_both_configs_and_files_round_trip() {
-        let certs = ClusterCerts::generate(&["10.0.0.7".to_string(), "ps0.example".to_string()]).expect("generate");
-        certs.shard_material(0).expect("server material").server_config().expect("server config");
-        certs.worker_material().expect("worker material").client_config().expect("client config");
-        let dir = std::env::temp_dir().join(format!("gaps-tls-test-{}", std::process::id()));
-        certs.write_to(&dir).expect("write");
-        let loaded =
-            TlsMaterial::load(&dir.join("ca.pem"), &dir.join("worker.pem"), &dir.join("worker.key")).expect("load");
-        assert_eq!(loaded.ca.len(), 1);
-        let missing = TlsMaterial::load(&dir.join("nope.pem"), &dir.join("worker.pem"), &dir.join("worker.key"));
-        assert!(matches!(missing, Err(TlsError::Pem { .. })));
-        let _ = std::fs::remove_dir_all(&dir);
-    }
-
-    #[test]
-    fn certificates_carry_their_role_cluster_and_a_bounded_validity() {
-        use crate::identity::{identity_of, validity, PeerIdentity, Role};
-        let opts = CertOptions {
-            cluster: "blue".into(),
-            shards: 2,
-            workers: vec!["worker".into(), "alice".into()],
-            validity: std::time::Duration::from_secs(30 * 86_400),
-            ..CertOptions::default()
-        };
-        let certs = ClusterCerts::make(&opts, None).expect("certs");
-        let der = |pem: &str| CertificateDer::from_pem_slice(pem.as_bytes()).expect("pem").to_vec();
-        for (i, shard) in certs.shards.iter().enumerate() {
-            let id = identity_of(&der(&shard.cert)).expect("identity");
-            assert_eq!(id, PeerIdentity { cluster: "blue".into(), role: Role::Shard(i as u32) });
-        }
-        let alice = identity_of(&der(&certs.workers[1].1.cert)).expect("identity");
-        assert_eq!(alice.role, Role::Worker("alice".into()));
-        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("clock").as_secs() as i64;
-        let (from, to) = validity(&der(&certs.workers[0].1.cert)).expect("validity");
-        assert!(from <= now && now - from <= 3700, "{from} {now}");
-        assert!((to - now - 30 * 86_400).abs() < 120, "valid for 30 days: {to} {now}");
-        // The CA's own certificate names no role.
-        assert!(identity_of(&der(&certs.ca.cert)).is_err());
-        // A CA loaded back from its files issues certificates that verify against the original ca.pem.
-        let again = CertificateAuthority::load(certs.ca.clone()).expect("load ca");
-        let other = ClusterCerts::make(&CertOptions { cluster: "green".into(), ..opts }, Some(&again)).expect("more");
-        assert_eq!(other.ca.cert, certs.ca.cert);
-        let der_ca = der(&certs.ca.cert);
-        let anchor = webpki_anchor_check(&der_ca, &der(&other.shards[1].cert));
-        assert!(anchor, "a certificate issued by the reloaded CA verifies under the original");
-    }
-
-    /// Verifies `leaf` against `ca` as a server certificate, the way rustls does.
-    fn webpki_anchor_check(ca: &[u8], leaf: &[u8]) -> bool {
-        let mut roots = rustls::RootCertStore::empty();
-        roots.add(CertificateDer::from(ca.to_vec())).expect("root");
-        let verifier = rustls::client::WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider())
-            .build()
-            .expect("verifier");
-        use rustls::client::danger::ServerCertVerifier;
-        let name = rustls::pki_types::ServerName::try_from(SERVER_NAME).expect("name");
-        verifier
-            .verify_server_cert(
-                &CertificateDer::from(leaf.to_vec()),
-                &[],
-                &name,
-                &[],
-                rustls::pki_types::UnixTime::now(),
-            )
-            .is_ok()
-    }
-
-    #[test]
-    fn only_ip_addresses_and_host_names_are_accepted_as_names() {
-        for good in ["10.0.0.1", "::1", "ps0", "ps-0.example.net", "*.ps.example.net"] {
-            assert!(is_valid_san(good), "{good}");
-        }
-        for bad in ["", "not a name!", "-x.example", "a..b", "x_y.example", "*", "é.example"] {
-            assert!(!is_valid_san(bad), "{bad}");
-        }
-        assert!(matches!(ClusterCerts::generate(&["bad name".into()]), Err(TlsError::BadName(_))));
+    fn material_that_is_not_pem_is_a_clear_error() {
+        let err = TlsMaterial::from_pem("not a certificate", "", "").expect_err("no key");
+        assert!(matches!(err, TlsError::Pem { .. }), "{err}");
+        let missing = std::path::Path::new("/nonexistent/gaps-ca.pem");
+        let err = TlsMaterial::load(missing, missing, missing).expect_err("no file");
+        assert!(err.to_string().contains("gaps-ca.pem"), "{err}");
     }
 }

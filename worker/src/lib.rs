@@ -7,4 +7,4 @@ pub mod train;
 
 pub use client::{Client, ClientError, ClientOptions, PushSummary, Snapshot};
 pub use gaps_models::{criteo, data, model, recsys};
-pub use gaps_transport::{init_logging, net};
+pub use gaps_transport::net;

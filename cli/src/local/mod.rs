@@ -14,7 +14,7 @@ use gaps_models::criteo::{held_out, DataSpec};
 use gaps_models::data::{SyntheticLogreg, EVAL_BASE};
 use gaps_models::model::{logreg_loss, ModelKind, ModelSize};
 use gaps_models::recsys::CtrShape;
-use gaps_transport::tls::ClusterCerts;
+use gaps_setup::certs::ClusterCerts;
 use gaps_worker::client::{Client, ClientOptions};
 use gaps_worker::train::evaluate_ctr as evaluate;
 use gaps_worker::train::{DataSharding, PushLedger, WorkerSummary};

@@ -2,7 +2,7 @@
 #![allow(dead_code)] // each test file is its own crate and uses some of them
 
 use gaps_common::wire::Role;
-use gaps_transport::tls::ClusterCerts;
+use gaps_setup::certs::ClusterCerts;
 use gaps_worker::client::{ClientOptions, Snapshot};
 use std::time::Duration;
 

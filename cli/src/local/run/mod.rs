@@ -22,7 +22,7 @@ pub(super) async fn run_in(
     started: Instant,
     deadline: Instant,
 ) -> Result<LocalReport> {
-    let opts = gaps_transport::tls::CertOptions { shards: args.servers, ..Default::default() };
+    let opts = gaps_setup::certs::CertOptions { shards: args.servers, ..Default::default() };
     let certs = ClusterCerts::make(&opts, None).context("making throwaway certificates")?;
     certs.write_to(dir)?;
     // The shards serve the built-in model through the same layout file a user would write.
