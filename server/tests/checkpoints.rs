@@ -68,7 +68,8 @@ async fn a_shard_restarts_from_its_newest_intact_checkpoint() {
         c.push_sparse(0, &rows, &[0.5; 12]).await.expect("sparse push");
     }
     // The schedule writes every 150 ms; the machine's load decides when a write is done, so the test waits
-    // for the first one (bounded) instead of sleeping a fixed time.
+    // for the first one (bounded) instead of sleeping a fixed time. (The schedule itself, which shard
+    // checkpoints when, runs on the virtual clock in shard/tests/testnet.rs, `periodic_checkpoints_…`.)
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     while server.checkpoints_written() == 0 && std::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;

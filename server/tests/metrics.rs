@@ -89,7 +89,8 @@ async fn metrics_endpoint_exports_pushes_pulls_bytes_latency_staleness_and_live_
         "gaps_lr_multiplier{shard=\"0\"} 1",
     ];
     // The counters are recorded as the replies go out; the machine's load decides when, so the test reads the
-    // endpoint until every one shows (bounded) instead of sleeping a fixed time.
+    // endpoint until every one shows (bounded) instead of sleeping a fixed time. (What each reply counts is
+    // checked with no server and no clock in server/src/service/rpc/tests.rs.)
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     let body = loop {
         let body = tokio::task::spawn_blocking(move || http_get(metrics_addr, "/metrics")).await.expect("join");

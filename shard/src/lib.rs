@@ -15,6 +15,7 @@ pub mod core;
 pub mod dealer;
 pub mod modes;
 pub mod replica;
+pub mod schedule;
 pub mod sparse;
 pub mod stripes;
 pub mod testnet;

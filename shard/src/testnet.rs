@@ -16,6 +16,7 @@
 //! ½·Σ(wᵢ − tᵢ)², gradient w − t plus seeded noise), enough to see training go on through faults.
 
 use crate::modes::{Mode, ModeConfig};
+use crate::schedule::{CheckpointSchedule, Due};
 use crate::{Init, ShardConfig, ShardCore};
 use gaps_common::layout::{ChunkId, Layout, TensorSpec};
 use gaps_common::rng::Rng;
@@ -178,6 +179,9 @@ pub struct Report {
     pub heartbeats_refused: Vec<String>,
     pub initial_loss: f64,
     pub final_loss: f64,
+    /// When each shard took each of its checkpoints (virtual time): the coordinator's cluster checkpoints
+    /// and those a shard took on its own schedule ([`crate::schedule`]).
+    pub checkpoints_at: Vec<Vec<Duration>>,
 }
 
 struct ShardSlot {
@@ -186,6 +190,13 @@ struct ShardSlot {
     /// When the core started: its clock reads from there.
     started: Duration,
     newest_checkpoint: Option<Vec<u8>>,
+    /// Its periodic checkpoint schedule, the service's own ([`CheckpointSchedule`]), and which start of the
+    /// shard it belongs to (a timer of an earlier start is dropped).
+    schedule: Option<CheckpointSchedule>,
+    generation: u64,
+    /// When it last took a checkpoint, and every time it did.
+    last_checkpoint: Duration,
+    checkpoints_at: Vec<Duration>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -251,7 +262,7 @@ enum Event {
     Computed { worker: usize, step: u64 },
     Heartbeat { worker: usize },
     Tick,
-    Checkpoint,
+    Checkpoint { shard: u32, generation: u64 },
     Fault(Fault),
 }
 
@@ -282,6 +293,10 @@ impl Cluster {
                 core: None,
                 started: Duration::ZERO,
                 newest_checkpoint: None,
+                schedule: None,
+                generation: 0,
+                last_checkpoint: Duration::ZERO,
+                checkpoints_at: Vec::new(),
             });
         }
         let target = (0..spec.params).map(|i| 0.5 + 0.1 * (i % 7) as f32).collect();
@@ -307,9 +322,6 @@ impl Cluster {
             cluster.add_worker();
         }
         cluster.schedule(Duration::from_millis(100), Event::Tick);
-        if let Some(every) = cluster.spec.checkpoint_every {
-            cluster.schedule(every, Event::Checkpoint);
-        }
         Ok(cluster)
     }
 
@@ -413,17 +425,7 @@ impl Cluster {
                 }
                 self.schedule(Duration::from_millis(100), Event::Tick);
             }
-            Event::Checkpoint => {
-                self.checkpoints += 1;
-                for slot in &mut self.shards {
-                    if let Some(core) = slot.core.as_ref() {
-                        slot.newest_checkpoint = Some(core.checkpoint(self.checkpoints).map_err(|e| e.to_string())?);
-                    }
-                }
-                if let Some(every) = self.spec.checkpoint_every {
-                    self.schedule(every, Event::Checkpoint);
-                }
-            }
+            Event::Checkpoint { shard, generation } => self.scheduled_checkpoint(shard, generation)?,
             Event::Fault(fault) => self.fault(fault)?,
         }
         Ok(())
@@ -478,6 +480,42 @@ impl Cluster {
         let slot = &mut self.shards[s as usize];
         slot.core = Some(core);
         slot.started = self.now;
+        slot.generation += 1;
+        if let Some(every) = self.spec.checkpoint_every {
+            let schedule = CheckpointSchedule::new(s, every, Duration::ZERO);
+            let (after, generation) = (schedule.next_deadline(), slot.generation);
+            slot.schedule = Some(schedule);
+            self.schedule(after, Event::Checkpoint { shard: s, generation });
+        }
+        Ok(())
+    }
+
+    /// Shard `s`'s schedule fired: the coordinator checkpoints every shard that is up (the cluster
+    /// checkpoint it asks for), another shard itself when the coordinator was silent for long enough.
+    fn scheduled_checkpoint(&mut self, s: u32, generation: u64) -> Result<(), String> {
+        let slot = &mut self.shards[s as usize];
+        if slot.generation != generation || slot.core.is_none() {
+            return Ok(()); // the shard died, or started again with a schedule of its own
+        }
+        let (since_start, last) = (self.now - slot.started, slot.last_checkpoint.saturating_sub(slot.started));
+        let Some(schedule) = slot.schedule.as_mut() else { return Ok(()) };
+        let due = schedule.poll(since_start, last);
+        let next = slot.started + schedule.next_deadline();
+        self.schedule(next - self.now, Event::Checkpoint { shard: s, generation });
+        let shards: Vec<u32> = match due {
+            Some(Due::Cluster) => (0..self.spec.shards).collect(),
+            Some(Due::Own) => vec![s],
+            None => return Ok(()),
+        };
+        self.checkpoints += 1;
+        for s in shards {
+            let slot = &mut self.shards[s as usize];
+            if let Some(core) = slot.core.as_ref() {
+                slot.newest_checkpoint = Some(core.checkpoint(self.checkpoints).map_err(|e| e.to_string())?);
+                slot.last_checkpoint = self.now;
+                slot.checkpoints_at.push(self.now);
+            }
+        }
         Ok(())
     }
 
@@ -698,6 +736,7 @@ impl Cluster {
         }
         Ok(Report {
             now: self.now,
+            checkpoints_at: self.shards.iter().map(|s| s.checkpoints_at.clone()).collect(),
             pushes_sent: self.workers.iter().map(|w| w.sent).sum(),
             pushes_acknowledged: self.workers.iter().map(|w| w.acked.iter().sum::<u64>()).sum(),
             pushes_unconfirmed: self.unconfirmed,

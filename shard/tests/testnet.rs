@@ -129,3 +129,23 @@ fn the_same_seed_gives_the_same_run() {
     assert_eq!(run(5), run(5));
     assert_ne!(run(5), run(6));
 }
+
+/// The periodic checkpoint schedule on the virtual clock — the service's own (`gaps_shard::schedule`), which
+/// `server/tests/checkpoints.rs` can only check on a real service as "some were written": the coordinator's
+/// cluster checkpoint every interval, on every shard; while the coordinator is down, shard 1 takes its own
+/// once two intervals passed without one; the coordinator started again keeps its schedule from its new
+/// start, and the cluster checkpoints resume on both.
+#[test]
+fn periodic_checkpoints_follow_the_coordinator_and_a_shard_goes_on_alone_while_it_is_down() {
+    let spec =
+        Spec { checkpoint_every: Some(ms(500)), lease: Duration::from_secs(1), ..Spec::new(2, 4, Mode::Async, 600, 5) };
+    let mut cluster = Cluster::new(spec).expect("cluster");
+    cluster.at(ms(1200), Fault::KillShard(0));
+    cluster.at(ms(3200), Fault::RestartShard(0));
+    let r = cluster.run(LIMIT).expect("finishes");
+    assert!(r.now > ms(4500), "the job outlasts what is checked: {r:?}");
+    let until = |times: &[Duration]| times.iter().copied().filter(|t| *t <= ms(4500)).collect::<Vec<_>>();
+    assert_eq!(until(&r.checkpoints_at[0]), [500, 1000, 3700, 4200].map(ms), "{:?}", r.checkpoints_at);
+    assert_eq!(until(&r.checkpoints_at[1]), [500, 1000, 2000, 3000, 3700, 4200].map(ms), "{:?}", r.checkpoints_at);
+    assert_eq!(r.pushes_applied_twice, 0);
+}

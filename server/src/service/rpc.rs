@@ -763,3 +763,6 @@ pub(super) fn log_events(events: &[CoreEvent]) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -2,6 +2,7 @@
 //! coordinator, the core's thread and the tasks around it.
 
 use super::*;
+use gaps_shard::schedule::{CheckpointSchedule, Due};
 
 /// Binds, joins the cluster (shards ≥ 1) and starts serving.
 pub async fn start(cfg: ServiceConfig) -> Result<RunningServer> {
@@ -400,34 +401,37 @@ pub(super) fn spawn_checkpoint_schedule(shared: Arc<Shared>, every: Duration, mu
         );
     }
     tokio::spawn(async move {
-        let mut interval = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        // The schedule is the shard crate's (the test network runs the same one on its virtual clock).
+        let mut schedule = CheckpointSchedule::new(shared.shard, every, shared.started.elapsed());
         loop {
+            let deadline = tokio::time::Instant::from_std(shared.started + schedule.next_deadline());
             tokio::select! {
                 _ = stop.changed() => return,
-                _ = interval.tick() => {}
+                _ = tokio::time::sleep_until(deadline) => {}
             }
+            let last = Duration::from_millis(shared.last_checkpoint_ms.load(Ordering::Relaxed));
+            let due = schedule.poll(shared.started.elapsed(), last);
             // A process that no longer serves this shard (another took it over) keeps no checkpoints of it.
             if shared.log.as_ref().is_some_and(|l| l.fenced()) {
                 continue;
             }
-            if shared.shard == 0 {
-                if let Err(e) = cluster_checkpoint(&shared).await {
-                    warn!(error = format!("{e:#}"), "the cluster checkpoint is incomplete");
+            match due {
+                Some(Due::Cluster) => {
+                    if let Err(e) = cluster_checkpoint(&shared).await {
+                        warn!(error = format!("{e:#}"), "the cluster checkpoint is incomplete");
+                    }
                 }
-                continue;
-            }
-            // Shards ≥ 1 checkpoint when the coordinator asks; on their own only when it has not asked for
-            // twice the interval (it is down, or has no schedule of its own).
-            let since = shared.started.elapsed().as_millis() as u64 - shared.last_checkpoint_ms.load(Ordering::Relaxed);
-            if Duration::from_millis(since) >= 2 * every {
-                match take_checkpoint(&shared, None, CheckpointAt::Quiescent).await {
+                // Shards ≥ 1 checkpoint when the coordinator asks; on their own only when it has not asked
+                // for twice the interval (it is down, or has no schedule of its own).
+                Some(Due::Own) => match take_checkpoint(&shared, None, CheckpointAt::Quiescent).await {
                     Ok(w) => warn!(
                         shard = shared.shard,
                         id = w.id,
                         "no cluster checkpoint came from the coordinator; took one on this shard's own schedule"
                     ),
                     Err(e) => warn!(shard = shared.shard, error = %e, "writing a checkpoint failed"),
-                }
+                },
+                None => {}
             }
         }
     });
