@@ -1,19 +1,21 @@
 //! The byte format of a shard snapshot: everything [`crate::ShardCore`] needs to continue exactly, written by
 //! [`crate::ShardCore::checkpoint`] and read by [`crate::ShardCore::restore`].
 //!
-//! Layout: the magic `GAPSSHRD`, a format version (u32), then fields in a fixed order, all little-endian:
-//! integers as fixed-width words, float slices as a u64 element count followed by the raw f32 bytes,
-//! strings as a u64 byte count and UTF-8. There is no self-description beyond the order: the version names
-//! the order, and a reader refuses any other version with a clear message. Every length is checked against
+//! Layout: the magic `GAPSSHRD`, a format version (u32), the header — a derived struct,
+//! [`crate::core::CheckpointInfo`], as JSON after its u64 byte count (format 7 on; fixed places before) —
+//! then the state's fields in a fixed order, all little-endian: integers as fixed-width words, float slices
+//! as a u64 element count followed by the raw f32 bytes, strings as a u64 byte count and UTF-8. Beyond the
+//! header there is no self-description: the version names the order, and a reader refuses any other
+//! version with a clear message. Every length is checked against
 //! the bytes that remain before anything is allocated, so a truncated or corrupt file is an error, never a
 //! panic or a huge allocation. Integrity (a checksum per file) is the caller's; this module only parses.
 
 /// The format written by this version of gaps; a snapshot of a format outside
 /// [`OLDEST_FORMAT_VERSION`]`..=FORMAT_VERSION` is refused.
-pub const FORMAT_VERSION: u32 = 6;
+pub const FORMAT_VERSION: u32 = 7;
 /// The oldest format this version still reads (format 2 lacks the data dealer and the per-grant sample
 /// counts of format 3, formats 2 and 3 the per-worker push ledgers of format 4, formats before 6 the
-/// coordinator's replica sets; they restore empty).
+/// coordinator's replica sets; they restore empty; formats before 7 hold the header at fixed places).
 pub const OLDEST_FORMAT_VERSION: u32 = 2;
 const MAGIC: &[u8; 8] = b"GAPSSHRD";
 

@@ -223,3 +223,50 @@ fn a_rollback_returns_the_training_state_to_the_checkpoint_and_keeps_who_is_in_t
         assert!(other.rolled_back(&bytes).is_err(), "{mode}: another rule set");
     }
 }
+
+/// Format 7 writes the header as a derived struct in JSON, found by name; a header with a field this
+/// version does not know is refused. A format-6 checkpoint — the same state with its header at fixed
+/// places, as gaps wrote before — reads back to the same header and restores to the same state.
+#[test]
+fn the_header_is_named_fields_and_a_format_6_checkpoint_restores_the_same() {
+    let mut core = ShardCore::new(config(Mode::Sync, "nesterov")).expect("core");
+    let workers: Vec<u32> = (0..2).map(|_| register(&mut core)).collect();
+    train(&mut core, &workers, 1, 4);
+    let bytes = core.checkpoint(9).expect("checkpoint");
+    let info = ShardCore::checkpoint_info(&bytes).expect("info");
+    assert_eq!((info.id, info.shard, info.num_shards, info.epoch), (9, 0, 1, EPOCH));
+    assert_eq!(u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes")), 7, "the format");
+    let len = u64::from_le_bytes(bytes[12..20].try_into().expect("8 bytes")) as usize;
+    let (header, state) = (&bytes[20..20 + len], &bytes[20 + len..]);
+    let text = std::str::from_utf8(header).expect("the header is text");
+    assert!(text.contains("\"layout_fingerprint\":") && text.contains("\"rules\":"), "{text}");
+    let with_header = |format: u32, header: &[u8]| {
+        let mut out = b"GAPSSHRD".to_vec();
+        out.extend(format.to_le_bytes());
+        out.extend(header);
+        out.extend(state);
+        out
+    };
+
+    let unknown = text.replacen('{', "{\"written_by\":\"the future\",", 1);
+    let mut framed = (unknown.len() as u64).to_le_bytes().to_vec();
+    framed.extend(unknown.as_bytes());
+    let err = ShardCore::checkpoint_info(&with_header(7, &framed)).expect_err("an unknown field");
+    assert!(matches!(err, CheckpointError::Corrupt(_)) && err.to_string().contains("written_by"), "{err}");
+
+    let mut fixed = Vec::new();
+    fixed.extend(info.id.to_le_bytes());
+    fixed.extend(info.shard.to_le_bytes());
+    fixed.extend(info.num_shards.to_le_bytes());
+    fixed.extend(info.epoch.to_le_bytes());
+    fixed.extend(info.layout_fingerprint.to_le_bytes());
+    fixed.extend((info.tensor_versions.len() as u64).to_le_bytes());
+    info.tensor_versions.iter().for_each(|v| fixed.extend(v.to_le_bytes()));
+    fixed.extend((info.rules.len() as u64).to_le_bytes());
+    fixed.extend(info.rules.as_bytes());
+    let old = with_header(6, &fixed);
+    assert_eq!(ShardCore::checkpoint_info(&old), Ok(info));
+    let from_new = ShardCore::restore(config(Mode::Sync, "nesterov"), &bytes).expect("format 7");
+    let from_old = ShardCore::restore(config(Mode::Sync, "nesterov"), &old).expect("format 6");
+    assert_eq!(from_old.checkpoint(9).expect("again"), from_new.checkpoint(9).expect("again"), "the same state");
+}

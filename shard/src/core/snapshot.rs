@@ -11,8 +11,12 @@
 use super::*;
 use crate::checkpoint::{CheckpointError, Reader, Writer};
 
-/// What a checkpoint says about itself, readable without restoring it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// What a checkpoint says about itself, readable without restoring it: its header. From format 7 on it is
+/// this struct as JSON (a length, then the text, right after the magic and the format version), so a
+/// field is found by name and a header with a field this version does not know is refused; formats 2 to 6
+/// hold the same fields at fixed places.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct CheckpointInfo {
     /// The checkpoint's id (chosen by whoever asked for it).
     pub id: u64,
@@ -26,6 +30,8 @@ pub struct CheckpointInfo {
     pub layout_fingerprint: u64,
     /// Updates applied per tensor when it was taken.
     pub tensor_versions: Vec<u64>,
+    /// Each tensor's and table's update rule, in layout order (a restore under other rules is refused).
+    pub rules: String,
 }
 
 /// The counters of a checkpoint, kept as an encoded [`Stats`] frame. Older formats lack the trailing fields
@@ -67,7 +73,12 @@ fn rule_names(core: &ShardCore) -> String {
     dense.chain(std::iter::once("|")).chain(sparse).collect::<Vec<_>>().join(",")
 }
 
+/// The header: JSON from format 7 on, fixed places before.
 fn read_info(r: &mut Reader<'_>) -> Result<CheckpointInfo, CheckpointError> {
+    if r.format() >= 7 {
+        let text = r.bytes("header")?;
+        return serde_json::from_slice(&text).map_err(|e| CheckpointError::Corrupt(format!("the header: {e}")));
+    }
     Ok(CheckpointInfo {
         id: r.u64()?,
         shard: r.u32()?,
@@ -75,6 +86,7 @@ fn read_info(r: &mut Reader<'_>) -> Result<CheckpointInfo, CheckpointError> {
         epoch: r.u64()?,
         layout_fingerprint: r.u64()?,
         tensor_versions: r.u64s("tensor versions")?,
+        rules: r.str("rules")?,
     })
 }
 
@@ -89,13 +101,17 @@ impl ShardCore {
     /// to keep the pause short). Resident state is copied back chunk by chunk as it is written.
     pub fn checkpoint_into(&self, id: u64, buf: Vec<u8>) -> Result<Vec<u8>, ShardError> {
         let mut w = Writer::reusing(buf, self.checkpoint_size_hint());
-        w.u64(id);
-        w.u32(self.cfg.shard);
-        w.u32(self.cfg.num_shards);
-        w.u64(self.epoch);
-        w.u64(self.cfg.layout.fingerprint());
-        w.u64s(&self.tensor_versions);
-        w.str(&rule_names(self));
+        let header = CheckpointInfo {
+            id,
+            shard: self.cfg.shard,
+            num_shards: self.cfg.num_shards,
+            epoch: self.epoch,
+            layout_fingerprint: self.cfg.layout.fingerprint(),
+            tensor_versions: self.tensor_versions.clone(),
+            rules: rule_names(self),
+        };
+        let text = serde_json::to_vec(&header).map_err(|e| ShardError::Misconfigured(format!("a header: {e}")))?;
+        w.bytes(&text);
         self.write_slots(&mut w)?;
         self.write_coordinator(&mut w);
         w.bytes(&gaps_common::wire::encode_frame(&Frame::new(Message::Stats(self.stats.clone()))).unwrap_or_default());
@@ -510,9 +526,9 @@ impl ShardCore {
         if info.tensor_versions.len() != core.tensor_versions.len() {
             return Err(mismatch("tensor count differs".into()));
         }
-        let rules = r.str("rules")?;
-        if rules != rule_names(&core) {
-            return Err(mismatch(format!("it was taken with rules {rules}, this shard runs {}", rule_names(&core))));
+        if info.rules != rule_names(&core) {
+            let runs = rule_names(&core);
+            return Err(mismatch(format!("it was taken with rules {}, this shard runs {runs}", info.rules)));
         }
         core.epoch = info.epoch;
         core.tensor_versions = info.tensor_versions;
