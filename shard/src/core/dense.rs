@@ -175,7 +175,7 @@ impl ShardCore {
                 .decide(
                     req.worker,
                     self.gba_k().saturating_sub(self.step.accum_pushes as usize),
-                    self.leases.keys().copied(),
+                    self.members.leases.keys().copied(),
                     self.cfg.modes.gba_hold,
                     now,
                 )
@@ -216,7 +216,7 @@ impl ShardCore {
         self.step.gba_hold.observe(req.worker, now);
         self.count_samples(req.data);
         self.follow_decisions(req.step, &req.decisions, events);
-        self.ramp.fix_reference();
+        self.lr.ramp.fix_reference();
         let tau = plan.iter().map(|p| p.staleness).max().unwrap_or(0);
         let mut ack = Ack { seq: req.seq, max_staleness: tau, ..Ack::default() };
         match self.mode.active {
@@ -224,7 +224,7 @@ impl ShardCore {
             _ => {
                 self.apply_now(&plan, req.worker, grads, reads)?;
                 if self.mode.active == Mode::Ssp {
-                    let clock = self.clocks.entry(req.worker).or_insert(0);
+                    let clock = self.members.clocks.entry(req.worker).or_insert(0);
                     *clock += 1;
                     let mine = *clock;
                     if mine > self.min_clock() + self.cfg.modes.ssp_bound {
@@ -348,7 +348,7 @@ impl ShardCore {
                 ack.wait_for_step = self.step.global_step + 1
             }
             Mode::Ssp => {
-                let mine = self.clocks.get(&worker).copied().unwrap_or(0);
+                let mine = self.members.clocks.get(&worker).copied().unwrap_or(0);
                 if mine > self.min_clock() + self.cfg.modes.ssp_bound {
                     ack.wait_for_clock = mine - self.cfg.modes.ssp_bound;
                 }
@@ -395,7 +395,7 @@ impl ShardCore {
                     self.complete_step()?;
                 } else if self.step.accum_pushes > 0 {
                     ack.wait_for_step = self.step.global_step + 1;
-                } else if self.leases.keys().all(|w| self.step.contributors.contains(w)) {
+                } else if self.members.leases.keys().all(|w| self.step.contributors.contains(w)) {
                     // Every live worker sent only stale gradients: nothing to apply, a fresh step.
                     self.step.contributors.clear();
                     self.step.step_started = None;
@@ -437,9 +437,9 @@ impl ShardCore {
         grads: &[f32],
         reads: &[f32],
     ) -> Result<(), ShardError> {
-        self.last_multiplier = self.lr_multiplier();
+        self.lr.last_multiplier = self.lr_multiplier();
         let lrs: Vec<f32> = (0..self.tensor_rules.len() as u32).map(|t| self.tensor_lr(t)).collect();
-        for (max, lr) in self.lr_max.iter_mut().zip(&lrs) {
+        for (max, lr) in self.lr.max.iter_mut().zip(&lrs) {
             *max = max.max(*lr);
         }
         let worker_count = self.worker_count();
@@ -463,7 +463,7 @@ impl ShardCore {
                 if planes == 0 { &mut [] } else { workers.entry(worker).or_insert_with(|| vec![0.0; planes * n]) };
             let scalars = PushScalars {
                 lr: lrs[t],
-                lr_max: self.lr_max[t],
+                lr_max: self.lr.max[t],
                 staleness: p.staleness,
                 t: *version + 1,
                 workers: worker_count,
@@ -570,7 +570,7 @@ impl ShardCore {
             }
         };
         let read = if layout.needs_read { params.clone() } else { Vec::new() };
-        let scalars = PushScalars { lr, lr_max: self.lr_max[t].max(lr), staleness: 0, t: slot.version + 1, workers };
+        let scalars = PushScalars { lr, lr_max: self.lr.max[t].max(lr), staleness: 0, t: slot.version + 1, workers };
         let work = Work {
             params: &mut params,
             shared: &mut shared,

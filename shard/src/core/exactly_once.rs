@@ -229,7 +229,7 @@ impl ShardCore {
         }
         if !self.once.ledger.contains_key(&worker) && self.once.ledger.len() >= LEDGER_WORKERS {
             // A long elastic run: forget the ledger of the oldest departed worker.
-            let oldest = self.once.ledger.keys().copied().filter(|w| !self.leases.contains_key(w)).min();
+            let oldest = self.once.ledger.keys().copied().filter(|w| !self.members.leases.contains_key(w)).min();
             if let Some(oldest) = oldest {
                 self.once.ledger.remove(&oldest);
             }

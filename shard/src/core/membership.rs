@@ -94,12 +94,12 @@ impl ShardCore {
     /// synchronous step that no longer waits for anyone (a dead worker never holds a step longer than its
     /// lease).
     pub(super) fn membership_changed(&mut self, events: &mut Vec<CoreEvent>) {
-        let live = self.leases.len() as u32;
+        let live = self.members.leases.len() as u32;
         // The step's K, the worker count and the ramp may have changed: reads ahead are computed again.
         self.step.ahead_values.clear();
-        let ramped = self.ramp.set_workers(live, self.step.global_step, self.cfg.modes.lr_ramp_steps);
+        let ramped = self.lr.ramp.set_workers(live, self.step.global_step, self.cfg.modes.lr_ramp_steps);
         if ramped && matches!(self.mode.active, Mode::Sync | Mode::Gba) {
-            events.push(CoreEvent::LrRamp { workers: live, target: self.ramp.target() });
+            events.push(CoreEvent::LrRamp { workers: live, target: self.lr.ramp.target() });
         }
         self.judge(events);
         if self.step_ready() {
@@ -112,7 +112,7 @@ impl ShardCore {
     /// decides modes).
     pub(super) fn observe_push(&mut self, worker: u32, compute_ms: u32, now: Duration, events: &mut Vec<CoreEvent>) {
         self.clock = self.clock.max(now);
-        let joined = self.leases.insert(worker, now + self.cfg.lease).is_none();
+        let joined = self.members.leases.insert(worker, now + self.cfg.lease).is_none();
         if compute_ms > 0 && self.decides_modes() {
             self.mode.detector.observe(worker, f64::from(compute_ms));
         }
@@ -196,7 +196,7 @@ impl ShardCore {
             }
         };
         if let Some(id) = worker_id {
-            self.leases.insert(id, now + lease);
+            self.members.leases.insert(id, now + lease);
             self.membership_changed(events);
         }
         Ok(Frame::new(Message::ClusterMap(self.cluster_map(worker_id)?)))
@@ -295,7 +295,7 @@ impl ShardCore {
                 return Err(ShardError::NotRegistered(format!("worker {worker} never registered")));
             }
         }
-        if self.leases.insert(worker, now + self.cfg.lease).is_none() {
+        if self.members.leases.insert(worker, now + self.cfg.lease).is_none() {
             self.membership_changed(events);
         }
         Ok(())
@@ -310,19 +310,19 @@ impl ShardCore {
         self.renew_lease(h.worker, now, events)?;
         Ok(Frame::new(Message::HeartbeatAck(HeartbeatAck {
             epoch: self.epoch,
-            live_workers: self.leases.len() as u32,
+            live_workers: self.members.leases.len() as u32,
         })))
     }
 
     pub(super) fn leave(&mut self, l: Leave, events: &mut Vec<CoreEvent>) -> Result<Frame, ShardError> {
-        if self.leases.remove(&l.worker).is_some() {
+        if self.members.leases.remove(&l.worker).is_some() {
             self.forget_worker(l.worker, events);
             events.push(CoreEvent::WorkerLeft(l.worker));
             self.membership_changed(events);
         }
         Ok(Frame::new(Message::HeartbeatAck(HeartbeatAck {
             epoch: self.epoch,
-            live_workers: self.leases.len() as u32,
+            live_workers: self.members.leases.len() as u32,
         })))
     }
 
@@ -335,7 +335,7 @@ impl ShardCore {
         self.mode.detector.forget(worker);
         self.step.gba_hold.forget(worker);
         self.data_worker_gone(worker);
-        self.clocks.remove(&worker);
+        self.members.clocks.remove(&worker);
         if self.resident.is_some() {
             if let Err(e) = self.release_resident_worker(worker) {
                 events.push(CoreEvent::DeviceFault(format!(

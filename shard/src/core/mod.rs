@@ -81,12 +81,12 @@ pub struct ShardCore {
     once: exactly_once::ExactlyOnce,
     coordinator: Option<Coordinator>,
     stats: Stats,
-    /// Multiplier of the configured learning rate (schedules, elastic ramps).
-    lr_scale: f32,
+    /// The learning rate's multipliers and η_max.
+    lr: LrState,
     /// Sparse tables, layout order.
     tables: Vec<SparseTable>,
-    /// Live workers (by heartbeat, registration or push) and the time their lease ends.
-    leases: BTreeMap<u32, Duration>,
+    /// The live workers and their clocks.
+    members: Members,
     /// The latest time the core was driven with.
     clock: Duration,
     /// The mode in force and how it came to be: decisions, switches, the straggler detector.
@@ -95,11 +95,6 @@ pub struct ShardCore {
     step: steps::StepState,
     /// Seconds of the last request or tick (rows touched by a step's update are stamped with it).
     now_s: u32,
-    ramp: LrRamp,
-    /// Pushes per worker (bounded staleness).
-    clocks: BTreeMap<u32, u64>,
-    /// The learning-rate multiplier of the last applied update.
-    last_multiplier: f64,
     /// The device holding the dense state, when it was made resident ([`ShardCore::make_resident`]).
     resident: Option<Box<dyn gaps_kernels::resident::ResidentState>>,
     /// Which worker holds which stripe of the resident worker arena.
@@ -110,8 +105,6 @@ pub struct ShardCore {
     tensor_rules: Vec<(Rule, Hyper)>,
     /// Each table's rule and hyper-parameters.
     table_rules: Vec<(Rule, Hyper)>,
-    /// Largest learning rate used so far per tensor (Gap-Aware's η_max).
-    lr_max: Vec<f32>,
     threads: usize,
     /// Dynamic data sharding: samples accepted per grant, and how many grants' counts were dropped.
     data: data::GrantCounts,
@@ -119,6 +112,29 @@ pub struct ShardCore {
     dealer: Option<crate::dealer::Dealer>,
     /// A restored checkpoint's dealer section, read once the dealer's settings are known.
     restored_dealer: Option<(u32, Vec<u8>)>,
+}
+
+/// Who trains on this shard: an owned part of [`ShardCore`] (the lease holders and clocks are in its
+/// checkpoints).
+#[derive(Debug, Default)]
+struct Members {
+    /// Live workers (by heartbeat, registration or push) and the time their lease ends.
+    leases: BTreeMap<u32, Duration>,
+    /// Pushes per worker (bounded staleness).
+    clocks: BTreeMap<u32, u64>,
+}
+
+/// What sets the learning rate beyond each rule's own η: an owned part of [`ShardCore`] (in its checkpoints).
+#[derive(Debug)]
+struct LrState {
+    /// Multiplier of the configured learning rate (schedules, warm-up; [`ShardCore::set_lr_scale`]).
+    scale: f32,
+    /// Largest learning rate used so far per tensor (Gap-Aware's η_max).
+    max: Vec<f32>,
+    /// The elastic multiplier of the last applied update (reported in the counters).
+    last_multiplier: f64,
+    /// The elastic ramp as workers join and leave (Dynamic mini-batch SGD), in the synchronous modes.
+    ramp: LrRamp,
 }
 
 /// Each tensor's and each table's rule with its hyper-parameters, as the layout names them over the
@@ -253,12 +269,9 @@ impl ShardCore {
             now_s: 0,
             owned_elems,
             tables,
-            leases: BTreeMap::new(),
+            members: Members::default(),
             clock: Duration::ZERO,
             step: steps::StepState::new(n_slots, row_accum),
-            ramp: LrRamp::default(),
-            clocks: BTreeMap::new(),
-            last_multiplier: 1.0,
             cfg,
             epoch,
             chunk_base,
@@ -266,8 +279,7 @@ impl ShardCore {
             tensor_versions,
             coordinator,
             stats,
-            lr_scale: 1.0,
-            lr_max,
+            lr: LrState { scale: 1.0, max: lr_max, last_multiplier: 1.0, ramp: LrRamp::default() },
             tensor_rules,
             table_rules,
             threads,
@@ -327,7 +339,7 @@ impl ShardCore {
 
     /// `base` times the schedule's and the elastic multipliers.
     fn scaled_lr(&self, base: f32) -> f32 {
-        base * self.lr_scale * self.lr_multiplier() as f32
+        base * self.lr.scale * self.lr_multiplier() as f32
     }
 
     /// The rule and hyper-parameters tensor `tensor` is updated with.
@@ -343,7 +355,7 @@ impl ShardCore {
     /// The elastic learning-rate multiplier in force (1 outside the synchronous modes).
     pub fn lr_multiplier(&self) -> f64 {
         match self.mode.active {
-            Mode::Sync | Mode::Gba => self.ramp.multiplier(self.step.global_step),
+            Mode::Sync | Mode::Gba => self.lr.ramp.multiplier(self.step.global_step),
             _ => 1.0,
         }
     }
@@ -359,7 +371,7 @@ impl ShardCore {
         if !(scale.is_finite() && scale > 0.0) {
             return Err(ShardError::Misconfigured(format!("learning-rate multiplier must be positive, got {scale}")));
         }
-        self.lr_scale = scale;
+        self.lr.scale = scale;
         self.step.ahead_values.clear();
         Ok(())
     }
@@ -399,12 +411,12 @@ impl ShardCore {
     pub fn stats(&self) -> Stats {
         let mut s = self.stats.clone();
         s.epoch = self.epoch;
-        s.live_workers = self.leases.len() as u32;
+        s.live_workers = self.members.leases.len() as u32;
         if let Some(c) = &self.coordinator {
             s.registered_workers = c.registered;
         }
         s.mode = self.mode.active.code();
-        s.lr_multiplier_milli = (self.last_multiplier * 1000.0).round().clamp(0.0, f64::from(u32::MAX)) as u32;
+        s.lr_multiplier_milli = (self.lr.last_multiplier * 1000.0).round().clamp(0.0, f64::from(u32::MAX)) as u32;
         s.ssp_min_clock = self.min_clock();
         s.global_step = self.step.global_step;
         s.decisions = self.mode.decisions;
@@ -452,7 +464,7 @@ impl ShardCore {
 
     /// Workers holding a lease with this shard.
     pub fn live_workers(&self) -> usize {
-        self.leases.len()
+        self.members.leases.len()
     }
 
     /// The live workers as the update rules' worker count (at least 1).
@@ -472,7 +484,7 @@ impl ShardCore {
                 Readiness::Never(self.step.global_step)
             }
             // No live worker can complete the steps up to it.
-            CheckpointAt::Step(n) if self.step.global_step < n && quiet && self.leases.is_empty() => {
+            CheckpointAt::Step(n) if self.step.global_step < n && quiet && self.members.leases.is_empty() => {
                 Readiness::Never(self.step.global_step)
             }
             CheckpointAt::Step(n) if self.step.global_step == n => Readiness::Ready,
@@ -608,10 +620,11 @@ impl ShardCore {
             t.tick(now_s);
         }
         self.clock = self.clock.max(now);
-        let expired: Vec<u32> = self.leases.iter().filter(|(_, until)| **until <= now).map(|(w, _)| *w).collect();
+        let expired: Vec<u32> =
+            self.members.leases.iter().filter(|(_, until)| **until <= now).map(|(w, _)| *w).collect();
         let mut events: Vec<CoreEvent> = Vec::new();
         for w in &expired {
-            self.leases.remove(w);
+            self.members.leases.remove(w);
             self.forget_worker(*w, &mut events);
             events.push(CoreEvent::WorkerExpired(*w));
         }

@@ -168,7 +168,7 @@ impl ShardCore {
             hypers.push(self.tensor_rules[t].1);
             scalars.push(PushScalars {
                 lr: lrs[t],
-                lr_max: self.lr_max[t],
+                lr_max: self.lr.max[t],
                 staleness: p.staleness,
                 t: slot.version + 1,
                 workers: worker_count,

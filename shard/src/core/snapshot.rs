@@ -115,23 +115,23 @@ impl ShardCore {
         self.write_slots(&mut w)?;
         self.write_coordinator(&mut w);
         w.bytes(&gaps_common::wire::encode_frame(&Frame::new(Message::Stats(self.stats.clone()))).unwrap_or_default());
-        w.u32(self.lr_scale.to_bits());
-        w.f32s(&self.lr_max);
-        w.f64(self.last_multiplier);
+        w.u32(self.lr.scale.to_bits());
+        w.f32s(&self.lr.max);
+        w.f64(self.lr.last_multiplier);
         w.u8(self.mode.active.code());
         w.u32(self.step.accum_pushes);
         w.u32s(&self.step.contributors.iter().copied().collect::<Vec<_>>());
         w.u64(self.step.global_step);
-        self.ramp.write_to(&mut w);
-        w.u64(self.clocks.len() as u64);
-        for (worker, clock) in &self.clocks {
+        self.lr.ramp.write_to(&mut w);
+        w.u64(self.members.clocks.len() as u64);
+        for (worker, clock) in &self.members.clocks {
             w.u32(*worker);
             w.u64(*clock);
         }
         for table in &self.tables {
             table.write_to(&mut w);
         }
-        w.u32s(&self.leases.keys().copied().collect::<Vec<_>>());
+        w.u32s(&self.members.leases.keys().copied().collect::<Vec<_>>());
         for accum in &self.step.row_accum {
             let (ids, sums) = accum.parts();
             w.u64s(ids);
@@ -276,12 +276,13 @@ impl ShardCore {
             )));
         }
         let mut events = Vec::new();
-        let gone: Vec<u32> = core.leases.keys().filter(|w| !self.leases.contains_key(w)).copied().collect();
+        let gone: Vec<u32> =
+            core.members.leases.keys().filter(|w| !self.members.leases.contains_key(w)).copied().collect();
         for w in gone {
-            core.leases.remove(&w);
+            core.members.leases.remove(&w);
             core.forget_worker(w, &mut events);
         }
-        core.leases = self.leases.clone();
+        core.members.leases = self.members.leases.clone();
         if let (Some(now), Some(then)) = (self.coordinator.as_ref(), core.coordinator.as_mut()) {
             then.shard_addrs = now.shard_addrs.clone();
             // Who serves each shard stays as it is now; no backup is in sync with a primary that went back
@@ -334,8 +335,8 @@ impl ShardCore {
                 None => w.u8(0),
             }
         }
-        w.u64(self.leases.len() as u64);
-        for (worker, until) in &self.leases {
+        w.u64(self.members.leases.len() as u64);
+        for (worker, until) in &self.members.leases {
             w.u32(*worker);
             w.u64(nanos(*until));
         }
@@ -374,13 +375,13 @@ impl ShardCore {
         core.step.step_started = optional(&mut r)?;
         core.mode.decided_at = optional(&mut r)?;
         let leases = r.u64()?;
-        if leases != core.leases.len() as u64 {
+        if leases != core.members.leases.len() as u64 {
             return Err(corrupt("lease holders"));
         }
         for _ in 0..leases {
             let worker = r.u32()?;
             let until = time(&mut r)?;
-            match core.leases.get_mut(&worker) {
+            match core.members.leases.get_mut(&worker) {
                 Some(t) => *t = until,
                 None => return Err(corrupt("lease holders")),
             }
@@ -539,20 +540,20 @@ impl ShardCore {
             Some(s) => s,
             None => return Err(CheckpointError::Corrupt("counters".into())),
         };
-        core.lr_scale = f32::from_bits(r.u32()?);
-        core.lr_max = r.f32s_of(core.tensor_rules.len(), "η_max")?;
-        core.last_multiplier = r.f64()?;
+        core.lr.scale = f32::from_bits(r.u32()?);
+        core.lr.max = r.f32s_of(core.tensor_rules.len(), "η_max")?;
+        core.lr.last_multiplier = r.f64()?;
         core.mode.active = Mode::from_code(r.u8()?).ok_or_else(|| CheckpointError::Corrupt("mode".into()))?;
         core.step.accum_pushes = r.u32()?;
         core.step.contributors = r.u32s("contributors")?.into_iter().collect();
         // A step saved in progress waits at most a lease from the restored core's start for the rest.
         core.step.step_started = (!core.step.contributors.is_empty()).then_some(Duration::ZERO);
         core.step.global_step = r.u64()?;
-        core.ramp = crate::modes::LrRamp::read_from(&mut r)?;
-        core.clocks.clear();
+        core.lr.ramp = crate::modes::LrRamp::read_from(&mut r)?;
+        core.members.clocks.clear();
         for _ in 0..r.u64()? {
             let worker = r.u32()?;
-            core.clocks.insert(worker, r.u64()?);
+            core.members.clocks.insert(worker, r.u64()?);
         }
         for table in &mut core.tables {
             table.read_from(&mut r)?;
@@ -561,7 +562,7 @@ impl ShardCore {
         // clock): a synchronous step in flight still waits for them, and a worker that is gone expires as
         // it would have.
         for worker in r.u32s("lease holders")? {
-            core.leases.insert(worker, core.cfg.lease);
+            core.members.leases.insert(worker, core.cfg.lease);
         }
         for (t, accum) in core.step.row_accum.iter_mut().enumerate() {
             let ids = r.u64s("row sums")?;
@@ -588,7 +589,7 @@ impl ShardCore {
             }
         }
         r.finish()?;
-        if !core.lr_scale.is_finite() || core.lr_scale <= 0.0 {
+        if !core.lr.scale.is_finite() || core.lr.scale <= 0.0 {
             return Err(CheckpointError::Corrupt("learning-rate scale".into()));
         }
         Ok(core)

@@ -82,7 +82,7 @@ impl ShardCore {
         let max_staleness = if matches!(self.mode.active, Mode::Sync | Mode::Gba) {
             self.accumulate_rows(req, &ids, &read_versions, grads)
         } else {
-            let lr = hyper.lr * self.lr_scale;
+            let lr = hyper.lr * self.lr.scale;
             let base = PushScalars { lr, lr_max: lr.max(hyper.lr), staleness: 0, t: 1, workers: self.worker_count() };
             self.tables[req.table as usize]
                 .push(&ids, &read_versions, grads, reads, &hyper, base, now_s)
@@ -107,7 +107,7 @@ impl ShardCore {
         let rows = &self.tables[table];
         let dim = rows.config().dim as usize;
         let inv = 1.0 / self.gba_k() as f32;
-        let lr = hyper.lr * self.lr_scale * self.lr_multiplier() as f32;
+        let lr = hyper.lr * self.lr.scale * self.lr_multiplier() as f32;
         let base = PushScalars { lr, lr_max: lr.max(hyper.lr), staleness: 0, t: 1, workers: self.worker_count() };
         let (mut grad, mut scratch) = (vec![0.0; dim], Vec::new());
         for (k, id) in ids.iter().enumerate() {

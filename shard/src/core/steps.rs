@@ -155,7 +155,7 @@ impl ShardCore {
         if !self.decides_modes() {
             return;
         }
-        let live: BTreeSet<u32> = self.leases.keys().copied().collect();
+        let live: BTreeSet<u32> = self.members.leases.keys().copied().collect();
         let reasons = self.mode.detector.judge(&live, &self.cfg.modes);
         let latest = self.mode.decisions.latest;
         let wanted = if self.mode.detector.stragglers().is_empty() { Mode::Sync } else { Mode::Gba };
@@ -238,7 +238,7 @@ impl ShardCore {
     }
 
     pub(super) fn min_clock(&self) -> u64 {
-        self.leases.keys().map(|w| self.clocks.get(w).copied().unwrap_or(0)).min().unwrap_or(0)
+        self.members.leases.keys().map(|w| self.members.clocks.get(w).copied().unwrap_or(0)).min().unwrap_or(0)
     }
 
     /// A synchronous step is complete when every live worker contributed (sync) or K = live workers
@@ -249,7 +249,7 @@ impl ShardCore {
         }
         match self.mode.active {
             Mode::Sync => {
-                self.leases.keys().all(|w| self.step.contributors.contains(w))
+                self.members.leases.keys().all(|w| self.step.contributors.contains(w))
                     || self.step.step_started.is_some_and(|t| self.clock.saturating_sub(t) >= self.cfg.lease)
             }
             Mode::Gba => self.step.accum_pushes as usize >= self.gba_k(),
@@ -259,7 +259,7 @@ impl ShardCore {
 
     /// GBA's K: the gradients a step takes, the live workers (the synchronous global batch).
     pub(super) fn gba_k(&self) -> usize {
-        self.leases.len().max(1)
+        self.members.leases.len().max(1)
     }
 
     /// gba with `gba_lookahead`: pulls read the step in progress (dense chunks and embedding rows; a chunk
@@ -315,7 +315,7 @@ impl ShardCore {
     /// 0); rules that measure drift see none.
     fn apply_rows(&mut self, pushes: u32) -> Result<(), ShardError> {
         let inv = 1.0 / pushes as f32;
-        let multiplier = self.lr_scale * self.lr_multiplier() as f32;
+        let multiplier = self.lr.scale * self.lr_multiplier() as f32;
         let now_s = self.now_s;
         let workers = self.worker_count();
         for t in 0..self.tables.len() {
