@@ -89,6 +89,55 @@ pub fn parse_straggler(text: &str) -> Result<(u32, f64, Option<&str>), String> {
     Ok((worker, factor, parts.get(2).map(|t| t.trim())))
 }
 
+/// The one table of the words that name an enum's unit variants on the command line and in reports:
+/// generates `name()` (variant → word), `NAMES` (every word, in order) and `FromStr` (word → variant; an
+/// unknown word is refused with every known one listed, wrapped by `$err` into the type's error).
+///
+/// ```
+/// #[derive(Debug, Clone, Copy, PartialEq)]
+/// enum Colour { Red, Blue }
+/// gaps_common::named_variants!(Colour, "colour", String, |m: String| m, { Red => "red", Blue => "blue" });
+/// assert_eq!("blue".parse::<Colour>(), Ok(Colour::Blue));
+/// assert_eq!(Colour::Red.name(), "red");
+/// assert_eq!("green".parse::<Colour>().unwrap_err(), "unknown colour \"green\"; use red or blue");
+/// ```
+#[macro_export]
+macro_rules! named_variants {
+    ($ty:ident, $what:literal, $err:ty, $wrap:expr, { $($variant:ident => $name:literal),+ $(,)? }) => {
+        impl $ty {
+            /// Every word, in declaration order.
+            pub const NAMES: &'static [&'static str] = &[$($name),+];
+
+            /// Its word on the command line and in reports.
+            pub fn name(self) -> &'static str {
+                match self {
+                    $($ty::$variant => $name,)+
+                }
+            }
+        }
+
+        impl ::std::str::FromStr for $ty {
+            type Err = $err;
+            fn from_str(s: &str) -> Result<Self, Self::Err> {
+                match s {
+                    $($name => Ok($ty::$variant),)+
+                    other => Err(($wrap)($crate::config::unknown_word($what, other, Self::NAMES))),
+                }
+            }
+        }
+    };
+}
+
+/// "unknown `what` "`word`"; use a, b or c": the refusal of [`named_variants!`].
+pub fn unknown_word(what: &str, word: &str, names: &[&str]) -> String {
+    let list = match names {
+        [] => String::new(),
+        [one] => (*one).to_string(),
+        [rest @ .., last] => format!("{} or {last}", rest.join(", ")),
+    };
+    format!("unknown {what} {word:?}; use {list}")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

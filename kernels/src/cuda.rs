@@ -5,7 +5,6 @@
 
 use crate::{derive, Bufs, Hyper, KernelError, PushScalars, Rule};
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
-use std::str::FromStr;
 use std::sync::Arc;
 
 /// The kernel source, compiled at run time.
@@ -22,17 +21,11 @@ pub enum DeviceChoice {
     Auto,
 }
 
-impl FromStr for DeviceChoice {
-    type Err = KernelError;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "cpu" => Ok(DeviceChoice::Cpu),
-            "cuda" => Ok(DeviceChoice::Cuda),
-            "auto" => Ok(DeviceChoice::Auto),
-            other => Err(KernelError::BadHyper(format!("unknown device {other:?}; use cpu, cuda or auto"))),
-        }
-    }
-}
+gaps_common::named_variants!(DeviceChoice, "device", KernelError, KernelError::BadHyper, {
+    Cpu => "cpu",
+    Cuda => "cuda",
+    Auto => "auto",
+});
 
 impl DeviceChoice {
     /// `auto` becomes `cuda` when the environment sets `GAPS_REQUIRE_GPU=1` (as `scripts/gpu-check` does),

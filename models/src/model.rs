@@ -2,7 +2,6 @@
 //! both the servers (to allocate) and the workers (to check the cluster map).
 
 use gaps_common::layout::{Layout, LayoutError, TensorSpec};
-use std::str::FromStr;
 
 /// The built-in models.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -17,18 +16,12 @@ pub enum ModelKind {
     Dlrm,
 }
 
-impl FromStr for ModelKind {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "logreg" => Ok(ModelKind::Logreg),
-            "lr" => Ok(ModelKind::Lr),
-            "fm" => Ok(ModelKind::Fm),
-            "dlrm" => Ok(ModelKind::Dlrm),
-            other => Err(format!("unknown model {other:?}; known models: logreg, lr, fm, dlrm")),
-        }
-    }
-}
+gaps_common::named_variants!(ModelKind, "model", String, |m: String| m, {
+    Logreg => "logreg",
+    Lr => "lr",
+    Fm => "fm",
+    Dlrm => "dlrm",
+});
 
 /// The sizes that pick a model's layout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -42,16 +35,6 @@ pub struct ModelSize {
 }
 
 impl ModelKind {
-    /// The model's name on the command line.
-    pub fn name(self) -> &'static str {
-        match self {
-            ModelKind::Logreg => "logreg",
-            ModelKind::Lr => "lr",
-            ModelKind::Fm => "fm",
-            ModelKind::Dlrm => "dlrm",
-        }
-    }
-
     /// The CTR model this is, if any.
     pub fn ctr(self) -> Option<crate::recsys::CtrModel> {
         match self {

@@ -53,8 +53,7 @@ fn files(dir: &Path, ext: &str) -> Vec<PathBuf> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shard_restarts_from_its_newest_intact_checkpoint() {
-    let dir = std::env::temp_dir().join(format!("gaps-ckpt-service-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = common::fresh_dir("gaps-ckpt-service");
     let certs = ClusterCerts::generate(&[]).expect("certs");
     let server =
         service::start(config(&certs, &dir, Some(Duration::from_millis(150)), Restore::Auto)).await.expect("start");
@@ -148,8 +147,7 @@ async fn a_shard_restarts_from_its_newest_intact_checkpoint() {
 /// reason where no GPU can be used; `--device auto` then keeps it on the host.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shard_on_the_gpu_holds_its_state_there_or_stops_with_the_reason() {
-    let dir = std::env::temp_dir().join(format!("gaps-ckpt-device-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = common::fresh_dir("gaps-ckpt-device");
     let certs = ClusterCerts::generate(&[]).expect("certs");
     let gpu = gaps_kernels::cuda::CudaArenas::open(0);
     let cuda =

@@ -97,8 +97,7 @@ async fn train(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_sync_every_shard_writes_the_coordinators_checkpoint_at_the_same_step() {
-    let dir = std::env::temp_dir().join(format!("gaps-cluster-ckpt-sync-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = common::fresh_dir("gaps-cluster-ckpt-sync");
     let certs = ClusterCerts::generate(&[]).expect("certs");
     let s0 = start_shard(&certs, &dir, 0, None, Mode::Sync).await;
     let s1 = start_shard(&certs, &dir, 1, Some(s0.advertise.clone()), Mode::Sync).await;
@@ -135,8 +134,7 @@ async fn in_sync_every_shard_writes_the_coordinators_checkpoint_at_the_same_step
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_async_every_shard_writes_the_coordinators_id_and_gaps_checkpoint_reaches_all() {
-    let dir = std::env::temp_dir().join(format!("gaps-cluster-ckpt-async-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = common::fresh_dir("gaps-cluster-ckpt-async");
     let certs = ClusterCerts::generate(&[]).expect("certs");
     let s0 = start_shard(&certs, &dir, 0, None, Mode::Async).await;
     let s1 = start_shard(&certs, &dir, 1, Some(s0.advertise.clone()), Mode::Async).await;
@@ -197,8 +195,7 @@ fn the_hand_written_checkpoint_request_is_what_the_wire_format_says() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_certificates_checkpoint_requests_are_refused_and_the_schedule_keeps_its_interval() {
     use gaps_common::wire::{decode_frame, Limits, Message};
-    let dir = std::env::temp_dir().join(format!("gaps-cluster-ckpt-attack-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = common::fresh_dir("gaps-cluster-ckpt-attack");
     let certs = ClusterCerts::generate(&[]).expect("certs");
     let s0 = start_shard(&certs, &dir, 0, None, Mode::Sync).await;
     let s1 = start_shard(&certs, &dir, 1, Some(s0.advertise.clone()), Mode::Sync).await;

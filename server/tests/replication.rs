@@ -135,16 +135,17 @@ async fn both_copies_count(s0: &RunningServer, s1: &RunningServer) {
     assert_eq!((s0.live_backups(), s1.live_backups()), (1, 1), "both backups live before training");
 }
 
-/// `workers` workers that each pull and push `iterations` times (heartbeating, 5 ms apart), counting every
-/// step in `progress`; each ends with its id and the pushes each shard acknowledged.
-fn spawn_workers(
+/// `workers` workers that each pull and push `iterations` times (heartbeating, 5 ms apart), returned once
+/// `started` steps were taken between them (with the count of steps taken); each ends with its id and the pushes each shard acknowledged.
+async fn spawn_workers(
     certs: &ClusterCerts,
     coordinator: &str,
     workers: usize,
     iterations: usize,
-    progress: &std::sync::Arc<std::sync::atomic::AtomicUsize>,
-) -> Vec<tokio::task::JoinHandle<(u32, Vec<u64>)>> {
-    (0..workers)
+    started: usize,
+) -> (Vec<tokio::task::JoinHandle<(u32, Vec<u64>)>>, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    let progress = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let tasks = (0..workers)
         .map(|w| {
             let mut o = common::options(certs, coordinator, Role::Worker, "t", Duration::from_secs(20));
             o.shard_down_timeout = Duration::from_secs(60);
@@ -166,7 +167,11 @@ fn spawn_workers(
                 (id, acked)
             })
         })
-        .collect()
+        .collect();
+    while progress.load(std::sync::atomic::Ordering::Relaxed) < started {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    (tasks, progress)
 }
 
 /// Starts a shard whose backup takes over after `failover_after` of silence (ticks every 100 ms keep a live
@@ -233,11 +238,7 @@ async fn a_killed_primarys_backup_takes_over_with(mode: Mode, again: bool) {
     let s0 = service::start(cfg0).await.expect("start shard");
     let s1 = start_failing_over(&certs, 1, Some(s0.advertise.clone()), mode).await;
     both_copies_count(&s0, &s1).await;
-    let progress = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let tasks = spawn_workers(&certs, &s0.advertise, 3, 120, &progress);
-    while progress.load(std::sync::atomic::Ordering::Relaxed) < 90 {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let (tasks, _) = spawn_workers(&certs, &s0.advertise, 3, 120, 90).await;
     // The last pushes reach shard 1 but not its backup before it dies: they must not have been acknowledged
     // (each worker sends them again, to the backup that took over).
     s1.hold_replication(true);
@@ -316,11 +317,7 @@ async fn the_coordinators_backup_takes_over(mode: Mode) {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(s2.shard0_config().map(|c| c.in_sync), Some(vec![1]), "shard 0's backup in sync, chosen");
-    let progress = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let tasks = spawn_workers(&certs, &s0.advertise, 3, 120, &progress);
-    while progress.load(std::sync::atomic::Ordering::Relaxed) < 90 {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let (tasks, _) = spawn_workers(&certs, &s0.advertise, 3, 120, 90).await;
     s0.hold_replication(true);
     tokio::time::sleep(Duration::from_millis(150)).await;
     s0.crash();
@@ -353,8 +350,7 @@ per_mode!(the_coordinators_backup_takes_over:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn process_0_started_again_before_the_takeover_waits_for_it_and_comes_back_as_a_spare() {
     let certs = ClusterCerts::generate(&[]).expect("certs");
-    let dir = std::env::temp_dir().join(format!("gaps-replication-restart-0-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = common::fresh_dir("gaps-replication-restart-0");
     let start = |shard: u32, coordinator: Option<String>| {
         start_failing_over_of(&certs, (shard, 3), coordinator, Mode::Async, Some(dir.as_path()))
     };
@@ -420,11 +416,7 @@ async fn a_killed_process_started_again_keeps_copies_again_while_training_goes_o
     let s0 = start_failing_over(&certs, 0, None, mode).await;
     let s1 = start_failing_over(&certs, 1, Some(s0.advertise.clone()), mode).await;
     both_copies_count(&s0, &s1).await;
-    let progress = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let tasks = spawn_workers(&certs, &s0.advertise, 2, 400, &progress);
-    while progress.load(std::sync::atomic::Ordering::Relaxed) < 60 {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let (tasks, progress) = spawn_workers(&certs, &s0.advertise, 2, 400, 60).await;
     s1.crash();
     for _ in 0..400 {
         if s0.taken_over(1).await.is_some() {

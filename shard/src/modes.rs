@@ -4,7 +4,6 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
-use std::str::FromStr;
 
 /// How a shard applies dense gradients.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -25,17 +24,6 @@ pub enum Mode {
 }
 
 impl Mode {
-    /// The `--mode` name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Mode::Async => "async",
-            Mode::Sync => "sync",
-            Mode::Gba => "gba",
-            Mode::Ssp => "ssp",
-            Mode::Auto => "auto",
-        }
-    }
-
     /// Wire code of an active mode (reported in stats).
     pub fn code(self) -> u8 {
         match self {
@@ -59,19 +47,13 @@ impl fmt::Display for Mode {
     }
 }
 
-impl FromStr for Mode {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "async" => Ok(Mode::Async),
-            "sync" => Ok(Mode::Sync),
-            "gba" => Ok(Mode::Gba),
-            "ssp" => Ok(Mode::Ssp),
-            "auto" => Ok(Mode::Auto),
-            other => Err(format!("unknown mode {other:?}; use async, sync, gba, ssp or auto")),
-        }
-    }
-}
+gaps_common::named_variants!(Mode, "mode", String, |m: String| m, {
+    Async => "async",
+    Sync => "sync",
+    Gba => "gba",
+    Ssp => "ssp",
+    Auto => "auto",
+});
 
 /// Settings of the modes.
 #[derive(Debug, Clone, Copy, PartialEq)]

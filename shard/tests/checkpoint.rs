@@ -64,6 +64,14 @@ fn layout_of(core: &ShardCore) -> Layout {
     core.config().layout.clone()
 }
 
+/// A shard of `mode` (`rule` for tensor b) with `workers` registered workers that trained steps 1 to `to`.
+fn trained(mode: Mode, rule: &str, workers: usize, to: u64) -> (ShardCore, Vec<u32>) {
+    let mut core = ShardCore::new(config(mode, rule)).expect("core");
+    let ids: Vec<u32> = (0..workers).map(|_| register(&mut core)).collect();
+    train(&mut core, &ids, 1, to);
+    (core, ids)
+}
+
 fn train(core: &mut ShardCore, workers: &[u32], from: u64, to: u64) -> Vec<Frame> {
     let mut replies = Vec::new();
     for seq in from..to {
@@ -77,9 +85,7 @@ fn train(core: &mut ShardCore, workers: &[u32], from: u64, to: u64) -> Vec<Frame
 #[test]
 fn a_restored_shard_continues_exactly_like_the_original() {
     for mode in [Mode::Async, Mode::Sync, Mode::Gba] {
-        let mut original = ShardCore::new(config(mode, "nesterov")).expect("core");
-        let workers: Vec<u32> = (0..3).map(|_| register(&mut original)).collect();
-        train(&mut original, &workers, 1, 6);
+        let (mut original, workers) = trained(mode, "nesterov", 3, 6);
         // Half a synchronous step is in flight: one worker pushed, two did not.
         step(&mut original, workers[0], 6, 0.2);
         let bytes = original.checkpoint(77).expect("checkpoint");
@@ -191,9 +197,7 @@ fn foreign_truncated_and_corrupt_checkpoints_are_refused_with_a_reason() {
 #[test]
 fn a_rollback_returns_the_training_state_to_the_checkpoint_and_keeps_who_is_in_the_cluster() {
     for mode in [Mode::Async, Mode::Sync, Mode::Gba] {
-        let mut live = ShardCore::new(config(mode, "nesterov")).expect("core");
-        let workers: Vec<u32> = (0..3).map(|_| register(&mut live)).collect();
-        train(&mut live, &workers, 1, 4);
+        let (mut live, workers) = trained(mode, "nesterov", 3, 4);
         let bytes = live.checkpoint(5).expect("checkpoint");
         let at_checkpoint = ShardCore::restore(config(mode, "nesterov"), &bytes).expect("restore");
         // Training goes on; worker 2 leaves and a fourth worker joins after the checkpoint.
@@ -229,9 +233,7 @@ fn a_rollback_returns_the_training_state_to_the_checkpoint_and_keeps_who_is_in_t
 /// places, as gaps wrote before — reads back to the same header and restores to the same state.
 #[test]
 fn the_header_is_named_fields_and_a_format_6_checkpoint_restores_the_same() {
-    let mut core = ShardCore::new(config(Mode::Sync, "nesterov")).expect("core");
-    let workers: Vec<u32> = (0..2).map(|_| register(&mut core)).collect();
-    train(&mut core, &workers, 1, 4);
+    let (core, _) = trained(Mode::Sync, "nesterov", 2, 4);
     let bytes = core.checkpoint(9).expect("checkpoint");
     let info = ShardCore::checkpoint_info(&bytes).expect("info");
     assert_eq!((info.id, info.shard, info.num_shards, info.epoch), (9, 0, 1, EPOCH));

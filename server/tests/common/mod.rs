@@ -20,3 +20,10 @@ pub fn toy_gradients(s: &Snapshot, i: usize, w: usize) -> Vec<Vec<f32>> {
     let offset = ((i + w) % 5) as f32 * 0.01;
     s.tensors.iter().map(|t| t.iter().map(|v| v * 0.1 + offset).collect()).collect()
 }
+
+/// A folder of this process for `name` under the temporary directory, emptied of what an earlier run left.
+pub fn fresh_dir(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
