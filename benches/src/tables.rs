@@ -15,6 +15,9 @@ pub struct TableResult {
     pub inserts_per_s: f64,
     /// Existing rows read per second (pulls of 4096 random held ids).
     pub lookups_per_s: f64,
+    /// Rows updated per second: pushes of 4096 random held ids (Adagrad), each after an evaluation read
+    /// of the same rows (`peek`), as a worker's step reads and then pushes them.
+    pub pushes_per_s: f64,
     /// Bytes per row of row data (values + Adagrad state).
     pub row_data_bytes: f64,
     /// Bytes per row beyond the row data (metadata and index).
@@ -32,6 +35,8 @@ impl TableResult {
             dim: u32,
             inserts_per_s: f64,
             lookups_per_s: f64,
+            pushes_per_s: f64,
+            ns_per_pushed_row: f64,
             row_data_bytes: f64,
             overhead_bytes_per_row: f64,
         }
@@ -41,6 +46,8 @@ impl TableResult {
             dim: self.dim,
             inserts_per_s: self.inserts_per_s.round(),
             lookups_per_s: self.lookups_per_s.round(),
+            pushes_per_s: self.pushes_per_s.round(),
+            ns_per_pushed_row: (1e9 / self.pushes_per_s * 10.0).round() / 10.0,
             row_data_bytes: self.row_data_bytes,
             overhead_bytes_per_row: (self.overhead_bytes_per_row * 100.0).round() / 100.0,
         })
@@ -86,13 +93,47 @@ pub fn run(rows: u64, dim: u32) -> anyhow::Result<TableResult> {
         done += batch;
     }
     let lookups_per_s = done as f64 / started.elapsed().as_secs_f64();
+    let pushes_per_s = push_rate(&mut table, rows, dim, id_of)?;
     anyhow::ensure!(table.rows() as u64 == rows, "expected {rows} rows, the table holds {}", table.rows());
     Ok(TableResult {
         rows,
         dim,
         inserts_per_s,
         lookups_per_s,
+        pushes_per_s,
         row_data_bytes: (dim as usize * 2 * 4) as f64,
         overhead_bytes_per_row: table.overhead_per_row(),
     })
+}
+
+/// Rows per second of read-then-push rounds of 4096 distinct random held rows (see
+/// [`TableResult::pushes_per_s`]).
+fn push_rate(table: &mut SparseTable, rows: u64, dim: u32, id_of: impl Fn(u64) -> u64) -> anyhow::Result<f64> {
+    let batch = 4096usize.min(rows as usize);
+    let mut rng = gaps_common::rng::Rng::new(11);
+    let grads = vec![1e-3f32; batch * dim as usize];
+    let (mut values, mut versions) = (Vec::new(), Vec::new());
+    let hyper = gaps_kernels::Hyper { lr: 0.05, ..gaps_kernels::Hyper::default() };
+    let base = gaps_kernels::PushScalars { lr: 0.05, lr_max: 0.05, staleness: 0, t: 1, workers: 1 };
+    let total = rows.min(2_000_000);
+    let (mut done, mut round) = (0u64, 0u32);
+    let mut seen = std::collections::HashSet::with_capacity(batch);
+    let started = Instant::now();
+    while done < total {
+        seen.clear();
+        let mut ids = Vec::with_capacity(batch);
+        while ids.len() < batch {
+            let i = rng.below(rows);
+            if seen.insert(i) {
+                ids.push(id_of(i));
+            }
+        }
+        values.clear();
+        versions.clear();
+        table.peek(&ids, &mut values, &mut versions);
+        round += 1;
+        table.push(&ids, &versions, &grads, &[], &hyper, base, round).map_err(|e| anyhow::anyhow!("push: {e}"))?;
+        done += batch as u64;
+    }
+    Ok(done as f64 / started.elapsed().as_secs_f64())
 }

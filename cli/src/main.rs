@@ -610,10 +610,12 @@ async fn bench(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Tables { rows, dim } => {
             let r = gaps_benches::tables::run(rows as u64, dim)?;
             eprintln!(
-                "[gaps bench] {} rows of dim {dim}: {:.2} M inserts/s, {:.2} M lookups/s, {:.0} B/row data, {:.1} B/row overhead",
+                "[gaps bench] {} rows of dim {dim}: {:.2} M inserts/s, {:.2} M lookups/s, {:.2} M read+pushed/s ({:.0} ns a row), {:.0} B/row data, {:.1} B/row overhead",
                 r.rows,
                 r.inserts_per_s / 1e6,
                 r.lookups_per_s / 1e6,
+                r.pushes_per_s / 1e6,
+                1e9 / r.pushes_per_s,
                 r.row_data_bytes,
                 r.overhead_bytes_per_row
             );

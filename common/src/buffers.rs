@@ -155,6 +155,23 @@ pub fn kept() -> (usize, usize) {
     KEPT.lock().map(|k| (k.len(), k.iter().map(|b| b.capacity() * 4).sum())).unwrap_or((0, 0))
 }
 
+/// Asks the CPU to bring element `i` of `slice` into its caches (nothing when `i` is out of range, or off
+/// x86-64): a lookup that will read it soon then finds it there instead of waiting for memory.
+#[inline(always)]
+pub fn prefetch<T>(slice: &[T], i: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(x) = slice.get(i) {
+        #[allow(unsafe_code)]
+        // SAFETY: a prefetch is only a hint (it never faults, reads nothing into the program and writes
+        // nothing); SSE, which it needs, is part of every x86-64 CPU; the address is of a live element.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>((x as *const T).cast());
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (slice, i);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -153,6 +153,23 @@ impl Rule {
         }
     }
 
+    /// True when an update's constants depend on the row's own staleness or update count (the staleness
+    /// scale, Nesterov's delay-adjusted momentum, Gap-Aware's and Adam's bias corrections): rows of one push
+    /// are then updated one call each; for the other rules every row of a push shares the constants, and
+    /// the rows can be updated in one call over all of them.
+    pub fn scalars_per_row(self) -> bool {
+        matches!(
+            self,
+            Rule::StalenessAware
+                | Rule::DelayNesterov
+                | Rule::GapAware
+                | Rule::DanaGa
+                | Rule::Adam
+                | Rule::Nadam
+                | Rule::GapAdam
+        )
+    }
+
     /// The rule's state layout.
     pub fn layout(self) -> StateLayout {
         let l = |shared_planes, worker_planes, needs_read, lookahead| StateLayout {

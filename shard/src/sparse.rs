@@ -10,10 +10,13 @@
 //!
 //! Sans-IO like the rest of the core: time is an argument (`now_s`, seconds of any monotonic origin).
 
+use gaps_common::buffers::prefetch;
 use gaps_common::rng::{mix, Rng};
 use gaps_kernels::{Bufs, Hyper, KernelError, PushScalars, Rule};
 
 const EMPTY: u32 = u32::MAX;
+/// How many ids ahead a batch lookup fetches what it reads ([`SparseTable::locate`]).
+const AHEAD: usize = 16;
 /// Bytes of per-row metadata beside the row data: id (8), version (4), last touch (4).
 pub const META_BYTES_PER_ROW: u64 = 16;
 
@@ -144,6 +147,8 @@ pub struct SparseTable {
     sightings: Option<Sightings>,
     sampler: Rng,
     stats: TableStats,
+    /// Working space of [`SparseTable::push_together`], kept from push to push.
+    scratch: Vec<f32>,
 }
 
 impl SparseTable {
@@ -204,6 +209,7 @@ impl SparseTable {
             sightings,
             sampler,
             stats: TableStats::default(),
+            scratch: Vec::new(),
         })
     }
 
@@ -250,6 +256,45 @@ impl SparseTable {
                 return Some(r as usize);
             }
             i = (i + 1) & mask;
+        }
+    }
+
+    /// The row of each of `ids` (`EMPTY` where it is not held), into `rows`. Two passes, each fetching
+    /// [`AHEAD`] ids in advance what it reads next — the index slots, then the ids of the rows they name
+    /// (the passes over the rows fetch their data the same way, [`Self::prefetch_row`]): in a table far
+    /// larger than the caches each lookup costs a few memory latencies, which overlap here instead of each
+    /// waiting for the one before.
+    fn locate(&self, ids: &[u64], rows: &mut Vec<u32>) {
+        rows.clear();
+        for (k, &id) in ids.iter().enumerate() {
+            if let Some(&ahead) = ids.get(k + AHEAD) {
+                prefetch(&self.index, self.home(ahead));
+            }
+            rows.push(self.index[self.home(id)]);
+        }
+        for k in 0..ids.len() {
+            if let Some(&ahead) = rows.get(k + AHEAD).filter(|r| **r != EMPTY) {
+                prefetch(&self.ids, ahead as usize);
+            }
+            let guess = rows[k];
+            if guess != EMPTY && self.ids[guess as usize] != ids[k] {
+                // Not the row the home slot names: a collision, followed the usual way.
+                rows[k] = self.find(ids[k]).map_or(EMPTY, |r| r as u32);
+            }
+        }
+    }
+
+    /// Fetches what a pass over `rows` reads of the row [`AHEAD`] places after `k`: its values and state
+    /// (every cache line), version and time.
+    #[inline(always)]
+    fn prefetch_row(&self, rows: &[u32], k: usize) {
+        if let Some(&r) = rows.get(k + AHEAD).filter(|r| **r != EMPTY) {
+            let r = r as usize;
+            for line in (0..self.stride).step_by(16) {
+                prefetch(&self.data, r * self.stride + line);
+            }
+            prefetch(&self.versions, r);
+            prefetch(&self.touched, r);
         }
     }
 
@@ -446,6 +491,19 @@ impl SparseTable {
     /// (once admitted); ids not admitted yet read their initial values with version 0 and are not stored.
     pub fn pull(&mut self, ids: &[u64], now_s: u32, values: &mut Vec<f32>, versions: &mut Vec<u32>) {
         let dim = self.cfg.dim as usize;
+        // Every row held (the common case once a table is warm): looked up as a batch, nothing created.
+        let mut rows = Vec::with_capacity(ids.len());
+        self.locate(ids, &mut rows);
+        if !rows.contains(&EMPTY) {
+            for (k, &r) in rows.iter().enumerate() {
+                self.prefetch_row(&rows, k);
+                let r = r as usize;
+                self.touched[r] = now_s;
+                values.extend_from_slice(&self.data[r * self.stride..r * self.stride + dim]);
+                versions.push(self.versions[r]);
+            }
+            return;
+        }
         for &id in ids {
             let row = match self.find(id) {
                 Some(r) => Some(r),
@@ -511,9 +569,12 @@ impl SparseTable {
     /// others their initial values, with version 0.
     pub fn peek(&self, ids: &[u64], values: &mut Vec<f32>, versions: &mut Vec<u32>) {
         let dim = self.cfg.dim as usize;
-        for &id in ids {
+        let mut rows = Vec::with_capacity(ids.len());
+        self.locate(ids, &mut rows);
+        for (k, (&id, &row)) in ids.iter().zip(&rows).enumerate() {
+            self.prefetch_row(&rows, k);
             let start = values.len();
-            match self.find(id) {
+            match (row != EMPTY).then_some(row as usize) {
                 Some(r) => {
                     values.extend_from_slice(&self.data[r * self.stride..r * self.stride + dim]);
                     versions.push(self.versions[r]);
@@ -542,18 +603,44 @@ impl SparseTable {
         base: PushScalars,
         now_s: u32,
     ) -> Result<u64, KernelError> {
+        let mut rows = Vec::with_capacity(ids.len());
+        self.locate(ids, &mut rows);
+        let dropped = rows.iter().filter(|r| **r == EMPTY).count();
+        self.stats.dropped_updates += dropped as u64;
+        let mut max_staleness = 0u64;
+        for (k, &r) in rows.iter().enumerate().filter(|(_, r)| **r != EMPTY) {
+            self.prefetch_row(&rows, k);
+            // A row evicted and re-created since the read restarts its count; treat that read as current.
+            max_staleness = max_staleness.max(u64::from(self.versions[r as usize].saturating_sub(read_versions[k])));
+        }
+        if self.cfg.rule.scalars_per_row() || self.cfg.rule.layout().shared_planes > 2 || rows.len() - dropped < 2 {
+            self.push_rows(&rows, read_versions, grads, reads, hyper, base)?;
+        } else {
+            self.push_together(&rows, grads, reads, hyper, base)?;
+        }
+        for &r in rows.iter().filter(|r| **r != EMPTY) {
+            self.versions[r as usize] = self.versions[r as usize].wrapping_add(1);
+            self.touched[r as usize] = now_s;
+        }
+        Ok(max_staleness)
+    }
+
+    /// A push's rows updated one call each, with the row's own staleness and update count.
+    fn push_rows(
+        &mut self,
+        rows: &[u32],
+        read_versions: &[u32],
+        grads: &[f32],
+        reads: &[f32],
+        hyper: &Hyper,
+        base: PushScalars,
+    ) -> Result<(), KernelError> {
         let dim = self.cfg.dim as usize;
         let planes = self.cfg.rule.layout().shared_planes;
-        let mut max_staleness = 0u64;
-        for (k, &id) in ids.iter().enumerate() {
-            let Some(r) = self.find(id) else {
-                self.stats.dropped_updates += 1;
-                continue;
-            };
+        for (k, &r) in rows.iter().enumerate().filter(|(_, r)| **r != EMPTY) {
+            let r = r as usize;
             let version = self.versions[r];
-            // A row evicted and re-created since the read restarts its count; treat that read as current.
             let staleness = u64::from(version.saturating_sub(read_versions[k]));
-            max_staleness = max_staleness.max(staleness);
             let row = &mut self.data[r * self.stride..(r + 1) * self.stride];
             let (params, state) = row.split_at_mut(dim);
             let (s0, s1) = state.split_at_mut(if planes >= 1 { dim } else { 0 });
@@ -561,10 +648,73 @@ impl SparseTable {
             let bufs = Bufs { params, s0, s1, w0: &mut [], grad: &grads[k * dim..(k + 1) * dim], read };
             let scalars = PushScalars { staleness, t: u64::from(version) + 1, ..base };
             gaps_kernels::apply(self.cfg.rule, hyper, &scalars, bufs)?;
-            self.versions[r] = version.wrapping_add(1);
-            self.touched[r] = now_s;
         }
-        Ok(max_staleness)
+        Ok(())
+    }
+
+    /// A push's rows updated in one call, for a rule whose constants every row shares
+    /// ([`Rule::scalars_per_row`] false): the rows' values and state planes gathered into contiguous
+    /// buffers, updated as one block by the vectorised loops (a 16-float row alone runs in their scalar
+    /// tail), and written back — element for element the same arithmetic as row by row.
+    fn push_together(
+        &mut self,
+        rows: &[u32],
+        grads: &[f32],
+        reads: &[f32],
+        hyper: &Hyper,
+        base: PushScalars,
+    ) -> Result<(), KernelError> {
+        let dim = self.cfg.dim as usize;
+        let planes = self.cfg.rule.layout().shared_planes;
+        let held: Vec<usize> = rows.iter().enumerate().filter(|(_, r)| **r != EMPTY).map(|(k, _)| k).collect();
+        let n = held.len() * dim;
+        let mut gathered = std::mem::take(&mut self.scratch);
+        gathered.clear();
+        gathered.resize(n * (1 + planes), 0.0);
+        let gather = |from: &[f32], to: &mut [f32]| {
+            for (i, &k) in held.iter().enumerate() {
+                to[i * dim..(i + 1) * dim].copy_from_slice(&from[k * dim..(k + 1) * dim]);
+            }
+        };
+        // The gradients (and echoed reads) of held rows: the push's own when every row is held.
+        let (grad_buf, read_buf);
+        let (grad, read) = if held.len() == rows.len() {
+            (grads, reads)
+        } else {
+            grad_buf = {
+                let mut g = vec![0.0; n];
+                gather(grads, &mut g);
+                g
+            };
+            read_buf = if reads.is_empty() {
+                Vec::new()
+            } else {
+                let mut r = vec![0.0; n];
+                gather(reads, &mut r);
+                r
+            };
+            (&grad_buf[..], &read_buf[..])
+        };
+        for (i, &k) in held.iter().enumerate() {
+            let row = &self.data[rows[k] as usize * self.stride..][..dim * (1 + planes)];
+            for p in 0..=planes {
+                gathered[p * n + i * dim..p * n + (i + 1) * dim].copy_from_slice(&row[p * dim..(p + 1) * dim]);
+            }
+        }
+        let (params, state) = gathered.split_at_mut(n);
+        let (s0, s1) = state.split_at_mut(if planes >= 1 { n } else { 0 });
+        let bufs = Bufs { params, s0, s1, w0: &mut [], grad, read };
+        let result = gaps_kernels::apply(self.cfg.rule, hyper, &PushScalars { staleness: 0, t: 1, ..base }, bufs);
+        if result.is_ok() {
+            for (i, &k) in held.iter().enumerate() {
+                let row = &mut self.data[rows[k] as usize * self.stride..][..dim * (1 + planes)];
+                for p in 0..=planes {
+                    row[p * dim..(p + 1) * dim].copy_from_slice(&gathered[p * n + i * dim..p * n + (i + 1) * dim]);
+                }
+            }
+        }
+        self.scratch = gathered;
+        result
     }
 
     /// Writes into `out` the values row `id` would have after an update with `grad` (computed on its
