@@ -15,6 +15,55 @@ use gaps_common::rng::{mix, Rng};
 use gaps_kernels::{Bufs, Hyper, KernelError, PushScalars, Rule};
 
 const EMPTY: u32 = u32::MAX;
+/// Copies one row (or plane of a row): the common widths as fixed-size moves the compiler inlines (a
+/// library `memcpy` call per 16-float row cost more than the update itself), any other with `memcpy`.
+#[inline(always)]
+fn copy_row(to: &mut [f32], from: &[f32]) {
+    fn fixed<const N: usize>(to: &mut [f32], from: &[f32]) -> bool {
+        match (<&mut [f32; N]>::try_from(to), <&[f32; N]>::try_from(from)) {
+            (Ok(to), Ok(from)) => {
+                *to = *from;
+                true
+            }
+            _ => false,
+        }
+    }
+    let done = match from.len() {
+        8 => fixed::<8>(to, from),
+        16 => fixed::<16>(to, from),
+        32 => fixed::<32>(to, from),
+        64 => fixed::<64>(to, from),
+        _ => false,
+    };
+    if !done {
+        to.copy_from_slice(from);
+    }
+}
+
+/// Appends one row to `values`, the common widths as fixed-size moves (see [`copy_row`]).
+#[inline(always)]
+fn extend_row(values: &mut Vec<f32>, from: &[f32]) {
+    fn fixed<const N: usize>(values: &mut Vec<f32>, from: &[f32]) -> bool {
+        match <[f32; N]>::try_from(from) {
+            Ok(row) => {
+                values.extend_from_slice(&row);
+                true
+            }
+            Err(_) => false,
+        }
+    }
+    let done = match from.len() {
+        8 => fixed::<8>(values, from),
+        16 => fixed::<16>(values, from),
+        32 => fixed::<32>(values, from),
+        64 => fixed::<64>(values, from),
+        _ => false,
+    };
+    if !done {
+        values.extend_from_slice(from);
+    }
+}
+
 /// How many ids ahead a batch lookup fetches what it reads ([`SparseTable::locate`]).
 const AHEAD: usize = 16;
 /// Bytes of per-row metadata beside the row data: id (8), version (4), last touch (4).
@@ -499,7 +548,7 @@ impl SparseTable {
                 self.prefetch_row(&rows, k);
                 let r = r as usize;
                 self.touched[r] = now_s;
-                values.extend_from_slice(&self.data[r * self.stride..r * self.stride + dim]);
+                extend_row(values, &self.data[r * self.stride..r * self.stride + dim]);
                 versions.push(self.versions[r]);
             }
             return;
@@ -576,7 +625,7 @@ impl SparseTable {
             let start = values.len();
             match (row != EMPTY).then_some(row as usize) {
                 Some(r) => {
-                    values.extend_from_slice(&self.data[r * self.stride..r * self.stride + dim]);
+                    extend_row(values, &self.data[r * self.stride..r * self.stride + dim]);
                     versions.push(self.versions[r]);
                 }
                 None => {
@@ -698,7 +747,7 @@ impl SparseTable {
         for (i, &k) in held.iter().enumerate() {
             let row = &self.data[rows[k] as usize * self.stride..][..dim * (1 + planes)];
             for p in 0..=planes {
-                gathered[p * n + i * dim..p * n + (i + 1) * dim].copy_from_slice(&row[p * dim..(p + 1) * dim]);
+                copy_row(&mut gathered[p * n + i * dim..p * n + (i + 1) * dim], &row[p * dim..(p + 1) * dim]);
             }
         }
         let (params, state) = gathered.split_at_mut(n);
@@ -709,7 +758,7 @@ impl SparseTable {
             for (i, &k) in held.iter().enumerate() {
                 let row = &mut self.data[rows[k] as usize * self.stride..][..dim * (1 + planes)];
                 for p in 0..=planes {
-                    row[p * dim..(p + 1) * dim].copy_from_slice(&gathered[p * n + i * dim..p * n + (i + 1) * dim]);
+                    copy_row(&mut row[p * dim..(p + 1) * dim], &gathered[p * n + i * dim..p * n + (i + 1) * dim]);
                 }
             }
         }
