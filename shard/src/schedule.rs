@@ -41,7 +41,8 @@ impl CheckpointSchedule {
 
     /// What is due at `now`, the shard's newest checkpoint (its own or the coordinator's) taken at `last`.
     /// Before the deadline nothing is; at or after it the deadline moves on by whole intervals past `now`
-    /// (intervals missed while a checkpoint took long are skipped, not taken in a burst).
+    /// (intervals missed while a checkpoint took long are not taken in a burst: one is due at once, then the
+    /// schedule goes on from the next deadline on the grid).
     pub fn poll(&mut self, now: Duration, last: Duration) -> Option<Due> {
         if now < self.next {
             return None;

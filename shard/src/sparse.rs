@@ -64,6 +64,9 @@ fn extend_row(values: &mut Vec<f32>, from: &[f32]) {
     }
 }
 
+/// The most floats of [`SparseTable::push_together`]'s working space kept from one push to the next (16
+/// MiB: a push of 4,096 rows of 16 floats with one state plane needs 0.5 MiB).
+const SCRATCH_KEPT: usize = 4 << 20;
 /// How many ids ahead a batch lookup fetches what it reads ([`SparseTable::locate`]).
 const AHEAD: usize = 16;
 /// Bytes of per-row metadata beside the row data: id (8), version (4), last touch (4).
@@ -551,6 +554,9 @@ impl SparseTable {
                 extend_row(values, &self.data[r * self.stride..r * self.stride + dim]);
                 versions.push(self.versions[r]);
             }
+            // Nothing was created, but a table restored under a smaller budget is trimmed here as the
+            // first pull after the restore always did.
+            self.enforce_budget();
             return;
         }
         for &id in ids {
@@ -762,7 +768,10 @@ impl SparseTable {
                 }
             }
         }
-        self.scratch = gathered;
+        // Kept for the next push unless one huge push grew it (it is not in the table's budget).
+        if gathered.capacity() <= SCRATCH_KEPT {
+            self.scratch = gathered;
+        }
         result
     }
 
@@ -928,6 +937,27 @@ mod tests {
         let recent = (0..50).filter(|i| t.row(199 * 37 + i * 1_000_003).is_some()).count();
         let old = (0..50).filter(|i| t.row(i * 1_000_003).is_some()).count();
         assert!(recent > old, "recent {recent} vs old {old}");
+    }
+
+    /// A table restored under a smaller budget is trimmed by the first pull even when every id it asks for
+    /// is held (the batch path creates nothing, but trims as the row-by-row path always did).
+    #[test]
+    fn a_pull_of_held_rows_trims_a_table_restored_over_its_budget() {
+        let mut big = table(Rule::Adam, 0, None, Eviction::Lru);
+        let (mut v, mut ver) = (Vec::new(), Vec::new());
+        let ids: Vec<u64> = (0..2000u64).map(|i| i * 1_000_003 + 1).collect();
+        big.pull(&ids, 1, &mut v, &mut ver);
+        let mut w = crate::checkpoint::Writer::default();
+        big.write_to(&mut w);
+        let budget = 96 * 1024;
+        let mut small = table(Rule::Adam, 0, Some(budget), Eviction::Lru);
+        let mut r = crate::checkpoint::Reader::section(&w.buf, crate::checkpoint::FORMAT_VERSION);
+        small.read_from(&mut r).expect("restore");
+        assert!(small.bytes() > budget, "restored over the budget");
+        let held: Vec<u64> = ids[..10].iter().copied().filter(|id| small.row(*id).is_some()).collect();
+        assert!(!held.is_empty());
+        small.pull(&held, 2, &mut v, &mut ver);
+        assert!(small.bytes() <= budget, "{} bytes over the budget of {budget}", small.bytes());
     }
 
     #[test]
