@@ -1,0 +1,189 @@
+//! Rows a batch at a time: a batch of ids looked up with what each step reads next fetched ahead, and a
+//! push's rows updated in one vectorised call where the rule allows it (see [`SparseTable::push`]).
+
+use super::*;
+
+/// Copies one row (or plane of a row): the common widths as fixed-size moves the compiler inlines (a
+/// library `memcpy` call per 16-float row cost more than the update itself), any other with `memcpy`.
+#[inline(always)]
+pub(super) fn copy_row(to: &mut [f32], from: &[f32]) {
+    fn fixed<const N: usize>(to: &mut [f32], from: &[f32]) -> bool {
+        match (<&mut [f32; N]>::try_from(to), <&[f32; N]>::try_from(from)) {
+            (Ok(to), Ok(from)) => {
+                *to = *from;
+                true
+            }
+            _ => false,
+        }
+    }
+    let done = match from.len() {
+        8 => fixed::<8>(to, from),
+        16 => fixed::<16>(to, from),
+        32 => fixed::<32>(to, from),
+        64 => fixed::<64>(to, from),
+        _ => false,
+    };
+    if !done {
+        to.copy_from_slice(from);
+    }
+}
+
+/// Appends one row to `values`, the common widths as fixed-size moves (see [`copy_row`]).
+#[inline(always)]
+pub(super) fn extend_row(values: &mut Vec<f32>, from: &[f32]) {
+    fn fixed<const N: usize>(values: &mut Vec<f32>, from: &[f32]) -> bool {
+        match <[f32; N]>::try_from(from) {
+            Ok(row) => {
+                values.extend_from_slice(&row);
+                true
+            }
+            Err(_) => false,
+        }
+    }
+    let done = match from.len() {
+        8 => fixed::<8>(values, from),
+        16 => fixed::<16>(values, from),
+        32 => fixed::<32>(values, from),
+        64 => fixed::<64>(values, from),
+        _ => false,
+    };
+    if !done {
+        values.extend_from_slice(from);
+    }
+}
+
+impl SparseTable {
+    /// The row of each of `ids` (`EMPTY` where it is not held), into `rows`. Two passes, each fetching
+    /// [`AHEAD`] ids in advance what it reads next — the index slots, then the ids of the rows they name
+    /// (the passes over the rows fetch their data the same way, [`Self::prefetch_row`]): in a table far
+    /// larger than the caches each lookup costs a few memory latencies, which overlap here instead of each
+    /// waiting for the one before.
+    pub(super) fn locate(&self, ids: &[u64], rows: &mut Vec<u32>) {
+        rows.clear();
+        for (k, &id) in ids.iter().enumerate() {
+            if let Some(&ahead) = ids.get(k + AHEAD) {
+                prefetch(&self.index, self.home(ahead));
+            }
+            rows.push(self.index[self.home(id)]);
+        }
+        for k in 0..ids.len() {
+            if let Some(&ahead) = rows.get(k + AHEAD).filter(|r| **r != EMPTY) {
+                prefetch(&self.ids, ahead as usize);
+            }
+            let guess = rows[k];
+            if guess != EMPTY && self.ids[guess as usize] != ids[k] {
+                // Not the row the home slot names: a collision, followed the usual way.
+                rows[k] = self.find(ids[k]).map_or(EMPTY, |r| r as u32);
+            }
+        }
+    }
+
+    /// Fetches what a pass over `rows` reads of the row [`AHEAD`] places after `k`: its values and state
+    /// (every cache line), version and time.
+    #[inline(always)]
+    pub(super) fn prefetch_row(&self, rows: &[u32], k: usize) {
+        if let Some(&r) = rows.get(k + AHEAD).filter(|r| **r != EMPTY) {
+            let r = r as usize;
+            for line in (0..self.stride).step_by(16) {
+                prefetch(&self.data, r * self.stride + line);
+            }
+            prefetch(&self.versions, r);
+            prefetch(&self.touched, r);
+        }
+    }
+
+    /// A push's rows updated one call each, with the row's own staleness and update count.
+    pub(super) fn push_rows(
+        &mut self,
+        rows: &[u32],
+        read_versions: &[u32],
+        grads: &[f32],
+        reads: &[f32],
+        hyper: &Hyper,
+        base: PushScalars,
+    ) -> Result<(), KernelError> {
+        let dim = self.cfg.dim as usize;
+        let planes = self.cfg.rule.layout().shared_planes;
+        for (k, &r) in rows.iter().enumerate().filter(|(_, r)| **r != EMPTY) {
+            let r = r as usize;
+            let version = self.versions[r];
+            let staleness = u64::from(version.saturating_sub(read_versions[k]));
+            let row = &mut self.data[r * self.stride..(r + 1) * self.stride];
+            let (params, state) = row.split_at_mut(dim);
+            let (s0, s1) = state.split_at_mut(if planes >= 1 { dim } else { 0 });
+            let read = if reads.is_empty() { reads } else { &reads[k * dim..(k + 1) * dim] };
+            let bufs = Bufs { params, s0, s1, w0: &mut [], grad: &grads[k * dim..(k + 1) * dim], read };
+            let scalars = PushScalars { staleness, t: u64::from(version) + 1, ..base };
+            gaps_kernels::apply(self.cfg.rule, hyper, &scalars, bufs)?;
+        }
+        Ok(())
+    }
+
+    /// A push's rows updated in one call, for a rule whose constants every row shares
+    /// ([`Rule::scalars_per_row`] false): the rows' values and state planes gathered into contiguous
+    /// buffers, updated as one block by the vectorised loops (a 16-float row alone runs in their scalar
+    /// tail), and written back — element for element the same arithmetic as row by row.
+    pub(super) fn push_together(
+        &mut self,
+        rows: &[u32],
+        grads: &[f32],
+        reads: &[f32],
+        hyper: &Hyper,
+        base: PushScalars,
+    ) -> Result<(), KernelError> {
+        let dim = self.cfg.dim as usize;
+        let planes = self.cfg.rule.layout().shared_planes;
+        let held: Vec<usize> = rows.iter().enumerate().filter(|(_, r)| **r != EMPTY).map(|(k, _)| k).collect();
+        let n = held.len() * dim;
+        let mut gathered = std::mem::take(&mut self.scratch);
+        gathered.clear();
+        gathered.resize(n * (1 + planes), 0.0);
+        let gather = |from: &[f32], to: &mut [f32]| {
+            for (i, &k) in held.iter().enumerate() {
+                to[i * dim..(i + 1) * dim].copy_from_slice(&from[k * dim..(k + 1) * dim]);
+            }
+        };
+        // The gradients (and echoed reads) of held rows: the push's own when every row is held.
+        let (grad_buf, read_buf);
+        let (grad, read) = if held.len() == rows.len() {
+            (grads, reads)
+        } else {
+            grad_buf = {
+                let mut g = vec![0.0; n];
+                gather(grads, &mut g);
+                g
+            };
+            read_buf = if reads.is_empty() {
+                Vec::new()
+            } else {
+                let mut r = vec![0.0; n];
+                gather(reads, &mut r);
+                r
+            };
+            (&grad_buf[..], &read_buf[..])
+        };
+        for (i, &k) in held.iter().enumerate() {
+            let row = &self.data[rows[k] as usize * self.stride..][..dim * (1 + planes)];
+            for p in 0..=planes {
+                copy_row(&mut gathered[p * n + i * dim..p * n + (i + 1) * dim], &row[p * dim..(p + 1) * dim]);
+            }
+        }
+        let (params, state) = gathered.split_at_mut(n);
+        let (s0, s1) = state.split_at_mut(if planes >= 1 { n } else { 0 });
+        let bufs = Bufs { params, s0, s1, w0: &mut [], grad, read };
+        let result = gaps_kernels::apply(self.cfg.rule, hyper, &PushScalars { staleness: 0, t: 1, ..base }, bufs);
+        if result.is_ok() {
+            for (i, &k) in held.iter().enumerate() {
+                let row = &mut self.data[rows[k] as usize * self.stride..][..dim * (1 + planes)];
+                for p in 0..=planes {
+                    copy_row(&mut row[p * dim..(p + 1) * dim], &gathered[p * n + i * dim..p * n + (i + 1) * dim]);
+                }
+            }
+        }
+        // Kept for the next push unless one huge push grew it (it is not in the table's budget).
+        if gathered.capacity() <= SCRATCH_KEPT {
+            self.scratch = gathered;
+        }
+        result
+    }
+}
