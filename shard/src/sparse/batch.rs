@@ -28,28 +28,12 @@ pub(super) fn copy_row(to: &mut [f32], from: &[f32]) {
     }
 }
 
-/// Appends one row to `values`, the common widths as fixed-size moves (see [`copy_row`]).
+/// Appends one row to `values` (through [`copy_row`]).
 #[inline(always)]
 pub(super) fn extend_row(values: &mut Vec<f32>, from: &[f32]) {
-    fn fixed<const N: usize>(values: &mut Vec<f32>, from: &[f32]) -> bool {
-        match <[f32; N]>::try_from(from) {
-            Ok(row) => {
-                values.extend_from_slice(&row);
-                true
-            }
-            Err(_) => false,
-        }
-    }
-    let done = match from.len() {
-        8 => fixed::<8>(values, from),
-        16 => fixed::<16>(values, from),
-        32 => fixed::<32>(values, from),
-        64 => fixed::<64>(values, from),
-        _ => false,
-    };
-    if !done {
-        values.extend_from_slice(from);
-    }
+    let start = values.len();
+    values.resize(start + from.len(), 0.0);
+    copy_row(&mut values[start..], from);
 }
 
 impl SparseTable {
