@@ -231,7 +231,7 @@ impl ShardCore {
 
 /// Refuses ids that appear more than once in one request (`what` says which).
 fn once_each(ids: &[u64], what: &str) -> Result<(), ShardError> {
-    // Sorted, not hashed: a few times faster for a push's thousands of ids, and no choice of ids slows it.
+    // Sorted, not hashed: no set to allocate and no hashing per id (measured no slower at 4,096 ids).
     let mut sorted = ids.to_vec();
     sorted.sort_unstable();
     match sorted.windows(2).find(|pair| pair[0] == pair[1]) {
