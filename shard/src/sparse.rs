@@ -15,7 +15,6 @@ use gaps_common::rng::{mix, Rng};
 use gaps_kernels::{Bufs, Hyper, KernelError, PushScalars, Rule};
 
 mod batch;
-use batch::extend_row;
 
 const EMPTY: u32 = u32::MAX;
 /// The most floats of [`SparseTable::push_together`]'s working space kept from one push to the next (16
@@ -466,7 +465,7 @@ impl SparseTable {
                 self.prefetch_row(&rows, k);
                 let r = r as usize;
                 self.touched[r] = now_s;
-                extend_row(values, &self.data[r * self.stride..r * self.stride + dim]);
+                values.extend_from_slice(&self.data[r * self.stride..r * self.stride + dim]);
                 versions.push(self.versions[r]);
             }
             // Nothing was created, but a table restored under a smaller budget is trimmed here as the
@@ -546,7 +545,7 @@ impl SparseTable {
             let start = values.len();
             match (row != EMPTY).then_some(row as usize) {
                 Some(r) => {
-                    extend_row(values, &self.data[r * self.stride..r * self.stride + dim]);
+                    values.extend_from_slice(&self.data[r * self.stride..r * self.stride + dim]);
                     versions.push(self.versions[r]);
                 }
                 None => {

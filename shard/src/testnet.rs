@@ -194,8 +194,7 @@ struct ShardSlot {
     /// shard it belongs to (a timer of an earlier start is dropped).
     schedule: Option<CheckpointSchedule>,
     generation: u64,
-    /// When it last took a checkpoint, and every time it did.
-    last_checkpoint: Duration,
+    /// Every time it took a checkpoint.
     checkpoints_at: Vec<Duration>,
 }
 
@@ -295,7 +294,6 @@ impl Cluster {
                 newest_checkpoint: None,
                 schedule: None,
                 generation: 0,
-                last_checkpoint: Duration::ZERO,
                 checkpoints_at: Vec::new(),
             });
         }
@@ -497,7 +495,8 @@ impl Cluster {
         if slot.generation != generation || slot.core.is_none() {
             return Ok(()); // the shard died, or started again with a schedule of its own
         }
-        let (since_start, last) = (self.now - slot.started, slot.last_checkpoint.saturating_sub(slot.started));
+        let last = slot.checkpoints_at.last().map_or(Duration::ZERO, |at| at.saturating_sub(slot.started));
+        let since_start = self.now - slot.started;
         let Some(schedule) = slot.schedule.as_mut() else { return Ok(()) };
         let due = schedule.poll(since_start, last);
         let next = slot.started + schedule.next_deadline();
@@ -512,7 +511,6 @@ impl Cluster {
             let slot = &mut self.shards[s as usize];
             if let Some(core) = slot.core.as_ref() {
                 slot.newest_checkpoint = Some(core.checkpoint(self.checkpoints).map_err(|e| e.to_string())?);
-                slot.last_checkpoint = self.now;
                 slot.checkpoints_at.push(self.now);
             }
         }

@@ -3,39 +3,6 @@
 
 use super::*;
 
-/// Copies one row (or plane of a row): the common widths as fixed-size moves the compiler inlines (a
-/// library `memcpy` call per 16-float row cost more than the update itself), any other with `memcpy`.
-#[inline(always)]
-pub(super) fn copy_row(to: &mut [f32], from: &[f32]) {
-    fn fixed<const N: usize>(to: &mut [f32], from: &[f32]) -> bool {
-        match (<&mut [f32; N]>::try_from(to), <&[f32; N]>::try_from(from)) {
-            (Ok(to), Ok(from)) => {
-                *to = *from;
-                true
-            }
-            _ => false,
-        }
-    }
-    let done = match from.len() {
-        8 => fixed::<8>(to, from),
-        16 => fixed::<16>(to, from),
-        32 => fixed::<32>(to, from),
-        64 => fixed::<64>(to, from),
-        _ => false,
-    };
-    if !done {
-        to.copy_from_slice(from);
-    }
-}
-
-/// Appends one row to `values` (through [`copy_row`]).
-#[inline(always)]
-pub(super) fn extend_row(values: &mut Vec<f32>, from: &[f32]) {
-    let start = values.len();
-    values.resize(start + from.len(), 0.0);
-    copy_row(&mut values[start..], from);
-}
-
 impl SparseTable {
     /// The row of each of `ids` (`EMPTY` where it is not held), into `rows`. Two passes, each fetching
     /// [`AHEAD`] ids in advance what it reads next — the index slots, then the ids of the rows they name
@@ -149,7 +116,7 @@ impl SparseTable {
         for (i, &k) in held.iter().enumerate() {
             let row = &self.data[rows[k] as usize * self.stride..][..dim * (1 + planes)];
             for p in 0..=planes {
-                copy_row(&mut gathered[p * n + i * dim..p * n + (i + 1) * dim], &row[p * dim..(p + 1) * dim]);
+                gathered[p * n + i * dim..p * n + (i + 1) * dim].copy_from_slice(&row[p * dim..(p + 1) * dim]);
             }
         }
         let (params, state) = gathered.split_at_mut(n);
@@ -160,7 +127,7 @@ impl SparseTable {
             for (i, &k) in held.iter().enumerate() {
                 let row = &mut self.data[rows[k] as usize * self.stride..][..dim * (1 + planes)];
                 for p in 0..=planes {
-                    copy_row(&mut row[p * dim..(p + 1) * dim], &gathered[p * n + i * dim..p * n + (i + 1) * dim]);
+                    row[p * dim..(p + 1) * dim].copy_from_slice(&gathered[p * n + i * dim..p * n + (i + 1) * dim]);
                 }
             }
         }
