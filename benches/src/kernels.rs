@@ -2,6 +2,7 @@
 //! loop over the same bytes measured in the same run (see `gaps_kernels::stream_baseline`).
 
 use anyhow::Result;
+use gaps_kernels::resident::{Lookahead, PushBatch, ResidentState};
 use gaps_kernels::{Bufs, Hyper, PushScalars, Rule};
 use std::time::{Duration, Instant};
 
@@ -237,8 +238,8 @@ fn server_bytes_per_param(rule: Rule) -> usize {
 
 /// One push and one pull of `n` parameters through a shard's resident state on `device`: the staged
 /// gradient (and echo) in, one pass over the chunk table, every chunk's parameters (or look-ahead) out.
-fn resident_round<D: gaps_kernels::resident::Device>(
-    resident: &mut gaps_kernels::resident::Resident<D>,
+fn resident_round(
+    resident: &mut dyn ResidentState,
     rule: Rule,
     hyper: &Hyper,
     staged: &[f32],
@@ -248,9 +249,10 @@ fn resident_round<D: gaps_kernels::resident::Device>(
     let chunks: Vec<usize> = (0..resident.layout().slots().len()).collect();
     let s = PushScalars { lr: 1e-3, lr_max: 1e-3, staleness: 3, t, workers: 8 };
     let (grads, reads) = staged.split_at(resident.layout().arena_sizes().params as usize);
-    resident.push(&chunks, 0, &vec![*hyper; chunks.len()], &vec![s; chunks.len()], grads, reads)?;
+    let (hypers, scalars) = (vec![*hyper; chunks.len()], vec![s; chunks.len()]);
+    resident.push(PushBatch { chunks: &chunks, worker_slot: 0, hypers: &hypers, scalars: &scalars, grads, reads })?;
     out.clear();
-    resident.pull(&chunks, hyper, 1e-3, 8, out)?;
+    resident.pull(&chunks, Lookahead { hyper, lr: 1e-3, workers: 8 }, out)?;
     let _ = rule;
     Ok(())
 }

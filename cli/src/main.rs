@@ -415,9 +415,10 @@ async fn main() -> Result<()> {
 /// `gaps local`.
 async fn local(args: gaps_cli::local::LocalArgs) -> Result<()> {
     let report = gaps_cli::local::run(&args).await?;
+    let c = &report.counters;
     eprintln!(
         "[gaps local] done in {:.1}s: {} steps, {}/{} shard pushes applied, held-out loss {:.4} -> {:.4}",
-        report.wall_s, report.steps, report.pushes_applied, report.pushes_sent, report.initial_loss, report.final_loss
+        c.wall_s, c.steps, c.pushes_applied, c.pushes_sent, report.initial_loss, report.final_loss
     );
     if let Some(c) = &report.ctr {
         eprintln!(

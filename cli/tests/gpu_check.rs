@@ -7,8 +7,7 @@ use std::process::Command;
 
 #[test]
 fn gpu_check_fails_with_the_reason_and_a_failing_report_when_no_gpu_is_listed() {
-    let dir = std::env::temp_dir().join(format!("gaps-gpu-check-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temporary folder");
+    let dir = gaps_common::scratch_dir("gaps-gpu-check").expect("temporary folder");
     let smi = dir.join("nvidia-smi");
     std::fs::write(&smi, "#!/bin/sh\necho 'No devices were found' >&2\nexit 6\n").expect("stand-in nvidia-smi");
     #[cfg(unix)]

@@ -41,8 +41,7 @@ struct Started {
 }
 
 fn start_server(name: &str, extra: &[&str], log: &str) -> Started {
-    let dir = std::env::temp_dir().join(format!("gaps-{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("dir");
+    let dir = gaps_common::scratch_dir(&format!("gaps-{name}")).expect("dir");
     let certs = gaps_setup::certs::ClusterCerts::generate(&[]).expect("certs");
     certs.write_to(&dir).expect("write certs");
     let layout = dir.join("layout.toml");

@@ -12,8 +12,7 @@ use std::time::Duration;
 const OWN_MODEL: &str = include_str!("fixtures/own_model.toml");
 
 fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("gaps-{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
+    let dir = gaps_common::scratch_dir(&format!("gaps-{name}")).expect("temp dir");
     dir
 }
 

@@ -145,8 +145,7 @@ fn a_long_run_whose_ledger_outgrows_a_pipe_finishes() {
 /// a bad key stops the binary with the file and the key named, for `gaps` and for the role binaries.
 #[test]
 fn a_config_file_sets_flags_below_variables_and_flags() {
-    let dir = std::env::temp_dir().join(format!("gaps-config-local-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
+    let dir = gaps_common::scratch_dir("gaps-config-local").expect("temp dir");
     let file = dir.join("gaps.toml");
     std::fs::write(
         &file,
@@ -521,8 +520,7 @@ fn early_stopping_ends_an_overfitting_run_on_the_held_out_curve() {
 /// Zipf exponent out of range.
 #[test]
 fn synth_data_writes_a_readable_file_and_refuses_bad_flags() {
-    let dir = std::env::temp_dir().join(format!("gaps-synth-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("dir");
+    let dir = gaps_common::scratch_dir("gaps-synth").expect("dir");
     let path = dir.join("data.tsv");
     let file = path.to_str().expect("utf-8 path");
     let gen = |extra: &[&str]| {
@@ -733,8 +731,7 @@ fn dealing_through_faults(mode: &str) {
             }
         })
         .collect();
-    let dir = std::env::temp_dir().join(format!("gaps-dealing-{mode}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("dir");
+    let dir = gaps_common::scratch_dir(&format!("gaps-dealing-{mode}")).expect("dir");
     let path = dir.join("train.tsv");
     std::fs::write(&path, text.join("\n") + "\n").expect("write");
     let status = dir.join("status.json");
@@ -858,8 +855,7 @@ fn dealing_through_faults(mode: &str) {
 /// simulated speed-up, and an SVG of the AUC curves.
 #[test]
 fn the_straggler_bench_runs_every_mode_and_predicts_its_speed_up() {
-    let dir = std::env::temp_dir().join(format!("gaps-bench-stragglers-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("dir");
+    let dir = gaps_common::scratch_dir("gaps-bench-stragglers-test").expect("dir");
     let svg = dir.join("curves.svg");
     let out = Command::new(env!("CARGO_BIN_EXE_gaps"))
         .args([
@@ -898,6 +894,24 @@ fn the_straggler_bench_runs_every_mode_and_predicts_its_speed_up() {
     assert!(plot.starts_with("<svg") && plot.matches("<polyline").count() == 2, "{plot}");
 }
 
+/// One shard process killed and started again, its shard taken over once (timed), then served by the
+/// processes `serving` (per shard), with process `spare` left a spare.
+fn one_takeover(v: &serde_json::Value, serving: [u32; 3], spare: u32) {
+    assert_eq!(v["failovers"], 1, "{v}");
+    let took = v["failover_s"][0].as_f64().expect("a fail-over time");
+    assert!(took > 0.0 && took < 60.0, "{v}");
+    assert_eq!(v["serving"], serde_json::json!(serving), "{v}");
+    assert_eq!(v["spare_processes"], serde_json::json!([spare]), "{v}");
+    assert_eq!(v["shard_restarts"], 1, "{v}");
+}
+
+/// Every acknowledged push applied exactly once.
+fn nothing_lost_or_applied_twice(v: &serde_json::Value) {
+    assert_eq!(v["pushes_lost"], 0, "{v}");
+    assert_eq!(v["pushes_applied_twice"], 0, "{v}");
+    assert_eq!(v["pushes_applied"], v["pushes_acknowledged"], "{v}");
+}
+
 /// Issue 34: with `--replicas 2`, shard 1's process SIGKILLed mid-run is taken over by its backup (process
 /// 2), and started again empty it comes back as a spare that keeps a copy of shard 1; the summary says who
 /// serves what, counts the take-over, and nothing acknowledged is lost or applied twice. (Whether the spare's
@@ -905,13 +919,8 @@ fn the_straggler_bench_runs_every_mode_and_predicts_its_speed_up() {
 #[test]
 fn a_killed_replicated_shard_is_taken_over_and_the_summary_says_so() {
     let v = run_replicated("400", "async", &["--kill-shard", "1@1s", "--restart-shard", "1@2.5s"]);
-    assert_eq!(v["failovers"], 1, "{v}");
     // The take-over was seen: the backup asks after 1 s of silence, the coordinator probes for 0.5 s.
-    let took = v["failover_s"][0].as_f64().expect("a fail-over time");
-    assert!(took > 0.0 && took < 60.0, "{v}");
-    assert_eq!(v["serving"], serde_json::json!([0, 2, 2]), "{v}");
-    assert_eq!(v["spare_processes"], serde_json::json!([1]), "{v}");
-    assert_eq!(v["shard_restarts"], 1, "{v}");
+    one_takeover(&v, [0, 2, 2], 1);
     let in_sync = &v["backups_in_sync"];
     // Shard 0's backups are those a majority chose last: process 1's copy, once the spare caught up again.
     let shard0 = in_sync[0].as_array().expect("shard 0's backups, chosen by a majority");
@@ -935,9 +944,7 @@ fn a_killed_replicated_shard_is_taken_over_and_the_summary_says_so() {
         assert!(c["snapshots"].as_u64() >= Some(1) && c["bytes"].as_u64() > Some(0), "{c}");
         assert!(c["pause_peak_s"].as_f64().is_some_and(|p| p > 0.0), "{c}");
     }
-    assert_eq!(v["pushes_lost"], 0, "{v}");
-    assert_eq!(v["pushes_applied_twice"], 0, "{v}");
-    assert_eq!(v["pushes_applied"], v["pushes_acknowledged"], "{v}");
+    nothing_lost_or_applied_twice(&v);
 }
 
 /// Every shard process of a replicated cluster killed at once and started again, no takeover before (every
@@ -1003,17 +1010,10 @@ fn a_replicated_cluster_killed_whole_after_takeovers_serves_them_again_from_its_
 #[test]
 fn a_killed_coordinator_is_taken_over_by_a_majoritys_choice_and_the_summary_says_so() {
     let v = run_replicated("400", "sync", &["--kill-shard", "0@1s", "--restart-shard", "0@2.5s"]);
-    assert_eq!(v["failovers"], 1, "{v}");
-    let took = v["failover_s"][0].as_f64().expect("a fail-over time for the coordinator");
-    assert!(took > 0.0 && took < 60.0, "{v}");
-    assert_eq!(v["serving"], serde_json::json!([1, 1, 2]), "{v}");
-    assert_eq!(v["spare_processes"], serde_json::json!([0]), "{v}");
-    assert_eq!(v["shard_restarts"], 1, "{v}");
+    one_takeover(&v, [1, 1, 2], 0);
     // Shard 0's only other copy can be the spare's; shard 1's backup (process 2) stayed up throughout.
     let shard0 = v["backups_in_sync"][0].as_array().expect("shard 0's backups");
     assert!(shard0.iter().all(|p| p == 0), "{v}");
     assert_eq!(v["backups_in_sync"][1], serde_json::json!([2]), "{v}");
-    assert_eq!(v["pushes_lost"], 0, "{v}");
-    assert_eq!(v["pushes_applied_twice"], 0, "{v}");
-    assert_eq!(v["pushes_applied"], v["pushes_acknowledged"], "{v}");
+    nothing_lost_or_applied_twice(&v);
 }

@@ -329,9 +329,7 @@ fn setup(net: &Net, test: &str, workers: &[&str], sans: &[String]) -> PathBuf {
 
 /// [`setup`] with certificates for `shards` shard processes (on hosts `0..shards`).
 fn setup_shards(net: &Net, test: &str, workers: &[&str], sans: &[String], shards: usize) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("gaps-netns-{test}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("temp dir");
+    let dir = gaps_common::scratch_dir(&format!("gaps-netns-{test}")).expect("temp dir");
     let out = dir.join("certs").display().to_string();
     let mut args = vec!["certs".to_string(), "--out".into(), out, "--shards".into(), shards.to_string()];
     for san in (0..shards).map(|i| net.addr(i)).collect::<Vec<_>>().iter().chain(sans) {

@@ -108,26 +108,6 @@ impl<D: Device> Resident<D> {
         Ok(Resident { device, layout, arenas, staging, staging_floats, to_device: 0, to_host: 0 })
     }
 
-    /// The device's name.
-    pub fn device_name(&self) -> String {
-        self.device.name()
-    }
-
-    /// The layout the state follows.
-    pub fn layout(&self) -> &DeviceLayout {
-        &self.layout
-    }
-
-    /// Bytes copied to the device by pushes and pulls so far (loads and checkpoint reads not counted).
-    pub fn bytes_to_device(&self) -> u64 {
-        self.to_device
-    }
-
-    /// Bytes copied back to the host by pulls so far.
-    pub fn bytes_to_host(&self) -> u64 {
-        self.to_host
-    }
-
     fn chunk_planes(&self, chunk: usize) -> Result<(u64, usize, Rule), KernelError> {
         let slot = self.layout.slots().get(chunk).ok_or_else(|| internal(format!("no chunk {chunk}")))?;
         Ok((slot.offset, slot.len as usize, slot.rule))
@@ -190,36 +170,166 @@ impl<D: Device> Resident<D> {
         Ok((params, shared, worker))
     }
 
+    /// Where worker slot `stripe`'s plane of `chunk` sits in the worker arena (None when its rule keeps no
+    /// per-worker plane).
+    fn worker_at(&self, chunk: usize, stripe: u32) -> Result<Option<(u64, usize)>, KernelError> {
+        let (offset, n, rule) = self.chunk_planes(chunk)?;
+        if rule.layout().worker_planes == 0 {
+            return Ok(None);
+        }
+        if stripe >= self.layout.worker_slots() {
+            return Err(internal(format!("worker slot {stripe} of {}", self.layout.worker_slots())));
+        }
+        Ok(Some((u64::from(stripe) * self.layout.arena_sizes().params + offset, n)))
+    }
+}
+
+/// One push for [`ResidentState::push`]: `grads` holds every chunk's gradient in the order of `chunks`,
+/// `reads` the echo of each chunk whose rule needs one, in the same order (the plan's staging layout);
+/// `hypers` and `scalars` one per chunk.
+#[derive(Debug, Clone, Copy)]
+pub struct PushBatch<'a> {
+    /// Layout indices of the chunks pushed.
+    pub chunks: &'a [usize],
+    /// The pushing worker's slot.
+    pub worker_slot: u32,
+    /// Each chunk's hyper-parameters.
+    pub hypers: &'a [Hyper],
+    /// Each chunk's per-push scalars.
+    pub scalars: &'a [PushScalars],
+    /// The gradients.
+    pub grads: &'a [f32],
+    /// The echoes.
+    pub reads: &'a [f32],
+}
+
+/// What a pull needs to compute DANA's look-ahead ([`crate::pull_values`]) where a chunk's rule has one.
+#[derive(Debug, Clone, Copy)]
+pub struct Lookahead<'a> {
+    /// The chunk's hyper-parameters.
+    pub hyper: &'a Hyper,
+    /// The learning rate in force.
+    pub lr: f32,
+    /// Live workers.
+    pub workers: u32,
+}
+
+/// A [`Resident`] on whichever device was chosen at run time (what a shard holds): the same operations,
+/// object-safe.
+pub trait ResidentState: std::fmt::Debug + Send {
+    /// The device's name.
+    fn device_name(&self) -> String;
+    /// The layout the state follows.
+    fn layout(&self) -> &DeviceLayout;
+    /// Bytes copied to the device by pushes and pulls so far (loads and checkpoint reads not counted).
+    fn bytes_to_device(&self) -> u64;
+    /// Bytes copied back to the host by pulls so far.
+    fn bytes_to_host(&self) -> u64;
+    /// See [`Resident::load_chunk`] (parameters and shared planes; worker planes with `load_worker`).
+    fn load_chunk(&mut self, chunk: usize, params: &[f32], shared: &[&[f32]]) -> Result<(), KernelError>;
     /// One chunk's parameters (a checkpoint's or a synchronous step's read), appended to `out`.
-    pub fn read_params(&self, chunk: usize, out: &mut Vec<f32>) -> Result<(), KernelError> {
+    fn read_params(&self, chunk: usize, out: &mut Vec<f32>) -> Result<(), KernelError>;
+    /// Appends `chunk`'s shared planes, one after the other, to `out`.
+    fn read_shared(&self, chunk: usize, out: &mut Vec<f32>) -> Result<(), KernelError>;
+    /// Replaces one chunk's parameters (its optimizer state stays).
+    fn load_params(&mut self, chunk: usize, params: &[f32]) -> Result<(), KernelError>;
+    /// Appends worker slot `stripe`'s plane of `chunk` to `out` (nothing for rules without one).
+    fn read_worker(&self, chunk: usize, stripe: u32, out: &mut Vec<f32>) -> Result<(), KernelError>;
+    /// Loads worker slot `stripe`'s plane of `chunk` (a restore).
+    fn load_worker(&mut self, chunk: usize, stripe: u32, plane: &[f32]) -> Result<(), KernelError>;
+    /// Frees worker slot `stripe` for another worker: its planes are zeroed and, under the rules with a
+    /// look-ahead, first taken out of the shared sum (plane 0), as the host path forgets a worker.
+    fn release_worker(&mut self, stripe: u32) -> Result<(), KernelError>;
+    /// Applies a push of `chunks` (layout indices) by `worker_slot`: `grads` holds every chunk's gradient in
+    /// the order of `chunks`, `reads` the echo of each chunk whose rule needs one, in the same order (the
+    /// plan's staging layout); `hypers` and `scalars` one per chunk. One copy to the device and one pass over
+    /// the chunk table; returns the plan followed.
+    fn push(&mut self, batch: PushBatch<'_>) -> Result<PushPlan, KernelError>;
+    /// Appends what a pull of `chunks` reads to `out`: each chunk's parameters, or DANA's look-ahead
+    /// (computed here from the copied parameters and momentum plane, as `crate::pull_values` does).
+    fn pull(&mut self, chunks: &[usize], lookahead: Lookahead<'_>, out: &mut Vec<f32>) -> Result<(), KernelError>;
+}
+
+impl<D> ResidentState for Resident<D>
+where
+    D: Device + std::fmt::Debug + Send,
+    D::Buf: std::fmt::Debug + Send,
+{
+    fn device_name(&self) -> String {
+        self.device.name()
+    }
+    fn layout(&self) -> &DeviceLayout {
+        &self.layout
+    }
+    fn bytes_to_device(&self) -> u64 {
+        self.to_device
+    }
+    fn bytes_to_host(&self) -> u64 {
+        self.to_host
+    }
+    fn load_chunk(&mut self, chunk: usize, params: &[f32], shared: &[&[f32]]) -> Result<(), KernelError> {
+        Resident::load_chunk(self, chunk, params, shared, &[])
+    }
+    fn read_params(&self, chunk: usize, out: &mut Vec<f32>) -> Result<(), KernelError> {
         let (offset, n, _) = self.chunk_planes(chunk)?;
         let start = out.len();
         out.resize(start + n, 0.0);
         self.device.download(&self.arenas.params, offset, &mut out[start..])
     }
-
-    /// Replaces one chunk's parameters (its optimizer state stays).
-    pub fn load_params(&mut self, chunk: usize, params: &[f32]) -> Result<(), KernelError> {
+    fn read_shared(&self, chunk: usize, out: &mut Vec<f32>) -> Result<(), KernelError> {
+        let (offset, n, rule) = self.chunk_planes(chunk)?;
+        for k in 0..rule.layout().shared_planes {
+            let start = out.len();
+            out.resize(start + n, 0.0);
+            self.device.download(if k == 0 { &self.arenas.s0 } else { &self.arenas.s1 }, offset, &mut out[start..])?;
+        }
+        Ok(())
+    }
+    fn load_params(&mut self, chunk: usize, params: &[f32]) -> Result<(), KernelError> {
         let (offset, n, _) = self.chunk_planes(chunk)?;
         if params.len() != n {
             return Err(internal(format!("chunk {chunk} has {n} values, got {}", params.len())));
         }
         self.device.upload(params, &mut self.arenas.params, offset)
     }
-
-    /// Applies a push of `chunks` (layout indices) by `worker_slot`: `grads` holds every chunk's gradient in
-    /// the order of `chunks`, `reads` the echo of each chunk whose rule needs one, in the same order (the
-    /// plan's staging layout); `hypers` and `scalars` one per chunk. One copy to the device and one pass over
-    /// the chunk table; returns the plan followed.
-    pub fn push(
-        &mut self,
-        chunks: &[usize],
-        worker_slot: u32,
-        hypers: &[Hyper],
-        scalars: &[PushScalars],
-        grads: &[f32],
-        reads: &[f32],
-    ) -> Result<PushPlan, KernelError> {
+    fn read_worker(&self, chunk: usize, stripe: u32, out: &mut Vec<f32>) -> Result<(), KernelError> {
+        let Some((at, n)) = self.worker_at(chunk, stripe)? else { return Ok(()) };
+        let start = out.len();
+        out.resize(start + n, 0.0);
+        self.device.download(&self.arenas.worker, at, &mut out[start..])
+    }
+    fn load_worker(&mut self, chunk: usize, stripe: u32, plane: &[f32]) -> Result<(), KernelError> {
+        let Some((at, n)) = self.worker_at(chunk, stripe)? else {
+            return Err(internal(format!("chunk {chunk}'s rule keeps no per-worker plane")));
+        };
+        if plane.len() != n {
+            return Err(internal(format!("chunk {chunk} has {n} values, its worker plane {}", plane.len())));
+        }
+        self.device.upload(plane, &mut self.arenas.worker, at)
+    }
+    fn release_worker(&mut self, stripe: u32) -> Result<(), KernelError> {
+        let mut plane = Vec::new();
+        let mut shared = Vec::new();
+        for chunk in 0..self.layout.slots().len() {
+            let Some((at, n)) = self.worker_at(chunk, stripe)? else { continue };
+            let (offset, _, rule) = self.chunk_planes(chunk)?;
+            plane.clear();
+            plane.resize(n, 0.0);
+            self.device.download(&self.arenas.worker, at, &mut plane)?;
+            if rule.layout().lookahead {
+                shared.clear();
+                shared.resize(n, 0.0);
+                self.device.download(&self.arenas.s0, offset, &mut shared)?;
+                shared.iter_mut().zip(&plane).for_each(|(s, v)| *s -= v);
+                self.device.upload(&shared, &mut self.arenas.s0, offset)?;
+            }
+            plane.iter_mut().for_each(|v| *v = 0.0);
+            self.device.upload(&plane, &mut self.arenas.worker, at)?;
+        }
+        Ok(())
+    }
+    fn push(&mut self, batch: PushBatch<'_>) -> Result<PushPlan, KernelError> {
+        let PushBatch { chunks, worker_slot, hypers, scalars, grads, reads } = batch;
         let plan = self.layout.push_plan(chunks, worker_slot)?;
         let staged = (grads.len() + reads.len()) as u64;
         if staged != plan.staged_floats || plan.staged_floats > self.staging_floats {
@@ -248,73 +358,8 @@ impl<D: Device> Resident<D> {
         self.device.apply_table(&table, &mut self.arenas, &self.staging)?;
         Ok(plan)
     }
-
-    /// Where worker slot `stripe`'s plane of `chunk` sits in the worker arena (None when its rule keeps no
-    /// per-worker plane).
-    fn worker_at(&self, chunk: usize, stripe: u32) -> Result<Option<(u64, usize)>, KernelError> {
-        let (offset, n, rule) = self.chunk_planes(chunk)?;
-        if rule.layout().worker_planes == 0 {
-            return Ok(None);
-        }
-        if stripe >= self.layout.worker_slots() {
-            return Err(internal(format!("worker slot {stripe} of {}", self.layout.worker_slots())));
-        }
-        Ok(Some((u64::from(stripe) * self.layout.arena_sizes().params + offset, n)))
-    }
-
-    /// Appends worker slot `stripe`'s plane of `chunk` to `out` (nothing for rules without one).
-    pub fn read_worker(&self, chunk: usize, stripe: u32, out: &mut Vec<f32>) -> Result<(), KernelError> {
-        let Some((at, n)) = self.worker_at(chunk, stripe)? else { return Ok(()) };
-        let start = out.len();
-        out.resize(start + n, 0.0);
-        self.device.download(&self.arenas.worker, at, &mut out[start..])
-    }
-
-    /// Loads worker slot `stripe`'s plane of `chunk` (a restore).
-    pub fn load_worker(&mut self, chunk: usize, stripe: u32, plane: &[f32]) -> Result<(), KernelError> {
-        let Some((at, n)) = self.worker_at(chunk, stripe)? else {
-            return Err(internal(format!("chunk {chunk}'s rule keeps no per-worker plane")));
-        };
-        if plane.len() != n {
-            return Err(internal(format!("chunk {chunk} has {n} values, its worker plane {}", plane.len())));
-        }
-        self.device.upload(plane, &mut self.arenas.worker, at)
-    }
-
-    /// Frees worker slot `stripe` for another worker: its planes are zeroed and, under the rules with a
-    /// look-ahead, first taken out of the shared sum (plane 0), as the host path forgets a worker.
-    pub fn release_worker(&mut self, stripe: u32) -> Result<(), KernelError> {
-        let mut plane = Vec::new();
-        let mut shared = Vec::new();
-        for chunk in 0..self.layout.slots().len() {
-            let Some((at, n)) = self.worker_at(chunk, stripe)? else { continue };
-            let (offset, _, rule) = self.chunk_planes(chunk)?;
-            plane.clear();
-            plane.resize(n, 0.0);
-            self.device.download(&self.arenas.worker, at, &mut plane)?;
-            if rule.layout().lookahead {
-                shared.clear();
-                shared.resize(n, 0.0);
-                self.device.download(&self.arenas.s0, offset, &mut shared)?;
-                shared.iter_mut().zip(&plane).for_each(|(s, v)| *s -= v);
-                self.device.upload(&shared, &mut self.arenas.s0, offset)?;
-            }
-            plane.iter_mut().for_each(|v| *v = 0.0);
-            self.device.upload(&plane, &mut self.arenas.worker, at)?;
-        }
-        Ok(())
-    }
-
-    /// Appends what a pull of `chunks` reads to `out`: each chunk's parameters, or DANA's look-ahead
-    /// (computed here from the copied parameters and momentum plane, as `crate::pull_values` does).
-    pub fn pull(
-        &mut self,
-        chunks: &[usize],
-        hyper: &Hyper,
-        lr: f32,
-        workers: u32,
-        out: &mut Vec<f32>,
-    ) -> Result<(), KernelError> {
+    fn pull(&mut self, chunks: &[usize], lookahead: Lookahead<'_>, out: &mut Vec<f32>) -> Result<(), KernelError> {
+        let Lookahead { hyper, lr, workers } = lookahead;
         let plan = self.layout.pull_plan(chunks)?;
         for (&chunk, (offset, len, lookahead)) in chunks.iter().zip(plan.copies) {
             let n = len as usize;
@@ -332,120 +377,6 @@ impl<D: Device> Resident<D> {
             }
         }
         Ok(())
-    }
-}
-
-/// A [`Resident`] on whichever device was chosen at run time (what a shard holds): the same operations,
-/// object-safe.
-pub trait ResidentState: std::fmt::Debug + Send {
-    /// See [`Resident::device_name`].
-    fn device_name(&self) -> String;
-    /// See [`Resident::layout`].
-    fn layout(&self) -> &DeviceLayout;
-    /// See [`Resident::bytes_to_device`].
-    fn bytes_to_device(&self) -> u64;
-    /// See [`Resident::bytes_to_host`].
-    fn bytes_to_host(&self) -> u64;
-    /// See [`Resident::load_chunk`] (parameters and shared planes; worker planes with `load_worker`).
-    fn load_chunk(&mut self, chunk: usize, params: &[f32], shared: &[&[f32]]) -> Result<(), KernelError>;
-    /// See [`Resident::read_params`].
-    fn read_params(&self, chunk: usize, out: &mut Vec<f32>) -> Result<(), KernelError>;
-    /// Appends `chunk`'s shared planes, one after the other, to `out`.
-    fn read_shared(&self, chunk: usize, out: &mut Vec<f32>) -> Result<(), KernelError>;
-    /// See [`Resident::load_params`].
-    fn load_params(&mut self, chunk: usize, params: &[f32]) -> Result<(), KernelError>;
-    /// See [`Resident::read_worker`].
-    fn read_worker(&self, chunk: usize, stripe: u32, out: &mut Vec<f32>) -> Result<(), KernelError>;
-    /// See [`Resident::load_worker`].
-    fn load_worker(&mut self, chunk: usize, stripe: u32, plane: &[f32]) -> Result<(), KernelError>;
-    /// See [`Resident::release_worker`].
-    fn release_worker(&mut self, stripe: u32) -> Result<(), KernelError>;
-    /// See [`Resident::push`].
-    #[allow(clippy::too_many_arguments)]
-    fn push(
-        &mut self,
-        chunks: &[usize],
-        worker_slot: u32,
-        hypers: &[Hyper],
-        scalars: &[PushScalars],
-        grads: &[f32],
-        reads: &[f32],
-    ) -> Result<PushPlan, KernelError>;
-    /// See [`Resident::pull`].
-    fn pull(
-        &mut self,
-        chunks: &[usize],
-        hyper: &Hyper,
-        lr: f32,
-        workers: u32,
-        out: &mut Vec<f32>,
-    ) -> Result<(), KernelError>;
-}
-
-impl<D> ResidentState for Resident<D>
-where
-    D: Device + std::fmt::Debug + Send,
-    D::Buf: std::fmt::Debug + Send,
-{
-    fn device_name(&self) -> String {
-        Resident::device_name(self)
-    }
-    fn layout(&self) -> &DeviceLayout {
-        Resident::layout(self)
-    }
-    fn bytes_to_device(&self) -> u64 {
-        Resident::bytes_to_device(self)
-    }
-    fn bytes_to_host(&self) -> u64 {
-        Resident::bytes_to_host(self)
-    }
-    fn load_chunk(&mut self, chunk: usize, params: &[f32], shared: &[&[f32]]) -> Result<(), KernelError> {
-        Resident::load_chunk(self, chunk, params, shared, &[])
-    }
-    fn read_params(&self, chunk: usize, out: &mut Vec<f32>) -> Result<(), KernelError> {
-        Resident::read_params(self, chunk, out)
-    }
-    fn read_shared(&self, chunk: usize, out: &mut Vec<f32>) -> Result<(), KernelError> {
-        let (offset, n, rule) = self.chunk_planes(chunk)?;
-        for k in 0..rule.layout().shared_planes {
-            let start = out.len();
-            out.resize(start + n, 0.0);
-            self.device.download(if k == 0 { &self.arenas.s0 } else { &self.arenas.s1 }, offset, &mut out[start..])?;
-        }
-        Ok(())
-    }
-    fn load_params(&mut self, chunk: usize, params: &[f32]) -> Result<(), KernelError> {
-        Resident::load_params(self, chunk, params)
-    }
-    fn read_worker(&self, chunk: usize, stripe: u32, out: &mut Vec<f32>) -> Result<(), KernelError> {
-        Resident::read_worker(self, chunk, stripe, out)
-    }
-    fn load_worker(&mut self, chunk: usize, stripe: u32, plane: &[f32]) -> Result<(), KernelError> {
-        Resident::load_worker(self, chunk, stripe, plane)
-    }
-    fn release_worker(&mut self, stripe: u32) -> Result<(), KernelError> {
-        Resident::release_worker(self, stripe)
-    }
-    fn push(
-        &mut self,
-        chunks: &[usize],
-        worker_slot: u32,
-        hypers: &[Hyper],
-        scalars: &[PushScalars],
-        grads: &[f32],
-        reads: &[f32],
-    ) -> Result<PushPlan, KernelError> {
-        Resident::push(self, chunks, worker_slot, hypers, scalars, grads, reads)
-    }
-    fn pull(
-        &mut self,
-        chunks: &[usize],
-        hyper: &Hyper,
-        lr: f32,
-        workers: u32,
-        out: &mut Vec<f32>,
-    ) -> Result<(), KernelError> {
-        Resident::pull(self, chunks, hyper, lr, workers, out)
     }
 }
 
@@ -586,7 +517,11 @@ pub(crate) mod tests {
 
     /// Loads the initial state of `rule`'s scenario on `device`, applies its pushes through the resident
     /// executor, and reads everything back.
-    pub(crate) fn run_resident<D: Device>(device: D, rule: Rule) -> Outcome {
+    pub(crate) fn run_resident<D>(device: D, rule: Rule) -> Outcome
+    where
+        D: Device + std::fmt::Debug + Send,
+        D::Buf: std::fmt::Debug + Send,
+    {
         let layout =
             DeviceLayout::new(&LENS.iter().map(|n| (*n as u32, rule)).collect::<Vec<_>>(), WORKERS).expect("layout");
         let mut resident = Resident::new(device, layout).expect("resident");
@@ -598,7 +533,16 @@ pub(crate) mod tests {
         for (chunks, slot, scalars, grads, reads) in pushes(rule) {
             let (grads, reads) = (grads.concat(), reads.concat());
             let hypers = vec![hyper(); chunks.len()];
-            let plan = resident.push(&chunks, slot, &hypers, &scalars, &grads, &reads).expect("push");
+            let plan = resident
+                .push(PushBatch {
+                    chunks: &chunks,
+                    worker_slot: slot,
+                    hypers: &hypers,
+                    scalars: &scalars,
+                    grads: &grads,
+                    reads: &reads,
+                })
+                .expect("push");
             assert_eq!(plan.bytes_to_device(), 4 * (grads.len() + reads.len()) as u64);
         }
         let states = (0..LENS.len())
@@ -608,7 +552,7 @@ pub(crate) mod tests {
             })
             .collect();
         let mut pulled = Vec::new();
-        resident.pull(&[1, 2], &hyper(), 0.05, WORKERS, &mut pulled).expect("pull");
+        resident.pull(&[1, 2], Lookahead { hyper: &hyper(), lr: 0.05, workers: WORKERS }, &mut pulled).expect("pull");
         Outcome { states, pulled, to_device: resident.bytes_to_device(), to_host: resident.bytes_to_host() }
     }
 
@@ -647,21 +591,32 @@ pub(crate) mod tests {
         }
     }
 
+    /// A push by worker slot 0.
+    fn batch<'a>(
+        chunks: &'a [usize],
+        hypers: &'a [Hyper],
+        scalars: &'a [PushScalars],
+        grads: &'a [f32],
+        reads: &'a [f32],
+    ) -> PushBatch<'a> {
+        PushBatch { chunks, worker_slot: 0, hypers, scalars, grads, reads }
+    }
+
     #[test]
     fn pushes_of_the_wrong_shape_are_refused_before_anything_moves() {
         let layout = DeviceLayout::new(&[(8, Rule::Momentum), (4, Rule::GapAware)], 1).expect("layout");
         let mut r = Resident::new(HostDevice, layout).expect("resident");
         let h = Hyper::default();
         let s = PushScalars::fresh(0.1, 1);
-        assert!(r.push(&[0], 0, &[h], &[s], &[0.0; 7], &[]).is_err(), "too few floats");
-        assert!(r.push(&[1], 0, &[h], &[s], &[0.0; 4], &[]).is_err(), "gap-aware without its echo");
-        assert!(r.push(&[1], 0, &[h], &[s], &[0.0; 8], &[]).is_err(), "the echo counted as gradient");
-        assert!(r.push(&[0, 1], 0, &[h, h], &[s], &[0.0; 12], &[0.0; 4]).is_err(), "one set of scalars for two");
-        assert!(r.push(&[0, 1], 0, &[h], &[s, s], &[0.0; 12], &[0.0; 4]).is_err(), "one hyper for two chunks");
-        assert!(r.push(&[2], 0, &[h], &[s], &[0.0; 8], &[]).is_err(), "no such chunk");
+        assert!(r.push(batch(&[0], &[h], &[s], &[0.0; 7], &[])).is_err(), "too few floats");
+        assert!(r.push(batch(&[1], &[h], &[s], &[0.0; 4], &[])).is_err(), "gap-aware without its echo");
+        assert!(r.push(batch(&[1], &[h], &[s], &[0.0; 8], &[])).is_err(), "the echo counted as gradient");
+        assert!(r.push(batch(&[0, 1], &[h, h], &[s], &[0.0; 12], &[0.0; 4])).is_err(), "one set of scalars for two");
+        assert!(r.push(batch(&[0, 1], &[h], &[s, s], &[0.0; 12], &[0.0; 4])).is_err(), "one hyper for two chunks");
+        assert!(r.push(batch(&[2], &[h], &[s], &[0.0; 8], &[])).is_err(), "no such chunk");
         assert!(r.load_chunk(0, &[0.0; 8], &[], &[]).is_err(), "momentum's plane missing");
         assert_eq!(r.bytes_to_device(), 0);
-        r.push(&[1, 0], 0, &[h, h], &[s, s], &[0.0; 12], &[0.0; 4]).expect("a push of the right shape");
+        r.push(batch(&[1, 0], &[h, h], &[s, s], &[0.0; 12], &[0.0; 4])).expect("a push of the right shape");
         assert_eq!(r.bytes_to_device(), 64);
         // Parameters alone can be replaced and read back; the optimizer state stays.
         assert!(r.load_params(1, &[1.0; 3]).is_err(), "wrong length");

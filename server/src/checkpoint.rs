@@ -264,9 +264,7 @@ mod tests {
     /// checkpoint.
     #[test]
     fn manifests_read_back_typed_and_incomplete_ones_are_refused() {
-        let dir = std::env::temp_dir().join(format!("gaps-ckpt-manifest-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&dir);
-        fs::create_dir_all(&dir).expect("dir");
+        let dir = gaps_common::scratch_dir("gaps-ckpt-manifest").expect("dir");
         let (bin, json) = (dir.join("ckpt-7.bin"), dir.join("ckpt-7.json"));
         fs::write(&bin, b"snapshot").expect("bin");
         let crc = crc32fast::hash(b"snapshot");
@@ -284,9 +282,7 @@ mod tests {
 
     #[test]
     fn a_failed_write_leaves_no_temporary_file() {
-        let dir = std::env::temp_dir().join(format!("gaps-ckpt-tmp-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&dir);
-        fs::create_dir_all(&dir).expect("dir");
+        let dir = gaps_common::scratch_dir("gaps-ckpt-tmp").expect("dir");
         // The destination is a non-empty directory, so the final rename fails after the data was written.
         let path = dir.join("ckpt-1.bin");
         fs::create_dir_all(path.join("in-the-way")).expect("obstacle");

@@ -96,8 +96,7 @@ mod tests {
 
     #[test]
     fn splits_end_at_line_ends_and_cover_every_byte() {
-        let dir = std::env::temp_dir().join(format!("gaps-cut-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("dir");
+        let dir = gaps_common::scratch_dir("gaps-cut").expect("dir");
         let a = dir.join("a.tsv");
         std::fs::write(&a, "l1\nline2\nl3\nl4\nl5").expect("write");
         let b = dir.join("b.tsv");

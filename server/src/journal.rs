@@ -78,8 +78,7 @@ mod tests {
 
     #[test]
     fn a_journal_reads_back_its_changes_and_stops_at_a_torn_line() {
-        let dir = std::env::temp_dir().join(format!("gaps-journal-test-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("dir");
+        let dir = gaps_common::scratch_dir("gaps-journal-test").expect("dir");
         assert_eq!(read(&dir, 7), Ok(Vec::new()), "no journal: nothing to replay");
         let changes = [
             DealerOp::Deal { op: 1, worker: 0, finished: None, grant: Some(5) },

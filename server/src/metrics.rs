@@ -201,6 +201,49 @@ impl ShardMetrics {
     }
 }
 
+/// What kind of metric a name is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Only goes up.
+    Counter,
+    /// Goes up and down.
+    Gauge,
+    /// A distribution in buckets.
+    Histogram,
+}
+
+/// Every metric a shard exports, with its kind and its help text (the `# HELP` line of `/metrics`).
+#[rustfmt::skip]
+pub const DESCRIBED: &[(Kind, &str, &str)] = &[
+    (Kind::Counter, "gaps_pushes_applied_total", "Gradient pushes applied (each (worker, seq) once)."),
+    (Kind::Counter, "gaps_push_duplicates_total", "Retried pushes acknowledged without applying them again."),
+    (Kind::Counter, "gaps_push_rejected_total", "Pushes refused with a typed error (nothing applied)."),
+    (Kind::Counter, "gaps_pulls_total", "Parameter pulls served."),
+    (Kind::Gauge, "gaps_replica_lag_entries", "Log entries the slowest backup of this shard has not applied yet (--replicas)."),
+    (Kind::Gauge, "gaps_replica_log_bytes", "Bytes of log entries kept for this shard's backups."),
+    (Kind::Gauge, "gaps_replica_live_backups", "Backups of this shard that replies wait for."),
+    (Kind::Counter, "gaps_replica_dropped_total", "Backups dropped from the live set (failed, late, or too far behind); each copies a new snapshot."),
+    (Kind::Counter, "gaps_replica_snapshots_total", "Snapshots of this shard taken for its backups (the first copy, and one after each drop)."),
+    (Kind::Gauge, "gaps_replica_copy_bytes_left", "Bytes of the snapshots being sent to this shard's backups not sent yet (re-replication progress)."),
+    (Kind::Counter, "gaps_requests_timed_out_total", "Requests cut off: not whole within the request timeout, stalled, or their reply not taken."),
+    (Kind::Counter, "gaps_requests_busy_total", "Requests refused as busy (sent again by the client): no room in the in-flight budget in time."),
+    (Kind::Counter, "gaps_connections_refused_total", "Connections refused because the shard already served its maximum."),
+    (Kind::Counter, "gaps_unauthorized_total", "Requests and connections refused because the peer's certificate or credential does not allow them."),
+    (Kind::Counter, "gaps_bytes_in_total", "Frame bytes received."),
+    (Kind::Counter, "gaps_bytes_out_total", "Frame bytes sent."),
+    (Kind::Histogram, "gaps_rpc_seconds", "RPC service time in seconds, by kind."),
+    (Kind::Histogram, "gaps_staleness_updates", "Staleness of applied pushes, in updates since the read."),
+    (Kind::Gauge, "gaps_live_workers", "Workers holding a lease."),
+    (Kind::Gauge, "gaps_table_rows", "Embedding rows held by the shard's tables."),
+    (Kind::Gauge, "gaps_table_bytes", "Bytes held by the shard's tables (rows, state, index)."),
+    (Kind::Gauge, "gaps_mode", "Training mode in force: 0 async, 1 sync, 2 gba, 3 ssp."),
+    (Kind::Counter, "gaps_mode_switches_total", "Automatic switches between sync and gba (each logged with its reason)."),
+    (Kind::Counter, "gaps_steps_sync_total", "Synchronous global-batch steps applied."),
+    (Kind::Counter, "gaps_steps_gba_total", "GBA steps applied."),
+    (Kind::Counter, "gaps_dropped_stale_total", "Gradients dropped as too stale (sync: an earlier step; gba: beyond the threshold)."),
+    (Kind::Gauge, "gaps_lr_multiplier", "Learning-rate multiplier of the last update (linear scaling by live workers, ramped)."),
+];
+
 /// Installs the global Prometheus recorder with explicit buckets. Call once per process, before
 /// [`ShardMetrics::register`].
 pub fn install_recorder() -> anyhow::Result<PrometheusHandle> {
@@ -208,69 +251,13 @@ pub fn install_recorder() -> anyhow::Result<PrometheusHandle> {
         .set_buckets_for_metric(Matcher::Full("gaps_rpc_seconds".into()), &RPC_SECONDS_BUCKETS)?
         .set_buckets_for_metric(Matcher::Full("gaps_staleness_updates".into()), &STALENESS_BUCKETS)?
         .install_recorder()?;
-    metrics::describe_counter!("gaps_pushes_applied_total", "Gradient pushes applied (each (worker, seq) once).");
-    metrics::describe_counter!(
-        "gaps_push_duplicates_total",
-        "Retried pushes acknowledged without applying them again."
-    );
-    metrics::describe_counter!("gaps_push_rejected_total", "Pushes refused with a typed error (nothing applied).");
-    metrics::describe_counter!("gaps_pulls_total", "Parameter pulls served.");
-    metrics::describe_gauge!(
-        "gaps_replica_lag_entries",
-        "Log entries the slowest backup of this shard has not applied yet (--replicas)."
-    );
-    metrics::describe_gauge!("gaps_replica_log_bytes", "Bytes of log entries kept for this shard's backups.");
-    metrics::describe_gauge!("gaps_replica_live_backups", "Backups of this shard that replies wait for.");
-    metrics::describe_counter!(
-        "gaps_replica_dropped_total",
-        "Backups dropped from the live set (failed, late, or too far behind); each copies a new snapshot."
-    );
-    metrics::describe_counter!(
-        "gaps_replica_snapshots_total",
-        "Snapshots of this shard taken for its backups (the first copy, and one after each drop)."
-    );
-    metrics::describe_gauge!(
-        "gaps_replica_copy_bytes_left",
-        "Bytes of the snapshots being sent to this shard's backups not sent yet (re-replication progress)."
-    );
-    metrics::describe_counter!(
-        "gaps_requests_timed_out_total",
-        "Requests cut off: not whole within the request timeout, stalled, or their reply not taken."
-    );
-    metrics::describe_counter!(
-        "gaps_requests_busy_total",
-        "Requests refused as busy (sent again by the client): no room in the in-flight budget in time."
-    );
-    metrics::describe_counter!(
-        "gaps_connections_refused_total",
-        "Connections refused because the shard already served its maximum."
-    );
-    metrics::describe_counter!(
-        "gaps_unauthorized_total",
-        "Requests and connections refused because the peer's certificate or credential does not allow them."
-    );
-    metrics::describe_counter!("gaps_bytes_in_total", "Frame bytes received.");
-    metrics::describe_counter!("gaps_bytes_out_total", "Frame bytes sent.");
-    metrics::describe_histogram!("gaps_rpc_seconds", "RPC service time in seconds, by kind.");
-    metrics::describe_histogram!("gaps_staleness_updates", "Staleness of applied pushes, in updates since the read.");
-    metrics::describe_gauge!("gaps_live_workers", "Workers holding a lease.");
-    metrics::describe_gauge!("gaps_table_rows", "Embedding rows held by the shard's tables.");
-    metrics::describe_gauge!("gaps_table_bytes", "Bytes held by the shard's tables (rows, state, index).");
-    metrics::describe_gauge!("gaps_mode", "Training mode in force: 0 async, 1 sync, 2 gba, 3 ssp.");
-    metrics::describe_counter!(
-        "gaps_mode_switches_total",
-        "Automatic switches between sync and gba (each logged with its reason)."
-    );
-    metrics::describe_counter!("gaps_steps_sync_total", "Synchronous global-batch steps applied.");
-    metrics::describe_counter!("gaps_steps_gba_total", "GBA steps applied.");
-    metrics::describe_counter!(
-        "gaps_dropped_stale_total",
-        "Gradients dropped as too stale (sync: an earlier step; gba: beyond the threshold)."
-    );
-    metrics::describe_gauge!(
-        "gaps_lr_multiplier",
-        "Learning-rate multiplier of the last update (linear scaling by live workers, ramped)."
-    );
+    for &(kind, name, help) in DESCRIBED {
+        match kind {
+            Kind::Counter => metrics::describe_counter!(name, help),
+            Kind::Gauge => metrics::describe_gauge!(name, help),
+            Kind::Histogram => metrics::describe_histogram!(name, help),
+        }
+    }
     Ok(handle)
 }
 
@@ -337,4 +324,19 @@ async fn respond(request: &Request<Incoming>, handle: &PrometheusHandle, health:
     *response.status_mut() = status;
     response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4"));
     response
+}
+
+#[cfg(test)]
+mod tests {
+    /// docs/reference/metrics.md lists every metric the server describes, with its kind and help text.
+    #[test]
+    fn the_reference_lists_every_metric_as_the_server_describes_it() {
+        let reference = include_str!("../../docs/reference/metrics.md");
+        let rows: Vec<&str> = reference.lines().filter(|l| l.starts_with("| `gaps_")).collect();
+        let expected: Vec<String> = super::DESCRIBED
+            .iter()
+            .map(|(kind, name, help)| format!("| `{name}` | {} | {} |", format!("{kind:?}").to_lowercase(), help))
+            .collect();
+        assert_eq!(rows, expected, "regenerate the table in docs/reference/metrics.md");
+    }
 }

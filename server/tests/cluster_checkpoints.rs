@@ -95,12 +95,34 @@ async fn train(
     }
 }
 
+/// Two shards in `mode` writing checkpoints into a fresh folder of their own.
+struct TwoShards {
+    dir: std::path::PathBuf,
+    certs: ClusterCerts,
+    s0: RunningServer,
+    s1: RunningServer,
+}
+
+impl TwoShards {
+    async fn start(name: &str, mode: Mode) -> TwoShards {
+        let dir = common::fresh_dir(name);
+        let certs = ClusterCerts::generate(&[]).expect("certs");
+        let s0 = start_shard(&certs, &dir, 0, None, mode).await;
+        let s1 = start_shard(&certs, &dir, 1, Some(s0.advertise.clone()), mode).await;
+        TwoShards { dir, certs, s0, s1 }
+    }
+
+    async fn stop(self) {
+        self.s1.shutdown().await.expect("shutdown");
+        self.s0.shutdown().await.expect("shutdown");
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_sync_every_shard_writes_the_coordinators_checkpoint_at_the_same_step() {
-    let dir = common::fresh_dir("gaps-cluster-ckpt-sync");
-    let certs = ClusterCerts::generate(&[]).expect("certs");
-    let s0 = start_shard(&certs, &dir, 0, None, Mode::Sync).await;
-    let s1 = start_shard(&certs, &dir, 1, Some(s0.advertise.clone()), Mode::Sync).await;
+    let cluster = TwoShards::start("gaps-cluster-ckpt-sync", Mode::Sync).await;
+    let (dir, certs, s0) = (&cluster.dir, &cluster.certs, &cluster.s0);
     let d = dir.clone();
     train(&certs, &s0.advertise, 3, 150, move || {
         let (a, b) = (steps(&d, 0), steps(&d, 1));
@@ -127,17 +149,13 @@ async fn in_sync_every_shard_writes_the_coordinators_checkpoint_at_the_same_step
     let done = s0.cluster_checkpoint().await.expect("cluster checkpoint");
     assert_eq!(done.shards.iter().map(|s| s.shard).collect::<Vec<_>>(), vec![0, 1], "{done:?}");
     assert!(done.shards.iter().all(|s| s.step >= 140), "{done:?}");
-    s1.shutdown().await.expect("shutdown");
-    s0.shutdown().await.expect("shutdown");
-    let _ = std::fs::remove_dir_all(&dir);
+    cluster.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_async_every_shard_writes_the_coordinators_id_and_gaps_checkpoint_reaches_all() {
-    let dir = common::fresh_dir("gaps-cluster-ckpt-async");
-    let certs = ClusterCerts::generate(&[]).expect("certs");
-    let s0 = start_shard(&certs, &dir, 0, None, Mode::Async).await;
-    let s1 = start_shard(&certs, &dir, 1, Some(s0.advertise.clone()), Mode::Async).await;
+    let cluster = TwoShards::start("gaps-cluster-ckpt-async", Mode::Async).await;
+    let (dir, certs, s0) = (&cluster.dir, &cluster.certs, &cluster.s0);
     let d = dir.clone();
     train(&certs, &s0.advertise, 2, 60, move || {
         let (a, b) = (steps(&d, 0), steps(&d, 1));
@@ -160,9 +178,7 @@ async fn in_async_every_shard_writes_the_coordinators_id_and_gaps_checkpoint_rea
         assert!(s.path.contains(&format!("{:020}", done.id)), "{done:?}");
     }
     c.close().await;
-    s1.shutdown().await.expect("shutdown");
-    s0.shutdown().await.expect("shutdown");
-    let _ = std::fs::remove_dir_all(&dir);
+    cluster.stop().await;
 }
 
 /// A `CheckpointRequest` written by hand from the wire format (`common/src/wire/`): kind 17, the header's
@@ -195,10 +211,8 @@ fn the_hand_written_checkpoint_request_is_what_the_wire_format_says() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_certificates_checkpoint_requests_are_refused_and_the_schedule_keeps_its_interval() {
     use gaps_common::wire::{decode_frame, Limits, Message};
-    let dir = common::fresh_dir("gaps-cluster-ckpt-attack");
-    let certs = ClusterCerts::generate(&[]).expect("certs");
-    let s0 = start_shard(&certs, &dir, 0, None, Mode::Sync).await;
-    let s1 = start_shard(&certs, &dir, 1, Some(s0.advertise.clone()), Mode::Sync).await;
+    let cluster = TwoShards::start("gaps-cluster-ckpt-attack", Mode::Sync).await;
+    let (dir, certs, s0, s1) = (&cluster.dir, &cluster.certs, &cluster.s0, &cluster.s1);
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mut attackers = Vec::new();
     for server in [&s0, &s1] {
@@ -243,7 +257,5 @@ async fn a_worker_certificates_checkpoint_requests_are_refused_and_the_schedule_
     let longest = at_step.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
     eprintln!("{} cluster checkpoints under attack, longest interval {longest} ms", at_step.len());
     assert!(longest < 10_000, "a cluster checkpoint waited {longest} ms: {at_step:?}");
-    s1.shutdown().await.expect("shutdown");
-    s0.shutdown().await.expect("shutdown");
-    let _ = std::fs::remove_dir_all(&dir);
+    cluster.stop().await;
 }

@@ -672,16 +672,22 @@ mod tests {
         assert_eq!(d.abandoned().copied().collect::<Vec<_>>(), vec![a.grant]);
     }
 
+    /// The dealer's state as a checkpoint holds it.
+    fn saved(d: &Dealer) -> Vec<u8> {
+        let mut w = Writer::reusing(Vec::new(), 0);
+        d.write_to(&mut w);
+        w.buf
+    }
+
     #[test]
     fn after_a_rollback_grant_numbers_go_on_and_unknown_loans_are_abandoned() {
         let mut before = Dealer::new(files(6));
         let (a, _) = before.deal(0, None);
-        let mut w = Writer::reusing(Vec::new(), 0);
-        before.write_to(&mut w);
+        let saved = saved(&before);
         // After the checkpoint: two more deals.
         let (b, _) = before.deal(1, None);
         let (c, _) = before.deal(2, None);
-        let mut back = Dealer::read_from(files(6), &mut Reader::new(&w.buf).expect("header")).expect("restore");
+        let mut back = Dealer::read_from(files(6), &mut Reader::new(&saved).expect("header")).expect("restore");
         back.give_back_all();
         back.continue_after(&before);
         let (next, _) = back.deal(3, None);
@@ -700,13 +706,11 @@ mod tests {
         d.deal(5, None);
         d.deal(3, a.map(|s| s.grant));
         d.give_back(5);
-        let mut w = Writer::reusing(Vec::new(), 0);
-        d.write_to(&mut w);
-        let bytes = w.buf;
-        let mut r = Reader::new(&bytes).expect("header");
+        let saved = saved(&d);
+        let mut r = Reader::new(&saved).expect("header");
         let back = Dealer::read_from(files(4), &mut r).expect("same cut");
         assert_eq!(format!("{back:?}"), format!("{d:?}"));
-        let mut r = Reader::new(&bytes).expect("header");
+        let mut r = Reader::new(&saved).expect("header");
         let err = Dealer::read_from(files(5), &mut r).expect_err("another cut");
         assert!(err.to_string().contains("--split-lines"), "{err}");
     }
@@ -715,8 +719,7 @@ mod tests {
     fn a_journal_replayed_on_the_checkpoint_continues_the_epoch_and_one_that_does_not_fit_changes_nothing() {
         let mut live = Dealer::new(files(6));
         let (a, _) = live.deal(0, None);
-        let mut w = Writer::reusing(Vec::new(), 0);
-        live.write_to(&mut w);
+        let saved = saved(&live);
         // After the checkpoint, journaled: split 0 finished, others dealt, a worker gone.
         live.set_journaling(true);
         let (b, _) = live.deal(1, None);
@@ -729,7 +732,7 @@ mod tests {
         for c in &journal {
             assert_eq!(DealerOp::parse(&c.to_line()), Some(*c));
         }
-        let restore = || Dealer::read_from(files(6), &mut Reader::new(&w.buf).expect("header")).expect("restore");
+        let restore = || Dealer::read_from(files(6), &mut Reader::new(&saved).expect("header")).expect("restore");
         let mut back = restore();
         assert_eq!(back.ops(), 1);
         assert_eq!(back.replay(&journal), Ok(4));
@@ -755,13 +758,12 @@ mod tests {
         let floor = |life: u64| DealerConfig { grant_floor: life << 32, ..files(8) };
         let mut first = Dealer::new(floor(1));
         let (a, _) = first.deal(0, None);
-        let mut w = Writer::reusing(Vec::new(), 0);
-        first.write_to(&mut w);
+        let saved = saved(&first);
         first.set_journaling(true);
         first.deal(0, a.map(|s| s.grant));
         let mut journal = first.take_journal();
         // Second life: restored from the checkpoint, the journal replayed, grants from its own floor.
-        let restore = |life: u64| Dealer::read_from(floor(life), &mut Reader::new(&w.buf).expect("h")).expect("r");
+        let restore = |life: u64| Dealer::read_from(floor(life), &mut Reader::new(&saved).expect("h")).expect("r");
         let mut second = restore(2);
         assert_eq!(second.replay(&journal), Ok(1));
         second.set_journaling(true);

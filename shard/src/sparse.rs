@@ -582,10 +582,11 @@ impl SparseTable {
             // A row evicted and re-created since the read restarts its count; treat that read as current.
             max_staleness = max_staleness.max(u64::from(self.versions[r as usize].saturating_sub(read_versions[k])));
         }
+        let push = batch::RowPush { grads, reads, hyper, base };
         if self.cfg.rule.scalars_per_row() || self.cfg.rule.layout().shared_planes > 2 || rows.len() - dropped < 2 {
-            self.push_rows(&rows, read_versions, grads, reads, hyper, base)?;
+            self.push_rows(&rows, read_versions, push)?;
         } else {
-            self.push_together(&rows, grads, reads, hyper, base)?;
+            self.push_together(&rows, push)?;
         }
         for &r in rows.iter().filter(|r| **r != EMPTY) {
             self.versions[r as usize] = self.versions[r as usize].wrapping_add(1);

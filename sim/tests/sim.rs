@@ -89,8 +89,7 @@ fn dana_slim_matches_dana_zero() {
 
 #[test]
 fn the_same_seed_gives_identical_results_and_csv_twice() {
-    let dir = std::env::temp_dir().join(format!("gaps-sim-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("dir");
+    let dir = gaps_common::scratch_dir("gaps-sim-test").expect("dir");
     let args = |csv: &str, seed| SimArgs {
         csv: Some(dir.join(csv)),
         seed,

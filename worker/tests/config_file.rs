@@ -5,8 +5,7 @@ use std::process::Command;
 
 #[test]
 fn gaps_worker_reads_its_config_file_and_refuses_a_bad_one() {
-    let dir = std::env::temp_dir().join(format!("gaps-worker-config-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
+    let dir = gaps_common::scratch_dir("gaps-worker-config").expect("temp dir");
     let file = dir.join("gaps.toml");
     let config = format!("--config={}", file.display());
     std::fs::write(&file, "[worker]\nsteps = \"lots\"\n").expect("write");

@@ -10,6 +10,25 @@ pub struct LocalReport {
     pub servers: u32,
     /// Flags as given.
     pub workers: u32,
+    /// Held-out log-loss of the initial model.
+    pub initial_loss: f32,
+    /// Held-out log-loss of the final model.
+    pub final_loss: f32,
+    /// Steps, pushes, staleness, mode switches, restarts: what the workers and shards counted.
+    pub counters: RunCounters,
+    /// The CTR figures (CTR models only).
+    pub ctr: Option<CtrReport>,
+    /// The cluster's mode switches as the coordinator decided them, with their reasons.
+    pub switches: Vec<gaps_common::wire::ModeSwitchRecord>,
+    /// Dynamic data sharding: the dealer's account at the end (None: static shares).
+    pub data: Option<DataReport>,
+    /// Replicated shards (`--replicas` ≥ 2): the coordinator's replica sets at the end.
+    pub replication: Option<ReplicationReport>,
+}
+
+/// The run's counters: in [`LocalReport`] and, as they are, in [`LocalSummary`] (`gaps local --json`).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct RunCounters {
     /// Worker steps in total.
     pub steps: u64,
     /// Shard pushes sent by all workers (each once).
@@ -20,22 +39,16 @@ pub struct LocalReport {
     pub pushes_duplicate: u64,
     /// Requests workers resent after transport failures.
     pub retries: u64,
-    /// Held-out log-loss of the initial model.
-    pub initial_loss: f32,
-    /// Held-out log-loss of the final model.
-    pub final_loss: f32,
     /// Mean staleness of applied chunk updates.
+    #[serde(deserialize_with = "crate::reports::nan_if_null")]
     pub staleness_mean: f64,
     /// Largest staleness.
     pub staleness_max: u64,
     /// Wall-clock seconds, first process started to last process stopped.
+    #[serde(deserialize_with = "crate::reports::nan_if_null")]
     pub wall_s: f64,
-    /// The CTR figures (CTR models only).
-    pub ctr: Option<CtrReport>,
     /// Mode switches (shard 0).
     pub mode_switches: u64,
-    /// The cluster's mode switches as the coordinator decided them, with their reasons.
-    pub switches: Vec<gaps_common::wire::ModeSwitchRecord>,
     /// Every shard carried out the same switches at the same worker steps (as far as each remembers;
     /// a restarted shard only those since its restart).
     pub switches_agree: bool,
@@ -48,6 +61,7 @@ pub struct LocalReport {
     /// Gradients dropped as too stale, all shards.
     pub dropped_stale: u64,
     /// The learning-rate multiplier at the end (shard 0).
+    #[serde(deserialize_with = "crate::reports::nan_if_null")]
     pub lr_multiplier_final: f64,
     /// Shards restarted (from their checkpoints).
     pub shard_restarts: u32,
@@ -72,13 +86,10 @@ pub struct LocalReport {
     pub pushes_unconfirmed: u64,
     /// The longest time any worker took between two of its steps, seconds (a step's own time, or a stall:
     /// a dead shard, a fail-over, a straggler held for).
+    #[serde(deserialize_with = "crate::reports::nan_if_null")]
     pub longest_step_s: f64,
-    /// Dynamic data sharding: the dealer's account at the end (None: static shares).
-    pub data: Option<DataReport>,
     /// Gradients dropped at mode switches (computed in the mode before, too stale for the new), all shards.
     pub pushes_dropped_at_switch: u64,
-    /// Replicated shards (`--replicas` ≥ 2): the coordinator's replica sets at the end.
-    pub replication: Option<ReplicationReport>,
 }
 
 /// Who held each shard at the end of a replicated run, as the coordinator's map says.
@@ -291,45 +302,18 @@ pub struct LocalSummary {
     pub model: String,
     /// The dense rule.
     pub rule: String,
-    /// See [`LocalReport`] for this and the other counters.
-    pub steps: u64,
-    pub pushes_sent: u64,
-    pub pushes_applied: u64,
-    pub pushes_duplicate: u64,
-    pub retries: u64,
     /// Held-out log-loss of the initial and final model (null if not a number).
     pub initial_loss: Option<f32>,
     pub final_loss: Option<f32>,
-    #[serde(deserialize_with = "crate::reports::nan_if_null")]
-    pub staleness_mean: f64,
-    pub staleness_max: u64,
-    #[serde(deserialize_with = "crate::reports::nan_if_null")]
-    pub wall_s: f64,
+    /// See [`RunCounters`].
+    #[serde(flatten)]
+    pub counters: RunCounters,
     /// `--mode`.
     pub mode: String,
     /// `--wire-dtype`.
     pub wire_dtype: String,
-    pub mode_switches: u64,
     /// The coordinator's mode switches.
     pub switches: Vec<SwitchSummary>,
-    pub switches_agree: bool,
-    pub steps_sync: u64,
-    pub steps_gba: u64,
-    pub workers_final: u32,
-    pub dropped_stale: u64,
-    pub pushes_dropped_at_switch: u64,
-    #[serde(deserialize_with = "crate::reports::nan_if_null")]
-    pub lr_multiplier_final: f64,
-    pub shard_restarts: u32,
-    pub checkpoints_written: u64,
-    pub restored_version: u64,
-    pub pushes_acknowledged: u64,
-    pub pushes_lost: u64,
-    pub pushes_applied_twice: u64,
-    pub pushes_unconfirmed: u64,
-    #[serde(deserialize_with = "crate::reports::nan_if_null")]
-    pub longest_step_s: f64,
-    pub stale_after_restore: u64,
     /// `dynamic` or `static`.
     pub data_sharding: String,
     /// The dealer's account (dynamic data sharding).
@@ -424,19 +408,11 @@ impl LocalReport {
             workers: self.workers,
             model: args.model.name().into(),
             rule: args.rule().name().into(),
-            steps: self.steps,
-            pushes_sent: self.pushes_sent,
-            pushes_applied: self.pushes_applied,
-            pushes_duplicate: self.pushes_duplicate,
-            retries: self.retries,
             initial_loss: finite(self.initial_loss),
             final_loss: finite(self.final_loss),
-            staleness_mean: self.staleness_mean,
-            staleness_max: self.staleness_max,
-            wall_s: self.wall_s,
+            counters: self.counters.clone(),
             mode: args.modes.mode.name().into(),
             wire_dtype: args.wire_dtype.name().into(),
-            mode_switches: self.mode_switches,
             switches: self
                 .switches
                 .iter()
@@ -448,22 +424,6 @@ impl LocalReport {
                     reason: s.reason.clone(),
                 })
                 .collect(),
-            switches_agree: self.switches_agree,
-            steps_sync: self.steps_sync,
-            steps_gba: self.steps_gba,
-            workers_final: self.workers_final,
-            dropped_stale: self.dropped_stale,
-            pushes_dropped_at_switch: self.pushes_dropped_at_switch,
-            lr_multiplier_final: self.lr_multiplier_final,
-            shard_restarts: self.shard_restarts,
-            checkpoints_written: self.checkpoints_written,
-            restored_version: self.restored_version,
-            pushes_acknowledged: self.pushes_acknowledged,
-            pushes_lost: self.pushes_lost,
-            pushes_applied_twice: self.pushes_applied_twice,
-            pushes_unconfirmed: self.pushes_unconfirmed,
-            longest_step_s: self.longest_step_s,
-            stale_after_restore: self.stale_after_restore,
             data_sharding: if self.data.is_some() { "dynamic" } else { "static" }.into(),
             dealer: self.data.clone(),
             ctr: self.ctr.as_ref().map(|c| CtrSummary {

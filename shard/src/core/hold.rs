@@ -221,13 +221,18 @@ mod tests {
         assert_eq!(h.decide(0, 2, 0..4, 0.5, ms(50)), None);
     }
 
+    /// A hold that saw these pushes: (worker, milliseconds).
+    fn observed(pushes: &[(u32, u64)]) -> GbaHold {
+        let mut h = GbaHold::default();
+        for &(worker, at) in pushes {
+            h.observe(worker, ms(at));
+        }
+        h
+    }
+
     #[test]
     fn a_hold_is_bounded() {
-        let mut h = GbaHold::default();
-        h.observe(0, ms(0));
-        h.observe(0, ms(10_000));
-        h.observe(1, ms(8_500));
-        h.observe(1, ms(9_500));
+        let mut h = observed(&[(0, 0), (0, 10_000), (1, 8_500), (1, 9_500)]);
         assert_eq!(h.decide(0, 1, 0..2, 1.0, ms(10_000)), Some(ms(10_000) + MAX_HOLD));
         // A fraction that is not a number, or infinite, holds nothing and does not panic.
         assert_eq!(h.decide(0, 1, 0..2, f64::NAN, ms(10_000)), None);
@@ -236,11 +241,7 @@ mod tests {
 
     #[test]
     fn a_clock_that_starts_again_is_followed() {
-        let mut h = GbaHold::default();
-        h.observe(0, ms(5_000));
-        h.observe(0, ms(5_010));
-        h.observe(1, ms(5_000));
-        h.observe(1, ms(5_010));
+        let mut h = observed(&[(0, 5_000), (0, 5_010), (1, 5_000), (1, 5_010)]);
         // The clock restarts near 0: pushes count from there instead of waiting for 5 s to pass.
         h.observe(0, ms(20));
         h.observe(1, ms(21));

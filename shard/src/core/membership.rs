@@ -141,6 +141,12 @@ impl ShardCore {
                 self.cfg.num_shards
             )));
         }
+        self.known_map(worker_id)
+    }
+
+    /// The cluster map as the coordinator knows it so far (the shards registered until now).
+    fn known_map(&self, worker_id: Option<u32>) -> Result<ClusterMap, ShardError> {
+        let c = self.coordinator.as_ref().ok_or_else(|| ShardError::Misconfigured("not the coordinator".into()))?;
         Ok(ClusterMap {
             epoch: self.epoch,
             worker_id,
@@ -149,6 +155,7 @@ impl ShardCore {
             layout: self.cfg.layout.clone(),
             lease_ms: self.cfg.lease.as_millis().min(u128::from(u32::MAX)) as u32,
             rule: self.rule_info(),
+            // Filled in by the service, which holds the credentials.
             token: None,
             auth_key: None,
             // Filled in by the service, which knows the setting.
@@ -250,25 +257,9 @@ impl ShardCore {
             c.shard_addrs.insert(req.shard, req.addr.clone());
         }
         events.push(CoreEvent::ShardJoined(req.shard));
-        let (shards, spare) = (c.shard_list(), c.spare_addrs());
-        // The joining shard needs the epoch and layout even while other shards are still missing.
-        Ok(Frame::new(Message::ClusterMap(ClusterMap {
-            epoch: self.epoch,
-            worker_id: None,
-            num_shards,
-            // The shards known so far (a process that came back learns here that its shard is served by
-            // another).
-            shards,
-            layout: self.cfg.layout.clone(),
-            lease_ms: self.cfg.lease.as_millis().min(u128::from(u32::MAX)) as u32,
-            rule: self.rule_info(),
-            // Filled in by the service, which holds the credentials.
-            token: None,
-            auth_key: None,
-            // Filled in by the service, which knows the setting.
-            replicas: 1,
-            spare,
-        })))
+        // The joining shard needs the epoch and layout even while other shards are still missing: the map of
+        // the shards known so far (a process that came back learns here that its shard is served by another).
+        Ok(Frame::new(Message::ClusterMap(self.known_map(None)?)))
     }
 
     /// To call on a shard started again from a checkpoint (a crash, not a rollback): the coordinator may have

@@ -12,7 +12,7 @@
 //! ends. One stripe is set aside for the synchronous modes' aggregated step. Sparse tables stay on the host.
 
 use super::*;
-use gaps_kernels::resident::{Device, Resident};
+use gaps_kernels::resident::{Device, Lookahead, PushBatch, Resident, ResidentState};
 
 /// The aggregated update of a synchronous or GBA step is applied as this worker.
 pub(super) const STEP_WORKER: u32 = u32::MAX;
@@ -176,7 +176,9 @@ impl ShardCore {
         }
         let (grads, reads) = (&grads[..grad_at.min(grads.len())], &reads[..read_at.min(reads.len())]);
         let resident = self.resident.as_mut().ok_or_else(|| ShardError::Device("no resident state".into()))?;
-        resident.push(&chunks, stripe, &hypers, &scalars, grads, reads).map_err(device_err)?;
+        resident
+            .push(PushBatch { chunks: &chunks, worker_slot: stripe, hypers: &hypers, scalars: &scalars, grads, reads })
+            .map_err(device_err)?;
         if needs_stripe {
             for p in plan {
                 if self.tensor_rules[p.tensor as usize].0.layout().worker_planes > 0 {
@@ -216,7 +218,7 @@ impl ShardCore {
                 gaps_kernels::pull_values(rule, &hyper, lr, workers, &s.params, &s.shared, out);
                 Ok(())
             }
-            Some(r) => r.pull(&[slot], &hyper, lr, workers, out).map_err(device_err),
+            Some(r) => r.pull(&[slot], Lookahead { hyper: &hyper, lr, workers }, out).map_err(device_err),
         }
     }
 

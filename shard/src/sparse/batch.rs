@@ -3,6 +3,16 @@
 
 use super::*;
 
+/// What a push brings to its rows: `grads` (and, where the rule echoes, `reads`) row after row, in the order
+/// of the push's ids; the table's hyper-parameters and the push's scalars.
+#[derive(Clone, Copy)]
+pub(super) struct RowPush<'a> {
+    pub(super) grads: &'a [f32],
+    pub(super) reads: &'a [f32],
+    pub(super) hyper: &'a Hyper,
+    pub(super) base: PushScalars,
+}
+
 impl SparseTable {
     /// The row of each of `ids` (`EMPTY` where it is not held), into `rows`. Two passes, each fetching
     /// [`AHEAD`] ids in advance what it reads next — the index slots, then the ids of the rows they name
@@ -48,11 +58,9 @@ impl SparseTable {
         &mut self,
         rows: &[u32],
         read_versions: &[u32],
-        grads: &[f32],
-        reads: &[f32],
-        hyper: &Hyper,
-        base: PushScalars,
+        push: RowPush<'_>,
     ) -> Result<(), KernelError> {
+        let RowPush { grads, reads, hyper, base } = push;
         let dim = self.cfg.dim as usize;
         let planes = self.cfg.rule.layout().shared_planes;
         for (k, &r) in rows.iter().enumerate().filter(|(_, r)| **r != EMPTY) {
@@ -74,14 +82,8 @@ impl SparseTable {
     /// ([`Rule::scalars_per_row`] false): the rows' values and state planes gathered into contiguous
     /// buffers, updated as one block by the vectorised loops (a 16-float row alone runs in their scalar
     /// tail), and written back — element for element the same arithmetic as row by row.
-    pub(super) fn push_together(
-        &mut self,
-        rows: &[u32],
-        grads: &[f32],
-        reads: &[f32],
-        hyper: &Hyper,
-        base: PushScalars,
-    ) -> Result<(), KernelError> {
+    pub(super) fn push_together(&mut self, rows: &[u32], push: RowPush<'_>) -> Result<(), KernelError> {
+        let RowPush { grads, reads, hyper, base } = push;
         let dim = self.cfg.dim as usize;
         let planes = self.cfg.rule.layout().shared_planes;
         let held: Vec<usize> = rows.iter().enumerate().filter(|(_, r)| **r != EMPTY).map(|(k, _)| k).collect();

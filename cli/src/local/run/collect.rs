@@ -116,29 +116,22 @@ pub(super) async fn collect(
     let count: u64 = stats.iter().map(|s| s.staleness_count).sum();
     let pushes_applied: u64 = stats.iter().map(|s| s.pushes_applied).sum();
     let (switches, switches_agree) = switches_of(&stats);
-    Ok(LocalReport {
-        servers: args.servers,
-        workers: args.workers,
+    let counters = RunCounters {
         steps: totals.steps,
         pushes_sent: totals.pushes_sent,
         pushes_applied,
         pushes_duplicate: stats.iter().map(|s| s.pushes_duplicate).sum(),
         retries: totals.retries,
-        initial_loss,
-        final_loss,
         staleness_mean: stats.iter().map(|s| s.staleness_sum).sum::<u64>() as f64 / count.max(1) as f64,
         staleness_max: stats.iter().map(|s| s.staleness_max).max().unwrap_or(0),
         wall_s: 0.0,
-        ctr,
         mode_switches: stats.first().map_or(0, |s| s.mode_switches),
-        switches,
         switches_agree,
         steps_sync: stats.first().map_or(0, |s| s.steps_sync),
         steps_gba: stats.first().map_or(0, |s| s.steps_gba),
         workers_final: totals.workers_final,
         dropped_stale: stats.iter().map(|s| s.dropped_stale).sum(),
         pushes_dropped_at_switch: stats.iter().map(|s| s.pushes_dropped_at_switch).sum(),
-        replication,
         lr_multiplier_final: stats.first().map_or(1.0, |s| f64::from(s.lr_multiplier_milli) / 1000.0),
         shard_restarts: supervisor.shard_restarts,
         checkpoints_written: checkpoints_seen.len() as u64,
@@ -149,7 +142,17 @@ pub(super) async fn collect(
         pushes_unconfirmed: totals.pushes_unconfirmed,
         longest_step_s: Duration::from_micros(procs.longest_step_us.load(Ordering::Relaxed)).as_secs_f64(),
         stale_after_restore: totals.stale_after_restore,
+    };
+    Ok(LocalReport {
+        servers: args.servers,
+        workers: args.workers,
+        initial_loss,
+        final_loss,
+        ctr,
+        switches,
+        replication,
         data,
+        counters,
     })
 }
 

@@ -40,7 +40,7 @@ pub(super) async fn run_in(
     let outcome = train(&mut launch, &certs, &mut procs, started, deadline).await;
     procs.stop().await;
     let mut report = outcome?;
-    report.wall_s = started.elapsed().as_secs_f64();
+    report.counters.wall_s = started.elapsed().as_secs_f64();
     Ok(report)
 }
 
