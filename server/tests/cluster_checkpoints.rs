@@ -124,13 +124,13 @@ async fn in_sync_every_shard_writes_the_coordinators_checkpoint_at_the_same_step
     let cluster = TwoShards::start("gaps-cluster-ckpt-sync", Mode::Sync).await;
     let (dir, certs, s0) = (&cluster.dir, &cluster.certs, &cluster.s0);
     let d = dir.clone();
-    train(&certs, &s0.advertise, 3, 150, move || {
+    train(certs, &s0.advertise, 3, 150, move || {
         let (a, b) = (steps(&d, 0), steps(&d, 1));
         a.iter().filter(|(id, (_, at))| at.is_some() && b.contains_key(id)).count() >= 2
     })
     .await;
 
-    let (a, b) = (steps(&dir, 0), steps(&dir, 1));
+    let (a, b) = (steps(dir, 0), steps(dir, 1));
     let common: Vec<u64> = a.keys().filter(|id| b.contains_key(id)).copied().collect();
     // Taken while workers trained: at a step the coordinator named, the same on both shards.
     let at_step: Vec<u64> = common.iter().filter(|id| a[id].1.is_some()).copied().collect();
@@ -157,12 +157,12 @@ async fn in_async_every_shard_writes_the_coordinators_id_and_gaps_checkpoint_rea
     let cluster = TwoShards::start("gaps-cluster-ckpt-async", Mode::Async).await;
     let (dir, certs, s0) = (&cluster.dir, &cluster.certs, &cluster.s0);
     let d = dir.clone();
-    train(&certs, &s0.advertise, 2, 60, move || {
+    train(certs, &s0.advertise, 2, 60, move || {
         let (a, b) = (steps(&d, 0), steps(&d, 1));
         a.keys().filter(|id| b.contains_key(id)).count() >= 2
     })
     .await;
-    let (a, b) = (steps(&dir, 0), steps(&dir, 1));
+    let (a, b) = (steps(dir, 0), steps(dir, 1));
     assert!(a.values().chain(b.values()).all(|(_, at)| at.is_none()), "async: at the quiescent point");
     let common = a.keys().filter(|id| b.contains_key(id)).count();
     assert!(common >= 2, "shard 0 {a:?}, shard 1 {b:?}");
@@ -240,7 +240,7 @@ async fn a_worker_certificates_checkpoint_requests_are_refused_and_the_schedule_
         }));
     }
     let d = dir.clone();
-    train(&certs, &s0.advertise, 3, 150, move || {
+    train(certs, &s0.advertise, 3, 150, move || {
         let (a, b) = (steps(&d, 0), steps(&d, 1));
         a.iter().filter(|(id, (_, at))| at.is_some() && b.contains_key(id)).count() >= 3
     })
@@ -249,7 +249,7 @@ async fn a_worker_certificates_checkpoint_requests_are_refused_and_the_schedule_
     for a in attackers {
         assert!(a.await.expect("attacker") >= 3, "the attack ran through the training");
     }
-    let (a, b) = (steps(&dir, 0), steps(&dir, 1));
+    let (a, b) = (steps(dir, 0), steps(dir, 1));
     let at_step: Vec<u64> = a.keys().filter(|id| b.contains_key(id) && a[id].1.is_some()).copied().collect();
     assert!(at_step.len() >= 3, "cluster checkpoints kept being written: shard 0 {a:?}, shard 1 {b:?}");
     // Ids are the milliseconds at which the coordinator asked: consecutive ones of a 200 ms schedule, each
