@@ -13,10 +13,10 @@ use gaps_common::wire::{
     self, ids_to_words, CheckpointAt, CheckpointRequest, Frame, Heartbeat, Leave, Limits, Message, Pull, Push,
     PushChunk, PushPart, Register, RegisterShard, Role, SparsePull, SparsePush, StatsRequest, PROTOCOL_VERSION,
 };
-use gaps_kernels::{Hyper, Rule};
+use gaps_kernels::Rule;
 use gaps_shard::modes::{Mode, ModeConfig};
 use gaps_shard::stripes::Assembler;
-use gaps_shard::{Init, ShardConfig, ShardCore, SparseSettings};
+use gaps_shard::{ShardConfig, ShardCore, SparseSettings};
 use std::time::Duration;
 
 const EPOCH: u64 = 3;
@@ -152,14 +152,10 @@ fn config(rule: Rule, mode: Mode, shard: u32, num_shards: u32, admit_after: u32)
         shard,
         num_shards,
         rule,
-        hyper: Hyper { lr: 0.05, momentum: 0.9, ..Hyper::default() },
-        init: Init { seed: 9, std: 0.1 },
         lease: Duration::from_secs(5),
-        advertise: "fuzz".into(),
-        epoch: EPOCH,
         sparse: SparseSettings { admit_after, memory_budget: Some(64 << 10), ..SparseSettings::default() },
         modes: ModeConfig { mode, ..ModeConfig::default() },
-        ..ShardConfig::new(layout)
+        ..gaps_shard::testnet::config(layout, EPOCH)
     }
 }
 

@@ -6,7 +6,6 @@
 
 mod common;
 
-use gaps_common::layout::{Layout, SparseSpec, TensorSpec};
 use gaps_common::wire::{self, ErrorCode, Limits, Message, Role};
 use gaps_kernels::Hyper;
 use gaps_server::service::{self, RunningServer, ServiceConfig};
@@ -21,12 +20,7 @@ const KIND_PUSH: u8 = 6;
 const KIND_SPARSE_PULL: u8 = 14;
 
 fn config(certs: &ClusterCerts, inflight: u64, stall: Duration, budget_wait: Duration) -> ServiceConfig {
-    let layout = Layout::with_tables(
-        vec![TensorSpec::new("w", 20_000), TensorSpec::new("b", 8)],
-        4096,
-        vec![SparseSpec::new("emb", 16)],
-    )
-    .expect("layout");
+    let layout = common::weights_bias_table(20_000, 8, 4096, 16);
     let core = ShardConfig {
         hyper: Hyper { lr: 0.01, momentum: 0.0, ..Hyper::default() },
         init: Init { seed: 3, std: 0.1 },

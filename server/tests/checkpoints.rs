@@ -5,7 +5,6 @@
 
 mod common;
 
-use gaps_common::layout::{Layout, SparseSpec, TensorSpec};
 use gaps_common::wire::Role;
 use gaps_kernels::{Hyper, Rule};
 use gaps_server::service::{self, CheckpointConfig, Restore, RunningServer, ServiceConfig};
@@ -16,12 +15,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 fn config(certs: &ClusterCerts, dir: &Path, every: Option<Duration>, restore: Restore) -> ServiceConfig {
-    let layout = Layout::with_tables(
-        vec![TensorSpec::new("w", 300), TensorSpec::new("b", 5)],
-        64,
-        vec![SparseSpec::new("emb", 4)],
-    )
-    .expect("layout");
+    let layout = common::weights_bias_table(300, 5, 64, 4);
     let core = ShardConfig {
         rule: Rule::DanaZero,
         hyper: Hyper { lr: 0.05, momentum: 0.9, ..Hyper::default() },

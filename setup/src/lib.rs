@@ -37,6 +37,25 @@ pub fn start<C: clap::Parser>(default_level: &str) -> C {
     parse::<C>()
 }
 
+/// A program whose command line is [`ConfigArg`] and the flags `A` (`gaps-server`, `gaps-worker`).
+#[derive(Debug, clap::Parser)]
+pub struct Program<A: clap::Args> {
+    #[command(flatten)]
+    config: ConfigArg,
+    #[command(flatten)]
+    args: A,
+}
+
+/// [`start`] for a [`Program`] called `name` (what `--help` and `--version` say, with `about`): its flags.
+pub fn start_program<A: clap::Args>(name: &'static str, about: &'static str, default_level: &str) -> A {
+    use clap::{CommandFactory, FromArgMatches};
+    gaps_common::buffers::tune_allocator();
+    init_logging(default_level);
+    let command = Program::<A>::command().name(name).bin_name(name).about(about).version(env!("CARGO_PKG_VERSION"));
+    let matches = config_file::parse_args(command);
+    Program::<A>::from_arg_matches(&matches).unwrap_or_else(|e| e.exit()).args
+}
+
 /// The command line read under the settings of `--config` (exits with clap's message on an error).
 pub fn parse<C: clap::Parser>() -> C {
     let matches = config_file::parse_args(C::command());

@@ -30,6 +30,22 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 use std::time::Duration;
 
+/// A shard's configuration for tests over `layout` at `epoch`: shard 0 of 1, the momentum rule (lr 0.05,
+/// γ 0.9), parameters drawn with seed 4 and σ 0.1, a 60 s lease; tests change what they need
+/// (`ShardConfig { shard: 1, ..config(layout, epoch) }`). The fuzz targets and the shard's tests build theirs
+/// from it.
+pub fn config(layout: Layout, epoch: u64) -> ShardConfig {
+    ShardConfig {
+        rule: gaps_kernels::Rule::Momentum,
+        hyper: Hyper { lr: 0.05, momentum: 0.9, ..Hyper::default() },
+        init: Init { seed: 4, std: 0.1 },
+        lease: Duration::from_secs(60),
+        advertise: "test:1".into(),
+        epoch,
+        ..ShardConfig::new(layout)
+    }
+}
+
 /// Elements of a chunk of the one dense tensor.
 const CHUNK: u32 = 16;
 

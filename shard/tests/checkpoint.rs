@@ -6,10 +6,10 @@ mod common;
 use common::{call, register};
 use gaps_common::layout::{ChunkId, Layout, SparseSpec, TensorSpec};
 use gaps_common::wire::{ids_to_words, Frame, Message, Pull, Push, PushChunk, SparsePull, SparsePush};
-use gaps_kernels::{Hyper, Rule};
+use gaps_kernels::Rule;
 use gaps_shard::modes::{Mode, ModeConfig};
+use gaps_shard::testnet;
 use gaps_shard::{CheckpointError, Init, ShardConfig, ShardCore, SparseSettings};
-use std::time::Duration;
 
 const EPOCH: u64 = 21;
 
@@ -23,15 +23,10 @@ fn layout(momentum_rule: &str) -> Layout {
 
 fn config(mode: Mode, momentum_rule: &str) -> ShardConfig {
     ShardConfig {
-        rule: Rule::Momentum,
-        hyper: Hyper { lr: 0.05, momentum: 0.9, ..Hyper::default() },
         init: Init { seed: 4, std: 0.2 },
-        lease: Duration::from_secs(60),
-        advertise: "127.0.0.1:1".into(),
-        epoch: EPOCH,
         sparse: SparseSettings { admit_after: 2, init_std: 0.1, ..SparseSettings::default() },
         modes: ModeConfig { mode, ..ModeConfig::default() },
-        ..ShardConfig::new(layout(momentum_rule))
+        ..testnet::config(layout(momentum_rule), EPOCH)
     }
 }
 

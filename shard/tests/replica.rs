@@ -11,9 +11,9 @@ use gaps_common::wire::{
     ids_to_words, Frame, Heartbeat, Leave, Limits, Message, Pull, Push, PushChunk, Register, Role, SparsePull,
     SparsePush, StatsRequest, TableScan, PROTOCOL_VERSION,
 };
-use gaps_kernels::{Hyper, Rule};
 use gaps_shard::modes::{Mode, ModeConfig};
 use gaps_shard::replica::{changes_state, Entry, LogEntry};
+use gaps_shard::testnet;
 use gaps_shard::{Init, ShardConfig, ShardCore, SparseSettings};
 use std::time::Duration;
 
@@ -26,15 +26,12 @@ fn config(mode: Mode) -> ShardConfig {
     let layout = Layout::with_tables(vec![TensorSpec::new("w", 40), adam], 16, vec![SparseSpec::new("emb", DIM)])
         .expect("layout");
     ShardConfig {
-        rule: Rule::Momentum,
-        hyper: Hyper { lr: 0.05, momentum: 0.9, ..Hyper::default() },
         init: Init { seed: 5, std: 0.1 },
         lease: Duration::from_millis(800),
         advertise: "primary:1".into(),
-        epoch: EPOCH,
         sparse: SparseSettings { init_std: 0.05, ..SparseSettings::default() },
         modes: ModeConfig { mode, gba_threshold: 2, ssp_bound: 2, ..ModeConfig::default() },
-        ..ShardConfig::new(layout)
+        ..testnet::config(layout, EPOCH)
     }
 }
 

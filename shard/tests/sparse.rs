@@ -7,6 +7,7 @@ use gaps_common::layout::{sparse_owner, ChunkId, Layout, SparseSpec, TensorSpec}
 use gaps_common::wire::{ids_to_words, ErrorCode, Frame, Message, Push, PushChunk, SparsePull};
 use gaps_kernels::Hyper;
 use gaps_shard::core::SparseSettings;
+use gaps_shard::testnet;
 use gaps_shard::{Init, ShardConfig, ShardCore};
 use std::time::Duration;
 
@@ -19,13 +20,11 @@ fn core(shard: u32, num_shards: u32, budget: Option<u64>) -> ShardCore {
     let mut core = ShardCore::new(ShardConfig {
         shard,
         num_shards,
+        rule: gaps_kernels::Rule::Sgd,
         hyper: Hyper { lr: 0.1, momentum: 0.0, ..Hyper::default() },
         init: Init { seed: 1, std: 0.0 },
-        lease: Duration::from_secs(60),
-        advertise: "x:1".into(),
-        epoch: EPOCH,
         sparse: SparseSettings { memory_budget: budget, init_std: 0.1, ..SparseSettings::default() },
-        ..ShardConfig::new(layout)
+        ..testnet::config(layout, EPOCH)
     })
     .expect("core");
     if shard != 0 {

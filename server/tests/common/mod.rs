@@ -1,6 +1,7 @@
 //! Helpers the server's integration tests share: a client's options, a worker's made-up gradients.
 #![allow(dead_code)] // each test file is its own crate and uses some of them
 
+use gaps_common::layout::{Layout, SparseSpec, TensorSpec};
 use gaps_common::wire::Role;
 use gaps_setup::certs::ClusterCerts;
 use gaps_worker::client::{ClientOptions, Snapshot};
@@ -19,6 +20,17 @@ pub fn options(certs: &ClusterCerts, addr: &str, role: Role, name: &str, rpc_tim
 pub fn toy_gradients(s: &Snapshot, i: usize, w: usize) -> Vec<Vec<f32>> {
     let offset = ((i + w) % 5) as f32 * 0.01;
     s.tensors.iter().map(|t| t.iter().map(|v| v * 0.1 + offset).collect()).collect()
+}
+
+/// A model of a weight `w` of `weights` floats and a bias `b` of `biases`, cut into chunks of `chunk`
+/// floats, with one embedding table `emb` of rows of `dim` floats.
+pub fn weights_bias_table(weights: u64, biases: u64, chunk: u32, dim: u32) -> Layout {
+    Layout::with_tables(
+        vec![TensorSpec::new("w", weights), TensorSpec::new("b", biases)],
+        chunk,
+        vec![SparseSpec::new("emb", dim)],
+    )
+    .expect("layout")
 }
 
 /// A folder of this process for `name` under the temporary directory, emptied of what an earlier run left.
