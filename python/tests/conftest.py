@@ -7,28 +7,13 @@ import pytest
 
 from gaps.testing import local_cluster
 
-LAYOUT = """
-chunk_elems = 16
-
-[[tensor]]
-name = "w"
-shape = [5, 4]
-
-[[tensor]]
-name = "b"
-shape = [4]
-
-[[table]]
-name = "emb"
-dim = 3
-"""
+# The tests' model: two dense tensors and one embedding table.
+LAYOUT = pathlib.Path(__file__).parent / "fixtures" / "layout.toml"
 
 
 @pytest.fixture(scope="module")
-def layout_file(tmp_path_factory) -> pathlib.Path:
-    path = tmp_path_factory.mktemp("layout") / "layout.toml"
-    path.write_text(LAYOUT)
-    return path
+def layout_file() -> pathlib.Path:
+    return LAYOUT
 
 
 @pytest.fixture(scope="module")

@@ -49,7 +49,10 @@ async fn start_shard(
 }
 
 /// Each shard's checkpoints: id → (the step in its manifest, the step it was asked for).
-fn steps(dir: &Path, shard: u32) -> BTreeMap<u64, (u64, Option<u64>)> {
+/// A shard's checkpoints by id: (step, the step it was taken at where the coordinator named one).
+type Checkpoints = BTreeMap<u64, (u64, Option<u64>)>;
+
+fn steps(dir: &Path, shard: u32) -> Checkpoints {
     std::fs::read_dir(dir.join(format!("shard-{shard}")))
         .expect("checkpoint dir")
         .map(|e| e.expect("entry").path())
@@ -112,6 +115,18 @@ impl TwoShards {
         TwoShards { dir, certs, s0, s1 }
     }
 
+    /// Each shard's checkpoints: id → (step, the step it was taken at where the coordinator named one).
+    fn checkpoints(&self) -> (Checkpoints, Checkpoints) {
+        (steps(&self.dir, 0), steps(&self.dir, 1))
+    }
+
+    /// [`train`]s `workers` workers for `iterations` steps, on until `enough` holds of the shards' checkpoints.
+    async fn train(&self, workers: usize, iterations: usize, enough: fn(&Checkpoints, &Checkpoints) -> bool) {
+        let dir = self.dir.clone();
+        train(&self.certs, &self.s0.advertise, workers, iterations, move || enough(&steps(&dir, 0), &steps(&dir, 1)))
+            .await;
+    }
+
     async fn stop(self) {
         self.s1.shutdown().await.expect("shutdown");
         self.s0.shutdown().await.expect("shutdown");
@@ -122,15 +137,12 @@ impl TwoShards {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_sync_every_shard_writes_the_coordinators_checkpoint_at_the_same_step() {
     let cluster = TwoShards::start("gaps-cluster-ckpt-sync", Mode::Sync).await;
-    let (dir, certs, s0) = (&cluster.dir, &cluster.certs, &cluster.s0);
-    let d = dir.clone();
-    train(certs, &s0.advertise, 3, 150, move || {
-        let (a, b) = (steps(&d, 0), steps(&d, 1));
-        a.iter().filter(|(id, (_, at))| at.is_some() && b.contains_key(id)).count() >= 2
-    })
-    .await;
+    let s0 = &cluster.s0;
+    cluster
+        .train(3, 150, |a, b| a.iter().filter(|(id, (_, at))| at.is_some() && b.contains_key(id)).count() >= 2)
+        .await;
 
-    let (a, b) = (steps(dir, 0), steps(dir, 1));
+    let (a, b) = cluster.checkpoints();
     let common: Vec<u64> = a.keys().filter(|id| b.contains_key(id)).copied().collect();
     // Taken while workers trained: at a step the coordinator named, the same on both shards.
     let at_step: Vec<u64> = common.iter().filter(|id| a[id].1.is_some()).copied().collect();
@@ -155,14 +167,9 @@ async fn in_sync_every_shard_writes_the_coordinators_checkpoint_at_the_same_step
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_async_every_shard_writes_the_coordinators_id_and_gaps_checkpoint_reaches_all() {
     let cluster = TwoShards::start("gaps-cluster-ckpt-async", Mode::Async).await;
-    let (dir, certs, s0) = (&cluster.dir, &cluster.certs, &cluster.s0);
-    let d = dir.clone();
-    train(certs, &s0.advertise, 2, 60, move || {
-        let (a, b) = (steps(&d, 0), steps(&d, 1));
-        a.keys().filter(|id| b.contains_key(id)).count() >= 2
-    })
-    .await;
-    let (a, b) = (steps(dir, 0), steps(dir, 1));
+    let (certs, s0) = (&cluster.certs, &cluster.s0);
+    cluster.train(2, 60, |a, b| a.keys().filter(|id| b.contains_key(id)).count() >= 2).await;
+    let (a, b) = cluster.checkpoints();
     assert!(a.values().chain(b.values()).all(|(_, at)| at.is_none()), "async: at the quiescent point");
     let common = a.keys().filter(|id| b.contains_key(id)).count();
     assert!(common >= 2, "shard 0 {a:?}, shard 1 {b:?}");

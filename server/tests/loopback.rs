@@ -143,11 +143,17 @@ async fn shutdown(servers: Vec<RunningServer>) {
     }
 }
 
+/// A cluster of `shards` shards with new certificates, and a worker's client connected to it.
+async fn worker_of_cluster(shards: u32) -> (ClusterCerts, Vec<RunningServer>, Client) {
+    let certs = ClusterCerts::generate(&[]).expect("certs");
+    let servers = cluster(&certs, shards).await;
+    let client = Client::connect(options(&certs, &servers[0].advertise, Role::Worker)).await.expect("connect");
+    (certs, servers, client)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_shards_route_pull_and_push_and_apply_sgd() {
-    let certs = ClusterCerts::generate(&[]).expect("certs");
-    let servers = cluster(&certs, 2).await;
-    let client = Client::connect(options(&certs, &servers[0].advertise, Role::Worker)).await.expect("connect");
+    let (_certs, servers, client) = worker_of_cluster(2).await;
     assert_eq!(client.map().num_shards, 2);
     let before = client.pull().await.expect("pull");
     assert!(before.versions.iter().all(|v| *v == 0));
@@ -171,9 +177,7 @@ async fn two_shards_route_pull_and_push_and_apply_sgd() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_push_retried_after_a_lost_connection_is_applied_once() {
-    let certs = ClusterCerts::generate(&[]).expect("certs");
-    let servers = cluster(&certs, 2).await;
-    let client = Client::connect(options(&certs, &servers[0].advertise, Role::Worker)).await.expect("connect");
+    let (_certs, servers, client) = worker_of_cluster(2).await;
     let before = client.pull().await.expect("pull");
     let g = gradient(2);
     // Both shard pushes are written in full, then their connections are cut before the acknowledgement.
@@ -242,9 +246,7 @@ async fn raw_request(conn: &quinn::Connection, bytes: &[u8]) -> Message {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_frames_over_the_network_get_typed_errors_and_change_nothing() {
-    let certs = ClusterCerts::generate(&[]).expect("certs");
-    let servers = cluster(&certs, 1).await;
-    let client = Client::connect(options(&certs, &servers[0].advertise, Role::Worker)).await.expect("connect");
+    let (certs, servers, client) = worker_of_cluster(1).await;
     let before = client.pull().await.expect("pull");
     let tls = certs.worker_material().expect("tls");
     let endpoint = net::client_endpoint(&tls, servers[0].addr).expect("endpoint");
@@ -490,18 +492,36 @@ async fn a_push_striped_over_several_connections_is_applied_once_even_when_parts
     shutdown(vec![s0, s1]).await;
 }
 
+/// Two identical clusters of `shards` shards under `rule`, each with a worker's client.
+async fn twin_clusters(certs: &ClusterCerts, shards: u32, rule: Rule) -> Vec<(Client, Vec<RunningServer>)> {
+    let mut clusters = Vec::new();
+    for _ in 0..2 {
+        let s0 = start_shard_with(certs, 0, shards, None, rule).await;
+        let mut servers = vec![];
+        for shard in 1..shards {
+            servers.push(start_shard_with(certs, shard, shards, Some(s0.advertise.clone()), rule).await);
+        }
+        let client = Client::connect(options(certs, &s0.advertise, Role::Worker)).await.expect("connect");
+        servers.insert(0, s0);
+        clusters.push((client, servers));
+    }
+    clusters
+}
+
+/// Each cluster's worker leaves, then its shards stop.
+async fn stop_all(clusters: Vec<(Client, Vec<RunningServer>)>) {
+    for (client, servers) in clusters {
+        client.leave().await.expect("leave");
+        shutdown(servers).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_push_pull_trains_exactly_as_a_push_then_a_pull_and_survives_lost_connections() {
     let certs = ClusterCerts::generate(&[]).expect("certs");
     for rule in [Rule::Sgd, Rule::GapAware, Rule::DanaSlim] {
         // Two identical clusters of two shards: one driven with push then pull, one with push_pull.
-        let mut clusters = Vec::new();
-        for _ in 0..2 {
-            let s0 = start_shard_with(&certs, 0, 2, None, rule).await;
-            let s1 = start_shard_with(&certs, 1, 2, Some(s0.advertise.clone()), rule).await;
-            let client = Client::connect(options(&certs, &s0.advertise, Role::Worker)).await.expect("connect");
-            clusters.push((client, vec![s0, s1]));
-        }
+        let clusters = twin_clusters(&certs, 2, rule).await;
         let (separate, fused) = (&clusters[0].0, &clusters[1].0);
         let mut a = separate.pull().await.expect("pull");
         let mut b = fused.pull().await.expect("pull");
@@ -526,10 +546,7 @@ async fn a_push_pull_trains_exactly_as_a_push_then_a_pull_and_survives_lost_conn
         assert_eq!(stats.iter().map(|s| s.pushes_applied).sum::<u64>(), 8, "{rule}: each push applied once");
         // The first pull, one read per push-pull, and one more for each of the two whose reply was lost.
         assert_eq!(stats.iter().map(|s| s.pulls).sum::<u64>(), 2 + 8 + 2, "{rule}: reads");
-        for (client, servers) in clusters {
-            client.leave().await.expect("leave");
-            shutdown(servers).await;
-        }
+        stop_all(clusters).await;
     }
 }
 
@@ -538,12 +555,7 @@ async fn a_shared_gradient_is_pushed_as_it_is_and_left_unchanged_for_the_caller(
     let certs = ClusterCerts::generate(&[]).expect("certs");
     // DANA-Slim turns the gradient into the worker's Nesterov step on the client: into a copy of a shared one.
     for rule in [Rule::Sgd, Rule::DanaSlim] {
-        let mut clusters = Vec::new();
-        for _ in 0..2 {
-            let s0 = start_shard_with(&certs, 0, 1, None, rule).await;
-            let client = Client::connect(options(&certs, &s0.advertise, Role::Worker)).await.expect("connect");
-            clusters.push((client, vec![s0]));
-        }
+        let clusters = twin_clusters(&certs, 1, rule).await;
         let (owned, shared) = (&clusters[0].0, &clusters[1].0);
         let (mut a, mut b) = (owned.pull().await.expect("pull"), shared.pull().await.expect("pull"));
         let kept = std::sync::Arc::new(gradient(1));
@@ -559,10 +571,7 @@ async fn a_shared_gradient_is_pushed_as_it_is_and_left_unchanged_for_the_caller(
             assert_eq!(a, b, "{rule} step {step}");
             assert_eq!(*kept, gradient(1), "{rule}: the caller's gradient is untouched");
         }
-        for (client, servers) in clusters {
-            client.leave().await.expect("leave");
-            shutdown(servers).await;
-        }
+        stop_all(clusters).await;
     }
 }
 

@@ -182,23 +182,16 @@ async fn start_failing_over(
     coordinator: Option<String>,
     mode: Mode,
 ) -> RunningServer {
-    start_failing_over_of(certs, (shard, 2), coordinator, mode, None).await
+    started(failing_over_config(certs, (shard, 2), coordinator, mode, None)).await
 }
 
-/// [`start_failing_over`] for shard `shard` of `num_shards`, keeping its state (its acceptor's among it) in
-/// `dir` where given.
-async fn start_failing_over_of(
-    certs: &ClusterCerts,
-    (shard, num_shards): (u32, u32),
-    coordinator: Option<String>,
-    mode: Mode,
-    dir: Option<&std::path::Path>,
-) -> RunningServer {
-    let cfg = failing_over_config(certs, (shard, num_shards), coordinator, mode, dir);
+/// A shard process started with `cfg`.
+async fn started(cfg: ServiceConfig) -> RunningServer {
     service::start(cfg).await.expect("start shard")
 }
 
-/// The configuration [`start_failing_over_of`] starts.
+/// The configuration of a process serving shard `shard` of `num_shards` whose backups take it over after
+/// 0.8 s of silence, keeping its state (its acceptor's among it) in `dir` where given.
 fn failing_over_config(
     certs: &ClusterCerts,
     (shard, num_shards): (u32, u32),
@@ -306,9 +299,9 @@ per_mode!(a_killed_primarys_backup_takes_over:
 /// acknowledged, none twice, and the other shards lost nothing either.
 async fn the_coordinators_backup_takes_over(mode: Mode) {
     let certs = ClusterCerts::generate(&[]).expect("certs");
-    let s0 = start_failing_over_of(&certs, (0, 3), None, mode, None).await;
-    let s1 = start_failing_over_of(&certs, (1, 3), Some(s0.advertise.clone()), mode, None).await;
-    let s2 = start_failing_over_of(&certs, (2, 3), Some(s0.advertise.clone()), mode, None).await;
+    let s0 = started(failing_over_config(&certs, (0, 3), None, mode, None)).await;
+    let s1 = started(failing_over_config(&certs, (1, 3), Some(s0.advertise.clone()), mode, None)).await;
+    let s2 = started(failing_over_config(&certs, (2, 3), Some(s0.advertise.clone()), mode, None)).await;
     for _ in 0..400 {
         let counted = [&s0, &s1, &s2].iter().all(|s| s.live_backups() == 1);
         if counted && s2.shard0_config().is_some_and(|c| c.in_sync == [1]) {
@@ -352,7 +345,7 @@ async fn process_0_started_again_before_the_takeover_waits_for_it_and_comes_back
     let certs = ClusterCerts::generate(&[]).expect("certs");
     let dir = common::fresh_dir("gaps-replication-restart-0");
     let start = |shard: u32, coordinator: Option<String>| {
-        start_failing_over_of(&certs, (shard, 3), coordinator, Mode::Async, Some(dir.as_path()))
+        started(failing_over_config(&certs, (shard, 3), coordinator, Mode::Async, Some(dir.as_path())))
     };
     let s0 = start(0, None).await;
     let s1 = start(1, Some(s0.advertise.clone())).await;

@@ -517,14 +517,8 @@ impl Client {
             }
             let msg =
                 Message::Initialize(gaps_common::wire::Initialize { epoch: self.inner.map.epoch, worker, chunks });
-            let done = self
-                .ask_with(s, &msg, &[net::f32_bytes(payload)], |m| match m {
-                    Message::Initialized(done) => Some(done),
-                    _ => None,
-                })
-                .await?;
-            taken += done.taken;
-            kept += done.kept;
+            let (t, k) = self.load(s, &msg, payload).await?;
+            (taken, kept) = (taken + t, kept + k);
         }
         Ok((taken, kept))
     }

@@ -30,6 +30,18 @@ impl Client {
     }
 
     /// [`Self::ask`] for a request that carries a payload.
+    /// One load of `payload` to shard `s`: an `Initialize` answered with the chunks taken and kept, or a
+    /// `TableLoad` answered with the rows created and kept.
+    pub(super) async fn load(&self, s: usize, msg: &Message, payload: Vec<f32>) -> Result<(u32, u32), ClientError> {
+        let initialize = matches!(msg, Message::Initialize(_));
+        self.ask_with(s, msg, &[net::f32_bytes(payload)], |reply| match reply {
+            Message::Initialized(done) if initialize => Some((done.taken, done.kept)),
+            Message::TableLoaded(done) if !initialize => Some((done.created, done.kept)),
+            _ => None,
+        })
+        .await
+    }
+
     pub(super) async fn ask_with<T>(
         &self,
         s: usize,

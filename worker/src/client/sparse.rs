@@ -206,14 +206,8 @@ impl Client {
                     count: page.len() as u32,
                     dim: dim as u32,
                 });
-                let done = self
-                    .ask_with(s, &msg, &[net::f32_bytes(payload)], |m| match m {
-                        Message::TableLoaded(done) => Some(done),
-                        _ => None,
-                    })
-                    .await?;
-                created += done.created;
-                kept += done.kept;
+                let (c, k) = self.load(s, &msg, payload).await?;
+                (created, kept) = (created + c, kept + k);
             }
         }
         Ok((created, kept))
