@@ -137,19 +137,11 @@ fn apply_loops(rule: Rule, k: &Derived, n: usize, b: Bufs<'_>) {
                 p[i] -= lr * g[i];
             }
         }
-        Rule::Momentum => {
-            let v = &mut b.s0[..n];
-            for i in 0..n {
-                let pi = p[i];
-                let d = g[i] + wd * pi;
-                let vi = gamma * v[i] + d;
-                v[i] = vi;
-                p[i] = pi - lr * vi;
-            }
-        }
-        Rule::StalenessAware => {
-            let v = &mut b.s0[..n];
-            let scale = k.inv_staleness;
+        // Heavy-ball momentum: the multi-momentum rule keeps its buffer per worker, the staleness-aware one
+        // scales the gradient by 1/staleness (the others by 1, which changes no bit).
+        Rule::Momentum | Rule::StalenessAware | Rule::MultiMomentum => {
+            let v = if rule == Rule::MultiMomentum { &mut b.w0[..n] } else { &mut b.s0[..n] };
+            let scale = if rule == Rule::StalenessAware { k.inv_staleness } else { 1.0 };
             for i in 0..n {
                 let pi = p[i];
                 let d = (g[i] + wd * pi) * scale;
@@ -177,16 +169,6 @@ fn apply_loops(rule: Rule, k: &Derived, n: usize, b: Bufs<'_>) {
                 let mi = gt * m[i] + keep * d;
                 m[i] = mi;
                 p[i] = pi - step * mi;
-            }
-        }
-        Rule::MultiMomentum => {
-            let w = &mut b.w0[..n];
-            for i in 0..n {
-                let pi = p[i];
-                let d = g[i] + wd * pi;
-                let wi = gamma * w[i] + d;
-                w[i] = wi;
-                p[i] = pi - lr * wi;
             }
         }
         Rule::DcAsgd => {

@@ -26,6 +26,16 @@ use std::time::Duration;
 
 pyo3::create_exception!(_gaps, NativeError, PyException, "An error of the gaps client: args are (kind, message).");
 
+/// A Python dict of `key => value` pairs, each value converted as `PyDict::set_item` converts it (returns
+/// early with the error where one fails).
+macro_rules! dict {
+    ($py:expr, $($key:literal => $value:expr),* $(,)?) => {{
+        let d = PyDict::new($py);
+        $(d.set_item($key, $value)?;)*
+        d
+    }};
+}
+
 /// A `NativeError` of `kind` (`shape`, `dtype`, `unknown`, `nonfinite`, `unavailable`, `unauthorized`,
 /// `order`, `certificate`, `server`, `closed`, `config`).
 fn err(kind: &str, message: impl Into<String>) -> PyErr {
@@ -227,6 +237,15 @@ impl NativeClient {
         Ok((client, grads, snapshot))
     }
 
+    /// What `call` asks of the client, waited for with the GIL released (its error as a `NativeError`).
+    fn ask<T: Send, F>(&self, py: Python<'_>, call: impl FnOnce(Client) -> F) -> PyResult<T>
+    where
+        F: std::future::Future<Output = Result<T, ClientError>> + Send,
+    {
+        let client = self.client()?;
+        block(py, &self.runtime, call(client))?.map_err(client_err)
+    }
+
     fn client(&self) -> PyResult<Client> {
         self.client.lock().map_err(poisoned)?.clone().ok_or_else(|| err("closed", "the client is closed"))
     }
@@ -335,24 +354,14 @@ impl NativeClient {
         let layout = client.layout();
         let tensors = PyList::empty(py);
         for t in &layout.tensors {
-            let d = PyDict::new(py);
-            d.set_item("name", &t.name)?;
-            d.set_item("shape", t.shape.clone())?;
-            tensors.append(d)?;
+            tensors.append(dict!(py, "name" => &t.name, "shape" => t.shape.clone()))?;
         }
         let tables = PyList::empty(py);
         for t in &layout.tables {
-            let d = PyDict::new(py);
-            d.set_item("name", &t.name)?;
-            d.set_item("dim", t.dim)?;
-            tables.append(d)?;
+            tables.append(dict!(py, "name" => &t.name, "dim" => t.dim))?;
         }
-        let out = PyDict::new(py);
-        out.set_item("tensors", tensors)?;
-        out.set_item("tables", tables)?;
-        out.set_item("epoch", client.map().epoch)?;
-        out.set_item("shards", client.map().num_shards)?;
-        Ok(out)
+        let map = client.map();
+        Ok(dict!(py, "tensors" => tensors, "tables" => tables, "epoch" => map.epoch, "shards" => map.num_shards))
     }
 
     /// Pulls every dense tensor (layout order) as float32 bytes; remembered for the next push.
@@ -531,26 +540,17 @@ impl NativeClient {
 
     /// Per-shard counters: a list of dicts.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
-        let client = self.client()?;
-        let stats = block(py, &self.runtime, client.stats())?.map_err(client_err)?;
-        stats
+        self.ask(py, |c| async move { c.stats().await })?
             .into_iter()
             .map(|s| {
-                let d = PyDict::new(py);
-                d.set_item("shard", s.shard)?;
-                d.set_item("pushes_applied", s.pushes_applied)?;
-                d.set_item("pushes_duplicate", s.pushes_duplicate)?;
-                d.set_item("pushes_applied_twice", s.pushes_applied_twice)?;
                 let by_worker = PyDict::new(py);
                 for w in &s.applied_by_worker {
                     by_worker.set_item(w.worker, w.applied)?;
                 }
-                d.set_item("applied_by_worker", by_worker)?;
-                d.set_item("pushes_rejected", s.pushes_rejected)?;
-                d.set_item("pulls", s.pulls)?;
-                d.set_item("table_rows", s.table_rows)?;
-                d.set_item("live_workers", s.live_workers)?;
-                Ok(d)
+                Ok(dict!(py, "shard" => s.shard, "pushes_applied" => s.pushes_applied,
+                    "pushes_duplicate" => s.pushes_duplicate, "pushes_applied_twice" => s.pushes_applied_twice,
+                    "applied_by_worker" => by_worker, "pushes_rejected" => s.pushes_rejected, "pulls" => s.pulls,
+                    "table_rows" => s.table_rows, "live_workers" => s.live_workers))
             })
             .collect()
     }
@@ -564,19 +564,9 @@ impl NativeClient {
         let client = self.client()?;
         let grant = block(py, &self.runtime, client.next_split_waiting(finished))?.map_err(client_err)?;
         let Some(s) = grant.split else { return Ok(None) };
-        let d = PyDict::new(py);
-        d.set_item("grant", s.grant)?;
-        d.set_item("key", s.key)?;
-        d.set_item("epoch", s.key >> 32)?;
-        d.set_item("index", s.key & 0xffff_ffff)?;
-        d.set_item("file", s.file)?;
-        d.set_item("first_line", s.first_line)?;
-        d.set_item("start", s.start)?;
-        d.set_item("end", s.end)?;
-        d.set_item("lines", s.lines)?;
-        d.set_item("files", grant.files)?;
-        d.set_item("finished_accepted", grant.finished_accepted)?;
-        Ok(Some(d))
+        Ok(Some(dict!(py, "grant" => s.grant, "key" => s.key, "epoch" => s.key >> 32, "index" => s.key & 0xffff_ffff,
+            "file" => s.file, "first_line" => s.first_line, "start" => s.start, "end" => s.end, "lines" => s.lines,
+            "files" => grant.files, "finished_accepted" => grant.finished_accepted)))
     }
 
     /// Tags the next dense pushes with the split their samples came from (`grant` None: untagged).
@@ -590,32 +580,19 @@ impl NativeClient {
     /// Every shard's samples per grant and the coordinator's dealer: a list of dicts (`shard`, `counts`: a
     /// list of (grant, key, samples), `dealer`: a dict or None).
     fn data_status<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
-        let client = self.client()?;
-        let status = block(py, &self.runtime, client.data_status())?.map_err(client_err)?;
-        status
+        self.ask(py, |c| async move { c.data_status().await })?
             .into_iter()
             .map(|s| {
-                let d = PyDict::new(py);
-                d.set_item("shard", s.shard)?;
                 let counts: Vec<(u64, u64, u64)> = s.counts.iter().map(|c| (c.grant, c.split, c.samples)).collect();
-                d.set_item("counts", counts)?;
-                match s.dealer {
-                    Some(dealer) => {
-                        let dd = PyDict::new(py);
-                        dd.set_item("data_epoch", dealer.data_epoch)?;
-                        dd.set_item("splits_per_epoch", dealer.splits_per_epoch)?;
-                        dd.set_item("splits_done", dealer.splits_done)?;
-                        dd.set_item("splits_returned", dealer.splits_returned)?;
-                        dd.set_item("splits_pending", dealer.splits_pending)?;
-                        dd.set_item("samples_replayed", dealer.samples_replayed)?;
-                        dd.set_item("finished", dealer.finished)?;
-                        dd.set_item("completed", dealer.completed)?;
-                        dd.set_item("abandoned", dealer.abandoned)?;
-                        d.set_item("dealer", dd)?;
-                    }
-                    None => d.set_item("dealer", py.None())?,
-                }
-                Ok(d)
+                let dealer = match s.dealer {
+                    Some(dealer) => Some(dict!(py, "data_epoch" => dealer.data_epoch,
+                        "splits_per_epoch" => dealer.splits_per_epoch, "splits_done" => dealer.splits_done,
+                        "splits_returned" => dealer.splits_returned, "splits_pending" => dealer.splits_pending,
+                        "samples_replayed" => dealer.samples_replayed, "finished" => dealer.finished,
+                        "completed" => dealer.completed, "abandoned" => dealer.abandoned)),
+                    None => None,
+                };
+                Ok(dict!(py, "shard" => s.shard, "counts" => counts, "dealer" => dealer))
             })
             .collect()
     }
@@ -717,18 +694,11 @@ impl NativeClient {
     fn checkpoint<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let client = self.client()?;
         let done = block(py, &self.runtime, client.checkpoint())?.map_err(client_err)?;
-        let out = PyDict::new(py);
-        out.set_item("id", done.id)?;
         let shards = PyList::empty(py);
         for s in &done.shards {
-            let d = PyDict::new(py);
-            d.set_item("shard", s.shard)?;
-            d.set_item("path", &s.path)?;
-            d.set_item("step", s.step)?;
-            shards.append(d)?;
+            shards.append(dict!(py, "shard" => s.shard, "path" => &s.path, "step" => s.step))?;
         }
-        out.set_item("shards", shards)?;
-        Ok(out)
+        Ok(dict!(py, "id" => done.id, "shards" => shards))
     }
 
     /// Leaves the job (a worker) and closes the connections. Idempotent.
