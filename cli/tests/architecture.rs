@@ -152,3 +152,41 @@ fn files_and_functions_stay_small() {
     }
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
+
+/// The `env = "GAPS_…"` names a Rust source file declares for its flags.
+fn declared_variables(text: &str) -> Vec<String> {
+    text.split("env = \"").skip(1).filter_map(|rest| rest.split('"').next()).map(str::to_string).collect()
+}
+
+/// Every `.rs` file below `dir`.
+fn rust_files(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+    for entry in std::fs::read_dir(dir).expect("a source folder").map(|e| e.expect("an entry").path()) {
+        if entry.is_dir() {
+            rust_files(&entry, out);
+        } else if entry.extension().is_some_and(|e| e == "rs") {
+            out.push(entry);
+        }
+    }
+}
+
+#[test]
+fn the_shared_flag_groups_are_declared_once_in_gaps_flags() {
+    let root = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/.."));
+    let shared = declared_variables(&std::fs::read_to_string(root.join("flags/src/lib.rs")).expect("gaps-flags"));
+    for wanted in ["GAPS_MOMENTUM", "GAPS_SPARSE_RULE", "GAPS_MODE", "GAPS_GBA_THRESHOLD"] {
+        assert!(shared.iter().any(|v| v == wanted), "gaps-flags no longer declares {wanted}: {shared:?}");
+    }
+    let mut files = Vec::new();
+    for krate in
+        ["common", "kernels", "shard", "transport", "setup", "server", "models", "worker", "sim", "cli", "benches"]
+    {
+        rust_files(&root.join(krate).join("src"), &mut files);
+    }
+    for file in files {
+        let again: Vec<String> = declared_variables(&std::fs::read_to_string(&file).expect("a source file"))
+            .into_iter()
+            .filter(|v| shared.contains(v))
+            .collect();
+        assert!(again.is_empty(), "{} declares gaps-flags' {again:?} again: flatten the group instead", file.display());
+    }
+}

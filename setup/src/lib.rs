@@ -6,7 +6,7 @@
 //! - [`start`]: the three steps every binary's `main` begins with, and [`ConfigArg`], the flag it reads.
 //!
 //! The flags' grammars (sizes, durations, stragglers, kills) are [`gaps_common::config`]'s; the flag groups
-//! the commands share are the server's and worker's argument structs, flattened where they are used.
+//! several commands share are `gaps-flags`', flattened where they are used.
 
 pub mod certs;
 pub mod config_file;

@@ -7,6 +7,7 @@
 
 use super::{run, ModelChoice, SimArgs, SimReport};
 use anyhow::{Context, Result};
+use gaps_flags::HyperArgs;
 use gaps_kernels::{Bufs, Hyper, PushScalars, Rule};
 use std::fmt::Write as _;
 use std::path::Path;
@@ -100,7 +101,7 @@ fn args_for(m: &Method, workers: u32, lr: f32, shape: f64, seed: u64, epochs: u3
         seed,
         epochs,
         lr: lr * m.lr_factor,
-        momentum: m.momentum,
+        hyper: HyperArgs { momentum: m.momentum, ..HyperArgs::default() },
         mode: if m.sync { super::SimMode::Sync } else { super::SimMode::Async },
         ..SimArgs::defaults()
     }
@@ -504,7 +505,7 @@ pub fn e4(workers: &[u32], seeds: &[u64]) -> Result<Vec<E4Row>> {
                     workers: *n,
                     seed: *seed,
                     lr: 0.05,
-                    momentum: 0.0,
+                    hyper: HyperArgs { momentum: 0.0, ..HyperArgs::default() },
                     warmup_epochs: 0.0,
                     no_lr_decay: true,
                     linear_scaling: false,

@@ -26,6 +26,7 @@ use gaps_common::dtype::WireDtype;
 use gaps_common::layout::{ChunkId, Layout, TensorSpec};
 use gaps_common::rng::{mix, Rng};
 use gaps_common::wire::{ChunkVersion, Frame, Message, Pull, Push, PushChunk};
+use gaps_flags::HyperArgs;
 use gaps_kernels::{Hyper, Rule};
 use gaps_shard::{Init, ShardConfig, ShardCore};
 use std::cmp::Ordering;
@@ -68,7 +69,8 @@ pub enum SimMode {
     Sync,
 }
 
-/// Flags of `gaps sim`. Every flag also reads a `GAPS_SIM_*` environment variable.
+/// Flags of `gaps sim`. Every flag also reads an environment variable: `GAPS_SIM_*`, but the rule's
+/// hyper-parameters ([`HyperArgs`]) the `GAPS_*` variables of `gaps-server`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct SimArgs {
     /// The model to train.
@@ -95,15 +97,9 @@ pub struct SimArgs {
     /// Learning rate η.
     #[arg(long, env = "GAPS_SIM_LR", default_value_t = 0.05)]
     pub lr: f32,
-    /// Momentum γ.
-    #[arg(long, env = "GAPS_SIM_MOMENTUM", default_value_t = 0.9)]
-    pub momentum: f32,
-    /// Weight decay.
-    #[arg(long, env = "GAPS_SIM_WEIGHT_DECAY", default_value_t = 0.0)]
-    pub weight_decay: f32,
-    /// DC-ASGD / DANA-DC λ.
-    #[arg(long, env = "GAPS_SIM_DC_LAMBDA", default_value_t = 2.0)]
-    pub dc_lambda: f32,
+    /// The rule's other hyper-parameters: `gaps-server`'s flags (and `GAPS_*` variables), its defaults.
+    #[command(flatten)]
+    pub hyper: HyperArgs,
     /// Per-iteration linear warm-up from η/N to η over this many epochs.
     #[arg(long, env = "GAPS_SIM_WARMUP_EPOCHS", default_value_t = 2.0)]
     pub warmup_epochs: f64,
@@ -223,9 +219,7 @@ impl SimArgs {
             epochs: 20,
             batch: 32,
             lr: 0.05,
-            momentum: 0.9,
-            weight_decay: 0.0,
-            dc_lambda: 2.0,
+            hyper: HyperArgs::default(),
             warmup_epochs: 2.0,
             lr_decay_at: vec![0.5, 0.75],
             no_lr_decay: false,

@@ -15,6 +15,7 @@ use crate::tasks::Task;
 use crate::{ModelChoice, SimArgs, SimMode, SimReport};
 use anyhow::{bail, Result};
 use gaps_common::rng::{mix, Rng};
+use gaps_flags::HyperArgs;
 use gaps_kernels::Rule;
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -37,9 +38,9 @@ pub struct SweepArgs {
     /// Learning rate η (sync and gba scale it by N).
     #[arg(long, env = "GAPS_SWEEP_LR", default_value_t = 0.05)]
     pub lr: f32,
-    /// Momentum γ.
-    #[arg(long, env = "GAPS_SWEEP_MOMENTUM", default_value_t = 0.9)]
-    pub momentum: f32,
+    /// The rule's other hyper-parameters: `gaps-server`'s flags (and `GAPS_*` variables), its defaults.
+    #[command(flatten)]
+    pub hyper: HyperArgs,
     /// Epochs over the training set (the same gradients for every N).
     #[arg(long, env = "GAPS_SWEEP_EPOCHS", default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     pub epochs: u32,
@@ -87,7 +88,7 @@ impl SweepArgs {
             model: ModelChoice::Mlp,
             rule: Rule::Momentum,
             lr: 0.05,
-            momentum: 0.9,
+            hyper: HyperArgs::default(),
             epochs: 20,
             batch: 32,
             seeds: vec![1, 2, 3],
@@ -110,7 +111,7 @@ impl SweepArgs {
             workers,
             mode,
             lr: self.lr,
-            momentum: self.momentum,
+            hyper: self.hyper.clone(),
             epochs: self.epochs,
             batch: self.batch,
             seed,
@@ -362,7 +363,7 @@ pub fn run(args: &SweepArgs) -> Result<Sweep> {
         curvature(args.sim(workers[0], args.modes[0], b.seed).task().as_ref(), &b.params, b.seed)
     });
     let h_max = h_init.max(if h_trained.is_finite() { h_trained } else { 0.0 });
-    let eta_eff = effective_step(args.rule, args.lr, args.momentum);
+    let eta_eff = effective_step(args.rule, args.lr, args.hyper.momentum);
     let eta = f64::from(args.lr);
     let bound = std::f64::consts::PI / (2.0 * eta * h_max);
     let bound_momentum = std::f64::consts::PI / (2.0 * eta_eff * h_max);
@@ -430,7 +431,7 @@ impl Sweep {
             self.metric_name,
             args.rule,
             args.lr,
-            args.momentum,
+            args.hyper.momentum,
             args.epochs,
             args.batch,
             args.seeds,

@@ -303,14 +303,7 @@ impl Evaluator {
 pub(super) fn setup(args: &SimArgs) -> Result<(Box<dyn Task>, ShardCore, Hyper)> {
     let task = args.task();
     let p = task.num_params();
-    let hyper = Hyper {
-        lr: args.lr,
-        momentum: args.momentum,
-        weight_decay: args.weight_decay,
-        dc_lambda: args.dc_lambda,
-        dc_ms_decay: 0.95,
-    };
-    hyper.validate()?;
+    let hyper = args.hyper.hyper(args.lr)?;
     let rows = task.sparse_rows();
     let dense = (p - rows) as u64;
     let tables = if rows > 0 {

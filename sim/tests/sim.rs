@@ -153,7 +153,7 @@ fn ctr_adagrad(mode: SimMode, workers: u32) -> SimArgs {
         mode,
         workers,
         lr: 0.05,
-        momentum: 0.0,
+        hyper: gaps_flags::HyperArgs { momentum: 0.0, ..gaps_flags::HyperArgs::default() },
         warmup_epochs: 0.0,
         no_lr_decay: true,
         linear_scaling: false,

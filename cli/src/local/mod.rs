@@ -91,11 +91,11 @@ pub struct LocalArgs {
     #[arg(long, env = "GAPS_WIRE_DTYPE", default_value = "f32")]
     pub wire_dtype: gaps_common::dtype::WireDtype,
     #[command(flatten)]
-    pub hyper: gaps_server::cli::HyperArgs,
+    pub hyper: gaps_flags::HyperArgs,
     #[command(flatten)]
-    pub tables: gaps_server::cli::TableArgs,
+    pub tables: gaps_flags::TableArgs,
     #[command(flatten)]
-    pub modes: gaps_server::cli::ModeArgs,
+    pub modes: gaps_flags::ModeArgs,
     /// A straggler: `W:F` makes worker W F times slower by injected delay; `W:F:T` only for the first T.
     #[arg(long = "straggler", env = "GAPS_STRAGGLERS", value_delimiter = ',', value_parser = parse_straggler)]
     pub stragglers: Vec<Straggler>,
@@ -254,15 +254,15 @@ impl LocalArgs {
     /// The table flags for the servers: as given, except that a run passing over a data file more than
     /// once (`--epochs` above 1, or `--steps`) starts Adagrad rows at 0.1 unless `--sparse-adagrad-init`
     /// was given (docs/guide/models.md, "Real-data defaults").
-    pub fn tables(&self) -> gaps_server::cli::TableArgs {
+    pub fn tables(&self) -> gaps_flags::TableArgs {
         let mut tables = self.tables.clone();
         let repeats = self.data != "synthetic" && (self.epochs.is_some_and(|e| e > 1) || self.steps.is_some());
         if repeats && tables.sparse_adagrad_init.is_none() {
-            tables.sparse_adagrad_init = Some(gaps_server::cli::REPEATED_PASSES_ADAGRAD_INIT);
+            tables.sparse_adagrad_init = Some(gaps_flags::REPEATED_PASSES_ADAGRAD_INIT);
         }
         // The shards share this machine: each gets its share of the default budget.
         if tables.table_memory.is_none() {
-            tables.table_memory = Some(gaps_server::cli::default_table_memory() / u64::from(self.servers.max(1)));
+            tables.table_memory = Some(gaps_flags::default_table_memory() / u64::from(self.servers.max(1)));
         }
         tables
     }
