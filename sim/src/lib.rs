@@ -52,8 +52,9 @@ pub enum ModelChoice {
     CtrDense,
 }
 
-/// How the simulated cluster trains.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+/// How the simulated cluster trains (in JSON by its `--mode` name).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum SimMode {
     /// Every gradient is applied on arrival (the §1 event loop).
     Async,

@@ -125,8 +125,8 @@ impl SweepArgs {
     }
 }
 
-/// One (N, mode) cell.
-#[derive(Debug, Clone)]
+/// One (N, mode) cell (in the JSON line as it is: NaN as null).
+#[derive(Debug, Clone, serde::Serialize)]
 pub struct SweepCell {
     /// Workers.
     pub workers: u32,
@@ -151,78 +151,48 @@ pub struct SweepCell {
     pub wall: f64,
 }
 
-/// The sweep's outcome.
-#[derive(Debug, Clone)]
+/// The sweep's outcome; `gaps sim sweep --json` prints it as it is (NaN as null).
+#[derive(Debug, Clone, serde::Serialize)]
 pub struct Sweep {
-    /// Every cell, by N then mode.
-    pub cells: Vec<SweepCell>,
     /// The target metric.
     pub target: f64,
     /// True when the target was derived from the sweep (no --target).
     pub target_derived: bool,
     /// True when a larger metric is better (the target is reached from below).
+    #[serde(skip)]
     pub higher_is_better: bool,
     /// What the metric is.
+    #[serde(rename = "metric")]
     pub metric_name: &'static str,
+    /// "units" or "seconds".
+    pub time_unit: &'static str,
     /// Largest Hessian eigenvalue at the initial parameters.
     pub h_init: f64,
     /// Largest Hessian eigenvalue at the best run's final parameters.
     pub h_trained: f64,
-    /// The rule's effective step.
-    pub eta_eff: f64,
     /// η.
     pub eta: f64,
+    /// The rule's effective step.
+    pub eta_eff: f64,
     /// π/(2·η·h_max): the delay analysis' largest useful N (docs/ALGORITHMS.md §7).
     pub bound: f64,
     /// π/(2·η_eff·h_max): the same with the momentum's effective step, the bound of a linear model.
     pub bound_momentum: f64,
-    /// Per mode, the N whose mean time to the target is least (None: no N reached it on every seed).
-    pub optimum: Vec<(SimMode, Option<u32>)>,
-    /// Per mode, each seed's own optimum N, in the order of `--seeds` (the optimum's seed spread).
-    pub optimum_per_seed: Vec<(SimMode, Vec<Option<u32>>)>,
-    /// "units" or "seconds".
-    pub time_unit: &'static str,
+    /// Per mode, the worker count that reached the target soonest.
+    pub optimum: Vec<Optimum>,
+    /// Every cell, by N then mode.
+    pub cells: Vec<SweepCell>,
 }
 
-/// `gaps sim sweep --json`'s line (fields as in [`Sweep`]; NaN as null).
+/// One mode's optimum in [`Sweep`].
 #[derive(Debug, Clone, serde::Serialize)]
-pub struct SweepJson {
-    pub target: f64,
-    pub target_derived: bool,
-    pub metric: &'static str,
-    pub time_unit: &'static str,
-    pub h_init: f64,
-    pub h_trained: f64,
-    pub eta: f64,
-    pub eta_eff: f64,
-    pub bound: f64,
-    pub bound_momentum: f64,
-    /// Per mode: the optimum N on the mean and for each seed.
-    pub optimum: Vec<OptimumJson>,
-    pub cells: Vec<CellJson>,
-}
-
-/// One mode's optimum in [`SweepJson`].
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct OptimumJson {
-    pub mode: &'static str,
+pub struct Optimum {
+    /// The mode.
+    pub mode: SimMode,
+    /// The N whose mean time to the target is least (None: no N reached it on every seed).
     pub workers: Option<u32>,
+    /// Each seed's own optimum N, in the order of `--seeds` (the optimum's seed spread).
     pub per_seed: Vec<Option<u32>>,
-}
-
-/// One cell in [`SweepJson`] (see [`SweepCell`]).
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct CellJson {
-    pub workers: u32,
-    pub mode: &'static str,
-    pub time_to_target: Option<f64>,
-    pub time_sd: f64,
-    pub reached: usize,
-    pub seeds: usize,
-    pub diverged: usize,
-    pub final_metric: Option<f64>,
-    pub final_sd: Option<f64>,
-    pub wall: f64,
 }
 
 /// The rule's effective step: η/(1 − γ) when a momentum buffer re-applies each gradient, η otherwise
@@ -367,7 +337,7 @@ pub fn run(args: &SweepArgs) -> Result<Sweep> {
     let eta = f64::from(args.lr);
     let bound = std::f64::consts::PI / (2.0 * eta * h_max);
     let bound_momentum = std::f64::consts::PI / (2.0 * eta_eff * h_max);
-    let (optimum, optimum_per_seed) = optima(&args.modes, &grid, &cells, &times, seeds);
+    let optimum = optima(&args.modes, &grid, &cells, &times, seeds);
     Ok(Sweep {
         cells,
         target,
@@ -381,7 +351,6 @@ pub fn run(args: &SweepArgs) -> Result<Sweep> {
         bound,
         bound_momentum,
         optimum,
-        optimum_per_seed,
         time_unit: reports.first().map_or("units", |r| r.time_unit),
     })
 }
@@ -409,7 +378,7 @@ fn mode_name(m: SimMode) -> &'static str {
 
 impl Sweep {
     fn modes(&self) -> Vec<SimMode> {
-        self.optimum.iter().map(|(m, _)| *m).collect()
+        self.optimum.iter().map(|o| o.mode).collect()
     }
 
     fn workers(&self) -> Vec<u32> {
@@ -501,14 +470,13 @@ impl Sweep {
         let opt: Vec<String> = self
             .optimum
             .iter()
-            .zip(&self.optimum_per_seed)
-            .map(|((m, n), (_, per_seed))| {
+            .map(|o| {
                 let each: Vec<String> =
-                    per_seed.iter().map(|n| n.map_or("none".to_string(), |n| n.to_string())).collect();
+                    o.per_seed.iter().map(|n| n.map_or("none".to_string(), |n| n.to_string())).collect();
                 format!(
                     "{} {} (each seed's: {})",
-                    mode_name(*m),
-                    n.map_or("none reached the target on every seed".into(), |n| format!("N = {n}")),
+                    mode_name(o.mode),
+                    o.workers.map_or("none reached the target on every seed".into(), |n| format!("N = {n}")),
                     each.join(", ")
                 )
             })
@@ -517,44 +485,9 @@ impl Sweep {
         s
     }
 
-    /// The JSON line: [`SweepJson`].
+    /// The JSON line: the sweep as it is.
     pub fn to_json(&self) -> String {
-        let finite = |x: f64| x.is_finite().then_some(x);
-        let json = SweepJson {
-            target: self.target,
-            target_derived: self.target_derived,
-            metric: self.metric_name,
-            time_unit: self.time_unit,
-            h_init: self.h_init,
-            h_trained: self.h_trained,
-            eta: self.eta,
-            eta_eff: self.eta_eff,
-            bound: self.bound,
-            bound_momentum: self.bound_momentum,
-            optimum: self
-                .optimum
-                .iter()
-                .zip(&self.optimum_per_seed)
-                .map(|((m, n), (_, each))| OptimumJson { mode: mode_name(*m), workers: *n, per_seed: each.clone() })
-                .collect(),
-            cells: self
-                .cells
-                .iter()
-                .map(|c| CellJson {
-                    workers: c.workers,
-                    mode: mode_name(c.mode),
-                    time_to_target: c.time_to_target,
-                    time_sd: c.time_sd,
-                    reached: c.reached,
-                    seeds: c.seeds,
-                    diverged: c.diverged,
-                    final_metric: finite(c.final_metric),
-                    final_sd: finite(c.final_sd),
-                    wall: c.wall,
-                })
-                .collect(),
-        };
-        serde_json::to_string(&json).unwrap_or_else(|e| format!("{{\"error\":\"the sweep did not encode: {e}\"}}"))
+        serde_json::to_string(self).unwrap_or_else(|e| format!("{{\"error\":\"the sweep did not encode: {e}\"}}"))
     }
 
     /// Time to target against N (both log scale), one line per mode, the bound as a dashed vertical line.
@@ -638,11 +571,6 @@ impl Sweep {
     }
 }
 
-/// Per mode, the worker count that reached the target soonest on the seeds' mean (None: no count did).
-type Optimum = Vec<(SimMode, Option<u32>)>;
-/// Per mode, for each seed, the worker count that reached the target soonest.
-type OptimumPerSeed = Vec<(SimMode, Vec<Option<u32>>)>;
-
 /// Per mode, the worker count that reached the target soonest: on the seeds' mean, and for each seed.
 fn optima(
     modes: &[SimMode],
@@ -650,8 +578,8 @@ fn optima(
     cells: &[SweepCell],
     times: &[Vec<Option<f64>>],
     seeds: usize,
-) -> (Optimum, OptimumPerSeed) {
-    let optimum = modes
+) -> Vec<Optimum> {
+    modes
         .iter()
         .map(|m| {
             let best = cells
@@ -659,12 +587,6 @@ fn optima(
                 .filter(|c| c.mode == *m)
                 .filter_map(|c| c.time_to_target.map(|t| (t, c.workers)))
                 .min_by(|a, b| a.0.total_cmp(&b.0));
-            (*m, best.map(|(_, n)| n))
-        })
-        .collect();
-    let optimum_per_seed = modes
-        .iter()
-        .map(|m| {
             let per_seed = (0..seeds)
                 .map(|k| {
                     grid.iter()
@@ -675,10 +597,9 @@ fn optima(
                         .map(|(_, n)| n)
                 })
                 .collect();
-            (*m, per_seed)
+            Optimum { mode: *m, workers: best.map(|(_, n)| n), per_seed }
         })
-        .collect();
-    (optimum, optimum_per_seed)
+        .collect()
 }
 
 #[cfg(test)]
