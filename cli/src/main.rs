@@ -418,7 +418,7 @@ async fn local(args: gaps_cli::local::LocalArgs) -> Result<()> {
     let c = &report.counters;
     eprintln!(
         "[gaps local] done in {:.1}s: {} steps, {}/{} shard pushes applied, held-out loss {:.4} -> {:.4}",
-        c.wall_s, c.steps, c.pushes_applied, c.pushes_sent, report.initial_loss, report.final_loss
+        c.wall_s, c.steps, c.pushes_applied, c.pushes_sent, c.initial_loss, c.final_loss
     );
     if let Some(c) = &report.ctr {
         eprintln!(

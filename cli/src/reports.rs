@@ -49,6 +49,11 @@ pub fn nan_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Err
     Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
 }
 
+/// [`nan_if_null`] for an `f32`.
+pub fn nan_if_null_f32<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f32, D::Error> {
+    Ok(Option::<f32>::deserialize(d)?.unwrap_or(f32::NAN))
+}
+
 #[cfg(test)]
 mod tests {
     use crate::local::TimelinePoint;

@@ -10,10 +10,6 @@ pub struct LocalReport {
     pub servers: u32,
     /// Flags as given.
     pub workers: u32,
-    /// Held-out log-loss of the initial model.
-    pub initial_loss: f32,
-    /// Held-out log-loss of the final model.
-    pub final_loss: f32,
     /// Steps, pushes, staleness, mode switches, restarts: what the workers and shards counted.
     pub counters: RunCounters,
     /// The CTR figures (CTR models only).
@@ -29,6 +25,12 @@ pub struct LocalReport {
 /// The run's counters: in [`LocalReport`] and, as they are, in [`LocalSummary`] (`gaps local --json`).
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct RunCounters {
+    /// Held-out log-loss of the initial model (null in JSON if not a number).
+    #[serde(deserialize_with = "crate::reports::nan_if_null_f32")]
+    pub initial_loss: f32,
+    /// Held-out log-loss of the final model (null in JSON if not a number).
+    #[serde(deserialize_with = "crate::reports::nan_if_null_f32")]
+    pub final_loss: f32,
     /// Worker steps in total.
     pub steps: u64,
     /// Shard pushes sent by all workers (each once).
@@ -302,9 +304,6 @@ pub struct LocalSummary {
     pub model: String,
     /// The dense rule.
     pub rule: String,
-    /// Held-out log-loss of the initial and final model (null if not a number).
-    pub initial_loss: Option<f32>,
-    pub final_loss: Option<f32>,
     /// See [`RunCounters`].
     #[serde(flatten)]
     pub counters: RunCounters,
@@ -402,14 +401,11 @@ pub struct TimelinePoint {
 impl LocalReport {
     /// The summary with the flags that shaped the run.
     pub fn summary(&self, args: &LocalArgs) -> LocalSummary {
-        let finite = |x: f32| x.is_finite().then_some(x);
         LocalSummary {
             servers: self.servers,
             workers: self.workers,
             model: args.model.name().into(),
             rule: args.rule().name().into(),
-            initial_loss: finite(self.initial_loss),
-            final_loss: finite(self.final_loss),
             counters: self.counters.clone(),
             mode: args.modes.mode.name().into(),
             wire_dtype: args.wire_dtype.name().into(),

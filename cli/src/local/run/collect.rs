@@ -117,6 +117,8 @@ pub(super) async fn collect(
     let pushes_applied: u64 = stats.iter().map(|s| s.pushes_applied).sum();
     let (switches, switches_agree) = switches_of(&stats);
     let counters = RunCounters {
+        initial_loss,
+        final_loss,
         steps: totals.steps,
         pushes_sent: totals.pushes_sent,
         pushes_applied,
@@ -146,8 +148,6 @@ pub(super) async fn collect(
     Ok(LocalReport {
         servers: args.servers,
         workers: args.workers,
-        initial_loss,
-        final_loss,
         ctr,
         switches,
         replication,
