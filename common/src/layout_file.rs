@@ -68,41 +68,24 @@ struct FileLayout {
     tables: Vec<FileTable>,
 }
 
-#[derive(Debug, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct FileTensor {
-    name: String,
-    shape: Vec<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    rule: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    lr: Option<f32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    momentum: Option<f32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    weight_decay: Option<f32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    dc_lambda: Option<f32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    dc_ms_decay: Option<f32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    wire_dtype: Option<String>,
+/// A `[[tensor]]` or `[[table]]` entry: its own fields, then the optional keys that override the shard's rule
+/// (each left out of the file when unset). Declared by a macro because serde cannot flatten a shared struct
+/// into one that refuses unknown keys.
+macro_rules! file_entry {
+    ($name:ident { $($field:ident: $ty:ty),* } optional { $($opt:ident: $opt_ty:ty),* }) => {
+        #[derive(Debug, Serialize, Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct $name {
+            $($field: $ty,)*
+            $(#[serde(default, skip_serializing_if = "Option::is_none")] $opt: Option<$opt_ty>,)*
+        }
+    };
 }
 
-#[derive(Debug, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct FileTable {
-    name: String,
-    dim: u32,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    rule: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    lr: Option<f32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    momentum: Option<f32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    weight_decay: Option<f32>,
-}
+file_entry!(FileTensor { name: String, shape: Vec<u64> } optional {
+    rule: String, lr: f32, momentum: f32, weight_decay: f32, dc_lambda: f32, dc_ms_decay: f32, wire_dtype: String
+});
+file_entry!(FileTable { name: String, dim: u32 } optional { rule: String, lr: f32, momentum: f32, weight_decay: f32 });
 
 /// Parses and validates a layout file's text.
 pub fn parse(text: &str, format: Format) -> Result<Layout, LayoutFileError> {

@@ -20,9 +20,10 @@ pub(super) async fn watch_primaries(
             if !backups.begin_takeover(shard) {
                 continue;
             }
+            let takeover = TakeoverMeans { shared: &shared, cfg: &cfg, link: &link, backups: &backups };
             let taken = match shard {
-                0 => take_over_coordinator(&shared, &cfg, &link, &backups).await,
-                _ => take_over(&shared, &cfg, &link, &backups, shard).await,
+                0 => takeover.coordinator().await,
+                _ => takeover.shard(shard).await,
             };
             match taken {
                 Ok(()) => {}
@@ -32,6 +33,28 @@ pub(super) async fn watch_primaries(
                 }
             }
         }
+    }
+}
+
+/// What a takeover works with: this process's shared state and configuration, its link to the coordinator
+/// and the copies it keeps.
+#[derive(Clone, Copy)]
+struct TakeoverMeans<'a> {
+    shared: &'a Arc<Shared>,
+    cfg: &'a ServiceConfig,
+    link: &'a crate::link::CoordinatorLink,
+    backups: &'a Backups,
+}
+
+impl TakeoverMeans<'_> {
+    /// Shard 0 taken over: [`take_over_coordinator`].
+    async fn coordinator(&self) -> Result<()> {
+        take_over_coordinator(self).await
+    }
+
+    /// Another shard taken over: [`take_over`].
+    async fn shard(&self, shard: u32) -> Result<()> {
+        take_over(self, shard).await
     }
 }
 
@@ -85,12 +108,8 @@ pub(super) async fn serve_copy(
 /// The proposal is valid only from a backup in the last configuration's in-sync set (every reply of the old
 /// coordinator waited for it), or from this process itself where an earlier takeover of its own was chosen
 /// but never served; the old coordinator learns of it at its next proposal and answers `Moved` from then on.
-pub(super) async fn take_over_coordinator(
-    shared: &Arc<Shared>,
-    cfg: &ServiceConfig,
-    link: &crate::link::CoordinatorLink,
-    backups: &Backups,
-) -> Result<()> {
+async fn take_over_coordinator(t: &TakeoverMeans<'_>) -> Result<()> {
+    let TakeoverMeans { shared, cfg, link, backups } = *t;
     let silent_since = Instant::now() - cfg.failover_after;
     let quorum =
         shared.quorum.clone().context("shard 0 is taken over only where a majority chooses its configuration")?;
@@ -136,13 +155,8 @@ pub(super) async fn take_over_coordinator(
 }
 
 /// Asks the coordinator to let this process serve its copy of `shard` and serves it on an endpoint of its own.
-pub(super) async fn take_over(
-    shared: &Arc<Shared>,
-    cfg: &ServiceConfig,
-    link: &crate::replication::CoordinatorLink,
-    backups: &Backups,
-    shard: u32,
-) -> Result<()> {
+async fn take_over(t: &TakeoverMeans<'_>, shard: u32) -> Result<()> {
+    let TakeoverMeans { shared, cfg, link, backups } = *t;
     let silent_since = Instant::now() - cfg.failover_after;
     let (endpoint, addr) = takeover_endpoint(shared, cfg)?;
     let map = link.map(&format!("shard-{} takeover", shared.shard)).await.context("the coordinator's map")?;

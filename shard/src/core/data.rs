@@ -150,13 +150,13 @@ impl ShardCore {
         self.dealer.as_ref()
     }
 
+    /// A worker asks the coordinator's dealer for its next split ([`coordinator_only`]).
     pub(super) fn split_request(
         &mut self,
         r: &SplitRequest,
         now: Duration,
         events: &mut Vec<CoreEvent>,
     ) -> Result<Frame, ShardError> {
-        self.coordinator()?;
         self.check_epoch(r.epoch)?;
         // A request renews the worker's lease as a heartbeat does (one that expired while the coordinator
         // restarted comes back).

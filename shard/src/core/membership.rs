@@ -173,13 +173,13 @@ impl ShardCore {
         }
     }
 
+    /// A worker or an observer joins through the coordinator ([`coordinator_only`]).
     pub(super) fn register(
         &mut self,
         req: &Register,
         now: Duration,
         events: &mut Vec<CoreEvent>,
     ) -> Result<Frame, ShardError> {
-        self.coordinator()?;
         if req.protocol != PROTOCOL_VERSION {
             return Err(ShardError::Misconfigured(format!(
                 "client speaks protocol {}, this cluster speaks {PROTOCOL_VERSION}",

@@ -544,7 +544,8 @@ impl ShardCore {
         (reply, events)
     }
 
-    /// One request, to the part of the core that answers it.
+    /// One request, to the part of the core that answers it (those only the coordinator serves refused
+    /// by any other shard first).
     fn serve(
         &mut self,
         request: Request,
@@ -554,6 +555,9 @@ impl ShardCore {
         events: &mut Vec<CoreEvent>,
     ) -> Result<Frame, ShardError> {
         let now_s = self.now_s;
+        if coordinator_only(&request) {
+            self.coordinator()?;
+        }
         match request {
             Request::Pull(p) => self.pull(&p),
             Request::Push(p) => self.push(&p, payload, finite, now, events),
@@ -698,4 +702,17 @@ impl ShardCore {
         }
         Ok((global / n) as usize)
     }
+}
+
+/// Whether only the coordinator (shard 0's server) serves `request`: registrations of workers and shards,
+/// the dealer's splits, replica reports and takeovers.
+fn coordinator_only(request: &Request) -> bool {
+    matches!(
+        request,
+        Request::Register(_)
+            | Request::RegisterShard(_)
+            | Request::SplitRequest(_)
+            | Request::ReplicaReport(_)
+            | Request::Promote(_)
+    )
 }

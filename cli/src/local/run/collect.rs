@@ -145,15 +145,7 @@ pub(super) async fn collect(
         longest_step_s: Duration::from_micros(procs.longest_step_us.load(Ordering::Relaxed)).as_secs_f64(),
         stale_after_restore: totals.stale_after_restore,
     };
-    Ok(LocalReport {
-        servers: args.servers,
-        workers: args.workers,
-        ctr,
-        switches,
-        replication,
-        data,
-        counters,
-    })
+    Ok(LocalReport { servers: args.servers, workers: args.workers, ctr, switches, replication, data, counters })
 }
 
 /// The CTR figures of the report.
