@@ -4,9 +4,12 @@
 //!
 //! Memory layout (chosen for the index-overhead target of ≤ 32 bytes per row beyond the row data):
 //! - rows live densely in one arena (`data`, `stride` floats per row: the values, then each state plane);
-//! - per row: its id (8 bytes), version (4), last touch (4) in parallel arrays;
-//! - the index is open addressing with linear probing over `u32` row numbers only (4 bytes per slot, load ≤
-//!   0.8); keys are read from the id array, deletions shift entries back (no tombstones).
+//! - per row: its id (8 bytes), version (4), last touch (4), together in one array (`RowMeta`);
+//! - the index is open addressing with linear probing over `u32` slots (4 bytes per slot, load ≤ 0.8): a
+//!   slot holds the row number in its low bits and, in the high bits a row number does not need (8 of them
+//!   at 10 M rows), a tag of the id's hash, so a probe passes over other ids' slots without reading their
+//!   ids (a miss each); a tag that matches is confirmed against the id array. Deletions shift entries
+//!   back (no tombstones).
 //!
 //! Sans-IO like the rest of the core: time is an argument (`now_s`, seconds of any monotonic origin).
 
@@ -139,15 +142,25 @@ fn initial_values(cfg: &TableConfig, id: u64, out: &mut [f32]) {
     out.iter_mut().for_each(|v| *v = (rng.normal() * f64::from(cfg.init_std)) as f32);
 }
 
+/// What a table keeps of each row beside its values and state, together so that one cache line holds all
+/// of it (a lookup confirms the id where an update then reads the version and sets the time).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct RowMeta {
+    /// The feature id.
+    id: u64,
+    /// Updates applied to the row.
+    version: u32,
+    /// When it was last pulled or pushed (`now_s`), for eviction.
+    touched: u32,
+}
+
 /// One sparse table.
 #[derive(Debug)]
 pub struct SparseTable {
     cfg: TableConfig,
     stride: usize,
     index: Vec<u32>,
-    ids: Vec<u64>,
-    versions: Vec<u32>,
-    touched: Vec<u32>,
+    meta: Vec<RowMeta>,
     data: Vec<f32>,
     sightings: Option<Sightings>,
     sampler: Rng,
@@ -207,9 +220,7 @@ impl SparseTable {
             cfg,
             stride,
             index: vec![EMPTY; INITIAL_INDEX_SLOTS],
-            ids: Vec::new(),
-            versions: Vec::new(),
-            touched: Vec::new(),
+            meta: Vec::new(),
             data: Vec::new(),
             sightings,
             sampler,
@@ -225,39 +236,84 @@ impl SparseTable {
 
     /// Rows held.
     pub fn rows(&self) -> usize {
-        self.ids.len()
+        self.meta.len()
     }
 
     /// Bytes held: row data + per-row metadata + index.
     pub fn bytes(&self) -> u64 {
-        self.ids.len() as u64 * (self.stride as u64 * 4 + META_BYTES_PER_ROW) + self.index.len() as u64 * 4
+        self.meta.len() as u64 * (self.stride as u64 * 4 + META_BYTES_PER_ROW) + self.index.len() as u64 * 4
     }
 
     /// Bytes per row beyond the row data (metadata and index), the figure the design bounds by 32.
     pub fn overhead_per_row(&self) -> f64 {
-        let rows = self.ids.len().max(1) as f64;
-        (self.ids.len() as u64 * META_BYTES_PER_ROW + self.index.len() as u64 * 4) as f64 / rows
+        let rows = self.meta.len().max(1) as f64;
+        (self.meta.len() as u64 * META_BYTES_PER_ROW + self.index.len() as u64 * 4) as f64 / rows
     }
 
     /// Counters.
     pub fn stats(&self) -> TableStats {
-        TableStats { rows: self.ids.len() as u64, bytes: self.bytes(), ..self.stats }
+        TableStats { rows: self.meta.len() as u64, bytes: self.bytes(), ..self.stats }
+    }
+
+    /// The hash of `id` in this table: its low bits pick the home slot, its high bits the tag.
+    fn hash(&self, id: u64) -> u64 {
+        mix(id, u64::from(self.cfg.table))
     }
 
     fn home(&self, id: u64) -> usize {
-        (mix(id, u64::from(self.cfg.table)) as usize) & (self.index.len() - 1)
+        self.home_of(self.hash(id))
+    }
+
+    fn home_of(&self, hash: u64) -> usize {
+        (hash as usize) & (self.index.len() - 1)
+    }
+
+    /// The bits of a slot that hold the row number (every row number is below the slot count, so all ones —
+    /// [`EMPTY`] — is never a row); the others hold the tag.
+    fn row_mask(&self) -> u32 {
+        (self.index.len() - 1).min(u32::MAX as usize) as u32
+    }
+
+    /// The slot naming `row` for an id of hash `hash`.
+    fn entry(&self, hash: u64, row: u32) -> u32 {
+        ((hash >> 32) as u32 & !self.row_mask()) | row
+    }
+
+    /// The row a slot names if its tag is that of `hash` (None: another id's slot).
+    #[inline(always)]
+    fn tagged_row(&self, slot: u32, hash: u64) -> Option<u32> {
+        let mask = self.row_mask();
+        ((slot ^ (hash >> 32) as u32) & !mask == 0).then_some(slot & mask)
+    }
+
+    /// The first row from `id`'s home slot whose tag is `id`'s (to confirm against the id array), or
+    /// [`EMPTY`] at the first empty slot.
+    #[inline(always)]
+    fn candidate(&self, id: u64) -> u32 {
+        let (hash, mask) = (self.hash(id), self.index.len() - 1);
+        let mut i = self.home_of(hash);
+        loop {
+            let slot = self.index[i];
+            if slot == EMPTY {
+                return EMPTY;
+            }
+            if let Some(row) = self.tagged_row(slot, hash) {
+                return row;
+            }
+            i = (i + 1) & mask;
+        }
     }
 
     /// The row number of `id`, if held.
     fn find(&self, id: u64) -> Option<usize> {
-        let mask = self.index.len() - 1;
-        let mut i = self.home(id);
+        let (hash, mask) = (self.hash(id), self.index.len() - 1);
+        let mut i = self.home_of(hash);
         loop {
-            let r = self.index[i];
-            if r == EMPTY {
+            let slot = self.index[i];
+            if slot == EMPTY {
                 return None;
             }
-            if self.ids[r as usize] == id {
+            if let Some(r) = self.tagged_row(slot, hash).filter(|r| self.meta[*r as usize].id == id) {
                 return Some(r as usize);
             }
             i = (i + 1) & mask;
@@ -266,9 +322,9 @@ impl SparseTable {
 
     /// Index slot holding row `row` (which must be present).
     fn slot_of(&self, row: usize) -> usize {
-        let mask = self.index.len() - 1;
-        let mut i = self.home(self.ids[row]);
-        while self.index[i] as usize != row {
+        let (mask, rows) = (self.index.len() - 1, self.row_mask());
+        let mut i = self.home(self.meta[row].id);
+        while (self.index[i] & rows) as usize != row {
             i = (i + 1) & mask;
         }
         i
@@ -276,35 +332,36 @@ impl SparseTable {
 
     fn insert_index(&mut self, row: u32) {
         let mask = self.index.len() - 1;
-        let mut i = self.home(self.ids[row as usize]);
+        let hash = self.hash(self.meta[row as usize].id);
+        let mut i = self.home_of(hash);
         while self.index[i] != EMPTY {
             i = (i + 1) & mask;
         }
-        self.index[i] = row;
+        self.index[i] = self.entry(hash, row);
     }
 
     fn grow_index_if_needed(&mut self) {
-        if (self.ids.len() + 1) * 5 <= self.index.len() * 4 {
+        if (self.meta.len() + 1) * 5 <= self.index.len() * 4 {
             return;
         }
         let capacity = self.index.len() * 2;
         self.index = vec![EMPTY; capacity];
-        for row in 0..self.ids.len() as u32 {
+        for row in 0..self.meta.len() as u32 {
             self.insert_index(row);
         }
     }
 
     /// About how many bytes [`SparseTable::write_to`] appends.
     pub(crate) fn checkpoint_size_hint(&self) -> usize {
-        self.ids.len() * 16 + self.data.len() * 4 + self.sightings.as_ref().map_or(0, |s| s.counters.len()) + 128
+        self.meta.len() * 16 + self.data.len() * 4 + self.sightings.as_ref().map_or(0, |s| s.counters.len()) + 128
     }
 
     /// Appends the table's rows, their state, versions and last touches, the admission sketch and the
     /// counters to a checkpoint (the index is rebuilt on restore).
     pub(crate) fn write_to(&self, w: &mut crate::checkpoint::Writer) {
-        w.u64s(&self.ids);
-        w.u32s(&self.versions);
-        w.u32s(&self.touched);
+        w.u64s(&self.meta.iter().map(|m| m.id).collect::<Vec<_>>());
+        w.u32s(&self.meta.iter().map(|m| m.version).collect::<Vec<_>>());
+        w.u32s(&self.meta.iter().map(|m| m.touched).collect::<Vec<_>>());
         w.f32s(&self.data);
         match &self.sightings {
             Some(s) => {
@@ -367,14 +424,16 @@ impl SparseTable {
         while ids.len() * 5 > capacity * 4 {
             capacity *= 2;
         }
-        self.ids = ids;
-        self.versions = versions;
-        self.touched = touched;
+        self.meta = ids
+            .into_iter()
+            .zip(versions.into_iter().zip(touched))
+            .map(|(id, (version, touched))| RowMeta { id, version, touched })
+            .collect();
         self.data = data;
         self.index = vec![EMPTY; capacity];
-        for row in 0..self.ids.len() {
-            if self.find(self.ids[row]).is_some() {
-                return Err(Corrupt(format!("{name}: id {} appears twice", self.ids[row])));
+        for row in 0..self.meta.len() {
+            if self.find(self.meta[row].id).is_some() {
+                return Err(Corrupt(format!("{name}: id {} appears twice", self.meta[row].id)));
             }
             self.insert_index(row as u32);
         }
@@ -388,10 +447,8 @@ impl SparseTable {
 
     fn create(&mut self, id: u64, now_s: u32) -> usize {
         self.grow_index_if_needed();
-        let row = self.ids.len();
-        self.ids.push(id);
-        self.versions.push(0);
-        self.touched.push(now_s);
+        let row = self.meta.len();
+        self.meta.push(RowMeta { id, version: 0, touched: now_s });
         self.data.resize(self.data.len() + self.stride, 0.0);
         let dim = self.cfg.dim as usize;
         initial_values(&self.cfg, id, &mut self.data[row * self.stride..row * self.stride + dim]);
@@ -410,7 +467,7 @@ impl SparseTable {
         let mut hole = self.slot_of(row);
         let mut j = (hole + 1) & mask;
         while self.index[j] != EMPTY {
-            let home = self.home(self.ids[self.index[j] as usize]);
+            let home = self.home(self.meta[(self.index[j] & self.row_mask()) as usize].id);
             // Move the entry at j back into the hole unless its home lies cyclically in (hole, j].
             let stays = if hole <= j { hole < home && home <= j } else { hole < home || home <= j };
             if !stays {
@@ -420,19 +477,15 @@ impl SparseTable {
             j = (j + 1) & mask;
         }
         self.index[hole] = EMPTY;
-        let last = self.ids.len() - 1;
+        let last = self.meta.len() - 1;
         if row != last {
             let slot = self.slot_of(last);
-            self.index[slot] = row as u32;
-            self.ids.swap(row, last);
-            self.versions.swap(row, last);
-            self.touched.swap(row, last);
+            self.index[slot] = self.entry(self.hash(self.meta[last].id), row as u32);
+            self.meta.swap(row, last);
             let (head, tail) = self.data.split_at_mut(last * self.stride);
             head[row * self.stride..(row + 1) * self.stride].copy_from_slice(&tail[..self.stride]);
         }
-        self.ids.pop();
-        self.versions.pop();
-        self.touched.pop();
+        self.meta.pop();
         self.data.truncate(last * self.stride);
         self.stats.evicted += 1;
     }
@@ -440,12 +493,12 @@ impl SparseTable {
     /// Evicts (approximately least recently used) rows until the table fits its budget.
     fn enforce_budget(&mut self) {
         let Some(budget) = self.cfg.memory_budget else { return };
-        while self.bytes() > budget && !self.ids.is_empty() {
-            let n = self.ids.len() as u64;
+        while self.bytes() > budget && !self.meta.is_empty() {
+            let n = self.meta.len() as u64;
             let mut victim = self.sampler.below(n) as usize;
             for _ in 0..7 {
                 let r = self.sampler.below(n) as usize;
-                if self.touched[r] < self.touched[victim] {
+                if self.meta[r].touched < self.meta[victim].touched {
                     victim = r;
                 }
             }
@@ -464,9 +517,9 @@ impl SparseTable {
             for (k, &r) in rows.iter().enumerate() {
                 self.prefetch_row(&rows, k);
                 let r = r as usize;
-                self.touched[r] = now_s;
+                self.meta[r].touched = now_s;
                 values.extend_from_slice(&self.data[r * self.stride..r * self.stride + dim]);
-                versions.push(self.versions[r]);
+                versions.push(self.meta[r].version);
             }
             // Nothing was created, but a table restored under a smaller budget is trimmed here as the
             // first pull after the restore always did.
@@ -486,9 +539,9 @@ impl SparseTable {
             };
             match row {
                 Some(r) => {
-                    self.touched[r] = now_s;
+                    self.meta[r].touched = now_s;
                     values.extend_from_slice(&self.data[r * self.stride..r * self.stride + dim]);
-                    versions.push(self.versions[r]);
+                    versions.push(self.meta[r].version);
                 }
                 None => {
                     self.stats.not_admitted += 1;
@@ -507,12 +560,12 @@ impl SparseTable {
     /// while rows are created or evicted may miss or repeat rows (stop training first for an exact export).
     pub fn scan(&self, from: usize, max: usize, ids: &mut Vec<u64>, values: &mut Vec<f32>) -> Option<usize> {
         let dim = self.cfg.dim as usize;
-        let end = from.saturating_add(max).min(self.ids.len());
+        let end = from.saturating_add(max).min(self.meta.len());
         for r in from.min(end)..end {
-            ids.push(self.ids[r]);
+            ids.push(self.meta[r].id);
             values.extend_from_slice(&self.data[r * self.stride..r * self.stride + dim]);
         }
-        (end < self.ids.len()).then_some(end)
+        (end < self.meta.len()).then_some(end)
     }
 
     /// Loads row `id` with `values` (`dim` floats) when the table holds no such row — an import: created at
@@ -525,7 +578,7 @@ impl SparseTable {
         let dim = self.cfg.dim as usize;
         let r = self.create(id, now_s);
         self.data[r * self.stride..r * self.stride + dim].copy_from_slice(&values[..dim]);
-        self.versions[r] = 1;
+        self.meta[r].version = 1;
         true
     }
 
@@ -546,7 +599,7 @@ impl SparseTable {
             match (row != EMPTY).then_some(row as usize) {
                 Some(r) => {
                     values.extend_from_slice(&self.data[r * self.stride..r * self.stride + dim]);
-                    versions.push(self.versions[r]);
+                    versions.push(self.meta[r].version);
                 }
                 None => {
                     values.resize(start + dim, 0.0);
@@ -576,23 +629,12 @@ impl SparseTable {
         self.locate(ids, &mut rows);
         let dropped = rows.iter().filter(|r| **r == EMPTY).count();
         self.stats.dropped_updates += dropped as u64;
-        let mut max_staleness = 0u64;
-        for (k, &r) in rows.iter().enumerate().filter(|(_, r)| **r != EMPTY) {
-            self.prefetch_row(&rows, k);
-            // A row evicted and re-created since the read restarts its count; treat that read as current.
-            max_staleness = max_staleness.max(u64::from(self.versions[r as usize].saturating_sub(read_versions[k])));
-        }
-        let push = batch::RowPush { grads, reads, hyper, base };
+        let push = batch::RowPush { grads, reads, read_versions, hyper, base, now_s };
         if self.cfg.rule.scalars_per_row() || self.cfg.rule.layout().shared_planes > 2 || rows.len() - dropped < 2 {
-            self.push_rows(&rows, read_versions, push)?;
+            self.push_rows(&rows, push)
         } else {
-            self.push_together(&rows, push)?;
+            self.push_together(&rows, push)
         }
-        for &r in rows.iter().filter(|r| **r != EMPTY) {
-            self.versions[r as usize] = self.versions[r as usize].wrapping_add(1);
-            self.touched[r as usize] = now_s;
-        }
-        Ok(max_staleness)
     }
 
     /// Writes into `out` the values row `id` would have after an update with `grad` (computed on its
@@ -621,7 +663,7 @@ impl SparseTable {
         let (params, state) = row.split_at_mut(dim);
         let (s0, s1) = state.split_at_mut(if layout.shared_planes >= 1 { dim } else { 0 });
         let bufs = Bufs { params, s0, s1, w0: &mut [], grad, read };
-        let scalars = PushScalars { staleness: 0, t: u64::from(self.versions[r]) + 1, ..base };
+        let scalars = PushScalars { staleness: 0, t: u64::from(self.meta[r].version) + 1, ..base };
         gaps_kernels::apply(self.cfg.rule, hyper, &scalars, bufs)?;
         out.copy_from_slice(&scratch[..dim]);
         Ok(true)
@@ -632,8 +674,8 @@ impl SparseTable {
         let Eviction::Ttl { ttl_s } = self.cfg.eviction else { return 0 };
         let before = self.stats.evicted;
         let mut r = 0;
-        while r < self.ids.len() {
-            if now_s.saturating_sub(self.touched[r]) > ttl_s {
+        while r < self.meta.len() {
+            if now_s.saturating_sub(self.meta[r].touched) > ttl_s {
                 self.remove(r); // the last row moved into r; look at r again
             } else {
                 r += 1;
@@ -649,7 +691,7 @@ impl SparseTable {
 
     /// The version (updates applied) of a held row.
     pub fn version(&self, id: u64) -> Option<u32> {
-        self.find(id).map(|r| self.versions[r])
+        self.find(id).map(|r| self.meta[r].version)
     }
 
     /// The values of a held row (tests, evaluation).

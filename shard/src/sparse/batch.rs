@@ -4,13 +4,23 @@
 use super::*;
 
 /// What a push brings to its rows: `grads` (and, where the rule echoes, `reads`) row after row, in the order
-/// of the push's ids; the table's hyper-parameters and the push's scalars.
+/// of the push's ids, with the version each row was read at; the table's hyper-parameters, the push's
+/// scalars and the time.
 #[derive(Clone, Copy)]
 pub(super) struct RowPush<'a> {
     pub(super) grads: &'a [f32],
     pub(super) reads: &'a [f32],
+    pub(super) read_versions: &'a [u32],
     pub(super) hyper: &'a Hyper,
     pub(super) base: PushScalars,
+    pub(super) now_s: u32,
+}
+
+/// How many updates were applied to a row since it was read at `read` (a row evicted and re-created since
+/// the read restarts its count: that read counts as current).
+#[inline(always)]
+fn staleness(version: u32, read: u32) -> u64 {
+    u64::from(version.saturating_sub(read))
 }
 
 impl SparseTable {
@@ -25,15 +35,15 @@ impl SparseTable {
             if let Some(&ahead) = ids.get(k + AHEAD) {
                 prefetch(&self.index, self.home(ahead));
             }
-            rows.push(self.index[self.home(id)]);
+            rows.push(self.candidate(id));
         }
         for k in 0..ids.len() {
             if let Some(&ahead) = rows.get(k + AHEAD).filter(|r| **r != EMPTY) {
-                prefetch(&self.ids, ahead as usize);
+                prefetch(&self.meta, ahead as usize);
             }
             let guess = rows[k];
-            if guess != EMPTY && self.ids[guess as usize] != ids[k] {
-                // Not the row the home slot names: a collision, followed the usual way.
+            if guess != EMPTY && self.meta[guess as usize].id != ids[k] {
+                // Another id with the same tag (one probe in 2^tag bits): followed the usual way.
                 rows[k] = self.find(ids[k]).map_or(EMPTY, |r| r as u32);
             }
         }
@@ -48,25 +58,23 @@ impl SparseTable {
             for line in (0..self.stride).step_by(16) {
                 prefetch(&self.data, r * self.stride + line);
             }
-            prefetch(&self.versions, r);
-            prefetch(&self.touched, r);
+            prefetch(&self.meta, r);
         }
     }
 
-    /// A push's rows updated one call each, with the row's own staleness and update count.
-    pub(super) fn push_rows(
-        &mut self,
-        rows: &[u32],
-        read_versions: &[u32],
-        push: RowPush<'_>,
-    ) -> Result<(), KernelError> {
-        let RowPush { grads, reads, hyper, base } = push;
+    /// A push's rows updated one call each, with the row's own staleness and update count; the largest
+    /// staleness.
+    pub(super) fn push_rows(&mut self, rows: &[u32], push: RowPush<'_>) -> Result<u64, KernelError> {
+        let RowPush { grads, reads, read_versions, hyper, base, now_s } = push;
         let dim = self.cfg.dim as usize;
         let planes = self.cfg.rule.layout().shared_planes;
+        let mut max_staleness = 0;
         for (k, &r) in rows.iter().enumerate().filter(|(_, r)| **r != EMPTY) {
+            self.prefetch_row(rows, k);
             let r = r as usize;
-            let version = self.versions[r];
-            let staleness = u64::from(version.saturating_sub(read_versions[k]));
+            let version = self.meta[r].version;
+            let staleness = staleness(version, read_versions[k]);
+            max_staleness = max_staleness.max(staleness);
             let row = &mut self.data[r * self.stride..(r + 1) * self.stride];
             let (params, state) = row.split_at_mut(dim);
             let (s0, s1) = state.split_at_mut(if planes >= 1 { dim } else { 0 });
@@ -74,16 +82,18 @@ impl SparseTable {
             let bufs = Bufs { params, s0, s1, w0: &mut [], grad: &grads[k * dim..(k + 1) * dim], read };
             let scalars = PushScalars { staleness, t: u64::from(version) + 1, ..base };
             gaps_kernels::apply(self.cfg.rule, hyper, &scalars, bufs)?;
+            self.meta[r].version = version.wrapping_add(1);
+            self.meta[r].touched = now_s;
         }
-        Ok(())
+        Ok(max_staleness)
     }
 
     /// A push's rows updated in one call, for a rule whose constants every row shares
     /// ([`Rule::scalars_per_row`] false): the rows' values and state planes gathered into contiguous
     /// buffers, updated as one block by the vectorised loops (a 16-float row alone runs in their scalar
     /// tail), and written back — element for element the same arithmetic as row by row.
-    pub(super) fn push_together(&mut self, rows: &[u32], push: RowPush<'_>) -> Result<(), KernelError> {
-        let RowPush { grads, reads, hyper, base } = push;
+    pub(super) fn push_together(&mut self, rows: &[u32], push: RowPush<'_>) -> Result<u64, KernelError> {
+        let RowPush { grads, reads, read_versions, hyper, base, now_s } = push;
         let dim = self.cfg.dim as usize;
         let planes = self.cfg.rule.layout().shared_planes;
         let held: Vec<usize> = rows.iter().enumerate().filter(|(_, r)| **r != EMPTY).map(|(k, _)| k).collect();
@@ -115,8 +125,15 @@ impl SparseTable {
             };
             (&grad_buf[..], &read_buf[..])
         };
+        // One pass over the rows, each fetched ahead: its staleness, its values and state gathered.
+        let mut max_staleness = 0;
         for (i, &k) in held.iter().enumerate() {
-            let row = &self.data[rows[k] as usize * self.stride..][..dim * (1 + planes)];
+            if let Some(&ahead) = held.get(i + AHEAD) {
+                self.prefetch_row(rows, ahead - AHEAD);
+            }
+            let r = rows[k] as usize;
+            max_staleness = max_staleness.max(staleness(self.meta[r].version, read_versions[k]));
+            let row = &self.data[r * self.stride..][..dim * (1 + planes)];
             for p in 0..=planes {
                 gathered[p * n + i * dim..p * n + (i + 1) * dim].copy_from_slice(&row[p * dim..(p + 1) * dim]);
             }
@@ -127,16 +144,19 @@ impl SparseTable {
         let result = gaps_kernels::apply(self.cfg.rule, hyper, &PushScalars { staleness: 0, t: 1, ..base }, bufs);
         if result.is_ok() {
             for (i, &k) in held.iter().enumerate() {
-                let row = &mut self.data[rows[k] as usize * self.stride..][..dim * (1 + planes)];
+                let r = rows[k] as usize;
+                let row = &mut self.data[r * self.stride..][..dim * (1 + planes)];
                 for p in 0..=planes {
                     row[p * dim..(p + 1) * dim].copy_from_slice(&gathered[p * n + i * dim..p * n + (i + 1) * dim]);
                 }
+                self.meta[r].version = self.meta[r].version.wrapping_add(1);
+                self.meta[r].touched = now_s;
             }
         }
         // Kept for the next push unless one huge push grew it (it is not in the table's budget).
         if gathered.capacity() <= SCRATCH_KEPT {
             self.scratch = gathered;
         }
-        result
+        result.map(|()| max_staleness)
     }
 }

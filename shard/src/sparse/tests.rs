@@ -88,7 +88,7 @@ fn eviction_keeps_the_table_under_its_budget_and_the_index_consistent() {
     assert!(t.stats().evicted > 0);
     // Every held row is found through the index, and absent ids are not.
     for r in 0..t.rows() {
-        assert_eq!(t.find(t.ids[r]), Some(r));
+        assert_eq!(t.find(t.meta[r].id), Some(r));
     }
     assert_eq!(t.find(u64::MAX), None);
     // Recently used rows survive better than old ones.
