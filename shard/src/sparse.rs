@@ -13,7 +13,7 @@
 //!
 //! Sans-IO like the rest of the core: time is an argument (`now_s`, seconds of any monotonic origin).
 
-use gaps_common::buffers::prefetch;
+use gaps_common::buffers::{advise_huge_pages, filled_huge, prefetch, reserve_huge};
 use gaps_common::rng::{mix, Rng};
 use gaps_kernels::{Bufs, Hyper, KernelError, PushScalars, Rule};
 
@@ -345,7 +345,7 @@ impl SparseTable {
             return;
         }
         let capacity = self.index.len() * 2;
-        self.index = vec![EMPTY; capacity];
+        self.index = filled_huge(capacity, EMPTY);
         for row in 0..self.meta.len() as u32 {
             self.insert_index(row);
         }
@@ -430,7 +430,11 @@ impl SparseTable {
             .map(|(id, (version, touched))| RowMeta { id, version, touched })
             .collect();
         self.data = data;
-        self.index = vec![EMPTY; capacity];
+        // What the checkpoint was read into is on small pages; the kernel may move it to huge ones in the
+        // background (a copy would hold the table twice while it restores).
+        advise_huge_pages(&self.meta);
+        advise_huge_pages(&self.data);
+        self.index = filled_huge(capacity, EMPTY);
         for row in 0..self.meta.len() {
             if self.find(self.meta[row].id).is_some() {
                 return Err(Corrupt(format!("{name}: id {} appears twice", self.meta[row].id)));
@@ -448,6 +452,10 @@ impl SparseTable {
     fn create(&mut self, id: u64, now_s: u32) -> usize {
         self.grow_index_if_needed();
         let row = self.meta.len();
+        // Grown by copying into memory backed by huge pages (a random lookup in a table of gigabytes then
+        // walks the page tables once per 2 MiB, not once per row).
+        reserve_huge(&mut self.meta, 1);
+        reserve_huge(&mut self.data, self.stride);
         self.meta.push(RowMeta { id, version: 0, touched: now_s });
         self.data.resize(self.data.len() + self.stride, 0.0);
         let dim = self.cfg.dim as usize;
