@@ -197,6 +197,18 @@ pub fn reserve_huge<T: Copy>(buffer: &mut Vec<T>, additional: usize) {
     *buffer = bigger;
 }
 
+/// Makes room in `buffer` for `additional` more elements with `Vec::reserve` (a large buffer is moved by
+/// remapping its pages, not copied) and, when that moved it, advises the new allocation for huge pages
+/// ([`advise_huge_pages`]): the pages touched from then on are huge ones, those moved over stay small until
+/// the kernel merges them in the background. For buffers too large to copy on every doubling.
+pub fn reserve_advised<T>(buffer: &mut Vec<T>, additional: usize) {
+    let capacity = buffer.capacity();
+    buffer.reserve(additional);
+    if buffer.capacity() != capacity {
+        advise_huge_pages(buffer);
+    }
+}
+
 /// `n` copies of `value` in memory advised for huge pages ([`advise_huge_pages`]) before it is written.
 pub fn filled_huge<T: Copy>(n: usize, value: T) -> Vec<T> {
     let mut v = Vec::with_capacity(n);

@@ -13,7 +13,7 @@
 //!
 //! Sans-IO like the rest of the core: time is an argument (`now_s`, seconds of any monotonic origin).
 
-use gaps_common::buffers::{advise_huge_pages, filled_huge, prefetch, reserve_huge};
+use gaps_common::buffers::{advise_huge_pages, filled_huge, prefetch, reserve_advised, reserve_huge};
 use gaps_common::rng::{mix, Rng};
 use gaps_kernels::{Bufs, Hyper, KernelError, PushScalars, Rule};
 
@@ -145,6 +145,7 @@ fn initial_values(cfg: &TableConfig, id: u64, out: &mut [f32]) {
 /// What a table keeps of each row beside its values and state, together so that one cache line holds all
 /// of it (a lookup confirms the id where an update then reads the version and sets the time).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(align(16))]
 struct RowMeta {
     /// The feature id.
     id: u64,
@@ -452,10 +453,12 @@ impl SparseTable {
     fn create(&mut self, id: u64, now_s: u32) -> usize {
         self.grow_index_if_needed();
         let row = self.meta.len();
-        // Grown by copying into memory backed by huge pages (a random lookup in a table of gigabytes then
-        // walks the page tables once per 2 MiB, not once per row).
+        // On huge pages (a random lookup in a table of gigabytes then walks the page tables once per 2 MiB,
+        // not once per row): the metadata (16 bytes a row) grows by copying into huge pages; the rows, too
+        // large to copy on the core's thread at every doubling, are remapped and advised, so rows created
+        // from then on are on huge pages and the rest is merged by the kernel in the background.
         reserve_huge(&mut self.meta, 1);
-        reserve_huge(&mut self.data, self.stride);
+        reserve_advised(&mut self.data, self.stride);
         self.meta.push(RowMeta { id, version: 0, touched: now_s });
         self.data.resize(self.data.len() + self.stride, 0.0);
         let dim = self.cfg.dim as usize;

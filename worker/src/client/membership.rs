@@ -29,7 +29,6 @@ impl Client {
         self.ask_with(s, msg, &[], reply).await
     }
 
-    /// [`Self::ask`] for a request that carries a payload.
     /// One load of `payload` to shard `s`: an `Initialize` answered with the chunks taken and kept, or a
     /// `TableLoad` answered with the rows created and kept.
     pub(super) async fn load(&self, s: usize, msg: &Message, payload: Vec<f32>) -> Result<(u32, u32), ClientError> {
@@ -42,6 +41,7 @@ impl Client {
         .await
     }
 
+    /// [`Self::ask`] for a request that carries a payload.
     pub(super) async fn ask_with<T>(
         &self,
         s: usize,
