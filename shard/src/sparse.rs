@@ -287,10 +287,10 @@ impl SparseTable {
         ((slot ^ (hash >> 32) as u32) & !mask == 0).then_some(slot & mask)
     }
 
-    /// The first row from `id`'s home slot whose tag is `id`'s (to confirm against the id array), or
-    /// [`EMPTY`] at the first empty slot.
+    /// The first row from `id`'s home slot whose tag is `id`'s and that `accept`s, or [`EMPTY`] at the
+    /// first empty slot.
     #[inline(always)]
-    fn candidate(&self, id: u64) -> u32 {
+    fn probe(&self, id: u64, accept: impl Fn(u32) -> bool) -> u32 {
         let (hash, mask) = (self.hash(id), self.index.len() - 1);
         let mut i = self.home_of(hash);
         loop {
@@ -298,27 +298,24 @@ impl SparseTable {
             if slot == EMPTY {
                 return EMPTY;
             }
-            if let Some(row) = self.tagged_row(slot, hash) {
+            if let Some(row) = self.tagged_row(slot, hash).filter(|r| accept(*r)) {
                 return row;
             }
             i = (i + 1) & mask;
         }
     }
 
+    /// The first row from `id`'s home slot whose tag is `id`'s (to confirm against the id array), or
+    /// [`EMPTY`]: a probe that reads no other array.
+    #[inline(always)]
+    fn candidate(&self, id: u64) -> u32 {
+        self.probe(id, |_| true)
+    }
+
     /// The row number of `id`, if held.
     fn find(&self, id: u64) -> Option<usize> {
-        let (hash, mask) = (self.hash(id), self.index.len() - 1);
-        let mut i = self.home_of(hash);
-        loop {
-            let slot = self.index[i];
-            if slot == EMPTY {
-                return None;
-            }
-            if let Some(r) = self.tagged_row(slot, hash).filter(|r| self.meta[*r as usize].id == id) {
-                return Some(r as usize);
-            }
-            i = (i + 1) & mask;
-        }
+        let row = self.probe(id, |r| self.meta[r as usize].id == id);
+        (row != EMPTY).then_some(row as usize)
     }
 
     /// Index slot holding row `row` (which must be present).
