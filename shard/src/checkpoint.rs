@@ -80,13 +80,23 @@ impl Writer {
     }
 
     pub(crate) fn u32s(&mut self, v: &[u32]) {
-        self.u64(v.len() as u64);
-        v.iter().for_each(|x| self.u32(*x));
+        self.u32s_of(v.iter().copied());
     }
 
     pub(crate) fn u64s(&mut self, v: &[u64]) {
+        self.u64s_of(v.iter().copied());
+    }
+
+    /// [`Self::u32s`] of what an iterator of known length yields (a field of each of a table's rows).
+    pub(crate) fn u32s_of(&mut self, v: impl ExactSizeIterator<Item = u32>) {
         self.u64(v.len() as u64);
-        v.iter().for_each(|x| self.u64(*x));
+        v.for_each(|x| self.u32(x));
+    }
+
+    /// [`Self::u64s`] of what an iterator of known length yields.
+    pub(crate) fn u64s_of(&mut self, v: impl ExactSizeIterator<Item = u64>) {
+        self.u64(v.len() as u64);
+        v.for_each(|x| self.u64(x));
     }
 
     pub(crate) fn bytes(&mut self, v: &[u8]) {

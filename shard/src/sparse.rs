@@ -357,9 +357,9 @@ impl SparseTable {
     /// Appends the table's rows, their state, versions and last touches, the admission sketch and the
     /// counters to a checkpoint (the index is rebuilt on restore).
     pub(crate) fn write_to(&self, w: &mut crate::checkpoint::Writer) {
-        w.u64s(&self.meta.iter().map(|m| m.id).collect::<Vec<_>>());
-        w.u32s(&self.meta.iter().map(|m| m.version).collect::<Vec<_>>());
-        w.u32s(&self.meta.iter().map(|m| m.touched).collect::<Vec<_>>());
+        w.u64s_of(self.meta.iter().map(|m| m.id));
+        w.u32s_of(self.meta.iter().map(|m| m.version));
+        w.u32s_of(self.meta.iter().map(|m| m.touched));
         w.f32s(&self.data);
         match &self.sightings {
             Some(s) => {
