@@ -42,9 +42,9 @@ enum Command {
     Server(gaps_server::cli::ServerArgs),
     /// Run one worker (the same as the `gaps-worker` binary).
     Worker(gaps_worker::train::WorkerArgs),
-    /// Print every command's flags as Markdown (docs/reference/flags.md).
+    /// Print every command's flags as Markdown (docs/reference/flags.md), or one command's as JSON.
     #[command(hide = true)]
-    Reference,
+    Reference(ReferenceArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -391,7 +391,7 @@ async fn main() -> Result<()> {
             | Command::Layout(_)
             | Command::SynthData(_)
             | Command::Checkpoint(_)
-            | Command::Reference
+            | Command::Reference(_)
     );
     gaps_setup::init_logging(if quiet { "warn" } else { "info" });
     match cli.command {
@@ -405,11 +405,30 @@ async fn main() -> Result<()> {
         Command::Bench(cmd) => bench(cmd).await,
         Command::Server(args) => gaps_server::cli::run(&args).await,
         Command::Worker(args) => worker(args).await,
-        Command::Reference => {
-            print!("{}", gaps_cli::reference::flags_markdown(&<Cli as clap::CommandFactory>::command()));
-            Ok(())
+        Command::Reference(args) => reference(&args),
+    }
+}
+
+#[derive(Debug, clap::Args)]
+struct ReferenceArgs {
+    /// Print the flags of this command (`--json server`: those of `gaps server`) as a JSON list, one object
+    /// a flag: long, short, value, env, default, possible, required, help.
+    #[arg(long, num_args = 0.., value_name = "COMMAND")]
+    json: Option<Vec<String>>,
+}
+
+/// `gaps reference`.
+fn reference(args: &ReferenceArgs) -> Result<()> {
+    let cli = <Cli as clap::CommandFactory>::command();
+    match &args.json {
+        None => print!("{}", gaps_cli::reference::flags_markdown(&cli)),
+        Some(path) => {
+            let flags = gaps_cli::reference::flags_of(&cli, path)
+                .with_context(|| format!("no command `gaps {}`", path.join(" ")))?;
+            println!("{}", serde_json::to_string(&flags)?);
         }
     }
+    Ok(())
 }
 
 /// `gaps local`.

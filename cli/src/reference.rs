@@ -30,12 +30,8 @@ fn section(out: &mut String, cmd: &clap::Command, parents: &[&str]) {
     }
     let mut path: Vec<&str> = parents.to_vec();
     path.push(cmd.get_name());
-    let args: Vec<&clap::Arg> = cmd
-        .get_arguments()
-        .filter(|a| !a.is_hide_set() && !matches!(a.get_id().as_str(), "help" | "version"))
-        // A global flag is written once, where it is declared.
-        .filter(|a| parents.is_empty() || !a.is_global_set())
-        .collect();
+    // A global flag is written once, where it is declared.
+    let args = visible_args(cmd, !parents.is_empty());
     if !args.is_empty() || parents.is_empty() {
         let _ = writeln!(out, "\n## `{}`\n", path.join(" "));
         if let Some(about) = cmd.get_long_about().or(cmd.get_about()) {
@@ -50,61 +46,131 @@ fn section(out: &mut String, cmd: &clap::Command, parents: &[&str]) {
     }
 }
 
+/// One flag as `--help` describes it: what the Markdown reference writes and `gaps reference --json` prints
+/// (the Python launcher builds its shard flags from the latter, so that it declares none of them again).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Flag {
+    /// The long name without its dashes (`lr`), or none for a positional argument.
+    pub long: Option<String>,
+    pub short: Option<char>,
+    /// The value's name (`<LR>`), or none for a switch.
+    pub value: Option<String>,
+    pub required: bool,
+    /// The whole help text, one paragraph per block.
+    pub help: String,
+    /// The environment variable that sets it.
+    pub env: Option<String>,
+    /// The default value(s), none for a switch.
+    pub default: Vec<String>,
+    /// The values it accepts, when clap knows them.
+    pub possible: Vec<String>,
+}
+
+impl Flag {
+    pub fn of(arg: &clap::Arg) -> Flag {
+        let takes_value = arg.get_num_args().is_some_and(|n| n.takes_values())
+            && !matches!(
+                arg.get_action(),
+                clap::ArgAction::SetTrue | clap::ArgAction::SetFalse | clap::ArgAction::Count
+            );
+        let value = arg
+            .get_value_names()
+            .map(|names| names.iter().map(|n| format!("<{n}>")).collect::<Vec<_>>().join(" "))
+            .unwrap_or_else(|| format!("<{}>", arg.get_id().as_str().to_uppercase()));
+        let help = arg.get_long_help().or(arg.get_help()).map(|h| h.to_string()).unwrap_or_default();
+        Flag {
+            long: arg.get_long().map(str::to_owned),
+            short: arg.get_short(),
+            value: (takes_value || arg.get_long().is_none()).then_some(value),
+            env: arg.get_env().map(|e| e.to_string_lossy().into_owned()),
+            default: if takes_value {
+                arg.get_default_values().iter().map(|d| d.to_string_lossy().into_owned()).collect()
+            } else {
+                Vec::new()
+            },
+            possible: arg
+                .get_possible_values()
+                .iter()
+                .filter(|p| !p.is_hide_set())
+                .map(|p| p.get_name().to_owned())
+                .collect(),
+            required: arg.is_required_set(),
+            help: paragraphs(&help),
+        }
+    }
+}
+
+/// The flags of the command at `path` under `cmd` (`["server"]` for `gaps server`), as `--help` lists them;
+/// none when there is no such command.
+pub fn flags_of(cmd: &clap::Command, path: &[String]) -> Option<Vec<Flag>> {
+    let mut cmd = cmd.clone();
+    cmd.build();
+    let mut at = &cmd;
+    for name in path {
+        at = at.get_subcommands().find(|s| s.get_name() == name && !s.is_hide_set())?;
+    }
+    Some(visible_args(at, false).into_iter().map(Flag::of).collect())
+}
+
+fn visible_args(cmd: &clap::Command, skip_global: bool) -> Vec<&clap::Arg> {
+    cmd.get_arguments()
+        .filter(|a| !a.is_hide_set() && !matches!(a.get_id().as_str(), "help" | "version"))
+        .filter(|a| !skip_global || !a.is_global_set())
+        .collect()
+}
+
 fn flag(out: &mut String, arg: &clap::Arg) {
-    let takes_value = arg.get_num_args().is_some_and(|n| n.takes_values())
-        && !matches!(arg.get_action(), clap::ArgAction::SetTrue | clap::ArgAction::SetFalse | clap::ArgAction::Count);
-    let value = arg
-        .get_value_names()
-        .map(|names| names.iter().map(|n| format!("<{n}>")).collect::<Vec<_>>().join(" "))
-        .unwrap_or_else(|| format!("<{}>", arg.get_id().as_str().to_uppercase()));
-    let name = match (arg.get_long(), arg.get_short()) {
+    let f = Flag::of(arg);
+    let name = match (&f.long, f.short) {
         (Some(long), Some(short)) => format!("-{short}, --{long}"),
         (Some(long), None) => format!("--{long}"),
         (None, Some(short)) => format!("-{short}"),
         (None, None) => String::new(),
     };
-    let head = match (name.is_empty(), takes_value) {
-        (true, _) => value,
-        (false, true) => format!("{name} {value}"),
-        (false, false) => name,
+    let head = match (name.is_empty(), &f.value) {
+        (true, value) => value.clone().unwrap_or_default(),
+        (false, Some(value)) => format!("{name} {value}"),
+        (false, None) => name,
     };
     let mut facts = Vec::new();
-    if let Some(env) = arg.get_env() {
-        facts.push(format!("env `{}`", env.to_string_lossy()));
+    if let Some(env) = &f.env {
+        facts.push(format!("env `{env}`"));
     }
-    let defaults: Vec<String> = arg.get_default_values().iter().map(|d| d.to_string_lossy().into_owned()).collect();
-    if takes_value && !defaults.is_empty() {
-        facts.push(format!("default `{}`", defaults.join(",")));
+    if !f.default.is_empty() {
+        facts.push(format!("default `{}`", f.default.join(",")));
     }
-    let possible: Vec<String> =
-        arg.get_possible_values().iter().filter(|p| !p.is_hide_set()).map(|p| format!("`{}`", p.get_name())).collect();
-    if !possible.is_empty() && possible.len() <= 24 {
+    if !f.possible.is_empty() && f.possible.len() <= 24 {
+        let possible: Vec<String> = f.possible.iter().map(|p| format!("`{p}`")).collect();
         facts.push(format!("one of {}", possible.join(", ")));
     }
-    if arg.is_required_set() {
+    if f.required {
         facts.push("required".into());
     }
     let _ = write!(out, "- `{head}`");
     if !facts.is_empty() {
         let _ = write!(out, " ({})", facts.join("; "));
     }
-    let help = arg.get_long_help().or(arg.get_help()).map(|h| h.to_string()).unwrap_or_default();
-    if help.is_empty() {
+    if f.help.is_empty() {
         out.push('\n');
     } else {
-        let _ = writeln!(out, ": {}", one_paragraph_per_block(&help).replace('\n', "\n  "));
+        let _ = writeln!(out, ": {}", one_paragraph_per_block(&f.help).replace('\n', "\n  "));
     }
+}
+
+/// clap's help text with its line breaks inside paragraphs joined.
+fn paragraphs(text: &str) -> String {
+    text.trim()
+        .split("\n\n")
+        .map(|p| p.split_whitespace().collect::<Vec<_>>().join(" "))
+        .collect::<Vec<_>>()
+        .join("\n\n")
 }
 
 /// clap's help text with its line breaks inside paragraphs joined (Markdown wraps them anyway), and `<`, `>`
 /// outside code spans escaped (`shard-<i>.pem` would otherwise be read as an HTML tag).
 fn one_paragraph_per_block(text: &str) -> String {
-    let joined = text
-        .trim()
-        .split("\n\n")
-        .map(|p| p.split_whitespace().collect::<Vec<_>>().join(" "))
-        .collect::<Vec<_>>()
-        .join("\n\n");
+    let joined = paragraphs(text);
     let mut out = String::with_capacity(joined.len());
     let mut in_code = false;
     for c in joined.chars() {
@@ -162,5 +228,29 @@ mod tests {
         assert!(md.contains("\n## `demo go`\n\nGo somewhere\n"), "{md}");
         assert!(md.contains("- `--to <TO>` (one of `up`, `down`; required): Where to\n"), "{md}");
         assert!(!md.contains("--help"), "{md}");
+    }
+
+    #[test]
+    fn a_commands_flags_are_listed_with_their_facts_and_an_unknown_command_is_none() {
+        let cmd = <Demo as clap::CommandFactory>::command();
+        let top = flags_of(&cmd, &[]).expect("the top command");
+        assert_eq!(
+            top[0],
+            Flag {
+                long: Some("n".into()),
+                short: None,
+                value: Some("<N>".into()),
+                env: Some("DEMO_N".into()),
+                default: vec!["3".into()],
+                possible: vec![],
+                required: false,
+                help: "How many (at most <N>, see `a <b>`)".into(),
+            }
+        );
+        assert_eq!((top[1].long.as_deref(), top[1].value.as_deref()), (Some("quiet"), None), "a switch has no value");
+        assert_eq!(top.len(), 2, "no --help: {top:?}");
+        let go = flags_of(&cmd, &["go".to_owned()]).expect("demo go");
+        assert_eq!((go[0].possible.clone(), go[0].required), (vec!["up".to_owned(), "down".to_owned()], true));
+        assert!(flags_of(&cmd, &["stay".to_owned()]).is_none());
     }
 }

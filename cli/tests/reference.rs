@@ -27,3 +27,20 @@ fn the_flag_reference_is_current() {
         assert!(kept.contains(section), "{section} is missing from the reference");
     }
 }
+
+/// `gaps reference --json server` lists `gaps server`'s flags (the Python launcher builds its shard flags from
+/// it), with the server's own defaults; an unknown command is an error.
+#[test]
+fn one_commands_flags_as_json() {
+    let gaps = env!("CARGO_BIN_EXE_gaps");
+    let out = std::process::Command::new(gaps).args(["reference", "--json", "server"]).output().expect("run gaps");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let flags: Vec<gaps_cli::reference::Flag> = serde_json::from_slice(&out.stdout).expect("a list of flags");
+    let lr = flags.iter().find(|f| f.long.as_deref() == Some("lr")).expect("--lr");
+    assert_eq!((lr.value.as_deref(), lr.env.as_deref()), (Some("<LR>"), Some("GAPS_LR")), "{lr:?}");
+    assert_eq!(lr.default.len(), 1, "{lr:?}");
+    assert!(flags.iter().any(|f| f.long.as_deref() == Some("momentum")), "the shared groups are flattened in");
+    let out = std::process::Command::new(gaps).args(["reference", "--json", "nosuch"]).output().expect("run gaps");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no command `gaps nosuch`"));
+}

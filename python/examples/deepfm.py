@@ -9,7 +9,7 @@ The same model through gaps, 2 worker processes started by the launcher (the lay
 its two nn.Embedding tables become sharded tables, everything else dense tensors)::
 
     cd python/examples && python -m gaps.launch --servers 2 --workers 2 --module deepfm:DeepFM \\
-        --rule sgd --lr 0.1 --server-arg=--sparse-rule=sgd --server-arg=--sparse-lr=0.1 \\
+        --rule sgd --lr 0.1 --sparse-rule sgd --sparse-lr 0.1 \\
         deepfm.py --steps 150 --out /tmp/deepfm
 
 Both train with SGD on the synthetic Criteo-layout data (a planted teacher) and print one JSON line with

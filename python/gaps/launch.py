@@ -32,7 +32,23 @@ from . import testing
 __all__ = ["main"]
 
 
-def _parser() -> argparse.ArgumentParser:
+#: ``gaps server``'s flags the launcher sets on each shard itself (or takes under its own name to join a cluster).
+_SET_BY_LAUNCHER = frozenset(
+    {"shard-index", "num-shards", "listen", "advertise", "coordinator", "ca", "cert", "key", "layout"}
+)
+
+
+def _shard_flags(gaps: str) -> list[dict]:
+    """``gaps server``'s own flags (``gaps reference --json server``: name, value, default, help), less those the
+    launcher sets: the launcher declares none of them again, so their names, defaults and checks stay the
+    server's."""
+    out = subprocess.run([gaps, "reference", "--json", "server"], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"{gaps} reference --json server failed: {out.stderr.strip()}")
+    return [f for f in json.loads(out.stdout) if f["long"] and f["long"] not in _SET_BY_LAUNCHER]
+
+
+def _parser(shard_flags: list[dict]) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m gaps.launch",
         description="Run a training script as N gaps worker processes on a cluster this starts or joins.",
@@ -46,19 +62,40 @@ def _parser() -> argparse.ArgumentParser:
         help="pkg.module:Model — a torch.nn.Module built with no arguments whose layout (gaps.torch.layout_for) "
         "the shards serve",
     )
-    p.add_argument("--rule", default="sgd", help="the shards' update rule (default sgd)")
-    p.add_argument("--lr", type=float, default=0.05, help="the shards' learning rate (default 0.05)")
-    p.add_argument("--mode", default="async", help="async, sync, gba, ssp or auto (default async)")
-    p.add_argument("--init-std", type=float, default=0.0, help="the dense tensors' initial standard deviation")
     p.add_argument("--server-arg", action="append", default=[], help="another flag for every shard (repeatable)")
     p.add_argument("--coordinator", help="join this running cluster instead of starting one")
     p.add_argument("--ca", help="with --coordinator: the cluster's CA certificate")
     p.add_argument("--cert", help="with --coordinator: a worker certificate")
     p.add_argument("--key", help="with --coordinator: its key")
     p.add_argument("--grace", type=float, default=10.0, help="seconds a stopped worker gets before SIGKILL")
+    shard = p.add_argument_group(
+        "shard flags",
+        "gaps server's own flags, given to every shard this starts (not with --coordinator); a flag not given "
+        "keeps the server's default",
+    )
+    for f in shard_flags:
+        default = f" (gaps server's default: {','.join(f['default'])})" if f["default"] else ""
+        helptext = (f["help"] + default).replace("%", "%%")
+        dest = "shard_" + f["long"].replace("-", "_")
+        if f["value"] is None:
+            shard.add_argument(f"--{f['long']}", dest=dest, action="store_true", default=None, help=helptext)
+        else:
+            metavar = f["value"].strip("<>")
+            shard.add_argument(f"--{f['long']}", dest=dest, metavar=metavar, default=None, help=helptext)
     p.add_argument("script", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     return p
+
+
+def _given_shard_flags(args: argparse.Namespace, shard_flags: list[dict]) -> list[str]:
+    """The shard flags given on the command line, as ``gaps server`` arguments (it checks their values)."""
+    given = []
+    for f in shard_flags:
+        value = getattr(args, "shard_" + f["long"].replace("-", "_"))
+        if value is None:
+            continue
+        given.append(f"--{f['long']}" if f["value"] is None else f"--{f['long']}={value}")
+    return given
 
 
 def _layout_of_module(spec: str, out_dir: str) -> str:
@@ -151,11 +188,17 @@ class _Workers:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    try:
+        shard_flags = _shard_flags(testing.find_gaps())
+    except FileNotFoundError as e:
+        raise SystemExit(str(e)) from None
+    args = _parser(shard_flags).parse_args(argv)
     if args.workers < 1:
         raise SystemExit("--workers must be at least 1")
     if args.coordinator and not (args.ca and args.cert and args.key):
         raise SystemExit("--coordinator needs --ca, --cert and --key (a worker's credentials)")
+    if args.coordinator and (_given_shard_flags(args, shard_flags) or args.server_arg):
+        raise SystemExit("shard flags start shards: with --coordinator the cluster's shards are already running")
     if not args.coordinator and not (args.layout or args.module):
         raise SystemExit("give --layout or --module (the model the shards serve), or --coordinator to join a cluster")
     if not os.path.exists(args.script):
@@ -185,11 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                     testing.local_cluster(
                         layout,
                         servers=args.servers,
-                        rule=args.rule,
-                        lr=args.lr,
-                        mode=args.mode,
-                        init_std=args.init_std,
-                        extra_args=args.server_arg,
+                        extra_args=_given_shard_flags(args, shard_flags) + args.server_arg,
                     )
                 )
                 creds = (cluster.coordinator, cluster.ca, cluster.cert, cluster.key)

@@ -133,10 +133,10 @@ def local_cluster(
     layout: str | os.PathLike,
     servers: int = 2,
     *,
-    rule: str = "sgd",
-    lr: float = 0.05,
-    mode: str = "async",
-    init_std: float = 0.0,
+    rule: str | None = None,
+    lr: float | None = None,
+    mode: str | None = None,
+    init_std: float | None = None,
     extra_args: list[str] | None = None,
     coordinator_args: list[str] | None = None,
     checkpoint_dir: str | os.PathLike | None = None,
@@ -147,7 +147,9 @@ def local_cluster(
     """Starts ``servers`` shards serving the layout file ``layout``; yields a :class:`LocalCluster`.
 
     ``rule``, ``lr``, ``mode`` and ``init_std`` (the standard deviation of the dense tensors' random
-    initial values; 0 starts them at zero) are the shards' flags; ``extra_args`` adds others;
+    initial values; 0 starts them at zero) are the shards' flags, each left at ``gaps server``'s default
+    when not given (``gaps server --help``);
+    ``extra_args`` adds others;
     ``coordinator_args`` adds flags of shard 0 alone (``["--data", path]`` to deal a file).
     ``checkpoint_dir`` keeps checkpoints there (each shard in ``shard-<i>/``; a cluster started on a
     directory that holds checkpoints restores them), ``checkpoint_every`` (seconds) takes them on a schedule,
@@ -178,11 +180,10 @@ def local_cluster(
                 f"--cert={workdir}/shard-{i}.pem",
                 f"--key={workdir}/shard-{i}.key",
                 f"--layout={os.fspath(layout)}",
-                f"--rule={rule}",
-                f"--lr={lr}",
-                f"--mode={mode}",
-                f"--init-std={init_std}",
             ]
+            for flag, value in (("rule", rule), ("lr", lr), ("mode", mode), ("init-std", init_std)):
+                if value is not None:
+                    args.append(f"--{flag}={value}")
             if i > 0:
                 args.append(f"--coordinator={coordinator}")
             if checkpoint_dir is not None:

@@ -51,7 +51,7 @@ def test_a_deepfm_with_one_shared_table_trains_through_the_launcher_as_plain_pyt
     assert plain.returncode == 0, plain.stderr[-3000:]
     baseline = json.loads(plain.stdout.splitlines()[-1])
     launch = [sys.executable, "-m", "gaps.launch", "--servers", "2", "--workers", "2", "--module", "deepfm:DeepFM"]
-    launch += ["--rule", "sgd", "--lr", "0.1", "--server-arg=--sparse-rule=sgd", "--server-arg=--sparse-lr=0.1"]
+    launch += ["--rule", "sgd", "--lr", "0.1", "--sparse-rule", "sgd", "--sparse-lr=0.1"]
     run = subprocess.run(
         [*launch, str(script), "--steps", "150", "--out", str(tmp_path / "out")],
         capture_output=True, text=True, timeout=600, env=env, cwd=str(EXAMPLE.parent),

@@ -88,3 +88,37 @@ def test_from_env_says_what_is_missing(monkeypatch):
         assert "GAPS_COORDINATOR" in str(e) and "gaps.launch" in str(e)
     else:
         raise AssertionError("from_env connected without credentials")
+
+
+def test_the_shards_flags_are_gaps_servers_own_passed_through_and_checked_by_it(tmp_path, layout_file):
+    """The launcher declares none of the server's flags: it lists `gaps server`'s (with the server's
+    defaults), passes the given ones to every shard, and a bad value is refused by the server's own check."""
+    base = [sys.executable, "-m", "gaps.launch", "--workers", "1", "--layout", str(layout_file)]
+    shown = subprocess.run([sys.executable, "-m", "gaps.launch", "--help"], capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown
+    for flag in ("--rule RULE", "--gba-hold GBA_HOLD", "--momentum MOMENTUM", "--sparse-lr SPARSE_LR"):
+        assert flag in shown.stdout, (flag, shown.stdout)
+    assert "--shard-index" not in shown.stdout and "default: 0.5" in shown.stdout.replace("\n", " "), shown.stdout
+
+    script = tmp_path / "one_step.py"
+    script.write_text(textwrap.dedent("""
+        import numpy as np
+        import gaps
+        with gaps.Client.from_env() as client:
+            client.pull_all()
+            client.push({"w": np.ones((5, 4), np.float32), "b": np.ones(4, np.float32)})
+            print("b", float(client.pull_all()["b"][0]), flush=True)
+    """))
+    # Plain SGD at η 0.25 from zeros: one unit gradient moves every value to -0.25 (the server's own default,
+    # momentum at 0.1, would give -0.1).
+    run = subprocess.run([*base, "--rule", "sgd", "--lr=0.25", "--init-std", "0", str(script)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, (run.stdout, run.stderr)
+    assert "[0] b -0.25" in run.stdout.splitlines(), run.stdout
+
+    bad = subprocess.run([*base, "--lr", "-1", str(script)], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "lr must be a positive number" in bad.stdout + bad.stderr, bad
+    joined = subprocess.run(
+        [*base, "--coordinator", "127.0.0.1:1", "--ca", "a", "--cert", "b", "--key", "c", "--mode", "sync", str(script)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert joined.returncode != 0 and "already running" in joined.stderr, joined
