@@ -1,5 +1,6 @@
 //! The simulator on real (small) simulations: the orderings of docs/ALGORITHMS.md §7 E1 at 32 workers with
-//! Gamma shape 100, DANA-Slim ≡ DANA-Zero, determinism, and refusal of bad flags.
+//! Gamma shape 100, DANA-Slim ≡ DANA-Zero, determinism, and refusal of bad flags; its auto mode against the
+//! in-memory cluster of `gaps_shard::testnet`.
 
 use gaps_kernels::Rule;
 use gaps_sim::{run, SimArgs, SimMode, SimReport};
@@ -213,14 +214,35 @@ fn gba_matches_sync_on_the_ctr_model_at_a_fraction_of_the_wall_time_with_straggl
     assert!(gba.steps_gba > 0 && gba.staleness_mean > 0.0);
 }
 
+/// The simulator predicts what a cluster's auto mode does: a worker 4× slower from the start makes the
+/// simulated cluster and the in-memory cluster of real shard cores talking the wire protocol
+/// (`gaps_shard::testnet`, its own virtual clock) both switch once, from synchronous steps to GBA, and stay
+/// there; with no straggler neither switches.
 #[test]
-fn auto_mode_in_the_simulator_switches_on_a_straggler() {
-    let args = SimArgs { mode: SimMode::Auto, epochs: 2, stragglers: vec![(0, 4.0)], ..small(Rule::Momentum, 8) };
-    let r = run(&args).expect("auto");
-    assert!(r.mode_switches >= 1, "{}", r.to_json());
-    assert!(r.steps_sync > 0 && r.steps_gba > 0, "{}", r.to_json());
-    let calm = run(&SimArgs { stragglers: vec![], ..args }).expect("auto without straggler");
-    assert_eq!((calm.mode_switches, calm.steps_gba), (0, 0), "{}", calm.to_json());
+fn auto_mode_decides_in_the_simulator_as_in_the_in_memory_cluster() {
+    use gaps_shard::modes::Mode;
+    use gaps_shard::testnet::{Cluster, Fault, Spec};
+    use std::time::Duration;
+    let sim = |stragglers| {
+        let args = SimArgs { mode: SimMode::Auto, epochs: 2, stragglers, ..small(Rule::Momentum, 4) };
+        run(&args).expect("auto")
+    };
+    let cluster = |slow: bool| {
+        let mut c = Cluster::new(Spec::new(1, 4, Mode::Auto, 300, 7)).expect("cluster");
+        if slow {
+            c.at(Duration::ZERO, Fault::Slow { worker: 0, factor: 4.0, until: Duration::from_secs(3600) });
+        }
+        c.run(Duration::from_secs(3600)).expect("the job finishes")
+    };
+    let (simulated, real) = (sim(vec![(0, 4.0)]), cluster(true));
+    let switches: Vec<(u8, u8)> = real.switches[0].iter().map(|s| (s.from, s.to)).collect();
+    assert_eq!(switches, [(Mode::Sync.code(), Mode::Gba.code())], "in-memory cluster: {:?}", real.switches);
+    assert_eq!(simulated.mode_switches, 1, "simulator: {}", simulated.to_json());
+    assert!(simulated.steps_sync > 0 && simulated.steps_gba > 0, "{}", simulated.to_json());
+    assert!(real.stats[0].steps_sync > 0 && real.stats[0].steps_gba > 0, "{:?}", real.stats);
+    let (simulated, real) = (sim(vec![]), cluster(false));
+    assert_eq!((simulated.mode_switches, simulated.steps_gba), (0, 0), "{}", simulated.to_json());
+    assert!(real.switches[0].is_empty() && real.stats[0].steps_gba == 0, "{:?}", real.switches);
 }
 
 #[test]
