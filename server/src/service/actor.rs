@@ -107,22 +107,56 @@ pub(super) struct Sinks {
     pub(super) record: Option<crate::record::Recorder>,
 }
 
-/// Runs the core on the calling thread until every sender of `queue` is gone. A checkpoint waiting for its
-/// step is checked after every command, so it is taken right after the request that completed the step,
-/// before any other is handled.
-///
-/// The parts of a push striped over several connections are held here until the push is whole, then handled
-/// as one request and every part answered with its reply; incomplete pushes are given up after `part_wait`.
-pub(super) fn run_actor(
-    core: ShardCore,
-    mut queue: mpsc::Receiver<Command>,
-    started: Instant,
-    part_wait: Duration,
-    sinks: Sinks,
-    wake: Alarm,
-) {
+/// The core's thread's state, shared by the thread and the connections' tasks: a task runs a small request
+/// itself when the core is idle ([`CoreQueue::try_inline`]) instead of handing it over and waiting for two
+/// thread wake-ups. Whoever runs a command holds the lock for that one command.
+pub(super) type Seat = Arc<std::sync::Mutex<Actor>>;
+
+/// The way to the core: its queue and its seat.
+#[derive(Clone)]
+pub(super) struct CoreQueue {
+    pub(super) sender: mpsc::Sender<Command>,
+    pub(super) seat: Seat,
+}
+
+/// Elements (payload and rows) of the largest request a connection's task runs inline: tens of microseconds
+/// of the core's work at most, so that the network tasks it delays wait no longer than a thread hand-off.
+const INLINE_MAX_ELEMS: u64 = 16 * 1024;
+
+impl CoreQueue {
+    /// Runs `frame` on the calling task and returns the receiver of its answer (ready unless the request is
+    /// held for its step), when it is a small training request and the core is idle: no command queued, no
+    /// one running one, no checkpoint waiting for its point (whose copy would run here), no request record.
+    /// Otherwise gives the frame back, for the queue.
+    pub(super) fn try_inline(&self, frame: Box<Frame>, finite: bool) -> Result<oneshot::Receiver<Answer>, Box<Frame>> {
+        let small = matches!(
+            frame.msg,
+            Message::Pull(_)
+                | Message::Push(_)
+                | Message::PushPull(_)
+                | Message::SparsePull(_)
+                | Message::SparsePush(_)
+                | Message::Heartbeat(_)
+                | Message::WaitStep(_)
+        ) && frame.msg.payload_elems().max(frame.payload.len() as u64) <= INLINE_MAX_ELEMS;
+        if !small || self.sender.capacity() < self.sender.max_capacity() {
+            return Err(frame);
+        }
+        let Ok(mut actor) = self.seat.try_lock() else { return Err(frame) };
+        if actor.pending.is_some() || actor.record.is_some() {
+            return Err(frame);
+        }
+        let (tx, rx) = oneshot::channel();
+        actor.run(Command::Handle { frame, finite, reply: tx });
+        actor.after_command();
+        Ok(rx)
+    }
+}
+
+/// Seats the core: its state as the core's thread and the connections' tasks share it.
+pub(super) fn seat(core: ShardCore, started: Instant, part_wait: Duration, sinks: Sinks, wake: Alarm) -> Seat {
     let Sinks { journal, log, record } = sinks;
-    let mut actor = Actor {
+    Arc::new(std::sync::Mutex::new(Actor {
         core,
         started,
         part_wait,
@@ -133,8 +167,19 @@ pub(super) fn run_actor(
         pending: None,
         parts: Assembler::default(),
         parked: Vec::new(),
-    };
+    }))
+}
+
+/// Runs the core's commands on the calling thread until every sender of `queue` is gone (or a command
+/// panicked: the core is given up, and the service sees its thread stopped). A checkpoint waiting for its
+/// step is checked after every command, so it is taken right after the request that completed the step,
+/// before any other is handled.
+///
+/// The parts of a push striped over several connections are held here until the push is whole, then handled
+/// as one request and every part answered with its reply; incomplete pushes are given up after `part_wait`.
+pub(super) fn run_actor(seat: Seat, mut queue: mpsc::Receiver<Command>) {
     while let Some(command) = queue.blocking_recv() {
+        let Ok(mut actor) = seat.lock() else { return };
         actor.run(command);
         actor.after_command();
     }
@@ -145,7 +190,7 @@ type PartReply = (oneshot::Sender<Answer>, bool);
 
 /// The core's thread's state: the core, what it writes besides its replies, and what it holds between
 /// commands (a checkpoint waiting for its point, the parts of striped pushes, held requests).
-struct Actor {
+pub(super) struct Actor {
     core: ShardCore,
     started: Instant,
     part_wait: Duration,
@@ -468,3 +513,6 @@ pub(super) fn release_waits(core: &mut ShardCore, parked: &mut Vec<ParkedWait>, 
         let _ = reply.send(answer);
     }
 }
+
+#[cfg(test)]
+mod tests;

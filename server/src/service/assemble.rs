@@ -261,7 +261,7 @@ pub(super) fn start_core_thread(
     (process, applied, clock): (u32, u64, Option<Duration>),
     journal: Option<std::fs::File>,
     log: Option<Arc<Log>>,
-) -> Result<(mpsc::Sender<Command>, Instant)> {
+) -> Result<(CoreQueue, Instant)> {
     let shard = cfg.core.shard;
     let (queue, receiver) = mpsc::channel(cfg.queue_depth.max(1));
     let started = clock.and_then(|c| Instant::now().checked_sub(c)).unwrap_or_else(Instant::now);
@@ -276,19 +276,20 @@ pub(super) fn start_core_thread(
         }
         None => None,
     };
+    let seat = seat(core, started, part_wait, Sinks { journal, log, record }, wake);
     std::thread::Builder::new()
         .name(format!("gaps-shard-{shard}"))
         .spawn({
-            let sinks = Sinks { journal, log, record };
-            move || run_actor(core, receiver, started, part_wait, sinks, wake)
+            let seat = seat.clone();
+            move || run_actor(seat, receiver)
         })
         .context("starting the shard's core thread")?;
-    Ok((queue, started))
+    Ok((CoreQueue { sender: queue, seat }, started))
 }
 
 /// What the shared state is made of besides the configuration.
 pub(super) struct SharedParts {
-    pub(super) queue: mpsc::Sender<Command>,
+    pub(super) queue: CoreQueue,
     pub(super) endpoint: quinn::Endpoint,
     pub(super) path: net::PathTuning,
     pub(super) started: Instant,
@@ -423,7 +424,7 @@ pub(super) fn spawn_background(
         tokio::spawn(roll_back_cluster_after_restore(shared.clone(), info.id, shutdown_rx.clone()));
     }
     if let Some(log) = &log {
-        let queue = shared.queue.clone();
+        let queue = shared.queue.sender.clone();
         let ctx = Arc::new(crate::replication::ShipContext {
             shard,
             link: shared.link.clone(),

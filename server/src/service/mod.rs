@@ -3,7 +3,10 @@
 //! shuts down gracefully (refuse new connections, finish in-flight RPCs, close).
 //!
 //! The core is an actor: it lives on its own OS thread and is fed by a **bounded** queue of commands, each
-//! with a reply channel. The QUIC tasks never lock it and never run an update on the async runtime. Before
+//! with a reply channel. One exception saves the two thread hand-offs a small request costs: when the core is
+//! idle (nothing queued, nobody running a command), a QUIC task runs a small training request (at most 16 Ki
+//! elements: tens of microseconds of work) itself, under the core's lock ([`actor::CoreQueue::try_inline`]);
+//! a task never waits for that lock, and nothing larger runs on the async runtime. Before
 //! a stream's payload is read, its task reserves the payload's (and the expected reply's) bytes from a
 //! fixed in-flight budget; when the budget or the queue is full the task waits, QUIC flow control stops
 //! the sender, and memory stays bounded however many requests arrive.
@@ -217,7 +220,7 @@ const CONNECTION_SHARE_DIVISOR: u32 = 4;
 const BUDGET_UNIT: u64 = 1024;
 
 struct Shared {
-    queue: mpsc::Sender<Command>,
+    queue: CoreQueue,
     /// The UDP path tuning the endpoint was made with (kept for certificate reloads).
     path: net::PathTuning,
     /// In-flight bytes, in units of [`BUDGET_UNIT`].
@@ -313,7 +316,7 @@ struct Shared {
 impl Shared {
     /// Sends `command` to the core, waiting while its queue is full.
     async fn send(&self, command: Command) -> Result<()> {
-        self.queue.send(command).await.map_err(|_| anyhow!("shard {} core thread stopped", self.shard))
+        self.queue.sender.send(command).await.map_err(|_| anyhow!("shard {} core thread stopped", self.shard))
     }
 
     /// Bytes the largest reply to `msg` can hold (admitted once the request is whole, before it is handled).

@@ -504,10 +504,16 @@ async fn through_the_core(
 ) -> Option<(Frame, Vec<CoreEvent>, Vec<Arc<Vec<f32>>>)> {
     let registers_worker = matches!(&frame.msg, Message::Register(r) if r.role == WireRole::Worker);
     let registers_shard = matches!(frame.msg, Message::RegisterShard(_));
-    let (tx, rx) = oneshot::channel();
-    let reply = match shared.send(Command::Handle { frame: Box::new(frame), finite, reply: tx }).await {
-        Ok(()) => rx.await.ok(),
-        Err(_) => None,
+    // Run here when the core is idle and the request small; handed to the core's thread otherwise.
+    let reply = match shared.queue.try_inline(Box::new(frame), finite) {
+        Ok(rx) => rx.await.ok(),
+        Err(frame) => {
+            let (tx, rx) = oneshot::channel();
+            match shared.send(Command::Handle { frame, finite, reply: tx }).await {
+                Ok(()) => rx.await.ok(),
+                Err(_) => None,
+            }
+        }
     };
     // A request that changed the shard is answered once every live backup applied it. A backup
     // that does not answer stops counting within its ack timeout once the coordinator heard of

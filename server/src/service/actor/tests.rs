@@ -1,0 +1,54 @@
+//! When a connection's task runs a request itself: only a small training request, only when the core is
+//! idle — nothing queued, nobody holding the core — and then its answer is ready when the call returns.
+
+use super::*;
+use gaps_common::layout::{ChunkId, Layout, TensorSpec};
+use gaps_common::wire::{Pull, SparsePull, StatsRequest};
+
+/// The way to a core serving 64 floats in chunks of 16 and one table, with nobody running its thread (the
+/// test holds the queue's receiving end).
+fn idle_core(rt: &tokio::runtime::Runtime) -> (CoreQueue, mpsc::Receiver<Command>) {
+    let layout =
+        Layout::with_tables(vec![TensorSpec::new("w", 64)], 16, vec![gaps_common::layout::SparseSpec::new("emb", 4)])
+            .expect("layout");
+    let core = ShardCore::new(gaps_shard::testnet::config(layout, 1)).expect("core");
+    let (sender, receiver) = mpsc::channel(4);
+    let wake = Alarm { runtime: rt.handle().clone(), queue: sender.downgrade(), armed: None };
+    let sinks = Sinks { journal: None, log: None, record: None };
+    let seat = seat(core, Instant::now(), Duration::from_secs(1), sinks, wake);
+    (CoreQueue { sender, seat }, receiver)
+}
+
+fn pull() -> Box<Frame> {
+    Box::new(Frame::new(Message::Pull(Pull { epoch: 1, chunks: vec![ChunkId { tensor: 0, chunk: 1 }] })))
+}
+
+#[test]
+fn a_small_request_runs_inline_only_while_the_core_is_idle() {
+    let rt = tokio::runtime::Builder::new_current_thread().build().expect("runtime");
+    let (queue, mut receiver) = idle_core(&rt);
+
+    let mut answered = queue.try_inline(pull(), true).expect("idle: run here");
+    let (reply, ..) = answered.try_recv().expect("answered before the call returned");
+    match reply.msg {
+        Message::PullReply(r) => assert_eq!((r.chunks.len(), reply.payload.len()), (1, 16)),
+        other => panic!("{other:?}"),
+    }
+
+    // A command waiting in the queue goes first: the request is handed back for the queue, unchanged.
+    queue.sender.try_send(Command::Wake).expect("room");
+    assert_eq!(queue.try_inline(pull(), true).expect_err("something queued"), pull());
+    assert!(matches!(receiver.try_recv(), Ok(Command::Wake)));
+
+    // Whoever holds the core (its thread, another task) is not waited for.
+    let held = queue.seat.lock().expect("lock");
+    assert!(queue.try_inline(pull(), true).is_err(), "the core is busy");
+    drop(held);
+
+    // Large requests and anything but training requests go to the core's thread.
+    let rows = SparsePull { epoch: 1, table: 0, count: 10_000, create: true };
+    assert!(queue.try_inline(Box::new(Frame::new(Message::SparsePull(rows))), true).is_err(), "20,000 elements");
+    let stats = Box::new(Frame::new(Message::StatsRequest(StatsRequest)));
+    assert!(queue.try_inline(stats, true).is_err(), "not a training request");
+    assert!(queue.try_inline(pull(), true).is_ok(), "idle again");
+}
