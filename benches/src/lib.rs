@@ -16,6 +16,7 @@ pub fn json_line<T: serde::Serialize>(result: &T) -> String {
 pub mod codec;
 pub mod hog;
 pub mod kernels;
+mod shards;
 pub mod tables;
 pub mod transport;
 

@@ -16,16 +16,15 @@
 //!   cipher suites as the QUIC connections).
 //!
 //! CPU time is the whole process's user + system time from `getrusage` (both ends run in this process),
-//! divided by the payload moved.
+//! divided by the payload moved. With `processes`, gaps' shards run as `gaps server` processes instead (as a
+//! deployment runs them) and their CPU time, read from `/proc`, is counted too.
 
+use crate::shards::Shards;
 use anyhow::{Context, Result};
 use gaps_common::dtype::WireDtype;
 use gaps_common::layout::{Layout, SparseSpec, TensorSpec};
 use gaps_common::wire::Role;
-use gaps_kernels::Hyper;
-use gaps_server::service::{self, RunningServer, ServiceConfig};
 use gaps_setup::certs::ClusterCerts;
-use gaps_shard::{Init, ShardConfig};
 use gaps_transport::net;
 use gaps_worker::client::{Client, ClientOptions};
 use std::io::{Read, Write};
@@ -57,6 +56,9 @@ pub struct TransportOptions {
     pub floats: Option<Vec<u64>>,
     /// Busy processes run beside every case ([`crate::hog::CpuHog`]): the cases on a loaded machine.
     pub hog: usize,
+    /// gaps' shards as `gaps server` processes rather than in the bench's process ([`Shards`]); the cases
+    /// with copies (`_r2`) are left out.
+    pub processes: bool,
 }
 
 impl TransportOptions {
@@ -73,6 +75,7 @@ impl TransportOptions {
             floats: None,
             separate: false,
             hog: 0,
+            processes: false,
         }
     }
 }
@@ -113,6 +116,8 @@ pub struct TransportResult {
     pub tcp_tls: Measured,
     /// Busy processes that ran beside it (`--hog`).
     pub hog: usize,
+    /// The shards ran as processes of their own (`--processes`).
+    pub processes: bool,
 }
 
 impl TransportResult {
@@ -168,9 +173,11 @@ impl TransportResult {
             ratio: f64,
             ratio_tcp_tls: f64,
             hog: usize,
+            processes: bool,
         }
         crate::json_line(&Line {
             hog: self.hog,
+            processes: self.processes,
             case: &self.case,
             shards: self.shards,
             bytes: self.bytes,
@@ -221,15 +228,22 @@ pub fn process_cpu_seconds() -> f64 {
     secs(usage.ru_utime) + secs(usage.ru_stime)
 }
 
-/// Times `round` (which moves `bytes` of payload) after one warm-up round, until `min_time` has passed
-/// (once when `quick`).
-async fn measure<F, Fut>(bytes: u64, quick: bool, min_time: Duration, mut round: F) -> Result<Measured>
+/// Times `round` (which moves `bytes` of payload) after one warm-up round, until `opts.min_time` has passed
+/// (once when quick). The CPU it took is this process's and `outside_cpu`'s (CPU seconds spent so far by the
+/// case's other processes).
+async fn measure<F, Fut>(
+    bytes: u64,
+    opts: &TransportOptions,
+    outside_cpu: impl Fn() -> f64,
+    mut round: F,
+) -> Result<Measured>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<()>>,
 {
+    let (quick, min_time) = (opts.quick, opts.min_time);
     round().await?;
-    let cpu0 = process_cpu_seconds();
+    let cpu0 = process_cpu_seconds() + outside_cpu();
     let started = Instant::now();
     let mut rounds = 0u32;
     while rounds == 0 || (!quick && started.elapsed() < min_time) {
@@ -237,7 +251,7 @@ where
         rounds += 1;
     }
     let secs = started.elapsed().as_secs_f64();
-    let cpu = process_cpu_seconds() - cpu0;
+    let cpu = process_cpu_seconds() + outside_cpu() - cpu0;
     let gb = bytes as f64 * f64::from(rounds) / 1e9;
     Ok(Measured { rounds, gbytes_per_s: gb / secs, cpu_s_per_gb: cpu / gb })
 }
@@ -259,7 +273,7 @@ pub async fn run(opts: &TransportOptions) -> Result<Vec<TransportResult>> {
             cases.push((format!("push_pull_{shards}shard_{}", size_name(n)), shards, 1, None, n, WireDtype::F32));
         }
         // With two copies of each shard (`--replicas 2`): what the copies cost a push-pull.
-        if let Some(&shards) = shard_counts.iter().find(|s| **s >= 2) {
+        if let Some(&shards) = shard_counts.iter().find(|s| **s >= 2).filter(|_| !opts.processes) {
             let case = format!("push_pull_{shards}shard_{}_r2", size_name(n));
             cases.push((case, shards, 2, None, n, WireDtype::F32));
         }
@@ -314,6 +328,7 @@ pub async fn run(opts: &TransportOptions) -> Result<Vec<TransportResult>> {
             tcp: m(3),
             tcp_tls: m(4),
             hog: opts.hog,
+            processes: opts.processes,
         });
     }
     Ok(out)
@@ -352,42 +367,10 @@ fn size_name(n: u64) -> String {
     }
 }
 
-async fn start_shards(certs: &ClusterCerts, shards: u32, replicas: u32, layout: &Layout) -> Result<Vec<RunningServer>> {
-    let mut servers: Vec<RunningServer> = Vec::new();
-    for s in 0..shards {
-        let core = ShardConfig {
-            shard: s,
-            num_shards: shards,
-            hyper: Hyper { lr: 1e-6, momentum: 0.0, weight_decay: 0.0, ..Hyper::default() },
-            init: Init { seed: 1, std: 0.0 },
-            lease: Duration::from_secs(60),
-            epoch: 7,
-            ..ShardConfig::new(layout.clone())
-        };
-        let cfg = ServiceConfig {
-            coordinator: servers.first().map(|s0| s0.advertise.clone()),
-            join_timeout: Duration::from_secs(10),
-            replicas,
-            ..ServiceConfig::new("127.0.0.1:0".parse()?, certs.shard_material(core.shard)?, core)
-        };
-        servers.push(service::start(cfg).await?);
-    }
-    // With copies, every push waits for its backup once the backup caught up: measure from then on.
-    let started = Instant::now();
-    while replicas > 1 && servers.iter().any(|s| s.live_backups() + 1 < replicas as usize) {
-        anyhow::ensure!(started.elapsed() < Duration::from_secs(30), "the backups did not catch up in 30 s");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    Ok(servers)
-}
-
 /// Leaves the cluster and shuts its shards down.
-async fn stop(client: Client, servers: Vec<RunningServer>) -> Result<()> {
+async fn stop(client: Client, shards: Shards) -> Result<()> {
     client.leave().await?;
-    for s in servers {
-        s.shutdown().await?;
-    }
-    Ok(())
+    shards.stop().await
 }
 
 async fn dense_case(
@@ -401,15 +384,16 @@ async fn dense_case(
     let mut spec = TensorSpec::new("bench", n);
     spec.wire_dtype = Some(dtype);
     let layout = Layout::new(vec![spec], 1 << 18)?;
-    let servers = start_shards(certs, shards, replicas, &layout).await?;
-    let mut options = ClientOptions::new(&servers[0].advertise, certs.worker_material()?, Role::Worker, "bench");
+    let servers = Shards::start(certs, shards, replicas, &layout, opts.processes).await?;
+    let mut options = ClientOptions::new(servers.coordinator(), certs.worker_material()?, Role::Worker, "bench");
     options.lanes = opts.lanes;
     let client = Client::connect(options).await?;
     // The same gradient every round, in a buffer the bench keeps and the push shares (as the baselines send
     // the same bytes every round; until 2026-11-25 the bench wrote it afresh each round, 0.34 ms at 1 Mi).
     let gradient = Arc::new(vec![vec![1e-3f32; n as usize]]);
     let snapshot = std::cell::RefCell::new(Some(client.pull().await?));
-    let measured = measure(2 * dtype.bytes() as u64 * n, opts.quick, opts.min_time, || async {
+    let cpu = || servers.outside_cpu_seconds();
+    let measured = measure(2 * dtype.bytes() as u64 * n, opts, cpu, || async {
         let taken = snapshot.borrow_mut().take().context("no snapshot")?;
         let next = if opts.separate {
             client.push_shared(gradient.clone(), &taken).await?;
@@ -432,8 +416,8 @@ async fn dense_case(
 async fn sparse_case(certs: &ClusterCerts, shards: u32, opts: &TransportOptions) -> Result<Measured> {
     let layout =
         Layout::with_tables(vec![TensorSpec::new("dense", 16)], 1 << 18, vec![SparseSpec::new("bench", SPARSE_DIM)])?;
-    let servers = start_shards(certs, shards, 1, &layout).await?;
-    let options = ClientOptions::new(&servers[0].advertise, certs.worker_material()?, Role::Worker, "bench");
+    let servers = Shards::start(certs, shards, 1, &layout, opts.processes).await?;
+    let options = ClientOptions::new(servers.coordinator(), certs.worker_material()?, Role::Worker, "bench");
     let client = Client::connect(options).await?;
     // Fill the table: every id in 0..rows, scattered over u64 by a fixed odd multiplier.
     let scatter = |i: u64| i.wrapping_mul(0x9E37_79B9_7F4A_7C15);
@@ -448,7 +432,8 @@ async fn sparse_case(certs: &ClusterCerts, shards: u32, opts: &TransportOptions)
     let mut rng = 0x2545_F491_4F6C_DD1Du64;
     let ids = std::cell::RefCell::new(Vec::with_capacity(SPARSE_ROWS as usize));
     let bytes = 2 * 4 * SPARSE_ROWS * u64::from(SPARSE_DIM);
-    let measured = measure(bytes, opts.quick, opts.min_time, || {
+    let cpu = || servers.outside_cpu_seconds();
+    let measured = measure(bytes, opts, cpu, || {
         let mut ids = ids.borrow_mut();
         ids.clear();
         // Distinct random ids of the table (xorshift; duplicates skipped so every round moves SPARSE_ROWS rows).
@@ -511,14 +496,19 @@ async fn quinn_echo(
     endpoint.set_default_client_config(client_config);
     let conn = net::connect(&endpoint, addr, Duration::from_secs(5)).await?;
     let payload = vec![7u8; one_way as usize];
-    let measured = measure(2 * one_way, opts.quick, opts.min_time, || async {
-        let (mut send, mut recv) = conn.open_bi().await?;
-        send.write_all(&payload).await?;
-        send.finish()?;
-        let back = recv.read_to_end(usize::MAX).await?;
-        anyhow::ensure!(back.len() == payload.len(), "echo returned {} bytes", back.len());
-        Ok(())
-    })
+    let measured = measure(
+        2 * one_way,
+        opts,
+        || 0.0,
+        || async {
+            let (mut send, mut recv) = conn.open_bi().await?;
+            send.write_all(&payload).await?;
+            send.finish()?;
+            let back = recv.read_to_end(usize::MAX).await?;
+            anyhow::ensure!(back.len() == payload.len(), "echo returned {} bytes", back.len());
+            Ok(())
+        },
+    )
     .await?;
     conn.close(0u32.into(), b"done");
     echo.abort();
@@ -584,11 +574,16 @@ async fn tcp_echo(certs: &ClusterCerts, one_way: u64, tls: bool, opts: &Transpor
     let mut back = Vec::new();
     let stream = std::cell::RefCell::new(stream);
     let back = std::cell::RefCell::new(&mut back);
-    let measured = measure(2 * one_way, opts.quick, opts.min_time, || {
-        // Blocking I/O on the bench's own thread: the echo server is a plain thread, nothing else runs.
-        let r = echo_round(&mut *stream.borrow_mut(), &payload, &mut back.borrow_mut());
-        async move { r.map_err(anyhow::Error::from) }
-    })
+    let measured = measure(
+        2 * one_way,
+        opts,
+        || 0.0,
+        || {
+            // Blocking I/O on the bench's own thread: the echo server is a plain thread, nothing else runs.
+            let r = echo_round(&mut *stream.borrow_mut(), &payload, &mut back.borrow_mut());
+            async move { r.map_err(anyhow::Error::from) }
+        },
+    )
     .await?;
     // Closing the client ends the server's loop.
     drop(stream.into_inner());

@@ -339,12 +339,29 @@ struct TransportArgs {
     /// programs load; JSON lines carry `hog`). 0: none.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=256))]
     hog: u32,
+    /// Run gaps' shards as `gaps server` processes, as a deployment does, rather than in the bench's own
+    /// process (whose runtime then serves the client and the shards alike); their CPU is counted too. The
+    /// cases with copies (`_r2`) are left out. JSON lines carry `processes`.
+    #[arg(long)]
+    processes: bool,
 }
 
 /// `gaps bench transport`.
 async fn bench_transport(args: TransportArgs) -> Result<()> {
-    let TransportArgs { json, seconds, quick, only, sparse_rows, repeats, gaps_only, lanes, separate, floats, hog } =
-        args;
+    let TransportArgs {
+        json,
+        seconds,
+        quick,
+        only,
+        sparse_rows,
+        repeats,
+        gaps_only,
+        lanes,
+        separate,
+        floats,
+        hog,
+        processes,
+    } = args;
     anyhow::ensure!(seconds.is_finite() && seconds > 0.0, "--seconds must be positive");
     anyhow::ensure!(sparse_rows >= 2 * gaps_benches::transport::SPARSE_ROWS, "--sparse-rows must be at least 8192");
     let mut opts = gaps_benches::transport::TransportOptions::new(quick, std::time::Duration::from_secs_f64(seconds));
@@ -354,6 +371,7 @@ async fn bench_transport(args: TransportArgs) -> Result<()> {
     opts.lanes = lanes;
     opts.separate = separate;
     opts.hog = hog as usize;
+    opts.processes = processes;
     if hog > 0 {
         eprintln!("[gaps bench] {hog} busy process(es) run beside every case");
     }

@@ -69,6 +69,26 @@ fn the_transport_bench_measures_the_sizes_it_is_given() {
     }
 }
 
+/// `--processes`: the same cases against `gaps server` processes (a dense and a sparse case, one round
+/// each), said so in every JSON line; the cases with copies are left out there.
+#[test]
+fn the_transport_bench_runs_its_shards_as_processes_when_asked() {
+    let out = Command::new(env!("CARGO_BIN_EXE_gaps"))
+        .args(["bench", "transport", "--quick", "--gaps-only", "--json", "--processes", "--floats", "1000"])
+        .env("GAPS_LOG", "warn")
+        .output()
+        .expect("run gaps bench transport");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let lines: Vec<serde_json::Value> =
+        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).expect("a JSON line")).collect();
+    let cases: Vec<&str> = lines.iter().map(|l| l["case"].as_str().expect("a case name")).collect();
+    assert_eq!(cases, ["push_pull_1shard_1000", "sparse_1shard_4096x16"], "{lines:?}");
+    for l in &lines {
+        assert_eq!(l["processes"], true, "{l}");
+        assert!(l["rounds"].as_u64() >= Some(1) && l["cpu_s_per_gb"].as_f64() > Some(0.0), "{l}");
+    }
+}
+
 #[test]
 fn gaps_certs_writes_a_loadable_cluster_ca_and_certificates() {
     let dir = std::env::temp_dir().join(format!("gaps-certs-test-{}", std::process::id()));
