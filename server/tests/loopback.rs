@@ -692,6 +692,14 @@ async fn a_wait_for_a_step_is_held_until_the_step_or_its_time_is_up() {
     assert_eq!(held.await.expect("join"), 1, "released by the step");
     // A wait for a step already reached is answered at once.
     assert_eq!(ask(wait(1, 1000)).await, 1);
+    // A held wait does not hold its connection up: a request on another stream of it is answered meanwhile
+    // (the connection's task drives every stream in flight). The wait ends with step 2, below.
+    let (mut send, mut recv) = raw.open_bi().await.expect("a stream");
+    net::write_frame(&mut send, &wait(2, 10_000), &[]).await.expect("write the wait");
+    send.finish().expect("finish");
+    assert_eq!(ask(wait(1, 1000)).await, 1, "answered while the other stream's wait is held");
+    let early = tokio::time::timeout(Duration::ZERO, net::read_frame(&mut recv, &Limits::default())).await;
+    assert!(early.is_err(), "the wait for step 2 was answered before step 2: {early:?}");
     // A push-pull into a step not complete is held and answered, once b's gradient completes the step, with
     // the step's new values and nothing left to wait for.
     let Message::Push(push) = whole_push(&layout(), &a, 2, &[1, 1], |_| gaps_common::dtype::WireDtype::F32) else {
@@ -710,6 +718,10 @@ async fn a_wait_for_a_step_is_held_until_the_step_or_its_time_is_up() {
     let sb = b.pull().await.expect("pull");
     b.push(gradient(3), &sb).await.expect("b's second push");
     let reply = held.await.expect("join");
+    match net::read_frame(&mut recv, &Limits::default()).await.expect("the wait's answer").msg {
+        Message::Stats(s) => assert_eq!(s.global_step, 2, "released by step 2"),
+        other => panic!("a wait was answered with {other:?}"),
+    }
     match reply.msg {
         Message::PushPullReply(wire::PushPullReply { ack, chunks }) => {
             assert_eq!((ack.wait_for_step, ack.duplicate), (0, false), "{ack:?}");
