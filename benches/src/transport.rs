@@ -173,6 +173,8 @@ impl TransportResult {
             ratio: f64,
             ratio_tcp_tls: f64,
             hog: usize,
+            /// Only with `--processes`: the lines of a default run keep their shape.
+            #[serde(skip_serializing_if = "std::ops::Not::not")]
             processes: bool,
         }
         crate::json_line(&Line {

@@ -341,7 +341,7 @@ struct TransportArgs {
     hog: u32,
     /// Run gaps' shards as `gaps server` processes, as a deployment does, rather than in the bench's own
     /// process (whose runtime then serves the client and the shards alike); their CPU is counted too. The
-    /// cases with copies (`_r2`) are left out. JSON lines carry `processes`.
+    /// cases with copies (`_r2`) are left out. JSON lines carry `"processes": true`.
     #[arg(long)]
     processes: bool,
 }
