@@ -21,7 +21,17 @@ const SEED: u64 = 1;
 /// Running shards.
 pub(crate) enum Shards {
     InProcess(Vec<RunningServer>),
-    Processes { children: Vec<tokio::process::Child>, coordinator: String, dir: PathBuf },
+    Processes { children: Vec<tokio::process::Child>, coordinator: String, _dir: Scratch },
+}
+
+/// The shards' directory (certificates and keys, the layout, their logs), removed with them however the
+/// case ends.
+pub(crate) struct Scratch(PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 impl Shards {
@@ -89,11 +99,10 @@ impl Shards {
                     s.shutdown().await?;
                 }
             }
-            Shards::Processes { mut children, dir, .. } => {
+            Shards::Processes { mut children, .. } => {
                 for c in &mut children {
                     c.kill().await.context("stopping a shard process")?;
                 }
-                let _ = std::fs::remove_dir_all(dir);
             }
         }
         Ok(())
@@ -104,7 +113,8 @@ impl Shards {
 /// prints once it serves.
 async fn start_processes(certs: &ClusterCerts, shards: u32, replicas: u32, layout: &Layout) -> Result<Shards> {
     anyhow::ensure!(replicas == 1, "--processes runs shards without copies (the _r2 cases run in-process)");
-    let dir = gaps_common::scratch_dir("gaps-bench-shards").context("making the shards' directory")?;
+    let scratch = Scratch(gaps_common::scratch_dir("gaps-bench-shards").context("making the shards' directory")?);
+    let dir = scratch.0.clone();
     certs.write_to(&dir)?;
     let layout_path = dir.join("layout.toml");
     let text = gaps_common::layout_file::write(layout, gaps_common::layout_file::Format::Toml);
@@ -156,7 +166,7 @@ async fn start_processes(certs: &ClusterCerts, shards: u32, replicas: u32, layou
         }
         children.push(child);
     }
-    Ok(Shards::Processes { children, coordinator, dir })
+    Ok(Shards::Processes { children, coordinator, _dir: scratch })
 }
 
 /// User + system CPU seconds process `pid` spent (`/proc/<pid>/stat`; 0 when it cannot be read).
@@ -178,5 +188,26 @@ fn clock_ticks_per_second() -> f64 {
         t as f64
     } else {
         100.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_processs_cpu_time_is_read_from_proc() {
+        let pid = std::process::id();
+        let before = cpu_seconds_of(pid);
+        let started = Instant::now();
+        let mut x = 1u64;
+        // Busy until the kernel's clock (10 ms ticks) has counted some of it.
+        while cpu_seconds_of(pid) <= before && started.elapsed() < Duration::from_secs(60) {
+            for i in 0..1_000_000u64 {
+                x = std::hint::black_box(x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(i));
+            }
+        }
+        assert!(cpu_seconds_of(pid) > before, "no CPU time read for this process ({x})");
+        assert_eq!(cpu_seconds_of(u32::MAX), 0.0, "no such process");
     }
 }

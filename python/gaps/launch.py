@@ -32,10 +32,15 @@ from . import testing
 __all__ = ["main"]
 
 
-#: ``gaps server``'s flags the launcher sets on each shard itself (or takes under its own name to join a cluster).
+#: ``gaps server``'s flags the launcher sets on each shard itself (or takes under its own name to join a cluster),
+#: and one that cannot be the same for every shard of a machine (``--metrics-addr``: one port each; give it
+#: per shard with ``gaps server``).
 _SET_BY_LAUNCHER = frozenset(
-    {"shard-index", "num-shards", "listen", "advertise", "coordinator", "ca", "cert", "key", "layout"}
+    {"shard-index", "num-shards", "listen", "advertise", "coordinator", "ca", "cert", "key", "layout", "metrics-addr"}
 )
+
+#: The launcher's own options: a server flag of the same name (none today) stays the launcher's.
+_OWN = frozenset({"workers", "servers", "module", "server-arg", "grace", "help"})
 
 
 def _shard_flags(gaps: str) -> list[dict]:
@@ -45,13 +50,16 @@ def _shard_flags(gaps: str) -> list[dict]:
     out = subprocess.run([gaps, "reference", "--json", "server"], capture_output=True, text=True)
     if out.returncode != 0:
         raise SystemExit(f"{gaps} reference --json server failed: {out.stderr.strip()}")
-    return [f for f in json.loads(out.stdout) if f["long"] and f["long"] not in _SET_BY_LAUNCHER]
+    return [f for f in json.loads(out.stdout) if f["long"] and f["long"] not in _SET_BY_LAUNCHER | _OWN]
 
 
 def _parser(shard_flags: list[dict]) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m gaps.launch",
         description="Run a training script as N gaps worker processes on a cluster this starts or joins.",
+        # A shortened flag would reach the server whole (`--sparse-adagrad` as --sparse-adagrad-init), where
+        # gaps server itself refuses abbreviations.
+        allow_abbrev=False,
     )
     p.add_argument("--workers", type=int, default=1, help="worker processes to start (default 1)")
     p.add_argument("--servers", type=int, default=1, help="shards to start (default 1; not with --coordinator)")

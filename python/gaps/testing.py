@@ -199,6 +199,10 @@ def local_cluster(
             log = open(log_path, "ab")
             logs.append(log)
             env = dict(os.environ, GAPS_LOG=os.environ.get("GAPS_LOG", "warn"))
+            # The four settings above are the arguments' or the server's defaults, never a variable of the
+            # caller's environment (as when they were always passed as flags).
+            for name in ("GAPS_RULE", "GAPS_LR", "GAPS_MODE", "GAPS_INIT_STD"):
+                env.pop(name, None)
             env.setdefault("RUST_BACKTRACE", "0")  # a refused flag is one line, not a backtrace
             proc = subprocess.Popen(
                 args, stdout=subprocess.PIPE, stderr=log, text=True, env=env, preexec_fn=_die_with_parent

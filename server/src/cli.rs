@@ -139,7 +139,8 @@ pub struct ServerArgs {
     /// sends it again after a pause).
     #[arg(long, env = "GAPS_BUDGET_WAIT", default_value = "2s", value_parser = parse_duration)]
     pub budget_wait: Duration,
-    /// A connection that opens no request for this long is closed (clients reconnect when they need to).
+    /// A connection that opens no request for this long, with none in flight, is closed (clients reconnect
+    /// when they need to).
     #[arg(long, env = "GAPS_IDLE_TIMEOUT", default_value = "300s", value_parser = parse_duration)]
     pub idle_timeout: Duration,
     /// Keep checkpoints under this directory (each shard in `shard-<i>/`); a shard started with a directory

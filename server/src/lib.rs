@@ -1,7 +1,8 @@
 //! gaps-server: the service around one shard's sans-IO core ([`gaps_shard::ShardCore`]).
 //!
 //! - [`service`]: the QUIC service: connections and streams feed the shard's actor thread through a
-//!   bounded queue; joins the coordinator; ticks leases.
+//!   bounded queue (small requests run on their connection's task when the core is idle); joins the
+//!   coordinator; ticks leases.
 //! - [`auth`]: who may send what (certificate roles, worker credentials), and rate-limited refusal logs.
 //! - [`metrics`]: Prometheus export over a small hyper service.
 //! - [`data`]: cuts the training files into the coordinator's dealt splits (dynamic data sharding).

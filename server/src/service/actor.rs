@@ -119,37 +119,64 @@ pub(super) struct CoreQueue {
     pub(super) seat: Seat,
 }
 
-/// Elements (payload and rows) of the largest request a connection's task runs inline: tens of microseconds
-/// of the core's work at most, so that the network tasks it delays wait no longer than a thread hand-off.
+/// Elements of the largest request a connection's task runs inline — the larger of what it carries and what
+/// its reply can hold: tens of microseconds of the core's work at most, so that the network tasks it delays
+/// wait no longer than a thread hand-off would.
 const INLINE_MAX_ELEMS: u64 = 16 * 1024;
 
 impl CoreQueue {
-    /// Runs `frame` on the calling task and returns the receiver of its answer (ready unless the request is
-    /// held for its step), when it is a small training request and the core is idle: no command queued, no
-    /// one running one, no checkpoint waiting for its point (whose copy would run here), no request record.
-    /// Otherwise gives the frame back, for the queue.
+    /// Runs `frame` on the calling task and returns the receiver of its answer, when it is a small training
+    /// request (by the larger of its payload's and its reply's elements) and the core is idle:
+    /// no command queued, no one running one, no checkpoint waiting for its point (whose copy would run here),
+    /// no request record, no request held (which a step would release here). A push runs inline only in
+    /// asynchronous training, where it applies its own gradient and never a whole synchronous step. Otherwise
+    /// gives the frame back, for the queue.
     pub(super) fn try_inline(&self, frame: Box<Frame>, finite: bool) -> Result<oneshot::Receiver<Answer>, Box<Frame>> {
-        let small = matches!(
-            frame.msg,
-            Message::Pull(_)
-                | Message::Push(_)
-                | Message::PushPull(_)
-                | Message::SparsePull(_)
-                | Message::SparsePush(_)
-                | Message::Heartbeat(_)
-                | Message::WaitStep(_)
-        ) && frame.msg.payload_elems().max(frame.payload.len() as u64) <= INLINE_MAX_ELEMS;
-        if !small || self.sender.capacity() < self.sender.max_capacity() {
+        let push = matches!(frame.msg, Message::Push(_) | Message::PushPull(_) | Message::SparsePush(_));
+        let kind = push || matches!(frame.msg, Message::Pull(_) | Message::SparsePull(_) | Message::Heartbeat(_));
+        let carried = frame.msg.payload_elems().max(frame.payload.len() as u64);
+        if !kind || carried > INLINE_MAX_ELEMS || self.sender.capacity() < self.sender.max_capacity() {
             return Err(frame);
         }
         let Ok(mut actor) = self.seat.try_lock() else { return Err(frame) };
-        if actor.pending.is_some() || actor.record.is_some() {
+        let stepped = push && actor.core.active_mode() != gaps_shard::Mode::Async;
+        let answered = reply_elems(&actor.core.config().layout, &frame.msg);
+        if stepped
+            || answered > INLINE_MAX_ELEMS
+            || actor.pending.is_some()
+            || actor.record.is_some()
+            || !actor.parked.is_empty()
+        {
             return Err(frame);
         }
         let (tx, rx) = oneshot::channel();
         actor.run(Command::Handle { frame, finite, reply: tx });
         actor.after_command();
         Ok(rx)
+    }
+}
+
+/// Elements the reply to `msg` carries at most (values of the chunks a pull names, rows and their versions
+/// of a row pull), counted up to just past [`INLINE_MAX_ELEMS`].
+fn reply_elems(layout: &gaps_common::layout::Layout, msg: &Message) -> u64 {
+    let chunks = |ids: &mut dyn Iterator<Item = gaps_common::layout::ChunkId>| {
+        let mut total = 0u64;
+        for id in ids {
+            total += layout.chunk_len(id).unwrap_or(0) as u64;
+            if total > INLINE_MAX_ELEMS {
+                break;
+            }
+        }
+        total
+    };
+    match msg {
+        Message::Pull(p) => chunks(&mut p.chunks.iter().copied()),
+        Message::PushPull(p) => chunks(&mut p.chunks.iter().map(|c| c.id)),
+        Message::SparsePull(p) => {
+            let dim = layout.tables.get(p.table as usize).map_or(0, |t| u64::from(t.dim));
+            u64::from(p.count) * (1 + dim)
+        }
+        _ => 0,
     }
 }
 
@@ -171,7 +198,7 @@ pub(super) fn seat(core: ShardCore, started: Instant, part_wait: Duration, sinks
 }
 
 /// Runs the core's commands on the calling thread until every sender of `queue` is gone (or a command
-/// panicked: the core is given up, and the service sees its thread stopped). A checkpoint waiting for its
+/// panicked: the requests it held are let go, and the service sees its thread stopped). A checkpoint waiting for its
 /// step is checked after every command, so it is taken right after the request that completed the step,
 /// before any other is handled.
 ///
@@ -179,7 +206,18 @@ pub(super) fn seat(core: ShardCore, started: Instant, part_wait: Duration, sinks
 /// as one request and every part answered with its reply; incomplete pushes are given up after `part_wait`.
 pub(super) fn run_actor(seat: Seat, mut queue: mpsc::Receiver<Command>) {
     while let Some(command) = queue.blocking_recv() {
-        let Ok(mut actor) = seat.lock() else { return };
+        let mut actor = match seat.lock() {
+            Ok(actor) => actor,
+            Err(poisoned) => {
+                // A command panicked (here or on a connection's task): every request the core holds is let
+                // go — its waiter sees the core gone — and the queue closes behind this thread.
+                let mut actor = poisoned.into_inner();
+                actor.parked.clear();
+                actor.pending = None;
+                actor.parts = Assembler::default();
+                return;
+            }
+        };
         actor.run(command);
         actor.after_command();
     }

@@ -188,6 +188,9 @@ pub(super) async fn serve_connection(
             }
             Err(e) => {
                 debug!(%peer, error = %e, "connection ended");
+                // What its requests started is finished (a cluster rollback goes on to every shard); those
+                // whose replies can no longer go out end at their first write.
+                streams.drive().await;
                 return;
             }
         }

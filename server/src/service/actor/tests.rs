@@ -1,5 +1,6 @@
 //! When a connection's task runs a request itself: only a small training request, only when the core is
-//! idle — nothing queued, nobody holding the core — and then its answer is ready when the call returns.
+//! idle — nothing queued, nobody holding the core, nothing held — and then its answer is ready when the call
+//! returns; a push only in asynchronous training (in synchronous steps it may complete one).
 
 use super::*;
 use gaps_common::layout::{ChunkId, Layout, TensorSpec};
@@ -7,11 +8,12 @@ use gaps_common::wire::{Pull, SparsePull, StatsRequest};
 
 /// The way to a core serving 64 floats in chunks of 16 and one table, with nobody running its thread (the
 /// test holds the queue's receiving end).
-fn idle_core(rt: &tokio::runtime::Runtime) -> (CoreQueue, mpsc::Receiver<Command>) {
+fn idle_core(rt: &tokio::runtime::Runtime, mode: gaps_shard::Mode) -> (CoreQueue, mpsc::Receiver<Command>) {
     let layout =
         Layout::with_tables(vec![TensorSpec::new("w", 64)], 16, vec![gaps_common::layout::SparseSpec::new("emb", 4)])
             .expect("layout");
-    let core = ShardCore::new(gaps_shard::testnet::config(layout, 1)).expect("core");
+    let modes = gaps_shard::modes::ModeConfig { mode, ..Default::default() };
+    let core = ShardCore::new(ShardConfig { modes, ..gaps_shard::testnet::config(layout, 1) }).expect("core");
     let (sender, receiver) = mpsc::channel(4);
     let wake = Alarm { runtime: rt.handle().clone(), queue: sender.downgrade(), armed: None };
     let sinks = Sinks { journal: None, log: None, record: None };
@@ -26,7 +28,7 @@ fn pull() -> Box<Frame> {
 #[test]
 fn a_small_request_runs_inline_only_while_the_core_is_idle() {
     let rt = tokio::runtime::Builder::new_current_thread().build().expect("runtime");
-    let (queue, mut receiver) = idle_core(&rt);
+    let (queue, mut receiver) = idle_core(&rt, gaps_shard::Mode::Async);
 
     let mut answered = queue.try_inline(pull(), true).expect("idle: run here");
     let (reply, ..) = answered.try_recv().expect("answered before the call returned");
@@ -46,9 +48,34 @@ fn a_small_request_runs_inline_only_while_the_core_is_idle() {
     drop(held);
 
     // Large requests and anything but training requests go to the core's thread.
+    // Large requests — by what they carry or by what their reply can hold — and anything but training
+    // requests go to the core's thread.
     let rows = SparsePull { epoch: 1, table: 0, count: 10_000, create: true };
-    assert!(queue.try_inline(Box::new(Frame::new(Message::SparsePull(rows))), true).is_err(), "20,000 elements");
+    assert!(queue.try_inline(Box::new(Frame::new(Message::SparsePull(rows))), true).is_err(), "20,000 ids");
+    let few = SparsePull { epoch: 1, table: 0, count: 4_000, create: true };
+    assert!(queue.try_inline(Box::new(Frame::new(Message::SparsePull(few))), true).is_err(), "20,000 values back");
+    let every_chunk: Vec<ChunkId> = (0..4).cycle().take(1100).map(|chunk| ChunkId { tensor: 0, chunk }).collect();
+    let big = Message::Pull(Pull { epoch: 1, chunks: every_chunk });
+    assert!(queue.try_inline(Box::new(Frame::new(big)), true).is_err(), "17,600 values back");
     let stats = Box::new(Frame::new(Message::StatsRequest(StatsRequest)));
     assert!(queue.try_inline(stats, true).is_err(), "not a training request");
     assert!(queue.try_inline(pull(), true).is_ok(), "idle again");
+}
+
+#[test]
+fn in_synchronous_steps_a_push_goes_to_the_cores_thread_and_a_pull_does_not() {
+    let rt = tokio::runtime::Builder::new_current_thread().build().expect("runtime");
+    let (queue, _receiver) = idle_core(&rt, gaps_shard::Mode::Sync);
+    let push = gaps_common::wire::Push {
+        epoch: 1,
+        worker: 1,
+        seq: 1,
+        chunks: Vec::new(),
+        compute_ms: 0,
+        step: 0,
+        decisions: Default::default(),
+        data: None,
+    };
+    assert!(queue.try_inline(Box::new(Frame::new(Message::Push(push))), true).is_err(), "may complete a step");
+    assert!(queue.try_inline(pull(), true).is_ok());
 }
