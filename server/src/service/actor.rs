@@ -205,21 +205,29 @@ pub(super) fn seat(core: ShardCore, started: Instant, part_wait: Duration, sinks
 /// The parts of a push striped over several connections are held here until the push is whole, then handled
 /// as one request and every part answered with its reply; incomplete pushes are given up after `part_wait`.
 pub(super) fn run_actor(seat: Seat, mut queue: mpsc::Receiver<Command>) {
+    // Should a command panic on this thread, the requests the core holds are let go as the thread unwinds.
+    let _let_go = LetGo(&seat);
     while let Some(command) = queue.blocking_recv() {
-        let mut actor = match seat.lock() {
-            Ok(actor) => actor,
-            Err(poisoned) => {
-                // A command panicked (here or on a connection's task): every request the core holds is let
-                // go — its waiter sees the core gone — and the queue closes behind this thread.
-                let mut actor = poisoned.into_inner();
-                actor.parked.clear();
-                actor.pending = None;
-                actor.parts = Assembler::default();
-                return;
-            }
-        };
+        // A command that panicked on a connection's task left the lock poisoned: this thread ends the same way.
+        let Ok(mut actor) = seat.lock() else { return };
         actor.run(command);
         actor.after_command();
+    }
+}
+
+/// Lets every request the core holds go when the core's thread ends after a panic (here or on a
+/// connection's task): the state outlives the thread (the connections share it), so without this a held
+/// request's waiter would wait for a thread that is gone instead of seeing the core gone.
+struct LetGo<'a>(&'a Seat);
+
+impl Drop for LetGo<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() || self.0.is_poisoned() {
+            let mut actor = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            actor.parked.clear();
+            actor.pending = None;
+            actor.parts = Assembler::default();
+        }
     }
 }
 

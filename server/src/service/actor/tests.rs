@@ -79,3 +79,27 @@ fn in_synchronous_steps_a_push_goes_to_the_cores_thread_and_a_pull_does_not() {
     assert!(queue.try_inline(Box::new(Frame::new(Message::Push(push))), true).is_err(), "may complete a step");
     assert!(queue.try_inline(pull(), true).is_ok());
 }
+
+/// A command that panics on a connection's task poisons the core's lock: the core's thread then ends and
+/// lets every request the core held go (their waiters see the core gone instead of waiting for ever).
+#[test]
+fn after_a_panic_the_held_requests_are_let_go() {
+    let rt = tokio::runtime::Builder::new_current_thread().build().expect("runtime");
+    let (queue, receiver) = idle_core(&rt, gaps_shard::Mode::Async);
+    let (tx, mut held) = oneshot::channel();
+    let wait = gaps_common::wire::WaitStep { step: 5, clock: 0, max_wait_ms: 60_000 };
+    queue.seat.lock().expect("lock").parked.push((HeldRequest::Wait(wait), Duration::from_secs(60), tx));
+    let seat = queue.seat.clone();
+    let panicked = std::thread::spawn(move || {
+        let _guard = seat.lock().expect("lock");
+        panic!("a command panicked");
+    });
+    assert!(panicked.join().is_err());
+    let thread = std::thread::spawn({
+        let seat = queue.seat.clone();
+        move || run_actor(seat, receiver)
+    });
+    queue.sender.try_send(Command::Wake).expect("room");
+    thread.join().expect("the core's thread ends without a panic of its own");
+    assert!(matches!(held.try_recv(), Err(oneshot::error::TryRecvError::Closed)), "the held wait was let go");
+}
