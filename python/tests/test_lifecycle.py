@@ -38,7 +38,10 @@ def test_ctrl_c_interrupts_a_call_blocked_on_a_dead_shard(tmp_path, layout_file)
     cmd = script(
         tmp_path,
         f"""
-        import time, gaps
+        import signal, time, gaps
+        # Ctrl-C as a terminal gives it: a test run started in the background by a shell without job
+        # control hands its children SIGINT ignored, and Python then installs no KeyboardInterrupt handler.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         with gaps.testing.local_cluster({str(layout_file)!r}, servers=2) as c:
             client = gaps.Client(c.coordinator, c.ca, c.cert, c.key, shard_down_timeout=600.0)
             client.pull_all()
