@@ -231,21 +231,16 @@ pub fn process_cpu_seconds() -> f64 {
 }
 
 /// Times `round` (which moves `bytes` of payload) after one warm-up round, until `opts.min_time` has passed
-/// (once when quick). The CPU it took is this process's and `outside_cpu`'s (CPU seconds spent so far by the
-/// case's other processes).
-async fn measure<F, Fut>(
-    bytes: u64,
-    opts: &TransportOptions,
-    outside_cpu: impl Fn() -> f64,
-    mut round: F,
-) -> Result<Measured>
+/// (once when quick). The CPU it took is this process's and that of `shards` when they run as processes.
+async fn measure<F, Fut>(bytes: u64, opts: &TransportOptions, shards: Option<&Shards>, mut round: F) -> Result<Measured>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<()>>,
 {
     let (quick, min_time) = (opts.quick, opts.min_time);
+    let cpu_now = || process_cpu_seconds() + shards.map_or(0.0, Shards::outside_cpu_seconds);
     round().await?;
-    let cpu0 = process_cpu_seconds() + outside_cpu();
+    let cpu0 = cpu_now();
     let started = Instant::now();
     let mut rounds = 0u32;
     while rounds == 0 || (!quick && started.elapsed() < min_time) {
@@ -253,7 +248,7 @@ where
         rounds += 1;
     }
     let secs = started.elapsed().as_secs_f64();
-    let cpu = process_cpu_seconds() + outside_cpu() - cpu0;
+    let cpu = cpu_now() - cpu0;
     let gb = bytes as f64 * f64::from(rounds) / 1e9;
     Ok(Measured { rounds, gbytes_per_s: gb / secs, cpu_s_per_gb: cpu / gb })
 }
@@ -394,8 +389,7 @@ async fn dense_case(
     // the same bytes every round; until 2026-11-25 the bench wrote it afresh each round, 0.34 ms at 1 Mi).
     let gradient = Arc::new(vec![vec![1e-3f32; n as usize]]);
     let snapshot = std::cell::RefCell::new(Some(client.pull().await?));
-    let cpu = || servers.outside_cpu_seconds();
-    let measured = measure(2 * dtype.bytes() as u64 * n, opts, cpu, || async {
+    let measured = measure(2 * dtype.bytes() as u64 * n, opts, Some(&servers), || async {
         let taken = snapshot.borrow_mut().take().context("no snapshot")?;
         let next = if opts.separate {
             client.push_shared(gradient.clone(), &taken).await?;
@@ -434,8 +428,7 @@ async fn sparse_case(certs: &ClusterCerts, shards: u32, opts: &TransportOptions)
     let mut rng = 0x2545_F491_4F6C_DD1Du64;
     let ids = std::cell::RefCell::new(Vec::with_capacity(SPARSE_ROWS as usize));
     let bytes = 2 * 4 * SPARSE_ROWS * u64::from(SPARSE_DIM);
-    let cpu = || servers.outside_cpu_seconds();
-    let measured = measure(bytes, opts, cpu, || {
+    let measured = measure(bytes, opts, Some(&servers), || {
         let mut ids = ids.borrow_mut();
         ids.clear();
         // Distinct random ids of the table (xorshift; duplicates skipped so every round moves SPARSE_ROWS rows).
@@ -498,19 +491,14 @@ async fn quinn_echo(
     endpoint.set_default_client_config(client_config);
     let conn = net::connect(&endpoint, addr, Duration::from_secs(5)).await?;
     let payload = vec![7u8; one_way as usize];
-    let measured = measure(
-        2 * one_way,
-        opts,
-        || 0.0,
-        || async {
-            let (mut send, mut recv) = conn.open_bi().await?;
-            send.write_all(&payload).await?;
-            send.finish()?;
-            let back = recv.read_to_end(usize::MAX).await?;
-            anyhow::ensure!(back.len() == payload.len(), "echo returned {} bytes", back.len());
-            Ok(())
-        },
-    )
+    let measured = measure(2 * one_way, opts, None, || async {
+        let (mut send, mut recv) = conn.open_bi().await?;
+        send.write_all(&payload).await?;
+        send.finish()?;
+        let back = recv.read_to_end(usize::MAX).await?;
+        anyhow::ensure!(back.len() == payload.len(), "echo returned {} bytes", back.len());
+        Ok(())
+    })
     .await?;
     conn.close(0u32.into(), b"done");
     echo.abort();
@@ -576,16 +564,11 @@ async fn tcp_echo(certs: &ClusterCerts, one_way: u64, tls: bool, opts: &Transpor
     let mut back = Vec::new();
     let stream = std::cell::RefCell::new(stream);
     let back = std::cell::RefCell::new(&mut back);
-    let measured = measure(
-        2 * one_way,
-        opts,
-        || 0.0,
-        || {
-            // Blocking I/O on the bench's own thread: the echo server is a plain thread, nothing else runs.
-            let r = echo_round(&mut *stream.borrow_mut(), &payload, &mut back.borrow_mut());
-            async move { r.map_err(anyhow::Error::from) }
-        },
-    )
+    let measured = measure(2 * one_way, opts, None, || {
+        // Blocking I/O on the bench's own thread: the echo server is a plain thread, nothing else runs.
+        let r = echo_round(&mut *stream.borrow_mut(), &payload, &mut back.borrow_mut());
+        async move { r.map_err(anyhow::Error::from) }
+    })
     .await?;
     // Closing the client ends the server's loop.
     drop(stream.into_inner());

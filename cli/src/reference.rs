@@ -154,7 +154,7 @@ fn flag(out: &mut String, arg: &clap::Arg) {
     if f.help.is_empty() {
         out.push('\n');
     } else {
-        let _ = writeln!(out, ": {}", one_paragraph_per_block(&f.help).replace('\n', "\n  "));
+        let _ = writeln!(out, ": {}", escaped(&f.help).replace('\n', "\n  "));
     }
 }
 
@@ -170,7 +170,11 @@ fn paragraphs(text: &str) -> String {
 /// clap's help text with its line breaks inside paragraphs joined (Markdown wraps them anyway), and `<`, `>`
 /// outside code spans escaped (`shard-<i>.pem` would otherwise be read as an HTML tag).
 fn one_paragraph_per_block(text: &str) -> String {
-    let joined = paragraphs(text);
+    escaped(&paragraphs(text))
+}
+
+/// `<` and `>` outside code spans escaped.
+fn escaped(joined: &str) -> String {
     let mut out = String::with_capacity(joined.len());
     let mut in_code = false;
     for c in joined.chars() {

@@ -40,28 +40,32 @@ fn gaps_local_refuses_bad_flags_with_a_clear_message() {
     assert!(!out.status.success(), "environment variables are parsed like flags");
 }
 
+/// `gaps bench transport --quick --gaps-only --json` with `more` flags (one round a case).
+fn transport_bench(more: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_gaps"))
+        .args(["bench", "transport", "--quick", "--gaps-only", "--json"])
+        .args(more)
+        .env("GAPS_LOG", "warn")
+        .output()
+        .expect("run gaps bench transport")
+}
+
+/// The JSON lines of a successful bench run.
+fn json_lines(out: &std::process::Output) -> Vec<serde_json::Value> {
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).expect("a JSON line")).collect()
+}
+
+fn case_names(lines: &[serde_json::Value]) -> Vec<&str> {
+    lines.iter().map(|l| l["case"].as_str().expect("a case name")).collect()
+}
+
 #[test]
 fn the_transport_bench_measures_the_sizes_it_is_given() {
-    let bench = |floats: &str| {
-        Command::new(env!("CARGO_BIN_EXE_gaps"))
-            .args(["bench", "transport", "--quick", "--gaps-only", "--json", "--only", "push_pull", "--floats", floats])
-            .env("GAPS_LOG", "warn")
-            .output()
-            .expect("run gaps bench transport")
-    };
-    let out = bench("64Ki,1000,65536");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let cases: Vec<String> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| {
-            serde_json::from_str::<serde_json::Value>(l).expect("a JSON line")["case"]
-                .as_str()
-                .expect("a case name")
-                .to_string()
-        })
-        .collect();
+    let bench = |floats: &str| transport_bench(&["--only", "push_pull", "--floats", floats]);
+    let lines = json_lines(&bench("64Ki,1000,65536"));
     // Each size once, smallest first; the small size in f32 only, the bulk size in f32 and bfloat16.
-    assert_eq!(cases, ["push_pull_1shard_1000", "push_pull_1shard_64Ki", "push_pull_1shard_64Ki_bf16"]);
+    assert_eq!(case_names(&lines), ["push_pull_1shard_1000", "push_pull_1shard_64Ki", "push_pull_1shard_64Ki_bf16"]);
     for bad in ["0", "65Mi", "lots"] {
         let out = bench(bad);
         assert!(!out.status.success(), "--floats {bad} was taken");
@@ -73,16 +77,8 @@ fn the_transport_bench_measures_the_sizes_it_is_given() {
 /// each), said so in every JSON line; the cases with copies are left out there.
 #[test]
 fn the_transport_bench_runs_its_shards_as_processes_when_asked() {
-    let out = Command::new(env!("CARGO_BIN_EXE_gaps"))
-        .args(["bench", "transport", "--quick", "--gaps-only", "--json", "--processes", "--floats", "1000"])
-        .env("GAPS_LOG", "warn")
-        .output()
-        .expect("run gaps bench transport");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let lines: Vec<serde_json::Value> =
-        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).expect("a JSON line")).collect();
-    let cases: Vec<&str> = lines.iter().map(|l| l["case"].as_str().expect("a case name")).collect();
-    assert_eq!(cases, ["push_pull_1shard_1000", "sparse_1shard_4096x16"], "{lines:?}");
+    let lines = json_lines(&transport_bench(&["--processes", "--floats", "1000"]));
+    assert_eq!(case_names(&lines), ["push_pull_1shard_1000", "sparse_1shard_4096x16"], "{lines:?}");
     for l in &lines {
         assert_eq!(l["processes"], true, "{l}");
         assert!(l["rounds"].as_u64() >= Some(1) && l["cpu_s_per_gb"].as_f64() > Some(0.0), "{l}");
