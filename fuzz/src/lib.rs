@@ -11,7 +11,7 @@ use gaps_common::dtype::WireDtype;
 use gaps_common::layout::{ChunkId, Layout, SparseSpec, TensorSpec};
 use gaps_common::wire::{
     self, ids_to_words, CheckpointAt, CheckpointRequest, Frame, Heartbeat, Leave, Limits, Message, Pull, Push,
-    PushChunk, PushPart, Register, RegisterShard, Role, SparsePull, SparsePush, StatsRequest, PROTOCOL_VERSION,
+    PushChunk, PushPart, Register, RegisterShard, Role, SparsePull, SparsePush, StatsRequest, Step, PROTOCOL_VERSION,
 };
 use gaps_kernels::Rule;
 use gaps_shard::modes::{Mode, ModeConfig};
@@ -246,6 +246,24 @@ fn request(c: &mut Choices<'_>, layout: &Layout, chunks: &[ChunkId]) -> Option<F
                 _ => CheckpointAt::Step(c.below(8)),
             },
         })),
+        // A worker's step made of requests drawn as above: a row push, a dense push, a row pull, where the
+        // draws give those (any other kind leaves that part out; no dense push, no step).
+        11 => {
+            let (rows, push, next) =
+                (request(c, layout, chunks), request(c, layout, chunks), request(c, layout, chunks));
+            let Some(Frame { msg: Message::Push(push) | Message::PushPull(push), payload: pushed }) = push else {
+                return None;
+            };
+            let (rows, rows_payload) = match rows {
+                Some(Frame { msg: Message::SparsePush(r), payload }) => (Some(r), payload),
+                _ => (None, Vec::new()),
+            };
+            let (next_rows, ids) = match next {
+                Some(Frame { msg: Message::SparsePull(n), payload }) => (Some(n), payload),
+                _ => (None, Vec::new()),
+            };
+            Frame { msg: Message::Step(Step { rows, push, next_rows }), payload: [rows_payload, pushed, ids].concat() }
+        }
         // Raw bytes through the decoder: whatever decodes is handled like any other request.
         _ => {
             let len = c.below(96) as usize;
@@ -446,8 +464,12 @@ fn drive_shard_core(data: &[u8], twin: bool) -> wire::Stats {
             }
             _ => {
                 let Some(frame) = request(&mut c, &layout, &chunks) else { continue };
-                pushes +=
-                    u64::from(matches!(frame.msg, Message::Push(_) | Message::PushPull(_) | Message::SparsePush(_)));
+                pushes += match &frame.msg {
+                    Message::Push(_) | Message::PushPull(_) | Message::SparsePush(_) => 1,
+                    // A step counts as its pushes.
+                    Message::Step(s) => 1 + u64::from(s.rows.is_some()),
+                    _ => 0,
+                };
                 let reply = cores.handle(frame, now);
                 check_reply(&reply);
             }

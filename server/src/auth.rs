@@ -120,6 +120,8 @@ pub fn acting_worker(msg: &Message) -> Option<u32> {
             Some(p.worker)
         }
         Message::SparsePush(p) => Some(p.worker),
+        // The core refuses a step whose parts name different workers.
+        Message::Step(s) => Some(s.push.worker),
         Message::Heartbeat(h) => Some(h.worker),
         Message::Leave(l) => Some(l.worker),
         Message::SplitRequest(r) => Some(r.worker),

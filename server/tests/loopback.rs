@@ -809,3 +809,78 @@ async fn a_gba_push_pull_is_held_for_its_step_and_answered_with_values_either_wa
     }
     shutdown(vec![server]).await;
 }
+
+/// A worker's step in one request (`Message::Step`) through the service: in synchronous training it is held
+/// like a push-pull until the step completes, then answered with the rows' ack and the step's values (its
+/// next rows left to the worker); in asynchronous training `Client::step` brings back the values and the
+/// next rows a pull right after reads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_is_held_for_a_synchronous_step_and_otherwise_brings_the_next_rows() {
+    use gaps_common::layout::SparseSpec;
+    let layout =
+        Layout::with_tables(vec![TensorSpec::new("w", 300)], 128, vec![SparseSpec::new("emb", 4)]).expect("layout");
+    let certs = ClusterCerts::generate(&[]).expect("certs");
+    for mode in [gaps_shard::Mode::Sync, gaps_shard::Mode::Async] {
+        let core = ShardConfig {
+            layout: layout.clone(),
+            ..one_shard(gaps_shard::modes::ModeConfig { mode, ..Default::default() })
+        };
+        let cfg = ServiceConfig::new("127.0.0.1:0".parse().expect("addr"), certs.shard_material(0).expect("tls"), core);
+        let server = service::start(cfg).await.expect("start");
+        let a = Client::connect(options(&certs, &server.advertise, Role::Worker)).await.expect("a");
+        let b = Client::connect(options(&certs, &server.advertise, Role::Worker)).await.expect("b");
+        let grads = |seed: f32| layout.tensors.iter().map(|t| vec![seed; t.len as usize]).collect::<Vec<_>>();
+        let rows = a.pull_sparse(0, &[1, 2, 3], true).await.expect("rows");
+        let dense = a.pull().await.expect("pull");
+        if mode == gaps_shard::Mode::Async {
+            let row_grads = vec![0.5f32; 12];
+            let out = a.step(grads(0.25), &dense, (0, &rows, &row_grads), Some(&[3, 4, 5])).await.expect("step");
+            assert_eq!(out.summary.applied, 2, "the rows and the dense push: {:?}", out.summary);
+            let next = out.rows.expect("the next rows");
+            assert_eq!(next.ids, vec![3, 4, 5]);
+            let read = a.pull_sparse(0, &[3, 4, 5], false).await.expect("rows after");
+            assert_eq!((&next.values, &next.versions), (&read.values, &read.versions), "what a pull right after reads");
+            assert_ne!(read.versions[0], rows.versions[2], "row 3 was pushed before it was read");
+            assert_eq!(out.dense.tensors, a.pull().await.expect("pull").tensors);
+            shutdown(vec![server]).await;
+            continue;
+        }
+        // Synchronous: a's step, sent raw, is held until b's push completes the step.
+        let (_endpoint, raw) = connection_as(&certs, &server, &a).await;
+        let Message::Push(push) = whole_push(&layout, &a, 2, &dense.versions, |_| gaps_common::dtype::WireDtype::F32)
+        else {
+            panic!("a push")
+        };
+        let row_push =
+            wire::SparsePush { epoch: 77, worker: push.worker, seq: 1, table: 0, count: 3, dim: 4, echo_read: false };
+        let mut payload = Vec::new();
+        wire::ids_to_words(&[1, 2, 3], &mut payload);
+        payload.extend(rows.versions.iter().map(|v| f32::from_bits(*v)));
+        payload.extend([0.5f32; 12]);
+        payload.extend(vec![0.25f32; 300]);
+        wire::ids_to_words(&[3, 4], &mut payload);
+        let next_rows = Some(wire::SparsePull { epoch: 77, table: 0, count: 2, create: true });
+        let step = Message::Step(wire::Step { rows: Some(row_push), push, next_rows });
+        let held = tokio::spawn({
+            let raw = raw.clone();
+            async move {
+                let payload = [net::f32_bytes(payload)];
+                net::call(&raw, &step, &payload, &Limits::default(), Duration::from_secs(10)).await.expect("call")
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!held.is_finished(), "answered before the step was complete");
+        let sb = b.pull().await.expect("pull");
+        b.push(grads(1.0), &sb).await.expect("b's push");
+        let reply = held.await.expect("join");
+        let Message::StepReply(wire::StepReply { rows: row_ack, push, next_rows }) = &reply.msg else {
+            panic!("a step was answered with {:?}", reply.msg)
+        };
+        assert!(row_ack.is_some_and(|r| !r.duplicate), "{row_ack:?}");
+        assert_eq!((push.ack.wait_for_step, push.ack.duplicate), (0, false), "{:?}", push.ack);
+        assert!(push.chunks.iter().all(|c| c.version == 1), "the step's values: {:?}", push.chunks);
+        assert_eq!((next_rows, reply.payload.len()), (&None, 300), "held: the rows are the worker's to pull");
+        assert_eq!(reply.payload, a.pull().await.expect("pull").tensors[0], "the completed step's values");
+        shutdown(vec![server]).await;
+    }
+}

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 /// Whether handling `msg` can change what a backup must hold: pushes (a striped push's parts are put
 /// together by the service, which logs the whole push; a part reaches the core only as a duplicate, which
-/// the backup answers the same way and counts), sparse pushes, sparse pulls that
+/// the backup answers the same way and counts), sparse pushes, workers' steps (which push), sparse pulls that
 /// create rows, workers' registrations, heartbeats, departures, split requests, initial values and table loads — a
 /// request of these kinds the core refuses included (the backup refuses it the same way, counters and all).
 /// Everything else is not logged: reads (dense pulls, sparse pulls with `create = false`, stats and step
@@ -27,6 +27,7 @@ pub fn changes_state(msg: &Message) -> bool {
         | Message::PushPull(_)
         | Message::PushPart(_)
         | Message::SparsePush(_)
+        | Message::Step(_)
         | Message::RegisterShard(_)
         | Message::Heartbeat(_)
         | Message::Leave(_)

@@ -5,6 +5,6 @@ pub mod client;
 pub mod feed;
 pub mod train;
 
-pub use client::{Client, ClientError, ClientOptions, PushSummary, Snapshot};
+pub use client::{Client, ClientError, ClientOptions, PushSummary, Snapshot, StepOutcome};
 pub use gaps_models::{criteo, data, model, recsys};
 pub use gaps_transport::net;

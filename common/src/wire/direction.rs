@@ -77,7 +77,7 @@ directions! {
         ConfigPrepare(ConfigPrepare), ConfigAccept(ConfigAccept),
         // Sent to every process when a configuration is chosen; an acceptor answers it with the same kind.
         ConfigChosen(CoordinatorConfig),
-        CoordinatorWhere(CoordinatorWhere),
+        CoordinatorWhere(CoordinatorWhere), Step(Step),
     }
     replies {
         ClusterMap(ClusterMap), PullReply(PullReply), Ack(Ack), Error(ErrorReply), HeartbeatAck(HeartbeatAck),
@@ -86,13 +86,16 @@ directions! {
         SplitGrant(SplitGrant), DataStatus(DataStatus), Initialized(Initialized), TableRows(TableRows),
         TableLoaded(TableLoaded), ReplicaAck(ReplicaAck), ReplicaEpoch(ReplicaEpoch),
         ConfigPromise(ConfigPromise), ConfigAccepted(ConfigAccepted), ConfigRefused(ConfigRefused),
-        CoordinatorAt(CoordinatorAt),
+        CoordinatorAt(CoordinatorAt), StepReply(StepReply),
     }
 }
 
 impl Request {
     /// Whether this request carries gradients (a push of any form).
     pub fn is_push(&self) -> bool {
-        matches!(self, Request::Push(_) | Request::PushPull(_) | Request::PushPart(_) | Request::SparsePush(_))
+        matches!(
+            self,
+            Request::Push(_) | Request::PushPull(_) | Request::PushPart(_) | Request::SparsePush(_) | Request::Step(_)
+        )
     }
 }

@@ -23,7 +23,7 @@ use crate::quorum::{ConfigAccept, ConfigAccepted, ConfigPrepare, ConfigPromise, 
 use bincode::{Decode, Encode};
 
 /// Protocol version carried by registrations; a peer with another version is refused.
-pub const PROTOCOL_VERSION: u16 = 18;
+pub const PROTOCOL_VERSION: u16 = 19;
 /// Bytes before the header: the kind byte and the header length.
 pub const FRAME_PREFIX_LEN: usize = 5;
 /// Hard upper bound on an encoded header (also the bincode decode limit).
@@ -251,6 +251,10 @@ pub enum Message {
     CoordinatorWhere(CoordinatorWhere),
     /// The answer to [`Message::CoordinatorWhere`].
     CoordinatorAt(CoordinatorAt),
+    /// A worker's step on one shard: rows pushed, the dense push-pull, the next rows pulled (protocol 19).
+    Step(Step),
+    /// The answer to [`Message::Step`].
+    StepReply(StepReply),
 }
 
 /// Defines `kind()`, header encoding and kind-directed decoding for every variant in one place.
@@ -295,7 +299,8 @@ message_kinds! {
     33 => TableScan, 34 => TableRows, 35 => TableLoad, 36 => TableLoaded,
     37 => ReplicaSnapshot, 38 => ReplicaAppend, 39 => ReplicaAck, 40 => ReplicaReport, 41 => Promote,
     42 => ReplicaEpoch, 43 => ConfigPrepare, 44 => ConfigPromise, 45 => ConfigAccept, 46 => ConfigAccepted,
-    47 => ConfigRefused, 48 => ConfigChosen, 49 => CoordinatorWhere, 50 => CoordinatorAt,
+    47 => ConfigRefused, 48 => ConfigChosen, 49 => CoordinatorWhere, 50 => CoordinatorAt, 51 => Step,
+    52 => StepReply,
 }
 
 mod frame;
@@ -308,8 +313,17 @@ impl Message {
                 chunks.iter().map(|c| (u64::from(c.len), c.dtype)).collect()
             }
             Message::Push(p) | Message::PushPull(p) | Message::PushPart(PushPart { push: p, .. }) => {
-                let grads = p.chunks.iter().map(|c| (u64::from(c.len), c.dtype));
-                grads.chain(p.chunks.iter().filter(|c| c.echo).map(|c| (u64::from(c.len), c.dtype))).collect()
+                p.payload_sections().collect()
+            }
+            Message::Step(s) => {
+                let (rows, _, ids) = s.payload_split();
+                let f32s = |n: u64| (n > 0).then_some((n, WireDtype::F32));
+                f32s(rows).into_iter().chain(s.push.payload_sections()).chain(f32s(ids)).collect()
+            }
+            Message::StepReply(r) => {
+                let rows = r.next_rows.as_ref().map_or(0, SparsePullReply::payload_elems);
+                let dense = r.push.chunks.iter().map(|c| (u64::from(c.len), c.dtype));
+                dense.chain((rows > 0).then_some((rows, WireDtype::F32))).collect()
             }
             other => match other.payload_elems() {
                 0 => Vec::new(),
@@ -325,7 +339,9 @@ impl Message {
             | Message::PushPullReply(_)
             | Message::Push(_)
             | Message::PushPull(_)
-            | Message::PushPart(_) => self
+            | Message::PushPart(_)
+            | Message::Step(_)
+            | Message::StepReply(_) => self
                 .payload_sections()
                 .iter()
                 .fold(0u64, |sum, (n, d)| sum.saturating_add(n.saturating_mul(d.bytes() as u64))),
@@ -340,12 +356,18 @@ impl Message {
             Message::PullReply(PullReply { chunks }) | Message::PushPullReply(PushPullReply { chunks, .. }) => {
                 chunks.iter().map(|c| u64::from(c.len)).sum()
             }
-            Message::Push(p) | Message::PushPull(p) | Message::PushPart(PushPart { push: p, .. }) => {
-                p.chunks.iter().map(|c| u64::from(c.len) * (1 + u64::from(c.echo))).sum()
+            Message::Push(p) | Message::PushPull(p) | Message::PushPart(PushPart { push: p, .. }) => p.payload_elems(),
+            Message::Step(s) => {
+                let (rows, dense, ids) = s.payload_split();
+                rows.saturating_add(dense).saturating_add(ids)
             }
-            Message::SparsePull(p) => 2 * u64::from(p.count),
-            Message::SparsePullReply(r) => u64::from(r.count) * (1 + u64::from(r.dim)),
-            Message::SparsePush(p) => u64::from(p.count) * (3 + u64::from(p.dim) * (1 + u64::from(p.echo_read))),
+            Message::StepReply(r) => {
+                let dense: u64 = r.push.chunks.iter().map(|c| u64::from(c.len)).sum();
+                dense.saturating_add(r.next_rows.as_ref().map_or(0, SparsePullReply::payload_elems))
+            }
+            Message::SparsePull(p) => p.payload_elems(),
+            Message::SparsePullReply(r) => r.payload_elems(),
+            Message::SparsePush(p) => p.payload_elems(),
             Message::Initialize(i) => i.chunks.iter().map(|c| u64::from(c.len)).sum(),
             Message::TableRows(r) => u64::from(r.count) * (2 + u64::from(r.dim)),
             Message::TableLoad(r) => u64::from(r.count) * (2 + u64::from(r.dim)),

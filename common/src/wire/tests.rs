@@ -252,6 +252,32 @@ fn samples() -> Vec<Frame> {
             }),
             payload: vec![f32::from_bits(7), 0.0, f32::from_bits(1), 0.1, 0.2, 0.5, -0.5],
         },
+        // A step: one row's push (ids, version, gradient of 2), a bf16 chunk's gradient, two next ids.
+        Frame {
+            msg: Message::Step(Step {
+                rows: Some(SparsePush { epoch: 9, worker: 3, seq: 5, table: 0, count: 1, dim: 2, echo_read: false }),
+                push: Push::new(9, 3, 6, vec![PushChunk { dtype: WireDtype::Bf16, ..PushChunk::f32(id, 4, 3) }]),
+                next_rows: Some(SparsePull { epoch: 9, table: 0, count: 2, create: true }),
+            }),
+            payload: [
+                vec![f32::from_bits(7), 0.0, f32::from_bits(2), 0.5, -0.25],
+                vec![1.0, -2.0, 0.5],
+                vec![f32::from_bits(8), 0.0, f32::from_bits(u32::MAX), f32::from_bits(1)],
+            ]
+            .concat(),
+        },
+        // Its answer: the chunk's values in bf16, then one version word and two values per row.
+        Frame {
+            msg: Message::StepReply(StepReply {
+                rows: Some(Ack { seq: 5, ..Ack::default() }),
+                push: PushPullReply {
+                    ack: Ack { seq: 6, max_staleness: 1, ..Ack::default() },
+                    chunks: vec![ChunkVersion { id, version: 5, len: 3, dtype: WireDtype::Bf16 }],
+                },
+                next_rows: Some(SparsePullReply { table: 0, count: 2, dim: 2 }),
+            }),
+            payload: vec![1.0, -2.0, 0.5, f32::from_bits(3), f32::from_bits(0), 0.125, -0.125, 4.0, 8.0],
+        },
     ]
 }
 
@@ -259,7 +285,7 @@ fn samples() -> Vec<Frame> {
 fn every_message_round_trips() {
     let frames = samples();
     let kinds: std::collections::BTreeSet<u8> = frames.iter().map(|f| f.msg.kind()).collect();
-    assert_eq!(kinds.len(), 47, "one sample per kind");
+    assert_eq!(kinds.len(), 49, "one sample per kind");
     for f in frames {
         let bytes = encode_frame(&f).expect("encode");
         let back = decode_frame(&bytes, &Limits::default()).expect("decode");
@@ -473,10 +499,12 @@ fn every_kind_is_a_request_or_a_reply_and_comes_back_whole() {
         };
         assert_eq!(back, msg);
     }
-    for asks in ["Pull", "Push", "SparsePull", "SparsePush", "Register", "Promote", "Heartbeat", "StatsRequest"] {
+    for asks in ["Pull", "Push", "SparsePull", "SparsePush", "Step", "Register", "Promote", "Heartbeat", "StatsRequest"]
+    {
         assert!(requests.contains(&asks), "{asks} is a request: {requests:?}");
     }
-    for answers in ["PullReply", "SparsePullReply", "Ack", "Error", "Stats", "ClusterMap", "CoordinatorAt"] {
+    for answers in ["PullReply", "SparsePullReply", "StepReply", "Ack", "Error", "Stats", "ClusterMap", "CoordinatorAt"]
+    {
         assert!(replies.contains(&answers), "{answers} is a reply: {replies:?}");
     }
 }

@@ -289,6 +289,77 @@ pub struct PushPullReply {
     pub chunks: Vec<ChunkVersion>,
 }
 
+/// A worker's whole step on one shard in one request (protocol 19): the gradients of its embedding rows held
+/// here, applied as a [`SparsePush`] is; its dense push, answered as a [`Message::PushPull`] is (with the
+/// pushed chunks' values unless the ack asks the worker to wait); then, where the worker goes on at once, the
+/// rows of its next batch held here, read as a [`SparsePull`] right after the push. Payload: the rows' push
+/// payload, the dense push's sections, then the next ids (two words each). The worker ids and epochs of the
+/// parts must agree.
+#[derive(Debug, Clone, PartialEq, Eq, Encode, Decode)]
+pub struct Step {
+    /// The rows' gradients, where the step has rows on this shard (their own sequence number).
+    pub rows: Option<SparsePush>,
+    /// The dense push (every shard gets one every step).
+    pub push: Push,
+    /// The next batch's rows to read after the push, where it has rows on this shard.
+    pub next_rows: Option<SparsePull>,
+}
+
+/// Answer to [`Step`]. Payload: the dense values (as a [`PushPullReply`]'s), then the next rows (as a
+/// [`SparsePullReply`]'s: a version word per row, then the values).
+#[derive(Debug, Clone, PartialEq, Eq, Encode, Decode)]
+pub struct StepReply {
+    /// The rows' acknowledgement, where the step carried rows.
+    pub rows: Option<Ack>,
+    /// The dense push's answer: its acknowledgement and, where the worker goes on at once, the values.
+    pub push: PushPullReply,
+    /// The next rows, where the step asked for them and the worker goes on at once; otherwise (a
+    /// synchronous step to wait for, a GBA hold, a read that failed) the worker pulls them itself.
+    pub next_rows: Option<SparsePullReply>,
+}
+
+impl Push {
+    /// Payload values: every chunk's gradient, and its echo where it carries one.
+    pub fn payload_elems(&self) -> u64 {
+        self.chunks.iter().map(|c| u64::from(c.len) * (1 + u64::from(c.echo))).sum()
+    }
+
+    /// The payload's sections: the gradients, then the echoes, each chunk in its format.
+    pub fn payload_sections(&self) -> impl Iterator<Item = (u64, WireDtype)> + '_ {
+        let grads = self.chunks.iter().map(|c| (u64::from(c.len), c.dtype));
+        grads.chain(self.chunks.iter().filter(|c| c.echo).map(|c| (u64::from(c.len), c.dtype)))
+    }
+}
+
+impl SparsePush {
+    /// Payload values: ids (two words each), versions, gradients and the echoed rows.
+    pub fn payload_elems(&self) -> u64 {
+        u64::from(self.count) * (3 + u64::from(self.dim) * (1 + u64::from(self.echo_read)))
+    }
+}
+
+impl SparsePull {
+    /// Payload values: the ids, two words each.
+    pub fn payload_elems(&self) -> u64 {
+        2 * u64::from(self.count)
+    }
+}
+
+impl SparsePullReply {
+    /// Payload values: a version word per row, then the rows.
+    pub fn payload_elems(&self) -> u64 {
+        u64::from(self.count) * (1 + u64::from(self.dim))
+    }
+}
+
+impl Step {
+    /// The payload's values: (the rows' push, the dense push, the next ids).
+    pub fn payload_split(&self) -> (u64, u64, u64) {
+        let rows = self.rows.as_ref().map_or(0, SparsePush::payload_elems);
+        (rows, self.push.payload_elems(), self.next_rows.as_ref().map_or(0, SparsePull::payload_elems))
+    }
+}
+
 /// Most parts one striped push may be cut into.
 pub const MAX_PUSH_PARTS: u16 = 64;
 

@@ -132,7 +132,8 @@ impl CoreQueue {
     /// asynchronous training, where it applies its own gradient and never a whole synchronous step. Otherwise
     /// gives the frame back, for the queue.
     pub(super) fn try_inline(&self, frame: Box<Frame>, finite: bool) -> Result<oneshot::Receiver<Answer>, Box<Frame>> {
-        let push = matches!(frame.msg, Message::Push(_) | Message::PushPull(_) | Message::SparsePush(_));
+        let push =
+            matches!(frame.msg, Message::Push(_) | Message::PushPull(_) | Message::SparsePush(_) | Message::Step(_));
         let kind = push || matches!(frame.msg, Message::Pull(_) | Message::SparsePull(_) | Message::Heartbeat(_));
         let carried = frame.msg.payload_elems().max(frame.payload.len() as u64);
         if !kind || carried > INLINE_MAX_ELEMS || self.sender.capacity() < self.sender.max_capacity() {
@@ -169,13 +170,15 @@ fn reply_elems(layout: &gaps_common::layout::Layout, msg: &Message) -> u64 {
         }
         total
     };
+    let rows = |p: &gaps_common::wire::SparsePull| {
+        let dim = layout.tables.get(p.table as usize).map_or(0, |t| u64::from(t.dim));
+        u64::from(p.count) * (1 + dim)
+    };
     match msg {
         Message::Pull(p) => chunks(&mut p.chunks.iter().copied()),
         Message::PushPull(p) => chunks(&mut p.chunks.iter().map(|c| c.id)),
-        Message::SparsePull(p) => {
-            let dim = layout.tables.get(p.table as usize).map_or(0, |t| u64::from(t.dim));
-            u64::from(p.count) * (1 + dim)
-        }
+        Message::SparsePull(p) => rows(p),
+        Message::Step(s) => chunks(&mut s.push.chunks.iter().map(|c| c.id)) + s.next_rows.as_ref().map_or(0, rows),
         _ => 0,
     }
 }
@@ -363,10 +366,13 @@ impl Actor {
 
     /// Any other request: handled by the core and answered, or held (a push-pull waiting for its step).
     fn request(&mut self, frame: Frame, finite: bool, reply: oneshot::Sender<Answer>) {
+        let read = |p: &gaps_common::wire::Push| gaps_common::wire::Pull {
+            epoch: p.epoch,
+            chunks: p.chunks.iter().map(|c| c.id).collect(),
+        };
         let pull = match &frame.msg {
-            Message::PushPull(p) => {
-                Some(gaps_common::wire::Pull { epoch: p.epoch, chunks: p.chunks.iter().map(|c| c.id).collect() })
-            }
+            Message::PushPull(p) => Some(read(p)),
+            Message::Step(s) => Some(read(&s.push)),
             _ => None,
         };
         let now = self.started.elapsed();
@@ -387,23 +393,29 @@ impl Actor {
         journal_changes(&mut self.core, &mut self.journal);
         let gba_hold = pull.as_ref().and(self.core.take_gba_hold());
         let room = self.parked.len() < MAX_PARKED_WAITS;
-        match (pull, &answer.msg) {
+        // A push-pull's or a step's answer without values: its ack, and a step's rows' ack.
+        let unread = match &answer.msg {
+            Message::PushPullReply(PushPullReply { ack, chunks }) if chunks.is_empty() => Some((*ack, None)),
+            Message::StepReply(StepReply { rows, push: PushPullReply { ack, chunks }, next_rows: None })
+                if chunks.is_empty() =>
+            {
+                Some((*ack, Some(Box::new(*rows))))
+            }
+            _ => None,
+        };
+        match (pull, unread) {
             // A GBA push-pull held for its step (see `gaps_shard`'s `hold`): answered with the values once the
             // step is applied or the hold's short time is up, whichever is first.
-            (Some(pull), Message::PushPullReply(PushPullReply { ack, chunks }))
-                if chunks.is_empty() && gba_hold.is_some() && room =>
-            {
+            (Some(pull), Some((ack, step))) if gba_hold.is_some() && room => {
                 let until = gba_hold.unwrap_or(now);
-                let ack = gaps_common::wire::Ack { wait_for_step: self.core.global_step() + 1, ..*ack };
-                let held = HeldRequest::PushPull { ack, pull, events, index, soft: true };
+                let ack = gaps_common::wire::Ack { wait_for_step: self.core.global_step() + 1, ..ack };
+                let held = HeldRequest::PushPull { ack, step, pull, events, index, soft: true };
                 self.parked.push((held, until, reply));
             }
             // A push-pull whose ack asks the worker to wait for the step: held until the step is applied, then
             // answered with the new values (no wait request, no pull after it).
-            (Some(pull), Message::PushPullReply(PushPullReply { ack, chunks }))
-                if chunks.is_empty() && (ack.wait_for_step > 0 || ack.wait_for_clock > 0) && room =>
-            {
-                let held = HeldRequest::PushPull { ack: *ack, pull, events, index, soft: false };
+            (Some(pull), Some((ack, step))) if (ack.wait_for_step > 0 || ack.wait_for_clock > 0) && room => {
+                let held = HeldRequest::PushPull { ack, step, pull, events, index, soft: false };
                 self.parked.push((held, self.started.elapsed() + HOLD_PUSH_PULL, reply));
             }
             _ => {
@@ -499,9 +511,12 @@ pub(super) enum HeldRequest {
     /// A push-pull applied into a step not yet complete: answered with `ack` and the values `pull` reads once
     /// the step is applied (with the events of the push). `soft` (GBA's hold): when the time is up first,
     /// answered with the values read then, and the worker goes on; otherwise with the ack alone, and the
-    /// worker waits for the step itself.
+    /// worker waits for the step itself. A worker's step (`step`: its rows' ack) is answered as one, without
+    /// its next rows (the worker pulls them once it has the values).
     PushPull {
         ack: gaps_common::wire::Ack,
+        /// A step's rows' ack (boxed: the variant stays as small as a push-pull's).
+        step: Option<Box<Option<gaps_common::wire::Ack>>>,
         pull: gaps_common::wire::Pull,
         events: Vec<CoreEvent>,
         index: u64,
@@ -537,17 +552,21 @@ pub(super) fn release_waits(core: &mut ShardCore, parked: &mut Vec<ParkedWait>, 
                 let stats = stats.get_or_insert_with(|| Frame::new(Message::Stats(core.stats())));
                 (stats.clone(), Vec::new(), Vec::new(), 0)
             }
-            HeldRequest::PushPull { ack, pull, events, index, soft } => {
+            HeldRequest::PushPull { ack, step, pull, events, index, soft } => {
                 let go_on = gaps_common::wire::Ack { wait_for_step: 0, wait_for_clock: 0, ..ack };
                 // A hold's ack asks for no wait: the worker goes on with what it reads.
                 let ack = if soft { go_on } else { ack };
-                let alone = Frame::new(Message::PushPullReply(PushPullReply { ack, chunks: Vec::new() }));
+                let answer = |push: PushPullReply| match &step {
+                    Some(rows) => Message::StepReply(StepReply { rows: **rows, push, next_rows: None }),
+                    None => Message::PushPullReply(push),
+                };
+                let alone = Frame::new(answer(PushPullReply { ack, chunks: Vec::new() }));
                 if !(ready || soft) {
                     (alone, events, Vec::new(), index)
                 } else {
                     match core.handle(Frame::new(Message::Pull(pull)), now).0 {
                         Frame { msg: Message::PullReply(PullReply { chunks }), payload } => {
-                            let msg = Message::PushPullReply(PushPullReply { ack: go_on, chunks });
+                            let msg = answer(PushPullReply { ack: go_on, chunks });
                             (Frame { msg, payload }, events, core.take_reply_views(), index)
                         }
                         // The read failed: the ack alone, and the worker pulls on its own.

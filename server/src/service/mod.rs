@@ -24,7 +24,7 @@ use dashmap::DashMap;
 use gaps_common::wire::Role as WireRole;
 use gaps_common::wire::{
     CheckpointAt, CheckpointDone, CheckpointRequest, ErrorCode, Frame, Limits, Message, PullReply, PushPullReply,
-    Rollback, RollbackReply, RollbackStage, ShardCheckpoint, Stats, WireError,
+    Rollback, RollbackReply, RollbackStage, ShardCheckpoint, Stats, StepReply, WireError,
 };
 use gaps_shard::stripes::Assembler;
 use gaps_shard::{CoreEvent, Readiness, ShardConfig, ShardCore};
@@ -327,6 +327,10 @@ impl Shared {
             Message::Pull(p) => p.chunks.len() as u64 * self.chunk_elems * 4,
             Message::PushPull(p) => p.chunks.len() as u64 * self.chunk_elems * 4,
             Message::SparsePull(p) => u64::from(p.count) * (1 + self.widest_table) * 4,
+            Message::Step(s) => {
+                let rows = s.next_rows.as_ref().map_or(0, |p| u64::from(p.count) * (1 + self.widest_table));
+                (s.push.chunks.len() as u64 * self.chunk_elems + rows) * 4
+            }
             _ => 0,
         }
     }

@@ -595,7 +595,9 @@ pub(super) fn reply_parts(
         return Ok(views.into_iter().map(|v| net::f32_bytes(SharedParams(v))).collect());
     }
     let packed = match msg {
-        Message::PullReply(PullReply { chunks }) | Message::PushPullReply(PushPullReply { chunks, .. }) => {
+        Message::PullReply(PullReply { chunks })
+        | Message::PushPullReply(PushPullReply { chunks, .. })
+        | Message::StepReply(gaps_common::wire::StepReply { push: PushPullReply { chunks, .. }, .. }) => {
             chunks.iter().any(|c| c.dtype != gaps_common::dtype::WireDtype::F32)
         }
         _ => false,
@@ -698,48 +700,6 @@ pub(super) fn authenticate(shared: &Shared, peer: &ConnPeer, a: gaps_common::wir
     Frame::new(Message::Authenticated(gaps_common::wire::Authenticated { worker: a.worker }))
 }
 
-/// What a request counts as in the metrics: dense and sparse pushes are pushes, dense and sparse pulls are
-/// pulls.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum RpcKind {
-    Push,
-    Pull,
-    /// A push answered with the pushed chunks' values: counted as a push and, when it carries them, a pull.
-    PushPull,
-    Other,
-}
-
-impl RpcKind {
-    pub(super) fn of(msg: &Message) -> Self {
-        match msg {
-            Message::Push(_) | Message::PushPart(_) | Message::SparsePush(_) => RpcKind::Push,
-            Message::PushPull(_) => RpcKind::PushPull,
-            Message::Pull(_) | Message::SparsePull(_) => RpcKind::Pull,
-            _ => RpcKind::Other,
-        }
-    }
-}
-
-pub(super) fn record(m: &ShardMetrics, request: RpcKind, reply: &Message) {
-    if let (RpcKind::PushPull, Message::PushPullReply(r)) = (request, reply) {
-        record(m, RpcKind::Push, &Message::Ack(r.ack));
-        if !r.chunks.is_empty() {
-            m.pulls.increment(1);
-        }
-        return;
-    }
-    match (request, reply) {
-        (RpcKind::Push, Message::Ack(ack)) if ack.duplicate => m.push_duplicates.increment(1),
-        (RpcKind::Push, Message::Ack(ack)) => {
-            m.pushes.increment(1);
-            m.staleness.record(ack.max_staleness as f64);
-        }
-        (RpcKind::Push | RpcKind::PushPull, _) => m.push_rejected.increment(1),
-        (RpcKind::Pull, Message::PullReply(_) | Message::SparsePullReply(_)) => m.pulls.increment(1),
-        _ => {}
-    }
-}
-
 /// A worker that left or whose lease expired no longer counts against its registrant's certificate; a
 /// change of who serves which shard, or a backup newly in sync, is checkpointed on the coordinator
 /// ([`Shared::tables_changed`]).
@@ -785,7 +745,9 @@ pub(super) fn log_events(events: &[CoreEvent]) {
     }
 }
 
+mod counted;
 mod streams;
+pub(super) use counted::{record, RpcKind};
 use streams::Streams;
 
 #[cfg(test)]

@@ -113,6 +113,11 @@ impl GbaHold {
         self.asked = None;
     }
 
+    /// Whether the last decision asked for a hold (not yet taken).
+    pub(crate) fn asked(&self) -> bool {
+        self.asked.is_some()
+    }
+
     /// The hold the last decision asked for (once).
     pub(crate) fn take(&mut self) -> Option<Duration> {
         self.asked.take()

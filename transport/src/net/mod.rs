@@ -519,6 +519,8 @@ pub fn kind_name(msg: &Message) -> &'static str {
         Message::PushPart(_) => "push-part",
         Message::PushPull(_) => "push-pull",
         Message::PushPullReply(_) => "push-pull-reply",
+        Message::Step(_) => "step",
+        Message::StepReply(_) => "step-reply",
         Message::Ack(_) => "ack",
         Message::Error(_) => "error",
         Message::Heartbeat(_) => "heartbeat",

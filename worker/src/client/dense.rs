@@ -89,9 +89,13 @@ impl Client {
     }
 
     /// Every chunk's version (global order) from the sinks of a pull.
-    pub(super) fn pulled_versions(&self, sinks: &[PullInto<'_>], requests_of: &[PullRequest<'_>]) -> Vec<u64> {
+    pub(super) fn pulled_versions<'a, 'b: 'a>(
+        &self,
+        sinks: impl IntoIterator<Item = &'a PullInto<'b>>,
+        requests_of: &[PullRequest<'_>],
+    ) -> Vec<u64> {
         let mut versions = vec![0u64; self.inner.map.layout.total_chunks() as usize];
-        for (sink, (_, _, chunks)) in sinks.iter().zip(requests_of) {
+        for (sink, (_, _, chunks)) in sinks.into_iter().zip(requests_of) {
             for (v, (_, global)) in sink.versions.iter().zip(chunks.iter()) {
                 versions[*global as usize] = *v;
             }
@@ -239,7 +243,19 @@ impl Client {
         snapshot: &Snapshot,
         pull: bool,
     ) -> Result<(PushSummary, Option<Snapshot>), ClientError> {
-        let worker = self.check_push(&mut grads, snapshot)?;
+        let pushes = self.dense_pushes(&mut grads, snapshot)?;
+        self.send_pushes(pushes, grads, pull).await
+    }
+
+    /// Every shard's dense push of `grads` computed on `snapshot` (checked, with the worker side of the rule
+    /// applied), each with its sequence number and its payload cut into stripes, made before any is sent: a
+    /// bad value found while a gradient is converted stops the push on every shard.
+    pub(super) fn dense_pushes(
+        &self,
+        grads: &mut Arc<Vec<Vec<f32>>>,
+        snapshot: &Snapshot,
+    ) -> Result<Vec<(usize, Push, Vec<Stripe>)>, ClientError> {
+        let worker = self.check_push(grads, snapshot)?;
         let layout = &self.inner.map.layout;
         let read_versions = &snapshot.versions;
         // Every shard's payload, cut into its stripes, made before any is sent: a bad value found while a
@@ -256,7 +272,7 @@ impl Client {
                 .collect();
             let mut stripes = Vec::new();
             for range in stripe_groups(&bytes, link.conns.len()) {
-                let payload = self.push_payload(&link.chunks[range.clone()], &grads, &snapshot.tensors)?;
+                let payload = self.push_payload(&link.chunks[range.clone()], grads, &snapshot.tensors)?;
                 stripes.push((range, payload));
             }
             payloads.push(stripes);
@@ -271,7 +287,6 @@ impl Client {
         let step = self.inner.steps.fetch_add(1, Ordering::SeqCst);
         let decisions = self.inner.decisions().unwrap_or_default();
         let data = self.inner.data_tag.lock().ok().and_then(|t| *t);
-        let after_rows = self.inner.synchronous();
         let mut pushes = Vec::with_capacity(payloads.len());
         // Every shard gets a push every step, with no chunks where it owns none: the push ends the worker's
         // step there (synchronous steps, the rows summed for it, the coordinator's view of every worker).
@@ -298,6 +313,18 @@ impl Client {
             self.inner.pushes_sent.fetch_add(1, Ordering::Relaxed);
             pushes.push((s, push, stripes));
         }
+        Ok(pushes)
+    }
+
+    /// Sends the shards' `pushes` of `grads` (see [`Self::dense_pushes`]) and takes their acks, with `pull`
+    /// the new values where every shard could send them with its ack; waits where an ack asks to.
+    pub(super) async fn send_pushes(
+        &self,
+        pushes: Vec<(usize, Push, Vec<Stripe>)>,
+        grads: Arc<Vec<Vec<f32>>>,
+        pull: bool,
+    ) -> Result<(PushSummary, Option<Snapshot>), ClientError> {
+        let after_rows = self.inner.synchronous();
         let mut summary = PushSummary::default();
         let mut waits = Vec::new();
         let mut next = None;
@@ -329,17 +356,20 @@ impl Client {
             self.push_spawned(pushes, after_rows, &mut summary, &mut waits).await?;
         }
 
-        // Very large gradient buffers are recycled (for the next pull's tensors) once the transport let go.
-        if let Ok(grads) = Arc::try_unwrap(grads) {
-            grads.into_iter().for_each(gaps_common::buffers::give);
-        }
+        recycle_grads(grads);
+        self.wait_all(waits).await?;
+        Ok((summary, next))
+    }
+
+    /// Waits for every `(shard, step, clock)` an ack asked for, counting the time waited.
+    pub(super) async fn wait_all(&self, waits: Vec<(usize, u64, u64)>) -> Result<(), ClientError> {
         let waiting = Instant::now();
         for (s, version, clock) in waits {
             self.wait_for(s, version, clock).await?;
         }
         let waited = waiting.elapsed().as_micros().min(u128::from(u64::MAX)) as u64;
         self.inner.waited_us.fetch_add(waited, Ordering::Relaxed);
-        Ok((summary, next))
+        Ok(())
     }
 
     /// Sends every shard's push from its own task (a push striped over lanes from one task per part) and
@@ -418,7 +448,9 @@ impl Client {
         };
         summary.retries += retries;
         let ack = match frame.msg {
-            Message::Ack(ack) | Message::PushPullReply(PushPullReply { ack, .. }) => ack,
+            Message::Ack(ack)
+            | Message::PushPullReply(PushPullReply { ack, .. })
+            | Message::StepReply(StepReply { push: PushPullReply { ack, .. }, .. }) => ack,
             other => {
                 return Err(RpcError::Unexpected { addr: "shard".into(), kind: net::kind_name(&other).into() }.into())
             }
@@ -521,5 +553,12 @@ impl Client {
             (taken, kept) = (taken + t, kept + k);
         }
         Ok((taken, kept))
+    }
+}
+
+/// Very large gradient buffers are recycled (for the next pull's tensors) once the transport let go.
+pub(super) fn recycle_grads(grads: Arc<Vec<Vec<f32>>>) {
+    if let Ok(grads) = Arc::try_unwrap(grads) {
+        grads.into_iter().for_each(gaps_common::buffers::give);
     }
 }

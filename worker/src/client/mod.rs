@@ -10,7 +10,7 @@ use gaps_common::layout::{ChunkId, Layout};
 use gaps_common::wire::{
     ids_to_words, Authenticate, CheckpointAt, CheckpointDone, CheckpointRequest, ClusterMap, ErrorCode, Frame,
     Heartbeat, Leave, Limits, Message, ModeDecisions, Pull, Push, PushChunk, PushPart, PushPullReply, Register, Role,
-    SparsePull, SparsePush, Stats, StatsRequest, MAX_PUSH_PARTS, PROTOCOL_VERSION,
+    SparsePull, SparsePush, Stats, StatsRequest, StepReply, MAX_PUSH_PARTS, PROTOCOL_VERSION,
 };
 use gaps_kernels::{Hyper, Rule};
 use gaps_transport::tls::TlsMaterial;
@@ -25,6 +25,8 @@ mod join;
 mod membership;
 mod routes;
 mod sparse;
+mod step;
+pub use step::StepOutcome;
 
 /// How to reach and talk to a cluster.
 #[derive(Debug, Clone)]
@@ -165,6 +167,14 @@ impl net::ReplySink for PullInto<'_> {
             Message::PushPullReply(reply) => &reply.chunks,
             other => return Err(format!("a {} message answered a pull", net::kind_name(other))),
         };
+        self.accept(chunks)?;
+        Ok(Some(self.slices.iter_mut().map(|s| &mut **s).collect()))
+    }
+}
+
+impl PullInto<'_> {
+    /// Checks that a reply's `chunks` are those asked for, and takes their versions: the slices will be filled.
+    fn accept(&mut self, chunks: &[gaps_common::wire::ChunkVersion]) -> Result<(), String> {
         if chunks.len() != self.expected.len() {
             return Err(format!("{} chunks returned, {} asked for", chunks.len(), self.expected.len()));
         }
@@ -175,7 +185,7 @@ impl net::ReplySink for PullInto<'_> {
         }
         self.versions = chunks.iter().map(|c| c.version).collect();
         self.filled = true;
-        Ok(Some(self.slices.iter_mut().map(|s| &mut **s).collect()))
+        Ok(())
     }
 }
 

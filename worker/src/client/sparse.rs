@@ -71,41 +71,15 @@ impl Client {
     /// shards concurrently, exactly once per shard like dense pushes.
     pub async fn push_sparse(&self, table: u32, rows: &SparseRows, grads: &[f32]) -> Result<PushSummary, ClientError> {
         let worker = self.worker_for("push")?;
-        let dim = self.table_dim(table)?;
-        let name = self.inner.map.layout.tables.get(table as usize).map_or("?", |t| t.name.as_str());
-        check_finite(&format!("the row gradients of table {name:?} ({table})"), grads)?;
-        if rows.dim != dim || grads.len() != rows.ids.len() * dim || rows.values.len() != grads.len() {
-            return Err(ClientError::Shape("sparse gradients do not match the pulled rows".into()));
-        }
-        let echo = self.inner.table_rules.get(table as usize).is_some_and(|r| r.layout().needs_read);
+        self.check_sparse_push(table, rows, grads)?;
         let groups = self.by_shard(table, &rows.ids);
         let mut tasks = tokio::task::JoinSet::new();
         for (s, positions) in groups.iter().enumerate() {
             if positions.is_empty() {
                 continue;
             }
-            let mut payload = Vec::with_capacity(positions.len() * (3 + dim * 2));
-            ids_to_words(&positions.iter().map(|k| rows.ids[*k]).collect::<Vec<_>>(), &mut payload);
-            payload.extend(positions.iter().map(|k| f32::from_bits(rows.versions[*k])));
-            for k in positions {
-                payload.extend_from_slice(&grads[k * dim..(k + 1) * dim]);
-            }
-            if echo {
-                for k in positions {
-                    payload.extend_from_slice(&rows.values[k * dim..(k + 1) * dim]);
-                }
-            }
-            let seq = self.inner.shards[s].next_seq.fetch_add(1, Ordering::SeqCst);
-            let msg = Message::SparsePush(SparsePush {
-                epoch: self.inner.map.epoch,
-                worker,
-                seq,
-                table,
-                count: positions.len() as u32,
-                dim: dim as u32,
-                echo_read: echo,
-            });
-            self.inner.pushes_sent.fetch_add(1, Ordering::Relaxed);
+            let (push, payload) = self.sparse_push_to(s, worker, table, (rows, grads), positions);
+            let msg = Message::SparsePush(push);
             let client = self.clone();
             let payload = [net::f32_bytes(payload)];
             self.inner.shards[s].sparse_in_flight.fetch_add(1, Ordering::SeqCst);
@@ -139,6 +113,50 @@ impl Client {
             }
         }
         Ok(summary)
+    }
+
+    /// Shard `s`'s part of a sparse push of `worker` (the rows at `positions` of `rows`, their gradients in
+    /// `grads`, checked by the caller), with the shard's next sequence number: its header and payload (ids,
+    /// versions read, gradients, and the rows read where the table's rule needs them).
+    pub(super) fn sparse_push_to(
+        &self,
+        s: usize,
+        worker: u32,
+        table: u32,
+        (rows, grads): (&SparseRows, &[f32]),
+        positions: &[usize],
+    ) -> (SparsePush, Vec<f32>) {
+        let dim = rows.dim;
+        let echo = self.inner.table_rules.get(table as usize).is_some_and(|r| r.layout().needs_read);
+        let mut payload = Vec::with_capacity(positions.len() * (3 + dim * (1 + usize::from(echo))));
+        ids_to_words(&positions.iter().map(|k| rows.ids[*k]).collect::<Vec<_>>(), &mut payload);
+        payload.extend(positions.iter().map(|k| f32::from_bits(rows.versions[*k])));
+        for k in positions {
+            payload.extend_from_slice(&grads[k * dim..(k + 1) * dim]);
+        }
+        if echo {
+            for k in positions {
+                payload.extend_from_slice(&rows.values[k * dim..(k + 1) * dim]);
+            }
+        }
+        let seq = self.inner.shards[s].next_seq.fetch_add(1, Ordering::SeqCst);
+        self.inner.pushes_sent.fetch_add(1, Ordering::Relaxed);
+        let count = positions.len() as u32;
+        (
+            SparsePush { epoch: self.inner.map.epoch, worker, seq, table, count, dim: dim as u32, echo_read: echo },
+            payload,
+        )
+    }
+
+    /// The checks of a sparse push before anything is sent: `grads` finite and shaped as `rows` of `table`.
+    pub(super) fn check_sparse_push(&self, table: u32, rows: &SparseRows, grads: &[f32]) -> Result<(), ClientError> {
+        let dim = self.table_dim(table)?;
+        let name = self.inner.map.layout.tables.get(table as usize).map_or("?", |t| t.name.as_str());
+        check_finite(&format!("the row gradients of table {name:?} ({table})"), grads)?;
+        if rows.dim != dim || grads.len() != rows.ids.len() * dim || rows.values.len() != grads.len() {
+            return Err(ClientError::Shape("sparse gradients do not match the pulled rows".into()));
+        }
+        Ok(())
     }
 
     /// One page of `table`'s rows as shard `s` stores them, from `cursor` (0 first): (ids, `ids × dim`

@@ -35,10 +35,9 @@ pub(super) async fn run_ctr(
     let mut losses = Vec::with_capacity(step_limit.unwrap_or(1024).min(1 << 20) as usize);
     let mut samples_seen = 0u64;
     let mut logits = Vec::new();
-    // The next batch is read and indexed while this step's pushes are on the wire: it needs no parameters, so
-    // the worker's thread does it in the round trip it would otherwise spend waiting (same order, same data).
-    // A dealt split's last batch is followed by a request for the next split, made once its pushes are
-    // acknowledged (so a split is reported finished only when all of it is in the model).
+    // A step goes as one request per shard and brings back the next batch's rows: that batch is read a step
+    // ahead (`push_ctr_step`). A dealt split's last batch is followed by a request for the next split, made
+    // once its pushes are acknowledged (so a split is reported finished only when all of it is in the model).
     let prepare = indexed;
     let more = |step: u64| step_limit.is_none_or(|n| step < n);
     let n = args.batch as usize;
@@ -48,18 +47,15 @@ pub(super) async fn run_ctr(
         None
     };
     let mut step = 0u64;
-    // The dense values the previous step's push was answered with (`Client::push_pull`), if any.
-    let mut pulled: Option<crate::client::Snapshot> = None;
+    // The batch after `next` if read (while the last step was on the wire), and what the last step brought.
+    let mut ahead: Option<Result<Option<Prepared>>> = None;
+    let mut pulled: Option<(crate::client::Snapshot, Option<crate::client::SparseRows>)> = None;
     // The feed ends with an empty batch once the data is used up (--epochs, or the dealer's last split).
     while let Some((crate::feed::Batch { samples, tag }, batch)) = next.take().filter(|(b, _)| !b.samples.is_empty()) {
         client.set_data_tag(tag);
         samples_seen += samples.len() as u64;
         let (step_started, waited_before) = (Instant::now(), client.waited());
-        let (dense, rows) = match pulled.take() {
-            Some(dense) => (Ok(dense), client.pull_sparse(0, &batch.ids, true).await),
-            None => tokio::join!(client.pull(), client.pull_sparse(0, &batch.ids, true)),
-        };
-        let (dense, rows) = (dense.context("pulling dense parameters")?, rows.context("pulling embedding rows")?);
+        let (dense, rows) = step_inputs(&client, pulled.take(), &batch.ids).await?;
         let compute = Instant::now();
         let mut dense_grads: Vec<Vec<f32>> = dense.tensors.iter().map(|t| vec![0.0; t.len()]).collect();
         let mut row_grads = vec![0.0f32; rows.values.len()];
@@ -74,11 +70,17 @@ pub(super) async fn run_ctr(
         );
         losses.push(loss / samples.len().max(1) as f32);
         emulate_compute(args, started, compute.elapsed()).await;
-        // Unless this is the last step, the dense push comes back with the next step's dense values.
         let last = !more(step + 1);
         let prepared;
-        (pulled, prepared) =
-            push_ctr_step(&client, (dense_grads, &dense), (&rows, &row_grads), &mut feed, n, last, step).await?;
+        (pulled, prepared) = push_ctr_step(
+            &client,
+            (dense_grads, &dense),
+            (&rows, &row_grads),
+            (&mut feed, &mut ahead),
+            (n, last, more(step + 2)),
+            step,
+        )
+        .await?;
         // The step as the simulator replays it: pulls, compute and pushes, not the waits for a synchronous
         // step (which would make every worker as slow as the slowest).
         step_log.record(step_started.elapsed().saturating_sub(client.waited().saturating_sub(waited_before)));
@@ -86,8 +88,11 @@ pub(super) async fn run_ctr(
         let dropped = feed.follow_rollbacks(&client);
         next = match prepared? {
             // The cluster went back to a checkpoint since the split was dealt: its batch is not trained.
-            Some(_) if dropped && !last => Some(prepare(feed.next_dealt(&client, n).await?)),
-            Some(batch) => Some(prepare(batch)),
+            Some(_) if dropped && !last => {
+                ahead = None;
+                Some(prepare(feed.next_dealt(&client, n).await?))
+            }
+            Some(batch) => Some(batch),
             None if last => None,
             None => Some(prepare(feed.next_dealt(&client, n).await?)),
         };
@@ -99,9 +104,7 @@ pub(super) async fn run_ctr(
         if let Some(held) = held.as_deref().filter(|_| step % args.eval_every == 0) {
             let point = evaluate_ctr_at(&client, &shape, held, step, feed.epochs_done()).await?;
             curve.push(point);
-            info!(worker, step, logloss = point.logloss, auc = point.auc, "held-out evaluation");
-            if early.record(point.logloss) {
-                info!(worker, step, best = early.best(), patience = args.patience, "held-out loss stopped improving");
+            if stops_early(&mut early, point, (worker, step, args.patience)) {
                 stopped_early = true;
                 break;
             }
@@ -113,17 +116,24 @@ pub(super) async fn run_ctr(
     for e in &feed.first_errors() {
         tracing::warn!(%e, "skipped a bad line");
     }
-    let summary = WorkerSummary::new(&client, worker, &losses, started, samples_seen);
+    let summary = WorkerSummary {
+        heldout_curve: curve,
+        stopped_early,
+        ..WorkerSummary::new(&client, worker, &losses, started, samples_seen)
+    };
+    Ok(with_data(summary, &feed))
+}
+
+/// `summary` with what `feed` read: bad lines, passes over the data, dealt splits.
+fn with_data(summary: WorkerSummary, feed: &crate::feed::Feed) -> WorkerSummary {
     let dealt = feed.dealt_state();
-    Ok(WorkerSummary {
+    WorkerSummary {
         bad_lines: feed.bad_lines(),
         epochs: feed.epochs_done(),
         data_sharding: if dealt.is_some() { DataSharding::Dynamic } else { DataSharding::Static },
         splits: dealt.map_or(0, |d| d.splits),
-        heldout_curve: curve,
-        stopped_early,
         ..summary
-    })
+    }
 }
 
 /// The data a CTR worker reads (synthetic data from `--data-seed`) and its fixed share: with synthetic
@@ -184,37 +194,65 @@ async fn first_batch(
     }
 }
 
-/// A CTR step's pushes, with the next batch read meanwhile: the rows, and the dense gradients computed on
-/// `dense` — answered with the next step's dense values unless this is the `last` step. `join!` polls in
-/// order: both pushes hand their requests to the connection tasks before the next batch is prepared on this
-/// thread. The rows go first: in sync and gba the dense push, which ends the step on each shard, waits for
-/// their answers there.
+/// A step's dense values and rows: those the last step was answered with (`pulled`), or pulled now.
+async fn step_inputs(
+    client: &crate::Client,
+    pulled: Option<(crate::Snapshot, Option<crate::client::SparseRows>)>,
+    ids: &[u64],
+) -> Result<(crate::Snapshot, crate::client::SparseRows)> {
+    let (dense, rows) = match pulled {
+        Some((dense, Some(rows))) if rows.ids == ids => (Ok(dense), Ok(rows)),
+        Some((dense, _)) => (Ok(dense), client.pull_sparse(0, ids, true).await),
+        None => tokio::join!(client.pull(), client.pull_sparse(0, ids, true)),
+    };
+    Ok((dense.context("pulling dense parameters")?, rows.context("pulling embedding rows")?))
+}
+
+/// A CTR step's pushes, as one request per shard ([`crate::Client::step`]: the rows' gradients, the dense
+/// gradients computed on `dense` answered with the next dense values, and the next batch's rows). The next
+/// batch is the one read `ahead` during the step before, or read now; while this step is on the wire, the
+/// batch after it is read into `ahead` where the data and the step limit go on that far (`further`). The
+/// `last` step pushes both kinds of gradients alone. Returns the next dense values and rows, and the next
+/// batch (None at the end of the local data or of a dealt split).
 async fn push_ctr_step(
     client: &crate::Client,
     (dense_grads, dense): (Vec<Vec<f32>>, &crate::Snapshot),
     (rows, row_grads): (&crate::client::SparseRows, &[f32]),
-    feed: &mut crate::feed::Feed,
-    n: usize,
-    last: bool,
+    (feed, ahead): (&mut crate::feed::Feed, &mut Option<Result<Option<Prepared>>>),
+    (n, last, further): (usize, bool, bool),
     step: u64,
-) -> Result<(Option<crate::Snapshot>, Result<Option<crate::feed::Batch>>)> {
-    let dense_push = async {
-        if last {
-            client.push(dense_grads, dense).await.map(|_| None)
-        } else {
-            client.push_pull(dense_grads, dense).await.map(|(_, next)| Some(next))
-        }
-    };
-    let (b, a, prepared) = tokio::join!(client.push_sparse(0, rows, row_grads), dense_push, async {
-        if last {
-            Ok(None)
-        } else {
-            feed.next_local(n)
-        }
-    });
-    let pulled = a.with_context(|| format!("pushing dense gradients of step {step}"))?;
-    b.with_context(|| format!("pushing embedding gradients of step {step}"))?;
-    Ok((pulled, prepared))
+) -> Result<Pushed> {
+    if last {
+        let (b, a) = tokio::join!(client.push_sparse(0, rows, row_grads), client.push(dense_grads, dense));
+        a.with_context(|| format!("pushing dense gradients of step {step}"))?;
+        b.with_context(|| format!("pushing embedding gradients of step {step}"))?;
+        return Ok((None, Ok(None)));
+    }
+    let prepared = ahead.take().unwrap_or_else(|| feed.next_local(n).map(|b| b.map(indexed)));
+    let further = further && matches!(prepared, Ok(Some(_)));
+    let upcoming = prepared.as_ref().ok().and_then(Option::as_ref).map(|(_, indexed)| indexed.ids.as_slice());
+    // `join!` polls in order: the step's requests are on their way before the batch after is read here.
+    let read = async { further.then(|| feed.next_local(n).map(|batch| batch.map(indexed))) };
+    let (outcome, read) = tokio::join!(client.step(dense_grads, dense, (0, rows, row_grads), upcoming), read);
+    *ahead = read;
+    let outcome = outcome.with_context(|| format!("pushing the gradients of step {step}"))?;
+    Ok((Some((outcome.dense, outcome.rows)), prepared))
+}
+
+/// A batch with its rows indexed.
+type Prepared = (crate::feed::Batch, crate::recsys::IndexedBatch);
+
+/// What a step's pushes bring: the next dense values and rows, and the next batch.
+type Pushed = (Option<(crate::Snapshot, Option<crate::client::SparseRows>)>, Result<Option<Prepared>>);
+
+/// Whether training stops at held-out `point` (the loss stopped improving), said in the log with the point.
+fn stops_early(early: &mut EarlyStop, point: HeldOutPoint, (worker, step, patience): (u32, u64, u32)) -> bool {
+    info!(worker, step, logloss = point.logloss, auc = point.auc, "held-out evaluation");
+    let stop = early.record(point.logloss);
+    if stop {
+        info!(worker, step, best = early.best(), patience, "held-out loss stopped improving");
+    }
+    stop
 }
 
 /// The held-out point at `step` (`epochs` passes over the data done).

@@ -1,0 +1,89 @@
+//! A worker's whole step on this shard in one request ([`Step`]): its rows' gradients, its dense push-pull,
+//! and its next batch's rows.
+
+use super::*;
+use gaps_common::wire::{Step, StepReply};
+
+impl ShardCore {
+    /// A [`Step`]: the rows' gradients applied as a [`SparsePush`] is, then the dense push as a push-pull
+    /// ([`Self::push_pull`]), then — where the worker goes on at once (the push is answered with its values:
+    /// no step to wait for, no GBA hold) — the next rows read as a [`SparsePull`]. The parts' worker ids and
+    /// epochs must agree and the payload must hold exactly their values, or nothing is applied. A refused
+    /// part refuses the step from there on (what came before it stays applied and is acknowledged as a
+    /// duplicate when the step is sent again); a read of the next rows that fails leaves them out (the worker
+    /// pulls them itself and meets the error then). A step counts as its pushes (one, or two with rows): a
+    /// step refused before its dense push was tried counts both refused.
+    pub(super) fn worker_step(
+        &mut self,
+        req: &Step,
+        payload: &[f32],
+        checked_finite: bool,
+        now: Duration,
+        events: &mut Vec<CoreEvent>,
+    ) -> Result<Frame, ShardError> {
+        let untried = |core: &mut Self, e: ShardError| {
+            // The caller counts the refused request as one push refused; the dense push was one more.
+            if req.rows.is_some() {
+                core.stats.pushes_rejected += 1;
+            }
+            Err(e)
+        };
+        let (worker, epoch) = (req.push.worker, req.push.epoch);
+        if req.rows.as_ref().is_some_and(|r| r.worker != worker || r.epoch != epoch)
+            || req.next_rows.as_ref().is_some_and(|p| p.epoch != epoch)
+        {
+            return untried(
+                self,
+                ShardError::WrongShape("the parts of a step name different workers or epochs".into()),
+            );
+        }
+        let (rows_len, push_len, ids_len) = req.payload_split();
+        let declared = rows_len.saturating_add(push_len).saturating_add(ids_len);
+        if declared != payload.len() as u64 {
+            let carried = payload.len();
+            return untried(
+                self,
+                ShardError::WrongShape(format!("a step declares {declared} values and carries {carried}")),
+            );
+        }
+        let (rows_payload, rest) = payload.split_at(rows_len as usize);
+        let (push_payload, ids) = rest.split_at(push_len as usize);
+        let rows = match req.rows.as_ref().map(|rows| self.sparse_push(rows, rows_payload, self.now_s)) {
+            Some(Ok(Frame { msg: Message::Ack(ack), .. })) => Some(ack),
+            Some(Ok(_)) => {
+                return untried(
+                    self,
+                    ShardError::Misconfigured("a sparse push was answered with something else".into()),
+                )
+            }
+            Some(Err(e)) => return untried(self, e),
+            None => None,
+        };
+        let Frame { msg, mut payload } = self.push_pull(&req.push, push_payload, checked_finite, now, events)?;
+        let Message::PushPullReply(push) = msg else {
+            return Err(ShardError::Misconfigured("a push-pull was answered with something else".into()));
+        };
+        let goes_on = push.ack.wait_for_step == 0
+            && push.ack.wait_for_clock == 0
+            && !self.step.gba_hold.asked()
+            && (!push.chunks.is_empty() || req.push.chunks.is_empty());
+        let next_rows = match (&req.next_rows, goes_on) {
+            (Some(next), true) => match self.sparse_pull(next, ids, self.now_s) {
+                Ok(Frame { msg: Message::SparsePullReply(reply), payload: values }) => {
+                    // After shared parameter buffers the rows go as one more; after values, appended.
+                    if !self.replies.reply_views.is_empty() {
+                        self.replies.reply_views.push(Arc::new(values));
+                    } else if payload.is_empty() {
+                        payload = values;
+                    } else {
+                        payload.extend_from_slice(&values);
+                    }
+                    Some(reply)
+                }
+                Ok(_) | Err(_) => None,
+            },
+            _ => None,
+        };
+        Ok(Frame { msg: Message::StepReply(StepReply { rows, push, next_rows }), payload })
+    }
+}
