@@ -135,6 +135,9 @@ fn workload(pair: &mut Pair, seed: u64) {
             let dense = pair.handle(Frame::new(Message::Pull(Pull { epoch: EPOCH, chunks: chunks.clone() })), now);
             let Message::PullReply(reply) = dense.msg else { panic!("pull: {:?}", dense.msg) };
             seqs[w as usize] += 1;
+            // One time in three the rows, the dense push and the next rows go as one step (`Message::Step`).
+            let combined = rng.below(3) == 0;
+            let next_ids = words.clone();
             let mut payload = words;
             payload.extend(versions.iter().map(|v| f32::from_bits(*v)));
             payload.extend((0..ids.len() * DIM as usize).map(|_| (rng.uniform() as f32 - 0.5) * 0.2));
@@ -147,7 +150,10 @@ fn workload(pair: &mut Pair, seed: u64) {
                 dim: DIM,
                 echo_read: false,
             });
-            pair.handle(Frame { msg: push, payload }, now);
+            let rows = Frame { msg: push, payload };
+            if !combined {
+                pair.handle(rows.clone(), now);
+            }
             // The dense push, on the versions read (sometimes a round late, so some are stale).
             seqs[w as usize] += 1;
             let stale = rng.below(6) == 0;
@@ -177,7 +183,17 @@ fn workload(pair: &mut Pair, seed: u64) {
                 grads[0] = f32::NAN; // refused, by both
             }
             let msg = if rng.below(2) == 0 { Message::Push(push.clone()) } else { Message::PushPull(push.clone()) };
-            pair.handle(Frame { msg, payload: grads.clone() }, now);
+            match rows.msg {
+                Message::SparsePush(row_push) if combined => {
+                    let next_rows = Some(SparsePull { epoch: EPOCH, table: 0, count: ids.len() as u32, create: true });
+                    let step = gaps_common::wire::Step { rows: Some(row_push), push: push.clone(), next_rows };
+                    let payload = [rows.payload, grads.clone(), next_ids].concat();
+                    pair.handle(Frame { msg: Message::Step(step), payload }, now);
+                }
+                _ => {
+                    pair.handle(Frame { msg, payload: grads.clone() }, now);
+                }
+            }
             if rng.below(10) == 0 {
                 // Sent again (a retry): a duplicate for both.
                 pair.handle(Frame { msg: Message::Push(push), payload: grads }, now);

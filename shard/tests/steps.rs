@@ -172,3 +172,18 @@ fn a_synchronous_step_is_answered_without_values_or_rows_until_the_step_is_compl
     assert_eq!(r.next_rows, Some(SparsePullReply { table: 0, count: 3, dim: DIM }));
     assert_eq!(reply.payload.len(), 2 * CHUNK as usize + 3 * (1 + DIM as usize));
 }
+
+#[test]
+fn a_peer_of_the_protocol_before_steps_is_refused_with_both_versions_named() {
+    use gaps_common::wire::{Register, Role, PROTOCOL_VERSION};
+    let mut core = core(Mode::Async);
+    let old = Register { protocol: PROTOCOL_VERSION - 1, role: Role::Worker, name: "old".into() };
+    match common::call(&mut core, Message::Register(old), vec![]).msg {
+        Message::Error(e) => {
+            assert_eq!(e.code, ErrorCode::Misconfigured);
+            let (theirs, ours) = (format!("protocol {}", PROTOCOL_VERSION - 1), format!("speaks {PROTOCOL_VERSION}"));
+            assert!(e.message.contains(&theirs) && e.message.contains(&ours), "{}", e.message);
+        }
+        other => panic!("an old client was answered with {other:?}"),
+    }
+}
