@@ -811,9 +811,9 @@ async fn a_gba_push_pull_is_held_for_its_step_and_answered_with_values_either_wa
 }
 
 /// A worker's step in one request (`Message::Step`) through the service: in synchronous training it is held
-/// like a push-pull until the step completes, then answered with the rows' ack and the step's values (its
-/// next rows left to the worker); in asynchronous training `Client::step` brings back the values and the
-/// next rows a pull right after reads.
+/// like a push-pull until the step completes, then answered with the rows' ack, the step's values and its
+/// next rows read then; in asynchronous training `Client::step` brings back the values and the next rows a
+/// pull right after reads.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_step_is_held_for_a_synchronous_step_and_otherwise_brings_the_next_rows() {
     use gaps_common::layout::SparseSpec;
@@ -879,8 +879,14 @@ async fn a_step_is_held_for_a_synchronous_step_and_otherwise_brings_the_next_row
         assert!(row_ack.is_some_and(|r| !r.duplicate), "{row_ack:?}");
         assert_eq!((push.ack.wait_for_step, push.ack.duplicate), (0, false), "{:?}", push.ack);
         assert!(push.chunks.iter().all(|c| c.version == 1), "the step's values: {:?}", push.chunks);
-        assert_eq!((next_rows, reply.payload.len()), (&None, 300), "held: the rows are the worker's to pull");
-        assert_eq!(reply.payload, a.pull().await.expect("pull").tensors[0], "the completed step's values");
+        assert_eq!(*next_rows, Some(wire::SparsePullReply { table: 0, count: 2, dim: 4 }), "read once released");
+        assert_eq!(reply.payload.len(), 300 + 2 * 5);
+        assert_eq!(reply.payload[..300], a.pull().await.expect("pull").tensors[0], "the completed step's values");
+        let read = a.pull_sparse(0, &[3, 4], false).await.expect("rows after");
+        let (versions, values) = reply.payload[300..].split_at(2);
+        assert_eq!(versions.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), read.versions);
+        assert_eq!(values, read.values, "the rows as the completed step left them");
+        assert!(read.versions[0] > 0, "row 3 was pushed in the step: {:?}", read.versions);
         shutdown(vec![server]).await;
     }
 }

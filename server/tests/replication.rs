@@ -43,7 +43,14 @@ fn core_config_of(shard: u32, num_shards: u32, mode: Mode) -> ShardConfig {
         init: Init { seed: 4, std: 0.1 },
         epoch: 77,
         modes: ModeConfig { mode, ..ModeConfig::default() },
-        ..ShardConfig::new(Layout::new(vec![TensorSpec::new("w", 600), adam], 64).expect("layout"))
+        ..ShardConfig::new(
+            Layout::with_tables(
+                vec![TensorSpec::new("w", 600), adam],
+                64,
+                vec![gaps_common::layout::SparseSpec::new("emb", 4)],
+            )
+            .expect("layout"),
+        )
     }
 }
 
@@ -79,7 +86,16 @@ async fn train(certs: &ClusterCerts, coordinator: &str, workers: usize, iteratio
                 }
                 let s = c.pull().await.expect("pull");
                 let g = common::toy_gradients(&s, i, w);
-                c.push(g, &s).await.expect("push");
+                // Every other iteration a whole step (`Message::Step`): rows pushed, the next rows read (in
+                // synchronous training once the step is released, logged for the backups then).
+                let ids = |i: usize| (0..6).map(|k| ((i * 5 + k * 7 + w) % 40) as u64).collect::<Vec<_>>();
+                if i % 2 == 0 {
+                    c.push(g, &s).await.expect("push");
+                } else {
+                    let rows = c.pull_sparse(0, &ids(i), true).await.expect("rows");
+                    let row_grads = vec![0.01f32; rows.values.len()];
+                    c.step(g, &s, (0, &rows, &row_grads), Some(&ids(i + 1))).await.expect("step");
+                }
             }
             c.leave().await.expect("leave");
         }));

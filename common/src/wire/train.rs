@@ -313,8 +313,9 @@ pub struct StepReply {
     pub rows: Option<Ack>,
     /// The dense push's answer: its acknowledgement and, where the worker goes on at once, the values.
     pub push: PushPullReply,
-    /// The next rows, where the step asked for them and the worker goes on at once; otherwise (a
-    /// synchronous step to wait for, a GBA hold, a read that failed) the worker pulls them itself.
+    /// The next rows, where the step asked for them and the answer carries the dense values (a step held for
+    /// a synchronous step or a GBA hold reads them when it is released); otherwise (the worker is to wait
+    /// for the step itself, or the read failed) the worker pulls them itself.
     pub next_rows: Option<SparsePullReply>,
 }
 

@@ -314,7 +314,7 @@ impl Actor {
             self.pending = try_snapshot(&self.core, p, &mut self.record);
         }
         if !self.parked.is_empty() {
-            release_waits(&mut self.core, &mut self.parked, self.started.elapsed());
+            self.release_waits(self.started.elapsed());
             self.wake.arm(&self.parked, self.started.elapsed());
         }
     }
@@ -375,6 +375,15 @@ impl Actor {
             Message::Step(s) => Some(read(&s.push)),
             _ => None,
         };
+        // A step's next rows, kept to be read when the step is held and released (a hold only comes outside
+        // asynchronous training; there the ids are not copied).
+        let next = match &frame.msg {
+            Message::Step(s) if self.core.active_mode() != gaps_shard::Mode::Async => s.next_rows.map(|p| {
+                let from = frame.payload.len().saturating_sub(p.payload_elems() as usize);
+                (p, frame.payload[from..].to_vec())
+            }),
+            _ => None,
+        };
         let now = self.started.elapsed();
         let index = match self.log_request(now, &frame) {
             Ok(index) => index,
@@ -399,7 +408,7 @@ impl Actor {
             Message::StepReply(StepReply { rows, push: PushPullReply { ack, chunks }, next_rows: None })
                 if chunks.is_empty() =>
             {
-                Some((*ack, Some(Box::new(*rows))))
+                Some((*ack, Some(Box::new(HeldStep { rows: *rows, next }))))
             }
             _ => None,
         };
@@ -511,12 +520,12 @@ pub(super) enum HeldRequest {
     /// A push-pull applied into a step not yet complete: answered with `ack` and the values `pull` reads once
     /// the step is applied (with the events of the push). `soft` (GBA's hold): when the time is up first,
     /// answered with the values read then, and the worker goes on; otherwise with the ack alone, and the
-    /// worker waits for the step itself. A worker's step (`step`: its rows' ack) is answered as one, without
-    /// its next rows (the worker pulls them once it has the values).
+    /// worker waits for the step itself. A worker's step (`step`) is answered as one, with its next rows read
+    /// after the values.
     PushPull {
         ack: gaps_common::wire::Ack,
-        /// A step's rows' ack (boxed: the variant stays as small as a push-pull's).
-        step: Option<Box<Option<gaps_common::wire::Ack>>>,
+        /// A worker's step (boxed: the variant stays as small as a push-pull's).
+        step: Option<Box<HeldStep>>,
         pull: gaps_common::wire::Pull,
         events: Vec<CoreEvent>,
         index: u64,
@@ -524,58 +533,101 @@ pub(super) enum HeldRequest {
     },
 }
 
+/// What a held worker's step adds to a held push-pull.
+pub(super) struct HeldStep {
+    /// The rows' ack.
+    rows: Option<gaps_common::wire::Ack>,
+    /// The next rows to read once the values are (their ids), where the step asked for them.
+    next: Option<(gaps_common::wire::SparsePull, Vec<f32>)>,
+}
+
 /// A held request: what it waits for, until when, and where its answer goes.
 pub(super) type ParkedWait = (HeldRequest, Duration, oneshot::Sender<Answer>);
 
-/// Answers the held requests whose step came, and those whose time is up at `now`.
-pub(super) fn release_waits(core: &mut ShardCore, parked: &mut Vec<ParkedWait>, now: Duration) {
-    let satisfied = |core: &ShardCore, held: &HeldRequest| match held {
-        HeldRequest::Wait(wait) => core.wait_satisfied(wait),
-        HeldRequest::PushPull { ack, .. } => core.wait_satisfied(&gaps_common::wire::WaitStep {
-            step: ack.wait_for_step,
-            clock: ack.wait_for_clock,
-            max_wait_ms: 0,
-        }),
-    };
-    if !parked.iter().any(|(held, until, _)| satisfied(core, held) || now >= *until) {
-        return;
-    }
-    let mut stats = None;
-    for (held, until, reply) in std::mem::take(parked) {
-        let ready = satisfied(core, &held);
-        if !(ready || now >= until) {
-            parked.push((held, until, reply));
-            continue;
-        }
-        let answer = match held {
-            HeldRequest::Wait(_) => {
-                let stats = stats.get_or_insert_with(|| Frame::new(Message::Stats(core.stats())));
-                (stats.clone(), Vec::new(), Vec::new(), 0)
-            }
-            HeldRequest::PushPull { ack, step, pull, events, index, soft } => {
-                let go_on = gaps_common::wire::Ack { wait_for_step: 0, wait_for_clock: 0, ..ack };
-                // A hold's ack asks for no wait: the worker goes on with what it reads.
-                let ack = if soft { go_on } else { ack };
-                let answer = |push: PushPullReply| match &step {
-                    Some(rows) => Message::StepReply(StepReply { rows: **rows, push, next_rows: None }),
-                    None => Message::PushPullReply(push),
-                };
-                let alone = Frame::new(answer(PushPullReply { ack, chunks: Vec::new() }));
-                if !(ready || soft) {
-                    (alone, events, Vec::new(), index)
-                } else {
-                    match core.handle(Frame::new(Message::Pull(pull)), now).0 {
-                        Frame { msg: Message::PullReply(PullReply { chunks }), payload } => {
-                            let msg = answer(PushPullReply { ack: go_on, chunks });
-                            (Frame { msg, payload }, events, core.take_reply_views(), index)
-                        }
-                        // The read failed: the ack alone, and the worker pulls on its own.
-                        _ => (alone, events, Vec::new(), index),
-                    }
-                }
-            }
+impl Actor {
+    /// Answers the held requests whose step came, and those whose time is up at `now`.
+    fn release_waits(&mut self, now: Duration) {
+        let satisfied = |core: &ShardCore, held: &HeldRequest| match held {
+            HeldRequest::Wait(wait) => core.wait_satisfied(wait),
+            HeldRequest::PushPull { ack, .. } => core.wait_satisfied(&gaps_common::wire::WaitStep {
+                step: ack.wait_for_step,
+                clock: ack.wait_for_clock,
+                max_wait_ms: 0,
+            }),
         };
-        let _ = reply.send(answer);
+        if !self.parked.iter().any(|(held, until, _)| satisfied(&self.core, held) || now >= *until) {
+            return;
+        }
+        let mut stats = None;
+        for (held, until, reply) in std::mem::take(&mut self.parked) {
+            let ready = satisfied(&self.core, &held);
+            if !(ready || now >= until) {
+                self.parked.push((held, until, reply));
+                continue;
+            }
+            let answer = match held {
+                HeldRequest::Wait(_) => {
+                    let stats = stats.get_or_insert_with(|| Frame::new(Message::Stats(self.core.stats())));
+                    (stats.clone(), Vec::new(), Vec::new(), 0)
+                }
+                HeldRequest::PushPull { ack, step, pull, events, index, soft } => {
+                    let go_on = gaps_common::wire::Ack { wait_for_step: 0, wait_for_clock: 0, ..ack };
+                    // A hold's ack asks for no wait: the worker goes on with what it reads.
+                    let ack = if soft { go_on } else { ack };
+                    let (rows_ack, next) = match step {
+                        Some(held) => (Some(held.rows), held.next),
+                        None => (None, None),
+                    };
+                    let answer = |push: PushPullReply, next_rows| match rows_ack {
+                        Some(rows) => Message::StepReply(StepReply { rows, push, next_rows }),
+                        None => Message::PushPullReply(push),
+                    };
+                    let alone = (Frame::new(answer(PushPullReply { ack, chunks: Vec::new() }, None)), Vec::new(), 0);
+                    let (frame, views, read_at) = if !(ready || soft) {
+                        alone
+                    } else {
+                        match self.core.handle(Frame::new(Message::Pull(pull)), now).0 {
+                            Frame { msg: Message::PullReply(PullReply { chunks }), mut payload } => {
+                                let mut views = self.core.take_reply_views();
+                                let (rows, at) = match next.and_then(|(p, ids)| self.read_rows(p, ids, now)) {
+                                    Some((reply, values, at)) => {
+                                        if !views.is_empty() {
+                                            views.push(Arc::new(values));
+                                        } else {
+                                            payload.extend_from_slice(&values);
+                                        }
+                                        (Some(reply), at)
+                                    }
+                                    None => (None, 0),
+                                };
+                                (Frame { msg: answer(PushPullReply { ack: go_on, chunks }, rows), payload }, views, at)
+                            }
+                            // The read failed: the ack alone, and the worker pulls on its own.
+                            _ => alone,
+                        }
+                    };
+                    (frame, events, views, index.max(read_at))
+                }
+            };
+            let _ = reply.send(answer);
+        }
+    }
+
+    /// A released step's next rows, read as a [`Message::SparsePull`] of its own — logged for the backups
+    /// (it creates rows), so its answer waits for them as the log index says: (the reply, its values, the
+    /// index). None where it cannot be logged or is refused (the worker pulls the rows itself).
+    fn read_rows(
+        &mut self,
+        pull: gaps_common::wire::SparsePull,
+        ids: Vec<f32>,
+        now: Duration,
+    ) -> Option<(gaps_common::wire::SparsePullReply, Vec<f32>, u64)> {
+        let frame = Frame { msg: Message::SparsePull(pull), payload: ids };
+        let index = self.log_request(now, &frame).ok()?;
+        match self.core.handle(frame, now).0 {
+            Frame { msg: Message::SparsePullReply(reply), payload } => Some((reply, payload, index)),
+            _ => None,
+        }
     }
 }
 

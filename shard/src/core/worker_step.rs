@@ -7,7 +7,9 @@ use gaps_common::wire::{Step, StepReply};
 impl ShardCore {
     /// A [`Step`]: the rows' gradients applied as a [`SparsePush`] is, then the dense push as a push-pull
     /// ([`Self::push_pull`]), then — where the worker goes on at once (the push is answered with its values:
-    /// no step to wait for, no GBA hold) — the next rows read as a [`SparsePull`]. The parts' worker ids and
+    /// no step to wait for, no GBA hold) — the next rows read as a [`SparsePull`]. (A step held for its
+    /// synchronous step or a GBA hold is the service's to hold; it reads the rows, as a request of their
+    /// own, when it releases the step.) The parts' worker ids and
     /// epochs must agree and the payload must hold exactly their values, or nothing is applied. A refused
     /// part refuses the step from there on (what came before it stays applied and is acknowledged as a
     /// duplicate when the step is sent again); a read of the next rows that fails leaves them out (the worker

@@ -56,9 +56,10 @@ impl Client {
     /// A worker's step ([`Message::Step`], one request and one reply per shard): the gradients `row_grads` of
     /// the rows `rows` of `table`, the dense gradients `grads` computed on `snapshot` (as
     /// [`Self::push_pull`]), and the rows `next_ids` of the next batch, read after the push. Returns the
-    /// acks, the next dense values and the next rows. Where a shard answers without them (a synchronous
-    /// step to wait for, a GBA hold), the worker waits as a push-pull does and pulls what is missing itself;
-    /// a push striped over several connections goes as separate requests.
+    /// acks, the next dense values and the next rows (a step held for a synchronous step or a GBA hold is
+    /// answered with both once released). Where a shard answers without them (the worker is to wait for the
+    /// step itself), the worker waits as a push-pull does and pulls what is missing; a push striped over
+    /// several connections goes as separate requests.
     pub async fn step(
         &self,
         grads: Vec<Vec<f32>>,
