@@ -187,3 +187,31 @@ fn a_peer_of_the_protocol_before_steps_is_refused_with_both_versions_named() {
         other => panic!("an old client was answered with {other:?}"),
     }
 }
+
+#[test]
+fn a_step_whose_dense_push_would_be_refused_leaves_its_rows_unapplied() {
+    let (mut core, worker, _, versions) = with_two_workers(Mode::Async);
+    let rows_before = |core: &mut ShardCore| {
+        let mut words = Vec::new();
+        ids_to_words(&[0, 1, 2], &mut words);
+        let peek = SparsePull { epoch: EPOCH, table: 0, count: 3, create: false };
+        common::call(core, Message::SparsePull(peek), words).payload
+    };
+    let untouched = rows_before(&mut core);
+    // Read at a version the shard has not reached (as after its restore): the dense push is refused.
+    let ahead: Vec<u64> = versions.iter().map(|v| v + 5).collect();
+    let p = parts(worker, 0, &ahead, &[0; 3]);
+    let reply = common::call(&mut core, step_frame(&p).msg, step_frame(&p).payload);
+    assert!(matches!(&reply.msg, Message::Error(e) if e.code == ErrorCode::ReadAhead), "{:?}", reply.msg);
+    // One sequence number for both pushes: refused too.
+    let mut twice = step_frame(&parts(worker, 0, &versions, &[0; 3]));
+    if let Message::Step(s) = &mut twice.msg {
+        s.rows = s.rows.map(|r| SparsePush { seq: s.push.seq, ..r });
+    }
+    let reply = common::call(&mut core, twice.msg, twice.payload);
+    assert!(matches!(&reply.msg, Message::Error(e) if e.code == ErrorCode::WrongShape), "{:?}", reply.msg);
+    let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(rows_before(&mut core)), bits(untouched), "a refused step changed its rows");
+    let s = core.stats();
+    assert_eq!((s.pushes_applied, s.pushes_rejected), (0, 4), "each refused step counts its two pushes");
+}

@@ -335,7 +335,7 @@ impl Push {
 impl SparsePush {
     /// Payload values: ids (two words each), versions, gradients and the echoed rows.
     pub fn payload_elems(&self) -> u64 {
-        u64::from(self.count) * (3 + u64::from(self.dim) * (1 + u64::from(self.echo_read)))
+        u64::from(self.count).saturating_mul(3 + u64::from(self.dim) * (1 + u64::from(self.echo_read)))
     }
 }
 

@@ -400,7 +400,7 @@ pub(super) async fn serve_request(
             shared.metrics.bytes_in.increment(frame.msg.payload_bytes());
             let kind = RpcKind::of(&frame.msg);
             let histogram = match kind {
-                RpcKind::Push | RpcKind::PushPull => &shared.metrics.rpc_push_seconds,
+                RpcKind::Push | RpcKind::PushPull | RpcKind::Step(_) => &shared.metrics.rpc_push_seconds,
                 RpcKind::Pull => &shared.metrics.rpc_pull_seconds,
                 RpcKind::Other => &shared.metrics.rpc_other_seconds,
             };

@@ -243,7 +243,7 @@ impl ShardCore {
     /// exactly when its rule needs them, room for the worker's planes, a payload of the declared length and,
     /// unless `checked_finite`, finite. Returns the plan (each chunk's slot and place in the payload) and how
     /// many of the payload's values are gradients.
-    fn plan_push(
+    pub(super) fn plan_push(
         &self,
         req: &Push,
         payload: &[f32],

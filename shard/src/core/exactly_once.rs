@@ -50,7 +50,7 @@ impl SeqWindow {
     }
 
     pub(super) fn check(&self, seq: u64) -> Seen {
-        if seq + SEQ_WINDOW <= self.highest {
+        if seq.saturating_add(SEQ_WINDOW) <= self.highest {
             return Seen::TooOld;
         }
         if seq > self.highest {
@@ -108,6 +108,20 @@ impl ShardCore {
 
     /// The exactly-once gate shared by dense and sparse pushes: checks the epoch and the sequence window;
     /// returns the acknowledgement of a push applied before (not applied again), or None for a new one.
+    /// [`Self::check_push`] without its effects: Ok(true) for a push not applied before, Ok(false) for a
+    /// duplicate, the refusal otherwise.
+    pub(super) fn push_is_new(&self, epoch: u64, worker: u32, seq: u64) -> Result<bool, ShardError> {
+        self.check_epoch(epoch)?;
+        match self.once.seqs.get(&worker).map_or(Seen::New, |w| w.check(seq)) {
+            _ if seq == 0 => Err(ShardError::SequenceWindow("sequence numbers start at 1".into())),
+            Seen::New => Ok(true),
+            Seen::Applied => Ok(false),
+            Seen::TooOld => Err(ShardError::SequenceWindow(format!(
+                "sequence number {seq} of worker {worker} is more than {SEQ_WINDOW} behind its newest push"
+            ))),
+        }
+    }
+
     pub(super) fn check_push(&mut self, epoch: u64, worker: u32, seq: u64) -> Result<Option<Frame>, ShardError> {
         self.check_epoch(epoch)?;
         if seq == 0 {

@@ -10,10 +10,11 @@ impl ShardCore {
     /// no step to wait for, no GBA hold) — the next rows read as a [`SparsePull`]. (A step held for its
     /// synchronous step or a GBA hold is the service's to hold; it reads the rows, as a request of their
     /// own, when it releases the step.) The parts' worker ids and
-    /// epochs must agree and the payload must hold exactly their values, or nothing is applied. A refused
-    /// part refuses the step from there on (what came before it stays applied and is acknowledged as a
-    /// duplicate when the step is sent again); a read of the next rows that fails leaves them out (the worker
-    /// pulls them itself and meets the error then). A step counts as its pushes (one, or two with rows): a
+    /// epochs must agree, their sequence numbers differ, and the payload must hold exactly their values; the
+    /// dense push is checked before the rows are applied: a step refused for any of these changes nothing.
+    /// (A failure past the checks — the device's, say — leaves the rows applied, acknowledged as a duplicate
+    /// when the step is sent again.) A read of the next rows that fails leaves them out (the worker pulls
+    /// them itself and meets the error then). A step counts as its pushes (one, or two with rows): a
     /// step refused before its dense push was tried counts both refused.
     pub(super) fn worker_step(
         &mut self,
@@ -31,13 +32,11 @@ impl ShardCore {
             Err(e)
         };
         let (worker, epoch) = (req.push.worker, req.push.epoch);
-        if req.rows.as_ref().is_some_and(|r| r.worker != worker || r.epoch != epoch)
+        if req.rows.as_ref().is_some_and(|r| r.worker != worker || r.epoch != epoch || r.seq == req.push.seq)
             || req.next_rows.as_ref().is_some_and(|p| p.epoch != epoch)
         {
-            return untried(
-                self,
-                ShardError::WrongShape("the parts of a step name different workers or epochs".into()),
-            );
+            let why = "the parts of a step name different workers or epochs, or one sequence number twice";
+            return untried(self, ShardError::WrongShape(why.into()));
         }
         let (rows_len, push_len, ids_len) = req.payload_split();
         let declared = rows_len.saturating_add(push_len).saturating_add(ids_len);
@@ -50,6 +49,18 @@ impl ShardCore {
         }
         let (rows_payload, rest) = payload.split_at(rows_len as usize);
         let (push_payload, ids) = rest.split_at(push_len as usize);
+        // The dense push is checked as `push` checks it before the rows change anything, so that a step it
+        // would refuse (a gradient read ahead of a restored shard, a wrong shape) changes nothing.
+        let checked = self.push_is_new(epoch, worker, req.push.seq).and_then(|new| {
+            if new {
+                self.plan_push(&req.push, push_payload, checked_finite).map(drop)
+            } else {
+                Ok(())
+            }
+        });
+        if let Err(e) = checked {
+            return untried(self, e);
+        }
         let rows = match req.rows.as_ref().map(|rows| self.sparse_push(rows, rows_payload, self.now_s)) {
             Some(Ok(Frame { msg: Message::Ack(ack), .. })) => Some(ack),
             Some(Ok(_)) => {
@@ -65,10 +76,9 @@ impl ShardCore {
         let Message::PushPullReply(push) = msg else {
             return Err(ShardError::Misconfigured("a push-pull was answered with something else".into()));
         };
-        let goes_on = push.ack.wait_for_step == 0
-            && push.ack.wait_for_clock == 0
-            && !self.step.gba_hold.asked()
-            && (!push.chunks.is_empty() || req.push.chunks.is_empty());
+        // Decided by the shard's state alone (a backup replaying the step decides the same): not by whether
+        // the dense read succeeded.
+        let goes_on = push.ack.wait_for_step == 0 && push.ack.wait_for_clock == 0 && !self.step.gba_hold.asked();
         let next_rows = match (&req.next_rows, goes_on) {
             (Some(next), true) => match self.sparse_pull(next, ids, self.now_s) {
                 Ok(Frame { msg: Message::SparsePullReply(reply), payload: values }) => {

@@ -136,6 +136,7 @@ impl Client {
                     summary.duplicates += 1;
                 } else {
                     summary.applied += 1;
+                    summary.max_staleness = summary.max_staleness.max(ack.max_staleness);
                 }
             }
             self.take_ack(s, outcome, &mut summary, &mut waits)?;

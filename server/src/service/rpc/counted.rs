@@ -8,9 +8,11 @@ use super::*;
 pub(in crate::service) enum RpcKind {
     Push,
     Pull,
-    /// A push answered with the pushed chunks' values: counted as a push and, when it carries them, a pull
-    /// (a worker's step: its rows as one push more, and its next rows as one pull more).
+    /// A push answered with the pushed chunks' values: counted as a push and, when it carries them, a pull.
     PushPull,
+    /// A worker's step (`true`: with rows): its dense push and its rows' push as pushes, its values and its
+    /// next rows as pulls; refused, as its pushes refused.
+    Step(bool),
     Other,
 }
 
@@ -18,7 +20,8 @@ impl RpcKind {
     pub(in crate::service) fn of(msg: &Message) -> Self {
         match msg {
             Message::Push(_) | Message::PushPart(_) | Message::SparsePush(_) => RpcKind::Push,
-            Message::PushPull(_) | Message::Step(_) => RpcKind::PushPull,
+            Message::PushPull(_) => RpcKind::PushPull,
+            Message::Step(s) => RpcKind::Step(s.rows.is_some()),
             Message::Pull(_) | Message::SparsePull(_) => RpcKind::Pull,
             _ => RpcKind::Other,
         }
@@ -28,7 +31,7 @@ impl RpcKind {
 pub(in crate::service) fn record(m: &ShardMetrics, request: RpcKind, reply: &Message) {
     let (acks, pulls) = match (request, reply) {
         (RpcKind::PushPull, Message::PushPullReply(r)) => ([Some(r.ack), None], u64::from(!r.chunks.is_empty())),
-        (RpcKind::PushPull, Message::StepReply(r)) => {
+        (RpcKind::Step(_), Message::StepReply(r)) => {
             let values = u64::from(!r.push.chunks.is_empty()) + u64::from(r.next_rows.is_some());
             ([Some(r.push.ack), r.rows], values)
         }
@@ -48,6 +51,7 @@ pub(in crate::service) fn record(m: &ShardMetrics, request: RpcKind, reply: &Mes
             m.staleness.record(ack.max_staleness as f64);
         }
         (RpcKind::Push | RpcKind::PushPull, _) => m.push_rejected.increment(1),
+        (RpcKind::Step(rows), _) => m.push_rejected.increment(1 + u64::from(rows)),
         (RpcKind::Pull, Message::PullReply(_) | Message::SparsePullReply(_)) => m.pulls.increment(1),
         _ => {}
     }

@@ -5,7 +5,7 @@
 use super::*;
 use gaps_common::dtype::WireDtype;
 use gaps_common::layout::ChunkId;
-use gaps_common::wire::{Ack, ChunkVersion, ErrorCode, PullReply, PushPullReply};
+use gaps_common::wire::{Ack, ChunkVersion, ErrorCode, PullReply, PushPullReply, SparsePullReply, StepReply};
 use metrics_exporter_prometheus::PrometheusBuilder;
 
 #[test]
@@ -28,13 +28,22 @@ fn replies_count_as_pushes_duplicates_refusals_and_pulls() {
         record(&m, RpcKind::Pull, &Message::PullReply(PullReply { chunks: vec![chunk] }));
         record(&m, RpcKind::Pull, &Message::error(ErrorCode::Malformed, "a refused pull counts nothing"));
         record(&m, RpcKind::Other, &Message::Ack(applied));
+        // A step: its rows' push and its dense push, its values and its next rows; refused, its two pushes.
+        let step = StepReply {
+            rows: Some(Ack { seq: 4, ..Ack::default() }),
+            push: PushPullReply { ack: Ack { seq: 5, ..Ack::default() }, chunks: vec![chunk] },
+            next_rows: Some(SparsePullReply { table: 0, count: 1, dim: 4 }),
+        };
+        record(&m, RpcKind::Step(true), &Message::StepReply(step));
+        record(&m, RpcKind::Step(true), &Message::error(ErrorCode::ReadAhead, "read ahead"));
+        record(&m, RpcKind::Step(false), &Message::error(ErrorCode::StaleEpoch, "old"));
     });
     let text = handle.render();
     for line in [
-        "gaps_pushes_applied_total{shard=\"3\"} 3",
+        "gaps_pushes_applied_total{shard=\"3\"} 5",
         "gaps_push_duplicates_total{shard=\"3\"} 1",
-        "gaps_push_rejected_total{shard=\"3\"} 2",
-        "gaps_pulls_total{shard=\"3\"} 2",
+        "gaps_push_rejected_total{shard=\"3\"} 5",
+        "gaps_pulls_total{shard=\"3\"} 4",
     ] {
         assert!(text.lines().any(|l| l == line), "no {line:?} in:\n{text}");
     }
