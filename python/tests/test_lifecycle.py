@@ -89,8 +89,11 @@ def test_a_killed_script_leaves_no_shard_behind(tmp_path, layout_file, how, surv
             time.sleep(60)
         """,
     )
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    # A script killed this way cannot remove its cluster's directory: it goes under the test's own.
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == -getattr(signal, how), out
+    assert any(tmp_path.glob("gaps-cluster-*")), "the cluster's directory is not under the test's"
     pids = [int(p) for p in out.stdout.split()]
     assert len(pids) == 2, out
     left = survivors(pids)
