@@ -334,19 +334,8 @@ impl Message {
 
     /// Bytes of payload on the wire (each section's values times its format's size).
     pub fn payload_bytes(&self) -> u64 {
-        match self {
-            Message::PullReply(_)
-            | Message::PushPullReply(_)
-            | Message::Push(_)
-            | Message::PushPull(_)
-            | Message::PushPart(_)
-            | Message::Step(_)
-            | Message::StepReply(_) => self
-                .payload_sections()
-                .iter()
-                .fold(0u64, |sum, (n, d)| sum.saturating_add(n.saturating_mul(d.bytes() as u64))),
-            other => other.payload_elems().saturating_mul(4),
-        }
+        let sections = self.payload_sections();
+        sections.iter().fold(0u64, |sum, (n, d)| sum.saturating_add(n.saturating_mul(d.bytes() as u64)))
     }
 
     /// Number of payload values this header declares (sum of the chunk lengths), whatever their format;

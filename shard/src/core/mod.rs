@@ -563,7 +563,7 @@ impl ShardCore {
             Request::Pull(p) => self.pull(&p),
             Request::Push(p) => self.push(&p, payload, finite, now, events),
             Request::PushPull(p) => self.push_pull(&p, payload, finite, now, events),
-            Request::Step(s) => self.worker_step(&s, payload, finite, now, events),
+            Request::Step(s) => self.worker_step(&s, (payload, finite), now, events),
             // A part of a push applied before is acknowledged as a duplicate; new parts are put together by
             // the service (`crate::stripes`), which hands the core whole pushes.
             Request::PushPart(p) => match self.check_push(p.push.epoch, p.push.worker, p.push.seq) {

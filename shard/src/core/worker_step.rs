@@ -19,8 +19,7 @@ impl ShardCore {
     pub(super) fn worker_step(
         &mut self,
         req: &Step,
-        payload: &[f32],
-        checked_finite: bool,
+        (payload, checked_finite): (&[f32], bool),
         now: Duration,
         events: &mut Vec<CoreEvent>,
     ) -> Result<Frame, ShardError> {
