@@ -205,9 +205,7 @@ pub fn forward(
                 }
                 let (w1, b1, w2, b2) = (&dense[0], &dense[1], &dense[2], dense[3][0]);
                 for u in 0..hidden {
-                    let pre =
-                        b1[u] + w1[u * input_len..(u + 1) * input_len].iter().zip(&z).map(|(w, z)| w * z).sum::<f32>();
-                    h[u] = pre.max(0.0);
+                    h[u] = (b1[u] + dot(&w1[u * input_len..(u + 1) * input_len], &z)).max(0.0);
                 }
                 b2 + h.iter().zip(w2.iter()).map(|(h, w)| h * w).sum::<f32>()
             }
@@ -264,6 +262,23 @@ pub fn forward(
         }
     }
     loss
+}
+
+/// The dot product of `a` and `b` (as long as the shorter), summed in 16 independent lanes so that the
+/// compiler vectorizes it (a single running sum is one dependent addition after another: a quarter of the
+/// speed or less).
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    const LANES: usize = 16;
+    let n = a.len().min(b.len());
+    let (a, b) = (a[..n].chunks_exact(LANES), b[..n].chunks_exact(LANES));
+    let tail: f32 = a.remainder().iter().zip(b.remainder()).map(|(x, y)| x * y).sum();
+    let mut acc = [0.0f32; LANES];
+    for (x, y) in a.zip(b) {
+        for l in 0..LANES {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
 }
 
 #[cfg(test)]
@@ -332,5 +347,21 @@ mod tests {
         let layout = shape.layout(1024).expect("layout");
         assert_eq!(CtrShape::from_layout(CtrModel::Dlrm, &layout), Ok(shape));
         assert!(CtrShape::from_layout(CtrModel::Fm, &layout).is_err());
+    }
+
+    #[test]
+    fn dot_products_agree_with_a_plain_sum_at_every_length() {
+        let mut rng = gaps_common::rng::Rng::new(9);
+        for n in 0..70 {
+            let a: Vec<f32> = (0..n).map(|_| rng.normal() as f32).collect();
+            let b: Vec<f32> = (0..n + 3).map(|_| rng.normal() as f32).collect();
+            let want: f64 = a.iter().zip(&b).map(|(x, y)| f64::from(*x) * f64::from(*y)).sum();
+            let got = dot(&a, &b);
+            assert!((f64::from(got) - want).abs() <= 1e-5 * (1.0 + want.abs()), "n {n}: {got} against {want}");
+            // Small integers sum exactly in any order.
+            let ints: Vec<f32> = (0..n).map(|i| (i % 7) as f32 - 3.0).collect();
+            let exact: f32 = ints.iter().map(|x| x * x).sum();
+            assert_eq!(dot(&ints, &ints), exact, "n {n}");
+        }
     }
 }
