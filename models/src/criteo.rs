@@ -206,7 +206,14 @@ pub struct SyntheticCriteo {
     cdf: Vec<Vec<f64>>,
     int_weights: [f32; NUM_INT],
     bias: f32,
+    /// The teacher's weight of every (field, rank) — [`Self::cat_weight`] of the rank's value, computed once
+    /// where the vocabularies hold at most [`WEIGHTS_HELD`] values, else per sample (the same numbers).
+    weights: Option<Vec<Vec<f32>>>,
 }
+
+/// Most (field, value) weights a [`SyntheticCriteo`] computes ahead (16 MiB); larger vocabularies compute a
+/// value's weight each time it is drawn.
+const WEIGHTS_HELD: u64 = 1 << 22;
 
 /// The largest field's vocabulary of [`SyntheticCriteo::new`].
 pub const SYNTHETIC_MAX_VOCAB: u32 = 20_000;
@@ -253,7 +260,12 @@ impl SyntheticCriteo {
             .collect();
         let mut int_weights = [0f32; NUM_INT];
         int_weights.iter_mut().for_each(|w| *w = (rng.normal() * 0.15) as f32);
-        SyntheticCriteo { seed, vocab, cdf, int_weights, bias: -1.0 }
+        let mut data = SyntheticCriteo { seed, vocab, cdf, int_weights, bias: -1.0, weights: None };
+        if vocab.iter().map(|v| u64::from(*v)).sum::<u64>() <= WEIGHTS_HELD {
+            let of = |f: usize| (0..vocab[f]).map(|rank| data.cat_weight(f, data.category(f, rank))).collect();
+            data.weights = Some((0..NUM_CAT).map(of).collect());
+        }
+        data
     }
 
     fn category(&self, f: usize, rank: u32) -> u32 {
@@ -293,7 +305,10 @@ impl SyntheticCriteo {
             let hash = self.category(f, rank);
             s.cats[f] = hash;
             s.cat_present |= 1 << f;
-            logit += self.cat_weight(f, hash);
+            logit += match &self.weights {
+                Some(weights) => weights[f][rank as usize],
+                None => self.cat_weight(f, hash),
+            };
         }
         let p = 1.0 / (1.0 + (-logit).exp());
         s.label = u8::from(rng.uniform() < f64::from(p));

@@ -203,3 +203,16 @@ fn auc_of_known_cases() {
     assert_eq!(auc(&[0.5, 0.5], &[0, 1]), 0.5);
     assert!((auc(&[0.1, 0.4, 0.35, 0.8], &[0, 0, 1, 1]) - 0.75).abs() < 1e-12);
 }
+
+#[test]
+fn the_teachers_weights_held_ahead_draw_the_same_samples_as_weights_computed_per_sample() {
+    let held = SyntheticCriteo::new(17);
+    assert!(held.weights.is_some(), "the default vocabularies hold their weights");
+    let computed = SyntheticCriteo { weights: None, ..held.clone() };
+    for i in 0..3000 {
+        let ((a, pa), (b, pb)) = (held.sample(i), computed.sample(i));
+        assert_eq!((a, pa.to_bits()), (b, pb.to_bits()), "sample {i}");
+    }
+    // Past the bound the weights are computed per sample.
+    assert!(SyntheticCriteo::with_vocab(1, 2_000_000, 1.2).weights.is_none());
+}
