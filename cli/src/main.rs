@@ -196,8 +196,9 @@ struct E2eArgs {
     #[arg(long, env = "GAPS_BENCH_STEPS", default_value_t = 1200)]
     steps: u64,
     /// Also train a single-process PyTorch DLRM of the same shape, data and optimizers with this Python
-    /// (it must import torch and gaps; PyTorch reads its batches through gaps, so build that with `maturin
-    /// develop --release`), at 1 and 2 threads, and report every shape ÷ each.
+    /// (it must import torch and gaps; PyTorch reads its batches through gaps, so build that for this Python
+    /// with `maturin develop --release -m python/Cargo.toml`), at 1 and 2 threads, and report every shape ÷
+    /// each.
     #[arg(long, env = "GAPS_BENCH_TORCH", value_name = "PYTHON")]
     torch: Option<PathBuf>,
     /// The PyTorch baseline script.

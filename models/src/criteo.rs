@@ -229,6 +229,21 @@ impl SyntheticCriteo {
         Self::with_vocab(seed, SYNTHETIC_MAX_VOCAB, SYNTHETIC_ZIPF)
     }
 
+    /// [`Self::new`]`(seed)`, made once per process and shared (the last seed asked for is kept): readers
+    /// made per dealt split would otherwise build its tables again for every split.
+    pub fn shared(seed: u64) -> std::sync::Arc<Self> {
+        static LAST: std::sync::Mutex<Option<(u64, std::sync::Arc<SyntheticCriteo>)>> = std::sync::Mutex::new(None);
+        let mut last = LAST.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        match &*last {
+            Some((s, data)) if *s == seed => data.clone(),
+            _ => {
+                let data = std::sync::Arc::new(Self::new(seed));
+                *last = Some((seed, data.clone()));
+                data
+            }
+        }
+    }
+
     /// The dataset of `seed` with field vocabularies growing geometrically from 8 to `max_vocab` values
     /// (clamped to 8..=[`SYNTHETIC_VOCAB_LIMIT`]), each value's rank drawn from a Zipf law of exponent `zipf`
     /// (clamped to 1.01..=3): with a few million values and an exponent near 1 the fields hold millions of

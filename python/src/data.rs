@@ -71,7 +71,7 @@ impl SplitReader {
     fn new(data: &str, seed: u64, files: u32, file: u32, first_line: u64, start: u64, end: u64) -> PyResult<Self> {
         let samples = match data_spec(data, seed)? {
             DataSpec::Synthetic { seed } if files == 0 => gaps_models::criteo::SplitSamples::synthetic(
-                std::sync::Arc::new(gaps_models::criteo::SyntheticCriteo::new(seed)),
+                gaps_models::criteo::SyntheticCriteo::shared(seed),
                 start,
                 end,
             ),

@@ -58,7 +58,7 @@ impl Feed {
     /// Splits of `spec` dealt by the coordinator.
     pub fn dealt(spec: &DataSpec) -> Self {
         let synthetic = match spec {
-            DataSpec::Synthetic { seed } => Some(Arc::new(SyntheticCriteo::new(*seed))),
+            DataSpec::Synthetic { seed } => Some(SyntheticCriteo::shared(*seed)),
             DataSpec::Files(_) => None,
         };
         Feed::Dealt(Box::new(Dealt {

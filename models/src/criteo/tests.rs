@@ -216,3 +216,12 @@ fn the_teachers_weights_held_ahead_draw_the_same_samples_as_weights_computed_per
     // Past the bound the weights are computed per sample.
     assert!(SyntheticCriteo::with_vocab(1, 2_000_000, 1.2).weights.is_none());
 }
+
+#[test]
+fn a_shared_dataset_is_made_once_per_seed() {
+    let (a, b) = (SyntheticCriteo::shared(23), SyntheticCriteo::shared(23));
+    assert!(std::sync::Arc::ptr_eq(&a, &b), "made twice");
+    let other = SyntheticCriteo::shared(24);
+    assert_ne!(other.sample(0).0, a.sample(0).0, "another seed, another dataset");
+    assert_eq!(a.sample(7), SyntheticCriteo::new(23).sample(7));
+}
