@@ -22,7 +22,7 @@ pub mod testnet;
 
 pub use crate::checkpoint::CheckpointError;
 pub use crate::core::{
-    CoreEvent, Init, PeerShard, Readiness, ShardConfig, ShardCore, ShardError, SparseSettings, RESTART_ID_GAP,
-    SEQ_WINDOW,
+    append_reply_values, CoreEvent, Init, PeerShard, Readiness, ShardConfig, ShardCore, ShardError, SparseSettings,
+    RESTART_ID_GAP, SEQ_WINDOW,
 };
 pub use crate::modes::{Mode, ModeConfig};

@@ -591,11 +591,7 @@ impl Actor {
                                 let mut views = self.core.take_reply_views();
                                 let (rows, at) = match next.and_then(|(p, ids)| self.read_rows(p, ids, now)) {
                                     Some((reply, values, at)) => {
-                                        if !views.is_empty() {
-                                            views.push(Arc::new(values));
-                                        } else {
-                                            payload.extend_from_slice(&values);
-                                        }
+                                        gaps_shard::append_reply_values(&mut payload, &mut views, values);
                                         (Some(reply), at)
                                     }
                                     None => (None, 0),

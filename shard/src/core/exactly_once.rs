@@ -106,40 +106,37 @@ impl ShardCore {
         self.once.seqs.get(&worker).is_some_and(|w| w.check(seq) == Seen::Applied)
     }
 
-    /// The exactly-once gate shared by dense and sparse pushes: checks the epoch and the sequence window;
-    /// returns the acknowledgement of a push applied before (not applied again), or None for a new one.
-    /// [`Self::check_push`] without its effects: Ok(true) for a push not applied before, Ok(false) for a
-    /// duplicate, the refusal otherwise.
+    /// Whether a push of `worker` numbered `seq` in `epoch` would be new (true) or a duplicate (false), or why
+    /// it is refused: the exactly-once gate's verdict without its effects (see [`Self::check_push`]).
     pub(super) fn push_is_new(&self, epoch: u64, worker: u32, seq: u64) -> Result<bool, ShardError> {
-        self.check_epoch(epoch)?;
-        match self.once.seqs.get(&worker).map_or(Seen::New, |w| w.check(seq)) {
-            _ if seq == 0 => Err(ShardError::SequenceWindow("sequence numbers start at 1".into())),
-            Seen::New => Ok(true),
-            Seen::Applied => Ok(false),
-            Seen::TooOld => Err(ShardError::SequenceWindow(format!(
-                "sequence number {seq} of worker {worker} is more than {SEQ_WINDOW} behind its newest push"
-            ))),
-        }
-    }
-
-    pub(super) fn check_push(&mut self, epoch: u64, worker: u32, seq: u64) -> Result<Option<Frame>, ShardError> {
         self.check_epoch(epoch)?;
         if seq == 0 {
             return Err(ShardError::SequenceWindow("sequence numbers start at 1".into()));
         }
-        match self.once.seqs.entry(worker).or_default().check(seq) {
-            Seen::New => {}
-            Seen::Applied => {
-                self.stats.pushes_duplicate += 1;
-                return Ok(Some(Frame::new(Message::Ack(Ack { seq, duplicate: true, decisions: self.mode.decisions, ..Ack::default() }))));
-            }
-            Seen::TooOld => {
-                return Err(ShardError::SequenceWindow(format!(
-                    "sequence number {seq} of worker {worker} is more than {SEQ_WINDOW} behind its newest push: too old to tell whether it was applied"
-                )))
-            }
+        match self.once.seqs.get(&worker).map_or(Seen::New, |w| w.check(seq)) {
+            Seen::New => Ok(true),
+            Seen::Applied => Ok(false),
+            Seen::TooOld => Err(ShardError::SequenceWindow(format!(
+                "sequence number {seq} of worker {worker} is more than {SEQ_WINDOW} behind its newest push: too old to tell whether it was applied"
+            ))),
         }
-        Ok(None)
+    }
+
+    /// The exactly-once gate shared by dense and sparse pushes: checks the epoch and the sequence window;
+    /// returns the acknowledgement of a push applied before (not applied again), or None for a new one.
+    pub(super) fn check_push(&mut self, epoch: u64, worker: u32, seq: u64) -> Result<Option<Frame>, ShardError> {
+        if self.push_is_new(epoch, worker, seq)? {
+            // A worker's window exists from its first push on.
+            self.once.seqs.entry(worker).or_default();
+            return Ok(None);
+        }
+        self.stats.pushes_duplicate += 1;
+        Ok(Some(Frame::new(Message::Ack(Ack {
+            seq,
+            duplicate: true,
+            decisions: self.mode.decisions,
+            ..Ack::default()
+        }))))
     }
 }
 

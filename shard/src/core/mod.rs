@@ -17,6 +17,7 @@ mod snapshot;
 mod sparse_rpc;
 mod steps;
 mod worker_step;
+pub use worker_step::append_reply_values;
 
 pub use config::*;
 pub use events::*;

@@ -81,14 +81,7 @@ impl ShardCore {
         let next_rows = match (&req.next_rows, goes_on) {
             (Some(next), true) => match self.sparse_pull(next, ids, self.now_s) {
                 Ok(Frame { msg: Message::SparsePullReply(reply), payload: values }) => {
-                    // After shared parameter buffers the rows go as one more; after values, appended.
-                    if !self.replies.reply_views.is_empty() {
-                        self.replies.reply_views.push(Arc::new(values));
-                    } else if payload.is_empty() {
-                        payload = values;
-                    } else {
-                        payload.extend_from_slice(&values);
-                    }
+                    append_reply_values(&mut payload, &mut self.replies.reply_views, values);
                     Some(reply)
                 }
                 Ok(_) | Err(_) => None,
@@ -96,5 +89,18 @@ impl ShardCore {
             _ => None,
         };
         Ok(Frame { msg: Message::StepReply(StepReply { rows, push, next_rows }), payload })
+    }
+}
+
+/// Appends `values` to a reply made of `payload` or, where it shares the shard's parameter buffers
+/// ([`ShardCore::take_reply_views`]), of `views`: as one buffer more after shared ones, as the payload
+/// itself where it is empty, else copied after it.
+pub fn append_reply_values(payload: &mut Vec<f32>, views: &mut Vec<Arc<Vec<f32>>>, values: Vec<f32>) {
+    if !views.is_empty() {
+        views.push(Arc::new(values));
+    } else if payload.is_empty() {
+        *payload = values;
+    } else {
+        payload.extend_from_slice(&values);
     }
 }

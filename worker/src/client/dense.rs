@@ -455,6 +455,16 @@ impl Client {
                 return Err(RpcError::Unexpected { addr: "shard".into(), kind: net::kind_name(&other).into() }.into())
             }
         };
+        self.count_ack(s, &ack, summary);
+        if ack.wait_for_step > 0 || ack.wait_for_clock > 0 {
+            waits.push((s, ack.wait_for_step, ack.wait_for_clock));
+        }
+        Ok(())
+    }
+
+    /// Counts shard `s`'s acknowledgement of a push (dense or rows) into `summary`, and learns its mode
+    /// decisions.
+    pub(super) fn count_ack(&self, s: usize, ack: &gaps_common::wire::Ack, summary: &mut PushSummary) {
         self.inner.count_acknowledged(s);
         self.inner.learn(&ack.decisions);
         if ack.duplicate {
@@ -462,11 +472,8 @@ impl Client {
         } else {
             summary.applied += 1;
         }
+        // A duplicate's staleness is 0.
         summary.max_staleness = summary.max_staleness.max(ack.max_staleness);
-        if ack.wait_for_step > 0 || ack.wait_for_clock > 0 {
-            waits.push((s, ack.wait_for_step, ack.wait_for_clock));
-        }
-        Ok(())
     }
 
     /// Waits until shard `s` has completed the synchronous step (its global step reaches `step`) and the

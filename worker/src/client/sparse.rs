@@ -94,17 +94,7 @@ impl Client {
                 joined.map_err(|e| ClientError::Shape(format!("sparse push task failed: {e}")))??;
             summary.retries += retries;
             match frame.msg {
-                Message::Ack(ack) if ack.duplicate => {
-                    self.inner.learn(&ack.decisions);
-                    self.inner.count_acknowledged(s);
-                    summary.duplicates += 1;
-                }
-                Message::Ack(ack) => {
-                    self.inner.learn(&ack.decisions);
-                    self.inner.count_acknowledged(s);
-                    summary.applied += 1;
-                    summary.max_staleness = summary.max_staleness.max(ack.max_staleness);
-                }
+                Message::Ack(ack) => self.count_ack(s, &ack, &mut summary),
                 other => {
                     return Err(
                         RpcError::Unexpected { addr: "shard".into(), kind: net::kind_name(&other).into() }.into()

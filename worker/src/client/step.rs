@@ -130,14 +130,7 @@ impl Client {
         let mut waits = Vec::new();
         for (s, outcome) in join_all(requests.collect()).await {
             if let Ok((Frame { msg: Message::StepReply(StepReply { rows: Some(ack), .. }), .. }, _)) = &outcome {
-                self.inner.learn(&ack.decisions);
-                self.inner.count_acknowledged(s);
-                if ack.duplicate {
-                    summary.duplicates += 1;
-                } else {
-                    summary.applied += 1;
-                    summary.max_staleness = summary.max_staleness.max(ack.max_staleness);
-                }
+                self.count_ack(s, ack, &mut summary);
             }
             self.take_ack(s, outcome, &mut summary, &mut waits)?;
         }
