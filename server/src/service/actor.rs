@@ -120,9 +120,15 @@ pub(super) struct CoreQueue {
 }
 
 /// Elements of the largest request a connection's task runs inline — the larger of what it carries and what
-/// its reply can hold: tens of microseconds of the core's work at most, so that the network tasks it delays
-/// wait no longer than a thread hand-off would.
-const INLINE_MAX_ELEMS: u64 = 16 * 1024;
+/// its reply can hold — and rows of the most embedding rows it reads or updates ([`request_rows`]): a few
+/// hundred microseconds of the core's work for rows the table holds, a few milliseconds at most where all
+/// of them are created. The runtime's other threads take the connection's other tasks meanwhile; what the
+/// queue saves is two thread wake-ups a request. Measured 2026-11-29 (`gaps bench transport --only sparse`,
+/// 4,096 rows of 16): rows/s +10-14 % with one shard and +31-37 % with two against 16 Ki elements (which
+/// sent every row request of a training step to the core's thread), end to end unchanged.
+const INLINE_MAX_ELEMS: u64 = 128 * 1024;
+/// See [`INLINE_MAX_ELEMS`].
+const INLINE_MAX_ROWS: u64 = 8 * 1024;
 
 impl CoreQueue {
     /// Runs `frame` on the calling task and returns the receiver of its answer, when it is a small training
@@ -136,7 +142,12 @@ impl CoreQueue {
             matches!(frame.msg, Message::Push(_) | Message::PushPull(_) | Message::SparsePush(_) | Message::Step(_));
         let kind = push || matches!(frame.msg, Message::Pull(_) | Message::SparsePull(_) | Message::Heartbeat(_));
         let carried = frame.msg.payload_elems().max(frame.payload.len() as u64);
-        if !kind || carried > INLINE_MAX_ELEMS || self.sender.capacity() < self.sender.max_capacity() {
+        let rows = request_rows(&frame.msg);
+        if !kind
+            || carried > INLINE_MAX_ELEMS
+            || rows > INLINE_MAX_ROWS
+            || self.sender.capacity() < self.sender.max_capacity()
+        {
             return Err(frame);
         }
         let Ok(mut actor) = self.seat.try_lock() else { return Err(frame) };
@@ -154,6 +165,18 @@ impl CoreQueue {
         actor.run(Command::Handle { frame, finite, reply: tx });
         actor.after_command();
         Ok(rx)
+    }
+}
+
+/// Embedding rows `msg` reads or updates: a row pull's and a row push's, a step's both.
+fn request_rows(msg: &Message) -> u64 {
+    match msg {
+        Message::SparsePull(p) => u64::from(p.count),
+        Message::SparsePush(p) => u64::from(p.count),
+        Message::Step(s) => {
+            s.rows.as_ref().map_or(0, |r| u64::from(r.count)) + s.next_rows.as_ref().map_or(0, |r| u64::from(r.count))
+        }
+        _ => 0,
     }
 }
 

@@ -25,6 +25,14 @@ fn pull() -> Box<Frame> {
     Box::new(Frame::new(Message::Pull(Pull { epoch: 1, chunks: vec![ChunkId { tensor: 0, chunk: 1 }] })))
 }
 
+/// A row pull of `count` distinct ids (creating them), with its ids as its payload.
+fn pull_rows(count: u32) -> Box<Frame> {
+    let mut frame = Frame::new(Message::SparsePull(SparsePull { epoch: 1, table: 0, count, create: true }));
+    let ids: Vec<u64> = (0..u64::from(count)).collect();
+    gaps_common::wire::ids_to_words(&ids, &mut frame.payload);
+    Box::new(frame)
+}
+
 #[test]
 fn a_small_request_runs_inline_only_while_the_core_is_idle() {
     let rt = tokio::runtime::Builder::new_current_thread().build().expect("runtime");
@@ -47,16 +55,18 @@ fn a_small_request_runs_inline_only_while_the_core_is_idle() {
     assert!(queue.try_inline(pull(), true).is_err(), "the core is busy");
     drop(held);
 
-    // Large requests and anything but training requests go to the core's thread.
-    // Large requests — by what they carry or by what their reply can hold — and anything but training
-    // requests go to the core's thread.
-    let rows = SparsePull { epoch: 1, table: 0, count: 10_000, create: true };
-    assert!(queue.try_inline(Box::new(Frame::new(Message::SparsePull(rows))), true).is_err(), "20,000 ids");
-    let few = SparsePull { epoch: 1, table: 0, count: 4_000, create: true };
-    assert!(queue.try_inline(Box::new(Frame::new(Message::SparsePull(few))), true).is_err(), "20,000 values back");
-    let every_chunk: Vec<ChunkId> = (0..4).cycle().take(1100).map(|chunk| ChunkId { tensor: 0, chunk }).collect();
+    // Large requests — by what they carry, by what their reply can hold or by the rows they touch — and
+    // anything but training requests go to the core's thread.
+    let rows = SparsePull { epoch: 1, table: 0, count: 70_000, create: true };
+    assert!(queue.try_inline(Box::new(Frame::new(Message::SparsePull(rows))), true).is_err(), "140,000 ids");
+    let many = SparsePull { epoch: 1, table: 0, count: 9_000, create: true };
+    assert!(queue.try_inline(Box::new(Frame::new(Message::SparsePull(many))), true).is_err(), "9,000 rows");
+    let every_chunk: Vec<ChunkId> = (0..4).cycle().take(8300).map(|chunk| ChunkId { tensor: 0, chunk }).collect();
     let big = Message::Pull(Pull { epoch: 1, chunks: every_chunk });
-    assert!(queue.try_inline(Box::new(Frame::new(big)), true).is_err(), "17,600 values back");
+    assert!(queue.try_inline(Box::new(Frame::new(big)), true).is_err(), "132,800 values back");
+    let mut answered = queue.try_inline(pull_rows(8_000), true).expect("8,000 rows of 4: run here");
+    let (reply, ..) = answered.try_recv().expect("answered before the call returned");
+    assert_eq!(reply.payload.len(), 8_000 * 5, "versions and rows");
     let stats = Box::new(Frame::new(Message::StatsRequest(StatsRequest)));
     assert!(queue.try_inline(stats, true).is_err(), "not a training request");
     assert!(queue.try_inline(pull(), true).is_ok(), "idle again");
