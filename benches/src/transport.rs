@@ -6,7 +6,9 @@
 //!   answered with the ack (so 2 × 4 × n payload bytes cross the wire per round), against in-process shards
 //!   on 127.0.0.1 (real QUIC, mutual TLS); with `separate`, one `Client::push` then one `Client::pull`.
 //! - gaps sparse case: one `Client::pull_sparse` of 4,096 random ids of a table of dim 16, then one
-//!   `Client::push_sparse` of their gradients (payload: the rows pulled plus the gradients pushed).
+//!   `Client::push_sparse` of their gradients (payload: the rows pulled plus the gradients pushed); the
+//!   sparse step case moves the same rows as `gaps-worker` does, one `Client::step` a round (the rows'
+//!   gradients, a small dense push-pull and the next batch's rows: one request per shard).
 //! - quinn baseline: one bidirectional stream per round on one connection with the same TLS and transport
 //!   settings; the client writes the bytes of one direction, the server echoes them back. No framing, no
 //!   state. `default_quinn_gbytes_per_s` is the same with quinn's default transport settings.
@@ -141,6 +143,13 @@ impl TransportResult {
         self.rows.map(|r| r as f64 * self.gaps.gbytes_per_s * 1e9 / self.bytes as f64)
     }
 
+    /// Nanoseconds a row (pulled and pushed, as [`Self::rows_per_s`] counts it) at `m`'s rate: gaps' own, or
+    /// the time an echo takes for a row's bytes. For sparse cases, and None where `m` was not measured.
+    pub fn ns_per_row(&self, m: &Measured) -> Option<f64> {
+        let rows = self.rows.filter(|_| m.gbytes_per_s > 0.0)?;
+        Some(self.ms_per_round(m) * 1e6 / rows as f64)
+    }
+
     /// Dense values moved per second each way (a push and a pull of `n` values count `n`), for dense cases.
     pub fn floats_per_s(&self) -> Option<f64> {
         self.floats.map(|(n, _)| n as f64 * self.gaps.gbytes_per_s * 1e9 / self.bytes as f64)
@@ -156,6 +165,8 @@ impl TransportResult {
             bytes: u64,
             rows: Option<u64>,
             rows_per_s: Option<f64>,
+            ns_per_row: Option<f64>,
+            tcp_tls_ns_per_row: Option<f64>,
             wire_dtype: Option<&'static str>,
             floats_per_s: Option<f64>,
             rounds: u32,
@@ -185,6 +196,8 @@ impl TransportResult {
             bytes: self.bytes,
             rows: self.rows,
             rows_per_s: self.rows_per_s().map(|r| r.round()),
+            ns_per_row: self.ns_per_row(&self.gaps).map(round3),
+            tcp_tls_ns_per_row: self.ns_per_row(&self.tcp_tls).map(round3),
             wire_dtype: self.floats.map(|(_, d)| d.name()),
             floats_per_s: self.floats_per_s().map(|f| f.round()),
             rounds: self.gaps.rounds,
@@ -265,6 +278,8 @@ pub async fn run(opts: &TransportOptions) -> Result<Vec<TransportResult>> {
     let mut out = Vec::new();
     // (name, shards, copies of each shard, sparse rows, dense floats, wire format)
     let mut cases: Vec<(String, u32, u32, Option<u64>, u64, WireDtype)> = Vec::new();
+    // The sparse cases: rows pulled then pushed, two requests a round; and the same rows as a worker's
+    // steps carry them, one request a round per shard.
     for &n in sizes {
         for &shards in shard_counts {
             cases.push((format!("push_pull_{shards}shard_{}", size_name(n)), shards, 1, None, n, WireDtype::F32));
@@ -282,9 +297,11 @@ pub async fn run(opts: &TransportOptions) -> Result<Vec<TransportResult>> {
             cases.push((case, shards, 1, None, n, WireDtype::Bf16));
         }
     }
-    for &shards in shard_counts {
-        let case = format!("sparse_{shards}shard_{SPARSE_ROWS}x{SPARSE_DIM}");
-        cases.push((case, shards, 1, Some(SPARSE_ROWS), 0, WireDtype::F32));
+    for kind in ["sparse", "sparse_step"] {
+        for &shards in shard_counts {
+            let case = format!("{kind}_{shards}shard_{SPARSE_ROWS}x{SPARSE_DIM}");
+            cases.push((case, shards, 1, Some(SPARSE_ROWS), 0, WireDtype::F32));
+        }
     }
     // A case named exactly by `only` runs alone; otherwise every case whose name contains it.
     let exact = cases.iter().any(|c| opts.only.as_deref() == Some(c.0.as_str()));
@@ -305,7 +322,7 @@ pub async fn run(opts: &TransportOptions) -> Result<Vec<TransportResult>> {
         let mut runs: Vec<[Measured; 5]> = Vec::new();
         for _ in 0..opts.repeats.max(1) {
             let gaps = match rows {
-                Some(_) => sparse_case(&certs, shards, opts).await?,
+                Some(_) => sparse_case(&certs, shards, case.starts_with("sparse_step"), opts).await?,
                 None => dense_case(&certs, shards, replicas, n, dtype, opts).await?,
             };
             let [quinn, default, tcp, tls] =
@@ -440,7 +457,11 @@ async fn dense_case(
     Ok(measured)
 }
 
-async fn sparse_case(certs: &ClusterCerts, shards: u32, opts: &TransportOptions) -> Result<Measured> {
+/// A sparse case: `steps` false, each round pulls a batch of rows and pushes their gradients (two requests);
+/// `steps` true, each round is one [`Client::step`] as `gaps-worker` sends it — the gradients of the rows
+/// pulled the round before, a push of the 16-float dense tensor answered with its values, and the next
+/// batch's rows — one request per shard.
+async fn sparse_case(certs: &ClusterCerts, shards: u32, steps: bool, opts: &TransportOptions) -> Result<Measured> {
     let layout =
         Layout::with_tables(vec![TensorSpec::new("dense", 16)], 1 << 18, vec![SparseSpec::new("bench", SPARSE_DIM)])?;
     let servers = Shards::start(certs, shards, 1, &layout, opts.processes).await?;
@@ -461,19 +482,38 @@ async fn sparse_case(certs: &ClusterCerts, shards: u32, opts: &TransportOptions)
     let pool = id_batches(opts.sparse_rows, if opts.quick { 2 } else { SPARSE_BATCHES });
     let next = std::cell::Cell::new(0usize);
     let bytes = 2 * 4 * SPARSE_ROWS * u64::from(SPARSE_DIM);
-    let measured = measure(bytes, opts, Some(&servers), || {
-        let ids = &pool[next.get() % pool.len()];
-        next.set(next.get() + 1);
-        let client = &client;
-        let grads = &grads;
-        async move {
-            let rows = client.pull_sparse(0, ids, false).await?;
-            anyhow::ensure!(rows.ids.len() == ids.len(), "pulled {} of {} rows", rows.ids.len(), ids.len());
-            client.push_sparse(0, &rows, grads).await?;
-            Ok(())
-        }
-    })
-    .await?;
+    let measured = if steps {
+        let held = std::sync::Mutex::new(Some((client.pull_sparse(0, &pool[0], true).await?, client.pull().await?)));
+        measure(bytes, opts, Some(&servers), || {
+            next.set(next.get() + 1);
+            let (client, grads, held, ids) = (&client, &grads, &held, &pool[next.get() % pool.len()]);
+            async move {
+                let (rows, snapshot) = held.lock().unwrap_or_else(|e| e.into_inner()).take().context("no rows")?;
+                let dense = vec![vec![1e-3f32; 16]];
+                let outcome = client.step(dense, &snapshot, (0, &rows, grads), Some(ids)).await?;
+                snapshot.recycle();
+                let pulled = outcome.rows.context("a step brought no rows")?;
+                anyhow::ensure!(pulled.ids.len() == ids.len(), "pulled {} of {} rows", pulled.ids.len(), ids.len());
+                *held.lock().unwrap_or_else(|e| e.into_inner()) = Some((pulled, outcome.dense));
+                Ok(())
+            }
+        })
+        .await?
+    } else {
+        measure(bytes, opts, Some(&servers), || {
+            let ids = &pool[next.get() % pool.len()];
+            next.set(next.get() + 1);
+            let client = &client;
+            let grads = &grads;
+            async move {
+                let rows = client.pull_sparse(0, ids, false).await?;
+                anyhow::ensure!(rows.ids.len() == ids.len(), "pulled {} of {} rows", rows.ids.len(), ids.len());
+                client.push_sparse(0, &rows, grads).await?;
+                Ok(())
+            }
+        })
+        .await?
+    };
     stop(client, servers).await?;
     Ok(measured)
 }
@@ -600,7 +640,7 @@ async fn tcp_echo(certs: &ClusterCerts, one_way: u64, tls: bool, opts: &Transpor
 /// Prints the table (stderr) and one JSON line per case (stdout when `json`).
 pub fn print(results: &[TransportResult], json: bool) {
     eprintln!(
-        "{:<22} {:>10} {:>6} {:>16} {:>16} {:>12} {:>16} {:>16} {:>6} {:>7}",
+        "{:<26} {:>10} {:>6} {:>16} {:>16} {:>12} {:>16} {:>16} {:>6} {:>7}",
         "case",
         "bytes/rnd",
         "rounds",
@@ -615,7 +655,7 @@ pub fn print(results: &[TransportResult], json: bool) {
     let pair = |m: &Measured| format!("{:.3} {:.2}", m.gbytes_per_s, m.cpu_s_per_gb);
     for r in results {
         eprintln!(
-            "{:<22} {:>10} {:>6} {:>16} {:>16} {:>12.3} {:>16} {:>16} {:>6.2} {:>7.2}",
+            "{:<26} {:>10} {:>6} {:>16} {:>16} {:>12.3} {:>16} {:>16} {:>6.2} {:>7.2}",
             r.case,
             r.bytes,
             r.gaps.rounds,
@@ -627,17 +667,19 @@ pub fn print(results: &[TransportResult], json: bool) {
             r.ratio(),
             r.ratio_tcp_tls()
         );
-        if let Some(rows) = r.rows_per_s() {
-            eprintln!("{:<22} {:.2} M rows/s (pull + push)", "", rows / 1e6);
+        if let (Some(rows), Some(ns)) = (r.rows_per_s(), r.ns_per_row(&r.gaps)) {
+            let echo =
+                r.ns_per_row(&r.tcp_tls).map_or(String::new(), |e| format!("; the TCP + TLS echo of its bytes {e:.0}"));
+            eprintln!("{:<26} {:.2} M rows/s (pull + push), {ns:.0} ns a row{echo}", "", rows / 1e6);
         } else if let (Some(f), Some((n, WireDtype::Bf16))) = (r.floats_per_s(), r.floats) {
             // Against the f32 case of the same size and shards measured in this run.
             let f32_case = results.iter().find(|o| o.shards == r.shards && o.floats == Some((n, WireDtype::F32)));
             if let Some(base) = f32_case.and_then(|o| o.floats_per_s()) {
-                eprintln!("{:<22} {:.0} M floats/s each way, {:.2}x the f32 case", "", f / 1e6, f / base);
+                eprintln!("{:<26} {:.0} M floats/s each way, {:.2}x the f32 case", "", f / 1e6, f / base);
             }
         } else if r.bytes < 1 << 20 {
             let (gaps, tls) = (r.ms_per_round(&r.gaps), r.ms_per_round(&r.tcp_tls));
-            eprintln!("{:<22} {gaps:.3} ms per push+pull, {tls:.3} ms per TCP+TLS echo", "");
+            eprintln!("{:<26} {gaps:.3} ms per push+pull, {tls:.3} ms per TCP+TLS echo", "");
         }
     }
     if json {

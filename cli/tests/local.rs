@@ -73,12 +73,16 @@ fn the_transport_bench_measures_the_sizes_it_is_given() {
     }
 }
 
-/// `--processes`: the same cases against `gaps server` processes (a dense and a sparse case, one round
-/// each), said so in every JSON line; the cases with copies are left out there.
+/// `--processes`: the same cases against `gaps server` processes (a dense case and the two sparse ones, one
+/// round each), said so in every JSON line; the cases with copies are left out there.
 #[test]
 fn the_transport_bench_runs_its_shards_as_processes_when_asked() {
     let lines = json_lines(&transport_bench(&["--processes", "--floats", "1000"]));
-    assert_eq!(case_names(&lines), ["push_pull_1shard_1000", "sparse_1shard_4096x16"], "{lines:?}");
+    assert_eq!(
+        case_names(&lines),
+        ["push_pull_1shard_1000", "sparse_1shard_4096x16", "sparse_step_1shard_4096x16"],
+        "{lines:?}"
+    );
     for l in &lines {
         assert_eq!(l["processes"], true, "{l}");
         assert!(l["rounds"].as_u64() >= Some(1) && l["cpu_s_per_gb"].as_f64() > Some(0.0), "{l}");
