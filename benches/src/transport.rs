@@ -462,6 +462,7 @@ async fn dense_case(
 /// pulled the round before, a push of the 16-float dense tensor answered with its values, and the next
 /// batch's rows — one request per shard.
 async fn sparse_case(certs: &ClusterCerts, shards: u32, steps: bool, opts: &TransportOptions) -> Result<Measured> {
+    anyhow::ensure!(opts.sparse_rows >= 2 * SPARSE_ROWS, "the sparse table needs at least {} rows", 2 * SPARSE_ROWS);
     let layout =
         Layout::with_tables(vec![TensorSpec::new("dense", 16)], 1 << 18, vec![SparseSpec::new("bench", SPARSE_DIM)])?;
     let servers = Shards::start(certs, shards, 1, &layout, opts.processes).await?;

@@ -338,6 +338,16 @@ impl SparseTable {
         self.index[i] = self.entry(hash, row);
     }
 
+    /// Whether `rows` more rows fit without growing the index (a rebuild of all of it), the metadata (a copy
+    /// of all of it) or the rows' arena (a remap): creating them then costs in proportion to `rows`, not to
+    /// the table.
+    pub fn has_room_for(&self, rows: u64) -> bool {
+        let after = (self.meta.len() as u64).saturating_add(rows);
+        after.saturating_mul(5) <= self.index.len() as u64 * 4
+            && after <= self.meta.capacity() as u64
+            && after.saturating_mul(self.stride as u64) <= self.data.capacity() as u64
+    }
+
     fn grow_index_if_needed(&mut self) {
         if (self.meta.len() + 1) * 5 <= self.index.len() * 4 {
             return;

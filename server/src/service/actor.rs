@@ -120,19 +120,23 @@ pub(super) struct CoreQueue {
 }
 
 /// Elements of the largest request a connection's task runs inline — the larger of what it carries and what
-/// its reply can hold — and rows of the most embedding rows it reads or updates ([`request_rows`]): a few
-/// hundred microseconds of the core's work for rows the table holds, a few milliseconds at most where all
-/// of them are created. The runtime's other threads take the connection's other tasks meanwhile; what the
-/// queue saves is two thread wake-ups a request. Measured 2026-11-29 (`gaps bench transport --only sparse`,
-/// 4,096 rows of 16): rows/s +10-14 % with one shard and +31-37 % with two against 16 Ki elements (which
-/// sent every row request of a training step to the core's thread), end to end unchanged.
+/// its reply can hold — and rows of the most embedding rows it reads or updates ([`request_rows`]): 1-2 ms
+/// of the core's work at most on this project's 2-core development VM (a row read and updated costs ~250 ns
+/// in a 10 M-row table, and a row created ~1 µs), and a request that could make a table grow its index,
+/// metadata or arena (a cost in proportion to the table) goes to the queue
+/// ([`gaps_shard::ShardCore::table_has_room_for`]). The runtime's other threads take the connection's
+/// other tasks meanwhile; what the queue saves is two thread wake-ups a request. Measured 2026-11-29
+/// (`gaps bench transport --only sparse`, 4,096 rows of 16): rows/s +10-14 % with one shard and +31-37 %
+/// with two against 16 Ki elements (which sent every row request of a training step to the core's thread),
+/// end to end unchanged.
 const INLINE_MAX_ELEMS: u64 = 128 * 1024;
 /// See [`INLINE_MAX_ELEMS`].
 const INLINE_MAX_ROWS: u64 = 8 * 1024;
 
 impl CoreQueue {
     /// Runs `frame` on the calling task and returns the receiver of its answer, when it is a small training
-    /// request (by the larger of its payload's and its reply's elements) and the core is idle:
+    /// request (by the larger of its payload's and its reply's elements, and by its rows; rows it may create
+    /// fit in their table as it is) and the core is idle:
     /// no command queued, no one running one, no checkpoint waiting for its point (whose copy would run here),
     /// no request record, no request held (which a step would release here). A push runs inline only in
     /// asynchronous training, where it applies its own gradient and never a whole synchronous step. Otherwise
@@ -153,8 +157,14 @@ impl CoreQueue {
         let Ok(mut actor) = self.seat.try_lock() else { return Err(frame) };
         let stepped = push && actor.core.active_mode() != gaps_shard::Mode::Async;
         let answered = reply_elems(&actor.core.config().layout, &frame.msg);
+        let creates = match &frame.msg {
+            Message::SparsePull(p) if p.create => Some(p),
+            Message::Step(s) => s.next_rows.as_ref().filter(|p| p.create),
+            _ => None,
+        };
         if stepped
             || answered > INLINE_MAX_ELEMS
+            || creates.is_some_and(|p| !actor.core.table_has_room_for(p.table, u64::from(p.count)))
             || actor.pending.is_some()
             || actor.record.is_some()
             || !actor.parked.is_empty()

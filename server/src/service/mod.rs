@@ -5,10 +5,10 @@
 //! The core is an actor: it lives on its own OS thread and is fed by a **bounded** queue of commands, each
 //! with a reply channel. One exception saves the two thread hand-offs a small request costs: when the core is
 //! idle (nothing queued, nobody running a command, no request held), a QUIC task runs a small training
-//! request (at most 16 Ki elements carried or answered: tens of microseconds of work; a push only in
-//! asynchronous training, where it never completes a synchronous step) itself, under the core's lock
-//! ([`actor::CoreQueue::try_inline`]); a task never waits for that lock, and nothing larger runs on the
-//! async runtime. Before
+//! request (at most 128 Ki elements carried or answered and 8 Ki embedding rows, none that could make a
+//! table grow: 1-2 ms of work at most; a push only in asynchronous training, where it never completes a
+//! synchronous step) itself, under the core's lock ([`actor::CoreQueue::try_inline`]); a task never waits
+//! for that lock, and nothing larger runs on the async runtime. Before
 //! a stream's payload is read, its task reserves the payload's (and the expected reply's) bytes from a
 //! fixed in-flight budget; when the budget or the queue is full the task waits, QUIC flow control stops
 //! the sender, and memory stays bounded however many requests arrive.

@@ -19,6 +19,13 @@ impl ShardCore {
         Ok(ids)
     }
 
+    /// Whether table `table` can create `rows` rows without growing its index, metadata or arena (see
+    /// [`crate::sparse::SparseTable::has_room_for`]); true for a table that does not exist (the request is
+    /// refused before it creates anything).
+    pub fn table_has_room_for(&self, table: u32, rows: u64) -> bool {
+        self.tables.get(table as usize).is_none_or(|t| t.has_room_for(rows))
+    }
+
     pub(super) fn sparse_pull(&mut self, req: &SparsePull, payload: &[f32], now_s: u32) -> Result<Frame, ShardError> {
         self.check_epoch(req.epoch)?;
         let ids = self.sparse_ids(req.table, req.count, payload)?;

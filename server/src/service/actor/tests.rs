@@ -25,9 +25,9 @@ fn pull() -> Box<Frame> {
     Box::new(Frame::new(Message::Pull(Pull { epoch: 1, chunks: vec![ChunkId { tensor: 0, chunk: 1 }] })))
 }
 
-/// A row pull of `count` distinct ids (creating them), with its ids as its payload.
-fn pull_rows(count: u32) -> Box<Frame> {
-    let mut frame = Frame::new(Message::SparsePull(SparsePull { epoch: 1, table: 0, count, create: true }));
+/// A row pull of `count` distinct ids (creating the missing ones when `create`), with its ids as its payload.
+fn pull_rows(count: u32, create: bool) -> Box<Frame> {
+    let mut frame = Frame::new(Message::SparsePull(SparsePull { epoch: 1, table: 0, count, create }));
     let ids: Vec<u64> = (0..u64::from(count)).collect();
     gaps_common::wire::ids_to_words(&ids, &mut frame.payload);
     Box::new(frame)
@@ -59,17 +59,57 @@ fn a_small_request_runs_inline_only_while_the_core_is_idle() {
     // anything but training requests go to the core's thread.
     let rows = SparsePull { epoch: 1, table: 0, count: 70_000, create: true };
     assert!(queue.try_inline(Box::new(Frame::new(Message::SparsePull(rows))), true).is_err(), "140,000 ids");
-    let many = SparsePull { epoch: 1, table: 0, count: 9_000, create: true };
+    let many = SparsePull { epoch: 1, table: 0, count: 9_000, create: false };
     assert!(queue.try_inline(Box::new(Frame::new(Message::SparsePull(many))), true).is_err(), "9,000 rows");
+    let mut heavy = Frame::new(Message::SparsePull(SparsePull { epoch: 1, table: 0, count: 100, create: false }));
+    heavy.payload = vec![0.0; 140 * 1024];
+    assert!(queue.try_inline(Box::new(heavy), true).is_err(), "140 Ki words carried");
     let every_chunk: Vec<ChunkId> = (0..4).cycle().take(8300).map(|chunk| ChunkId { tensor: 0, chunk }).collect();
     let big = Message::Pull(Pull { epoch: 1, chunks: every_chunk });
     assert!(queue.try_inline(Box::new(Frame::new(big)), true).is_err(), "132,800 values back");
-    let mut answered = queue.try_inline(pull_rows(8_000), true).expect("8,000 rows of 4: run here");
+    // Rows that could make the table grow (a fresh table's index holds 819 rows) stay off the task; rows
+    // read without creating, or few enough to fit, run here.
+    assert!(queue.try_inline(pull_rows(1_000, true), true).is_err(), "1,000 rows created would grow the index");
+    let mut answered = queue.try_inline(pull_rows(8_000, false), true).expect("8,000 rows of 4 read: run here");
     let (reply, ..) = answered.try_recv().expect("answered before the call returned");
     assert_eq!(reply.payload.len(), 8_000 * 5, "versions and rows");
+    // Once the core's thread has created 600 rows (and so reserved room for more), a pull whose rows would fit
+    // were they all new runs here; one that would pass the index's 819 does not.
+    {
+        let (reply, _answer) = oneshot::channel();
+        let mut actor = queue.seat.lock().expect("lock");
+        actor.run(Command::Handle { frame: pull_rows(600, true), finite: true, reply });
+        actor.after_command();
+    }
+    let mut answered = queue.try_inline(pull_rows(150, true), true).expect("150 rows fit: run here");
+    assert_eq!(answered.try_recv().expect("answered").0.payload.len(), 150 * 5);
+    assert!(queue.try_inline(pull_rows(300, true), true).is_err(), "300 more rows could grow the index");
     let stats = Box::new(Frame::new(Message::StatsRequest(StatsRequest)));
     assert!(queue.try_inline(stats, true).is_err(), "not a training request");
     assert!(queue.try_inline(pull(), true).is_ok(), "idle again");
+}
+
+/// A step's rows are its row push's and its next rows' together.
+#[test]
+fn a_steps_rows_are_counted_together() {
+    let push = gaps_common::wire::Push {
+        epoch: 1,
+        worker: 1,
+        seq: 2,
+        chunks: Vec::new(),
+        compute_ms: 0,
+        step: 0,
+        decisions: Default::default(),
+        data: None,
+    };
+    let rows =
+        gaps_common::wire::SparsePush { epoch: 1, worker: 1, seq: 1, table: 0, count: 4_096, dim: 4, echo_read: false };
+    let next = SparsePull { epoch: 1, table: 0, count: 4_097, create: true };
+    let step = Message::Step(gaps_common::wire::Step { rows: Some(rows), push, next_rows: Some(next) });
+    assert_eq!(request_rows(&step), 8_193);
+    let rt = tokio::runtime::Builder::new_current_thread().build().expect("runtime");
+    let (queue, _receiver) = idle_core(&rt, gaps_shard::Mode::Async);
+    assert!(queue.try_inline(Box::new(Frame::new(step)), true).is_err(), "8,193 rows");
 }
 
 #[test]
