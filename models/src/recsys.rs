@@ -160,55 +160,38 @@ pub fn forward(
     logits: &mut Vec<f32>,
     mut grads: Option<(&mut [Vec<f32>], &mut [f32])>,
 ) -> f32 {
+    if shape.model == CtrModel::Dlrm {
+        return dlrm_forward((shape, dense, rows), (batch, samples), logits, grads);
+    }
     let d = shape.row_dim();
     let k = shape.embedding_dim as usize;
     let scale = 1.0 / samples.len().max(1) as f32;
     let mut loss = 0.0f32;
     logits.clear();
-    let hidden = shape.hidden as usize;
-    let input_len = if shape.model == CtrModel::Dlrm { shape.dlrm_input() } else { 0 };
-    let (mut z, mut h, mut dz) = (vec![0.0f32; input_len], vec![0.0f32; hidden], vec![0.0f32; input_len]);
     let mut sums = vec![0.0f32; k];
     for (i, s) in samples.iter().enumerate() {
         let slots = &batch.slots[i * NUM_CAT..(i + 1) * NUM_CAT];
         let x: [f32; NUM_INT] = std::array::from_fn(|j| s.log_int(j));
-        let logit = match shape.model {
-            CtrModel::Lr | CtrModel::Fm => {
-                let (w_int, bias) = (&dense[0], dense[1][0]);
-                let mut logit = bias + x.iter().zip(w_int).map(|(x, w)| x * w).sum::<f32>();
-                sums.iter_mut().for_each(|v| *v = 0.0);
-                let mut squares = 0.0f32;
-                for slot in slots.iter().filter(|s| **s != MISSING) {
-                    let row = &rows[*slot as usize * d..(*slot as usize + 1) * d];
-                    logit += row[0];
-                    if shape.model == CtrModel::Fm {
-                        for (j, v) in row[1..].iter().enumerate() {
-                            sums[j] += v;
-                            squares += v * v;
-                        }
-                    }
-                }
+        // Lr or Fm (DLRM is dlrm_forward).
+        let logit = {
+            let (w_int, bias) = (&dense[0], dense[1][0]);
+            let mut logit = bias + x.iter().zip(w_int).map(|(x, w)| x * w).sum::<f32>();
+            sums.iter_mut().for_each(|v| *v = 0.0);
+            let mut squares = 0.0f32;
+            for slot in slots.iter().filter(|s| **s != MISSING) {
+                let row = &rows[*slot as usize * d..(*slot as usize + 1) * d];
+                logit += row[0];
                 if shape.model == CtrModel::Fm {
-                    logit += 0.5 * (sums.iter().map(|v| v * v).sum::<f32>() - squares);
-                }
-                logit
-            }
-            CtrModel::Dlrm => {
-                z[..NUM_INT].copy_from_slice(&x);
-                for (f, slot) in slots.iter().enumerate() {
-                    let dst = &mut z[NUM_INT + f * k..NUM_INT + (f + 1) * k];
-                    if *slot == MISSING {
-                        dst.iter_mut().for_each(|v| *v = 0.0);
-                    } else {
-                        dst.copy_from_slice(&rows[*slot as usize * d..(*slot as usize + 1) * d]);
+                    for (j, v) in row[1..].iter().enumerate() {
+                        sums[j] += v;
+                        squares += v * v;
                     }
                 }
-                let (w1, b1, w2, b2) = (&dense[0], &dense[1], &dense[2], dense[3][0]);
-                for u in 0..hidden {
-                    h[u] = (b1[u] + dot(&w1[u * input_len..(u + 1) * input_len], &z)).max(0.0);
-                }
-                b2 + h.iter().zip(w2.iter()).map(|(h, w)| h * w).sum::<f32>()
             }
+            if shape.model == CtrModel::Fm {
+                logit += 0.5 * (sums.iter().map(|v| v * v).sum::<f32>() - squares);
+            }
+            logit
         };
         logits.push(logit);
         let p = sigmoid(logit).clamp(1e-7, 1.0 - 1e-7);
@@ -216,47 +199,15 @@ pub fn forward(
         loss -= y * p.ln() + (1.0 - y) * (1.0 - p).ln();
         let Some((gd, gr)) = grads.as_mut() else { continue };
         let dl = (p - y) * scale;
-        match shape.model {
-            CtrModel::Lr | CtrModel::Fm => {
-                gd[0].iter_mut().zip(&x).for_each(|(g, x)| *g += dl * x);
-                gd[1][0] += dl;
-                for slot in slots.iter().filter(|s| **s != MISSING) {
-                    let base = *slot as usize * d;
-                    gr[base] += dl;
-                    if shape.model == CtrModel::Fm {
-                        for j in 0..k {
-                            // ∂/∂v_fj of ½[(Σ v)² − Σ v²] = S_j − v_fj.
-                            gr[base + 1 + j] += dl * (sums[j] - rows[base + 1 + j]);
-                        }
-                    }
-                }
-            }
-            CtrModel::Dlrm => {
-                let (w1, w2) = (&dense[0], &dense[2]);
-                gd[3][0] += dl;
-                dz.iter_mut().for_each(|v| *v = 0.0);
-                for u in 0..hidden {
-                    gd[2][u] += dl * h[u];
-                    if h[u] <= 0.0 {
-                        continue;
-                    }
-                    let dh = dl * w2[u];
-                    gd[1][u] += dh;
-                    let row = &w1[u * input_len..(u + 1) * input_len];
-                    let grow = &mut gd[0][u * input_len..(u + 1) * input_len];
-                    for q in 0..input_len {
-                        grow[q] += dh * z[q];
-                        dz[q] += dh * row[q];
-                    }
-                }
-                for (f, slot) in slots.iter().enumerate() {
-                    if *slot != MISSING {
-                        let base = *slot as usize * d;
-                        gr[base..base + k]
-                            .iter_mut()
-                            .zip(&dz[NUM_INT + f * k..NUM_INT + (f + 1) * k])
-                            .for_each(|(g, v)| *g += v);
-                    }
+        gd[0].iter_mut().zip(&x).for_each(|(g, x)| *g += dl * x);
+        gd[1][0] += dl;
+        for slot in slots.iter().filter(|s| **s != MISSING) {
+            let base = *slot as usize * d;
+            gr[base] += dl;
+            if shape.model == CtrModel::Fm {
+                for j in 0..k {
+                    // ∂/∂v_fj of ½[(Σ v)² − Σ v²] = S_j − v_fj.
+                    gr[base + 1 + j] += dl * (sums[j] - rows[base + 1 + j]);
                 }
             }
         }
@@ -264,21 +215,134 @@ pub fn forward(
     loss
 }
 
-/// The dot product of `a` and `b` (as long as the shorter), summed in 16 independent lanes so that the
-/// compiler vectorizes it (a single running sum is one dependent addition after another: a quarter of the
-/// speed or less).
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    const LANES: usize = 16;
-    let n = a.len().min(b.len());
-    let (a, b) = (a[..n].chunks_exact(LANES), b[..n].chunks_exact(LANES));
-    let tail: f32 = a.remainder().iter().zip(b.remainder()).map(|(x, y)| x * y).sum();
-    let mut acc = [0.0f32; LANES];
-    for (x, y) in a.zip(b) {
-        for l in 0..LANES {
-            acc[l] += x[l] * y[l];
+/// `c = a · b (+ c when accumulate)` for row-major `a` (`m × k`, row stride `rsa`, column stride `csa`), `b`
+/// (`k × n`, strides `rsb`, `csb`) and `c` (`m × n`, row-major): one call of `matrixmultiply`'s sgemm (its
+/// kernels chosen for the CPU at run time).
+#[allow(clippy::too_many_arguments)]
+fn gemm(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: (&[f32], usize, usize),
+    b: (&[f32], usize, usize),
+    c: &mut [f32],
+    accumulate: bool,
+) {
+    let ((a, rsa, csa), (b, rsb, csb)) = (a, b);
+    let last = |rows: usize, cols: usize, rs: usize, cs: usize| {
+        if rows == 0 || cols == 0 {
+            0
+        } else {
+            (rows - 1) * rs + (cols - 1) * cs + 1
+        }
+    };
+    // The bounds the unsafe call relies on, checked in every build: a wrong stride is a panic, never a read
+    // or write outside the slices.
+    assert!(
+        a.len() >= last(m, k, rsa, csa) && b.len() >= last(k, n, rsb, csb) && c.len() >= m * n,
+        "gemm: {m}×{k}×{n} does not fit its buffers"
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    let beta = if accumulate { 1.0 } else { 0.0 };
+    #[allow(unsafe_code)]
+    // SAFETY: every element sgemm reads (a[i·rsa + p·csa] for i < m, p < k; b[p·rsb + j·csb] for p < k,
+    // j < n) and writes (c[i·n + j] for i < m, j < n) lies within its slice, as asserted above; `c` is a
+    // unique borrow that overlaps neither `a` nor `b`; strides fit isize (they index slices that exist).
+    unsafe {
+        matrixmultiply::sgemm(
+            m,
+            k,
+            n,
+            1.0,
+            a.as_ptr(),
+            rsa as isize,
+            csa as isize,
+            b.as_ptr(),
+            rsb as isize,
+            csb as isize,
+            beta,
+            c.as_mut_ptr(),
+            n as isize,
+            1,
+        );
+    }
+}
+
+/// [`forward`] of DLRM, the whole batch at once: the samples' inputs as the rows of one matrix `Z`
+/// (`samples × input`: log integer features, then each field's embedding, zeros where missing), the hidden
+/// layer as one product `Z · W1ᵀ`, and the backward pass as two more (`dW1 += dHᵀ · Z`, `dZ = dH · W1`) —
+/// where sample by sample it was a matrix-vector product each, reading `W1` from the caches twice a sample.
+/// The model is (shape, dense tensors, the batch's rows), the data (its index, its samples).
+fn dlrm_forward(
+    (shape, dense, rows): (&CtrShape, &[Vec<f32>], &[f32]),
+    (batch, samples): (&IndexedBatch, &[Sample]),
+    logits: &mut Vec<f32>,
+    grads: Option<(&mut [Vec<f32>], &mut [f32])>,
+) -> f32 {
+    let (d, k, hidden) = (shape.row_dim(), shape.embedding_dim as usize, shape.hidden as usize);
+    let (input, n) = (shape.dlrm_input(), samples.len());
+    let scale = 1.0 / n.max(1) as f32;
+    let (w1, b1, w2, b2) = (&dense[0], &dense[1], &dense[2], dense[3][0]);
+    let mut z = vec![0.0f32; n * input];
+    for (i, s) in samples.iter().enumerate() {
+        let zi = &mut z[i * input..(i + 1) * input];
+        for (j, v) in zi[..NUM_INT].iter_mut().enumerate() {
+            *v = s.log_int(j);
+        }
+        for (f, slot) in batch.slots[i * NUM_CAT..(i + 1) * NUM_CAT].iter().enumerate() {
+            if *slot != MISSING {
+                let row = &rows[*slot as usize * d..*slot as usize * d + k];
+                zi[NUM_INT + f * k..NUM_INT + (f + 1) * k].copy_from_slice(row);
+            }
         }
     }
-    acc.iter().sum::<f32>() + tail
+    // h = relu(Z · W1ᵀ + b1); W1 is row-major [hidden, input], so W1ᵀ has row stride 1, column stride input.
+    let mut h = vec![0.0f32; n * hidden];
+    gemm(n, input, hidden, (&z, input, 1), (w1, 1, input), &mut h, false);
+    let mut dl = vec![0.0f32; n];
+    let mut loss = 0.0f32;
+    logits.clear();
+    for (i, s) in samples.iter().enumerate() {
+        let hi = &mut h[i * hidden..(i + 1) * hidden];
+        hi.iter_mut().zip(b1.iter()).for_each(|(v, b)| *v = (*v + b).max(0.0));
+        let logit = b2 + hi.iter().zip(w2.iter()).map(|(h, w)| h * w).sum::<f32>();
+        logits.push(logit);
+        let p = sigmoid(logit).clamp(1e-7, 1.0 - 1e-7);
+        let y = f32::from(s.label);
+        loss -= y * p.ln() + (1.0 - y) * (1.0 - p).ln();
+        dl[i] = (p - y) * scale;
+    }
+    let Some((gd, gr)) = grads else { return loss };
+    // dH (samples × hidden): the logit's gradient through w2 and the ReLU.
+    let mut dh = vec![0.0f32; n * hidden];
+    for i in 0..n {
+        gd[3][0] += dl[i];
+        for u in 0..hidden {
+            let hu = h[i * hidden + u];
+            gd[2][u] += dl[i] * hu;
+            if hu > 0.0 {
+                let g = dl[i] * w2[u];
+                dh[i * hidden + u] = g;
+                gd[1][u] += g;
+            }
+        }
+    }
+    // dW1 += dHᵀ · Z (dHᵀ: row stride 1, column stride hidden); dZ = dH · W1.
+    gemm(hidden, n, input, (&dh, 1, hidden), (&z, input, 1), &mut gd[0], true);
+    let mut dz = z;
+    gemm(n, hidden, input, (&dh, hidden, 1), (w1, input, 1), &mut dz, false);
+    for (i, slots) in batch.slots.chunks_exact(NUM_CAT).take(n).enumerate() {
+        for (f, slot) in slots.iter().enumerate() {
+            if *slot != MISSING {
+                let base = *slot as usize * d;
+                let from = &dz[i * input + NUM_INT + f * k..i * input + NUM_INT + (f + 1) * k];
+                gr[base..base + k].iter_mut().zip(from).for_each(|(g, v)| *g += v);
+            }
+        }
+    }
+    loss
 }
 
 #[cfg(test)]
@@ -286,16 +350,23 @@ mod tests {
     use super::*;
     use crate::criteo::SyntheticCriteo;
 
-    fn setup(model: CtrModel) -> (CtrShape, Vec<Vec<f32>>, Vec<f32>, IndexedBatch, Vec<Sample>) {
-        let shape = CtrShape { model, embedding_dim: 3, hidden: 5 };
+    type Setup = (CtrShape, Vec<Vec<f32>>, Vec<f32>, IndexedBatch, Vec<Sample>);
+
+    fn setup(model: CtrModel) -> Setup {
+        setup_shaped(CtrShape { model, embedding_dim: 3, hidden: 5 }, 6, (4, 2), 0.3)
+    }
+
+    /// Random weights (seed `seeds.0`, standard deviation `std`) and rows for `n` synthetic samples (seed
+    /// `seeds.1`) of `shape`.
+    fn setup_shaped(shape: CtrShape, n: u64, seeds: (u64, u64), std: f64) -> Setup {
         let layout = shape.layout(1 << 16).expect("layout");
-        let mut rng = gaps_common::rng::Rng::new(4);
+        let mut rng = gaps_common::rng::Rng::new(seeds.0);
         let dense: Vec<Vec<f32>> =
-            layout.tensors.iter().map(|t| (0..t.len).map(|_| rng.normal() as f32 * 0.3).collect()).collect();
-        let data = SyntheticCriteo::new(2);
-        let samples: Vec<Sample> = (0..6).map(|i| data.sample(i).0).collect();
+            layout.tensors.iter().map(|t| (0..t.len).map(|_| (rng.normal() * std) as f32).collect()).collect();
+        let data = SyntheticCriteo::new(seeds.1);
+        let samples: Vec<Sample> = (0..n).map(|i| data.sample(i).0).collect();
         let batch = index_batch(&samples);
-        let rows: Vec<f32> = (0..batch.ids.len() * shape.row_dim()).map(|_| rng.normal() as f32 * 0.3).collect();
+        let rows: Vec<f32> = (0..batch.ids.len() * shape.row_dim()).map(|_| (rng.normal() * std) as f32).collect();
         (shape, dense, rows, batch, samples)
     }
 
@@ -349,19 +420,78 @@ mod tests {
         assert!(CtrShape::from_layout(CtrModel::Fm, &layout).is_err());
     }
 
+    /// The batched DLRM (three matrix products) against a plain sample-by-sample computation in f64
+    /// written here: logits, loss and every gradient, dense and rows, at the default shape's proportions
+    /// and with missing fields.
     #[test]
-    fn dot_products_agree_with_a_plain_sum_at_every_length() {
-        let mut rng = gaps_common::rng::Rng::new(9);
-        for n in 0..70 {
-            let a: Vec<f32> = (0..n).map(|_| rng.normal() as f32).collect();
-            let b: Vec<f32> = (0..n + 3).map(|_| rng.normal() as f32).collect();
-            let want: f64 = a.iter().zip(&b).map(|(x, y)| f64::from(*x) * f64::from(*y)).sum();
-            let got = dot(&a, &b);
-            assert!((f64::from(got) - want).abs() <= 1e-5 * (1.0 + want.abs()), "n {n}: {got} against {want}");
-            // Small integers sum exactly in any order.
-            let ints: Vec<f32> = (0..n).map(|i| (i % 7) as f32 - 3.0).collect();
-            let exact: f32 = ints.iter().map(|x| x * x).sum();
-            assert_eq!(dot(&ints, &ints), exact, "n {n}");
+    fn batched_dlrm_agrees_with_a_sample_by_sample_reference() {
+        let shape = CtrShape { model: CtrModel::Dlrm, embedding_dim: 4, hidden: 7 };
+        let (shape, dense, rows, mut batch, samples) = setup_shaped(shape, 37, (11, 5), 0.2);
+        batch.slots[3] = MISSING;
+        batch.slots[NUM_CAT * 5 + 7] = MISSING;
+        let d = shape.row_dim();
+        // Gradients are added to what the buffers hold (a batch cut into parts adds up).
+        let mut gd: Vec<Vec<f32>> = dense.iter().map(|t| vec![0.5; t.len()]).collect();
+        let mut gr = vec![0.25; rows.len()];
+        let mut logits = Vec::new();
+        let loss = forward(&shape, &dense, &rows, &batch, &samples, &mut logits, Some((&mut gd, &mut gr)));
+        gd.iter_mut().flatten().for_each(|g| *g -= 0.5);
+        gr.iter_mut().for_each(|g| *g -= 0.25);
+
+        let (k, hidden, input) = (4usize, 7usize, shape.dlrm_input());
+        let mut want_gd: Vec<Vec<f64>> = dense.iter().map(|t| vec![0.0; t.len()]).collect();
+        let mut want_gr = vec![0.0f64; rows.len()];
+        let mut want_loss = 0.0f64;
+        for (i, s) in samples.iter().enumerate() {
+            let slots = &batch.slots[i * NUM_CAT..(i + 1) * NUM_CAT];
+            let mut z = vec![0.0f64; input];
+            for (j, v) in z.iter_mut().take(NUM_INT).enumerate() {
+                *v = f64::from(s.log_int(j));
+            }
+            for (f, slot) in slots.iter().enumerate().filter(|(_, s)| **s != MISSING) {
+                for j in 0..k {
+                    z[NUM_INT + f * k + j] = f64::from(rows[*slot as usize * d + j]);
+                }
+            }
+            let h: Vec<f64> = (0..hidden)
+                .map(|u| {
+                    let pre: f64 = (0..input).map(|q| f64::from(dense[0][u * input + q]) * z[q]).sum();
+                    (pre + f64::from(dense[1][u])).max(0.0)
+                })
+                .collect();
+            let logit = f64::from(dense[3][0]) + (0..hidden).map(|u| h[u] * f64::from(dense[2][u])).sum::<f64>();
+            assert!((logit - f64::from(logits[i])).abs() < 1e-4, "sample {i}: logit {} against {logit}", logits[i]);
+            let p = (1.0 / (1.0 + (-logit).exp())).clamp(1e-7, 1.0 - 1e-7);
+            let y = f64::from(s.label);
+            want_loss -= y * p.ln() + (1.0 - y) * (1.0 - p).ln();
+            let dl = (p - y) / samples.len() as f64;
+            want_gd[3][0] += dl;
+            for u in 0..hidden {
+                want_gd[2][u] += dl * h[u];
+                if h[u] > 0.0 {
+                    let dh = dl * f64::from(dense[2][u]);
+                    want_gd[1][u] += dh;
+                    for q in 0..input {
+                        want_gd[0][u * input + q] += dh * z[q];
+                    }
+                    for (f, slot) in slots.iter().enumerate().filter(|(_, s)| **s != MISSING) {
+                        for j in 0..k {
+                            want_gr[*slot as usize * d + j] +=
+                                dh * f64::from(dense[0][u * input + NUM_INT + f * k + j]);
+                        }
+                    }
+                }
+            }
         }
+        assert!((want_loss - f64::from(loss)).abs() < 1e-3 * want_loss.max(1.0), "loss {loss} against {want_loss}");
+        for (t, (got, want)) in gd.iter().zip(&want_gd).enumerate() {
+            for (j, (g, w)) in got.iter().zip(want).enumerate() {
+                assert!((f64::from(*g) - w).abs() < 1e-5, "dense {t}/{j}: {g} against {w}");
+            }
+        }
+        for (q, (g, w)) in gr.iter().zip(&want_gr).enumerate() {
+            assert!((f64::from(*g) - w).abs() < 1e-5, "row value {q}: {g} against {w}");
+        }
+        assert!(gr.iter().any(|g| *g != 0.0) && gd[0].iter().any(|g| *g != 0.0), "gradients reach rows and weights");
     }
 }
