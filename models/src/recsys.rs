@@ -194,11 +194,9 @@ pub fn forward(
             logit
         };
         logits.push(logit);
-        let p = sigmoid(logit).clamp(1e-7, 1.0 - 1e-7);
-        let y = f32::from(s.label);
-        loss -= y * p.ln() + (1.0 - y) * (1.0 - p).ln();
+        let (sample_loss, dl) = log_loss(logit, s.label, scale);
+        loss += sample_loss;
         let Some((gd, gr)) = grads.as_mut() else { continue };
-        let dl = (p - y) * scale;
         gd[0].iter_mut().zip(&x).for_each(|(g, x)| *g += dl * x);
         gd[1][0] += dl;
         for slot in slots.iter().filter(|s| **s != MISSING) {
@@ -215,10 +213,16 @@ pub fn forward(
     loss
 }
 
+/// A sample's log-loss at `logit` for `label`, and its gradient with respect to the logit times `scale`.
+fn log_loss(logit: f32, label: u8, scale: f32) -> (f32, f32) {
+    let p = sigmoid(logit).clamp(1e-7, 1.0 - 1e-7);
+    let y = f32::from(label);
+    (-(y * p.ln() + (1.0 - y) * (1.0 - p).ln()), (p - y) * scale)
+}
+
 /// `c = a · b (+ c when accumulate)` for row-major `a` (`m × k`, row stride `rsa`, column stride `csa`), `b`
 /// (`k × n`, strides `rsb`, `csb`) and `c` (`m × n`, row-major): one call of `matrixmultiply`'s sgemm (its
 /// kernels chosen for the CPU at run time).
-#[allow(clippy::too_many_arguments)]
 fn gemm(
     m: usize,
     k: usize,
@@ -309,10 +313,9 @@ fn dlrm_forward(
         hi.iter_mut().zip(b1.iter()).for_each(|(v, b)| *v = (*v + b).max(0.0));
         let logit = b2 + hi.iter().zip(w2.iter()).map(|(h, w)| h * w).sum::<f32>();
         logits.push(logit);
-        let p = sigmoid(logit).clamp(1e-7, 1.0 - 1e-7);
-        let y = f32::from(s.label);
-        loss -= y * p.ln() + (1.0 - y) * (1.0 - p).ln();
-        dl[i] = (p - y) * scale;
+        let (sample_loss, g) = log_loss(logit, s.label, scale);
+        loss += sample_loss;
+        dl[i] = g;
     }
     let Some((gd, gr)) = grads else { return loss };
     // dH (samples × hidden): the logit's gradient through w2 and the ReLU.

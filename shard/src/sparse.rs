@@ -343,13 +343,18 @@ impl SparseTable {
     /// the table.
     pub fn has_room_for(&self, rows: u64) -> bool {
         let after = (self.meta.len() as u64).saturating_add(rows);
-        after.saturating_mul(5) <= self.index.len() as u64 * 4
+        self.index_holds(after)
             && after <= self.meta.capacity() as u64
             && after.saturating_mul(self.stride as u64) <= self.data.capacity() as u64
     }
 
+    /// Whether the index holds `rows` rows within its load factor (0.8).
+    fn index_holds(&self, rows: u64) -> bool {
+        rows.saturating_mul(5) <= self.index.len() as u64 * 4
+    }
+
     fn grow_index_if_needed(&mut self) {
-        if (self.meta.len() + 1) * 5 <= self.index.len() * 4 {
+        if self.index_holds(self.meta.len() as u64 + 1) {
             return;
         }
         let capacity = self.index.len() * 2;
