@@ -7,6 +7,12 @@ impl Client {
     /// Pulls the whole model from all shards concurrently. Each shard's reply is read straight into the
     /// snapshot's tensors (no intermediate buffer, no zero-fill).
     pub async fn pull(&self) -> Result<Snapshot, ClientError> {
+        let client = self.clone();
+        on_runtime("pull", async move { client.pull_here().await }).await
+    }
+
+    /// [`Self::pull`] on the calling task.
+    async fn pull_here(&self) -> Result<Snapshot, ClientError> {
         let mut tensors = self.snapshot_buffers();
         let (mut sinks, requests_of) = self.pull_sinks(&mut tensors, None)?;
         let requests = sinks.iter_mut().zip(&requests_of).map(|(sink, (s, lane, chunks))| {
@@ -319,6 +325,17 @@ impl Client {
     /// Sends the shards' `pushes` of `grads` (see [`Self::dense_pushes`]) and takes their acks, with `pull`
     /// the new values where every shard could send them with its ack; waits where an ack asks to.
     pub(super) async fn send_pushes(
+        &self,
+        pushes: Vec<(usize, Push, Vec<Stripe>)>,
+        grads: Arc<Vec<Vec<f32>>>,
+        pull: bool,
+    ) -> Result<(PushSummary, Option<Snapshot>), ClientError> {
+        let client = self.clone();
+        on_runtime("push", async move { client.send_pushes_here(pushes, grads, pull).await }).await
+    }
+
+    /// [`Self::send_pushes`] on the calling task.
+    async fn send_pushes_here(
         &self,
         pushes: Vec<(usize, Push, Vec<Stripe>)>,
         grads: Arc<Vec<Vec<f32>>>,

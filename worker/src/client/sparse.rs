@@ -46,9 +46,11 @@ impl Client {
             let words = [net::f32_bytes(words)];
             tasks.spawn(async move { client.request(s, &msg, &words).await.map(|(frame, _)| (s, frame)) });
         }
-        let mut values = vec![0.0f32; ids.len() * dim];
-        let mut versions = vec![0u32; ids.len()];
-        while let Some(joined) = tasks.join_next().await {
+        let n = ids.len();
+        let (values, versions) = on_runtime("sparse pull", async move {
+            let mut values = vec![0.0f32; n * dim];
+            let mut versions = vec![0u32; n];
+            while let Some(joined) = tasks.join_next().await {
             let (s, frame) = joined.map_err(|e| ClientError::Shape(format!("sparse pull task failed: {e}")))??;
             let positions = &groups[s];
             let ok = matches!(&frame.msg, Message::SparsePullReply(r) if r.count as usize == positions.len() && r.dim as usize == dim);
@@ -64,6 +66,9 @@ impl Client {
                 values[k * dim..(k + 1) * dim].copy_from_slice(&rows[i * dim..(i + 1) * dim]);
             }
         }
+            Ok((values, versions))
+        })
+        .await?;
         Ok(SparseRows { ids: ids.to_vec(), values, versions, dim })
     }
 
@@ -88,21 +93,25 @@ impl Client {
                 client.request(s, &msg, &payload).await.map(|answer| (s, answer))
             });
         }
-        let mut summary = PushSummary::default();
-        while let Some(joined) = tasks.join_next().await {
-            let (s, (frame, retries)) =
-                joined.map_err(|e| ClientError::Shape(format!("sparse push task failed: {e}")))??;
-            summary.retries += retries;
-            match frame.msg {
-                Message::Ack(ack) => self.count_ack(s, &ack, &mut summary),
-                other => {
-                    return Err(
-                        RpcError::Unexpected { addr: "shard".into(), kind: net::kind_name(&other).into() }.into()
-                    )
+        let client = self.clone();
+        on_runtime("sparse push", async move {
+            let mut summary = PushSummary::default();
+            while let Some(joined) = tasks.join_next().await {
+                let (s, (frame, retries)) =
+                    joined.map_err(|e| ClientError::Shape(format!("sparse push task failed: {e}")))??;
+                summary.retries += retries;
+                match frame.msg {
+                    Message::Ack(ack) => client.count_ack(s, &ack, &mut summary),
+                    other => {
+                        return Err(
+                            RpcError::Unexpected { addr: "shard".into(), kind: net::kind_name(&other).into() }.into()
+                        )
+                    }
                 }
             }
-        }
-        Ok(summary)
+            Ok(summary)
+        })
+        .await
     }
 
     /// Shard `s`'s part of a sparse push of `worker` (the rows at `positions` of `rows`, their gradients in

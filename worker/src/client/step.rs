@@ -89,46 +89,71 @@ impl Client {
         let row_groups = self.by_shard(table, &rows.ids);
         let next_groups = next_ids.map(|ids| self.by_shard(table, ids));
         let dim = rows.dim;
+        // Each shard's request, made here from the borrowed rows and ids: (shard, message, payload, the
+        // rows it is asked for).
+        let requests: Vec<(usize, Message, Vec<net::Bytes>, usize)> = pushes
+            .into_iter()
+            .map(|(s, push, stripes)| {
+                let mut payload = Vec::with_capacity(2 + stripes.iter().map(|(_, p)| p.len()).sum::<usize>());
+                let row_push = (!row_groups[s].is_empty()).then(|| {
+                    let (header, values) = self.sparse_push_to(s, worker, table, (rows, row_grads), &row_groups[s]);
+                    payload.push(net::f32_bytes(values));
+                    header
+                });
+                payload.extend(stripes.into_iter().flat_map(|(_, p)| p));
+                let (next_rows, count) = match (next_ids, &next_groups) {
+                    (Some(ids), Some(groups)) if !groups[s].is_empty() => {
+                        let mut words = Vec::with_capacity(2 * groups[s].len());
+                        ids_to_words(&groups[s].iter().map(|k| ids[*k]).collect::<Vec<_>>(), &mut words);
+                        payload.push(net::f32_bytes(words));
+                        let count = groups[s].len() as u32;
+                        (Some(SparsePull { epoch: self.inner.map.epoch, table, count, create: true }), count)
+                    }
+                    _ => (None, 0),
+                };
+                (s, Message::Step(Step { rows: row_push, push, next_rows }), payload, count as usize)
+            })
+            .collect();
+        let client = self.clone();
+        let exchange = async move { client.step_exchange(requests, grads, (table, dim)).await };
+        let (summary, dense, rows_of) = on_runtime("step", exchange).await?;
+        let rows = match (next_ids, next_groups) {
+            (Some(ids), Some(groups)) => Some(self.gather_rows(table, ids, &groups, rows_of, dim).await?),
+            _ => None,
+        };
+        Ok(StepOutcome { summary, dense, rows })
+    }
+
+    /// The requests of a step (see [`Self::step`]) sent and answered: the acks, the next dense values
+    /// (pulled here where a shard did not send them) and each shard's rows where it sent them.
+    async fn step_exchange(
+        &self,
+        requests: Vec<(usize, Message, Vec<net::Bytes>, usize)>,
+        grads: Arc<Vec<Vec<f32>>>,
+        (table, dim): (u32, usize),
+    ) -> Result<(PushSummary, Snapshot, Vec<Option<Vec<f32>>>), ClientError> {
         let mut tensors = self.snapshot_buffers();
         let (sinks, requests_of) = self.pull_sinks(&mut tensors, Some(1))?;
         let mut sinks: Vec<StepInto<'_>> = sinks
             .into_iter()
-            .enumerate()
-            .map(|(s, dense)| {
-                let count = next_groups.as_ref().map_or(0, |g| g[s].len());
-                StepInto { dense, asked: (count > 0).then_some((table, count, dim)), rows: Vec::new(), got_rows: false }
+            .zip(&requests)
+            .map(|(dense, (_, _, _, count))| StepInto {
+                dense,
+                asked: (*count > 0).then_some((table, *count, dim)),
+                rows: Vec::new(),
+                got_rows: false,
             })
             .collect();
         let after_rows = self.inner.synchronous();
-        let requests = sinks.iter_mut().zip(pushes).map(|(sink, (s, push, stripes))| {
-            let mut payload = Vec::with_capacity(2 + stripes.iter().map(|(_, p)| p.len()).sum::<usize>());
-            let row_push = (!row_groups[s].is_empty()).then(|| {
-                let (header, values) = self.sparse_push_to(s, worker, table, (rows, row_grads), &row_groups[s]);
-                payload.push(net::f32_bytes(values));
-                header
-            });
-            payload.extend(stripes.into_iter().flat_map(|(_, p)| p));
-            let next_rows = match (next_ids, &next_groups) {
-                (Some(ids), Some(groups)) if !groups[s].is_empty() => {
-                    let mut words = Vec::with_capacity(2 * groups[s].len());
-                    ids_to_words(&groups[s].iter().map(|k| ids[*k]).collect::<Vec<_>>(), &mut words);
-                    payload.push(net::f32_bytes(words));
-                    let count = groups[s].len() as u32;
-                    Some(SparsePull { epoch: self.inner.map.epoch, table, count, create: true })
-                }
-                _ => None,
-            };
-            let msg = Message::Step(Step { rows: row_push, push, next_rows });
-            async move {
-                if after_rows {
-                    self.inner.shards[s].sparse_settled().await;
-                }
-                (s, self.request_with(s, &msg, &payload, sink).await)
+        let sent = sinks.iter_mut().zip(requests).map(|(sink, (s, msg, payload, _))| async move {
+            if after_rows {
+                self.inner.shards[s].sparse_settled().await;
             }
+            (s, self.request_with(s, &msg, &payload, sink).await)
         });
         let mut summary = PushSummary::default();
         let mut waits = Vec::new();
-        for (s, outcome) in join_all(requests.collect()).await {
+        for (s, outcome) in join_all(sent.collect()).await {
             if let Ok((Frame { msg: Message::StepReply(StepReply { rows: Some(ack), .. }), .. }, _)) = &outcome {
                 self.count_ack(s, ack, &mut summary);
             }
@@ -136,7 +161,8 @@ impl Client {
         }
         let filled = waits.is_empty() && sinks.iter().all(|sink| sink.dense.filled);
         let versions = filled.then(|| self.pulled_versions(sinks.iter().map(|s| &s.dense), &requests_of));
-        // The next rows, put in the order of `next_ids`; those of shards that did not send them pulled here.
+        // The next rows, put in the order of `next_ids` by the caller; those of shards that did not send
+        // them are pulled there.
         let rows_of: Vec<Option<Vec<f32>>> = sinks.into_iter().map(|sink| sink.got_rows.then_some(sink.rows)).collect();
         recycle_grads(grads);
         self.wait_all(waits).await?;
@@ -147,11 +173,7 @@ impl Client {
                 self.pull().await?
             }
         };
-        let rows = match (next_ids, next_groups) {
-            (Some(ids), Some(groups)) => Some(self.gather_rows(table, ids, &groups, rows_of, dim).await?),
-            _ => None,
-        };
-        Ok(StepOutcome { summary, dense, rows })
+        Ok((summary, dense, rows_of))
     }
 
     /// The rows `ids` of `table` from the shards' answers (`rows_of[s]`: versions, then values, of the ids
