@@ -690,17 +690,18 @@ mod tests {
             assert!(tokio::task::try_id().is_none(), "block_on's future is not a task");
             // Called from the block_on thread: the exchange runs as a task of its own, on another thread.
             let caller = std::thread::current().id();
-            let (id, thread) =
-                on_runtime("test", async { Ok((tokio::task::try_id(), std::thread::current().id())) }).await.unwrap();
+            let (id, thread) = on_runtime("test", async { Ok((tokio::task::try_id(), std::thread::current().id())) })
+                .await
+                .expect("ran");
             assert!(id.is_some(), "the exchange ran on the caller's thread, not as a task");
             assert_ne!(thread, caller);
             // Called from a task: run by that task itself.
             let spawned = tokio::spawn(async {
                 let outer = tokio::task::try_id();
-                let inner = on_runtime("test", async { Ok(tokio::task::try_id()) }).await.unwrap();
+                let inner = on_runtime("test", async { Ok(tokio::task::try_id()) }).await.expect("ran");
                 (outer, inner)
             });
-            let (outer, inner) = spawned.await.unwrap();
+            let (outer, inner) = spawned.await.expect("the task ran");
             assert!(outer.is_some());
             assert_eq!(inner, outer, "a task's exchange was spawned instead of run in place");
             // Errors come back as they were.
