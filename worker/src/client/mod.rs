@@ -229,8 +229,10 @@ async fn join_all<F: std::future::Future>(futures: Vec<F>) -> Vec<F::Output> {
 /// requests on the caller's thread woke it for every reply (a 2-shard 1,000-float push-pull: 8 context
 /// switches a round instead of 13.4, 1.10–1.18× faster; docs/results.md). A caller that is a task, or is
 /// outside any runtime, runs `exchange` itself. Dropping the returned future aborts the task, as dropping
-/// the requests themselves would have cancelled them. `what` names the call in the error of a task the
-/// runtime cancelled (it is shutting down).
+/// the requests themselves would have cancelled them — though the task stops at its next await, so a
+/// request being written as the caller drops it may still go out (a push is still applied at most once:
+/// its sequence number was taken before). `what` names the call in the error of a task the runtime
+/// cancelled (it is shutting down).
 async fn on_runtime<T: Send + 'static>(
     what: &str,
     exchange: impl std::future::Future<Output = Result<T, ClientError>> + Send + 'static,
@@ -252,7 +254,10 @@ async fn on_runtime<T: Send + 'static>(
     match (&mut task.0).await {
         Ok(out) => out,
         Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-        Err(e) => Err(ClientError::Shape(format!("{what}: the runtime cancelled the request: {e}"))),
+        Err(e) => Err(ClientError::Rpc(RpcError::Connection {
+            addr: "the client's runtime".into(),
+            message: format!("{what}: the runtime shut down with the request in flight ({e})"),
+        })),
     }
 }
 

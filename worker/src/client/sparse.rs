@@ -51,21 +51,24 @@ impl Client {
             let mut values = vec![0.0f32; n * dim];
             let mut versions = vec![0u32; n];
             while let Some(joined) = tasks.join_next().await {
-            let (s, frame) = joined.map_err(|e| ClientError::Shape(format!("sparse pull task failed: {e}")))??;
-            let positions = &groups[s];
-            let ok = matches!(&frame.msg, Message::SparsePullReply(r) if r.count as usize == positions.len() && r.dim as usize == dim);
-            if !ok || frame.payload.len() != positions.len() * (1 + dim) {
-                return Err(ClientError::BadMap(format!(
-                    "shard {s} answered a sparse pull with {:?}",
-                    net::kind_name(&frame.msg)
-                )));
+                let (s, frame) = joined.map_err(|e| ClientError::Shape(format!("sparse pull task failed: {e}")))??;
+                let positions = &groups[s];
+                let ok = match &frame.msg {
+                    Message::SparsePullReply(r) => r.count as usize == positions.len() && r.dim as usize == dim,
+                    _ => false,
+                };
+                if !ok || frame.payload.len() != positions.len() * (1 + dim) {
+                    return Err(ClientError::BadMap(format!(
+                        "shard {s} answered a sparse pull with {:?}",
+                        net::kind_name(&frame.msg)
+                    )));
+                }
+                let (vers, rows) = frame.payload.split_at(positions.len());
+                for (i, k) in positions.iter().enumerate() {
+                    versions[*k] = vers[i].to_bits();
+                    values[k * dim..(k + 1) * dim].copy_from_slice(&rows[i * dim..(i + 1) * dim]);
+                }
             }
-            let (vers, rows) = frame.payload.split_at(positions.len());
-            for (i, k) in positions.iter().enumerate() {
-                versions[*k] = vers[i].to_bits();
-                values[k * dim..(k + 1) * dim].copy_from_slice(&rows[i * dim..(i + 1) * dim]);
-            }
-        }
             Ok((values, versions))
         })
         .await?;
