@@ -18,6 +18,10 @@ pub struct TableResult {
     /// Rows updated per second: pushes of 4096 random held ids (Adagrad), each after an evaluation read
     /// of the same rows (`peek`), as a worker's step reads and then pushes them.
     pub pushes_per_s: f64,
+    /// [`Self::lookups_per_s`] and [`Self::pushes_per_s`] again once the table's memory is on huge pages
+    /// ([`SparseTable::collapse_huge_pages`]), as it runs minutes after it last grew; None where the kernel
+    /// could not move it. The first figures are of the table just grown, most of its rows on small pages.
+    pub settled: Option<(f64, f64)>,
     /// Bytes per row of row data (values + Adagrad state).
     pub row_data_bytes: f64,
     /// Bytes per row beyond the row data (metadata and index).
@@ -37,6 +41,8 @@ impl TableResult {
             lookups_per_s: f64,
             pushes_per_s: f64,
             ns_per_pushed_row: f64,
+            settled_lookups_per_s: Option<f64>,
+            settled_ns_per_pushed_row: Option<f64>,
             row_data_bytes: f64,
             overhead_bytes_per_row: f64,
         }
@@ -48,6 +54,8 @@ impl TableResult {
             lookups_per_s: self.lookups_per_s.round(),
             pushes_per_s: self.pushes_per_s.round(),
             ns_per_pushed_row: (1e9 / self.pushes_per_s * 10.0).round() / 10.0,
+            settled_lookups_per_s: self.settled.map(|(l, _)| l.round()),
+            settled_ns_per_pushed_row: self.settled.map(|(_, p)| (1e9 / p * 10.0).round() / 10.0),
             row_data_bytes: self.row_data_bytes,
             overhead_bytes_per_row: (self.overhead_bytes_per_row * 100.0).round() / 100.0,
         })
@@ -81,19 +89,28 @@ pub fn run(rows: u64, dim: u32) -> anyhow::Result<TableResult> {
         i += batch;
     }
     let inserts_per_s = rows as f64 / started.elapsed().as_secs_f64();
-    let mut rng = gaps_common::rng::Rng::new(7);
-    let lookups = rows.min(4_000_000);
-    let started = Instant::now();
-    let mut done = 0;
-    while done < lookups {
-        let ids: Vec<u64> = (0..batch).map(|_| id_of(rng.below(rows))).collect();
-        values.clear();
-        versions.clear();
-        table.pull(&ids, 1, &mut values, &mut versions);
-        done += batch;
-    }
-    let lookups_per_s = done as f64 / started.elapsed().as_secs_f64();
-    let pushes_per_s = push_rate(&mut table, rows, dim, id_of)?;
+    let lookup_rate = |table: &mut SparseTable, seed: u64| {
+        let mut rng = gaps_common::rng::Rng::new(seed);
+        let (mut values, mut versions) = (Vec::with_capacity(4096 * dim as usize), Vec::with_capacity(4096));
+        let lookups = rows.min(4_000_000);
+        let started = Instant::now();
+        let mut done = 0;
+        while done < lookups {
+            let ids: Vec<u64> = (0..batch).map(|_| id_of(rng.below(rows))).collect();
+            values.clear();
+            versions.clear();
+            table.pull(&ids, 1, &mut values, &mut versions);
+            done += batch;
+        }
+        done as f64 / started.elapsed().as_secs_f64()
+    };
+    let lookups_per_s = lookup_rate(&mut table, 7);
+    let pushes_per_s = push_rate(&mut table, rows, dim, id_of, 11)?;
+    // The same once the kernel has merged the table's pages, as a shard runs minutes after its table grew.
+    let settled = match table.collapse_huge_pages() {
+        true => Some((lookup_rate(&mut table, 8), push_rate(&mut table, rows, dim, id_of, 12)?)),
+        false => None,
+    };
     anyhow::ensure!(table.rows() as u64 == rows, "expected {rows} rows, the table holds {}", table.rows());
     Ok(TableResult {
         rows,
@@ -101,6 +118,7 @@ pub fn run(rows: u64, dim: u32) -> anyhow::Result<TableResult> {
         inserts_per_s,
         lookups_per_s,
         pushes_per_s,
+        settled,
         row_data_bytes: (dim as usize * 2 * 4) as f64,
         overhead_bytes_per_row: table.overhead_per_row(),
     })
@@ -108,9 +126,15 @@ pub fn run(rows: u64, dim: u32) -> anyhow::Result<TableResult> {
 
 /// Rows per second of read-then-push rounds of 4096 distinct random held rows (see
 /// [`TableResult::pushes_per_s`]).
-fn push_rate(table: &mut SparseTable, rows: u64, dim: u32, id_of: impl Fn(u64) -> u64) -> anyhow::Result<f64> {
+fn push_rate(
+    table: &mut SparseTable,
+    rows: u64,
+    dim: u32,
+    id_of: impl Fn(u64) -> u64,
+    seed: u64,
+) -> anyhow::Result<f64> {
     let batch = 4096usize.min(rows as usize);
-    let mut rng = gaps_common::rng::Rng::new(11);
+    let mut rng = gaps_common::rng::Rng::new(seed);
     let grads = vec![1e-3f32; batch * dim as usize];
     let (mut values, mut versions) = (Vec::new(), Vec::new());
     let hyper = gaps_kernels::Hyper { lr: 0.05, ..gaps_kernels::Hyper::default() };

@@ -182,6 +182,35 @@ pub fn advise_huge_pages<T>(buffer: &Vec<T>) {
     }
 }
 
+/// Asks the kernel to move `elements` onto transparent huge pages now (`MADV_COLLAPSE`, Linux 6.1 and
+/// later; only the 2 MiB-aligned pages wholly inside the slice): what its background merging (khugepaged)
+/// does to memory advised by [`advise_huge_pages`] over minutes — by default it scans 16 MiB every 10 s —,
+/// done at once for the price of a copy (about 0.7 GB/s on the development VM). For benchmarks that
+/// measure a table as it runs once the kernel has merged its pages. True when the kernel did it for the
+/// whole range; false where it could not (older kernels, huge pages off, another system).
+pub fn collapse_huge_pages<T>(elements: &[T]) -> bool {
+    const HUGE: usize = 2 << 20;
+    let start = elements.as_ptr() as usize;
+    let end = start + std::mem::size_of_val(elements);
+    let (first, last) = (start.div_ceil(HUGE) * HUGE, end / HUGE * HUGE);
+    if last <= first {
+        return true;
+    }
+    #[cfg(target_os = "linux")]
+    {
+        /// `MADV_COLLAPSE` (include/uapi/asm-generic/mman-common.h).
+        const MADV_COLLAPSE: libc::c_int = 25;
+        #[allow(unsafe_code)]
+        // SAFETY: MADV_COLLAPSE moves the pages of a range of this process's own mapping (whole 2 MiB pages
+        // inside `elements`, which the caller's borrow keeps alive) onto huge pages, keeping their contents;
+        // it reads or writes nothing the program can observe, and its failure leaves the range as it was.
+        let done = unsafe { libc::madvise(first as *mut libc::c_void, last - first, MADV_COLLAPSE) };
+        done == 0
+    }
+    #[cfg(not(target_os = "linux"))]
+    false
+}
+
 /// Makes room in `buffer` for `additional` more elements as `Vec::reserve` does (doubling), but moves to
 /// the larger allocation by copying into memory advised for huge pages ([`advise_huge_pages`]) before it is
 /// touched: a reallocation in place keeps what was there on small pages (measured: a 10 M-row table whose
@@ -237,6 +266,29 @@ pub fn prefetch<T>(slice: &[T], i: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn collapsing_a_buffer_onto_huge_pages_keeps_its_contents() {
+        // 16 MiB on small pages (written before any advice), then collapsed: every value where it was.
+        let mut v: Vec<u64> = Vec::with_capacity(2 << 20);
+        v.extend((0..2u64 << 20).map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15)));
+        let merged = collapse_huge_pages(&v);
+        assert!(v.iter().enumerate().all(|(i, x)| *x == (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)));
+        // Where the kernel did it, the process holds huge pages now (at least the 14 MiB wholly inside).
+        #[cfg(target_os = "linux")]
+        if merged {
+            let rollup = std::fs::read_to_string("/proc/self/smaps_rollup").expect("smaps_rollup");
+            let huge_kb: u64 = rollup
+                .lines()
+                .find_map(|l| l.strip_prefix("AnonHugePages:"))
+                .and_then(|l| l.trim().trim_end_matches("kB").trim().parse().ok())
+                .expect("AnonHugePages in smaps_rollup");
+            assert!(huge_kb >= 14 << 10, "the kernel said it merged the pages, yet holds {huge_kb} kB of huge pages");
+        }
+        // Slices too small to hold a whole huge page ask nothing.
+        assert!(collapse_huge_pages(&v[..1000]));
+        assert!(collapse_huge_pages::<u64>(&[]));
+    }
 
     #[test]
     fn buffers_grown_for_huge_pages_keep_their_contents() {

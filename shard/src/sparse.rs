@@ -245,6 +245,17 @@ impl SparseTable {
         self.meta.len() as u64 * (self.stride as u64 * 4 + META_BYTES_PER_ROW) + self.index.len() as u64 * 4
     }
 
+    /// Moves the table's rows, metadata and index onto huge pages now, as the kernel's background merging
+    /// does over minutes after the table grew ([`gaps_common::buffers::collapse_huge_pages`]; the rows are
+    /// remapped, not copied, when their arena doubles, and stay on small pages until then). For benchmarks
+    /// that measure the table as it runs once merged. False where the kernel could not.
+    pub fn collapse_huge_pages(&self) -> bool {
+        use gaps_common::buffers::collapse_huge_pages;
+        let index = collapse_huge_pages(&self.index);
+        let meta = collapse_huge_pages(&self.meta);
+        collapse_huge_pages(&self.data) && index && meta
+    }
+
     /// Bytes per row beyond the row data (metadata and index), the figure the design bounds by 32.
     pub fn overhead_per_row(&self) -> f64 {
         let rows = self.meta.len().max(1) as f64;
