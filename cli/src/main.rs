@@ -660,13 +660,16 @@ async fn bench(cmd: BenchCommand) -> Result<()> {
                 r.overhead_bytes_per_row
             );
             match r.settled {
-                Some((lookups, pushes)) => eprintln!(
-                    "[gaps bench] on huge pages (as minutes after it grew): {:.2} M lookups/s, {:.2} M read+pushed/s ({:.0} ns a row)",
-                    lookups / 1e6,
-                    pushes / 1e6,
-                    1e9 / pushes
+                Some(s) => eprintln!(
+                    "[gaps bench] on huge pages (as minutes after it grew; merged in {:.1} s): {:.2} M lookups/s, {:.2} M read+pushed/s ({:.0} ns a row)",
+                    s.merge_s,
+                    s.lookups_per_s / 1e6,
+                    s.pushes_per_s / 1e6,
+                    1e9 / s.pushes_per_s
                 ),
-                None => eprintln!("[gaps bench] the kernel could not move the table onto huge pages (MADV_COLLAPSE)"),
+                None => eprintln!(
+                    "[gaps bench] not measured on huge pages: the kernel could not merge the table's pages (MADV_COLLAPSE), or it holds none"
+                ),
             }
             println!("{}", r.to_json());
         }

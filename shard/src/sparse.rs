@@ -247,13 +247,12 @@ impl SparseTable {
 
     /// Moves the table's rows, metadata and index onto huge pages now, as the kernel's background merging
     /// does over minutes after the table grew ([`gaps_common::buffers::collapse_huge_pages`]; the rows are
-    /// remapped, not copied, when their arena doubles, and stay on small pages until then). For benchmarks
-    /// that measure the table as it runs once merged. False where the kernel could not.
-    pub fn collapse_huge_pages(&self) -> bool {
+    /// remapped, not copied, when their arena doubles, and those moved stay on small pages until merged).
+    /// For benchmarks that measure the table as it runs once merged. The bytes merged; None where the
+    /// kernel could not.
+    pub fn collapse_huge_pages(&self) -> Option<usize> {
         use gaps_common::buffers::collapse_huge_pages;
-        let index = collapse_huge_pages(&self.index);
-        let meta = collapse_huge_pages(&self.meta);
-        collapse_huge_pages(&self.data) && index && meta
+        Some(collapse_huge_pages(&self.index)? + collapse_huge_pages(&self.meta)? + collapse_huge_pages(&self.data)?)
     }
 
     /// Bytes per row beyond the row data (metadata and index), the figure the design bounds by 32.
