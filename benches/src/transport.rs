@@ -8,7 +8,10 @@
 //! - gaps sparse case: one `Client::pull_sparse` of 4,096 random ids of a table of dim 16, then one
 //!   `Client::push_sparse` of their gradients (payload: the rows pulled plus the gradients pushed); the
 //!   sparse step case moves the same rows as `gaps-worker` does, one `Client::step` a round (the rows'
-//!   gradients, a small dense push-pull and the next batch's rows: one request per shard).
+//!   gradients, a small dense push-pull and the next batch's rows: one request per shard). With the shards
+//!   in the bench's process their 10 M-row table is measured as a shard runs it minutes after it grew: the
+//!   kernel is asked to merge its pages onto huge pages before the clock starts
+//!   (`buffers::collapse_advised_memory`); shard processes (`--processes`) are measured as just grown.
 //! - quinn baseline: one bidirectional stream per round on one connection with the same TLS and transport
 //!   settings; the client writes the bytes of one direction, the server echoes them back. No framing, no
 //!   state. `default_quinn_gbytes_per_s` is the same with quinn's default transport settings.
@@ -475,6 +478,18 @@ async fn sparse_case(certs: &ClusterCerts, shards: u32, steps: bool, opts: &Tran
         let ids: Vec<u64> = (start..(start + batch).min(opts.sparse_rows)).map(scatter).collect();
         client.pull_sparse(0, &ids, true).await?;
         start += batch;
+    }
+    // Shards in this process: their table measured as it runs minutes after it grew, once the kernel has
+    // merged its pages (`collapse_advised_memory`; khugepaged takes ~13 minutes for this table). Shard
+    // processes (`--processes`) are measured as just grown.
+    if !opts.processes {
+        let merging = Instant::now();
+        let merged = gaps_common::buffers::collapse_advised_memory().unwrap_or(0);
+        eprintln!(
+            "[gaps bench] the shards' memory merged onto huge pages: {} MB in {:.1} s",
+            merged >> 20,
+            merging.elapsed().as_secs_f64()
+        );
     }
     let grads = vec![1e-3f32; (SPARSE_ROWS * u64::from(SPARSE_DIM)) as usize];
     // The rounds' ids, drawn before the clock starts (until 2026-11-29 each round drew its own inside the

@@ -190,9 +190,13 @@ pub fn advise_huge_pages<T>(buffer: &Vec<T>) {
 /// holds no whole huge page); None where the kernel could not (older kernels, huge pages off, another
 /// system), in which case part of the range may still have been merged.
 pub fn collapse_huge_pages<T>(elements: &[T]) -> Option<usize> {
-    const HUGE: usize = 2 << 20;
     let start = elements.as_ptr() as usize;
-    let end = start + std::mem::size_of_val(elements);
+    collapse_range(start, start + std::mem::size_of_val(elements))
+}
+
+/// [`collapse_huge_pages`] of the addresses `start..end` of this process.
+fn collapse_range(start: usize, end: usize) -> Option<usize> {
+    const HUGE: usize = 2 << 20;
     let (first, last) = (start.div_ceil(HUGE) * HUGE, end / HUGE * HUGE);
     if last <= first {
         return Some(0);
@@ -202,15 +206,49 @@ pub fn collapse_huge_pages<T>(elements: &[T]) -> Option<usize> {
         /// `MADV_COLLAPSE` (include/uapi/asm-generic/mman-common.h).
         const MADV_COLLAPSE: libc::c_int = 25;
         #[allow(unsafe_code)]
-        // SAFETY: MADV_COLLAPSE moves the pages of a range of this process's own mapping (whole 2 MiB pages
-        // inside `elements`, which the caller's borrow keeps alive) onto huge pages and keeps their contents,
-        // whether it succeeds, fails or stops part way; it reads or writes nothing the program can observe
-        // (pages of the range never touched are filled with zeros, which is what reading them gives anyway).
+        // SAFETY: MADV_COLLAPSE moves the pages of an address range of this process onto huge pages and keeps
+        // their contents, whether it succeeds, fails or stops part way (a range not mapped, or not of
+        // anonymous or file memory, fails with nothing done); it reads or writes nothing the program can
+        // observe (pages of the range never touched are filled with zeros, which is what reading them gives
+        // anyway), and no Rust reference is made to the range.
         let done = unsafe { libc::madvise(first as *mut libc::c_void, last - first, MADV_COLLAPSE) };
         (done == 0).then_some(last - first)
     }
     #[cfg(not(target_os = "linux"))]
     None
+}
+
+/// [`collapse_huge_pages`] over every mapping of this process advised for huge pages (`hg` among its
+/// `VmFlags` in `/proc/self/smaps`: the buffers of [`advise_huge_pages`] — sparse tables' arrays, large
+/// payloads): for a benchmark that runs shards in its own process and measures them as they run once the
+/// kernel has merged their memory. The bytes merged; None where the process's mappings cannot be read or
+/// the kernel merged none of them.
+pub fn collapse_advised_memory() -> Option<usize> {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+    let mut advised = Vec::new();
+    let mut current = None;
+    for line in smaps.lines() {
+        // A mapping's first line starts with its address range, the lines after it with a field name.
+        let range = line.split_whitespace().next().and_then(|r| r.split_once('-'));
+        if let Some((Ok(from), Ok(to))) =
+            range.map(|(f, t)| (usize::from_str_radix(f, 16), usize::from_str_radix(t, 16)))
+        {
+            current = Some((from, to));
+        } else if let (Some(flags), Some(range)) = (line.strip_prefix("VmFlags:"), current) {
+            if flags.split_whitespace().any(|f| f == "hg") {
+                advised.push(range);
+            }
+        }
+    }
+    let mut merged = None;
+    for (from, to) in advised {
+        // A mapping unmapped since the listing makes the call fail (nothing merged), and whatever is mapped
+        // there by then keeps its contents either way.
+        if let Some(done) = collapse_range(from, to) {
+            merged = Some(merged.unwrap_or(0) + done);
+        }
+    }
+    merged
 }
 
 /// Makes room in `buffer` for `additional` more elements as `Vec::reserve` does (doubling), but moves to
@@ -291,12 +329,12 @@ mod tests {
         panic!("no mapping holds {address:#x}")
     }
 
-    #[test]
+    /// Makes a mapping of its own, 18 MiB, kept on small pages while it is written (MADV_NOHUGEPAGE, whatever
+    /// the system's THP setting), then advised for huge pages, and has `merge` merge the 16 MiB slice that
+    /// starts 1 MiB in: its whole 2 MiB pages (7 or 8, wherever the mapping starts) must be huge afterwards,
+    /// and every value where it was. Whether `merge` did it (false: the kernel cannot).
     #[cfg(target_os = "linux")]
-    fn collapsing_a_buffer_onto_huge_pages_keeps_its_contents() {
-        // A mapping of its own, 18 MiB, kept on small pages while it is written (MADV_NOHUGEPAGE, whatever the
-        // system's THP setting), then allowed huge pages and merged: the whole 2 MiB pages inside the 16 MiB
-        // slice that starts 1 MiB in must be huge afterwards, and every value where it was.
+    fn merged_on_small_pages(merge: impl FnOnce(&[u64]) -> Option<usize>) -> bool {
         const LEN: usize = 18 << 20;
         #[allow(unsafe_code)]
         // SAFETY: a fresh private anonymous mapping of LEN bytes, checked for failure; the slice over it below
@@ -323,29 +361,44 @@ mod tests {
         let address = slice.as_ptr() as usize;
         assert_eq!(huge_kb_at(address), 0, "written under MADV_NOHUGEPAGE, yet on huge pages");
         #[allow(unsafe_code)]
-        // SAFETY: lifts the NOHUGEPAGE advice of this test's own mapping; changes no memory.
+        // SAFETY: replaces the NOHUGEPAGE advice of this test's own mapping; changes no memory.
         unsafe {
             libc::madvise(base, LEN, libc::MADV_HUGEPAGE);
         }
-        match collapse_huge_pages(slice) {
-            // The kernel cannot (before 6.1, THP compiled out or disabled for the process): nothing to check
-            // but the contents.
-            None => eprintln!("MADV_COLLAPSE not available here: only the contents are checked"),
-            Some(bytes) => {
-                // The slice's whole huge pages: 7 or 8 of them, wherever the mapping starts.
-                assert!(bytes >= 14 << 20, "{bytes} bytes merged");
-                assert!(huge_kb_at(address) >= (bytes as u64) >> 10, "merged, yet the mapping holds fewer huge pages");
-            }
+        let merged = merge(slice);
+        if let Some(bytes) = merged {
+            assert!(bytes >= 14 << 20, "{bytes} bytes merged");
+            assert!(huge_kb_at(address) >= 14 << 10, "merged, yet the mapping holds fewer huge pages");
         }
         assert!(all.iter().enumerate().all(|(i, x)| *x == value(i)), "a value moved");
-        // Slices holding no whole huge page ask nothing.
-        assert_eq!(collapse_huge_pages(&all[..1000]), Some(0));
-        assert_eq!(collapse_huge_pages::<u64>(&[]), Some(0));
         #[allow(unsafe_code)]
         // SAFETY: the mapping made above, no longer borrowed.
         unsafe {
             libc::munmap(base, LEN);
         }
+        merged.is_some()
+    }
+
+    #[test]
+    #[cfg(target_os = "linux")]
+    fn collapsing_a_buffer_onto_huge_pages_keeps_its_contents() {
+        if !merged_on_small_pages(collapse_huge_pages) {
+            // The kernel cannot (before 6.1, THP compiled out or disabled for the process): only the contents
+            // were checked.
+            eprintln!("MADV_COLLAPSE is not available here");
+        }
+        // Slices holding no whole huge page ask nothing.
+        assert_eq!(collapse_huge_pages(&[0u64; 1000]), Some(0));
+        assert_eq!(collapse_huge_pages::<u64>(&[]), Some(0));
+    }
+
+    #[test]
+    #[cfg(target_os = "linux")]
+    fn collapsing_the_advised_memory_merges_every_advised_mapping() {
+        // Where the kernel merges a slice it is asked to, it must merge the advised mappings too.
+        let kernel_merges = merged_on_small_pages(collapse_huge_pages);
+        let merged = merged_on_small_pages(|_| collapse_advised_memory());
+        assert_eq!(merged, kernel_merges, "the advised mappings were not merged where the kernel can");
     }
 
     #[test]
