@@ -21,8 +21,8 @@ pub struct TableResult {
     /// [`Self::lookups_per_s`] and [`Self::pushes_per_s`] again once the table's memory is on huge pages
     /// ([`SparseTable::collapse_huge_pages`]), as it runs minutes after it last grew, with the seconds the
     /// merge took; None where the kernel could not move it or the table holds no whole huge page. The first
-    /// figures are of the table just grown, most of its rows on small pages; both are second passes over the
-    /// same ids (a first, untimed pass of lookups comes before them).
+    /// figures are of the table just grown, most of its rows on small pages; all are repeated passes over
+    /// the same ids (an untimed pass of lookups and one of pushes come first).
     pub settled: Option<Settled>,
     /// Bytes per row of row data (values + Adagrad state).
     pub row_data_bytes: f64,
@@ -121,10 +121,11 @@ pub fn run(rows: u64, dim: u32) -> anyhow::Result<TableResult> {
         }
         done as f64 / started.elapsed().as_secs_f64()
     };
-    // A first pass, untimed: the first one after the inserts ran 1.2x slower than a second one on the same
-    // pages (2026-11-29), and the figures below compare second passes.
+    // A first pass of each, untimed: the first lookups after the inserts ran 1.2x slower than a second pass
+    // on the same pages (2026-11-29), and the figures below compare second passes over the same ids.
     lookup_rate(&mut table, 7);
     let lookups_per_s = lookup_rate(&mut table, 7);
+    push_rate(&mut table, rows, dim, id_of)?;
     let pushes_per_s = push_rate(&mut table, rows, dim, id_of)?;
     // The same ids again once the kernel has merged the table's pages, as a shard runs minutes after its
     // table grew.

@@ -123,6 +123,10 @@ pub struct TransportResult {
     pub hog: usize,
     /// The shards ran as processes of their own (`--processes`).
     pub processes: bool,
+    /// Sparse cases with the shards in the bench's process: MB of the process's memory advised for huge
+    /// pages (the table's arrays) that the kernel merged onto them before the clock started — the table as
+    /// a shard holds it minutes after it grew; None where nothing was merged (dense cases, shard processes).
+    pub merged_mb: Option<u64>,
 }
 
 impl TransportResult {
@@ -190,10 +194,13 @@ impl TransportResult {
             /// Only with `--processes`: the lines of a default run keep their shape.
             #[serde(skip_serializing_if = "std::ops::Not::not")]
             processes: bool,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            table_merged_mb: Option<u64>,
         }
         crate::json_line(&Line {
             hog: self.hog,
             processes: self.processes,
+            table_merged_mb: self.merged_mb,
             case: &self.case,
             shards: self.shards,
             bytes: self.bytes,
@@ -323,9 +330,14 @@ pub async fn run(opts: &TransportOptions) -> Result<Vec<TransportResult>> {
         };
         // Alternate gaps and its baselines so that a machine whose speed drifts moves both.
         let mut runs: Vec<[Measured; 5]> = Vec::new();
+        let mut merged_mb = None;
         for _ in 0..opts.repeats.max(1) {
             let gaps = match rows {
-                Some(_) => sparse_case(&certs, shards, case.starts_with("sparse_step"), opts).await?,
+                Some(_) => {
+                    let (measured, merged) = sparse_case(&certs, shards, case.starts_with("sparse_step"), opts).await?;
+                    merged_mb = merged.map(|b| (b >> 20) as u64).filter(|mb| *mb > 0);
+                    measured
+                }
                 None => dense_case(&certs, shards, replicas, n, dtype, opts).await?,
             };
             let [quinn, default, tcp, tls] =
@@ -346,6 +358,7 @@ pub async fn run(opts: &TransportOptions) -> Result<Vec<TransportResult>> {
             tcp_tls: m(4),
             hog: opts.hog,
             processes: opts.processes,
+            merged_mb,
         });
     }
     Ok(out)
@@ -464,7 +477,12 @@ async fn dense_case(
 /// `steps` true, each round is one [`Client::step`] as `gaps-worker` sends it — the gradients of the rows
 /// pulled the round before, a push of the 16-float dense tensor answered with its values, and the next
 /// batch's rows — one request per shard.
-async fn sparse_case(certs: &ClusterCerts, shards: u32, steps: bool, opts: &TransportOptions) -> Result<Measured> {
+async fn sparse_case(
+    certs: &ClusterCerts,
+    shards: u32,
+    steps: bool,
+    opts: &TransportOptions,
+) -> Result<(Measured, Option<usize>)> {
     anyhow::ensure!(opts.sparse_rows >= 2 * SPARSE_ROWS, "the sparse table needs at least {} rows", 2 * SPARSE_ROWS);
     let layout =
         Layout::with_tables(vec![TensorSpec::new("dense", 16)], 1 << 18, vec![SparseSpec::new("bench", SPARSE_DIM)])?;
@@ -482,15 +500,20 @@ async fn sparse_case(certs: &ClusterCerts, shards: u32, steps: bool, opts: &Tran
     // Shards in this process: their table measured as it runs minutes after it grew, once the kernel has
     // merged its pages (`collapse_advised_memory`; khugepaged takes ~13 minutes for this table). Shard
     // processes (`--processes`) are measured as just grown.
-    if !opts.processes {
-        let merging = Instant::now();
-        let merged = gaps_common::buffers::collapse_advised_memory().unwrap_or(0);
-        eprintln!(
-            "[gaps bench] the shards' memory merged onto huge pages: {} MB in {:.1} s",
-            merged >> 20,
-            merging.elapsed().as_secs_f64()
-        );
-    }
+    let merged = match opts.processes {
+        true => None,
+        // Seconds of blocking system calls: on a thread of the blocking pool, not the runtime's.
+        false => {
+            let merging = Instant::now();
+            let merged = tokio::task::spawn_blocking(gaps_common::buffers::collapse_advised_memory).await?;
+            eprintln!(
+                "[gaps bench] the shards' memory merged onto huge pages: {} MB in {:.1} s",
+                merged.unwrap_or(0) >> 20,
+                merging.elapsed().as_secs_f64()
+            );
+            merged
+        }
+    };
     let grads = vec![1e-3f32; (SPARSE_ROWS * u64::from(SPARSE_DIM)) as usize];
     // The rounds' ids, drawn before the clock starts (until 2026-11-29 each round drew its own inside the
     // timing, 5-8 % of a round): a pool of batches the rounds go through in turn, large enough that the rows
@@ -531,7 +554,7 @@ async fn sparse_case(certs: &ClusterCerts, shards: u32, steps: bool, opts: &Tran
         .await?
     };
     stop(client, servers).await?;
-    Ok(measured)
+    Ok((measured, merged))
 }
 
 /// Quinn echo server + client over one connection; `one_way` bytes each way per round.

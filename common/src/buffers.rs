@@ -187,14 +187,17 @@ pub fn advise_huge_pages<T>(buffer: &Vec<T>) {
 /// does to memory advised by [`advise_huge_pages`] over minutes — by default it scans 16 MiB every 10 s —,
 /// done at once for the price of a copy (about 0.7 GB/s on the development VM). For benchmarks that
 /// measure a table as it runs once the kernel has merged its pages. The bytes merged (0 for a slice that
-/// holds no whole huge page); None where the kernel could not (older kernels, huge pages off, another
-/// system), in which case part of the range may still have been merged.
+/// holds no whole huge page; pages never written are not merged); None where the kernel merged none of
+/// them (older kernels, huge pages off, another system).
 pub fn collapse_huge_pages<T>(elements: &[T]) -> Option<usize> {
     let start = elements.as_ptr() as usize;
     collapse_range(start, start + std::mem::size_of_val(elements))
 }
 
-/// [`collapse_huge_pages`] of the addresses `start..end` of this process.
+/// [`collapse_huge_pages`] of the addresses `start..end` of this process, one 2 MiB page (x86-64's huge
+/// page) at a time: the kernel fails a call if any page of its range could not be merged (one never
+/// written, say, as the unused tail of a buffer's capacity) though it merges the others, so a page at a time
+/// counts what was merged. The bytes merged; None where not one page of the range could be.
 fn collapse_range(start: usize, end: usize) -> Option<usize> {
     const HUGE: usize = 2 << 20;
     let (first, last) = (start.div_ceil(HUGE) * HUGE, end / HUGE * HUGE);
@@ -205,14 +208,22 @@ fn collapse_range(start: usize, end: usize) -> Option<usize> {
     {
         /// `MADV_COLLAPSE` (include/uapi/asm-generic/mman-common.h).
         const MADV_COLLAPSE: libc::c_int = 25;
-        #[allow(unsafe_code)]
-        // SAFETY: MADV_COLLAPSE moves the pages of an address range of this process onto huge pages and keeps
-        // their contents, whether it succeeds, fails or stops part way (a range not mapped, or not of
-        // anonymous or file memory, fails with nothing done); it reads or writes nothing the program can
-        // observe (pages of the range never touched are filled with zeros, which is what reading them gives
-        // anyway), and no Rust reference is made to the range.
-        let done = unsafe { libc::madvise(first as *mut libc::c_void, last - first, MADV_COLLAPSE) };
-        (done == 0).then_some(last - first)
+        let merged = (first..last)
+            .step_by(HUGE)
+            .filter(|&page| {
+                #[allow(unsafe_code)]
+                // SAFETY: MADV_COLLAPSE only changes how the kernel backs a page of this process's address
+                // space: it copies the page's contents into a huge page, or fails and leaves them where they
+                // are (an address not mapped, memory the kernel cannot merge); either way every byte keeps
+                // its value, and no Rust reference to the range is made. Its effects are resident memory
+                // (2 MiB pages whose unwritten parts are filled with zeros, what reading them gives anyway)
+                // and a short hold of the process's memory-map lock while the page is copied.
+                let done = unsafe { libc::madvise(page as *mut libc::c_void, HUGE, MADV_COLLAPSE) };
+                done == 0
+            })
+            .count()
+            * HUGE;
+        (merged > 0).then_some(merged)
     }
     #[cfg(not(target_os = "linux"))]
     None
@@ -221,8 +232,8 @@ fn collapse_range(start: usize, end: usize) -> Option<usize> {
 /// [`collapse_huge_pages`] over every mapping of this process advised for huge pages (`hg` among its
 /// `VmFlags` in `/proc/self/smaps`: the buffers of [`advise_huge_pages`] — sparse tables' arrays, large
 /// payloads): for a benchmark that runs shards in its own process and measures them as they run once the
-/// kernel has merged their memory. The bytes merged; None where the process's mappings cannot be read or
-/// the kernel merged none of them.
+/// kernel has merged their memory. A blocking call (seconds for gigabytes). The bytes merged; None where
+/// the process's mappings cannot be read or the kernel merged none of them.
 pub fn collapse_advised_memory() -> Option<usize> {
     let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
     let mut advised = Vec::new();
@@ -242,8 +253,8 @@ pub fn collapse_advised_memory() -> Option<usize> {
     }
     let mut merged = None;
     for (from, to) in advised {
-        // A mapping unmapped since the listing makes the call fail (nothing merged), and whatever is mapped
-        // there by then keeps its contents either way.
+        // A mapping unmapped since the listing is not merged, and whatever is mapped there by then keeps its
+        // contents either way.
         if let Some(done) = collapse_range(from, to) {
             merged = Some(merged.unwrap_or(0) + done);
         }
@@ -336,21 +347,26 @@ mod tests {
     #[cfg(target_os = "linux")]
     fn merged_on_small_pages(merge: impl FnOnce(&[u64]) -> Option<usize>) -> bool {
         const LEN: usize = 18 << 20;
+        const GUARD: usize = 4096;
         #[allow(unsafe_code)]
-        // SAFETY: a fresh private anonymous mapping of LEN bytes, checked for failure; the slice over it below
-        // is the only access and ends before the munmap.
+        // SAFETY: a fresh private anonymous mapping of LEN bytes between two inaccessible guard pages (so the
+        // kernel cannot merge it with a neighbouring mapping, whose huge pages would then count as its own),
+        // checked for failure; the slice over it below is the only access and ends before the munmap.
         let base = unsafe {
             let p = libc::mmap(
                 std::ptr::null_mut(),
-                LEN,
+                LEN + 2 * GUARD,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
                 -1,
                 0,
             );
             assert_ne!(p, libc::MAP_FAILED, "mmap");
-            libc::madvise(p, LEN, libc::MADV_NOHUGEPAGE);
-            p
+            assert_eq!(libc::mprotect(p, GUARD, libc::PROT_NONE), 0, "mprotect");
+            assert_eq!(libc::mprotect(p.cast::<u8>().add(GUARD + LEN).cast(), GUARD, libc::PROT_NONE), 0, "mprotect");
+            let base = p.cast::<u8>().add(GUARD).cast::<libc::c_void>();
+            libc::madvise(base, LEN, libc::MADV_NOHUGEPAGE);
+            base
         };
         #[allow(unsafe_code)]
         // SAFETY: `base` maps LEN bytes, page-aligned (so aligned for u64), readable and writable, zeroed.
@@ -372,9 +388,9 @@ mod tests {
         }
         assert!(all.iter().enumerate().all(|(i, x)| *x == value(i)), "a value moved");
         #[allow(unsafe_code)]
-        // SAFETY: the mapping made above, no longer borrowed.
+        // SAFETY: the mapping made above with its guard pages, no longer borrowed.
         unsafe {
-            libc::munmap(base, LEN);
+            libc::munmap(base.cast::<u8>().sub(GUARD).cast(), LEN + 2 * GUARD);
         }
         merged.is_some()
     }
