@@ -9,9 +9,10 @@
 //!   `Client::push_sparse` of their gradients (payload: the rows pulled plus the gradients pushed); the
 //!   sparse step case moves the same rows as `gaps-worker` does, one `Client::step` a round (the rows'
 //!   gradients, a small dense push-pull and the next batch's rows: one request per shard). With the shards
-//!   in the bench's process their 10 M-row table is measured as a shard runs it minutes after it grew: the
-//!   kernel is asked to merge its pages onto huge pages before the clock starts
-//!   (`buffers::collapse_advised_memory`); shard processes (`--processes`) are measured as just grown.
+//!   in the bench's process their table (10 M rows by default) is measured as a shard runs it minutes after
+//!   it grew: the kernel is asked to merge the process's memory advised for huge pages (the table's arrays)
+//!   onto huge pages before the clock starts (`buffers::collapse_advised_memory`); shard processes
+//!   (`--processes`) are measured as just grown.
 //! - quinn baseline: one bidirectional stream per round on one connection with the same TLS and transport
 //!   settings; the client writes the bytes of one direction, the server echoes them back. No framing, no
 //!   state. `default_quinn_gbytes_per_s` is the same with quinn's default transport settings.
@@ -476,7 +477,8 @@ async fn dense_case(
 /// A sparse case: `steps` false, each round pulls a batch of rows and pushes their gradients (two requests);
 /// `steps` true, each round is one [`Client::step`] as `gaps-worker` sends it — the gradients of the rows
 /// pulled the round before, a push of the 16-float dense tensor answered with its values, and the next
-/// batch's rows — one request per shard.
+/// batch's rows — one request per shard. Returns the measurement and the bytes of memory merged onto huge
+/// pages before the clock started (None with `--processes`).
 async fn sparse_case(
     certs: &ClusterCerts,
     shards: u32,

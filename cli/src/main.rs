@@ -174,7 +174,7 @@ enum BenchCommand {
         #[arg(long, env = "GAPS_BENCH_DIR")]
         dir: Option<PathBuf>,
     },
-    /// Sparse-table insert and lookup rates and bytes per row; lookups and pushes again once the table is on huge pages
+    /// Sparse-table insert and lookup rates and bytes per row; lookups and pushes again once the table is on huge pages.
     Tables {
         /// Rows to insert.
         #[arg(long, env = "GAPS_BENCH_ROWS", default_value = "10Mi", value_parser = parse_count)]

@@ -185,7 +185,7 @@ pub fn advise_huge_pages<T>(buffer: &Vec<T>) {
 /// Asks the kernel to move `elements` onto transparent huge pages now (`MADV_COLLAPSE`, Linux 6.1 and
 /// later; only the 2 MiB-aligned pages wholly inside the slice): what its background merging (khugepaged)
 /// does to memory advised by [`advise_huge_pages`] over minutes — by default it scans 16 MiB every 10 s —,
-/// done at once for the price of a copy (about 0.7 GB/s on the development VM). For benchmarks that
+/// done at once for the price of a copy (0.5–1 GB/s on the development VM). For benchmarks that
 /// measure a table as it runs once the kernel has merged its pages. The bytes merged (0 for a slice that
 /// holds no whole huge page; pages never written are not merged); None where the kernel merged none of
 /// them (older kernels, huge pages off, another system).
@@ -239,12 +239,8 @@ pub fn collapse_advised_memory() -> Option<usize> {
     let mut advised = Vec::new();
     let mut current = None;
     for line in smaps.lines() {
-        // A mapping's first line starts with its address range, the lines after it with a field name.
-        let range = line.split_whitespace().next().and_then(|r| r.split_once('-'));
-        if let Some((Ok(from), Ok(to))) =
-            range.map(|(f, t)| (usize::from_str_radix(f, 16), usize::from_str_radix(t, 16)))
-        {
-            current = Some((from, to));
+        if let Some(range) = smaps_range(line) {
+            current = Some(range);
         } else if let (Some(flags), Some(range)) = (line.strip_prefix("VmFlags:"), current) {
             if flags.split_whitespace().any(|f| f == "hg") {
                 advised.push(range);
@@ -260,6 +256,14 @@ pub fn collapse_advised_memory() -> Option<usize> {
         }
     }
     merged
+}
+
+/// The address range of a mapping from the first line of its entry in `/proc/<pid>/smaps`
+/// (`7f01c0000000-7f01c1200000 rw-p …`); None for the lines after it, which start with a field name
+/// (`AnonHugePages:   14336 kB`).
+fn smaps_range(line: &str) -> Option<(usize, usize)> {
+    let (from, to) = line.split_whitespace().next()?.split_once('-')?;
+    Some((usize::from_str_radix(from, 16).ok()?, usize::from_str_radix(to, 16).ok()?))
 }
 
 /// Makes room in `buffer` for `additional` more elements as `Vec::reserve` does (doubling), but moves to
@@ -324,12 +328,7 @@ mod tests {
         let smaps = std::fs::read_to_string("/proc/self/smaps").expect("/proc/self/smaps");
         let mut inside = false;
         for line in smaps.lines() {
-            // A mapping's first line starts with its address range (`7f01c0000000-7f01c1200000 rw-p …`), the
-            // lines after it with a field name (`AnonHugePages:   14336 kB`).
-            let range = line.split_whitespace().next().and_then(|r| r.split_once('-'));
-            if let Some((Ok(from), Ok(to))) =
-                range.map(|(f, t)| (usize::from_str_radix(f, 16), usize::from_str_radix(t, 16)))
-            {
+            if let Some((from, to)) = smaps_range(line) {
                 inside = (from..to).contains(&address);
                 continue;
             }

@@ -227,7 +227,7 @@ async fn join_all<F: std::future::Future>(futures: Vec<F>) -> Vec<F::Output> {
 /// training loop, the Python package's calls), and returns its result. The replies are then taken on the
 /// threads that receive them and the caller is woken once for the whole exchange, where awaiting the
 /// requests on the caller's thread woke it for every reply (a 2-shard 1,000-float push-pull: 8 context
-/// switches a round instead of 13.4, 1.10–1.18× faster; docs/results.md). A caller that is a task, or is
+/// switches a round instead of 13.4, 1.08–1.18× faster; docs/results.md). A caller that is a task, or is
 /// outside any runtime, runs `exchange` itself. Dropping the returned future aborts the task, as dropping
 /// the requests themselves would have cancelled them — though the task stops at its next await, so a
 /// request being written as the caller drops it may still go out (a push is still applied at most once:
