@@ -237,12 +237,10 @@ async fn on_runtime<T: Send + 'static>(
     what: &str,
     exchange: impl std::future::Future<Output = Result<T, ClientError>> + Send + 'static,
 ) -> Result<T, ClientError> {
-    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-        return exchange.await;
+    let runtime = match tokio::runtime::Handle::try_current() {
+        Ok(runtime) if tokio::task::try_id().is_none() => runtime,
+        _ => return exchange.await,
     };
-    if tokio::task::try_id().is_some() {
-        return exchange.await;
-    }
     /// Aborts the task when the caller stops waiting for it.
     struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
     impl<T> Drop for AbortOnDrop<T> {
