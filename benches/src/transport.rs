@@ -445,7 +445,11 @@ async fn dense_case(
 ) -> Result<Measured> {
     let mut spec = TensorSpec::new("bench", n);
     spec.wire_dtype = Some(dtype);
-    let layout = Layout::new(vec![spec], 1 << 18)?;
+    // Chunks of 256 Ki floats, or fewer floats so that every shard holds a part of the tensor: the 2-shard
+    // 1,000-float case splits its floats 500 and 500, two exchanges side by side as ps-lite's servers each
+    // take their key range (until 2026-11-29 all 1,000 lived on one shard and the other got an empty push).
+    let chunk = (1u64 << 18).min(n.div_ceil(u64::from(shards.max(1))));
+    let layout = Layout::new(vec![spec], u32::try_from(chunk)?)?;
     let servers = Shards::start(certs, shards, replicas, &layout, opts.processes).await?;
     let mut options = ClientOptions::new(servers.coordinator(), certs.worker_material()?, Role::Worker, "bench");
     options.lanes = opts.lanes;

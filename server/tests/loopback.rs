@@ -550,6 +550,38 @@ async fn a_push_pull_trains_exactly_as_a_push_then_a_pull_and_survives_lost_conn
     }
 }
 
+/// A model smaller than a chunk lives on one shard; the other is pushed to only to end the worker's step
+/// and answers with no values. A push-pull is then still one request per shard, with no pull after it
+/// (until 2026-11-29 the empty answer sent every push-pull back for a pull of the whole model: twice the
+/// requests and round trips on every cluster whose dense model does not reach every shard).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_push_pull_needs_no_pull_when_a_shard_owns_none_of_the_model() {
+    let certs = ClusterCerts::generate(&[]).expect("certs");
+    let small = Layout::new(vec![TensorSpec::new("w", 100)], 128).expect("layout");
+    let s0 = start_shard_serving(&certs, 0, 2, None, Rule::Sgd, small.clone(), 0.1).await;
+    let s1 = start_shard_serving(&certs, 1, 2, Some(s0.advertise.clone()), Rule::Sgd, small.clone(), 0.1).await;
+    let client = Client::connect(options(&certs, &s0.advertise, Role::Worker)).await.expect("connect");
+    let observer = Client::connect(options(&certs, &s0.advertise, Role::Observer)).await.expect("observer");
+    assert_eq!(small.total_chunks(), 1, "one chunk, so one of the two shards owns none");
+    let mut snapshot = client.pull().await.expect("pull");
+    let pulls = |stats: Vec<wire::Stats>| stats.iter().map(|s| s.pulls).sum::<u64>();
+    let before = pulls(client.stats().await.expect("stats"));
+    for step in 1..=3u64 {
+        let grads = vec![(0..100).map(|i| (i % 7) as f32 * 0.01).collect::<Vec<f32>>()];
+        let (summary, next) = client.push_pull(grads, &snapshot).await.expect("push_pull");
+        assert_eq!(summary.applied, 2, "step {step}: both shards took the push");
+        assert_eq!(next, observer.pull().await.expect("pull"), "step {step}: what a pull right after reads");
+        assert_eq!(next.versions, vec![step], "step {step}");
+        snapshot = next;
+    }
+    // Each push-pull is a read on each shard (the observer's pulls are counted too: one per shard each);
+    // nothing more.
+    let reads = pulls(client.stats().await.expect("stats")) - before;
+    assert_eq!(reads, 3 * 2 + 3 * 2, "reads: {reads}");
+    client.leave().await.expect("leave");
+    shutdown(vec![s0, s1]).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shared_gradient_is_pushed_as_it_is_and_left_unchanged_for_the_caller() {
     let certs = ClusterCerts::generate(&[]).expect("certs");

@@ -162,8 +162,9 @@ impl net::ReplySink for PullInto<'_> {
         self.filled = false;
         let chunks = match msg {
             Message::PullReply(reply) => &reply.chunks,
-            // A push-pull whose ack asks the worker to wait carries no values.
-            Message::PushPullReply(reply) if reply.chunks.is_empty() => return Ok(None),
+            // A push-pull whose ack asks the worker to wait carries no values. A shard that owns no chunk of
+            // the model answers with none and is done (it was pushed to only to end the worker's step).
+            Message::PushPullReply(reply) if reply.chunks.is_empty() && !self.expected.is_empty() => return Ok(None),
             Message::PushPullReply(reply) => &reply.chunks,
             other => return Err(format!("a {} message answered a pull", net::kind_name(other))),
         };
