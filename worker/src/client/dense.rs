@@ -15,12 +15,17 @@ impl Client {
     async fn pull_here(&self) -> Result<Snapshot, ClientError> {
         let mut tensors = self.snapshot_buffers();
         let (mut sinks, requests_of) = self.pull_sinks(&mut tensors, None)?;
-        let requests = sinks.iter_mut().zip(&requests_of).map(|(sink, (s, lane, chunks))| {
-            let msg =
-                Message::Pull(Pull { epoch: self.inner.map.epoch, chunks: chunks.iter().map(|(id, _)| *id).collect() });
-            async move { self.request_on(*s, *lane, &msg, &[], sink).await }
-        });
-        for ((s, _, _), outcome) in requests_of.iter().zip(join_all(requests.collect()).await) {
+        // A shard that owns no chunk of the model has nothing to read: it is not asked.
+        let requests = sinks.iter_mut().zip(&requests_of).filter(|(_, (_, _, chunks))| !chunks.is_empty()).map(
+            |(sink, (s, lane, chunks))| {
+                let msg = Message::Pull(Pull {
+                    epoch: self.inner.map.epoch,
+                    chunks: chunks.iter().map(|(id, _)| *id).collect(),
+                });
+                async move { (*s, self.request_on(*s, *lane, &msg, &[], sink).await) }
+            },
+        );
+        for (s, outcome) in join_all(requests.collect()).await {
             outcome.map_err(|e| match e {
                 RpcError::BadReply { message, .. } => ClientError::BadMap(format!("shard {s}: {message}")),
                 other => other.into(),
