@@ -583,6 +583,73 @@ async fn a_push_pull_needs_no_pull_when_a_shard_owns_none_of_the_model() {
     shutdown(vec![s0, s1]).await;
 }
 
+/// A reply sink that records what `call_with` told it.
+#[derive(Default)]
+struct Recording {
+    begins: u32,
+    promised: bool,
+    values: Vec<f32>,
+}
+
+impl net::ReplySink for Recording {
+    fn begin(&mut self) {
+        self.begins += 1;
+        self.promised = false;
+    }
+
+    fn destination<'s>(&'s mut self, msg: &Message) -> Result<Option<Vec<&'s mut [f32]>>, String> {
+        self.promised = true;
+        self.values.resize(msg.payload_elems() as usize, 0.0);
+        Ok(Some(vec![&mut self.values[..]]))
+    }
+}
+
+/// A reply cut off in its values after its sink was given their destination, then a refusal of the call
+/// sent again: the sink hears that each call begins, so the first reply's promise does not outlive it.
+/// (Until 2026-11-29 a worker's push-pull or step sent again after such a cut and refused by a restored
+/// shard returned a snapshot whose part from that shard was never written.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_cut_off_in_its_values_promises_nothing_to_the_next_call() {
+    use gaps_common::dtype::WireDtype;
+    let certs = ClusterCerts::generate(&[]).expect("certs");
+    let tls = certs.shard_material(0).expect("tls");
+    let (server, _) = net::server_endpoint("127.0.0.1:0".parse().expect("addr"), &tls).expect("endpoint");
+    let addr = server.local_addr().expect("addr");
+    let limits = Limits::default();
+    let serving = tokio::spawn(async move {
+        let conn = server.accept().await.expect("incoming").await.expect("connection");
+        // The first call: a pull reply's header for 4 values, then 2 of them and the stream's end.
+        let (mut send, mut recv) = conn.accept_bi().await.expect("stream");
+        net::read_frame(&mut recv, &limits).await.expect("request");
+        let chunk =
+            wire::ChunkVersion { id: ChunkId { tensor: 0, chunk: 0 }, version: 1, len: 4, dtype: WireDtype::F32 };
+        let reply = Message::PullReply(wire::PullReply { chunks: vec![chunk] });
+        send.write_all(&wire::encode_header(&reply, 4).expect("header")).await.expect("write");
+        send.write_all(&[0u8; 8]).await.expect("write");
+        send.finish().expect("finish");
+        // The second: refused.
+        let (mut send, mut recv) = conn.accept_bi().await.expect("stream");
+        net::read_frame(&mut recv, &limits).await.expect("request");
+        let refusal = Message::error(ErrorCode::ReadAhead, "computed before this shard's restore");
+        net::write_frame(&mut send, &refusal, &[]).await.expect("write");
+        send.finish().expect("finish");
+        conn.closed().await;
+    });
+    let endpoint = net::client_endpoint(&certs.worker_material().expect("tls"), addr).expect("endpoint");
+    let conn = net::connect(&endpoint, addr, Duration::from_secs(5)).await.expect("connect");
+    let pull = Message::Pull(wire::Pull { epoch: 1, chunks: vec![ChunkId { tensor: 0, chunk: 0 }] });
+    let mut sink = Recording::default();
+    let cut = net::call_with(&conn, &pull, &[], &limits, Duration::from_secs(5), &mut sink).await;
+    assert!(cut.is_err(), "{cut:?}");
+    assert!(sink.promised, "the cut-off reply's values were given a destination");
+    let refused = net::call_with(&conn, &pull, &[], &limits, Duration::from_secs(5), &mut sink).await;
+    assert!(matches!(refused, Err(net::RpcError::Remote { code: ErrorCode::ReadAhead, .. })), "{refused:?}");
+    assert_eq!(sink.begins, 2, "one begin a call");
+    assert!(!sink.promised, "a refusal promises no values");
+    conn.close(0u32.into(), b"done");
+    serving.await.expect("server");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shared_gradient_is_pushed_as_it_is_and_left_unchanged_for_the_caller() {
     let certs = ClusterCerts::generate(&[]).expect("certs");

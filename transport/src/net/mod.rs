@@ -453,6 +453,7 @@ pub async fn call_with(
     sink: &mut (impl ReplySink + ?Sized),
 ) -> Result<Frame, RpcError> {
     let addr = conn.remote_address().to_string();
+    sink.begin();
     let fut = async {
         // When the connection itself closed, say why (a TLS alert, the peer's reason) rather than how the
         // stream noticed.

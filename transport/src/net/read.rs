@@ -205,6 +205,10 @@ async fn read_sections(
 /// keeps the payload in the returned frame, `Ok(Some(slices))` has it read straight into the caller's
 /// buffers (their lengths must add up to the payload's), `Err` refuses the reply.
 pub trait ReplySink {
+    /// Called as each call begins, before anything is sent: what the reply of an earlier call promised (a
+    /// destination whose values were then cut off, an attempt given up for a retry) no longer holds.
+    fn begin(&mut self) {}
+
     /// The destination of the payload of reply `msg`.
     fn destination<'s>(&'s mut self, msg: &Message) -> Result<Option<Vec<&'s mut [f32]>>, String>;
 }

@@ -4,8 +4,9 @@
 use super::*;
 
 impl Client {
-    /// Pulls the whole model from all shards concurrently. Each shard's reply is read straight into the
-    /// snapshot's tensors (no intermediate buffer, no zero-fill).
+    /// Pulls the whole model from the shards that hold it, concurrently (a shard that owns no chunk of the
+    /// model is not asked). Each shard's reply is read straight into the snapshot's tensors (no
+    /// intermediate buffer, no zero-fill).
     pub async fn pull(&self) -> Result<Snapshot, ClientError> {
         let client = self.clone();
         on_runtime("pull", async move { client.pull_here().await }).await
@@ -184,7 +185,8 @@ impl Client {
     /// applying it, so the pull costs no request of its own). A shard whose ack asks the worker to wait (a
     /// synchronous step, bounded staleness) or that refused the gradient as computed before its restore
     /// answers without values, and a push striped over several lanes is answered with an ack only; the
-    /// pull is then made on its own, after the waits, as `push` then `pull` would.
+    /// pull is then made on its own, after the waits, as `push` then `pull` would. (A shard that owns no
+    /// chunk of the model answers with its ack alone, and owes no values.)
     pub async fn push_pull(
         &self,
         grads: Vec<Vec<f32>>,

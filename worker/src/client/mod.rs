@@ -158,6 +158,13 @@ impl<'a> PullInto<'a> {
 }
 
 impl net::ReplySink for PullInto<'_> {
+    /// A call sent again after its reply was cut off in its values may be answered with a refusal (a
+    /// restored shard refusing a gradient computed before its restore), which has no destination: the
+    /// cut-off reply's values are not there, and the caller must pull them.
+    fn begin(&mut self) {
+        self.filled = false;
+    }
+
     fn destination<'s>(&'s mut self, msg: &Message) -> Result<Option<Vec<&'s mut [f32]>>, String> {
         self.filled = false;
         let chunks = match msg {
@@ -649,6 +656,21 @@ pub(crate) fn jitter_ms(max_ms: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use gaps_common::wire::{ChunkVersion, PullReply};
+    use net::ReplySink;
+
+    #[test]
+    fn a_pull_sink_forgets_at_each_call_what_an_earlier_reply_promised() {
+        let id = ChunkId { tensor: 0, chunk: 0 };
+        let mut values = [0.0f32; 4];
+        let mut sink = PullInto::new(vec![(id, 4)], vec![&mut values[..]]);
+        let chunk = ChunkVersion { id, version: 3, len: 4, dtype: gaps_common::dtype::WireDtype::F32 };
+        let reply = Message::PullReply(PullReply { chunks: vec![chunk] });
+        assert_eq!(sink.destination(&reply).expect("the chunk asked for").map(|d| d.len()), Some(1));
+        assert!(sink.filled, "the reply's values have their destination");
+        sink.begin();
+        assert!(!sink.filled, "a new call: nothing of the last reply is counted on");
+    }
 
     #[test]
     fn stripes_are_consecutive_balanced_and_never_below_the_minimum() {

@@ -27,6 +27,11 @@ struct StepInto<'a> {
 }
 
 impl net::ReplySink for StepInto<'_> {
+    /// As `PullInto`'s: neither the dense values nor the rows of a cut-off reply are there.
+    fn begin(&mut self) {
+        (self.dense.filled, self.got_rows) = (false, false);
+    }
+
     fn destination<'s>(&'s mut self, msg: &Message) -> Result<Option<Vec<&'s mut [f32]>>, String> {
         (self.dense.filled, self.got_rows) = (false, false);
         let Message::StepReply(reply) = msg else {
@@ -210,5 +215,30 @@ impl Client {
             }
         }
         Ok(SparseRows { ids: ids.to_vec(), values, versions, dim })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use net::ReplySink;
+
+    #[test]
+    fn a_step_sink_forgets_at_each_call_what_an_earlier_reply_promised() {
+        let mut sink = StepInto {
+            dense: PullInto::new(Vec::new(), Vec::new()),
+            asked: Some((0, 2, 3)),
+            rows: Vec::new(),
+            got_rows: false,
+        };
+        let reply = Message::StepReply(StepReply {
+            rows: None,
+            push: PushPullReply { ack: Default::default(), chunks: Vec::new() },
+            next_rows: Some(SparsePullReply { table: 0, count: 2, dim: 3 }),
+        });
+        assert!(sink.destination(&reply).expect("rows asked for").is_some());
+        assert!(sink.dense.filled && sink.got_rows, "no dense chunk was asked for; the rows have a destination");
+        sink.begin();
+        assert!(!sink.dense.filled && !sink.got_rows, "a new call: nothing of the last reply is counted on");
     }
 }
