@@ -607,7 +607,7 @@ impl net::ReplySink for Recording {
 /// A reply cut off in its values after its sink was given their destination, then a refusal of the call
 /// sent again: the sink hears that each call begins, so the first reply's promise does not outlive it.
 /// (Until 2026-11-29 a worker's push-pull or step sent again after such a cut and refused by a restored
-/// shard returned a snapshot whose part from that shard was never written.)
+/// shard returned a snapshot — and a step its next rows — whose part from that shard was never written.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reply_cut_off_in_its_values_promises_nothing_to_the_next_call() {
     use gaps_common::dtype::WireDtype;

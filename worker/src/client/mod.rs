@@ -163,6 +163,7 @@ impl net::ReplySink for PullInto<'_> {
     /// cut-off reply's values are not there, and the caller must pull them.
     fn begin(&mut self) {
         self.filled = false;
+        self.versions.clear();
     }
 
     fn destination<'s>(&'s mut self, msg: &Message) -> Result<Option<Vec<&'s mut [f32]>>, String> {
@@ -668,8 +669,10 @@ mod tests {
         let reply = Message::PullReply(PullReply { chunks: vec![chunk] });
         assert_eq!(sink.destination(&reply).expect("the chunk asked for").map(|d| d.len()), Some(1));
         assert!(sink.filled, "the reply's values have their destination");
+        assert_eq!(sink.versions, vec![3]);
         sink.begin();
         assert!(!sink.filled, "a new call: nothing of the last reply is counted on");
+        assert!(sink.versions.is_empty());
     }
 
     #[test]
