@@ -209,7 +209,7 @@ pub trait ReplySink {
     /// destination whose values were then cut off, an attempt given up for a retry) no longer holds.
     fn begin(&mut self) {}
 
-    /// The destination of the payload of reply `msg`.
+    /// The destination of the payload of reply `msg` (called at most once a call, after [`Self::begin`]).
     fn destination<'s>(&'s mut self, msg: &Message) -> Result<Option<Vec<&'s mut [f32]>>, String>;
 }
 

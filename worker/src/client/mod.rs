@@ -167,7 +167,6 @@ impl net::ReplySink for PullInto<'_> {
     }
 
     fn destination<'s>(&'s mut self, msg: &Message) -> Result<Option<Vec<&'s mut [f32]>>, String> {
-        self.filled = false;
         let chunks = match msg {
             Message::PullReply(reply) => &reply.chunks,
             // A push-pull whose ack asks the worker to wait carries no values. A shard that owns no chunk of

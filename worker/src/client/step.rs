@@ -33,7 +33,6 @@ impl net::ReplySink for StepInto<'_> {
     }
 
     fn destination<'s>(&'s mut self, msg: &Message) -> Result<Option<Vec<&'s mut [f32]>>, String> {
-        (self.dense.filled, self.got_rows) = (false, false);
         let Message::StepReply(reply) = msg else {
             return Err(format!("a {} message answered a step", net::kind_name(msg)));
         };
