@@ -342,8 +342,10 @@ struct TransportArgs {
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=256))]
     hog: u32,
     /// Run gaps' shards as `gaps server` processes, as a deployment does, rather than in the bench's own
-    /// process (whose runtime then serves the client and the shards alike); their CPU is counted too. The
-    /// cases with copies (`_r2`) are left out. JSON lines carry `"processes": true`.
+    /// process (whose runtime then serves the client and the shards alike, one thread a core); their CPU is
+    /// counted too, and the bench's process stands for a worker: its runtime has a worker's threads
+    /// (`--io-threads`: one). The cases with copies (`_r2`) are left out. JSON lines carry
+    /// `"processes": true`.
     #[arg(long)]
     processes: bool,
 }
@@ -396,10 +398,22 @@ async fn bench_transport(args: TransportArgs) -> Result<()> {
 
 use gaps_common::config::parse_count;
 
-#[tokio::main]
-async fn main() -> Result<()> {
+fn main() -> Result<()> {
     gaps_common::buffers::tune_allocator();
     let cli: Cli = gaps_setup::parse();
+    // A shard or worker process runs on a runtime of its `--io-threads`; so does the transport bench with
+    // shard processes, whose own process then stands for a worker. Everything else on one thread a core.
+    use gaps_transport::runtime::{io_threads, IoRole};
+    let threads = match &cli.command {
+        Command::Server(args) => io_threads(args.io_threads as usize, IoRole::Shard),
+        Command::Worker(args) => io_threads(args.io_threads as usize, IoRole::Worker),
+        Command::Bench(BenchCommand::Transport(args)) if args.processes => io_threads(0, IoRole::Worker),
+        _ => std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+    };
+    gaps_transport::runtime::build(threads)?.block_on(run(cli))
+}
+
+async fn run(cli: Cli) -> Result<()> {
     // The front door's own commands report through their progress lines; their libraries log warnings only.
     let quiet = matches!(
         cli.command,

@@ -75,6 +75,11 @@ pub struct ServerArgs {
     /// Threads a large push may use (0: one per core).
     #[arg(long, env = "GAPS_THREADS", default_value_t = 0)]
     pub threads: usize,
+    /// Threads of the runtime that serves the network (0: one per 4 cores, at least one). A request's
+    /// hand-offs between tasks stay on one thread when there is one (fewer wake-ups); more pay where many
+    /// workers' traffic fills a core. Updates run on their own threads either way (`--threads`).
+    #[arg(long, env = "GAPS_IO_THREADS", default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=1024))]
+    pub io_threads: u32,
     /// Seed of the parameter initializer.
     #[arg(long, env = "GAPS_SEED", default_value_t = 1)]
     pub seed: u64,

@@ -85,6 +85,11 @@ pub struct WorkerArgs {
     /// loopback with 2 cores, 1 measured fastest.
     #[arg(long, env = "GAPS_LANES", default_value_t = crate::client::DEFAULT_LANES as u32, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub lanes: u32,
+    /// Threads of the runtime that carries this worker's traffic (0: one). A step's compute and the reading
+    /// of the next batch run off it (heartbeats and acknowledgements go on meanwhile); more threads pay for
+    /// a large model on many shards, whose packet work fills a core.
+    #[arg(long, env = "GAPS_IO_THREADS", default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=1024))]
+    pub io_threads: u32,
     /// Name in logs.
     #[arg(long, env = "GAPS_NAME", default_value = "worker")]
     pub name: String,
@@ -479,7 +484,7 @@ pub async fn run(args: &WorkerArgs) -> Result<WorkerSummary> {
         let first = (u64::from(worker) << 40) + step * batch as u64;
         let compute = Instant::now();
         let (xs, ys) = data.batch(first, batch);
-        let (loss, grads) = logreg_loss_and_grad(&snapshot.tensors, &xs, &ys);
+        let (loss, grads) = gaps_transport::runtime::compute(|| logreg_loss_and_grad(&snapshot.tensors, &xs, &ys));
         losses.push(loss);
         emulate_compute(args, started, compute.elapsed()).await;
         step_log.record(compute.elapsed());

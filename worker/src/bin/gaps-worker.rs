@@ -1,14 +1,15 @@
 //! `gaps-worker`: one training worker of a gaps cluster.
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     let args: gaps_worker::train::WorkerArgs = gaps_setup::start_program(
         "gaps-worker",
         "One training worker: joins the cluster through the coordinator, then pulls parameters, computes \
          gradients on its share of the data and pushes them back, asynchronously, over QUIC with mutual TLS.",
         "info",
     );
-    let summary = gaps_worker::train::run(&args).await?;
+    let threads =
+        gaps_transport::runtime::io_threads(args.io_threads as usize, gaps_transport::runtime::IoRole::Worker);
+    let summary = gaps_transport::runtime::build(threads)?.block_on(gaps_worker::train::run(&args))?;
     if args.json {
         println!("{}", summary.to_json());
     }

@@ -1,0 +1,97 @@
+//! The tokio runtime a `gaps server` or `gaps worker` process runs on, sized by `--io-threads`.
+//!
+//! A request crosses several tasks on its way (quinn's endpoint driver reads the datagram, the connection's
+//! driver decrypts it, the stream's task reads and answers it, and back): on a runtime of several threads
+//! each hand-off may wake another thread, which costs a futex call, a context switch and, on a virtual
+//! machine, an inter-processor interrupt. Measured on 2 cores (docs/results.md, "One runtime thread a
+//! process"), a worker and a shard of one runtime thread each move a 1,000-float push-pull in two thirds
+//! of the time and CPU of two threads each, and a 1 Mi-float one 1.2 times as fast. More threads pay where
+//! one process's packet work fills a core: a shard that many workers push to at once.
+
+/// Which process a runtime is for (their automatic sizes differ).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IoRole {
+    /// A shard: one runtime thread per 4 cores, at least one (its updates run on their own threads).
+    Shard,
+    /// A worker (and a client of the cluster): one thread; its connections carry its own traffic only.
+    Worker,
+}
+
+/// The largest `--io-threads`.
+pub const MAX_IO_THREADS: usize = 1024;
+
+/// The runtime threads for `requested` (0: automatic, see [`IoRole`]) on a host of `cores` cores.
+pub fn io_threads_for(requested: usize, role: IoRole, cores: usize) -> usize {
+    if requested > 0 {
+        return requested.min(MAX_IO_THREADS);
+    }
+    match role {
+        IoRole::Shard => (cores / 4).max(1),
+        IoRole::Worker => 1,
+    }
+}
+
+/// [`io_threads_for`] on this host.
+pub fn io_threads(requested: usize, role: IoRole) -> usize {
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    io_threads_for(requested, role, cores)
+}
+
+/// A runtime of `threads` worker threads (at least one), named `gaps-io`, with I/O and timers: the
+/// multi-threaded kind even for one thread, so that `block_in_place` ([`compute`]) works.
+pub fn build(threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads.clamp(1, MAX_IO_THREADS))
+        .thread_name("gaps-io")
+        .enable_all()
+        .build()
+}
+
+/// Runs `work` (CPU-bound, no awaiting: a training step's compute) without holding up the runtime's other
+/// tasks — heartbeats, acknowledgements, the reading of the next batch — on a runtime of one thread:
+/// `block_in_place` on a multi-threaded runtime, directly on a current-thread one (tests).
+pub fn compute<R>(work: impl FnOnce() -> R) -> R {
+    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(work),
+        _ => work(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn automatic_sizes_follow_the_role_and_the_cores() {
+        assert_eq!(io_threads_for(0, IoRole::Worker, 64), 1);
+        assert_eq!(io_threads_for(0, IoRole::Shard, 2), 1);
+        assert_eq!(io_threads_for(0, IoRole::Shard, 7), 1);
+        assert_eq!(io_threads_for(0, IoRole::Shard, 8), 2);
+        assert_eq!(io_threads_for(0, IoRole::Shard, 64), 16);
+        assert_eq!(io_threads_for(3, IoRole::Shard, 64), 3);
+        assert_eq!(io_threads_for(3, IoRole::Worker, 2), 3);
+        assert_eq!(io_threads_for(1 << 20, IoRole::Worker, 2), MAX_IO_THREADS);
+    }
+
+    #[test]
+    fn compute_runs_on_both_flavors_and_keeps_a_one_thread_runtime_serving() {
+        // Current-thread runtime: run in place.
+        let rt = tokio::runtime::Builder::new_current_thread().build().expect("runtime");
+        assert_eq!(rt.block_on(async { compute(|| 6 * 7) }), 42);
+        // One worker thread: a task spawned by the task that computes runs while the compute blocks (it
+        // waits in that thread's own queue; without block_in_place the wait below would time out).
+        let rt = build(1).expect("runtime");
+        let answered = rt.block_on(async {
+            tokio::spawn(async {
+                let (tx, rx) = std::sync::mpsc::channel();
+                let other = tokio::spawn(async move { tx.send(()).expect("send") });
+                let got = compute(|| rx.recv_timeout(std::time::Duration::from_secs(5)).is_ok());
+                other.await.expect("task");
+                got
+            })
+            .await
+            .expect("task")
+        });
+        assert!(answered, "the runtime's other task did not run while the compute blocked");
+    }
+}
