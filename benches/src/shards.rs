@@ -36,16 +36,16 @@ impl Drop for Scratch {
 
 impl Shards {
     /// Starts `shards` shards serving `layout`, each with `replicas` copies; as child processes of the
-    /// executable running this when `processes`.
+    /// executable running this, with these `--io-threads`, when `processes` is given.
     pub(crate) async fn start(
         certs: &ClusterCerts,
         shards: u32,
         replicas: u32,
         layout: &Layout,
-        processes: bool,
+        processes: Option<u32>,
     ) -> Result<Shards> {
-        if processes {
-            return start_processes(certs, shards, replicas, layout).await;
+        if let Some(io_threads) = processes {
+            return start_processes(certs, shards, replicas, layout, io_threads).await;
         }
         let mut servers: Vec<RunningServer> = Vec::new();
         for s in 0..shards {
@@ -111,7 +111,13 @@ impl Shards {
 
 /// `gaps server` processes with the in-process shards' settings; each one's address read from the line it
 /// prints once it serves.
-async fn start_processes(certs: &ClusterCerts, shards: u32, replicas: u32, layout: &Layout) -> Result<Shards> {
+async fn start_processes(
+    certs: &ClusterCerts,
+    shards: u32,
+    replicas: u32,
+    layout: &Layout,
+    io_threads: u32,
+) -> Result<Shards> {
     anyhow::ensure!(replicas == 1, "--processes runs shards without copies (the _r2 cases run in-process)");
     let scratch = Scratch(gaps_common::scratch_dir("gaps-bench-shards").context("making the shards' directory")?);
     let dir = scratch.0.clone();
@@ -139,6 +145,7 @@ async fn start_processes(certs: &ClusterCerts, shards: u32, replicas: u32, layou
             "--init-std=0".to_owned(),
             format!("--seed={SEED}"),
             "--lease=60s".to_owned(),
+            format!("--io-threads={io_threads}"),
         ];
         if s > 0 {
             args.push(format!("--coordinator={coordinator}"));

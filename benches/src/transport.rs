@@ -65,6 +65,8 @@ pub struct TransportOptions {
     /// gaps' shards as `gaps server` processes rather than in the bench's process ([`Shards`]); the cases
     /// with copies (`_r2`) are left out.
     pub processes: bool,
+    /// With `processes`: the shard processes' `--io-threads` (0: a shard's automatic count).
+    pub shard_io_threads: u32,
 }
 
 impl TransportOptions {
@@ -82,6 +84,7 @@ impl TransportOptions {
             separate: false,
             hog: 0,
             processes: false,
+            shard_io_threads: 0,
         }
     }
 }
@@ -450,7 +453,8 @@ async fn dense_case(
     // take their key range (until 2026-11-29 all 1,000 lived on one shard and the other got an empty push).
     let chunk = (1u64 << 18).min(n.div_ceil(u64::from(shards.max(1))));
     let layout = Layout::new(vec![spec], u32::try_from(chunk)?)?;
-    let servers = Shards::start(certs, shards, replicas, &layout, opts.processes).await?;
+    let servers =
+        Shards::start(certs, shards, replicas, &layout, opts.processes.then_some(opts.shard_io_threads)).await?;
     let mut options = ClientOptions::new(servers.coordinator(), certs.worker_material()?, Role::Worker, "bench");
     options.lanes = opts.lanes;
     let client = Client::connect(options).await?;
@@ -492,7 +496,7 @@ async fn sparse_case(
     anyhow::ensure!(opts.sparse_rows >= 2 * SPARSE_ROWS, "the sparse table needs at least {} rows", 2 * SPARSE_ROWS);
     let layout =
         Layout::with_tables(vec![TensorSpec::new("dense", 16)], 1 << 18, vec![SparseSpec::new("bench", SPARSE_DIM)])?;
-    let servers = Shards::start(certs, shards, 1, &layout, opts.processes).await?;
+    let servers = Shards::start(certs, shards, 1, &layout, opts.processes.then_some(opts.shard_io_threads)).await?;
     let options = ClientOptions::new(servers.coordinator(), certs.worker_material()?, Role::Worker, "bench");
     let client = Client::connect(options).await?;
     // Fill the table: every id in 0..rows, scattered.

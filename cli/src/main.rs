@@ -348,6 +348,12 @@ struct TransportArgs {
     /// `"processes": true`.
     #[arg(long)]
     processes: bool,
+    /// With --processes: the threads of the bench's own runtime, which runs the client (0: a worker's, one).
+    #[arg(long, default_value_t = 0, requires = "processes", value_parser = clap::value_parser!(u32).range(0..=1024))]
+    client_io_threads: u32,
+    /// With --processes: the shard processes' `--io-threads` (0: a shard's, one per 4 cores).
+    #[arg(long, default_value_t = 0, requires = "processes", value_parser = clap::value_parser!(u32).range(0..=1024))]
+    shard_io_threads: u32,
 }
 
 /// `gaps bench transport`.
@@ -365,6 +371,8 @@ async fn bench_transport(args: TransportArgs) -> Result<()> {
         floats,
         hog,
         processes,
+        client_io_threads: _,
+        shard_io_threads,
     } = args;
     anyhow::ensure!(seconds.is_finite() && seconds > 0.0, "--seconds must be positive");
     anyhow::ensure!(sparse_rows >= 2 * gaps_benches::transport::SPARSE_ROWS, "--sparse-rows must be at least 8192");
@@ -376,6 +384,7 @@ async fn bench_transport(args: TransportArgs) -> Result<()> {
     opts.separate = separate;
     opts.hog = hog as usize;
     opts.processes = processes;
+    opts.shard_io_threads = shard_io_threads;
     if hog > 0 {
         eprintln!("[gaps bench] {hog} busy process(es) run beside every case");
     }
@@ -402,13 +411,16 @@ fn main() -> Result<()> {
     gaps_common::buffers::tune_allocator();
     let cli: Cli = gaps_setup::parse();
     // A shard or worker process runs on a runtime of its `--io-threads`; so does the transport bench with
-    // shard processes, whose own process then stands for a worker. Everything else on one thread a core.
+    // shard processes, whose own process then stands for a worker (`--client-io-threads`).
     use gaps_transport::runtime::{io_threads, IoRole};
     let threads = match &cli.command {
         Command::Server(args) => io_threads(args.io_threads as usize, IoRole::Shard),
-        Command::Worker(args) => io_threads(args.io_threads as usize, IoRole::Worker),
-        Command::Bench(BenchCommand::Transport(args)) if args.processes => io_threads(0, IoRole::Worker),
-        _ => std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        Command::Worker(args) => args.runtime_threads(),
+        Command::Bench(BenchCommand::Transport(args)) if args.processes => {
+            io_threads(args.client_io_threads as usize, IoRole::Worker)
+        }
+        // tokio's default: one thread a core, or TOKIO_WORKER_THREADS.
+        _ => return tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(run(cli)),
     };
     gaps_transport::runtime::build(threads)?.block_on(run(cli))
 }

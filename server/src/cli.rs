@@ -77,8 +77,9 @@ pub struct ServerArgs {
     pub threads: usize,
     /// Threads of the runtime that serves the network (0: one per 4 cores, at least one). A request's
     /// hand-offs between tasks stay on one thread when there is one (fewer wake-ups); more pay where many
-    /// workers' traffic fills a core. Updates run on their own threads either way (`--threads`).
-    #[arg(long, env = "GAPS_IO_THREADS", default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=1024))]
+    /// workers' traffic fills a core. A small request is applied on the thread that read it when the core
+    /// is idle; others on the core's thread and large pushes over `--threads`.
+    #[arg(long, env = "GAPS_SERVER_IO_THREADS", default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=1024))]
     pub io_threads: u32,
     /// Seed of the parameter initializer.
     #[arg(long, env = "GAPS_SEED", default_value_t = 1)]

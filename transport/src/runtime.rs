@@ -13,7 +13,8 @@
 pub enum IoRole {
     /// A shard: one runtime thread per 4 cores, at least one (its updates run on their own threads).
     Shard,
-    /// A worker (and a client of the cluster): one thread; its connections carry its own traffic only.
+    /// A worker (and a client of the cluster): one thread; its connections carry its own traffic only (the
+    /// training loop runs beside it, on the thread that called `block_on`).
     Worker,
 }
 
@@ -47,9 +48,11 @@ pub fn build(threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
         .build()
 }
 
-/// Runs `work` (CPU-bound, no awaiting: a training step's compute) without holding up the runtime's other
-/// tasks — heartbeats, acknowledgements, the reading of the next batch — on a runtime of one thread:
-/// `block_in_place` on a multi-threaded runtime, directly on a current-thread one (tests).
+/// Runs `work` (blocking, no awaiting: reading a checkpoint) from a runtime task without holding up the
+/// runtime's other tasks — on a shard of one runtime thread, every connection — for its length:
+/// `block_in_place` on a multi-threaded runtime (which hands this thread's other tasks to another thread;
+/// on the thread that called `block_on`, where there are none, it just runs `work`), directly on a
+/// current-thread one (tests).
 pub fn compute<R>(work: impl FnOnce() -> R) -> R {
     match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
         Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(work),

@@ -85,10 +85,10 @@ pub struct WorkerArgs {
     /// loopback with 2 cores, 1 measured fastest.
     #[arg(long, env = "GAPS_LANES", default_value_t = crate::client::DEFAULT_LANES as u32, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub lanes: u32,
-    /// Threads of the runtime that carries this worker's traffic (0: one). A step's compute and the reading
-    /// of the next batch run off it (heartbeats and acknowledgements go on meanwhile); more threads pay for
-    /// a large model on many shards, whose packet work fills a core.
-    #[arg(long, env = "GAPS_IO_THREADS", default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=1024))]
+    /// Threads of the runtime that carries this worker's traffic (0: one per lane, so one by default). The
+    /// training loop runs on the program's main thread, beside them. More pay for a large model spread
+    /// over many shards, whose packet work fills a core.
+    #[arg(long, env = "GAPS_WORKER_IO_THREADS", default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=1024))]
     pub io_threads: u32,
     /// Name in logs.
     #[arg(long, env = "GAPS_NAME", default_value = "worker")]
@@ -445,6 +445,16 @@ fn spawn_tls_reload(args: &WorkerArgs, client: &Client) {
 }
 
 /// Runs one worker to completion.
+impl WorkerArgs {
+    /// The threads of the worker's runtime: `--io-threads`, or one per lane (`--lanes`, one by default).
+    pub fn runtime_threads(&self) -> usize {
+        match self.io_threads {
+            0 => (self.lanes as usize).max(1),
+            n => gaps_transport::runtime::io_threads(n as usize, gaps_transport::runtime::IoRole::Worker),
+        }
+    }
+}
+
 pub async fn run(args: &WorkerArgs) -> Result<WorkerSummary> {
     if args.epochs.is_some() && args.model.ctr().is_none() {
         anyhow::bail!("--epochs counts passes over a data file; --model logreg trains on synthetic data (use --steps)");
@@ -484,7 +494,7 @@ pub async fn run(args: &WorkerArgs) -> Result<WorkerSummary> {
         let first = (u64::from(worker) << 40) + step * batch as u64;
         let compute = Instant::now();
         let (xs, ys) = data.batch(first, batch);
-        let (loss, grads) = gaps_transport::runtime::compute(|| logreg_loss_and_grad(&snapshot.tensors, &xs, &ys));
+        let (loss, grads) = logreg_loss_and_grad(&snapshot.tensors, &xs, &ys);
         losses.push(loss);
         emulate_compute(args, started, compute.elapsed()).await;
         step_log.record(compute.elapsed());
@@ -508,7 +518,26 @@ pub async fn run(args: &WorkerArgs) -> Result<WorkerSummary> {
 
 #[cfg(test)]
 mod tests {
-    use super::{DataSharding, EarlyStop, HeldOutPoint, PushLedger, WorkerSummary};
+    use super::{DataSharding, EarlyStop, HeldOutPoint, PushLedger, WorkerArgs, WorkerSummary};
+
+    #[test]
+    fn a_workers_runtime_has_a_thread_a_lane_unless_told() {
+        #[derive(clap::Parser)]
+        struct Wrap {
+            #[command(flatten)]
+            args: WorkerArgs,
+        }
+        let threads = |flags: &[&str]| {
+            let base = ["w", "--coordinator=127.0.0.1:1", "--ca=ca", "--cert=c", "--key=k"];
+            let all: Vec<&str> = base.iter().chain(flags).copied().collect();
+            <Wrap as clap::Parser>::try_parse_from(all).map(|w| w.args.runtime_threads()).map_err(|e| e.to_string())
+        };
+        assert_eq!(threads(&[]), Ok(1));
+        assert_eq!(threads(&["--lanes=4"]), Ok(4));
+        assert_eq!(threads(&["--lanes=4", "--io-threads=2"]), Ok(2));
+        assert_eq!(threads(&["--io-threads=3"]), Ok(3));
+        assert!(threads(&["--io-threads=5000"]).is_err(), "more than 1024 threads is refused");
+    }
 
     #[test]
     fn the_summary_and_the_ledger_read_back_as_written_and_a_missing_field_is_an_error() {

@@ -124,8 +124,9 @@ pub(super) struct CoreQueue {
 /// of the core's work at most on this project's 2-core development VM (a row read and updated costs ~250 ns
 /// in a 10 M-row table, and a row created ~1 µs), and a request that could make a table grow its index,
 /// metadata or arena (a cost in proportion to the table) goes to the queue
-/// ([`gaps_shard::ShardCore::table_has_room_for`]). The runtime's other threads take the connection's
-/// other tasks meanwhile; what the queue saves is two thread wake-ups a request. Measured 2026-11-29
+/// ([`gaps_shard::ShardCore::table_has_room_for`]). Meanwhile the runtime's other threads, where it has
+/// more than one (`--io-threads`), take the other tasks, and with one they wait that long; what the queue
+/// saves is two thread wake-ups a request. Measured 2026-11-29
 /// (`gaps bench transport --only sparse`, 4,096 rows of 16): rows/s +10-14 % with one shard and +31-37 %
 /// with two against 16 Ki elements (which sent every row request of a training step to the core's thread),
 /// end to end unchanged.

@@ -152,7 +152,7 @@ pub(super) async fn peer_checkpoint(
 pub(super) async fn rollback_reply(shared: &Shared, req: Rollback) -> Frame {
     let answer = match req.stage {
         RollbackStage::List => {
-            own_checkpoints(shared, req.id).map(|held| RollbackReply { shard: shared.shard, held, step: 0 })
+            own_checkpoints(shared, req.id).await.map(|held| RollbackReply { shard: shared.shard, held, step: 0 })
         }
         RollbackStage::Apply => apply_rollback(shared, req.id).await.map(|step| RollbackReply {
             shard: shared.shard,
@@ -170,10 +170,14 @@ pub(super) async fn rollback_reply(shared: &Shared, req: Rollback) -> Frame {
     })
 }
 
-/// The intact checkpoints this shard holds, no newer than `max`, newest first.
-pub(super) fn own_checkpoints(shared: &Shared, max: u64) -> Result<Vec<u64>> {
-    let store = shared.store.as_ref().context("this shard has no --checkpoint-dir")?;
-    store.intact_ids(max, gaps_common::wire::MAX_ROLLBACK_IDS)
+/// The intact checkpoints this shard holds, no newer than `max`, newest first. Each is read whole and its
+/// checksum checked (gigabytes, seconds), on a blocking thread: not on the runtime's, which may be the
+/// process's only one serving the network.
+pub(super) async fn own_checkpoints(shared: &Shared, max: u64) -> Result<Vec<u64>> {
+    let store = shared.store.clone().context("this shard has no --checkpoint-dir")?;
+    tokio::task::spawn_blocking(move || store.intact_ids(max, gaps_common::wire::MAX_ROLLBACK_IDS))
+        .await
+        .context("listing checkpoints")?
 }
 
 /// Restores checkpoint `id` of this shard in place: the training state goes back to it, the live workers
@@ -267,7 +271,7 @@ pub(super) async fn cluster_rollback(shared: &Shared, restored: u64) -> Result<(
         bail!("only {} of {num_shards} shards have joined: no cluster rollback yet", peers.len() + 1);
     }
     let ask = Rollback { id: restored, stage: RollbackStage::List };
-    let mut common: std::collections::BTreeSet<u64> = own_checkpoints(shared, restored)?.into_iter().collect();
+    let mut common: std::collections::BTreeSet<u64> = own_checkpoints(shared, restored).await?.into_iter().collect();
     for peer in &peers {
         let held = peer_rollback(shared, peer, ask).await?.held;
         common.retain(|id| held.contains(id));

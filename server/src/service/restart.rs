@@ -45,7 +45,8 @@ impl ServedShard0<'_> {
             Some(c) => Some(CheckpointStore::open(&c.dir, 0, c.keep)?),
             None => None,
         };
-        let found = match initial_core(&c0, 0, store.as_ref())? {
+        // Reading a checkpoint takes seconds: not on the runtime's thread, which may be the only one.
+        let found = match gaps_transport::runtime::compute(|| initial_core(&c0, 0, store.as_ref()))? {
             (core, Some(info)) => Some((core, info)),
             (_, None) => None,
         };
@@ -272,7 +273,8 @@ async fn resume_shard(
         Some(ck) => Some(CheckpointStore::open(&ck.dir, shard, ck.keep)?),
         None => None,
     };
-    let (core, info) = match initial_core(&c, shard, store.as_ref())? {
+    // Reading a checkpoint takes seconds: not on the runtime's thread, which may be the only one serving.
+    let (core, info) = match gaps_transport::runtime::compute(|| initial_core(&c, shard, store.as_ref()))? {
         // Its own shard starts fresh without a checkpoint, as it would have had it not waited.
         (core, info) if info.is_some() || shard == shared.shard => (core, info),
         _ => match &store {

@@ -7,9 +7,8 @@ fn main() -> anyhow::Result<()> {
          gradients on its share of the data and pushes them back, asynchronously, over QUIC with mutual TLS.",
         "info",
     );
-    let threads =
-        gaps_transport::runtime::io_threads(args.io_threads as usize, gaps_transport::runtime::IoRole::Worker);
-    let summary = gaps_transport::runtime::build(threads)?.block_on(gaps_worker::train::run(&args))?;
+    // The training loop runs on this thread (block_on), the network on the runtime's.
+    let summary = gaps_transport::runtime::build(args.runtime_threads())?.block_on(gaps_worker::train::run(&args))?;
     if args.json {
         println!("{}", summary.to_json());
     }

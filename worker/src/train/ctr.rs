@@ -2,7 +2,6 @@
 //! per step, gradients pushed, the next batch read while the pushes are on the wire, held-out evaluation.
 
 use super::*;
-use gaps_transport::runtime::compute as off_the_runtime;
 
 /// The CTR training loop: per step, the next batch, its distinct ids; dense and sparse pulls together;
 /// forward/backward; dense and sparse pushes together.
@@ -60,10 +59,15 @@ pub(super) async fn run_ctr(
         let compute = Instant::now();
         let mut dense_grads: Vec<Vec<f32>> = dense.tensors.iter().map(|t| vec![0.0; t.len()]).collect();
         let mut row_grads = vec![0.0f32; rows.values.len()];
-        // Off the runtime's thread, which goes on serving heartbeats and acknowledgements meanwhile.
-        let grads = Some((dense_grads.as_mut_slice(), row_grads.as_mut_slice()));
-        let (values, logits) = (&rows.values, &mut logits);
-        let loss = off_the_runtime(|| forward(&shape, &dense.tensors, values, &batch, &samples, logits, grads));
+        let loss = forward(
+            &shape,
+            &dense.tensors,
+            &rows.values,
+            &batch,
+            &samples,
+            &mut logits,
+            Some((&mut dense_grads, &mut row_grads)),
+        );
         losses.push(loss / samples.len().max(1) as f32);
         emulate_compute(args, started, compute.elapsed()).await;
         let last = !more(step + 1);
@@ -228,8 +232,7 @@ async fn push_ctr_step(
     let further = further && matches!(prepared, Ok(Some(_)));
     let upcoming = prepared.as_ref().ok().and_then(Option::as_ref).map(|(_, indexed)| indexed.ids.as_slice());
     // `join!` polls in order: the step's requests are on their way before the batch after is read here.
-    // The reading computes: the step's replies are taken in by the runtime meanwhile.
-    let read = async { further.then(|| off_the_runtime(|| feed.next_local(n).map(|batch| batch.map(indexed)))) };
+    let read = async { further.then(|| feed.next_local(n).map(|batch| batch.map(indexed))) };
     let (outcome, read) = tokio::join!(client.step(dense_grads, dense, (0, rows, row_grads), upcoming), read);
     *ahead = read;
     let outcome = outcome.with_context(|| format!("pushing the gradients of step {step}"))?;
