@@ -204,7 +204,8 @@ class Client:
     Registers with the coordinator and connects to every shard. Pushes are exactly-once: a push retried
     after a lost connection keeps its sequence number. Heartbeats run in the background. Use it as a
     context manager, or call :meth:`close` (which also leaves the job). ``lanes`` is how many connections
-    to each shard a large push or pull is striped over (1 to 64; see ``gaps-worker --lanes``).
+    to each shard a large push or pull is striped over (1 to 64; see ``gaps-worker --lanes``), and how
+    many threads carry the client's traffic beside the caller's.
     """
 
     def __init__(

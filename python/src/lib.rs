@@ -320,11 +320,8 @@ impl NativeClient {
             return Err(err("config", format!("lanes must be 1 to 64, not {lanes}")));
         }
         opts.lanes = lanes;
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .thread_name("gaps-client")
-            .build()
+        // A worker's runtime: a thread a lane (`gaps-worker --io-threads`); the caller's thread waits beside it.
+        let runtime = gaps_transport::runtime::build(lanes)
             .map_err(|e| err("config", format!("starting the client's runtime: {e}")))?;
         let client = block(py, &runtime, Client::connect(opts))?.map_err(client_err)?;
         let heartbeats = client.worker_id().map(|_| {
