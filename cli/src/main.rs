@@ -344,11 +344,12 @@ struct TransportArgs {
     /// Run gaps' shards as `gaps server` processes, as a deployment does, rather than in the bench's own
     /// process (whose runtime then serves the client and the shards alike, one thread a core); their CPU is
     /// counted too, and the bench's process stands for a worker: its runtime has a worker's threads
-    /// (`--io-threads`: one). The cases with copies (`_r2`) are left out. JSON lines carry
+    /// (`--io-threads`: one a lane). The cases with copies (`_r2`) are left out. JSON lines carry
     /// `"processes": true`.
     #[arg(long)]
     processes: bool,
-    /// With --processes: the threads of the bench's own runtime, which runs the client (0: a worker's, one).
+    /// With --processes: the threads of the bench's own runtime, which runs the client (0: a worker's, one a
+    /// lane).
     #[arg(long, default_value_t = 0, requires = "processes", value_parser = clap::value_parser!(u32).range(0..=1024))]
     client_io_threads: u32,
     /// With --processes: the shard processes' `--io-threads` (0: a shard's, one per 4 cores).
@@ -417,7 +418,7 @@ fn main() -> Result<()> {
         Command::Server(args) => io_threads(args.io_threads as usize, IoRole::Shard),
         Command::Worker(args) => args.runtime_threads(),
         Command::Bench(BenchCommand::Transport(args)) if args.processes => {
-            io_threads(args.client_io_threads as usize, IoRole::Worker)
+            io_threads(args.client_io_threads as usize, IoRole::Worker { lanes: args.lanes.max(1) })
         }
         // tokio's default: one thread a core, or TOKIO_WORKER_THREADS.
         _ => return tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(run(cli)),

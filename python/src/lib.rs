@@ -321,7 +321,8 @@ impl NativeClient {
         }
         opts.lanes = lanes;
         // A worker's runtime: a thread a lane (`gaps-worker --io-threads`); the caller's thread waits beside it.
-        let runtime = gaps_transport::runtime::build(lanes)
+        let threads = gaps_transport::runtime::io_threads(0, gaps_transport::runtime::IoRole::Worker { lanes });
+        let runtime = gaps_transport::runtime::build(threads)
             .map_err(|e| err("config", format!("starting the client's runtime: {e}")))?;
         let client = block(py, &runtime, Client::connect(opts))?.map_err(client_err)?;
         let heartbeats = client.worker_id().map(|_| {

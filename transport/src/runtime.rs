@@ -13,9 +13,13 @@
 pub enum IoRole {
     /// A shard: one runtime thread per 4 cores, at least one (its updates run on their own threads).
     Shard,
-    /// A worker (and a client of the cluster): one thread; its connections carry its own traffic only (the
-    /// training loop runs beside it, on the thread that called `block_on`).
-    Worker,
+    /// A worker (and a client of the cluster): one thread per lane, its connections to each shard (one by
+    /// default); they carry its own traffic only (the training loop runs beside them, on the thread that
+    /// called `block_on`).
+    Worker {
+        /// Connections to each shard (`--lanes`).
+        lanes: usize,
+    },
 }
 
 /// The largest `--io-threads`.
@@ -28,7 +32,7 @@ pub fn io_threads_for(requested: usize, role: IoRole, cores: usize) -> usize {
     }
     match role {
         IoRole::Shard => (cores / 4).max(1),
-        IoRole::Worker => 1,
+        IoRole::Worker { lanes } => lanes.clamp(1, MAX_IO_THREADS),
     }
 }
 
@@ -66,14 +70,16 @@ mod tests {
 
     #[test]
     fn automatic_sizes_follow_the_role_and_the_cores() {
-        assert_eq!(io_threads_for(0, IoRole::Worker, 64), 1);
+        assert_eq!(io_threads_for(0, IoRole::Worker { lanes: 1 }, 64), 1);
+        assert_eq!(io_threads_for(0, IoRole::Worker { lanes: 4 }, 2), 4);
+        assert_eq!(io_threads_for(0, IoRole::Worker { lanes: 0 }, 2), 1);
         assert_eq!(io_threads_for(0, IoRole::Shard, 2), 1);
         assert_eq!(io_threads_for(0, IoRole::Shard, 7), 1);
         assert_eq!(io_threads_for(0, IoRole::Shard, 8), 2);
         assert_eq!(io_threads_for(0, IoRole::Shard, 64), 16);
         assert_eq!(io_threads_for(3, IoRole::Shard, 64), 3);
-        assert_eq!(io_threads_for(3, IoRole::Worker, 2), 3);
-        assert_eq!(io_threads_for(1 << 20, IoRole::Worker, 2), MAX_IO_THREADS);
+        assert_eq!(io_threads_for(3, IoRole::Worker { lanes: 4 }, 2), 3);
+        assert_eq!(io_threads_for(1 << 20, IoRole::Worker { lanes: 1 }, 2), MAX_IO_THREADS);
     }
 
     #[test]

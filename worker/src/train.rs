@@ -444,17 +444,15 @@ fn spawn_tls_reload(args: &WorkerArgs, client: &Client) {
     let _ = (args, client);
 }
 
-/// Runs one worker to completion.
 impl WorkerArgs {
     /// The threads of the worker's runtime: `--io-threads`, or one per lane (`--lanes`, one by default).
     pub fn runtime_threads(&self) -> usize {
-        match self.io_threads {
-            0 => (self.lanes as usize).max(1),
-            n => gaps_transport::runtime::io_threads(n as usize, gaps_transport::runtime::IoRole::Worker),
-        }
+        let role = gaps_transport::runtime::IoRole::Worker { lanes: self.lanes as usize };
+        gaps_transport::runtime::io_threads(self.io_threads as usize, role)
     }
 }
 
+/// Runs one worker to completion.
 pub async fn run(args: &WorkerArgs) -> Result<WorkerSummary> {
     if args.epochs.is_some() && args.model.ctr().is_none() {
         anyhow::bail!("--epochs counts passes over a data file; --model logreg trains on synthetic data (use --steps)");

@@ -185,8 +185,16 @@ pub(super) async fn own_checkpoints(shared: &Shared, max: u64) -> Result<Vec<u64
 /// Returns the step the shard is at afterwards.
 pub(super) async fn apply_rollback(shared: &Shared, id: u64) -> Result<u64> {
     let store = shared.store.clone().context("this shard has no --checkpoint-dir")?;
-    let found = tokio::task::spawn_blocking(move || store.load(id)).await.context("reading a checkpoint")??;
-    let gpu = gaps_kernels::cuda::CudaArenas::for_choice(shared.device).context("--device")?;
+    // Reading the checkpoint and setting up the GPU (a context, the kernels compiled: a second or more) on
+    // a blocking thread, not on the runtime's, which may be the one serving every connection.
+    let device = shared.device;
+    let (found, gpu) = tokio::task::spawn_blocking(move || {
+        let found = store.load(id)?;
+        let gpu = gaps_kernels::cuda::CudaArenas::for_choice(device).context("--device")?;
+        Ok::<_, anyhow::Error>((found, gpu))
+    })
+    .await
+    .context("reading a checkpoint")??;
     let slots = shared.device_worker_slots;
     // The copies of shard 0 do not continue the state it goes back to: a majority must first choose a
     // configuration without them (its backups copy a snapshot afterwards and are proposed in again), and no
