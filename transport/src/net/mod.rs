@@ -497,6 +497,11 @@ pub async fn call_with(
                 Frame { msg: reply, payload: Vec::new() }
             }
         };
+        // The stream's end (in the same datagram as the reply's last bytes as a rule): read, not dropped,
+        // so quinn does not ask the peer to stop sending, a packet and its acknowledgement more a call.
+        if !matches!(frame.msg, Message::Error(_)) {
+            expect_end(&mut recv).await.map_err(wire_err)?;
+        }
         match frame.msg {
             Message::Error(e) => Err(RpcError::Remote { addr: addr.clone(), code: e.code, message: e.message }),
             _ => Ok(frame),
