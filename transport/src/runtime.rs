@@ -11,7 +11,7 @@
 /// Which process a runtime is for (their automatic sizes differ).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum IoRole {
-    /// A shard: one runtime thread per 4 cores, at least one (its updates run on their own threads).
+    /// A shard: one runtime thread per 4 cores, at least one (large updates run on threads of their own).
     Shard,
     /// A worker (and a client of the cluster): one thread per lane, its connections to each shard (one by
     /// default); they carry its own traffic only (the training loop runs beside them, on the thread that
