@@ -415,7 +415,7 @@ fn main() -> Result<()> {
     // shard processes, whose own process then stands for a worker (`--client-io-threads`).
     use gaps_transport::runtime::{io_threads, IoRole};
     let threads = match &cli.command {
-        Command::Server(args) => io_threads(args.io_threads as usize, IoRole::Shard),
+        Command::Server(args) => args.runtime_threads(),
         Command::Worker(args) => args.runtime_threads(),
         Command::Bench(BenchCommand::Transport(args)) if args.processes => {
             io_threads(args.client_io_threads as usize, IoRole::Worker { lanes: args.lanes.max(1) })

@@ -182,6 +182,11 @@ pub struct ServerArgs {
 }
 
 impl ServerArgs {
+    /// The threads of the shard's runtime: `--io-threads`, or one per 4 cores (at least one).
+    pub fn runtime_threads(&self) -> usize {
+        gaps_transport::runtime::io_threads(self.io_threads as usize, gaps_transport::runtime::IoRole::Shard)
+    }
+
     /// The service configuration these flags describe.
     pub fn service_config(&self) -> Result<ServiceConfig> {
         let tls = TlsMaterial::load(&self.ca, &self.cert, &self.key).context("loading the server's TLS material")?;

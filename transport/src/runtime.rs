@@ -4,8 +4,8 @@
 //! driver decrypts it, the stream's task reads and answers it, and back): on a runtime of several threads
 //! each hand-off may wake another thread, which costs a futex call, a context switch and, on a virtual
 //! machine, an inter-processor interrupt. Measured on 2 cores (docs/results.md, "One runtime thread a
-//! process"), a worker and a shard of one runtime thread each move a 1,000-float push-pull in two thirds
-//! of the time and CPU of two threads each, and a 1 Mi-float one 1.2 times as fast. More threads pay where
+//! process"), a worker and a shard of one runtime thread each move a 1,000-float push-pull in 0.7–0.8 of
+//! the time and CPU of two threads each, and a 1 Mi-float one 1.2 times as fast. More threads pay where
 //! one process's packet work fills a core: a shard that many workers push to at once.
 
 /// Which process a runtime is for (their automatic sizes differ).

@@ -7,6 +7,5 @@ fn main() -> anyhow::Result<()> {
          start-up. Clients must present a certificate signed by the cluster CA (`gaps certs` makes them).",
         "info",
     );
-    let threads = gaps_transport::runtime::io_threads(args.io_threads as usize, gaps_transport::runtime::IoRole::Shard);
-    gaps_transport::runtime::build(threads)?.block_on(gaps_server::cli::run(&args))
+    gaps_transport::runtime::build(args.runtime_threads())?.block_on(gaps_server::cli::run(&args))
 }

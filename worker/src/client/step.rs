@@ -29,7 +29,8 @@ struct StepInto<'a> {
 impl net::ReplySink for StepInto<'_> {
     /// As `PullInto`'s: neither the dense values nor the rows of a cut-off reply are there.
     fn begin(&mut self) {
-        (self.dense.filled, self.got_rows) = (false, false);
+        self.dense.begin();
+        self.got_rows = false;
     }
 
     fn destination<'s>(&'s mut self, msg: &Message) -> Result<Option<Vec<&'s mut [f32]>>, String> {
