@@ -418,7 +418,7 @@ fn main() -> Result<()> {
         Command::Server(args) => args.runtime_threads(),
         Command::Worker(args) => args.runtime_threads(),
         Command::Bench(BenchCommand::Transport(args)) if args.processes => {
-            io_threads(args.client_io_threads as usize, IoRole::Worker { lanes: args.lanes.max(1) })
+            io_threads(args.client_io_threads as usize, IoRole::Worker { lanes: args.lanes })
         }
         // tokio's default: one thread a core, or TOKIO_WORKER_THREADS.
         _ => return tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(run(cli)),
