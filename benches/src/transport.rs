@@ -567,7 +567,9 @@ async fn sparse_case(
     Ok((measured, merged))
 }
 
-/// Quinn echo server + client over one connection; `one_way` bytes each way per round.
+/// Quinn echo server + client over one connection; `one_way` bytes each way per round. The server runs on
+/// a thread and runtime of its own, as the TCP echoes' servers run on plain threads: the bench's client runs
+/// as a worker does, and a worker of one lane has a current-thread runtime.
 async fn quinn_echo(
     certs: &ClusterCerts,
     one_way: u64,
@@ -580,19 +582,29 @@ async fn quinn_echo(
     let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(server_tls.server_config()?)?;
     let mut server_config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
     server_config.transport_config(transport.clone());
-    let server = net::endpoint("127.0.0.1:0".parse()?, path, Some(server_config))?;
-    let addr = server.local_addr()?;
-    let echo = tokio::spawn(async move {
-        let Some(incoming) = server.accept().await else { return };
-        let Ok(conn) = incoming.await else { return };
-        while let Ok((mut send, mut recv)) = conn.accept_bi().await {
-            let Ok(data) = recv.read_to_end(usize::MAX).await else { return };
-            if send.write_all(&data).await.is_err() {
-                return;
+    let (bound, addr) = std::sync::mpsc::channel();
+    let server_path = path.clone();
+    // Ends when the client's connection closes (or at once, should the endpoint not bind).
+    std::thread::spawn(move || {
+        let report = bound.clone();
+        let serve = async move {
+            let server = net::endpoint("127.0.0.1:0".parse()?, &server_path, Some(server_config))?;
+            let _ = report.send(server.local_addr().map_err(anyhow::Error::from));
+            let Some(incoming) = server.accept().await else { return Ok(()) };
+            let conn = incoming.await?;
+            while let Ok((mut send, mut recv)) = conn.accept_bi().await {
+                let data = recv.read_to_end(usize::MAX).await?;
+                send.write_all(&data).await?;
+                let _ = send.finish();
             }
-            let _ = send.finish();
+            anyhow::Ok(())
+        };
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build();
+        if let Err(e) = runtime.map_err(anyhow::Error::from).and_then(|rt| rt.block_on(serve)) {
+            let _ = bound.send(Err(e));
         }
     });
+    let addr = addr.recv().map_err(|_| anyhow::anyhow!("the quinn echo's server thread ended before it bound"))??;
     let client_tls = certs.worker_material()?;
     let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(client_tls.client_config()?)?;
     let mut client_config = quinn::ClientConfig::new(Arc::new(crypto));
@@ -611,7 +623,6 @@ async fn quinn_echo(
     })
     .await?;
     conn.close(0u32.into(), b"done");
-    echo.abort();
     Ok(measured)
 }
 

@@ -344,12 +344,12 @@ struct TransportArgs {
     /// Run gaps' shards as `gaps server` processes, as a deployment does, rather than in the bench's own
     /// process (whose runtime then serves the client and the shards alike, one thread a core); their CPU is
     /// counted too, and the bench's process stands for a worker: its runtime has a worker's threads
-    /// (`--io-threads`: one a lane). The cases with copies (`_r2`) are left out. JSON lines carry
+    /// (`--client-io-threads`). The cases with copies (`_r2`) are left out. JSON lines carry
     /// `"processes": true`.
     #[arg(long)]
     processes: bool,
-    /// With --processes: the threads of the bench's own runtime, which runs the client (0: a worker's, one a
-    /// lane).
+    /// With --processes: the threads of the bench's own runtime, which runs the client (0: a worker's — none
+    /// with one lane, the client's thread driving its connections itself, and one a lane with more).
     #[arg(long, default_value_t = 0, requires = "processes", value_parser = clap::value_parser!(u32).range(0..=1024))]
     client_io_threads: u32,
     /// With --processes: the shard processes' `--io-threads` (0: a shard's, one per 4 cores).

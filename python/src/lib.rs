@@ -320,8 +320,11 @@ impl NativeClient {
             return Err(err("config", format!("lanes must be 1 to 64, not {lanes}")));
         }
         opts.lanes = lanes;
-        // A worker's runtime: a thread a lane (`gaps-worker --io-threads`); the caller's thread waits beside it.
-        let threads = gaps_transport::runtime::io_threads(0, gaps_transport::runtime::IoRole::Worker { lanes });
+        // A thread a lane, at least one (a `gaps-worker` of one lane has none, but Python computes between
+        // the calls for as long as it likes: the connections and heartbeats need a thread of their own);
+        // the caller's thread waits beside it.
+        let role = gaps_transport::runtime::IoRole::Worker { lanes };
+        let threads = gaps_transport::runtime::io_threads(0, role).max(1);
         let runtime = gaps_transport::runtime::build(threads)
             .map_err(|e| err("config", format!("starting the client's runtime: {e}")))?;
         let client = block(py, &runtime, Client::connect(opts))?.map_err(client_err)?;

@@ -196,6 +196,45 @@ async fn a_push_retried_after_a_lost_connection_is_applied_once() {
     shutdown(servers).await;
 }
 
+/// A worker on a current-thread runtime (`gaps-worker` with one lane) moves no packet while its thread
+/// computes outside `block_on`; its heartbeats go from a thread and connections of their own, reach every
+/// shard meanwhile, and stop before it leaves: no late heartbeat brings the worker back.
+#[test]
+fn a_current_thread_worker_heartbeats_while_its_thread_is_busy_and_stops_before_it_leaves() {
+    let servers_rt =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    let certs = ClusterCerts::generate(&[]).expect("certs");
+    let servers = servers_rt.block_on(cluster(&certs, 2));
+    let caller = gaps_transport::runtime::build(0).expect("a worker's runtime of one lane");
+    let (client, heartbeats) = caller.block_on(async {
+        let client = Client::connect(options(&certs, &servers[0].advertise, Role::Worker)).await.expect("connect");
+        let heartbeats = client.start_heartbeats(Duration::from_millis(50)).expect("heartbeats");
+        (client, heartbeats)
+    });
+    assert!(heartbeats.acknowledged().is_some(), "a current-thread client's heartbeats were made a task");
+    // The caller's thread is outside block_on, as if computing: nothing drives its runtime. A bound on the
+    // wait, not a measurement.
+    let bound = std::time::Instant::now() + Duration::from_secs(60);
+    while heartbeats.acknowledged() < Some(3) && std::time::Instant::now() < bound {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(heartbeats.acknowledged() >= Some(3), "{:?} heartbeat rounds answered", heartbeats.acknowledged());
+    caller.block_on(async {
+        heartbeats.stop().await;
+        let live: Vec<u32> = client.stats().await.expect("stats").iter().map(|s| s.live_workers).collect();
+        assert_eq!(live, vec![1, 1]);
+        client.leave().await.expect("leave");
+    });
+    drop(client);
+    servers_rt.block_on(async {
+        let observer = Client::connect(options(&certs, &servers[0].advertise, Role::Observer)).await.expect("observer");
+        let live: Vec<u32> = observer.stats().await.expect("stats").iter().map(|s| s.live_workers).collect();
+        assert_eq!(live, vec![0, 0], "a heartbeat renewed the lease of a worker that left");
+        observer.close().await;
+        shutdown(servers).await;
+    });
+}
+
 /// Tries one RPC with a hand-made rustls client configuration; returns whether the server answered.
 async fn register_with(config: rustls::ClientConfig, addr: std::net::SocketAddr) -> bool {
     let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(config).expect("quic client config");

@@ -13,9 +13,12 @@
 pub enum IoRole {
     /// A shard: one runtime thread per 4 cores, at least one (large updates run on threads of their own).
     Shard,
-    /// A worker (and a client of the cluster): one thread per lane, its connections to each shard (one by
-    /// default); they carry its own traffic only (the training loop runs beside them, on the thread that
-    /// called `block_on`).
+    /// A worker (and a client of the cluster): with one lane (its connections to each shard; the default)
+    /// none — a current-thread runtime, whose one connection a shard the training thread drives itself
+    /// while it awaits a step, heartbeats going from a thread of their own — and with more, one thread per
+    /// lane, carrying its traffic beside the training loop (on the thread that called `block_on`). A
+    /// current-thread worker saves the two wake-ups between the caller and the runtime's thread that every
+    /// exchange costs otherwise (docs/results.md, "The caller's hand-off").
     Worker {
         /// Connections to each shard (`--lanes`).
         lanes: usize,
@@ -25,14 +28,16 @@ pub enum IoRole {
 /// The largest `--io-threads`.
 pub const MAX_IO_THREADS: usize = 1024;
 
-/// The runtime threads for `requested` (0: automatic, see [`IoRole`]) on a host of `cores` cores.
+/// The runtime threads for `requested` (0: automatic, see [`IoRole`]) on a host of `cores` cores; 0 for
+/// none of its own (the caller's thread drives it: [`build`]).
 pub fn io_threads_for(requested: usize, role: IoRole, cores: usize) -> usize {
     if requested > 0 {
         return requested.min(MAX_IO_THREADS);
     }
     match role {
         IoRole::Shard => (cores / 4).max(1),
-        IoRole::Worker { lanes } => lanes.clamp(1, MAX_IO_THREADS),
+        IoRole::Worker { lanes } if lanes <= 1 => 0,
+        IoRole::Worker { lanes } => lanes.min(MAX_IO_THREADS),
     }
 }
 
@@ -42,11 +47,15 @@ pub fn io_threads(requested: usize, role: IoRole) -> usize {
     io_threads_for(requested, role, cores)
 }
 
-/// A runtime of `threads` worker threads (at least one), named `gaps-io`, with I/O and timers: the
-/// multi-threaded kind even for one thread, so that `block_in_place` ([`compute`]) works.
+/// A runtime of `threads` worker threads, named `gaps-io`, with I/O and timers: the multi-threaded kind
+/// even for one thread, so that `block_in_place` ([`compute`]) works; for 0 the current-thread kind, whose
+/// tasks and I/O run on the thread in `block_on` while it awaits.
 pub fn build(threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
+    if threads == 0 {
+        return tokio::runtime::Builder::new_current_thread().enable_all().build();
+    }
     tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(threads.clamp(1, MAX_IO_THREADS))
+        .worker_threads(threads.min(MAX_IO_THREADS))
         .thread_name("gaps-io")
         .enable_all()
         .build()
@@ -70,9 +79,10 @@ mod tests {
 
     #[test]
     fn automatic_sizes_follow_the_role_and_the_cores() {
-        assert_eq!(io_threads_for(0, IoRole::Worker { lanes: 1 }, 64), 1);
+        assert_eq!(io_threads_for(0, IoRole::Worker { lanes: 1 }, 64), 0, "one lane: the caller's thread");
         assert_eq!(io_threads_for(0, IoRole::Worker { lanes: 4 }, 2), 4);
-        assert_eq!(io_threads_for(0, IoRole::Worker { lanes: 0 }, 2), 1);
+        assert_eq!(io_threads_for(0, IoRole::Worker { lanes: 0 }, 2), 0);
+        assert_eq!(io_threads_for(1, IoRole::Worker { lanes: 1 }, 2), 1);
         assert_eq!(io_threads_for(0, IoRole::Shard, 2), 1);
         assert_eq!(io_threads_for(0, IoRole::Shard, 7), 1);
         assert_eq!(io_threads_for(0, IoRole::Shard, 8), 2);
@@ -84,8 +94,9 @@ mod tests {
 
     #[test]
     fn compute_runs_on_both_flavors_and_keeps_a_one_thread_runtime_serving() {
-        // Current-thread runtime: run in place.
-        let rt = tokio::runtime::Builder::new_current_thread().build().expect("runtime");
+        // Current-thread runtime (a worker's of one lane): run in place.
+        let rt = build(0).expect("runtime");
+        assert_eq!(rt.handle().runtime_flavor(), tokio::runtime::RuntimeFlavor::CurrentThread);
         assert_eq!(rt.block_on(async { compute(|| 6 * 7) }), 42);
         // One worker thread: a task spawned by the task that computes runs while the compute blocks (it
         // waits in that thread's own queue; without block_in_place the wait below would time out).

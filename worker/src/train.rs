@@ -85,9 +85,10 @@ pub struct WorkerArgs {
     /// loopback with 2 cores, 1 measured fastest.
     #[arg(long, env = "GAPS_LANES", default_value_t = crate::client::DEFAULT_LANES as u32, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub lanes: u32,
-    /// Threads of the runtime that carries this worker's traffic (0: one per lane, so one by default). The
-    /// training loop runs on the program's main thread, beside them. More pay for a large model spread
-    /// over many shards, whose packet work fills a core.
+    /// Threads of the runtime that carries this worker's traffic, beside the training loop on the
+    /// program's main thread (0: one per lane with `--lanes` above 1; with one lane none: the training
+    /// thread drives its connections itself while it awaits a step, and heartbeats go from a thread of
+    /// their own). More pay for a large model spread over many shards, whose packet work fills a core.
     #[arg(long, env = "GAPS_WORKER_IO_THREADS", default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=1024))]
     pub io_threads: u32,
     /// Name in logs.
@@ -445,7 +446,8 @@ fn spawn_tls_reload(args: &WorkerArgs, client: &Client) {
 }
 
 impl WorkerArgs {
-    /// The threads of the worker's runtime: `--io-threads`, or one per lane (`--lanes`, one by default).
+    /// The threads of the worker's runtime: `--io-threads`, or one per lane (`--lanes`) when there are
+    /// several, none for one (the default: a current-thread runtime, `gaps_transport::runtime::build`).
     pub fn runtime_threads(&self) -> usize {
         let role = gaps_transport::runtime::IoRole::Worker { lanes: self.lanes as usize };
         gaps_transport::runtime::io_threads(self.io_threads as usize, role)
@@ -475,7 +477,7 @@ pub async fn run(args: &WorkerArgs) -> Result<WorkerSummary> {
     info!(worker, dim, shards = client.map().num_shards, "joined the cluster");
     let data = SyntheticLogreg::new(dim as usize, args.data_seed);
     let lease = Duration::from_millis(u64::from(client.map().lease_ms));
-    let heartbeats = client.spawn_heartbeats((lease / 3).max(Duration::from_millis(100)));
+    let heartbeats = client.start_heartbeats((lease / 3).max(Duration::from_millis(100)))?;
     let steps = args.steps.unwrap_or(200);
     let mut step_log = StepLog::open(args.step_log.as_deref(), worker)?;
     let started = Instant::now();
@@ -508,7 +510,7 @@ pub async fn run(args: &WorkerArgs) -> Result<WorkerSummary> {
             info!(worker, step = step + 1, loss, "progress");
         }
     }
-    heartbeats.abort();
+    heartbeats.stop().await;
     step_log.finish()?;
     client.leave().await.context("leaving the cluster")?;
     Ok(WorkerSummary::new(&client, worker, &losses, started, steps * batch as u64))
@@ -519,7 +521,7 @@ mod tests {
     use super::{DataSharding, EarlyStop, HeldOutPoint, PushLedger, WorkerArgs, WorkerSummary};
 
     #[test]
-    fn a_workers_runtime_has_a_thread_a_lane_unless_told() {
+    fn a_workers_runtime_has_a_thread_a_lane_unless_told_and_none_for_one_lane() {
         #[derive(clap::Parser)]
         struct Wrap {
             #[command(flatten)]
@@ -530,7 +532,8 @@ mod tests {
             let all: Vec<&str> = base.iter().chain(flags).copied().collect();
             <Wrap as clap::Parser>::try_parse_from(all).map(|w| w.args.runtime_threads()).map_err(|e| e.to_string())
         };
-        assert_eq!(threads(&[]), Ok(1));
+        assert_eq!(threads(&[]), Ok(0), "one lane: the training thread drives the connections");
+        assert_eq!(threads(&["--io-threads=1"]), Ok(1));
         assert_eq!(threads(&["--lanes=4"]), Ok(4));
         assert_eq!(threads(&["--lanes=4", "--io-threads=2"]), Ok(2));
         assert_eq!(threads(&["--io-threads=3"]), Ok(3));

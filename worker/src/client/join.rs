@@ -1,5 +1,6 @@
 //! Joining a cluster: registering with the coordinator (following it where a majority moved it), reading
-//! the rules and routes from the map it answers with, and connecting to every shard.
+//! the rules and routes from the map it answers with, connecting to every shard, and a client's companion
+//! (the same worker over connections of its own).
 
 use super::*;
 
@@ -131,18 +132,26 @@ pub(super) async fn links(map: &ClusterMap, lanes: usize) -> Result<Vec<ShardLin
     let mut shards = Vec::with_capacity(map.shards.len());
     for (s, chunks) in map.shards.iter().zip(owned) {
         let addr = net::resolve(&s.addr).await?;
-        shards.push(ShardLink {
-            index: s.index,
-            route: Mutex::new(Route { name: s.addr.clone(), addr, process: s.process, epoch: s.epoch }),
+        let route = Route { name: s.addr.clone(), addr, process: s.process, epoch: s.epoch };
+        shards.push(ShardLink::new(s.index, route, lanes, chunks));
+    }
+    Ok(shards)
+}
+
+impl ShardLink {
+    /// A link to shard `index` at `route` with `lanes` connections (none open yet), owning `chunks`.
+    pub(super) fn new(index: u32, route: Route, lanes: usize, chunks: Vec<(ChunkId, u64)>) -> ShardLink {
+        ShardLink {
+            index,
+            route: Mutex::new(route),
             conns: (0..lanes.clamp(1, usize::from(MAX_PUSH_PARTS))).map(|_| Mutex::new(None)).collect(),
             next_seq: AtomicU64::new(1),
             acknowledged: AtomicU64::new(0),
             chunks,
             sparse_in_flight: AtomicUsize::new(0),
             sparse_answered: tokio::sync::Notify::new(),
-        });
+        }
     }
-    Ok(shards)
 }
 
 /// Connects to every shard now, so a missing or unreachable shard fails by name — tried again with a
@@ -172,4 +181,67 @@ pub(super) async fn reach_every_shard(client: &Client, started: Instant, deadlin
         }
     }
     Ok(())
+}
+
+impl Inner {
+    /// A client's state before its first request, every counter at zero.
+    pub(super) fn fresh(
+        opts: ClientOptions,
+        cluster: String,
+        rotated: Arc<Mutex<Option<quinn::ClientConfig>>>,
+        (endpoint, path): (quinn::Endpoint, net::PathTuning),
+        map: ClusterMap,
+        shards: Vec<ShardLink>,
+        (rule, tensor_rules, table_rules): MapRules,
+    ) -> Inner {
+        let processes = map.process_addrs();
+        Inner {
+            opts,
+            cluster,
+            rotated,
+            endpoint,
+            path,
+            map,
+            shards,
+            drop_after_send: AtomicU32::new(0),
+            pushes_sent: AtomicU64::new(0),
+            pushes_acknowledged: AtomicU64::new(0),
+            stale_after_restore: AtomicU64::new(0),
+            rollbacks_seen: AtomicU64::new(0),
+            retries: AtomicU64::new(0),
+            rule,
+            tensor_rules,
+            slim_momentum: Mutex::new(Vec::new()),
+            table_rules,
+            last_pull: Mutex::new(None),
+            data_tag: Mutex::new(None),
+            waited_us: AtomicU64::new(0),
+            steps: AtomicU64::new(0),
+            processes: Mutex::new(processes),
+            located: Mutex::new(None),
+            map_asked: Mutex::new(None),
+            decisions: Mutex::new(None),
+        }
+    }
+}
+
+impl Client {
+    /// A client of the same worker over connections of its own, on an endpoint of its own driven by the
+    /// runtime this is called on (each shard's connection opened at its first request, authenticated with
+    /// this worker's credential): for requests that must go on while the thread that drives this client's
+    /// connections is busy ([`Client::start_heartbeats`]). It shares the TLS material (a rotation reaches
+    /// both) and starts with the shards' routes as this client knows them; counters start at zero.
+    pub fn companion(&self) -> Result<Client, ClientError> {
+        let inner = &self.inner;
+        let (endpoint, path) = net::client_endpoint_tuned(&inner.opts.tls, inner.shards[0].addr())?;
+        let shards = inner.shards.iter().map(|l| ShardLink::new(l.index, l.route(), 1, l.chunks.clone())).collect();
+        let rules = (inner.rule, inner.tensor_rules.clone(), inner.table_rules.clone());
+        let (opts, cluster, map) = (inner.opts.clone(), inner.cluster.clone(), inner.map.clone());
+        let companion = Inner::fresh(opts, cluster, inner.rotated.clone(), (endpoint, path), map, shards, rules);
+        if let (Ok(mine), Ok(mut theirs)) = (inner.processes.lock(), companion.processes.lock()) {
+            theirs.clone_from(&mine);
+        }
+        *companion.decisions.lock().map_err(|_| RpcError::Setup("a lock is poisoned".into()))? = inner.decisions();
+        Ok(Client { inner: Arc::new(companion) })
+    }
 }

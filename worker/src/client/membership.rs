@@ -219,6 +219,34 @@ impl Client {
         })
     }
 
+    /// Starts this worker's heartbeats, every `interval`, where they go on whatever the calling thread
+    /// does: on a current-thread runtime — whose connections only move while the thread that called
+    /// `block_on` awaits, as `gaps-worker`'s training thread does between its computations — they go from a
+    /// thread of their own over connections of their own ([`Client::companion`]); on a multi-thread
+    /// runtime, as a task ([`Client::spawn_heartbeats`]). Stop them with [`Heartbeats::stop`] before
+    /// [`Client::leave`]. Fails when the thread or its endpoint cannot be set up.
+    pub fn start_heartbeats(&self, interval: Duration) -> Result<Heartbeats, ClientError> {
+        let flavor = tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor());
+        if !matches!(flavor, Ok(tokio::runtime::RuntimeFlavor::CurrentThread)) {
+            return Ok(Heartbeats::Task(self.spawn_heartbeats(interval)));
+        }
+        let setup = |m: String| ClientError::from(RpcError::Setup(m));
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let (stop, stop_rx) = tokio::sync::oneshot::channel();
+        let (done_tx, done) = tokio::sync::oneshot::channel();
+        let acknowledged = Arc::new(AtomicU64::new(0));
+        let (client, count) = (self.clone(), acknowledged.clone());
+        std::thread::Builder::new()
+            .name("gaps-heartbeat".into())
+            .spawn(move || heartbeat_thread(client, interval, count, (ready_tx, stop_rx, done_tx)))
+            .map_err(|e| setup(format!("starting the heartbeat thread: {e}")))?;
+        match ready_rx.recv() {
+            Ok(Ok(())) => Ok(Heartbeats::Thread { stop, done, acknowledged }),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(setup("the heartbeat thread ended before it was ready".into())),
+        }
+    }
+
     /// Leaves the job (every shard drops the lease at once) and closes every connection.
     pub async fn leave(&self) -> Result<(), ClientError> {
         if let Some(worker) = self.inner.map.worker_id {
@@ -246,4 +274,111 @@ impl Client {
     pub fn shard_addrs(&self) -> Vec<(u32, SocketAddr)> {
         self.inner.shards.iter().map(|s| (s.index, s.addr())).collect()
     }
+}
+
+/// How long a heartbeat already on its way when its thread is told to stop may take to be answered: long
+/// enough for a live shard, so that no heartbeat renews the lease after the [`Client::leave`] that follows.
+const HEARTBEAT_STOP_GRACE: Duration = Duration::from_secs(2);
+
+/// A worker's heartbeats ([`Client::start_heartbeats`]).
+#[derive(Debug)]
+pub enum Heartbeats {
+    /// A task on the client's (multi-thread) runtime.
+    Task(tokio::task::JoinHandle<()>),
+    /// A thread of their own, over connections of their own; dropping this stops it (without waiting).
+    Thread {
+        /// Tells the thread to stop (so does dropping it).
+        stop: tokio::sync::oneshot::Sender<()>,
+        /// Sent once the thread's last heartbeat was answered and its connections closed.
+        done: tokio::sync::oneshot::Receiver<()>,
+        /// Rounds of heartbeats every shard acknowledged.
+        acknowledged: Arc<AtomicU64>,
+    },
+}
+
+impl Heartbeats {
+    /// Rounds of heartbeats every shard acknowledged, on a thread of their own (None for a task).
+    pub fn acknowledged(&self) -> Option<u64> {
+        match self {
+            Heartbeats::Task(_) => None,
+            Heartbeats::Thread { acknowledged, .. } => Some(acknowledged.load(Ordering::Relaxed)),
+        }
+    }
+
+    /// Stops the heartbeats; on a thread of their own, waits (a few seconds at most) until a heartbeat on
+    /// its way was answered and their connections are closed.
+    pub async fn stop(self) {
+        match self {
+            Heartbeats::Task(task) => task.abort(),
+            Heartbeats::Thread { stop, done, .. } => {
+                drop(stop);
+                let bound = HEARTBEAT_STOP_GRACE + Duration::from_secs(4);
+                if tokio::time::timeout(bound, done).await.is_err() {
+                    warn!(waited = ?bound, "the heartbeat thread did not stop in time");
+                }
+            }
+        }
+    }
+}
+
+/// The body of a heartbeat thread: a current-thread runtime, a companion of `client` made on it (reported
+/// on `ready`), and a heartbeat round every `interval` until `stop` is sent or dropped; then `done`.
+fn heartbeat_thread(
+    client: Client,
+    interval: Duration,
+    acknowledged: Arc<AtomicU64>,
+    (ready, mut stop, done): (
+        std::sync::mpsc::Sender<Result<(), ClientError>>,
+        tokio::sync::oneshot::Receiver<()>,
+        tokio::sync::oneshot::Sender<()>,
+    ),
+) {
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            let _ = ready.send(Err(RpcError::Setup(format!("the heartbeat thread's runtime: {e}")).into()));
+            return;
+        }
+    };
+    runtime.block_on(async move {
+        let companion = match client.companion() {
+            Ok(companion) => companion,
+            Err(e) => {
+                let _ = ready.send(Err(e));
+                return;
+            }
+        };
+        drop(client);
+        let _ = ready.send(Ok(()));
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut stopping = false;
+        while !stopping {
+            tokio::select! {
+                biased;
+                _ = &mut stop => break,
+                _ = tick.tick() => {}
+            }
+            let beat = companion.heartbeat();
+            tokio::pin!(beat);
+            let beaten = tokio::select! {
+                beaten = &mut beat => beaten,
+                _ = &mut stop => {
+                    stopping = true;
+                    match tokio::time::timeout(HEARTBEAT_STOP_GRACE, &mut beat).await {
+                        Ok(beaten) => beaten,
+                        Err(_) => break,
+                    }
+                }
+            };
+            match beaten {
+                Ok(()) => {
+                    acknowledged.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(e) => warn!(error = %e, "heartbeat failed"),
+            }
+        }
+        companion.close().await;
+        let _ = done.send(());
+    });
 }

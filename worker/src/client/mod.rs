@@ -26,6 +26,7 @@ mod membership;
 mod routes;
 mod sparse;
 mod step;
+pub use membership::Heartbeats;
 pub use step::StepOutcome;
 
 /// How to reach and talk to a cluster.
@@ -235,8 +236,9 @@ async fn join_all<F: std::future::Future>(futures: Vec<F>) -> Vec<F::Output> {
 /// training loop, the Python package's calls), and returns its result. The replies are then taken on the
 /// threads that receive them and the caller is woken once for the whole exchange, where awaiting the
 /// requests on the caller's thread woke it for every reply (a 2-shard 1,000-float push-pull: 8 context
-/// switches a round instead of 13.4, 1.08–1.18× faster; docs/results.md). A caller that is a task, or is
-/// outside any runtime, runs `exchange` itself. Dropping the returned future aborts the task, as dropping
+/// switches a round instead of 13.4, 1.08–1.18× faster; docs/results.md). A caller that is a task, is
+/// outside any runtime, or drives a current-thread runtime (whose one thread would run the task anyway)
+/// runs `exchange` itself. Dropping the returned future aborts the task, as dropping
 /// the requests themselves would have cancelled them — though the task stops at its next await, so a
 /// request being written as the caller drops it may still go out (a push is still applied at most once:
 /// its sequence number was taken before). `what` names the call in the error of a task the runtime
@@ -246,7 +248,12 @@ async fn on_runtime<T: Send + 'static>(
     exchange: impl std::future::Future<Output = Result<T, ClientError>> + Send + 'static,
 ) -> Result<T, ClientError> {
     let runtime = match tokio::runtime::Handle::try_current() {
-        Ok(runtime) if tokio::task::try_id().is_none() => runtime,
+        Ok(runtime)
+            if tokio::task::try_id().is_none()
+                && runtime.runtime_flavor() != tokio::runtime::RuntimeFlavor::CurrentThread =>
+        {
+            runtime
+        }
         _ => return exchange.await,
     };
     /// Aborts the task when the caller stops waiting for it.
@@ -407,8 +414,9 @@ struct Inner {
     opts: ClientOptions,
     /// The cluster named in this client's certificate: every shard must hold a certificate of it.
     cluster: String,
-    /// The client configuration after a certificate rotation (None: the endpoint's own).
-    rotated: Mutex<Option<quinn::ClientConfig>>,
+    /// The client configuration after a certificate rotation (None: the endpoint's own); shared with the
+    /// client's companions ([`Client::companion`]).
+    rotated: Arc<Mutex<Option<quinn::ClientConfig>>>,
     endpoint: quinn::Endpoint,
     /// The UDP path tuning of the endpoint (from the route to the coordinator).
     path: net::PathTuning,
@@ -520,38 +528,10 @@ impl Client {
         let coordinator = net::resolve(&opts.coordinator).await?;
         let (endpoint, path) = net::client_endpoint_tuned(&opts.tls, coordinator)?;
         let map = join::register(&opts, &endpoint, &cluster, coordinator, started, deadline).await?;
-        let (rule, tensor_rules, table_rules) = join::rules_of(&map)?;
+        let rules = join::rules_of(&map)?;
         let shards = join::links(&map, opts.lanes).await?;
-        let processes = map.process_addrs();
-        let client = Client {
-            inner: Arc::new(Inner {
-                opts,
-                cluster,
-                rotated: Mutex::new(None),
-                endpoint,
-                path,
-                map,
-                shards,
-                drop_after_send: AtomicU32::new(0),
-                pushes_sent: AtomicU64::new(0),
-                pushes_acknowledged: AtomicU64::new(0),
-                stale_after_restore: AtomicU64::new(0),
-                rollbacks_seen: AtomicU64::new(0),
-                retries: AtomicU64::new(0),
-                rule,
-                tensor_rules,
-                slim_momentum: Mutex::new(Vec::new()),
-                table_rules,
-                last_pull: Mutex::new(None),
-                data_tag: Mutex::new(None),
-                waited_us: AtomicU64::new(0),
-                steps: AtomicU64::new(0),
-                processes: Mutex::new(processes),
-                located: Mutex::new(None),
-                map_asked: Mutex::new(None),
-                decisions: Mutex::new(None),
-            }),
-        };
+        let inner = Inner::fresh(opts, cluster, Arc::default(), (endpoint, path), map, shards, rules);
+        let client = Client { inner: Arc::new(inner) };
         join::reach_every_shard(&client, started, deadline).await?;
         Ok(client)
     }

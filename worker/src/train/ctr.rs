@@ -29,7 +29,7 @@ pub(super) async fn run_ctr(
     let mut stopped_early = false;
     info!(worker, model = args.model.name(), row_dim = shape.row_dim(), "joined the cluster");
     let lease = Duration::from_millis(u64::from(client.map().lease_ms));
-    let heartbeats = client.spawn_heartbeats((lease / 3).max(Duration::from_millis(100)));
+    let heartbeats = client.start_heartbeats((lease / 3).max(Duration::from_millis(100)))?;
     let mut step_log = StepLog::open(args.step_log.as_deref(), worker)?;
     let started = Instant::now();
     let mut losses = Vec::with_capacity(step_limit.unwrap_or(1024).min(1 << 20) as usize);
@@ -110,7 +110,7 @@ pub(super) async fn run_ctr(
             }
         }
     }
-    heartbeats.abort();
+    heartbeats.stop().await;
     step_log.finish()?;
     client.leave().await.context("leaving the cluster")?;
     for e in &feed.first_errors() {
@@ -231,8 +231,13 @@ async fn push_ctr_step(
     let prepared = ahead.take().unwrap_or_else(|| feed.next_local(n).map(|b| b.map(indexed)));
     let further = further && matches!(prepared, Ok(Some(_)));
     let upcoming = prepared.as_ref().ok().and_then(Option::as_ref).map(|(_, indexed)| indexed.ids.as_slice());
-    // `join!` polls in order: the step's requests are on their way before the batch after is read here.
-    let read = async { further.then(|| feed.next_local(n).map(|batch| batch.map(indexed))) };
+    // `join!` polls in order: the step's requests are written before the batch after is read here, and the
+    // read yields once first, so that on a current-thread runtime (one lane) the connections' tasks send
+    // them before the read holds the thread.
+    let read = async {
+        tokio::task::yield_now().await;
+        further.then(|| feed.next_local(n).map(|batch| batch.map(indexed)))
+    };
     let (outcome, read) = tokio::join!(client.step(dense_grads, dense, (0, rows, row_grads), upcoming), read);
     *ahead = read;
     let outcome = outcome.with_context(|| format!("pushing the gradients of step {step}"))?;
