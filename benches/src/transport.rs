@@ -584,13 +584,16 @@ async fn quinn_echo(
     server_config.transport_config(transport.clone());
     let (bound, addr) = std::sync::mpsc::channel();
     let server_path = path.clone();
-    // Ends when the client's connection closes (or at once, should the endpoint not bind).
+    // Ends when the client's connection closes (or at once, should the endpoint not bind; errors after it
+    // bound end the thread and the client's rounds fail on their own).
     std::thread::spawn(move || {
         let report = bound.clone();
         let serve = async move {
             let server = net::endpoint("127.0.0.1:0".parse()?, &server_path, Some(server_config))?;
             let _ = report.send(server.local_addr().map_err(anyhow::Error::from));
-            let Some(incoming) = server.accept().await else { return Ok(()) };
+            // Bounded: should the client fail before it connects, the thread ends anyway.
+            let accepted = tokio::time::timeout(Duration::from_secs(60), server.accept()).await;
+            let Ok(Some(incoming)) = accepted else { return Ok(()) };
             let conn = incoming.await?;
             while let Ok((mut send, mut recv)) = conn.accept_bi().await {
                 let data = recv.read_to_end(usize::MAX).await?;

@@ -218,7 +218,7 @@ fn a_current_thread_worker_heartbeats_while_its_thread_is_busy_and_stops_before_
     while heartbeats.acknowledged() < Some(3) && std::time::Instant::now() < bound {
         std::thread::sleep(Duration::from_millis(10));
     }
-    assert!(heartbeats.acknowledged() >= Some(3), "{:?} heartbeat rounds answered", heartbeats.acknowledged());
+    assert!(heartbeats.acknowledged() >= Some(3), "{:?} heartbeats answered", heartbeats.acknowledged());
     caller.block_on(async {
         heartbeats.stop().await;
         let live: Vec<u32> = client.stats().await.expect("stats").iter().map(|s| s.live_workers).collect();
@@ -233,6 +233,32 @@ fn a_current_thread_worker_heartbeats_while_its_thread_is_busy_and_stops_before_
         observer.close().await;
         shutdown(servers).await;
     });
+}
+
+/// A caller-driven client (current-thread runtime) whose thread computed longer than the transport's idle
+/// timeout sent no keep-alive meanwhile and the shard dropped its connection: the next request goes on a
+/// new connection at once instead of meeting the dead one and being sent again.
+#[test]
+fn a_connection_left_undriven_past_the_idle_timeout_is_replaced_before_the_next_request() {
+    let servers_rt =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    let certs = ClusterCerts::generate(&[]).expect("certs");
+    let servers = servers_rt.block_on(cluster(&certs, 1));
+    let caller = gaps_transport::runtime::build(0).expect("a worker's runtime of one lane");
+    let client = caller.block_on(async {
+        let client = Client::connect(options(&certs, &servers[0].advertise, Role::Worker)).await.expect("connect");
+        client.pull().await.expect("pull");
+        client
+    });
+    // The caller computes (outside block_on) past the idle timeout: at least this long, whatever the load.
+    std::thread::sleep(net::IDLE_TIMEOUT + Duration::from_secs(1));
+    caller.block_on(async {
+        client.pull().await.expect("pull after a long computation");
+        assert_eq!(client.retries(), 0, "the request met the dropped connection and was sent again");
+        client.leave().await.expect("leave");
+    });
+    drop(client);
+    servers_rt.block_on(shutdown(servers));
 }
 
 /// Tries one RPC with a hand-made rustls client configuration; returns whether the server answered.

@@ -356,6 +356,17 @@ fn leases_expire_without_heartbeats_and_heartbeats_renew_them() {
     assert_eq!(error_code(&reply), Some(ErrorCode::NotRegistered));
     let (stats, _) = core.handle(Frame::new(Message::StatsRequest(StatsRequest)), at(6000));
     assert!(matches!(stats.msg, Message::Stats(s) if s.registered_workers == 2 && s.live_workers == 1));
+    // A heartbeat that arrives after its worker's Leave (sent before it, on another connection) renews
+    // nothing; the worker whose lease merely expired comes back with one.
+    let _ = core.handle(Frame::new(Message::Leave(gaps_common::wire::Leave { worker: 1 })), at(6500));
+    assert_eq!(core.stats().live_workers, 0);
+    let (reply, _) = core.handle(Frame::new(Message::Heartbeat(Heartbeat { worker: 1 })), at(6600));
+    assert_eq!(error_code(&reply), Some(ErrorCode::NotRegistered));
+    assert!(matches!(&reply.msg, Message::Error(e) if e.message.contains("left")), "{:?}", reply.msg);
+    assert_eq!(core.stats().live_workers, 0, "a late heartbeat brought back a worker that left");
+    let (reply, _) = core.handle(Frame::new(Message::Heartbeat(Heartbeat { worker: 0 })), at(6700));
+    assert!(matches!(reply.msg, Message::HeartbeatAck(_)), "{:?}", reply.msg);
+    assert_eq!(core.stats().live_workers, 1);
 }
 
 /// A model's own initial values: the first upload of a chunk nothing touched wins (version 0 → 1), a second

@@ -275,6 +275,7 @@ impl ShardCore {
 
     /// Renews `worker`'s lease (a heartbeat, a split request); a worker without one joins the live set.
     /// The coordinator knows every id it handed out and refuses others; other shards learn workers this way.
+    /// A worker that left is refused: its last heartbeat may arrive after its `Leave`.
     pub(super) fn renew_lease(
         &mut self,
         worker: u32,
@@ -285,6 +286,9 @@ impl ShardCore {
             if worker >= c.next_worker {
                 return Err(ShardError::NotRegistered(format!("worker {worker} never registered")));
             }
+        }
+        if self.members.left.contains(&worker) {
+            return Err(ShardError::NotRegistered(format!("worker {worker} left the job")));
         }
         if self.members.leases.insert(worker, now + self.cfg.lease).is_none() {
             self.membership_changed(events);
@@ -306,6 +310,10 @@ impl ShardCore {
     }
 
     pub(super) fn leave(&mut self, l: Leave, events: &mut Vec<CoreEvent>) -> Result<Frame, ShardError> {
+        self.members.left.insert(l.worker);
+        if self.members.left.len() > super::LEFT_REMEMBERED {
+            self.members.left.pop_first();
+        }
         if self.members.leases.remove(&l.worker).is_some() {
             self.forget_worker(l.worker, events);
             events.push(CoreEvent::WorkerLeft(l.worker));

@@ -124,7 +124,14 @@ struct Members {
     leases: BTreeMap<u32, Duration>,
     /// Pushes per worker (bounded staleness).
     clocks: BTreeMap<u32, u64>,
+    /// Workers that said they leave (the newest [`LEFT_REMEMBERED`]): a heartbeat or split request of theirs
+    /// that arrives after the `Leave` — sent before it on another connection — renews no lease. Ids are
+    /// never handed out twice, so a worker that comes back has a new one.
+    left: std::collections::BTreeSet<u32>,
 }
+
+/// How many departed workers a shard remembers ([`Members::left`]): ids grow, so the oldest are dropped.
+const LEFT_REMEMBERED: usize = 1 << 16;
 
 /// What sets the learning rate beyond each rule's own η: an owned part of [`ShardCore`] (in its checkpoints).
 #[derive(Debug)]

@@ -145,6 +145,7 @@ impl ShardLink {
             index,
             route: Mutex::new(route),
             conns: (0..lanes.clamp(1, usize::from(MAX_PUSH_PARTS))).map(|_| Mutex::new(None)).collect(),
+            used_ms: (0..lanes.clamp(1, usize::from(MAX_PUSH_PARTS))).map(|_| Default::default()).collect(),
             next_seq: AtomicU64::new(1),
             acknowledged: AtomicU64::new(0),
             chunks,
@@ -221,6 +222,8 @@ impl Inner {
             located: Mutex::new(None),
             map_asked: Mutex::new(None),
             decisions: Mutex::new(None),
+            born: Instant::now(),
+            caller_driven: false,
         }
     }
 }
@@ -230,7 +233,8 @@ impl Client {
     /// runtime this is called on (each shard's connection opened at its first request, authenticated with
     /// this worker's credential): for requests that must go on while the thread that drives this client's
     /// connections is busy ([`Client::start_heartbeats`]). It shares the TLS material (a rotation reaches
-    /// both) and starts with the shards' routes as this client knows them; counters start at zero.
+    /// both) and starts with the shards' routes as this client knows them (following a shard that moves on
+    /// its own, as any client does); counters start at zero.
     pub fn companion(&self) -> Result<Client, ClientError> {
         let inner = &self.inner;
         let (endpoint, path) = net::client_endpoint_tuned(&inner.opts.tls, inner.shards[0].addr())?;

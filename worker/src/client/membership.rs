@@ -196,41 +196,63 @@ impl Client {
         .await
     }
 
-    /// Renews this worker's lease with every shard (each keeps its own view of who is live).
+    /// Renews this worker's lease with every shard at once (each keeps its own view of who is live); the
+    /// first failure, once every shard answered or gave up.
     pub async fn heartbeat(&self) -> Result<(), ClientError> {
         let Some(worker) = self.inner.map.worker_id else { return Ok(()) };
-        for s in 0..self.inner.shards.len() {
-            self.request(s, &Message::Heartbeat(Heartbeat { worker }), &[]).await?;
-        }
+        let beat = Message::Heartbeat(Heartbeat { worker });
+        let beats = (0..self.inner.shards.len()).map(|s| self.request(s, &beat, &[]));
+        join_all(beats.collect()).await.into_iter().try_for_each(|beat| beat.map(drop))?;
         Ok(())
     }
 
-    /// Sends heartbeats every `interval` until the returned handle is aborted or dropped with the runtime.
-    pub fn spawn_heartbeats(&self, interval: Duration) -> tokio::task::JoinHandle<()> {
-        let client = self.clone();
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(interval);
-            loop {
-                tick.tick().await;
-                if let Err(e) = client.heartbeat().await {
-                    warn!(error = %e, "heartbeat failed");
+    /// Heartbeats to every shard every `interval`, each shard in a loop of its own — one that does not
+    /// answer (restarting, moved, retried until `shard_down_timeout`) holds up no other's lease — counting
+    /// those acknowledged in `acknowledged`. Returns at once for an observer (it has no lease).
+    async fn heartbeat_loops(&self, interval: Duration, acknowledged: &AtomicU64) {
+        let Some(worker) = self.inner.map.worker_id else { return };
+        let beat = Message::Heartbeat(Heartbeat { worker });
+        let loops = (0..self.inner.shards.len()).map(|s| {
+            let beat = &beat;
+            async move {
+                let mut tick = tokio::time::interval(interval);
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    tick.tick().await;
+                    match self.request(s, beat, &[]).await {
+                        Ok(_) => {
+                            acknowledged.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Err(e) => warn!(shard = s, error = %e, "heartbeat failed"),
+                    }
                 }
             }
-        })
+        });
+        join_all(loops.collect()).await;
+    }
+
+    /// Sends heartbeats every `interval` (each shard on its own) until the returned handle is aborted or
+    /// dropped with the runtime.
+    pub fn spawn_heartbeats(&self, interval: Duration) -> tokio::task::JoinHandle<()> {
+        let client = self.clone();
+        tokio::spawn(async move { client.heartbeat_loops(interval, &AtomicU64::new(0)).await })
     }
 
     /// Starts this worker's heartbeats, every `interval`, where they go on whatever the calling thread
     /// does: on a current-thread runtime — whose connections only move while the thread that called
     /// `block_on` awaits, as `gaps-worker`'s training thread does between its computations — they go from a
     /// thread of their own over connections of their own ([`Client::companion`]); on a multi-thread
-    /// runtime, as a task ([`Client::spawn_heartbeats`]). Stop them with [`Heartbeats::stop`] before
-    /// [`Client::leave`]. Fails when the thread or its endpoint cannot be set up.
+    /// runtime, as a task ([`Client::spawn_heartbeats`]). Each shard's go on their own: one that does not
+    /// answer holds up no other's. Stop them with [`Heartbeats::stop`] before [`Client::leave`] (a shard
+    /// refuses a heartbeat that arrives after the worker's `Leave`). Fails outside a runtime, or when the
+    /// thread or its endpoint cannot be set up.
     pub fn start_heartbeats(&self, interval: Duration) -> Result<Heartbeats, ClientError> {
-        let flavor = tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor());
-        if !matches!(flavor, Ok(tokio::runtime::RuntimeFlavor::CurrentThread)) {
+        let setup = |m: String| ClientError::from(RpcError::Setup(m));
+        let runtime = tokio::runtime::Handle::try_current()
+            .map_err(|e| setup(format!("heartbeats are sent from a tokio runtime: {e}")))?;
+        if runtime.runtime_flavor() != tokio::runtime::RuntimeFlavor::CurrentThread {
             return Ok(Heartbeats::Task(self.spawn_heartbeats(interval)));
         }
-        let setup = |m: String| ClientError::from(RpcError::Setup(m));
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let (stop, stop_rx) = tokio::sync::oneshot::channel();
         let (done_tx, done) = tokio::sync::oneshot::channel();
@@ -276,10 +298,6 @@ impl Client {
     }
 }
 
-/// How long a heartbeat already on its way when its thread is told to stop may take to be answered: long
-/// enough for a live shard, so that no heartbeat renews the lease after the [`Client::leave`] that follows.
-const HEARTBEAT_STOP_GRACE: Duration = Duration::from_secs(2);
-
 /// A worker's heartbeats ([`Client::start_heartbeats`]).
 #[derive(Debug)]
 pub enum Heartbeats {
@@ -289,15 +307,16 @@ pub enum Heartbeats {
     Thread {
         /// Tells the thread to stop (so does dropping it).
         stop: tokio::sync::oneshot::Sender<()>,
-        /// Sent once the thread's last heartbeat was answered and its connections closed.
+        /// Sent once the thread stopped and closed its connections.
         done: tokio::sync::oneshot::Receiver<()>,
-        /// Rounds of heartbeats every shard acknowledged.
+        /// Heartbeats acknowledged, every shard's together.
         acknowledged: Arc<AtomicU64>,
     },
 }
 
 impl Heartbeats {
-    /// Rounds of heartbeats every shard acknowledged, on a thread of their own (None for a task).
+    /// Heartbeats acknowledged, every shard's together, when they go from a thread of their own (None for a
+    /// task).
     pub fn acknowledged(&self) -> Option<u64> {
         match self {
             Heartbeats::Task(_) => None,
@@ -305,14 +324,14 @@ impl Heartbeats {
         }
     }
 
-    /// Stops the heartbeats; on a thread of their own, waits (a few seconds at most) until a heartbeat on
-    /// its way was answered and their connections are closed.
+    /// Stops the heartbeats (a heartbeat on its way is abandoned); from a thread of their own, waits (a few
+    /// seconds at most) until their connections are closed.
     pub async fn stop(self) {
         match self {
             Heartbeats::Task(task) => task.abort(),
             Heartbeats::Thread { stop, done, .. } => {
                 drop(stop);
-                let bound = HEARTBEAT_STOP_GRACE + Duration::from_secs(4);
+                let bound = Duration::from_secs(5);
                 if tokio::time::timeout(bound, done).await.is_err() {
                     warn!(waited = ?bound, "the heartbeat thread did not stop in time");
                 }
@@ -322,12 +341,12 @@ impl Heartbeats {
 }
 
 /// The body of a heartbeat thread: a current-thread runtime, a companion of `client` made on it (reported
-/// on `ready`), and a heartbeat round every `interval` until `stop` is sent or dropped; then `done`.
+/// on `ready`), and its heartbeats every `interval` until `stop` is sent or dropped; then `done`.
 fn heartbeat_thread(
     client: Client,
     interval: Duration,
     acknowledged: Arc<AtomicU64>,
-    (ready, mut stop, done): (
+    (ready, stop, done): (
         std::sync::mpsc::Sender<Result<(), ClientError>>,
         tokio::sync::oneshot::Receiver<()>,
         tokio::sync::oneshot::Sender<()>,
@@ -350,33 +369,13 @@ fn heartbeat_thread(
         };
         drop(client);
         let _ = ready.send(Ok(()));
-        let mut tick = tokio::time::interval(interval);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut stopping = false;
-        while !stopping {
-            tokio::select! {
-                biased;
-                _ = &mut stop => break,
-                _ = tick.tick() => {}
-            }
-            let beat = companion.heartbeat();
-            tokio::pin!(beat);
-            let beaten = tokio::select! {
-                beaten = &mut beat => beaten,
-                _ = &mut stop => {
-                    stopping = true;
-                    match tokio::time::timeout(HEARTBEAT_STOP_GRACE, &mut beat).await {
-                        Ok(beaten) => beaten,
-                        Err(_) => break,
-                    }
-                }
-            };
-            match beaten {
-                Ok(()) => {
-                    acknowledged.fetch_add(1, Ordering::Relaxed);
-                }
-                Err(e) => warn!(error = %e, "heartbeat failed"),
-            }
+        let beating = async {
+            companion.heartbeat_loops(interval, &acknowledged).await;
+            std::future::pending::<()>().await
+        };
+        tokio::select! {
+            _ = stop => {}
+            () = beating => {}
         }
         companion.close().await;
         let _ = done.send(());

@@ -357,6 +357,9 @@ struct ShardLink {
     route: Mutex<Route>,
     /// One connection per lane (lane 0 carries everything that is not striped).
     conns: Vec<Mutex<Option<quinn::Connection>>>,
+    /// When a request on each lane last finished, milliseconds after the client was made, and how many are
+    /// on their way on it ([`Inner::caller_driven`]).
+    used_ms: Vec<(AtomicU64, AtomicU32)>,
     /// Next push sequence number for this shard (starts at 1).
     next_seq: AtomicU64,
     /// Pushes this shard acknowledged (applied now or before).
@@ -459,7 +462,19 @@ struct Inner {
     /// The newest two mode decisions any shard answered with (None before the first answer); passed on
     /// with every push.
     decisions: Mutex<Option<ModeDecisions>>,
+    /// When this client was made (the clock of [`ShardLink::used_ms`]).
+    born: Instant,
+    /// Whether this client's connections move only while its caller awaits: it was made on a current-thread
+    /// runtime (a `gaps-worker` of one lane), whose thread computes between its calls. No keep-alive goes
+    /// out meanwhile, so a connection left that way for half the transport's idle timeout is replaced
+    /// before the next request rather than found dead by it ([`UNDRIVEN_LIMIT`]).
+    caller_driven: bool,
 }
+
+/// How long a caller-driven client's connection may have gone without a request before the next one
+/// opens a new connection: half the idle timeout after which the peer drops a connection that sent
+/// nothing (no keep-alive goes out while the caller computes).
+const UNDRIVEN_LIMIT: Duration = Duration::from_millis(net::IDLE_TIMEOUT.as_millis() as u64 / 2);
 
 impl Inner {
     /// Counts one push acknowledged by shard `s` (applied now or before).
@@ -530,7 +545,9 @@ impl Client {
         let map = join::register(&opts, &endpoint, &cluster, coordinator, started, deadline).await?;
         let rules = join::rules_of(&map)?;
         let shards = join::links(&map, opts.lanes).await?;
-        let inner = Inner::fresh(opts, cluster, Arc::default(), (endpoint, path), map, shards, rules);
+        let mut inner = Inner::fresh(opts, cluster, Arc::default(), (endpoint, path), map, shards, rules);
+        inner.caller_driven = tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread);
         let client = Client { inner: Arc::new(inner) };
         join::reach_every_shard(&client, started, deadline).await?;
         Ok(client)

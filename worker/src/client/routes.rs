@@ -15,7 +15,12 @@ impl Client {
         let existing = slot.lock().map_err(|_| RpcError::Setup("connection lock poisoned".into()))?.clone();
         if let Some(conn) = existing {
             if conn.close_reason().is_none() {
-                return Ok(conn);
+                if !self.undriven_too_long(shard, lane) {
+                    return Ok(conn);
+                }
+                // Its caller computed past the limit: the peer may have dropped it, so it is closed (the
+                // shard is told, if it still listens) and replaced before a request meets it.
+                conn.close(0u32.into(), b"left undriven");
             }
         }
         // Resolved again: a restarted shard may be back at another address under the same name.
@@ -42,7 +47,25 @@ impl Client {
             }
         }
         *slot.lock().map_err(|_| RpcError::Setup("connection lock poisoned".into()))? = Some(conn.clone());
+        self.used(shard, lane);
         Ok(conn)
+    }
+
+    /// Notes that a request on `shard`'s `lane` finished (or its connection was opened) now.
+    fn used(&self, shard: usize, lane: usize) {
+        let now = u64::try_from(self.inner.born.elapsed().as_millis()).unwrap_or(u64::MAX);
+        if let Some((used, _)) = self.inner.shards[shard].used_ms.get(lane) {
+            used.store(now, Ordering::Relaxed);
+        }
+    }
+
+    /// True when this client's connections move only while its caller awaits, and `shard`'s `lane` has no
+    /// request on its way and saw none finish for [`UNDRIVEN_LIMIT`]: its caller may have computed that long
+    /// without a keep-alive going out.
+    fn undriven_too_long(&self, shard: usize, lane: usize) -> bool {
+        let Some((used, on_way)) = self.inner.shards[shard].used_ms.get(lane) else { return false };
+        let since = self.inner.born.elapsed().saturating_sub(Duration::from_millis(used.load(Ordering::Relaxed)));
+        self.inner.caller_driven && on_way.load(Ordering::Relaxed) == 0 && since > UNDRIVEN_LIMIT
     }
 
     /// One request to one shard, sent again on a new connection after a transport failure until the shard
@@ -123,12 +146,14 @@ impl Client {
                 if self.take_injected_drop() {
                     return Err(send_then_drop(&conn, msg, payload).await);
                 }
+                let _on_way = OnWay::count(self.inner.shards[shard].used_ms.get(lane).map(|(_, n)| n));
                 net::call_with(&conn, msg, payload, &opts.limits, opts.rpc_timeout, &mut *sink).await
             };
             let result = tokio::select! {
                 reply = attempt_once => Some(reply),
                 () = moved => None,
             };
+            self.used(shard, lane);
             // Another process serves the shard now (its route says where): the request goes there at once,
             // with the same sequence number.
             let Some(result) = result else {
@@ -345,4 +370,24 @@ async fn send_then_drop(conn: &quinn::Connection, msg: &Message, payload: &[net:
     tokio::time::sleep(Duration::from_millis(50)).await;
     conn.close(1u32.into(), b"injected failure");
     RpcError::Connection { addr, message: "injected connection drop".into() }
+}
+
+/// Counts a request on its way on a lane while it lives ([`Client::undriven_too_long`]).
+struct OnWay<'a>(Option<&'a AtomicU32>);
+
+impl<'a> OnWay<'a> {
+    fn count(counter: Option<&'a AtomicU32>) -> Self {
+        if let Some(n) = counter {
+            n.fetch_add(1, Ordering::Relaxed);
+        }
+        OnWay(counter)
+    }
+}
+
+impl Drop for OnWay<'_> {
+    fn drop(&mut self) {
+        if let Some(n) = self.0 {
+            n.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
 }
