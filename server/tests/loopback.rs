@@ -196,21 +196,28 @@ async fn a_push_retried_after_a_lost_connection_is_applied_once() {
     shutdown(servers).await;
 }
 
+/// A cluster of `shards` on a multi-thread runtime of its own, and a worker's client on a current-thread
+/// runtime (`gaps-worker` with one lane), which moves packets only while its thread is in `block_on`.
+fn caller_driven_worker(
+    shards: u32,
+) -> (tokio::runtime::Runtime, ClusterCerts, Vec<RunningServer>, tokio::runtime::Runtime, Client) {
+    let servers_rt =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    let certs = ClusterCerts::generate(&[]).expect("certs");
+    let servers = servers_rt.block_on(cluster(&certs, shards));
+    let caller = gaps_transport::runtime::build(0).expect("a worker's runtime of one lane");
+    let connect = Client::connect(options(&certs, &servers[0].advertise, Role::Worker));
+    let client = caller.block_on(connect).expect("connect");
+    (servers_rt, certs, servers, caller, client)
+}
+
 /// A worker on a current-thread runtime (`gaps-worker` with one lane) moves no packet while its thread
 /// computes outside `block_on`; its heartbeats go from a thread and connections of their own, reach every
 /// shard meanwhile, and stop before it leaves: no late heartbeat brings the worker back.
 #[test]
 fn a_current_thread_worker_heartbeats_while_its_thread_is_busy_and_stops_before_it_leaves() {
-    let servers_rt =
-        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
-    let certs = ClusterCerts::generate(&[]).expect("certs");
-    let servers = servers_rt.block_on(cluster(&certs, 2));
-    let caller = gaps_transport::runtime::build(0).expect("a worker's runtime of one lane");
-    let (client, heartbeats) = caller.block_on(async {
-        let client = Client::connect(options(&certs, &servers[0].advertise, Role::Worker)).await.expect("connect");
-        let heartbeats = client.start_heartbeats(Duration::from_millis(50)).expect("heartbeats");
-        (client, heartbeats)
-    });
+    let (servers_rt, certs, servers, caller, client) = caller_driven_worker(2);
+    let heartbeats = caller.block_on(async { client.start_heartbeats(Duration::from_millis(50)) }).expect("heartbeats");
     assert!(heartbeats.acknowledged().is_some(), "a current-thread client's heartbeats were made a task");
     // The caller's thread is outside block_on, as if computing: nothing drives its runtime. A bound on the
     // wait, not a measurement.
@@ -240,16 +247,8 @@ fn a_current_thread_worker_heartbeats_while_its_thread_is_busy_and_stops_before_
 /// new connection at once instead of meeting the dead one and being sent again.
 #[test]
 fn a_connection_left_undriven_past_the_idle_timeout_is_replaced_before_the_next_request() {
-    let servers_rt =
-        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
-    let certs = ClusterCerts::generate(&[]).expect("certs");
-    let servers = servers_rt.block_on(cluster(&certs, 1));
-    let caller = gaps_transport::runtime::build(0).expect("a worker's runtime of one lane");
-    let client = caller.block_on(async {
-        let client = Client::connect(options(&certs, &servers[0].advertise, Role::Worker)).await.expect("connect");
-        client.pull().await.expect("pull");
-        client
-    });
+    let (servers_rt, _certs, servers, caller, client) = caller_driven_worker(1);
+    caller.block_on(client.pull()).expect("pull");
     // The caller computes (outside block_on) past the idle timeout: at least this long, whatever the load.
     std::thread::sleep(net::IDLE_TIMEOUT + Duration::from_secs(1));
     caller.block_on(async {
