@@ -224,6 +224,11 @@ impl<'a> Reader<'a> {
         Ok(v)
     }
 
+    /// Whether everything was read.
+    pub(crate) fn at_end(&self) -> bool {
+        self.pos == self.data.len()
+    }
+
     pub(crate) fn finish(&self) -> Result<(), CheckpointError> {
         if self.pos != self.data.len() {
             return Err(CheckpointError::Corrupt(format!(

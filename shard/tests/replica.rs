@@ -202,6 +202,10 @@ fn workload(pair: &mut Pair, seed: u64) {
                 pair.handle(Frame::new(Message::Heartbeat(Heartbeat { worker: w })), now);
             }
         }
+        if round > 25 && round % 7 == 0 {
+            // A heartbeat of worker 2 that arrives after its Leave: refused by both, before and after a copy.
+            pair.handle(Frame::new(Message::Heartbeat(Heartbeat { worker: 2 })), now);
+        }
         pair.handle(Frame::new(Message::StatsRequest(StatsRequest)), now);
         if pair.copy_at == Some(round) {
             let cfg = pair.primary.config().clone();

@@ -287,7 +287,7 @@ impl ShardCore {
                 return Err(ShardError::NotRegistered(format!("worker {worker} never registered")));
             }
         }
-        if self.members.left.contains(&worker) {
+        if self.members.left.contains(worker) {
             return Err(ShardError::NotRegistered(format!("worker {worker} left the job")));
         }
         if self.members.leases.insert(worker, now + self.cfg.lease).is_none() {
@@ -311,9 +311,6 @@ impl ShardCore {
 
     pub(super) fn leave(&mut self, l: Leave, events: &mut Vec<CoreEvent>) -> Result<Frame, ShardError> {
         self.members.left.insert(l.worker);
-        if self.members.left.len() > super::LEFT_REMEMBERED {
-            self.members.left.pop_first();
-        }
         if self.members.leases.remove(&l.worker).is_some() {
             self.forget_worker(l.worker, events);
             events.push(CoreEvent::WorkerLeft(l.worker));

@@ -124,14 +124,46 @@ struct Members {
     leases: BTreeMap<u32, Duration>,
     /// Pushes per worker (bounded staleness).
     clocks: BTreeMap<u32, u64>,
-    /// Workers that said they leave (the newest [`LEFT_REMEMBERED`]): a heartbeat or split request of theirs
-    /// that arrives after the `Leave` — sent before it on another connection — renews no lease. Ids are
-    /// never handed out twice, so a worker that comes back has a new one.
-    left: std::collections::BTreeSet<u32>,
+    /// Workers that said they leave: a heartbeat or split request of theirs that arrives after the `Leave`
+    /// — sent before it on another connection — renews no lease. Ids are never handed out twice, so a
+    /// worker that comes back has a new one. Carried to a backup's copy and through a rollback; a shard
+    /// restarted from a checkpoint starts without it.
+    left: Departed,
 }
 
-/// How many departed workers a shard remembers ([`Members::left`]): ids grow, so the oldest are dropped.
+/// How many departed workers a shard remembers ([`Departed`]): the earliest departures are dropped first.
 const LEFT_REMEMBERED: usize = 1 << 16;
+
+/// The workers that left, the newest [`LEFT_REMEMBERED`] departures, in the order they left.
+#[derive(Debug, Default)]
+pub(crate) struct Departed {
+    ids: std::collections::BTreeSet<u32>,
+    order: std::collections::VecDeque<u32>,
+}
+
+impl Departed {
+    /// Records that `worker` left (forgetting the earliest departure beyond the bound).
+    pub(crate) fn insert(&mut self, worker: u32) {
+        if self.ids.insert(worker) {
+            self.order.push_back(worker);
+            if self.order.len() > LEFT_REMEMBERED {
+                if let Some(earliest) = self.order.pop_front() {
+                    self.ids.remove(&earliest);
+                }
+            }
+        }
+    }
+
+    /// Whether `worker` left.
+    pub(crate) fn contains(&self, worker: u32) -> bool {
+        self.ids.contains(&worker)
+    }
+
+    /// The departures, earliest first.
+    pub(crate) fn in_order(&self) -> impl ExactSizeIterator<Item = u32> + '_ {
+        self.order.iter().copied()
+    }
+}
 
 /// What sets the learning rate beyond each rule's own η: an owned part of [`ShardCore`] (in its checkpoints).
 #[derive(Debug)]

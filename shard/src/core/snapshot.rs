@@ -283,6 +283,7 @@ impl ShardCore {
             core.forget_worker(w, &mut events);
         }
         core.members.leases = self.members.leases.clone();
+        core.members.left = std::mem::take(&mut self.members.left);
         if let (Some(now), Some(then)) = (self.coordinator.as_ref(), core.coordinator.as_mut()) {
             then.shard_addrs = now.shard_addrs.clone();
             // Who serves each shard stays as it is now; no backup is in sync with a primary that went back
@@ -317,7 +318,7 @@ impl ShardCore {
     /// This shard's whole state for a backup's copy (replicated shards): a checkpoint, then what a
     /// checkpoint leaves to the restart — the clock, the leases' deadlines, when the step in progress
     /// started, when the coordinator last decided a mode, the straggler detector, the tables' eviction
-    /// samplers, GBA's hold — and the checkpoint's length last, so that [`ShardCore::from_copy`] continues
+    /// samplers, GBA's hold, the workers that left — and the checkpoint's length last, so that [`ShardCore::from_copy`] continues
     /// exactly where this core is: fed the same requests and ticks afterwards, it answers as this core does.
     pub fn copy_state(&self) -> Result<Vec<u8>, ShardError> {
         let mut out = self.checkpoint_into(0, Vec::new())?;
@@ -345,6 +346,7 @@ impl ShardCore {
             w.u64s(&table.sampler_state());
         }
         self.step.gba_hold.write_to(&mut w);
+        w.u32s_of(self.members.left.in_order());
         // The checkpoint, the rest, then the checkpoint's length (appended: the checkpoint is not copied again).
         out.extend_from_slice(&w.buf);
         out.extend_from_slice(&checkpoint_len.to_le_bytes());
@@ -392,6 +394,10 @@ impl ShardCore {
             table.set_sampler_state(s);
         }
         core.step.gba_hold = super::hold::GbaHold::read_from(&mut r)?;
+        // The workers that left (absent from a copy made before shards kept them).
+        if !r.at_end() {
+            r.u32s("departed workers")?.into_iter().for_each(|w| core.members.left.insert(w));
+        }
         r.finish()?;
         Ok(core)
     }

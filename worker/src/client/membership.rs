@@ -208,7 +208,8 @@ impl Client {
 
     /// Heartbeats to every shard every `interval`, each shard in a loop of its own — one that does not
     /// answer (restarting, moved, retried until `shard_down_timeout`) holds up no other's lease — counting
-    /// those acknowledged in `acknowledged`. Returns at once for an observer (it has no lease).
+    /// those acknowledged in `acknowledged`; a shard that refuses this worker as not registered (it left)
+    /// gets no more. Returns at once for an observer (it has no lease).
     async fn heartbeat_loops(&self, interval: Duration, acknowledged: &AtomicU64) {
         let Some(worker) = self.inner.map.worker_id else { return };
         let beat = Message::Heartbeat(Heartbeat { worker });
@@ -222,6 +223,11 @@ impl Client {
                     match self.request(s, beat, &[]).await {
                         Ok(_) => {
                             acknowledged.fetch_add(1, Ordering::Relaxed);
+                        }
+                        // The shard does not take this worker back (it left): no lease to renew there.
+                        Err(e @ RpcError::Remote { code: ErrorCode::NotRegistered, .. }) => {
+                            warn!(shard = s, error = %e, "heartbeats to this shard stop");
+                            return;
                         }
                         Err(e) => warn!(shard = s, error = %e, "heartbeat failed"),
                     }

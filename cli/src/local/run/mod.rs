@@ -142,10 +142,10 @@ impl Launch<'_> {
             format!("--wire-dtype={}", args.wire_dtype),
             format!("--seed={}", args.seed),
             format!("--lease={}ms", args.lease.as_millis()),
-            // Every worker connects from 127.0.0.1 (two connections per shard — its requests' and its
-            // heartbeats' — plus a short-lived one to register, the observer and added workers): the
-            // per-address limit must not refuse them.
-            format!("--max-connections-per-ip={}", (3 * args.workers + 64).max(512)),
+            // Every worker connects from 127.0.0.1 (to each shard one connection a lane, plus its
+            // heartbeats' with one lane; a short-lived one to register; the observer and added workers):
+            // the per-address limit must not refuse them.
+            format!("--max-connections-per-ip={}", ((args.lanes.max(1) + 2) * args.workers + 64).max(512)),
         ];
         if let Some(c) = coordinator {
             a.push(format!("--coordinator={c}"));
