@@ -141,11 +141,12 @@ pub(super) async fn links(map: &ClusterMap, lanes: usize) -> Result<Vec<ShardLin
 impl ShardLink {
     /// A link to shard `index` at `route` with `lanes` connections (none open yet), owning `chunks`.
     pub(super) fn new(index: u32, route: Route, lanes: usize, chunks: Vec<(ChunkId, u64)>) -> ShardLink {
+        let lanes = lanes.clamp(1, usize::from(MAX_PUSH_PARTS));
         ShardLink {
             index,
             route: Mutex::new(route),
-            conns: (0..lanes.clamp(1, usize::from(MAX_PUSH_PARTS))).map(|_| Mutex::new(None)).collect(),
-            used_ms: (0..lanes.clamp(1, usize::from(MAX_PUSH_PARTS))).map(|_| Default::default()).collect(),
+            conns: (0..lanes).map(|_| Mutex::new(None)).collect(),
+            used_ms: (0..lanes).map(|_| Default::default()).collect(),
             next_seq: AtomicU64::new(1),
             acknowledged: AtomicU64::new(0),
             chunks,

@@ -358,7 +358,7 @@ struct ShardLink {
     /// One connection per lane (lane 0 carries everything that is not striped).
     conns: Vec<Mutex<Option<quinn::Connection>>>,
     /// When a request on each lane last finished, milliseconds after the client was made, and how many are
-    /// on their way on it ([`Inner::caller_driven`]).
+    /// on their way on it (kept by caller-driven clients only: [`Inner::caller_driven`]).
     used_ms: Vec<(AtomicU64, AtomicU32)>,
     /// Next push sequence number for this shard (starts at 1).
     next_seq: AtomicU64,

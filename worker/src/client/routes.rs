@@ -51,8 +51,12 @@ impl Client {
         Ok(conn)
     }
 
-    /// Notes that a request on `shard`'s `lane` finished (or its connection was opened) now.
+    /// Notes that a request on `shard`'s `lane` finished (or its connection was opened) now; only a
+    /// caller-driven client keeps the time.
     fn used(&self, shard: usize, lane: usize) {
+        if !self.inner.caller_driven {
+            return;
+        }
         let now = u64::try_from(self.inner.born.elapsed().as_millis()).unwrap_or(u64::MAX);
         if let Some((used, _)) = self.inner.shards[shard].used_ms.get(lane) {
             used.store(now, Ordering::Relaxed);
@@ -64,8 +68,11 @@ impl Client {
     /// without a keep-alive going out.
     fn undriven_too_long(&self, shard: usize, lane: usize) -> bool {
         let Some((used, on_way)) = self.inner.shards[shard].used_ms.get(lane) else { return false };
+        if !self.inner.caller_driven || on_way.load(Ordering::Relaxed) > 0 {
+            return false;
+        }
         let since = self.inner.born.elapsed().saturating_sub(Duration::from_millis(used.load(Ordering::Relaxed)));
-        self.inner.caller_driven && on_way.load(Ordering::Relaxed) == 0 && since > UNDRIVEN_LIMIT
+        since > UNDRIVEN_LIMIT
     }
 
     /// One request to one shard, sent again on a new connection after a transport failure until the shard
@@ -146,7 +153,8 @@ impl Client {
                 if self.take_injected_drop() {
                     return Err(send_then_drop(&conn, msg, payload).await);
                 }
-                let _on_way = OnWay::count(self.inner.shards[shard].used_ms.get(lane).map(|(_, n)| n));
+                let lane_use = self.inner.shards[shard].used_ms.get(lane).filter(|_| self.inner.caller_driven);
+                let _on_way = OnWay::count(lane_use.map(|(_, n)| n));
                 net::call_with(&conn, msg, payload, &opts.limits, opts.rpc_timeout, &mut *sink).await
             };
             let result = tokio::select! {
