@@ -11,6 +11,78 @@ pub(crate) fn apply(rule: Rule, k: &Derived, n: usize, b: Bufs<'_>) {
     apply_with(isa(), rule, k, n, b)
 }
 
+/// [`apply`] for one short block (a table row): a block of 16 floats, the common embedding width, runs as
+/// straight-line vector code (its length known to the compiler) rather than the general loop's tail.
+#[inline]
+pub(crate) fn apply_row(rule: Rule, k: &Derived, n: usize, b: Bufs<'_>) {
+    #[cfg(target_arch = "x86_64")]
+    match isa() {
+        #[allow(unsafe_code)]
+        // SAFETY: `row_avx512` only requires AVX-512F, whose presence `isa` checked at run time.
+        Isa::Avx512 => unsafe { row_avx512(rule, k, n, b) },
+        #[allow(unsafe_code)]
+        // SAFETY: `row_avx2` only requires AVX2, whose presence `isa` checked at run time.
+        Isa::Avx2 => unsafe { row_avx2(rule, k, n, b) },
+        Isa::Baseline => row_loops(rule, k, n, b),
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    row_loops(rule, k, n, b)
+}
+
+/// A row of [`ROW`] floats goes through local copies of its planes: the compiler then knows they do not
+/// alias one another (slices out of a struct may, see [`apply_loops`]) and keeps each plane in one vector
+/// register; a loop of 16 over the slices themselves unrolls into scalar code.
+#[inline(always)]
+fn row_loops(rule: Rule, k: &Derived, n: usize, b: Bufs<'_>) {
+    if n != ROW {
+        return apply_loops(rule, k, n, b);
+    }
+    let load = |from: &[f32]| -> [f32; ROW] {
+        let mut to = [0.0; ROW];
+        if from.len() == ROW {
+            to.copy_from_slice(from);
+        }
+        to
+    };
+    let (mut p, mut s0, mut s1, mut w0) = (load(b.params), load(b.s0), load(b.s1), load(b.w0));
+    let (g, r) = (load(b.grad), load(b.read));
+    fn cut(plane: &mut [f32; ROW], len: usize) -> &mut [f32] {
+        &mut plane[..len.min(ROW)]
+    }
+    let local = Bufs {
+        params: &mut p,
+        s0: cut(&mut s0, b.s0.len()),
+        s1: cut(&mut s1, b.s1.len()),
+        w0: cut(&mut w0, b.w0.len()),
+        grad: &g,
+        read: &r[..b.read.len().min(ROW)],
+    };
+    apply_loops(rule, k, ROW, local);
+    b.params.copy_from_slice(&p);
+    for (to, from) in [(b.s0, &s0), (b.s1, &s1), (b.w0, &w0)] {
+        if to.len() == ROW {
+            to.copy_from_slice(from);
+        }
+    }
+}
+
+/// The row width [`row_loops`] runs as straight-line vector code.
+const ROW: usize = 16;
+
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx2")]
+unsafe fn row_avx2(rule: Rule, k: &Derived, n: usize, b: Bufs<'_>) {
+    row_loops(rule, k, n, b)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx512f")]
+unsafe fn row_avx512(rule: Rule, k: &Derived, n: usize, b: Bufs<'_>) {
+    row_loops(rule, k, n, b)
+}
+
 /// [`apply`] with the instruction set `which`, which must not be wider than [`detected`].
 pub(crate) fn apply_with(which: Isa, rule: Rule, k: &Derived, n: usize, b: Bufs<'_>) {
     #[cfg(target_arch = "x86_64")]

@@ -543,6 +543,31 @@ pub fn apply(rule: Rule, hyper: &Hyper, scalars: &PushScalars, bufs: Bufs<'_>) -
     Ok(())
 }
 
+/// A rule's update prepared once for many small blocks that share its constants — the rows of one push to a
+/// sparse table, for a rule whose scalars no row changes ([`Rule::scalars_per_row`] false): the derived
+/// constants and the instruction set are settled here, and [`RowUpdate::apply`] updates one row in place
+/// (its values and state where they lie), the same arithmetic as [`apply`] on that row alone.
+#[derive(Debug, Clone, Copy)]
+pub struct RowUpdate {
+    rule: Rule,
+    k: Derived,
+}
+
+impl RowUpdate {
+    /// The update of `rule` with the push's hyper-parameters and scalars.
+    pub fn new(rule: Rule, hyper: &Hyper, scalars: &PushScalars) -> Self {
+        RowUpdate { rule, k: derive(rule, hyper, scalars) }
+    }
+
+    /// Applies the update to one block (checked as [`apply`] checks it).
+    #[inline]
+    pub fn apply(&self, bufs: Bufs<'_>) -> Result<(), KernelError> {
+        let n = bufs.check(self.rule)?;
+        fast::apply_row(self.rule, &self.k, n, bufs);
+        Ok(())
+    }
+}
+
 /// Below this many parameters a block is updated on the calling thread.
 pub const PAR_MIN_PARAMS: usize = 1 << 17;
 

@@ -358,3 +358,36 @@ fn gap_adam_penalises_by_the_steps_a_parameter_moved() {
     assert!((st.params[0] - (1.0 - 0.01 * m0 / denom)).abs() < 1e-6, "θ0 {}", st.params[0]);
     assert!((st.params[1] - (1.0 - 0.01 * m1 / denom)).abs() < 1e-6, "θ1 {}", st.params[1]);
 }
+
+/// A prepared row update ends bit for bit where [`apply`] ends on the same block, for every rule and for
+/// rows of 16 floats (the straight-line path), of 7 and of 33 (the general loop, with a tail), and it refuses
+/// a block whose planes do not match as `apply` does.
+#[test]
+fn a_prepared_row_update_ends_where_apply_ends_for_every_rule() {
+    let h = hyper();
+    let s = PushScalars { lr: 0.05, lr_max: 0.08, staleness: 2, t: 3, workers: 3 };
+    for (r, rule) in Rule::ALL.into_iter().enumerate() {
+        let update = RowUpdate::new(rule, &h, &s);
+        for n in [16, 7, 33] {
+            let mut row = random_state(rule, n, 70 * r as u64 + n as u64);
+            let mut block = row.clone();
+            for step in 0..3u64 {
+                let grad = random(n, 900 + step, -1.0, 1.0);
+                let read: Vec<f32> = if rule.layout().needs_read { random(n, 950 + step, -1.0, 1.0) } else { vec![] };
+                let bufs = Bufs::from_planes(&mut row.params, &mut row.shared, &mut row.worker, &grad, &read);
+                update.apply(bufs).expect("row update");
+                let bufs = Bufs::from_planes(&mut block.params, &mut block.shared, &mut block.worker, &grad, &read);
+                apply(rule, &h, &s, bufs).expect("apply");
+            }
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&row.params), bits(&block.params), "{rule} n={n}: params");
+            assert_eq!(bits(&row.shared), bits(&block.shared), "{rule} n={n}: shared planes");
+            assert_eq!(bits(&row.worker), bits(&block.worker), "{rule} n={n}: worker planes");
+            assert_ne!(row.params, random_state(rule, n, 70 * r as u64 + n as u64).params, "{rule}: it moved");
+        }
+        let mut short = random_state(rule, 16, 1);
+        let grad = random(15, 2, -1.0, 1.0);
+        let bufs = Bufs::from_planes(&mut short.params, &mut short.shared, &mut short.worker, &grad, &[]);
+        assert!(update.apply(bufs).is_err(), "{rule}: a gradient of 15 for 16 parameters");
+    }
+}

@@ -197,9 +197,10 @@ fn rows_export_in_pages_and_import_only_where_valid() {
     assert_eq!(values, (0..8).map(|v| v as f32).collect::<Vec<_>>());
 }
 
-/// A push's rows updated together — gathered and updated in one call, for the rules whose constants every
-/// row shares — end bit for bit where the same rows pushed one at a time do, for every rule a table takes,
-/// with ids the table does not hold in the push and reads of every staleness.
+/// A push's rows updated together — in place with the constants derived once, for the rules whose constants
+/// every row shares — end bit for bit where the same rows pushed one at a time do, for every rule a table
+/// takes, rows of 16 floats (the straight-line vector update) and of 5, with ids the table does not hold in
+/// the push and reads of every staleness.
 #[test]
 fn rows_pushed_together_end_bit_for_bit_where_rows_pushed_one_by_one_do() {
     use gaps_kernels::{PushScalars, Rule};
@@ -217,10 +218,10 @@ fn rows_pushed_together_end_bit_for_bit_where_rows_pushed_one_by_one_do() {
         Rule::Nadam,
         Rule::GapAdam,
     ];
-    for rule in rules {
+    for (rule, dim) in rules.into_iter().flat_map(|rule| [(rule, 16usize), (rule, 5)]) {
         let cfg = TableConfig {
             table: 0,
-            dim: 16,
+            dim: dim as u32,
             rule,
             init_std: 0.1,
             adagrad_init: 0.1,
@@ -252,16 +253,16 @@ fn rows_pushed_together_end_bit_for_bit_where_rows_pushed_one_by_one_do() {
             for v in &mut read_versions {
                 *v = v.saturating_sub(rng.below(3) as u32);
             }
-            let grads: Vec<f32> = (0..ids.len() * 16).map(|_| (rng.below(2001) as f32 - 1000.0) * 1e-3).collect();
+            let grads: Vec<f32> = (0..ids.len() * dim).map(|_| (rng.below(2001) as f32 - 1000.0) * 1e-3).collect();
             let reads = if rule.layout().needs_read { read } else { Vec::new() };
             let a = together.push(&ids, &read_versions, &grads, &reads, &hyper, base, round).expect("together");
             let mut b = 0;
             for k in 0..ids.len() {
-                let echo = if reads.is_empty() { &reads[..] } else { &reads[k * 16..(k + 1) * 16] };
+                let echo = if reads.is_empty() { &reads[..] } else { &reads[k * dim..(k + 1) * dim] };
                 let one = alone.push(
                     &ids[k..=k],
                     &read_versions[k..=k],
-                    &grads[k * 16..(k + 1) * 16],
+                    &grads[k * dim..(k + 1) * dim],
                     echo,
                     &hyper,
                     base,
@@ -269,14 +270,14 @@ fn rows_pushed_together_end_bit_for_bit_where_rows_pushed_one_by_one_do() {
                 );
                 b = b.max(one.expect("alone"));
             }
-            assert_eq!(a, b, "{rule}: the largest staleness");
+            assert_eq!(a, b, "{rule} dim {dim}: the largest staleness");
         }
         let (mut va, mut vera, mut vb, mut verb) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         together.peek(&held, &mut va, &mut vera);
         alone.peek(&held, &mut vb, &mut verb);
-        assert_eq!(vera, verb, "{rule}: versions");
+        assert_eq!(vera, verb, "{rule} dim {dim}: versions");
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&va), bits(&vb), "{rule}: values");
+        assert_eq!(bits(&va), bits(&vb), "{rule} dim {dim}: values");
         assert!(vera.iter().any(|v| *v > 1), "{rule}: rows were updated");
     }
 }

@@ -1,5 +1,6 @@
 //! Rows a batch at a time: a batch of ids looked up with what each step reads next fetched ahead, and a
-//! push's rows updated in one vectorised call where the rule allows it (see [`SparseTable::push`]).
+//! push's rows updated where they lie with constants derived once where the rule allows it (see
+//! [`SparseTable::push`]).
 
 use super::*;
 
@@ -53,7 +54,13 @@ impl SparseTable {
     /// (every cache line), version and time.
     #[inline(always)]
     pub(super) fn prefetch_row(&self, rows: &[u32], k: usize) {
-        if let Some(&r) = rows.get(k + AHEAD).filter(|r| **r != EMPTY) {
+        self.prefetch_row_at(rows, k + AHEAD)
+    }
+
+    /// Fetches what a pass reads of `rows[k]` (nothing past the end or for a row not held).
+    #[inline(always)]
+    pub(super) fn prefetch_row_at(&self, rows: &[u32], k: usize) {
+        if let Some(&r) = rows.get(k).filter(|r| **r != EMPTY) {
             let r = r as usize;
             for line in (0..self.stride).step_by(16) {
                 prefetch(&self.data, r * self.stride + line);
@@ -88,75 +95,34 @@ impl SparseTable {
         Ok(max_staleness)
     }
 
-    /// A push's rows updated in one call, for a rule whose constants every row shares
-    /// ([`Rule::scalars_per_row`] false): the rows' values and state planes gathered into contiguous
-    /// buffers, updated as one block by the vectorised loops (a 16-float row alone runs in their scalar
-    /// tail), and written back — element for element the same arithmetic as row by row.
-    pub(super) fn push_together(&mut self, rows: &[u32], push: RowPush<'_>) -> Result<u64, KernelError> {
+    /// A push's rows updated where they lie, for a rule whose constants every row shares
+    /// ([`Rule::scalars_per_row`] false): the constants derived once ([`gaps_kernels::RowUpdate`]), each row
+    /// fetched ahead and updated in place by the vector loops (a 16-float row as one straight-line vector
+    /// update) — element for element the same arithmetic as row by row, without copying the rows out and
+    /// back. Every row has the same lengths, so the first row's check stands for all: a push the kernels
+    /// refuse changes nothing.
+    pub(super) fn push_in_place(&mut self, rows: &[u32], push: RowPush<'_>) -> Result<u64, KernelError> {
         let RowPush { grads, reads, read_versions, hyper, base, now_s } = push;
         let dim = self.cfg.dim as usize;
         let planes = self.cfg.rule.layout().shared_planes;
-        let held: Vec<usize> = rows.iter().enumerate().filter(|(_, r)| **r != EMPTY).map(|(k, _)| k).collect();
-        let n = held.len() * dim;
-        let mut gathered = std::mem::take(&mut self.scratch);
-        gathered.clear();
-        gathered.resize(n * (1 + planes), 0.0);
-        let gather = |from: &[f32], to: &mut [f32]| {
-            for (i, &k) in held.iter().enumerate() {
-                to[i * dim..(i + 1) * dim].copy_from_slice(&from[k * dim..(k + 1) * dim]);
-            }
-        };
-        // The gradients (and echoed reads) of held rows: the push's own when every row is held.
-        let (grad_buf, read_buf);
-        let (grad, read) = if held.len() == rows.len() {
-            (grads, reads)
-        } else {
-            grad_buf = {
-                let mut g = vec![0.0; n];
-                gather(grads, &mut g);
-                g
-            };
-            read_buf = if reads.is_empty() {
-                Vec::new()
-            } else {
-                let mut r = vec![0.0; n];
-                gather(reads, &mut r);
-                r
-            };
-            (&grad_buf[..], &read_buf[..])
-        };
-        // One pass over the rows, each fetched ahead: its staleness, its values and state gathered.
+        let update = gaps_kernels::RowUpdate::new(self.cfg.rule, hyper, &PushScalars { staleness: 0, t: 1, ..base });
         let mut max_staleness = 0;
-        for (i, &k) in held.iter().enumerate() {
-            if let Some(&ahead) = held.get(i + AHEAD) {
-                self.prefetch_row(rows, ahead - AHEAD);
+        for (k, &r) in rows.iter().enumerate() {
+            self.prefetch_row_at(rows, k + PUSH_AHEAD);
+            if r == EMPTY {
+                continue;
             }
-            let r = rows[k] as usize;
-            max_staleness = max_staleness.max(staleness(self.meta[r].version, read_versions[k]));
-            let row = &self.data[r * self.stride..][..dim * (1 + planes)];
-            for p in 0..=planes {
-                gathered[p * n + i * dim..p * n + (i + 1) * dim].copy_from_slice(&row[p * dim..(p + 1) * dim]);
-            }
+            let r = r as usize;
+            let version = self.meta[r].version;
+            max_staleness = max_staleness.max(staleness(version, read_versions[k]));
+            let row = &mut self.data[r * self.stride..(r + 1) * self.stride];
+            let (params, state) = row.split_at_mut(dim);
+            let (s0, s1) = state.split_at_mut(if planes >= 1 { dim } else { 0 });
+            let read = if reads.is_empty() { reads } else { &reads[k * dim..(k + 1) * dim] };
+            update.apply(Bufs { params, s0, s1, w0: &mut [], grad: &grads[k * dim..(k + 1) * dim], read })?;
+            self.meta[r].version = version.wrapping_add(1);
+            self.meta[r].touched = now_s;
         }
-        let (params, state) = gathered.split_at_mut(n);
-        let (s0, s1) = state.split_at_mut(if planes >= 1 { n } else { 0 });
-        let bufs = Bufs { params, s0, s1, w0: &mut [], grad, read };
-        let result = gaps_kernels::apply(self.cfg.rule, hyper, &PushScalars { staleness: 0, t: 1, ..base }, bufs);
-        if result.is_ok() {
-            for (i, &k) in held.iter().enumerate() {
-                let r = rows[k] as usize;
-                let row = &mut self.data[r * self.stride..][..dim * (1 + planes)];
-                for p in 0..=planes {
-                    row[p * dim..(p + 1) * dim].copy_from_slice(&gathered[p * n + i * dim..p * n + (i + 1) * dim]);
-                }
-                self.meta[r].version = self.meta[r].version.wrapping_add(1);
-                self.meta[r].touched = now_s;
-            }
-        }
-        // Kept for the next push unless one huge push grew it (it is not in the table's budget).
-        if gathered.capacity() <= SCRATCH_KEPT {
-            self.scratch = gathered;
-        }
-        result.map(|()| max_staleness)
+        Ok(max_staleness)
     }
 }
