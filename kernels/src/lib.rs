@@ -619,11 +619,17 @@ pub fn pull_values(
     shared: &[f32],
     out: &mut Vec<f32>,
 ) {
-    if rule.layout().lookahead && shared.len() >= params.len() {
+    let start = out.len();
+    out.extend_from_slice(params);
+    look_ahead(rule, hyper, lr, workers, &mut out[start..], shared);
+}
+
+/// [`pull_values`] in place: `values` holds θ and becomes what a pull returns.
+pub fn look_ahead(rule: Rule, hyper: &Hyper, lr: f32, workers: u32, values: &mut [f32], shared: &[f32]) {
+    if rule.layout().lookahead && shared.len() >= values.len() {
         let c = lr * lookahead_factor(rule, hyper.momentum, workers);
-        out.extend(params.iter().zip(&shared[..params.len()]).map(|(p, s)| p - c * s));
-    } else {
-        out.extend_from_slice(params);
+        let n = values.len();
+        values.iter_mut().zip(&shared[..n]).for_each(|(p, s)| *p -= c * s);
     }
 }
 

@@ -54,6 +54,21 @@ pub trait Device {
     fn upload(&mut self, src: &[f32], dst: &mut Self::Buf, offset: u64) -> Result<(), KernelError>;
     /// Copies `dst.len()` floats of `src` from float `offset` on into `dst` (complete when it returns).
     fn download(&self, src: &Self::Buf, offset: u64, dst: &mut [f32]) -> Result<(), KernelError>;
+    /// Copies the floats of `src` at each `(offset, len)` of `copies`, one after the other, into `dst` (as
+    /// long as all of them; complete when it returns): a pull's chunks. A GPU queues every copy into a
+    /// page-locked buffer and waits once, where one [`Device::download`] a chunk waits once a chunk.
+    fn download_many(&self, src: &Self::Buf, copies: &[(u64, usize)], dst: &mut [f32]) -> Result<(), KernelError> {
+        let total: usize = copies.iter().map(|(_, len)| len).sum();
+        if total != dst.len() {
+            return Err(internal(format!("{total} floats to download into {}", dst.len())));
+        }
+        let mut at = 0;
+        for &(offset, len) in copies {
+            self.download(src, offset, &mut dst[at..at + len])?;
+            at += len;
+        }
+        Ok(())
+    }
     /// Copies `parts`, one after the other, to the start of `staging` (a push's gradients, then its
     /// echoes). A GPU copies them into its pinned buffer and moves them in one transfer.
     fn stage(&mut self, parts: &[&[f32]], staging: &mut Self::Buf) -> Result<(), KernelError> {
@@ -246,7 +261,7 @@ pub trait ResidentState: std::fmt::Debug + Send {
     /// the chunk table; returns the plan followed.
     fn push(&mut self, batch: PushBatch<'_>) -> Result<PushPlan, KernelError>;
     /// Appends what a pull of `chunks` reads to `out`: each chunk's parameters, or DANA's look-ahead
-    /// (computed here from the copied parameters and momentum plane, as `crate::pull_values` does).
+    /// (computed here from the copied parameters and momentum plane, as `crate::pull_values` does, in place).
     fn pull(&mut self, chunks: &[usize], lookahead: Lookahead<'_>, out: &mut Vec<f32>) -> Result<(), KernelError>;
 }
 
@@ -361,20 +376,35 @@ where
     fn pull(&mut self, chunks: &[usize], lookahead: Lookahead<'_>, out: &mut Vec<f32>) -> Result<(), KernelError> {
         let Lookahead { hyper, lr, workers } = lookahead;
         let plan = self.layout.pull_plan(chunks)?;
-        for (&chunk, (offset, len, lookahead)) in chunks.iter().zip(plan.copies) {
+        // Every chunk's parameters in one go, and the momentum of those a look-ahead reads in another.
+        let copies: Vec<(u64, usize)> = plan.copies.iter().map(|&(offset, len, _)| (offset, len as usize)).collect();
+        let total: usize = copies.iter().map(|(_, len)| len).sum();
+        let ahead: Vec<(u64, usize)> = plan
+            .copies
+            .iter()
+            .filter(|(_, _, lookahead)| *lookahead)
+            .map(|&(offset, len, _)| (offset, len as usize))
+            .collect();
+        let start = out.len();
+        out.resize(start + total, 0.0);
+        self.device.download_many(&self.arenas.params, &copies, &mut out[start..])?;
+        self.to_host += 4 * total as u64;
+        if ahead.is_empty() {
+            return Ok(());
+        }
+        let mut momentum = vec![0.0; ahead.iter().map(|(_, len)| len).sum()];
+        self.device.download_many(&self.arenas.s0, &ahead, &mut momentum)?;
+        self.to_host += 4 * momentum.len() as u64;
+        // The look-ahead chunks' values read from their parameters and momentum, in place.
+        let (mut at, mut m) = (start, 0);
+        for (&chunk, &(_, len, lookahead)) in chunks.iter().zip(&plan.copies) {
             let n = len as usize;
-            let start = out.len();
-            out.resize(start + n, 0.0);
-            self.device.download(&self.arenas.params, offset, &mut out[start..])?;
-            self.to_host += 4 * u64::from(len);
             if lookahead {
-                let mut momentum = vec![0.0; n];
-                self.device.download(&self.arenas.s0, offset, &mut momentum)?;
-                self.to_host += 4 * u64::from(len);
-                let params = out.split_off(start);
                 let rule = self.layout.slots()[chunk].rule;
-                crate::pull_values(rule, hyper, lr, workers, &params, &momentum, out);
+                crate::look_ahead(rule, hyper, lr, workers, &mut out[at..at + n], &momentum[m..m + n]);
+                m += n;
             }
+            at += n;
         }
         Ok(())
     }
