@@ -319,7 +319,8 @@ struct DeviceEntry {
 unsafe impl DeviceRepr for DeviceEntry {}
 
 /// A GPU as a [`crate::resident::Device`]: arenas in device memory, pushes staged through one pinned
-/// (write-combined) host buffer and applied by `gaps_update_table`, one launch per 65,535 table entries.
+/// (write-combined) host buffer and applied by `gaps_update_table`, one launch per 65,535 table entries;
+/// pulls come back through a plain page-locked buffer, every chunk queued and waited for once.
 /// Built and NVRTC-compiled in CI; it has run only where a GPU was lent (see docs/results.md, Update kernels).
 #[derive(Debug)]
 pub struct CudaArenas {
