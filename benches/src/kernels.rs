@@ -252,7 +252,8 @@ fn resident_round(
     let (hypers, scalars) = (vec![*hyper; chunks.len()], vec![s; chunks.len()]);
     resident.push(PushBatch { chunks: &chunks, worker_slot: 0, hypers: &hypers, scalars: &scalars, grads, reads })?;
     out.clear();
-    resident.pull(&chunks, Lookahead { hyper, lr: 1e-3, workers: 8 }, out)?;
+    let looks = vec![Lookahead { hyper, lr: 1e-3, workers: 8 }; chunks.len()];
+    resident.pull(&chunks, &looks, out)?;
     let _ = rule;
     Ok(())
 }

@@ -155,8 +155,8 @@ impl Rule {
 
     /// True when an update's constants depend on the row's own staleness or update count (the staleness
     /// scale, Nesterov's delay-adjusted momentum, Gap-Aware's and Adam's bias corrections): rows of one push
-    /// are then updated one call each; for the other rules every row of a push shares the constants, and
-    /// the rows can be updated in one call over all of them.
+    /// are then updated one call each; for the other rules every row of a push shares the constants,
+    /// derived once for all of them ([`RowUpdate`]).
     pub fn scalars_per_row(self) -> bool {
         matches!(
             self,

@@ -261,8 +261,9 @@ pub trait ResidentState: std::fmt::Debug + Send {
     /// the chunk table; returns the plan followed.
     fn push(&mut self, batch: PushBatch<'_>) -> Result<PushPlan, KernelError>;
     /// Appends what a pull of `chunks` reads to `out`: each chunk's parameters, or DANA's look-ahead
-    /// (computed here from the copied parameters and momentum plane, as `crate::pull_values` does, in place).
-    fn pull(&mut self, chunks: &[usize], lookahead: Lookahead<'_>, out: &mut Vec<f32>) -> Result<(), KernelError>;
+    /// (computed here from the copied parameters and momentum plane, as `crate::pull_values` does, in place)
+    /// with the chunk's own entry of `lookaheads` (one per chunk). Every chunk's copy in one go.
+    fn pull(&mut self, chunks: &[usize], lookaheads: &[Lookahead<'_>], out: &mut Vec<f32>) -> Result<(), KernelError>;
 }
 
 impl<D> ResidentState for Resident<D>
@@ -373,8 +374,10 @@ where
         self.device.apply_table(&table, &mut self.arenas, &self.staging)?;
         Ok(plan)
     }
-    fn pull(&mut self, chunks: &[usize], lookahead: Lookahead<'_>, out: &mut Vec<f32>) -> Result<(), KernelError> {
-        let Lookahead { hyper, lr, workers } = lookahead;
+    fn pull(&mut self, chunks: &[usize], lookaheads: &[Lookahead<'_>], out: &mut Vec<f32>) -> Result<(), KernelError> {
+        if lookaheads.len() != chunks.len() {
+            return Err(internal(format!("a pull of {} chunks with {} look-aheads", chunks.len(), lookaheads.len())));
+        }
         let plan = self.layout.pull_plan(chunks)?;
         // Every chunk's parameters in one go, and the momentum of those a look-ahead reads in another.
         let copies: Vec<(u64, usize)> = plan.copies.iter().map(|&(offset, len, _)| (offset, len as usize)).collect();
@@ -397,10 +400,11 @@ where
         self.to_host += 4 * momentum.len() as u64;
         // The look-ahead chunks' values read from their parameters and momentum, in place.
         let (mut at, mut m) = (start, 0);
-        for (&chunk, &(_, len, lookahead)) in chunks.iter().zip(&plan.copies) {
+        for ((&chunk, &(_, len, lookahead)), look) in chunks.iter().zip(&plan.copies).zip(lookaheads) {
             let n = len as usize;
             if lookahead {
                 let rule = self.layout.slots()[chunk].rule;
+                let Lookahead { hyper, lr, workers } = *look;
                 crate::look_ahead(rule, hyper, lr, workers, &mut out[at..at + n], &momentum[m..m + n]);
                 m += n;
             }
@@ -582,7 +586,8 @@ pub(crate) mod tests {
             })
             .collect();
         let mut pulled = Vec::new();
-        resident.pull(&[1, 2], Lookahead { hyper: &hyper(), lr: 0.05, workers: WORKERS }, &mut pulled).expect("pull");
+        let look = Lookahead { hyper: &hyper(), lr: 0.05, workers: WORKERS };
+        resident.pull(&[1, 2], &[look, look], &mut pulled).expect("pull");
         Outcome { states, pulled, to_device: resident.bytes_to_device(), to_host: resident.bytes_to_host() }
     }
 
@@ -655,5 +660,43 @@ pub(crate) mod tests {
         r.read_params(1, &mut out).expect("read");
         assert_eq!(out, [9.0, 1.0, 2.0, 3.0, 4.0]);
         assert_eq!(r.read_chunk(1, 1).expect("read").1.len(), 2, "gap-aware keeps two shared planes");
+    }
+
+    /// One pull of chunks with and without a look-ahead, each with its own learning rate, in an order
+    /// that is not the layout's and with a chunk named twice, reads what a pull of each chunk alone reads;
+    /// a pull with a look-ahead too few is refused.
+    #[test]
+    fn a_pull_of_mixed_chunks_reads_each_as_its_own_pull_does() {
+        let rules = [(5, Rule::DanaZero), (8, Rule::Sgd), (3, Rule::DelayNesterov), (6, Rule::Momentum)];
+        let layout = DeviceLayout::new(&rules, 2).expect("layout");
+        let mut r = Resident::new(HostDevice, layout).expect("resident");
+        for (c, (len, rule)) in rules.iter().enumerate() {
+            let len = *len as usize;
+            let params = crate::tests::random(len, c as u64 + 1, -1.0, 1.0);
+            let shared: Vec<Vec<f32>> = (0..rule.layout().shared_planes)
+                .map(|k| crate::tests::random(len, 10 * c as u64 + k as u64, -1.0, 1.0))
+                .collect();
+            let shared: Vec<&[f32]> = shared.iter().map(Vec::as_slice).collect();
+            r.load_chunk(c, &params, &shared, &[]).expect("load");
+        }
+        let h = hyper();
+        let chunks = [2, 1, 0, 3, 0];
+        let looks: Vec<Lookahead<'_>> =
+            chunks.iter().map(|&c| Lookahead { hyper: &h, lr: 0.01 * (c + 1) as f32, workers: 3 }).collect();
+        let mut together = vec![7.0];
+        r.pull(&chunks, &looks, &mut together).expect("pull");
+        let mut alone = vec![7.0];
+        for (&c, look) in chunks.iter().zip(&looks) {
+            r.pull(&[c], std::slice::from_ref(look), &mut alone).expect("pull one");
+        }
+        assert_eq!(together, alone);
+        assert_eq!(together.len(), 1 + 3 + 8 + 5 + 6 + 5);
+        let plain: Vec<f32> = {
+            let mut v = Vec::new();
+            r.read_params(2, &mut v).expect("read");
+            v
+        };
+        assert_ne!(&together[1..4], &plain[..], "delay-nesterov's chunk reads its look-ahead");
+        assert!(r.pull(&chunks, &looks[..4], &mut Vec::new()).is_err(), "a look-ahead too few");
     }
 }

@@ -281,3 +281,37 @@ fn rows_pushed_together_end_bit_for_bit_where_rows_pushed_one_by_one_do() {
         assert!(vera.iter().any(|v| *v > 1), "{rule}: rows were updated");
     }
 }
+
+/// A push the kernels refuse (an echo a rule does not take, or none where it needs one) changes nothing:
+/// no row's values or version, whichever way the rows are updated.
+#[test]
+fn a_refused_row_push_changes_nothing() {
+    use gaps_kernels::{PushScalars, Rule};
+    use gaps_shard::sparse::{Eviction, SparseTable, TableConfig};
+    for (rule, echo) in [(Rule::Sgd, true), (Rule::DcAsgd, false), (Rule::Adagrad, true)] {
+        let cfg = TableConfig {
+            table: 0,
+            dim: 16,
+            rule,
+            init_std: 0.1,
+            adagrad_init: 0.1,
+            seed: 3,
+            admit_after: 0,
+            memory_budget: None,
+            eviction: Eviction::Lru,
+        };
+        let mut table = SparseTable::new(cfg).expect("table");
+        let ids: Vec<u64> = (1..=40u64).collect();
+        let (mut before, mut versions) = (Vec::new(), Vec::new());
+        table.pull(&ids, 0, &mut before, &mut versions);
+        let grads = vec![0.5f32; ids.len() * 16];
+        let reads = if echo { before.clone() } else { Vec::new() };
+        let hyper = Hyper { lr: 0.05, ..Hyper::default() };
+        let base = PushScalars { lr: 0.05, lr_max: 0.05, staleness: 0, t: 1, workers: 1 };
+        assert!(table.push(&ids, &versions, &grads, &reads, &hyper, base, 1).is_err(), "{rule}: refused");
+        let (mut after, mut versions_after) = (Vec::new(), Vec::new());
+        table.peek(&ids, &mut after, &mut versions_after);
+        assert_eq!(after, before, "{rule}: values");
+        assert_eq!(versions_after, versions, "{rule}: versions");
+    }
+}

@@ -116,24 +116,27 @@ impl ShardCore {
         if self.replies.packed_replies && metas.iter().any(|m| m.dtype != gaps_common::dtype::WireDtype::F32) {
             // Straight from the planes into their wire format: no f32 copy of the reply first.
             let mut packer = gaps_common::dtype::Packer::new(payload);
+            // The chunks not read in place (a look-ahead, or state on a device), read in one go.
+            let copied: Vec<usize> = picked.iter().copied().filter(|i| !self.reads_params_in_place(*i)).collect();
             let mut scratch = Vec::new();
+            self.pull_many_into(&copied, &mut scratch)?;
+            let mut at = 0;
             for (index, meta) in picked.into_iter().zip(&metas) {
                 if self.reads_params_in_place(index) {
                     packer.push(meta.dtype, &self.slots[index].params[..]);
                 } else {
-                    scratch.clear();
-                    self.pull_into(index, &mut scratch)?;
-                    packer.push(meta.dtype, &scratch);
+                    let n = self.slots[index].len;
+                    let values = scratch.get(at..at + n).ok_or_else(|| {
+                        ShardError::Device(format!("a pull read {} values, fewer than its chunks hold", scratch.len()))
+                    })?;
+                    packer.push(meta.dtype, values);
+                    at += n;
                 }
             }
             payload = packer.finish();
-        } else {
-            for index in picked {
-                if let Err(e) = self.pull_into(index, &mut payload) {
-                    gaps_common::buffers::give(payload);
-                    return Err(e);
-                }
-            }
+        } else if let Err(e) = self.pull_many_into(&picked, &mut payload) {
+            gaps_common::buffers::give(payload);
+            return Err(e);
         }
         self.stats.pulls += 1;
         Ok(Frame { msg: Message::PullReply(PullReply { chunks: metas }), payload })

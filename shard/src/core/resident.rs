@@ -208,17 +208,34 @@ impl ShardCore {
 
     /// Appends what a pull of chunk slot `slot` reads (parameters or DANA's look-ahead) to `out`.
     pub(super) fn pull_into(&mut self, slot: usize, out: &mut Vec<f32>) -> Result<(), ShardError> {
+        self.pull_many_into(&[slot], out)
+    }
+
+    /// [`Self::pull_into`] for each of `slots`, one after the other; from a device, every chunk's copy in
+    /// one go (one wait for the lot, not one a chunk).
+    pub(super) fn pull_many_into(&mut self, slots: &[usize], out: &mut Vec<f32>) -> Result<(), ShardError> {
         let workers = self.worker_count();
-        let tensor = self.slots[slot].tensor;
-        let (rule, hyper) = self.tensor_rules[tensor as usize];
-        let lr = self.tensor_lr(tensor);
+        let rates: Vec<(gaps_kernels::Rule, gaps_kernels::Hyper, f32)> = slots
+            .iter()
+            .map(|&slot| {
+                let tensor = self.slots[slot].tensor;
+                let (rule, hyper) = self.tensor_rules[tensor as usize];
+                (rule, hyper, self.tensor_lr(tensor))
+            })
+            .collect();
         match self.resident.as_mut() {
             None => {
-                let s = &self.slots[slot];
-                gaps_kernels::pull_values(rule, &hyper, lr, workers, &s.params, &s.shared, out);
+                for (&slot, (rule, hyper, lr)) in slots.iter().zip(&rates) {
+                    let s = &self.slots[slot];
+                    gaps_kernels::pull_values(*rule, hyper, *lr, workers, &s.params, &s.shared, out);
+                }
                 Ok(())
             }
-            Some(r) => r.pull(&[slot], Lookahead { hyper: &hyper, lr, workers }, out).map_err(device_err),
+            Some(r) => {
+                let looks: Vec<Lookahead<'_>> =
+                    rates.iter().map(|(_, hyper, lr)| Lookahead { hyper, lr: *lr, workers }).collect();
+                r.pull(slots, &looks, out).map_err(device_err)
+            }
         }
     }
 
