@@ -520,19 +520,14 @@ impl crate::resident::Device for CudaArenas {
 
     fn download_many(&self, src: &CudaSlice<f32>, copies: &[(u64, usize)], dst: &mut [f32]) -> Result<(), KernelError> {
         let total: usize = copies.iter().map(|(_, len)| len).sum();
+        if total < PULL_PINNED_MIN {
+            return crate::resident::download_each(self, src, copies, dst);
+        }
         if total != dst.len() {
             return Err(KernelError::Internal(format!("{total} floats to download into {}", dst.len())));
         }
         if copies.iter().any(|&(offset, len)| (offset as usize).checked_add(len).is_none_or(|end| end > src.len())) {
             return Err(KernelError::Internal("a download past its device buffer".into()));
-        }
-        if total < PULL_PINNED_MIN {
-            let mut at = 0;
-            for &(offset, len) in copies {
-                crate::resident::Device::download(self, src, offset, &mut dst[at..at + len])?;
-                at += len;
-            }
-            return Ok(());
         }
         let pieces = pull_pieces(copies, PULL_PIECE);
         let mut pulled = self.pulled.lock().map_err(|_| KernelError::Internal("the pull buffer's lock".into()))?;

@@ -11,22 +11,25 @@ pub(crate) fn apply(rule: Rule, k: &Derived, n: usize, b: Bufs<'_>) {
     apply_with(isa(), rule, k, n, b)
 }
 
-/// [`apply`] for one short block (a table row): a block of 16 floats, the common embedding width, runs as
-/// straight-line vector code (its length known to the compiler) rather than the general loop's tail.
+/// [`apply_with`] for one short block (a table row): a block of 16 floats, the common embedding width, runs
+/// as straight-line vector code (its length known to the compiler) rather than the general loop's tail.
 #[inline]
-pub(crate) fn apply_row(rule: Rule, k: &Derived, n: usize, b: Bufs<'_>) {
+pub(crate) fn apply_row(which: Isa, rule: Rule, k: &Derived, n: usize, b: Bufs<'_>) {
     #[cfg(target_arch = "x86_64")]
-    match isa() {
+    match which.min(detected()) {
         #[allow(unsafe_code)]
-        // SAFETY: `row_avx512` only requires AVX-512F, whose presence `isa` checked at run time.
+        // SAFETY: `row_avx512` only requires AVX-512F, whose presence `detected` checked at run time.
         Isa::Avx512 => unsafe { row_avx512(rule, k, n, b) },
         #[allow(unsafe_code)]
-        // SAFETY: `row_avx2` only requires AVX2, whose presence `isa` checked at run time.
+        // SAFETY: `row_avx2` only requires AVX2, whose presence `detected` checked at run time.
         Isa::Avx2 => unsafe { row_avx2(rule, k, n, b) },
         Isa::Baseline => row_loops(rule, k, n, b),
     }
     #[cfg(not(target_arch = "x86_64"))]
-    row_loops(rule, k, n, b)
+    {
+        let _ = which;
+        row_loops(rule, k, n, b)
+    }
 }
 
 /// A row of [`ROW`] floats goes through local copies of its planes: the compiler then knows they do not

@@ -551,19 +551,20 @@ pub fn apply(rule: Rule, hyper: &Hyper, scalars: &PushScalars, bufs: Bufs<'_>) -
 pub struct RowUpdate {
     rule: Rule,
     k: Derived,
+    isa: Isa,
 }
 
 impl RowUpdate {
     /// The update of `rule` with the push's hyper-parameters and scalars.
     pub fn new(rule: Rule, hyper: &Hyper, scalars: &PushScalars) -> Self {
-        RowUpdate { rule, k: derive(rule, hyper, scalars) }
+        RowUpdate { rule, k: derive(rule, hyper, scalars), isa: isa() }
     }
 
     /// Applies the update to one block (checked as [`apply`] checks it).
     #[inline]
     pub fn apply(&self, bufs: Bufs<'_>) -> Result<(), KernelError> {
         let n = bufs.check(self.rule)?;
-        fast::apply_row(self.rule, &self.k, n, bufs);
+        fast::apply_row(self.isa, self.rule, &self.k, n, bufs);
         Ok(())
     }
 }

@@ -36,6 +36,26 @@ pub struct Arenas<B> {
     pub worker: B,
 }
 
+/// [`Device::download_many`] one [`Device::download`] a copy (a device's default, and a GPU's way for a
+/// small pull); refused when `dst` is not as long as the copies together.
+pub(crate) fn download_each<D: Device + ?Sized>(
+    device: &D,
+    src: &D::Buf,
+    copies: &[(u64, usize)],
+    dst: &mut [f32],
+) -> Result<(), KernelError> {
+    let total: usize = copies.iter().map(|(_, len)| len).sum();
+    if total != dst.len() {
+        return Err(internal(format!("{total} floats to download into {}", dst.len())));
+    }
+    let mut at = 0;
+    for &(offset, len) in copies {
+        device.download(src, offset, &mut dst[at..at + len])?;
+        at += len;
+    }
+    Ok(())
+}
+
 /// Where the arenas live and the chunk-table update runs.
 pub trait Device {
     /// A buffer of floats on the device.
@@ -58,16 +78,7 @@ pub trait Device {
     /// long as all of them; complete when it returns): a pull's chunks. A GPU queues every copy into a
     /// page-locked buffer and waits once, where one [`Device::download`] a chunk waits once a chunk.
     fn download_many(&self, src: &Self::Buf, copies: &[(u64, usize)], dst: &mut [f32]) -> Result<(), KernelError> {
-        let total: usize = copies.iter().map(|(_, len)| len).sum();
-        if total != dst.len() {
-            return Err(internal(format!("{total} floats to download into {}", dst.len())));
-        }
-        let mut at = 0;
-        for &(offset, len) in copies {
-            self.download(src, offset, &mut dst[at..at + len])?;
-            at += len;
-        }
-        Ok(())
+        download_each(self, src, copies, dst)
     }
     /// Copies `parts`, one after the other, to the start of `staging` (a push's gradients, then its
     /// echoes). A GPU copies them into its pinned buffer and moves them in one transfer.

@@ -204,7 +204,7 @@ fn rows_export_in_pages_and_import_only_where_valid() {
 #[test]
 fn rows_pushed_together_end_bit_for_bit_where_rows_pushed_one_by_one_do() {
     use gaps_kernels::{PushScalars, Rule};
-    use gaps_shard::sparse::{Eviction, SparseTable, TableConfig};
+    use gaps_shard::sparse::SparseTable;
     let rules = [
         Rule::Sgd,
         Rule::Momentum,
@@ -219,17 +219,7 @@ fn rows_pushed_together_end_bit_for_bit_where_rows_pushed_one_by_one_do() {
         Rule::GapAdam,
     ];
     for (rule, dim) in rules.into_iter().flat_map(|rule| [(rule, 16usize), (rule, 5)]) {
-        let cfg = TableConfig {
-            table: 0,
-            dim: dim as u32,
-            rule,
-            init_std: 0.1,
-            adagrad_init: 0.1,
-            seed: 3,
-            admit_after: 0,
-            memory_budget: None,
-            eviction: Eviction::Lru,
-        };
+        let cfg = row_table(rule, dim as u32);
         let mut together = SparseTable::new(cfg.clone()).expect("table");
         let mut alone = SparseTable::new(cfg).expect("table");
         let held: Vec<u64> = (0..300u64).map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1).collect();
@@ -287,19 +277,9 @@ fn rows_pushed_together_end_bit_for_bit_where_rows_pushed_one_by_one_do() {
 #[test]
 fn a_refused_row_push_changes_nothing() {
     use gaps_kernels::{PushScalars, Rule};
-    use gaps_shard::sparse::{Eviction, SparseTable, TableConfig};
+    use gaps_shard::sparse::SparseTable;
     for (rule, echo) in [(Rule::Sgd, true), (Rule::DcAsgd, false), (Rule::Adagrad, true)] {
-        let cfg = TableConfig {
-            table: 0,
-            dim: 16,
-            rule,
-            init_std: 0.1,
-            adagrad_init: 0.1,
-            seed: 3,
-            admit_after: 0,
-            memory_budget: None,
-            eviction: Eviction::Lru,
-        };
+        let cfg = row_table(rule, 16);
         let mut table = SparseTable::new(cfg).expect("table");
         let ids: Vec<u64> = (1..=40u64).collect();
         let (mut before, mut versions) = (Vec::new(), Vec::new());
@@ -313,5 +293,20 @@ fn a_refused_row_push_changes_nothing() {
         table.peek(&ids, &mut after, &mut versions_after);
         assert_eq!(after, before, "{rule}: values");
         assert_eq!(versions_after, versions, "{rule}: versions");
+    }
+}
+
+/// A table of `dim`-float rows updated by `rule`, no budget, created on first touch.
+fn row_table(rule: gaps_kernels::Rule, dim: u32) -> gaps_shard::sparse::TableConfig {
+    gaps_shard::sparse::TableConfig {
+        table: 0,
+        dim,
+        rule,
+        init_std: 0.1,
+        adagrad_init: 0.1,
+        seed: 3,
+        admit_after: 0,
+        memory_budget: None,
+        eviction: gaps_shard::sparse::Eviction::Lru,
     }
 }

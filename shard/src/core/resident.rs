@@ -215,28 +215,26 @@ impl ShardCore {
     /// one go (one wait for the lot, not one a chunk).
     pub(super) fn pull_many_into(&mut self, slots: &[usize], out: &mut Vec<f32>) -> Result<(), ShardError> {
         let workers = self.worker_count();
-        let rates: Vec<(gaps_kernels::Rule, gaps_kernels::Hyper, f32)> = slots
-            .iter()
-            .map(|&slot| {
-                let tensor = self.slots[slot].tensor;
-                let (rule, hyper) = self.tensor_rules[tensor as usize];
-                (rule, hyper, self.tensor_lr(tensor))
-            })
-            .collect();
-        match self.resident.as_mut() {
-            None => {
-                for (&slot, (rule, hyper, lr)) in slots.iter().zip(&rates) {
-                    let s = &self.slots[slot];
-                    gaps_kernels::pull_values(*rule, hyper, *lr, workers, &s.params, &s.shared, out);
-                }
-                Ok(())
+        // The rule, hyper-parameters and learning rate of a chunk's tensor.
+        let rate = |core: &Self, slot: usize| {
+            let tensor = core.slots[slot].tensor;
+            let (rule, hyper) = core.tensor_rules[tensor as usize];
+            (rule, hyper, core.tensor_lr(tensor))
+        };
+        if self.resident.is_none() {
+            for &slot in slots {
+                let (rule, hyper, lr) = rate(self, slot);
+                let s = &self.slots[slot];
+                gaps_kernels::pull_values(rule, &hyper, lr, workers, &s.params, &s.shared, out);
             }
-            Some(r) => {
-                let looks: Vec<Lookahead<'_>> =
-                    rates.iter().map(|(_, hyper, lr)| Lookahead { hyper, lr: *lr, workers }).collect();
-                r.pull(slots, &looks, out).map_err(device_err)
-            }
+            return Ok(());
         }
+        let hypers: Vec<(gaps_kernels::Hyper, f32)> =
+            slots.iter().map(|&slot| rate(self, slot)).map(|(_, hyper, lr)| (hyper, lr)).collect();
+        let looks: Vec<Lookahead<'_>> =
+            hypers.iter().map(|(hyper, lr)| Lookahead { hyper, lr: *lr, workers }).collect();
+        let r = self.resident.as_mut().ok_or_else(|| ShardError::Device("no resident state".into()))?;
+        r.pull(slots, &looks, out).map_err(device_err)
     }
 
     /// Reads chunk slot `slot`'s parameters and shared planes (one after the other) from the device into
